@@ -1,0 +1,194 @@
+"""What every experiment shares: command-line flags, the long-format results CSV, W&B logging.
+
+Every experiment appends rows to ``results/<experiment>.csv`` with the columns of DESIGN.md::
+
+    experiment, variant, metric, unit, x_name, x_value, value, seed, device, torch_version,
+    git_commit, timestamp
+
+and saves its resolved config beside them as ``results/<experiment>.config.json``. Analysis scripts
+read only these files.
+
+Usage inside an experiment::
+
+    parser = argparse.ArgumentParser(description=__doc__)
+    add_common_args(parser)              # --quick, --wandb, --results-dir, --seed
+    args = parser.parse_args()
+    with Results("dsa_throughput", args, config=vars(args)) as res:
+        res.add("DiskSparseAdam/warm", "throughput", "samples/s", 1.2e5, x_name="rows", x_value=1e6)
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime as _dt
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+RESULTS_DIR = REPO_ROOT / "results"
+FIGS_DIR = REPO_ROOT / "paper_figs"
+
+FIELDS = [
+    "experiment", "variant", "metric", "unit", "x_name", "x_value", "value", "seed", "device",
+    "torch_version", "git_commit", "timestamp",
+]
+
+
+def add_common_args(parser, default_seed: int = 0):
+    """Flags every experiment takes."""
+    parser.add_argument("--quick", action="store_true", help="CPU-sized run that finishes in minutes")
+    parser.add_argument(
+        "--wandb", choices=["offline", "online", "disabled"], default=None,
+        help="Weights & Biases mode (default: $WANDB_MODE, else offline; `wandb sync` uploads later)",
+    )
+    parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR, help="where results/*.csv go")
+    parser.add_argument("--seed", type=int, default=default_seed)
+    return parser
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10
+        )
+        sha = out.stdout.strip()
+        if not sha:
+            return "unknown"
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT,
+            capture_output=True, text=True, timeout=10,
+        ).stdout.strip()
+        return sha + ("+dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def device_name(device=None) -> str:
+    """A short human name of the device a measurement ran on ("cpu:<model>" or the CUDA name)."""
+    import torch
+
+    if device is not None and str(device).startswith("cuda") and torch.cuda.is_available():
+        return "cuda:" + torch.cuda.get_device_name(torch.device(device))
+    model = "cpu"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = "cpu:" + line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return f"{model} x{os.cpu_count()}"
+
+
+def wandb_mode(args) -> str:
+    return getattr(args, "wandb", None) or os.environ.get("WANDB_MODE") or "offline"
+
+
+class Results:
+    """Collects rows of one experiment run, appends them to its CSV, mirrors them to W&B.
+
+    Rows are written when the context exits (also on an exception, so a long run that fails late
+    keeps what it measured) or on ``flush()``.
+    """
+
+    def __init__(self, experiment: str, args=None, config: dict | None = None, device=None):
+        import torch
+
+        self.experiment = experiment
+        self.results_dir = Path(getattr(args, "results_dir", None) or RESULTS_DIR)
+        self.seed = getattr(args, "seed", "")
+        self.device = device_name(device)
+        self.torch_version = torch.__version__
+        self.commit = git_commit()
+        self.config = {k: (str(v) if isinstance(v, Path) else v) for k, v in (config or {}).items()}
+        self.rows: list[dict] = []
+        self._run = None
+        mode = wandb_mode(args)
+        if mode != "disabled":
+            try:
+                import wandb
+
+                self._run = wandb.init(
+                    project="memory-light-optimizers", job_type=experiment, mode=mode,
+                    config=self.config, dir=str(REPO_ROOT), reinit="finish_previous",
+                )
+            except Exception as exc:  # W&B must never cost a measurement
+                print(f"[{experiment}] W&B logging disabled: {exc}", file=sys.stderr)
+                self._run = None
+
+    @property
+    def path(self) -> Path:
+        return self.results_dir / f"{self.experiment}.csv"
+
+    def add(self, variant, metric, unit, value, x_name="", x_value="", seed=None):
+        row = {
+            "experiment": self.experiment, "variant": variant, "metric": metric, "unit": unit,
+            "x_name": x_name, "x_value": x_value, "value": float(value),
+            "seed": self.seed if seed is None else seed, "device": self.device,
+            "torch_version": self.torch_version, "git_commit": self.commit,
+            "timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        }
+        self.rows.append(row)
+        if self._run is not None:
+            key = f"{variant}/{metric}"
+            data = {key: float(value)}
+            if x_name:
+                data[x_name] = x_value
+            self._run.log(data)
+        return row
+
+    def log_figure(self, path):
+        if self._run is not None:
+            import wandb
+
+            self._run.log({Path(path).stem: wandb.Image(str(path))})
+
+    def flush(self):
+        if not self.rows:
+            return
+        self.results_dir.mkdir(parents=True, exist_ok=True)
+        new = not self.path.exists() or self.path.stat().st_size == 0
+        with open(self.path, "a", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=FIELDS)
+            if new:
+                w.writeheader()
+            w.writerows(self.rows)
+        self.rows = []
+        cfg = self.results_dir / f"{self.experiment}.config.json"
+        cfg.write_text(json.dumps({"config": self.config, "git_commit": self.commit,
+                                   "device": self.device, "torch_version": self.torch_version},
+                                  indent=2, sort_keys=True, default=str) + "\n")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.flush()
+        if self._run is not None:
+            self._run.finish()
+        return False
+
+
+def read_results(name_or_path, results_dir: Path | None = None):
+    """Read one results CSV into a list of dicts with ``value`` and numeric ``x_value`` as floats."""
+    p = Path(name_or_path)
+    if not p.suffix:
+        p = Path(results_dir or RESULTS_DIR) / f"{name_or_path}.csv"
+    if not p.exists():
+        raise FileNotFoundError(f"{p}: no results yet; run the experiment that writes it first")
+    with open(p, newline="") as f:
+        rows = list(csv.DictReader(f))
+    missing = set(FIELDS) - set(rows[0].keys()) if rows else set()
+    if missing:
+        raise ValueError(f"{p}: not a results file of DESIGN.md's format, missing columns {sorted(missing)}")
+    for r in rows:
+        r["value"] = float(r["value"])
+        try:
+            r["x_value"] = float(r["x_value"])
+        except (TypeError, ValueError):
+            pass
+    return rows

@@ -1,0 +1,1 @@
+"""Gefen: AdamW with about one byte of state per parameter (arXiv 2606.13894)."""
