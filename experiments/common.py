@@ -105,6 +105,8 @@ class Results:
         self.torch_version = torch.__version__
         self.commit = git_commit()
         self.config = {k: (str(v) if isinstance(v, Path) else v) for k, v in (config or {}).items()}
+        # One timestamp per run (its start), so analysis can tell runs apart in an append-only CSV.
+        self.timestamp = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
         self.rows: list[dict] = []
         self._run = None
         mode = wandb_mode(args)
@@ -130,7 +132,7 @@ class Results:
             "x_name": x_name, "x_value": x_value, "value": float(value),
             "seed": self.seed if seed is None else seed, "device": self.device,
             "torch_version": self.torch_version, "git_commit": self.commit,
-            "timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "timestamp": self.timestamp,
         }
         self.rows.append(row)
         if self._run is not None:
