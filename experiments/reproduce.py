@@ -1,0 +1,100 @@
+"""Run every experiment, then every analysis script: the repository's main job.
+
+    # CPU scale, under 30 minutes on 2 cores; writes results/quick/*.csv and paper_figs/quick/*.png
+    python experiments/reproduce.py --quick
+
+    # the full CPU run whose CSVs and figures are committed (results/*.csv, paper_figs/*.png)
+    python experiments/reproduce.py
+
+    # one or a few experiments only
+    python experiments/reproduce.py --quick --only dsa_throughput codebook_dp
+
+Each experiment runs in its own process (a crash or an out-of-memory in one does not take the
+others down); the exit status is non-zero if any step failed, and a summary lists each step's
+status and time. GPU-only scripts (bench_dsa_gpu, bench_kernels) are not part of this run: they
+are the prepared checks for a lent GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+# experiment script -> the analysis scripts that draw from its CSV
+EXPERIMENTS = {
+    "correctness": [],
+    "dsa_throughput": ["dsa_throughput"],
+    "poincare": ["poincare"],
+    "codebook_dp": ["codebook"],
+    "gefen_memory": ["gefen_memory"],
+    "hessian_alignment": ["hessian_alignment"],
+    "convergence": ["convergence"],
+}
+FIGURE_OF = {"dsa_throughput": "dsa_throughput", "poincare": "poincare", "codebook": "codebook",
+             "gefen_memory": "gefen_memory", "hessian_alignment": "hessian_alignment",
+             "convergence": "convergence"}
+
+
+def _run(cmd, log, timeout):
+    start = time.perf_counter()
+    print(f"\n$ {' '.join(map(str, cmd))}", flush=True)
+    try:
+        proc = subprocess.run(list(map(str, cmd)), cwd=REPO_ROOT, timeout=timeout)
+        ok = proc.returncode == 0
+        status = "ok" if ok else f"exit {proc.returncode}"
+    except subprocess.TimeoutExpired:
+        ok, status = False, f"timeout after {timeout}s"
+    log.append((" ".join(map(str, cmd[1:3])), status, time.perf_counter() - start))
+    return ok
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="CPU-sized runs (minutes each)")
+    parser.add_argument("--only", nargs="+", choices=sorted(EXPERIMENTS), help="run just these experiments")
+    parser.add_argument("--wandb", choices=["offline", "online", "disabled"], default=None)
+    parser.add_argument("--results-dir", type=Path, default=None,
+                        help="default: results/quick for --quick, else results")
+    parser.add_argument("--figs-dir", type=Path, default=None,
+                        help="default: paper_figs/quick for --quick, else paper_figs")
+    parser.add_argument("--timeout", type=int, default=None, help="seconds per step (default 900 quick, none full)")
+    args = parser.parse_args(argv)
+
+    results = args.results_dir or REPO_ROOT / ("results/quick" if args.quick else "results")
+    figs = args.figs_dir or REPO_ROOT / ("paper_figs/quick" if args.quick else "paper_figs")
+    results.mkdir(parents=True, exist_ok=True)
+    figs.mkdir(parents=True, exist_ok=True)
+    timeout = args.timeout or (900 if args.quick else None)
+    names = args.only or list(EXPERIMENTS)
+    env_py = sys.executable
+    log: list[tuple[str, str, float]] = []
+    for name in names:
+        cmd = [env_py, REPO_ROOT / "experiments" / f"{name}.py", "--results-dir", results]
+        if args.quick:
+            cmd.append("--quick")
+        if args.wandb:
+            cmd += ["--wandb", args.wandb]
+        _run(cmd, log, timeout)
+    for name in names:
+        for fig in EXPERIMENTS[name]:
+            cmd = [env_py, REPO_ROOT / "analysis" / f"{fig}.py", "--results-dir", results,
+                   "--out", figs / f"{FIGURE_OF[fig]}.png"]
+            _run(cmd, log, timeout)
+
+    print("\nstep                                             status          seconds")
+    for step, status, secs in log:
+        print(f"{step[-48:]:<48} {status:<15} {secs:8.1f}")
+    failed = [s for s in log if s[1] != "ok"]
+    print(f"\n{len(log) - len(failed)}/{len(log)} steps ok; results in {results}, figures in {figs}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())
