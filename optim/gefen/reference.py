@@ -1,0 +1,157 @@
+"""One Gefen step on one flattened tensor: short pure fp32 functions, readable against the rule.
+
+Gefen (arXiv 2606.13894; upstream PyPI package ``gefen``, ``gefen/gefen.py``) is AdamW whose second
+moment is shared inside blocks and whose first moment is stored as codes into one model-wide
+codebook, scaled per block. Everything here is out of place and fp32; the optimizer's fast paths
+(``optimizer.py`` on CPU, ``kernels.py`` in Triton) take the same keyword arguments and are tested
+against :func:`gefen_step`.
+
+State layout of one tensor (flattened, ``n = numel``; under FSDP the local shard)
+---------------------------------------------------------------------------------
+``block`` (int P >= 1)
+    Block length of the shared second moment, chosen once from the first gradient
+    (``partition.py``). P divides n. Element i belongs to v-block ``i // P``.
+``v`` (fp32, shape ``(n // P,)``)
+    One second moment per block: ``v_b <- beta2 * v_b + (1 - beta2) * mean_{i in b} g_i**2``.
+    P == 1 is AdamW's per-element second moment.
+scale blocks (length S)
+    ``S = P`` when P > 1, else ``S = CHUNK = 256``. Element i belongs to scale block ``i // S``.
+    When n is not a multiple of S (only possible for P == 1), the last scale block is the partial
+    chunk of the remaining ``n % S`` elements; no padding is stored and its absmax is over those
+    elements only. So ``num_scales(n, P) == ceil(n / S)``.
+``scales`` (fp32, shape ``(ceil(n / S),)``)
+    ``s_j = max_{i in j} |m_i|`` of the updated first moment (0 for an all-zero block).
+``codes`` (uint8)
+    bits == 8: shape ``(n,)``, ``codes[i]`` is an index into ``codebook``.
+    bits == 4: shape ``(ceil(n / 2),)``, two codes a byte: element ``2k`` in the low nibble,
+    element ``2k + 1`` in the high nibble of ``codes[k]``; for odd n the last high nibble is 0
+    (padding, never read).
+    The first moment is ``m_i = codebook[code_i] * scales[i // S]``. Fresh state: codes 0 and
+    scales 0, i.e. m = 0.
+``codebook`` (fp32, shape ``(2**bits,)``, sorted ascending; learned with its ends pinned at -1, +1)
+    One per model (all parameters, all groups), learned at the first optimizer step.
+    ``codebook=None`` means the first moment is not quantised: ``codes`` is then the fp32 first
+    moment itself (shape ``(n,)``) and ``scales`` an empty fp32 tensor.
+
+The step (``step`` is t, counted from 1 for a tensor's first update)
+--------------------------------------------------------------------
+::
+
+    v_b   <- beta2 * v_b + (1 - beta2) * mean_b(g**2)
+    p     <- p * (1 - lr * weight_decay)
+    m~    <- lerp(C[code] * s, g, 1 - beta1)          # = m + (1 - beta1) * (g - m)
+    s_j   <- max_j |m~|;  code <- nearest(C, m~ / s_j)  (0 where s_j == 0)
+    m^    <- C[code] * s_j                            # the stored, quantised first moment
+    p     <- p - (lr / (1 - beta1**t)) * m^ / (sqrt(v_b) / sqrt(1 - beta2**t) + eps)
+
+``nearest`` is the closest codebook entry, ties to the lower index (upstream's rule). ``lerp`` is
+torch's: ``m + w * (g - m)`` for ``w < 0.5``, else ``g - (g - m) * (1 - w)``. The last line is
+written as ``p.addcdiv(m^, denom, value=-lr / bc1)``, the same arithmetic as
+``torch.optim.AdamW``, so with P == 1 and ``codebook=None`` this is AdamW to rounding.
+"""
+
+import math
+
+import torch
+
+CHUNK = 256  # scale-block length for P == 1 tensors (upstream: largest divisor of n <= 256)
+
+
+def scale_block_length(block: int) -> int:
+    """Length S of the blocks that share one first-moment scale."""
+    return block if block > 1 else CHUNK
+
+
+def num_scales(numel: int, block: int) -> int:
+    """Number of first-moment scales of an n-element tensor with v-block length ``block``."""
+    s = scale_block_length(block)
+    return -(-numel // s)
+
+
+def num_code_bytes(numel: int, bits: int) -> int:
+    return numel if bits == 8 else -(-numel // 2)
+
+
+def block_absmax(x: torch.Tensor, length: int) -> torch.Tensor:
+    """max |x| over consecutive blocks of ``length`` elements; a partial last block is allowed."""
+    n = x.numel()
+    pad = (-n) % length
+    xp = torch.cat([x.abs(), x.new_zeros(pad)]) if pad else x.abs()
+    return xp.view(-1, length).amax(dim=1)
+
+
+def nearest(x: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
+    """Index of the nearest codebook entry for each element, ties to the lower index (int64)."""
+    k = codebook.numel()
+    idx = torch.searchsorted(codebook, x)
+    left = (idx - 1).clamp(0, k - 1)
+    right = idx.clamp(0, k - 1)
+    return torch.where((x - codebook[left]).abs() <= (x - codebook[right]).abs(), left, right)
+
+
+def pack_codes(idx: torch.Tensor, bits: int) -> torch.Tensor:
+    """Per-element indices -> stored uint8 codes (two a byte at 4 bits, low nibble first)."""
+    c = idx.to(torch.uint8)
+    if bits == 8:
+        return c
+    if c.numel() % 2:
+        c = torch.cat([c, c.new_zeros(1)])
+    c = c.view(-1, 2)
+    return c[:, 0] | (c[:, 1] << 4)
+
+
+def unpack_codes(codes: torch.Tensor, numel: int, bits: int) -> torch.Tensor:
+    """Stored uint8 codes -> per-element indices (int64)."""
+    if bits == 8:
+        return codes.long()
+    return torch.stack([codes & 15, codes >> 4], dim=1).view(-1)[:numel].long()
+
+
+def quantize(m: torch.Tensor, codebook: torch.Tensor, *, block: int, bits: int):
+    """fp32 first moment -> (scales, codes): absmax per scale block, nearest entry of m / s."""
+    s_len = scale_block_length(block)
+    scales = block_absmax(m, s_len)
+    s = scales.repeat_interleave(s_len)[: m.numel()]
+    q = torch.where(s > 0, m / s, torch.zeros_like(m))
+    return scales, pack_codes(nearest(q, codebook), bits)
+
+
+def dequantize(scales, codes, codebook, *, numel: int, block: int, bits: int) -> torch.Tensor:
+    """(scales, codes) -> fp32 first moment ``codebook[code] * scale``."""
+    s_len = scale_block_length(block)
+    s = scales.repeat_interleave(s_len)[:numel]
+    return codebook[unpack_codes(codes, numel, bits)] * s
+
+
+def gefen_step(p, g, v, scales, codes, codebook, *, step, lr, beta1, beta2, eps, weight_decay,
+               block, bits):
+    """One Gefen step on one flat tensor (see the module docstring). Returns new (p, v, scales, codes).
+
+    ``p`` and ``g`` may be any float dtype; the math and the returned ``p`` are fp32.
+    """
+    p = p.float().reshape(-1)
+    g = g.float().reshape(-1)
+    n = p.numel()
+    v = beta2 * v + (1 - beta2) * (g * g).view(-1, block).mean(dim=1)
+    p = p * (1 - lr * weight_decay)
+    if codebook is None:
+        m = codes.lerp(g, 1 - beta1)
+        codes, m_hat = m, m
+    else:
+        m = dequantize(scales, codes, codebook, numel=n, block=block, bits=bits)
+        m = m.lerp(g, 1 - beta1)
+        scales, codes = quantize(m, codebook, block=block, bits=bits)
+        m_hat = dequantize(scales, codes, codebook, numel=n, block=block, bits=bits)
+    bias_correction1 = 1 - beta1**step
+    bias_correction2 = 1 - beta2**step
+    denom = (v.sqrt() / math.sqrt(bias_correction2)).add(eps).repeat_interleave(block)
+    p = p.addcdiv(m_hat, denom, value=-lr / bias_correction1)
+    return p, v, scales, codes
+
+
+def init_state(numel: int, *, block: int, bits: int, quantized: bool = True):
+    """Fresh (v, scales, codes) of an n-element tensor: all zeros, i.e. v = 0 and m = 0."""
+    v = torch.zeros(numel // block)
+    if not quantized:
+        return v, torch.zeros(0), torch.zeros(numel)
+    return v, torch.zeros(num_scales(numel, block)), torch.zeros(num_code_bytes(numel, bits), dtype=torch.uint8)
