@@ -1,0 +1,379 @@
+"""Disk Sparse Adam optimizers: lazy Adam for sparse embedding tables, moments in memory-mapped files.
+
+``step()`` only gathers state, picks a backend and writes back; the row update itself is a pure
+function (``reference.py``, ``poincare.py``) or a Triton kernel (``kernels.py``). Per parameter and
+step: the sparse gradient is coalesced into sorted unique rows (duplicates summed in the order
+``torch.Tensor.coalesce`` sums them), those rows' records are gathered from the parameter's
+:class:`~optim.disk_sparse.store.RowStateFile`, updated together with the weight rows (on the
+weights' device), and scattered back. Untouched rows are never read.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import shutil
+import tempfile
+
+import torch
+
+from .store import RowStateFile, StateFileError
+
+# State-dict keys (the same as torch.optim.SparseAdam's, so its checkpoints load here and back).
+STEP, EXP_AVG, EXP_AVG_SQ = "step", "exp_avg", "exp_avg_sq"
+_BACKENDS = ("auto", "torch", "triton")
+
+
+def coalesce_rows(indices: torch.Tensor, values: torch.Tensor):
+    """Sorted unique rows of a row-sparse gradient and their summed values.
+
+    Duplicates are summed in the order ``torch.Tensor.coalesce`` sums them on CPU (the order of
+    ``indices.sort()``'s permutation), so the result is bitwise that of ``grad.coalesce()``; it avoids
+    building a sparse tensor and costs one sort plus one ``index_add_``.
+    """
+    s, perm = indices.sort()
+    n = s.numel()
+    new = torch.ones(n, dtype=torch.bool, device=s.device)
+    if n > 1:
+        torch.ne(s[1:], s[:-1], out=new[1:])
+    rows = s[new]
+    vals = values.index_select(0, perm)
+    if rows.numel() == n:
+        return rows, vals
+    inv = new.cumsum(0).sub_(1)
+    return rows, vals.new_zeros((rows.numel(),) + tuple(values.shape[1:])).index_add_(0, inv, vals)
+
+
+def adam_rows_torch_(w, g, state, step, *, lr, beta1, beta2, eps, maximize=False):
+    """In-place twin of ``reference.sparse_adam_rows`` on records ``state = [m | v]``.
+
+    Updates ``state`` in place and returns the weight increment (add it to the rows of ``w``); the
+    operations and their order are those of the reference, so results are bitwise equal.
+    ``w`` is unused (the increment is added by the caller with ``index_add_``, as SparseAdam does).
+    """
+    d = g.shape[1]
+    m, v = state[:, :d], state[:, d:]
+    if maximize:
+        g = -g
+    u_m = torch.sub(g, m).mul_(1 - beta1)
+    u_v = g.pow(2).sub_(v).mul_(1 - beta2)
+    m.add_(u_m)  # m + u_m == u_m + m_old: the numerator of the reference
+    v.add_(u_v)
+    denom = torch.sqrt(v, out=u_v).add_(eps)
+    step_size = lr * math.sqrt(1 - beta2 ** step) / (1 - beta1 ** step)
+    return torch.div(m, denom, out=u_m).mul_(-step_size)
+
+
+class DiskSparseOptimizer(torch.optim.Optimizer):
+    """Shared machinery: per-parameter state files, sparse-gradient handling, checkpoints.
+
+    Subclasses set ``_state_width(cols)``, ``_state_views(records, cols)`` (the state-dict tensors of
+    a record table) and ``_update_torch(p, rows, g, rec, step, group)`` (which updates ``rec`` in place
+    and writes the new weight rows), plus ``_kernel_name`` (the function in ``kernels.py``).
+    """
+
+    _kernel_name = ""
+
+    def __init__(self, params, defaults, state_dir=None, backend="auto"):
+        if backend not in _BACKENDS:
+            raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+        self.backend = backend
+        self._own_dir = state_dir is None
+        if state_dir is None:
+            state_dir = tempfile.mkdtemp(prefix="disk-sparse-adam-")
+        self.state_dir = os.fspath(state_dir)
+        self._stores: dict = {}
+        self._steps: dict = {}
+        self._closed = False
+        self._kernels = None
+        try:
+            os.makedirs(self.state_dir, exist_ok=True)
+        except OSError as exc:
+            raise OSError(exc.errno, f"cannot create state_dir {self.state_dir}: {exc.strerror}; "
+                                     "give a writable directory") from None
+        if not os.access(self.state_dir, os.W_OK | os.X_OK):
+            raise PermissionError(f"state_dir {self.state_dir} is not writable; give a writable directory")
+        try:
+            super().__init__(params, defaults)
+        except BaseException:
+            self.close()
+            raise
+
+    # -- parameters and their files ----------------------------------------------------------------
+    def add_param_group(self, param_group):
+        super().add_param_group(param_group)
+        for p in self.param_groups[-1]["params"]:
+            self._open_store(p)
+
+    def _open_store(self, p):
+        k = len(self._stores)
+        where = f"parameter {k} (shape {tuple(p.shape)}, dtype {p.dtype})"
+        if p.is_sparse or p.layout != torch.strided:
+            raise ValueError(f"{where}: the parameter must be a dense tensor (its gradient is sparse)")
+        if not p.is_floating_point():
+            raise ValueError(f"{where}: {type(self).__name__} needs a floating-point parameter")
+        if p.dim() != 2:
+            raise ValueError(f"{where}: {type(self).__name__} needs a 2-D (rows, dim) embedding table "
+                             "such as nn.Embedding(..., sparse=True).weight")
+        sdtype = p.dtype if p.dtype in (torch.float32, torch.float64) else torch.float32
+        path = os.path.join(self.state_dir, f"param{k:04d}.dsa")
+        store = RowStateFile(path, p.shape[0], p.shape[1], self._state_width(p.shape[1]), sdtype)
+        self._stores[p] = store
+        self._steps[p] = store.step
+        self.state[p] = self._state_entry(p)
+
+    def _state_entry(self, p):
+        store = self._stores[p]
+        entry = {STEP: torch.tensor(self._steps[p], dtype=torch.int64)}
+        entry.update(self._state_views(store.records, p.shape[1]))
+        return entry
+
+    # -- the step ----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Perform one optimization step; ``closure`` re-evaluates the model and returns the loss."""
+        self._check_open()
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                g = p.grad
+                if not g.is_sparse:
+                    raise RuntimeError(
+                        f"parameter {self._index(p)} (shape {tuple(p.shape)}) got a dense gradient; "
+                        f"{type(self).__name__} needs sparse gradients: build the table with "
+                        "nn.Embedding(..., sparse=True) or nn.EmbeddingBag(..., sparse=True), or use "
+                        "torch.optim.Adam for dense parameters")
+                if g.sparse_dim() != 1:
+                    raise RuntimeError(f"parameter {self._index(p)}: the gradient must be row-sparse "
+                                       "(sparse_dim 1, as nn.Embedding(sparse=True) produces), got "
+                                       f"sparse_dim {g.sparse_dim()}")
+                self._steps[p] += 1  # like SparseAdam, a present gradient counts even when empty
+                if g._nnz() == 0:
+                    continue
+                if g.is_coalesced():
+                    rows, vals = g._indices()[0], g._values()
+                else:
+                    rows, vals = coalesce_rows(g._indices()[0], g._values())
+                self._step_rows(p, rows, vals, group, self._steps[p])
+        return loss
+
+    def _step_rows(self, p, rows, vals, group, step):
+        store = self._stores[p]
+        rows_cpu = rows.cpu()
+        rec = store.gather(rows_cpu)
+        if p.device != rec.device:
+            rec = rec.pin_memory().to(p.device, non_blocking=True)
+        g = vals.to(rec.dtype)
+        if self._use_triton(p):
+            w = p.index_select(0, rows)
+            getattr(self._kernel_module(), self._kernel_name)(w, g.contiguous(), rec, step,
+                                                             **self._hyper(group))
+            p.index_copy_(0, rows, w)
+        else:
+            self._update_torch(p, rows, g, rec, step, group)
+        store.scatter(rows_cpu, rec.cpu())
+
+    def _use_triton(self, p):
+        if self.backend == "torch":
+            return False
+        ok = p.dtype in (torch.float32, torch.bfloat16)
+        if self.backend == "triton":
+            if not ok:
+                raise ValueError(f"parameter {self._index(p)}: backend='triton' handles float32 and "
+                                 f"bfloat16 weights, got {p.dtype}; use backend='torch'")
+            return True
+        return p.is_cuda and ok
+
+    def _kernel_module(self):
+        if self._kernels is None:
+            from . import kernels  # Triton is imported only when a kernel is used
+
+            self._kernels = kernels
+        return self._kernels
+
+    # -- checkpoints -------------------------------------------------------------------------------
+    def state_dict(self):
+        """Step and moments of every parameter; the moments are tensors viewing the state files.
+
+        ``torch.save`` streams them from the files. Like other optimizers' state dicts, the tensors
+        are live: later steps change them, so save before stepping again.
+        """
+        self._check_open()
+        for p in self._stores:
+            self.state[p][STEP] = torch.tensor(self._steps[p], dtype=torch.int64)
+        return super().state_dict()
+
+    def load_state_dict(self, state_dict):
+        """Write a state dict's steps and moments into this optimizer's files (then mark them clean).
+
+        Accepts state dicts of this class or of ``torch.optim.SparseAdam`` (same keys). Parameters
+        absent from ``state_dict['state']`` get fresh (zero) state.
+        """
+        self._check_open()
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(f"state_dict has {len(saved_groups)} parameter groups, this optimizer has "
+                             f"{len(self.param_groups)}")
+        for i, (sg, g) in enumerate(zip(saved_groups, self.param_groups)):
+            if len(sg["params"]) != len(g["params"]):
+                raise ValueError(f"state_dict's parameter group {i} has {len(sg['params'])} parameters, "
+                                 f"this optimizer's has {len(g['params'])}")
+        id_map = dict(zip(itertools.chain.from_iterable(g["params"] for g in saved_groups),
+                          itertools.chain.from_iterable(g["params"] for g in self.param_groups)))
+        for sg, g in zip(saved_groups, self.param_groups):
+            g.update({k: v for k, v in sg.items() if k != "params"})
+        saved_state = {id_map[k]: v for k, v in state_dict["state"].items()}
+        for p, store in self._stores.items():
+            entry = saved_state.get(p)
+            views = self._state_views(store.records, p.shape[1])
+            store.mark_dirty()
+            if not entry:
+                store.records.zero_()
+                step = 0
+            else:
+                for key, view in views.items():
+                    if key not in entry:
+                        raise KeyError(f"state_dict's state of parameter {self._index(p)} lacks {key!r}")
+                    val = torch.as_tensor(entry[key])
+                    if val.shape != view.shape:
+                        raise ValueError(f"state_dict's {key!r} of parameter {self._index(p)} has shape "
+                                         f"{tuple(val.shape)}, expected {tuple(view.shape)}")
+                    if val.data_ptr() != view.data_ptr():
+                        view.copy_(val)
+                step = int(entry[STEP])
+            store.flush(step)
+            self._steps[p] = step
+            self.state[p] = self._state_entry(p)
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    def flush(self):
+        """Write every state file to disk and mark it clean at the current step."""
+        self._check_open()
+        for p, store in self._stores.items():
+            store.flush(self._steps[p])
+
+    def close(self):
+        """Flush and release the state files (and remove the private state_dir). Safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            for p, store in self._stores.items():
+                store.close(self._steps[p])
+        finally:
+            self.state.clear()
+            if self._own_dir:
+                shutil.rmtree(self.state_dir, ignore_errors=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    def __del__(self):
+        try:
+            if not getattr(self, "_closed", True):
+                self.close()
+        except Exception:
+            pass
+
+    def _check_open(self):
+        if self._closed:
+            raise RuntimeError(f"{type(self).__name__} on state_dir {self.state_dir} is closed; "
+                               "create a new optimizer (it can reopen the same state_dir)")
+
+    def _index(self, p):
+        for k, q in enumerate(self._stores):
+            if q is p:
+                return k
+        return "?"
+
+    def __getstate__(self):
+        raise TypeError(f"{type(self).__name__} cannot be pickled: its state lives in files; "
+                        "save opt.state_dict() instead")
+
+
+class DiskSparseAdam(DiskSparseOptimizer):
+    r"""Lazy Adam for sparse embedding tables, a drop-in for ``torch.optim.SparseAdam``.
+
+    For each row ``i`` present in the (coalesced) sparse gradient ``g`` at step ``t`` of its parameter::
+
+        m_i <- m_i + (1 - beta1) (g_i - m_i)
+        v_i <- v_i + (1 - beta2) (g_i^2 - v_i)
+        w_i <- w_i - lr sqrt(1 - beta2^t) / (1 - beta1^t) * m_i / (sqrt(v_i) + eps)
+
+    exactly as ``torch.optim.SparseAdam`` computes it (same operations in the same order, so float32
+    trajectories agree to the last rounding); rows absent from the gradient are neither read nor
+    changed. Adam is from Kingma & Ba, "Adam: A Method for Stochastic Optimization" (2015); keeping
+    the moments in memory-mapped files is the idea of Disk Sparse Adam (Assistentus/DSA).
+
+    The moments of each parameter live in one file under ``state_dir`` (record ``[m | v]`` per row),
+    so they cost no RAM beyond the page cache and no accelerator memory. Weights stay where they are
+    (CPU or CUDA). Not for dense gradients (use ``torch.optim.Adam``) or tables that fit in memory
+    with their moments comfortably (``torch.optim.SparseAdam`` is then simpler).
+
+    Args:
+        params: iterable of 2-D floating-point parameters (``nn.Embedding(sparse=True).weight``,
+            ``nn.EmbeddingBag(sparse=True).weight``) or dicts defining parameter groups.
+        lr (float): learning rate. (Default: 1e-3)
+        betas (Tuple[float, float]): decay rates of the first and second moments. (Default: (0.9, 0.999))
+        eps (float): added to ``sqrt(v)`` in the denominator. (Default: 1e-8)
+        maximize (bool): maximize the objective instead of minimizing. (Default: False)
+        state_dir (str or None): directory of the state files; an existing one is resumed if its files
+            are clean and match; ``None`` makes a private temporary directory removed by ``close()``.
+            (Default: None)
+        backend (str): ``"torch"``, ``"triton"`` (``optim.disk_sparse.kernels``) or ``"auto"``
+            (Triton when the weights are on CUDA). (Default: "auto")
+
+    Use ``flush()`` for a clean on-disk point, ``close()`` (or ``with``) when done; checkpoints via
+    ``state_dict()``/``load_state_dict()`` as with any optimizer.
+    """
+
+    _kernel_name = "adam_rows_"
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, maximize=False, state_dir=None,
+                 backend="auto"):
+        _check_hyper(lr, betas, eps)
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, maximize=bool(maximize))
+        super().__init__(params, defaults, state_dir=state_dir, backend=backend)
+
+    def _state_width(self, cols):
+        return 2 * cols
+
+    def _state_views(self, records, cols):
+        return {EXP_AVG: records[:, :cols], EXP_AVG_SQ: records[:, cols:]}
+
+    def _hyper(self, group):
+        beta1, beta2 = group["betas"]
+        return dict(lr=_scalar(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
+                    maximize=group["maximize"])
+
+    def _update_torch(self, p, rows, g, rec, step, group):
+        delta = adam_rows_torch_(None, g, rec, step, **self._hyper(group))
+        if p.dtype == rec.dtype:
+            p.index_add_(0, rows, delta)  # unique rows: w + delta, as SparseAdam's sparse add
+        else:
+            p.index_copy_(0, rows, p.index_select(0, rows).to(rec.dtype).add_(delta).to(p.dtype))
+
+
+def _scalar(x):
+    return float(x.item()) if isinstance(x, torch.Tensor) else float(x)
+
+
+def _check_hyper(lr, betas, eps):
+    if isinstance(lr, torch.Tensor) and lr.numel() != 1:
+        raise ValueError("lr: a tensor learning rate must have one element")
+    if not _scalar(lr) > 0.0:
+        raise ValueError(f"lr must be > 0, got {lr}")
+    if not eps > 0.0:
+        raise ValueError(f"eps must be > 0, got {eps}")
+    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+        raise ValueError(f"betas must be two numbers in [0, 1), got {betas}")

@@ -1,0 +1,238 @@
+"""The on-disk row-state file of Disk Sparse Adam: one file per parameter, one record per row.
+
+Layout (little endian)::
+
+    offset 0     header, HEADER_BYTES long (one page, so records start page-aligned):
+                 magic b"DSAROWS\\0", format version u32, dtype code u32, rows u64, cols u64,
+                 record width u64, step u64, clean flag u32
+    HEADER_BYTES rows x width values of the state dtype; row i's record is contiguous
+
+Safety:
+
+- The file is preallocated with ``posix_fallocate`` at creation, so a full disk fails there with an
+  error naming the file instead of a SIGBUS from the mapping in the middle of training.
+- An exclusive ``flock`` is held while the file is open: a second optimizer (in this or another
+  process) on the same file gets an error instead of silently sharing moments.
+- The header's clean flag is cleared (and synced) before the first record write after a clean point
+  and set again by ``flush()``/``close()``. A process killed between the two leaves a dirty file, which
+  is refused on reopening: its records may mix steps, so the last checkpoint must be restored.
+- The mapping is advised ``MADV_RANDOM``: a step reads scattered rows, readahead would only evict.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import mmap
+import os
+import struct
+
+import numpy as np
+import torch
+
+MAGIC = b"DSAROWS\0"
+FORMAT_VERSION = 1
+HEADER_BYTES = 4096
+_HEADER = struct.Struct("<8sIIQQQQI")  # magic, version, dtype, rows, cols, width, step, clean
+_DTYPES = {1: torch.float32, 2: torch.float64}
+_CODES = {v: k for k, v in _DTYPES.items()}
+
+
+class StateFileError(RuntimeError):
+    """A state file cannot be used: locked, dirty, or of another shape/dtype/format."""
+
+
+class RowStateFile:
+    """Memory-mapped ``(rows, width)`` table of per-row optimizer state records in one file.
+
+    ``RowStateFile(path, rows, cols, width, dtype)`` opens ``path`` if it exists (it must be clean and
+    match ``rows``/``cols``/``width``/``dtype``) and creates it (zero records, step 0) otherwise.
+    ``records`` is a torch tensor view of the mapping; ``gather``/``scatter`` move whole records of
+    sorted unique rows.
+    """
+
+    def __init__(self, path, rows: int, cols: int, width: int, dtype: torch.dtype):
+        if dtype not in _CODES:
+            raise TypeError(f"state file {path}: state dtype must be float32 or float64, got {dtype}")
+        self.path = os.fspath(path)
+        self.rows, self.cols, self.width, self.dtype = int(rows), int(cols), int(width), dtype
+        self.nbytes = HEADER_BYTES + self.rows * self.width * torch.empty((), dtype=dtype).element_size()
+        self._fd = None
+        self._mm = None
+        self.records = None
+        self.closed = False
+        created = False
+        try:
+            try:
+                self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+                created = True
+            except FileExistsError:
+                self._fd = os.open(self.path, os.O_RDWR)
+            self._lock()
+            if created:
+                self._create()
+            else:
+                self._check_existing()
+            self._map()
+        except BaseException:
+            self._release()
+            if created:
+                try:
+                    os.unlink(self.path)
+                except OSError:
+                    pass
+            raise
+        self._dirty = False
+
+    # -- opening ------------------------------------------------------------------------------
+    def _lock(self):
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise StateFileError(
+                f"state file {self.path} is in use by another optimizer (it holds the file's lock); "
+                "close that optimizer first or give this one another state_dir") from None
+
+    def _create(self):
+        try:
+            os.posix_fallocate(self._fd, 0, self.nbytes)
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                raise OSError(exc.errno, f"not enough disk space for state file {self.path}: it needs "
+                                         f"{self.nbytes / 2**20:.1f} MiB ({os.strerror(exc.errno)}); "
+                                         "free space or choose another state_dir") from None
+            raise
+        self._write_header(step=0, clean=True)
+
+    def _check_existing(self):
+        raw = os.pread(self._fd, _HEADER.size, 0)
+        if len(raw) < _HEADER.size or raw[:8] != MAGIC:
+            raise StateFileError(f"{self.path} is not a Disk Sparse Adam state file (bad magic); "
+                                 "remove it or choose another state_dir")
+        magic, version, code, rows, cols, width, step, clean = _HEADER.unpack(raw)
+        if version != FORMAT_VERSION:
+            raise StateFileError(f"state file {self.path} has format version {version}, this code reads "
+                                 f"{FORMAT_VERSION}; restore a checkpoint into a fresh state_dir")
+        got = (rows, cols, width, _DTYPES.get(code, f"code {code}"))
+        want = (self.rows, self.cols, self.width, self.dtype)
+        if got != want:
+            raise StateFileError(
+                f"state file {self.path} holds state of shape ({rows}, {cols}), record width {width}, "
+                f"dtype {got[3]}, but the parameter needs shape ({self.rows}, {self.cols}), record width "
+                f"{self.width}, dtype {self.dtype}; use another state_dir for this model")
+        if not clean:
+            raise StateFileError(
+                f"state file {self.path} is dirty: the process using it stopped in the middle of "
+                "training, so its records may mix steps. Restore the last checkpoint instead: create "
+                "the optimizer with a new (or emptied) state_dir and call "
+                "load_state_dict(torch.load(checkpoint)).")
+        if os.fstat(self._fd).st_size < self.nbytes:
+            raise StateFileError(f"state file {self.path} is truncated ({os.fstat(self._fd).st_size} < "
+                                 f"{self.nbytes} bytes); restore the last checkpoint into a new state_dir")
+        self._step = step
+
+    def _map(self):
+        self._mm = mmap.mmap(self._fd, self.nbytes, flags=mmap.MAP_SHARED,
+                             prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        self._mm.madvise(mmap.MADV_RANDOM)
+        np_dtype = np.float32 if self.dtype == torch.float32 else np.float64
+        arr = np.frombuffer(self._mm, dtype=np_dtype, count=self.rows * self.width, offset=HEADER_BYTES)
+        self.records = torch.from_numpy(arr.reshape(self.rows, self.width))
+
+    def _write_header(self, step, clean):
+        os.pwrite(self._fd, _HEADER.pack(MAGIC, FORMAT_VERSION, _CODES[self.dtype], self.rows, self.cols,
+                                         self.width, int(step), 1 if clean else 0), 0)
+        os.fdatasync(self._fd)
+        self._step = int(step)
+
+    # -- use ----------------------------------------------------------------------------------
+    @property
+    def step(self) -> int:
+        """The step count of the last clean point (creation, ``flush`` or open)."""
+        return self._step
+
+    def mark_dirty(self):
+        """Clear the clean flag on disk; called before the first record write after a clean point."""
+        self._check_open()
+        if not self._dirty:
+            self._write_header(self._step, clean=False)
+            self._dirty = True
+
+    def gather(self, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Records of ``rows`` (int64, CPU, sorted unique) as a new ``(n, width)`` tensor."""
+        self._check_open()
+        return torch.index_select(self.records, 0, rows, out=out) if out is not None else \
+            self.records.index_select(0, rows)
+
+    def scatter(self, rows: torch.Tensor, records: torch.Tensor):
+        """Write ``records`` (``(n, width)``) to ``rows`` (int64, CPU, sorted unique)."""
+        self.mark_dirty()
+        self.records.index_copy_(0, rows, records)
+
+    def write_all(self, records: torch.Tensor, step: int):
+        """Replace every record (e.g. from a checkpoint) and make the file clean at ``step``."""
+        self.mark_dirty()
+        self.records.copy_(records)
+        self.flush(step)
+
+    def flush(self, step: int | None = None):
+        """Write the records to disk and mark the file clean at ``step`` (a consistent point)."""
+        self._check_open()
+        self._mm.flush()
+        self._write_header(self._step if step is None else step, clean=True)
+        self._dirty = False
+
+    def drop_cache(self):
+        """Evict this file's pages from the page cache (cold-cache benchmarks)."""
+        self._check_open()
+        self._mm.madvise(mmap.MADV_DONTNEED)
+        os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+    def prefetch(self, rows: torch.Tensor):
+        """Ask the kernel to read the pages of ``rows`` ahead (``MADV_WILLNEED``) without blocking."""
+        self._check_open()
+        rec = self.records.element_size() * self.width
+        page = mmap.PAGESIZE
+        starts = (HEADER_BYTES + rows.numpy().astype(np.int64) * rec) // page
+        ends = (HEADER_BYTES + (rows.numpy().astype(np.int64) + 1) * rec - 1) // page
+        pages = np.unique(np.concatenate([starts, ends]))
+        # Merge consecutive pages into ranges: one madvise call per run of pages.
+        breaks = np.flatnonzero(np.diff(pages) != 1) + 1
+        for run in np.split(pages, breaks):
+            self._mm.madvise(mmap.MADV_WILLNEED, int(run[0]) * page, int(run[-1] - run[0] + 1) * page)
+
+    def close(self, step: int | None = None):
+        """Flush, mark clean, unlock and unmap. Safe to call twice."""
+        if self.closed:
+            return
+        try:
+            if self._mm is not None and self._dirty:
+                self.flush(step)
+            elif step is not None and step != self._step and self._mm is not None:
+                self._write_header(step, clean=True)
+        finally:
+            self._release()
+
+    def _release(self):
+        self.closed = True
+        self.records = None
+        if self._mm is not None:
+            try:
+                self._mm.close()
+            except BufferError:
+                pass  # tensors from state_dict() still view the mapping; it unmaps when they die
+            self._mm = None
+        if self._fd is not None:
+            try:
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
+            finally:
+                os.close(self._fd)
+                self._fd = None
+
+    def _check_open(self):
+        if self.closed:
+            raise StateFileError(f"state file {self.path} is closed; the optimizer was closed")
+
+    def __repr__(self):
+        return (f"RowStateFile({self.path!r}, rows={self.rows}, width={self.width}, dtype={self.dtype}, "
+                f"step={self._step})")
