@@ -1,0 +1,285 @@
+"""Gefen: AdamW with a block-shared second moment and a codebook-quantised first moment."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+from . import cpu, state as K
+from .codebook import code_table
+from .partition import RULES, choose_block
+from .reference import num_code_bytes, num_scales
+
+HIST_BINS = 4096
+BACKENDS = ("auto", "torch", "triton")
+
+
+class Gefen(torch.optim.Optimizer):
+    r"""AdamW with about one byte of state per parameter (Gefen, arXiv 2606.13894; upstream
+    PyPI package ``gefen``).
+
+    Each tensor is flattened (under FSDP: its local shard) and split into blocks of a length P
+    chosen once from its first squared gradient (``partition.py``; no parameter names needed).
+    One second moment is kept per block and the first moment as ``bits``-bit codes into one
+    model-wide codebook, learned at the first step as the exact optimal ``2**bits``-level
+    quantiser (ends pinned at -1, +1) of a 4096-bin histogram of gradients divided by their
+    block's absmax, times one fp32 scale per block. For a block b, with t the tensor's step::
+
+        v_b <- beta2 v_b + (1 - beta2) mean_b(g^2)
+        p   <- p (1 - lr weight_decay)
+        m~  <- lerp(C[code] s_b, g, 1 - beta1);  s_b <- max_b |m~|;  code <- nearest(C, m~ / s_b)
+        p   <- p - lr (C[code] s_b / (1 - beta1^t)) / (sqrt(v_b / (1 - beta2^t)) + eps)
+
+    State: 1 byte (8 bits) or 0.5 byte (4 bits) per element plus 8 bytes per block of P (P = 1:
+    4 bytes per element for v and 4 per 256 elements for the scale). With
+    ``share_second_moment=False, quantize_first_moment=False`` it is ``torch.optim.AdamW``.
+    Not for sparse gradients (``nn.Embedding(sparse=True)``: use ``DiskSparseAdam``) nor complex
+    parameters. The exact state layout is in ``optim/gefen/reference.py``.
+
+    Args:
+        params: parameters or param groups (dicts); groups may set ``lr``, ``betas``, ``eps``,
+            ``weight_decay``, ``share_second_moment``, ``quantize_first_moment``.
+        lr: learning rate. (Default: 1e-3)
+        betas: coefficients of the first and second moment averages. (Default: (0.9, 0.999))
+        eps: added to the denominator. (Default: 1e-8)
+        weight_decay: decoupled weight decay, as AdamW. (Default: 0.0)
+        bits: code width of the first moment, 8 (256 levels) or 4 (16 levels, two codes a
+            byte). One codebook serves all groups. (Default: 8)
+        share_second_moment: one second moment per automatically found block; False keeps one
+            per element. (Default: True)
+        quantize_first_moment: store the first moment as codes and block scales; False keeps it
+            in fp32. (Default: True)
+        backend: "torch" (vectorised PyTorch, any device), "triton" (``optim.gefen.kernels``,
+            CUDA, or CPU under ``TRITON_INTERPRET=1``) or "auto" (Triton for CUDA tensors, torch
+            elsewhere). (Default: "auto")
+        block_rule: "adjacent_log" (upstream's current rule) or "variance_drop" (the paper-era
+            rule); see ``partition.py``. (Default: "adjacent_log")
+    """
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, bits=8,
+                 share_second_moment=True, quantize_first_moment=True, backend="auto",
+                 block_rule="adjacent_log"):
+        if bits not in (4, 8):
+            raise ValueError(f"Gefen: bits must be 8 or 4, got {bits!r}")
+        if backend not in BACKENDS:
+            raise ValueError(f"Gefen: backend must be one of {BACKENDS}, got {backend!r}")
+        if block_rule not in RULES:
+            raise ValueError(f"Gefen: block_rule must be one of {RULES}, got {block_rule!r}")
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                        share_second_moment=share_second_moment,
+                        quantize_first_moment=quantize_first_moment)
+        super().__init__(params, defaults)
+        self.bits = bits
+        self.backend = backend
+        self.block_rule = block_rule
+        self.codebook = None
+        self._tables = None
+
+    def add_param_group(self, param_group):
+        super().add_param_group(param_group)
+        _check_group(self.param_groups[-1], len(self.param_groups) - 1)
+
+    # ----------------------------------------------------------------------------- codebook
+    def codebook_histogram(self, grads) -> torch.Tensor:
+        """4096 counts (int64, CPU) of block-normalised gradients of ``grads`` ({param: grad}).
+
+        A distributed wrapper all-reduces this before :meth:`learn_codebook`.
+        """
+        by_block = defaultdict(list)
+        for p, g in grads.items():
+            by_block[self.state[p][K.BLOCK]].append(g)
+        counts = torch.zeros(HIST_BINS, dtype=torch.int64)
+        for block, gs in by_block.items():
+            counts += cpu.histogram(gs, block=block, bins=HIST_BINS).cpu()
+        return counts
+
+    def learn_codebook(self, counts: torch.Tensor, device=None) -> torch.Tensor:
+        """Exact optimal ``2**bits``-level codebook (ends -1, +1) of a histogram; sets it."""
+        from .codebook import histogram, optimal_codebook
+
+        counts = counts.cpu()
+        if int(counts.sum()) == 0:  # all gradients zero: any codebook will do
+            counts = counts.clone()
+            counts[0] = counts[-1] = 1
+        centers = histogram(torch.zeros(0), bins=counts.numel())[0]
+        codebook, _ = optimal_codebook(centers, counts, 2**self.bits, fix_endpoints=True)
+        self.set_codebook(codebook.float().to(device or "cpu"))
+        return self.codebook
+
+    def set_codebook(self, codebook: torch.Tensor):
+        if codebook.numel() != 2**self.bits or not bool((codebook.diff() >= 0).all()):
+            raise ValueError(f"Gefen: the codebook must be {2**self.bits} sorted values for "
+                             f"bits={self.bits}, got shape {tuple(codebook.shape)}")
+        self.codebook = codebook.detach().float().contiguous()
+        self._tables = None
+
+    def _nearest_tables(self):
+        if self._tables is None or self._tables.codebook.device != self.codebook.device:
+            self._tables = code_table(self.codebook)
+        return self._tables
+
+    # -------------------------------------------------------------------------------- state
+    def _init_state(self, p, grad, group):
+        g = _local(grad)
+        n = g.numel()
+        block = choose_block(g, self.block_rule) if group["share_second_moment"] else 1
+        st = self.state[p]
+        dev = g.device
+        st[K.STEP] = 0
+        st[K.BLOCK] = block
+        st[K.V] = torch.zeros(n // block, device=dev)
+        if group["quantize_first_moment"]:
+            st[K.SCALES] = torch.zeros(num_scales(n, block), device=dev)
+            st[K.CODES] = torch.zeros(num_code_bytes(n, self.bits), dtype=torch.uint8, device=dev)
+        else:
+            st[K.M] = torch.zeros(n, device=dev)
+
+    def _gather(self):
+        """[(group, [(p, grad)])] of parameters with gradients; checks them; creates state."""
+        out = []
+        for gi, group in enumerate(self.param_groups):
+            items = []
+            for pi, p in enumerate(group["params"]):
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError(
+                        f"Gefen does not support sparse gradients (group {gi}, parameter {pi}, "
+                        f"shape {tuple(p.shape)}); for nn.Embedding(sparse=True) use "
+                        "optim.DiskSparseAdam, or build the embedding with sparse=False")
+                if _local(p).numel() == 0:
+                    continue
+                if K.BLOCK not in self.state[p]:
+                    self._init_state(p, p.grad, group)
+                items.append((p, p.grad))
+            out.append((group, items))
+        return out
+
+    # --------------------------------------------------------------------------------- step
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One optimizer step; ``closure`` re-evaluates the model and returns the loss."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        work = self._gather()
+        quantized = {p: _local(g) for group, items in work if group["quantize_first_moment"]
+                     for p, g in items}
+        if self.codebook is None and quantized:
+            dev = next(iter(quantized.values())).device
+            self.learn_codebook(self.codebook_histogram(quantized), device=dev)
+        for group, items in work:
+            self._step_group(group, items)
+        return loss
+
+    def _step_group(self, group, items):
+        quant = group["quantize_first_moment"]
+        buckets = defaultdict(list)
+        for p, g in items:
+            st = self.state[p]
+            st[K.STEP] += 1
+            buckets[(st[K.BLOCK], st[K.STEP], _local(p).device)].append((p, g))
+        beta1, beta2 = group["betas"]
+        for (block, step, dev), pg in buckets.items():
+            sts = [self.state[p] for p, _ in pg]
+            fn, extra = self._backend_for(dev)
+            if quant and fn is cpu.gefen_step_:
+                extra = {"tables": self._nearest_tables()}
+            codebook = self.codebook if quant else None
+            if codebook is not None and codebook.device != dev:
+                codebook = self.codebook = self.codebook.to(dev)
+            fn([_local(p) for p, _ in pg], [_local(g) for _, g in pg], [s[K.V] for s in sts],
+               [s[K.SCALES] if quant else s[K.V].new_zeros(0) for s in sts],
+               [s[K.CODES] if quant else s[K.M] for s in sts], codebook,
+               step=step, lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
+               weight_decay=group["weight_decay"], block=block, bits=self.bits, **extra)
+
+    def _backend_for(self, device):
+        use_triton = self.backend == "triton" or (self.backend == "auto" and device.type == "cuda")
+        if not use_triton:
+            return cpu.gefen_step_, {}
+        try:
+            from .kernels import gefen_step_
+        except ImportError as exc:
+            if self.backend == "auto":
+                return cpu.gefen_step_, {}
+            raise RuntimeError(f"Gefen(backend='triton') needs optim.gefen.kernels and Triton: "
+                               f"{exc}; use backend='torch'") from exc
+        return gefen_step_, {}
+
+    # --------------------------------------------------------------------------- state dict
+    def state_dict(self):
+        sd = super().state_dict()
+        sd[K.CODEBOOK] = None if self.codebook is None else self.codebook.clone()
+        sd[K.BITS] = self.bits
+        return sd
+
+    def load_state_dict(self, state_dict):
+        sd = dict(state_dict)
+        codebook = sd.pop(K.CODEBOOK, None)
+        bits = sd.pop(K.BITS, self.bits)
+        if bits != self.bits:
+            raise ValueError(f"Gefen.load_state_dict: the state dict was saved with bits={bits}, "
+                             f"this optimizer has bits={self.bits}; construct it with bits={bits}")
+        saved = sd.get("state", {})
+        params = [p for g in self.param_groups for p in g["params"]]
+        ids = [i for g in sd["param_groups"] for i in g["params"]]
+        if len(ids) != len(params):
+            raise ValueError(f"Gefen.load_state_dict: the state dict has {len(ids)} parameters, "
+                             f"this optimizer {len(params)}; load it into the model it was saved from")
+        for k, (pid, p) in enumerate(zip(ids, params)):
+            if pid in saved:
+                _check_saved(saved[pid], _local(p).numel(), self.bits, k, tuple(p.shape))
+        super().load_state_dict(sd)
+        # torch casts floating state to the parameter's dtype (bf16 would round v and scales,
+        # and uint8 codes would become floats): put back the saved tensors as they were.
+        for pid, p in zip(ids, params):
+            if pid in saved:
+                self.state[p] = {k: (v.detach().to(_local(p).device, copy=True)
+                                     if torch.is_tensor(v) else v) for k, v in saved[pid].items()}
+        if codebook is None:
+            self.codebook, self._tables = None, None
+        else:
+            self.set_codebook(codebook.to(_local(params[0]).device) if params else codebook)
+
+
+def _local(t):
+    """The local shard of a DTensor, the tensor itself otherwise (state lives with the shard)."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _check_group(group, gi):
+    for pi, p in enumerate(group["params"]):
+        if p.is_complex():
+            raise ValueError(f"Gefen does not support complex parameters (group {gi}, parameter "
+                             f"{pi}); optimize torch.view_as_real(p) as a real parameter instead")
+        if not p.is_floating_point():
+            raise ValueError(f"Gefen: parameter {pi} of group {gi} has dtype {p.dtype}, "
+                             "expected a floating-point dtype")
+    lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+    if not 0.0 <= float(lr):
+        raise ValueError(f"Gefen: invalid lr {lr} in group {gi}")
+    if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
+        raise ValueError(f"Gefen: invalid betas {group['betas']} in group {gi}; need 0 <= beta < 1")
+    if not 0.0 <= eps or not 0.0 <= wd:
+        raise ValueError(f"Gefen: invalid eps {eps} or weight_decay {wd} in group {gi}")
+
+
+def _check_saved(st, n, bits, k, shape):
+    """Raise if a saved per-parameter state does not fit an n-element parameter."""
+    block = st.get(K.BLOCK)
+    ok = isinstance(block, int) and block >= 1 and n % block == 0
+    ok = ok and st[K.V].numel() == n // block
+    if ok and K.CODES in st:
+        ok = (st[K.CODES].numel() == num_code_bytes(n, bits)
+              and st[K.SCALES].numel() == num_scales(n, block))
+    if ok and K.M in st:
+        ok = st[K.M].numel() == n
+    if not ok:
+        raise ValueError(
+            f"Gefen.load_state_dict: the state of parameter {k} (block {block}, v of "
+            f"{st[K.V].numel() if K.V in st else '?'} entries) does not fit its shape {shape} "
+            f"({n} elements); the state dict comes from a model with other shapes")
+

@@ -1,0 +1,28 @@
+"""Names of Gefen's optimizer state, in one place (state dicts, kernels and tests use these).
+
+Per parameter (``optimizer.state[p]``; layout and shapes in ``reference.py``'s docstring)::
+
+    STEP    int, updates applied to this parameter (t of the bias corrections)
+    BLOCK   int, block length P of the shared second moment, fixed at the first gradient
+    V       fp32 (numel // P,), block-shared second moment
+    SCALES  fp32 (ceil(numel / S),), first-moment scale per scale block (quantised groups)
+    CODES   uint8 (numel,) at 8 bits, (ceil(numel / 2),) at 4 bits (quantised groups)
+    M       fp32 (numel,), the unquantised first moment (groups with quantize_first_moment=False)
+
+Optimizer-wide (top-level keys of ``Gefen.state_dict()``)::
+
+    CODEBOOK  fp32 (2**bits,) sorted, or None before the first step
+    BITS      int, 8 or 4
+"""
+
+STEP = "step"
+BLOCK = "block"
+V = "v"
+SCALES = "scales"
+CODES = "codes"
+M = "m"
+
+CODEBOOK = "codebook"
+BITS = "bits"
+
+PER_PARAM_TENSORS = (V, SCALES, CODES, M)
