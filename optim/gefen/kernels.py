@@ -40,8 +40,8 @@ Why the kernel looks the way it does
   at least one histogram bin apart, so NCMP is 1 or 2 (one uint8 LUT read of a 4 KB table plus
   one or two reads of a 1 KB midpoint table, all L1-resident on a GPU), against 8 dependent reads
   for a binary search over 255 midpoints and 256 compares for a scan. Equal entries (a codebook
-  padded because fewer histogram bins were occupied than levels) are merged first and the lowest
-  code of each value is written, which is upstream's tie rule (ties to the lower index).
+  padded because fewer histogram bins were occupied than levels) are merged first; the code
+  written is then the copy the reference's rule picks (first copy from below, last from above).
 * 4-bit codes are packed two a byte, so a program works on pairs of elements (even, odd) and
   writes whole bytes; no two programs share a byte. For an odd block length a byte straddles two
   blocks, so a tile row then holds two blocks (2S elements) reduced separately.
@@ -83,8 +83,8 @@ def _nearest(x, uniq_ptr, mid_ptr, lut_ptr, first_ptr, NLUT: tl.constexpr, NCMP:
     for _ in tl.static_range(NCMP):
         u += (x > tl.load(mid_ptr + u)).to(tl.int32)  # mid is padded with +inf: u stays in range
     val = tl.load(uniq_ptr + u)
-    if HAS_DUP:
-        code = tl.load(first_ptr + u).to(tl.int32)
+    if HAS_DUP:  # repeated entries: the code the reference's searchsorted rule picks (see host)
+        code = tl.load(first_ptr + 2 * u + (x > val).to(tl.int32)).to(tl.int32)
     else:
         code = u
     return code, val
@@ -330,7 +330,7 @@ def _codebook_tables(codebook: torch.Tensor, device, bits: int, nlut: int = LUT_
     Returns (cb, uniq, mid, lut, first, ncmp, has_dup). ``cb`` is the codebook (fp32) for
     dequantising; ``uniq`` its distinct values; ``mid`` the fp32 midpoints between consecutive
     distinct values padded with +inf; ``lut`` (uint8, ``nlut``) the number of midpoints left of each
-    uniform bin of [-1, 1]; ``first`` the lowest code of each distinct value; ``ncmp`` the most
+    uniform bin of [-1, 1]; ``first`` the codes of each distinct value (first copy, last copy); ``ncmp`` the most
     midpoints one bin can hold (the number of comparisons after the table read).
     """
     # Keyed on the codebook object itself (held, so its address cannot be reused by another
@@ -346,7 +346,10 @@ def _codebook_tables(codebook: torch.Tensor, device, bits: int, nlut: int = LUT_
     if not torch.isfinite(c32).all() or (c32[1:] < c32[:-1]).any():
         raise ValueError("codebook must be finite and sorted ascending (optimal_codebook returns it so)")
     uniq = torch.unique_consecutive(c32)
-    first = torch.searchsorted(c32, uniq, side="left")  # lowest code of each distinct value
+    # Codes of each distinct value for x <= value (its first copy) and x > value (its last copy):
+    # the reference's searchsorted-then-compare-neighbours rule, so codes match it bit for bit.
+    first = torch.stack([torch.searchsorted(c32, uniq, side="left"),
+                         torch.searchsorted(c32, uniq, side="right") - 1], dim=1).reshape(-1)
     mid64 = (uniq[:-1].double() + uniq[1:].double()) / 2
     mid = torch.cat([mid64.float(), torch.tensor([math.inf])])
     edges = torch.linspace(-1.0, 1.0, nlut + 1, dtype=torch.float64)

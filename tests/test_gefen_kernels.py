@@ -1,0 +1,211 @@
+"""Gefen's Triton kernels (run by Triton's interpreter on CPU) against the torch reference.
+
+* The fused step (``kernels.gefen_step_``) against ``reference.gefen_step`` over several steps from
+  a random (not fresh) state: sizes 1, 7, 1000, 4097 and 2x1030; block lengths 1 (per-element v,
+  scales over 256-chunks with a partial last one), 8, 515 (odd: a packed byte straddles two
+  blocks), 1030 and 1024; 8 and 4 bits; fp32 parameters held to max |Δ| <= 1e-5, bf16 to relative
+  RMS <= 2e-2 (the kernel rounds to bf16 every step, as the optimizer does with the reference's
+  fp32 result; measured: identical).
+* Codes and scales after one step, directly: where a code differs it must still be a nearest
+  entry of m~/s (brute-force argmin over all entries, written here), for a random codebook, one
+  with repeated entries (what a codebook padded from a histogram with few occupied bins looks
+  like; the kernel writes the same copy the reference does) and one denser than the kernel's
+  lookup-table bins.
+* The unquantised, per-element mode is AdamW: checked against ``torch.optim.AdamW``.
+* A group of tensors (mixed sizes and dtypes) in one call equals each tensor stepped alone.
+* ``histogram_`` against ``torch.histc`` of the block-normalised gradient.
+* Bad inputs raise errors that name the argument.
+Runs in ~30 s on 2 CPU cores.
+"""
+
+import pytest
+import torch
+
+from optim.gefen import kernels as K
+from optim.gefen import reference as R
+from tests.utils import assert_close, rel_rms
+
+HP = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
+
+
+def random_codebook(bits, kind="random"):
+    k = 2**bits
+    if kind == "random":
+        inner = torch.rand(k - 2) * 2 - 1
+    elif kind == "dup":  # fewer occupied histogram bins than levels: entries repeat
+        inner = torch.tensor([-0.5, 0.25, 0.25, 0.6]).repeat_interleave((k - 2) // 4 + 1)[: k - 2]
+    elif kind == "dense":  # neighbours closer than one lookup-table bin (2/4096)
+        inner = torch.cat([torch.arange(k // 2 - 1) * 1e-4, torch.rand(k - 2 - (k // 2 - 1)) * 2 - 1])
+    return torch.sort(torch.cat([torch.tensor([-1.0, 1.0]), inner]))[0]
+
+
+def random_state(n, block, bits, quantized=True):
+    """A state as after some steps: random codes, positive scales, positive v."""
+    v, s, c = R.init_state(n, block=block, bits=bits, quantized=quantized)
+    v = torch.rand_like(v) * 1e-2
+    if not quantized:
+        return v, s, torch.randn(n) * 0.1
+    s = torch.rand_like(s) * 0.2
+    c = torch.randint(0, 256, c.shape, dtype=torch.uint8)  # at 4 bits: two random nibbles
+    if bits == 4 and n % 2:
+        c[-1] &= 15  # the last high nibble is padding 0
+    return v, s, c
+
+
+STEP_CASES = [
+    pytest.param((1,), 1, 8, torch.float32, id="n1-P1-8bit"),
+    pytest.param((7,), 1, 4, torch.float32, id="n7-P1-4bit"),
+    pytest.param((1000,), 8, 8, torch.float32, id="n1000-P8-8bit"),
+    pytest.param((1000,), 8, 4, torch.bfloat16, id="n1000-P8-4bit-bf16"),
+    pytest.param((4097,), 1, 8, torch.bfloat16, id="n4097-P1-8bit-bf16"),
+    pytest.param((4097,), 1, 4, torch.float32, id="n4097-P1-4bit"),
+    pytest.param((2, 1030), 1030, 8, torch.float32, id="2x1030-P1030-8bit"),
+    pytest.param((2, 1030), 515, 4, torch.float32, id="2x1030-P515odd-4bit"),
+    pytest.param((4, 1024), 1024, 4, torch.bfloat16, id="4x1024-P1024-4bit-bf16"),
+    pytest.param((4, 1024), 1024, 8, torch.float32, id="4x1024-P1024-8bit"),
+]
+
+
+@pytest.mark.parametrize("shape,block,bits,dtype", STEP_CASES)
+def test_step_matches_reference_over_steps(shape, block, bits, dtype):
+    n = torch.Size(shape).numel()
+    cb = random_codebook(bits)
+    v, s, c = random_state(n, block, bits)
+    p = torch.randn(shape).to(dtype)
+    ref = [p.float().reshape(-1), v.clone(), s.clone(), c.clone()]
+    kp, kv, ks, kc = p.clone(), v.clone(), s.clone(), c.clone()
+    for t in range(1, 4):
+        g = torch.randn(shape).to(dtype)
+        ref = list(R.gefen_step(*ref[:1], g, *ref[1:], cb, step=t, block=block, bits=bits, **HP))
+        ref[0] = ref[0].to(dtype).float()  # the optimizer stores the reference's p in p's dtype
+        K.gefen_step_(kp, g, kv, ks, kc, cb, step=t, block=block, bits=bits, **HP)
+        if dtype == torch.float32:
+            assert_close(kp.reshape(-1), ref[0], atol=1e-5, name=f"p after step {t}")
+        else:
+            assert rel_rms(kp.reshape(-1), ref[0]) <= 2e-2, f"p after step {t}"
+        assert_close(kv, ref[1], atol=1e-7, rtol=1e-5, name=f"v after step {t}")
+        assert_close(ks, ref[2], atol=1e-7, rtol=1e-5, name=f"scales after step {t}")
+        assert (kc == ref[3]).float().mean() >= 0.999, f"codes after step {t}"
+    assert kp.dtype == dtype and kp.shape == torch.Size(shape)
+
+
+def nearest_brute(x, cb):
+    return (x[:, None] - cb[None, :]).abs().argmin(dim=1)
+
+
+@pytest.mark.parametrize("kind", ["random", "dup", "dense"])
+@pytest.mark.parametrize("n,block,bits", [(4097, 1, 8), (1030, 515, 4), (1000, 8, 4)],
+                         ids=["4097-P1-8bit", "1030-P515-4bit", "1000-P8-4bit"])
+def test_codes_and_scales_after_one_step(n, block, bits, kind):
+    cb = random_codebook(bits, kind)
+    v, s, c = random_state(n, block, bits)
+    s0, c0 = s.clone(), c.clone()
+    g = torch.randn(n) * 0.3
+    p = torch.randn(n)
+    _, rv, rs, rc = R.gefen_step(p, g, v.clone(), s.clone(), c.clone(), cb, step=5, block=block,
+                                 bits=bits, **HP)
+    K.gefen_step_(p, g, v, s, c, cb, step=5, block=block, bits=bits, **HP)
+    assert_close(s, rs, atol=0, rtol=1e-6, name="scales")
+    assert_close(v, rv, atol=0, rtol=1e-6, name="v")
+    # m~ / s as the reference computes it, then: is the kernel's entry a nearest one?
+    m = R.dequantize(s0, c0, cb, numel=n, block=block, bits=bits)
+    m = m.lerp(g, 1 - HP["beta1"])
+    s_el = rs.repeat_interleave(R.scale_block_length(block))[:n]
+    x = torch.where(s_el > 0, m / s_el, torch.zeros_like(m))
+    kcode = R.unpack_codes(c, n, bits)
+    rcode = R.unpack_codes(rc, n, bits)
+    best = nearest_brute(x, cb)
+    dk = (x - cb[kcode]).abs()
+    db = (x - cb[best]).abs()
+    assert (dk <= db + 1e-6).all(), f"kernel chose a non-nearest entry at {(dk > db + 1e-6).nonzero()[:5].tolist()}"
+    differ = kcode != rcode
+    if differ.any():  # allowed only at a (near) tie between two equally near entries
+        assert ((x - cb[rcode]).abs()[differ] - dk[differ]).abs().max() <= 1e-6
+    assert differ.float().mean() <= 1e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_unquantised_per_element_is_adamw(dtype):
+    n = 1000
+    p = torch.randn(n).to(dtype)
+    ref = torch.nn.Parameter(p.float().clone())
+    opt = torch.optim.AdamW([ref], lr=HP["lr"], betas=(HP["beta1"], HP["beta2"]), eps=HP["eps"],
+                            weight_decay=HP["weight_decay"])
+    v, s, m = R.init_state(n, block=1, bits=8, quantized=False)
+    for t in range(1, 6):
+        g = torch.randn(n).to(dtype)
+        ref.grad = g.float()
+        opt.step()
+        with torch.no_grad():
+            ref.copy_(ref.to(dtype).float())
+        K.gefen_step_(p, g, v, s, m, None, step=t, block=1, bits=8, **HP)
+    if dtype == torch.float32:
+        assert_close(p, ref.detach(), atol=1e-6, name="p vs AdamW")
+        assert_close(m, opt.state[ref]["exp_avg"], atol=1e-7, rtol=1e-6, name="m vs exp_avg")
+        assert_close(v, opt.state[ref]["exp_avg_sq"], atol=1e-9, rtol=1e-6, name="v vs exp_avg_sq")
+    else:
+        assert rel_rms(p, ref.detach()) <= 2e-2
+
+
+def test_group_launch_equals_one_tensor_at_a_time():
+    cb = random_codebook(8)
+    shapes = [(3, 40), (1000,), (17,), (64, 8)]
+    dtypes = [torch.float32, torch.bfloat16, torch.float32, torch.bfloat16]
+    ps = [torch.randn(sh).to(dt) for sh, dt in zip(shapes, dtypes)]
+    gs = [torch.randn(sh).to(dt) for sh, dt in zip(shapes, dtypes)]
+    states = [random_state(p.numel(), 1, 8) for p in ps]
+    alone = [(p.clone(), *(t.clone() for t in st)) for p, st in zip(ps, states)]
+    K.gefen_step_(ps, gs, [st[0] for st in states], [st[1] for st in states],
+                  [st[2] for st in states], cb, step=2, block=1, bits=8, **HP)
+    for (p1, v1, s1, c1), g, p, st in zip(alone, gs, ps, states):
+        K.gefen_step_(p1, g, v1, s1, c1, cb, step=2, block=1, bits=8, **HP)
+        assert torch.equal(p1, p) and torch.equal(v1, st[0]) and torch.equal(s1, st[1])
+        assert torch.equal(c1, st[2])
+
+
+def test_non_contiguous_parameter_is_written_back():
+    cb = random_codebook(8)
+    base = torch.randn(30, 20)
+    p = base.t()  # non-contiguous view
+    g = torch.randn(20, 30)
+    v, s, c = random_state(600, 1, 8)
+    ref = R.gefen_step(p.reshape(-1), g, v.clone(), s.clone(), c.clone(), cb, step=1, block=1,
+                       bits=8, **HP)
+    K.gefen_step_(p, g, v, s, c, cb, step=1, block=1, bits=8, **HP)
+    assert_close(base.t().reshape(-1), ref[0], atol=1e-6, name="p through a transposed view")
+
+
+@pytest.mark.parametrize("block", [1, 8, 515], ids=lambda b: f"P{b}")
+def test_histogram_matches_histc(block):
+    n = 4120 if block != 515 else 2060
+    g = torch.randn(n) * torch.rand(n) ** 3
+    g[: min(block, 16)] = 0  # an all-zero block (when block <= 16) normalises to 0
+    counts = torch.zeros(4096, dtype=torch.int64)
+    K.histogram_(counts, g, block=block)
+    K.histogram_(counts, g.bfloat16(), block=block)  # accumulates; bf16 input
+    expect = torch.zeros(4096)
+    for x in (g, g.bfloat16().float()):
+        a = R.block_absmax(x, block).repeat_interleave(block)[:n]
+        expect += torch.histc(torch.where(a > 0, x / a, torch.zeros_like(x)), 4096, -1, 1)
+    assert torch.equal(counts.float(), expect), (counts.float() - expect).abs().sum()
+
+
+def test_bad_inputs_name_the_argument(monkeypatch):
+    cb = random_codebook(8)
+    p, g = torch.randn(16), torch.randn(16)
+    v, s, c = R.init_state(16, block=8, bits=8)
+    with pytest.raises(ValueError, match="scales"):
+        K.gefen_step_(p, g, v, s[:1], c, cb, step=1, block=8, bits=8, **HP)
+    with pytest.raises(ValueError, match="codes"):
+        K.gefen_step_(p, g, v, s, c.float(), cb, step=1, block=8, bits=8, **HP)
+    with pytest.raises(ValueError, match="bits"):
+        K.gefen_step_(p, g, v, s, c, cb, step=1, block=8, bits=3, **HP)
+    with pytest.raises(ValueError, match="block"):
+        K.gefen_step_(p, g, v, s, c, cb, step=1, block=5, bits=8, **HP)
+    with pytest.raises(ValueError, match="sorted"):
+        K.gefen_step_(p, g, v, s, c, cb.flip(0), step=1, block=8, bits=8, **HP)
+    with pytest.raises(ValueError, match="counts"):
+        K.histogram_(torch.zeros(100), g, block=8)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(RuntimeError, match="backend='torch'"):
+        K.gefen_step_(p, g, v, s, c, cb, step=1, block=8, bits=8, **HP)
