@@ -1,0 +1,173 @@
+"""Triton row kernels (run under TRITON_INTERPRET=1 on CPU) against the pure reference functions.
+
+Each case runs several steps on a small table: gather random unique rows and their state records,
+update them, scatter them back, so the records make round trips through the table between steps.
+The kernels compute in float32 like the references. Tolerances:
+
+- Euclidean float32: rtol 1e-6. On CUDA the kernel is bit-exact with torch; on CPU torch's
+  vectorised ``sqrt`` is not correctly rounded (about 0.5% of values one ulp off) while the kernel's
+  ``sqrt_rn`` is, so a few values differ by an ulp.
+- Poincaré float32: max |Δ| <= 2e-6 and relative 1e-5 (same formulas, the kernel's ``tanh`` is a
+  series / exp form and reductions are summed in another order).
+- bfloat16 weights: relative RMS <= 2e-3 and max |Δ| <= 2 bf16 ulps; a value on a rounding
+  boundary may round the other way and the difference is carried to later steps.
+"""
+
+import pytest
+import torch
+
+from optim.disk_sparse import poincare
+from optim.disk_sparse.kernels import adam_rows_, riemannian_adam_rows_
+from tests.utils import assert_close
+
+try:
+    from optim.disk_sparse.reference import sparse_adam_rows
+except ImportError:  # the DSA-core reference; restated here only if it is absent
+    def sparse_adam_rows(w, g, m, v, step, *, lr, beta1, beta2, eps, maximize=False):
+        import math
+
+        g = -g if maximize else g
+        u_m, u_v = (g - m) * (1 - beta1), (g * g - v) * (1 - beta2)
+        step_size = lr * math.sqrt(1 - beta2**step) / (1 - beta1**step)
+        return w + (-step_size * ((u_m + m) / ((u_v + v).sqrt() + eps))), m + u_m, v + u_v
+
+
+def run_table(n_rows, d, width, steps, dtype, update, seed, *, ball_c=None, g_fp32=False):
+    """Drive ``update(w_rows, g_rows, state_rows, step)`` on a table; returns (W, S) after ``steps``."""
+    gen = torch.Generator().manual_seed(seed)
+    if ball_c is None:
+        W = torch.randn(n_rows, d, generator=gen) * 0.5
+    else:
+        W = poincare.project(torch.randn(n_rows, d, generator=gen), c=1.0)
+        W = W / W.norm(dim=-1, keepdim=True).clamp_min(1e-12) * torch.rand(n_rows, 1, generator=gen) * 0.9 / ball_c**0.5
+    W = W.to(dtype)
+    S = torch.zeros(n_rows, width)
+    for step in range(1, steps + 1):
+        k = max(1, (n_rows * 3) // 4)
+        rows = torch.randperm(n_rows, generator=gen)[:k].sort().values
+        g = torch.randn(k, d, generator=gen) * torch.rand(k, 1, generator=gen) * 3
+        g = g if g_fp32 else g.to(dtype)
+        w_rows, s_rows = W[rows].contiguous(), S[rows].contiguous()
+        update(w_rows, g, s_rows, step)
+        W[rows], S[rows] = w_rows, s_rows
+    return W, S
+
+
+def ref_adam(kw):
+    def update(w, g, s, step):
+        d = w.shape[1]
+        nw, nm, nv = sparse_adam_rows(w.float(), g.float(), s[:, :d], s[:, d:], step, **kw)
+        w.copy_(nw.to(w.dtype))
+        s[:, :d], s[:, d:] = nm, nv
+    return update
+
+
+def ref_ball(kw):
+    def update(w, g, s, step):
+        d = w.shape[1]
+        nw, nm, nv = poincare.riemannian_adam_rows(w.float(), g.float(), s[:, :d], s[:, d:], step, **kw)
+        w.copy_(nw.to(w.dtype))
+        s[:, :d], s[:, d:] = nm, nv
+    return update
+
+
+def kernel(fn, kw):
+    return lambda w, g, s, step: fn(w, g, s, step, **kw)
+
+
+SHAPES = [  # (rows in the table, D): widths 1, 3, 37, 127, 300; up to 2000 rows
+    pytest.param(2, 1, id="2x1"),
+    pytest.param(2000, 3, id="2000x3"),
+    pytest.param(61, 37, id="61x37"),
+    pytest.param(150, 127, id="150x127"),
+    pytest.param(24, 300, id="24x300"),
+]
+
+
+def check(W, S, W_ref, S_ref, dtype, d, *, atol, rtol):
+    if dtype == torch.float32:
+        assert_close(W, W_ref, atol=atol, rtol=rtol, name="weights")
+    else:
+        ulp = W_ref.float().abs() * 2.0**-7
+        assert_close(W.float(), W_ref.float(), atol=1e-6, rtol=2 * 2.0**-8, rel_rms_tol=2e-3, name="bf16 weights")
+        assert float(((W.float() - W_ref.float()).abs() - 2 * ulp).max()) <= 1e-6
+    assert_close(S, S_ref, atol=atol, rtol=max(rtol, 1e-5 if dtype != torch.float32 else 0), rel_rms_tol=1e-4,
+                 name="state records")
+
+
+@pytest.mark.parametrize("n_rows,d", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_adam_rows_kernel_matches_reference(n_rows, d, dtype):
+    kw = dict(lr=3e-2, beta1=0.9, beta2=0.999, eps=1e-8, maximize=(d == 37))
+    args = (n_rows, d, 2 * d, 3, dtype)
+    g_fp32 = dtype == torch.bfloat16 and d == 127  # the fp32-gradient-with-bf16-weights path
+    W, S = run_table(*args, kernel(adam_rows_, kw), seed=d, g_fp32=g_fp32)
+    W_ref, S_ref = run_table(*args, ref_adam(kw), seed=d, g_fp32=g_fp32)
+    assert (S[:, :d] != 0).any()
+    check(W, S, W_ref, S_ref, dtype, d, atol=1e-7, rtol=1e-6)
+
+
+@pytest.mark.parametrize("n_rows,d", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("exact", [False, True], ids=["retr", "expmap"])
+def test_riemannian_adam_rows_kernel_matches_reference(n_rows, d, dtype, exact):
+    c = 1.0 if d % 2 else 0.5
+    # a large lr on the narrow tables takes the tanh of expmap through both of its branches
+    kw = dict(lr=0.3 if d <= 3 else 3e-2, beta1=0.9, beta2=0.99, eps=1e-8, c=c, exact=exact)
+    args = (n_rows, d, d + 1, 3, dtype)
+    W, S = run_table(*args, kernel(riemannian_adam_rows_, kw), seed=d, ball_c=c)
+    W_ref, S_ref = run_table(*args, ref_ball(kw), seed=d, ball_c=c)
+    check(W, S, W_ref, S_ref, dtype, d, atol=2e-6, rtol=1e-5)
+    norms = W.double().norm(dim=-1)
+    assert torch.isfinite(W.float()).all() and (norms < 1 / c**0.5).all()
+
+
+def test_kernels_write_only_the_given_rows():
+    """Rows 1..2 of a table are updated through views; rows 0 and 3 and their records stay as they were.
+    The ball's record is D+1 wide: v is one number per row, the same as the reference's (n, 1)."""
+    d = 5
+    W = torch.randn(4, d) * 0.1
+    S = torch.rand(4, d + 1)
+    W0, S0 = W.clone(), S.clone()
+    g = torch.randn(2, d)
+    kw = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, c=1.0, exact=False)
+    riemannian_adam_rows_(W[1:3], g, S[1:3], 1, **kw)
+    w_ref, m_ref, v_ref = poincare.riemannian_adam_rows(W0[1:3], g, S0[1:3, :d], S0[1:3, d:], 1, **kw)
+    assert torch.equal(W[[0, 3]], W0[[0, 3]]) and torch.equal(S[[0, 3]], S0[[0, 3]])
+    assert_close(W[1:3], w_ref, atol=1e-7, rtol=1e-5, name="w")
+    assert_close(S[1:3, :d], m_ref, atol=1e-7, rtol=1e-5, name="m")
+    assert_close(S[1:3, d:], v_ref, rtol=1e-5, name="v")
+    S2 = torch.rand(4, 2 * d)
+    S20 = S2.clone()
+    adam_rows_(W[2:3], g[:1], S2[2:3], 1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8)
+    assert torch.equal(S2[[0, 1, 3]], S20[[0, 1, 3]]) and not torch.equal(S2[2], S20[2])
+    empty = torch.empty(0, d)
+    adam_rows_(empty, empty, torch.empty(0, 2 * d), 1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8)
+
+
+@pytest.mark.parametrize("exact", [False, True], ids=["retr", "expmap"])
+def test_riemannian_kernel_projects_points_outside_the_ball(exact):
+    d = 4
+    w = torch.randn(5, d)
+    w = w / w.norm(dim=-1, keepdim=True) * torch.tensor([[0.5], [1.0], [1.5], [1e3], [1e15]])
+    state = torch.zeros(5, d + 1)
+    riemannian_adam_rows_(w, torch.randn(5, d), state, 1, lr=0.1, beta1=0.9, beta2=0.999, eps=1e-8, c=1.0, exact=exact)
+    assert torch.isfinite(w).all() and torch.isfinite(state).all()
+    assert (w.double().norm(dim=-1) < 1).all()
+
+
+def test_bad_inputs_are_named():
+    w, g = torch.zeros(3, 4), torch.zeros(3, 4)
+    kw = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8)
+    with pytest.raises(ValueError, match="state must be float32 records of shape"):
+        adam_rows_(w, g, torch.zeros(3, 5), 1, **kw)
+    with pytest.raises(ValueError, match=r"shape \(3, 5\)"):
+        riemannian_adam_rows_(w, g, torch.zeros(3, 8), 1, **kw, c=1.0, exact=False)
+    with pytest.raises(TypeError, match="backend='torch'"):
+        adam_rows_(w.double(), g.double(), torch.zeros(3, 8), 1, **kw)
+    with pytest.raises(ValueError, match="contiguous"):
+        adam_rows_(torch.zeros(4, 3).t(), g, torch.zeros(3, 8), 1, **kw)
+    with pytest.raises(ValueError, match="step must be >= 1"):
+        adam_rows_(w, g, torch.zeros(3, 8), 0, **kw)
+    with pytest.raises(ValueError, match="curvature c must be > 0"):
+        riemannian_adam_rows_(w, g, torch.zeros(3, 5), 1, **kw, c=0.0, exact=False)
