@@ -32,7 +32,7 @@ Three pieces, used once per model (``histogram``, ``optimal_codebook``) and ever
 
 ``nearest_code(x, codebook_or_table, dtype=torch.int64)``
     Index of the nearest codebook entry to each element (ties go to the lower index), exact for
-    float32 and float64 inputs. The decision boundaries are ``code_boundaries(codebook)``: the
+    float32 and float64 inputs (a repeated entry keeps only its first index). The decision boundaries are ``code_boundaries(codebook)``: the
     midpoints (c[i] + c[i+1]) / 2, rounded *down* to float32, so that for float32 x
     ``code(x) = #{i : boundaries[i] < x}`` equals the exact nearest-entry argmin. The fast path
     is a lookup table over 2^p uniform bins of [-1, 1] giving the code of each bin's left edge,
@@ -95,28 +95,30 @@ def histogram(values, bins: int = 4096):
 # the DP, numpy fallback (level-synchronous divide and conquer)
 
 
-def _group_cost_np(pw, pwx, pwx2, i, j, kind):
-    s0 = pw[j] - pw[i]
-    s1 = pwx[j] - pwx[i]
-    s2 = pwx2[j] - pwx2[i]
-    if kind == 0:
-        return s2 - s1 * s1 / s0
-    c = -1.0 if kind == 1 else 1.0
-    return s2 - 2.0 * c * s1 + c * c * s0
-
-
 def _dp_splits_numpy(pw, pwx, pwx2, levels, fix_endpoints):
-    """Same contract as ``_codebook_numba.dp_splits_numba``; all intervals of one depth at once."""
+    """Same contract as ``_codebook_numba.dp_splits_numba``; all intervals of one depth at once.
+
+    For a fixed end j the group cost is S2(j) − S2(i) − (S1(j) − S1(i))² / (S0(j) − S0(i)) (mean
+    level) or S2(j) − S2(i) − 2c(S1(j) − S1(i)) + c²(S0(j) − S0(i)) (pinned level c); the terms
+    in j alone do not move the argmin, so the scan minimises prev(i) − S2(i) + (the rest) and adds
+    S2(j) afterwards. This halves the array passes per depth (~0.3 s for 4096 x 256 here).
+    """
     n = pw.shape[0] - 1
     K = levels
     prev = np.full(n + 1, np.inf)
     prev[0] = 0.0
     arg = np.zeros((K + 1, n + 1), dtype=np.int64)
+    big = n + 1
     for k in range(1, K + 1):
         kind = 1 if (fix_endpoints and k == 1) else 2 if (fix_endpoints and k == K) else 0
         jlo = k if k < K else n
         jhi = n - (K - k)
         cur = np.full(n + 1, np.inf)
+        if kind == 0:
+            base = prev - pwx2
+        else:
+            c = -1.0 if kind == 1 else 1.0
+            base = prev - pwx2 + 2.0 * c * pwx - c * c * pw
         a, b = np.array([jlo]), np.array([jhi])
         lo, hi = np.array([k - 1]), np.array([jhi - 1])
         while a.size:
@@ -125,16 +127,24 @@ def _dp_splits_numpy(pw, pwx, pwx2, levels, fix_endpoints):
             ends = np.cumsum(cnt)
             off = ends - cnt
             i = np.arange(ends[-1]) - np.repeat(off - lo, cnt)
-            j = np.repeat(m, cnt)
-            cost = prev[i] + _group_cost_np(pw, pwx, pwx2, i, j, kind)
-            segmin = np.minimum.reduceat(cost, off)
-            besti = np.minimum.reduceat(np.where(cost == np.repeat(segmin, cnt), i, n + 1), off)
-            cur[m] = segmin
+            if kind == 0:
+                d1 = np.repeat(pwx[m], cnt) - pwx[i]
+                val = base[i] - d1 * d1 / (np.repeat(pw[m], cnt) - pw[i])
+            else:
+                val = base[i]
+            segmin = np.minimum.reduceat(val, off)
+            besti = np.minimum.reduceat(np.where(val == np.repeat(segmin, cnt), i, big), off)
+            if kind == 0:
+                cur[m] = segmin + pwx2[m]
+            else:
+                cur[m] = segmin + pwx2[m] - 2.0 * c * pwx[m] + c * c * pw[m]
             arg[k, m] = besti
-            a, b = np.concatenate([a, m + 1]), np.concatenate([m - 1, b])
-            lo, hi = np.concatenate([lo, besti]), np.concatenate([besti, hi])
-            keep = a <= b
-            a, b, lo, hi = a[keep], b[keep], lo[keep], hi[keep]
+            keep_l = a <= m - 1
+            keep_r = m + 1 <= b
+            a = np.concatenate([a[keep_l], (m + 1)[keep_r]])
+            b = np.concatenate([(m - 1)[keep_l], b[keep_r]])
+            lo = np.concatenate([lo[keep_l], besti[keep_r]])
+            hi = np.concatenate([besti[keep_l], hi[keep_r]])
         prev = cur
     bounds = np.empty(K + 1, dtype=np.int64)
     bounds[K] = j = n
@@ -314,6 +324,8 @@ def code_boundaries(codebook: torch.Tensor, dtype=torch.float32) -> torch.Tensor
     _check_codebook(codebook)
     c = codebook.detach().to("cpu", torch.float64)
     mid = 0.5 * (c[:-1] + c[1:])  # exact: codebook entries are at most float32 here
+    if (c[1:] == c[:-1]).any():  # a repeated entry is never chosen: its boundary is the next one
+        mid = mid.masked_fill(c[1:] == c[:-1], float("inf")).flip(0).cummin(0).values.flip(0)
     if dtype == torch.float64:
         return mid.to(codebook.device)
     low = mid.to(dtype)
