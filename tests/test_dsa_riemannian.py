@@ -1,0 +1,215 @@
+"""DiskSparseRiemannianAdam against geoopt's SparseRiemannianAdam, and the Triton path of both Disk
+Sparse Adam optimizers against their torch path (Triton under TRITON_INTERPRET=1).
+
+geoopt needs a ManifoldParameter; ours takes the plain ``nn.Embedding(sparse=True)`` weight and keeps
+its moments on disk. Both see the same sparse gradients (same hyperbolic-distance loss, same batches
+with heavy duplicate indices). Tolerances after 100 steps: float64 max |Δ| <= 1e-9 (the update is
+geoopt's operation order, so only summation order of duplicates can differ), float32 2e-5 (as in
+test_dsa_poincare: rounding differences are carried along the trajectory).
+"""
+
+import os
+
+import geoopt
+import pytest
+import torch
+import torch.nn as nn
+
+import optim
+from tests.utils import assert_close
+
+try:
+    DiskSparseRiemannianAdam = optim.DiskSparseRiemannianAdam
+except (AttributeError, ImportError) as exc:  # pragma: no cover - until the class is wired in
+    pytestmark = pytest.mark.skip(reason=f"DiskSparseRiemannianAdam not available yet: {exc}")
+    DiskSparseRiemannianAdam = None
+
+CS = [pytest.param(1.0, id="c=1"), pytest.param(0.5, id="c=0.5")]
+
+
+def ball(c, exact=False):
+    cls = geoopt.PoincareBallExact if exact else geoopt.PoincareBall
+    return cls(c=torch.tensor(c, dtype=torch.float64))  # float64 c: no float32 round trip of softplus
+
+
+def ball_points(n, d, c, dtype, gen, max_frac=0.9):
+    x = torch.randn(n, d, dtype=torch.float64, generator=gen)
+    x = x / x.norm(dim=-1, keepdim=True)
+    return (x * torch.rand(n, 1, dtype=torch.float64, generator=gen) * max_frac / c**0.5).to(dtype)
+
+
+def batches_of_pairs(n_rows, steps, batch, gen):
+    out = []
+    for _ in range(steps):
+        pairs = torch.randint(0, n_rows, (batch, 2), generator=gen)  # batch >> n_rows: duplicates
+        same = pairs[:, 0] == pairs[:, 1]
+        pairs[same, 1] = (pairs[same, 1] + 1) % max(n_rows, 2)
+        out.append((pairs, torch.rand(batch, dtype=torch.float64, generator=gen) * 2.5 + 0.2))
+    return out
+
+
+def dist_loss(x, target, M):
+    """(d(x_a, x_b) - target)^2 summed: pulls and pushes pairs along geodesics."""
+    x = x.double() if x.dtype == torch.bfloat16 else x
+    return ((M.dist(x[:, 0], x[:, 1]) - target.to(x.dtype)) ** 2).sum()
+
+
+def run_geoopt(w0, batches, *, c, exact, lr, betas, eps):
+    M = ball(c, exact)
+    w = geoopt.ManifoldParameter(w0.clone(), manifold=M)
+    opt = geoopt.optim.SparseRiemannianAdam([w], lr=lr, betas=betas, eps=eps)
+    for pairs, target in batches:
+        opt.zero_grad()
+        dist_loss(nn.functional.embedding(pairs, w, sparse=True), target, M).backward()
+        opt.step()
+    return w.detach().clone(), opt.state[w]["exp_avg"], opt.state[w]["exp_avg_sq"]
+
+
+def run_ours(w0, batches, *, c, exact, lr, betas, eps, backend="torch", tmp=None, reload_at=None):
+    """Train an nn.Embedding; with ``reload_at``, checkpoint there and continue in a fresh optimizer."""
+    M = ball(c, exact)
+    emb = nn.Embedding(*w0.shape, sparse=True, dtype=w0.dtype)
+    with torch.no_grad():
+        emb.weight.copy_(w0)
+    kw = dict(lr=lr, betas=betas, eps=eps, c=c, exact=exact, backend=backend)
+    opt = DiskSparseRiemannianAdam(emb.parameters(), **kw)
+    for t, (pairs, target) in enumerate(batches):
+        if t == reload_at:
+            sd_path = os.path.join(tmp, "opt.pt")
+            torch.save(opt.state_dict(), sd_path)
+            opt.close()
+            opt = DiskSparseRiemannianAdam(emb.parameters(), **kw, state_dir=os.path.join(tmp, "resumed"))
+            opt.load_state_dict(torch.load(sd_path, map_location="cpu"))
+        opt.zero_grad()
+        dist_loss(emb(pairs), target, M).backward()
+        opt.step()
+    st = opt.state_dict()["state"][0]
+    m, v = st["exp_avg"].clone(), st["exp_avg_sq"].clone()
+    opt.close()
+    return emb.weight.detach().clone(), m, v
+
+
+@pytest.mark.parametrize("exact", [False, True], ids=["retr", "expmap"])
+@pytest.mark.parametrize("c", CS)
+@pytest.mark.parametrize("dtype,atol", [(torch.float64, 1e-9), (torch.float32, 2e-5)], ids=["f64", "f32"])
+def test_trajectory_matches_geoopt(exact, c, dtype, atol):
+    gen = torch.Generator().manual_seed(7 + int(exact) + int(4 * c))
+    n, d = 40, 5
+    w0 = ball_points(n, d, c, dtype, gen)
+    batches = batches_of_pairs(n, 100, 64, gen)
+    kw = dict(c=c, exact=exact, lr=0.03, betas=(0.9, 0.99), eps=1e-8)
+    w_ref, m_ref, v_ref = run_geoopt(w0, batches, **kw)
+    w, m, v = run_ours(w0, batches, **kw)
+    assert float((w - w0).abs().max()) > 0.05, "the problem must move the points"
+    assert_close(w, w_ref, atol=atol, name="weights")
+    assert_close(m, m_ref, atol=atol, name="exp_avg")
+    assert v.shape == (n, 1), "the ball's second moment is one number per row"
+    assert_close(v, v_ref[:, :1], rtol=max(atol, 1e-4 if dtype == torch.float32 else 0), name="exp_avg_sq")
+    assert torch.isfinite(w).all() and (w.double().norm(dim=-1) < 1 / c**0.5).all()
+
+
+def test_point_pushed_outside_the_ball_is_projected():
+    """A user may nudge a row outside the ball; the next step projects it first instead of NaN."""
+    emb = nn.Embedding(4, 3, sparse=True, dtype=torch.float64)
+    with torch.no_grad():
+        emb.weight.copy_(torch.tensor([[0.1, 0, 0], [0, 0.99, 0], [0, 0, 1.0], [3.0, 4.0, 0]], dtype=torch.float64))
+    opt = DiskSparseRiemannianAdam(emb.parameters(), lr=0.1, c=1.0)
+    for _ in range(3):
+        opt.zero_grad()
+        emb(torch.arange(4)).sum().backward()
+        opt.step()
+    opt.close()
+    w = emb.weight.detach()
+    assert torch.isfinite(w).all() and (w.norm(dim=-1) < 1).all()
+
+
+def test_record_on_disk_is_d_plus_one_values_per_row(tmp_path):
+    """The ball's row record is [m (D) | v (1)]: D-1 values per row fewer than the Euclidean [m | v]."""
+    n, d = 1000, 16
+    sizes = {}
+    for name, cls in [("ball", DiskSparseRiemannianAdam), ("adam", optim.DiskSparseAdam)]:
+        emb = nn.Embedding(n, d, sparse=True)
+        with torch.no_grad():
+            emb.weight.mul_(0.01)
+        opt = cls(emb.parameters(), state_dir=tmp_path / name)
+        emb(torch.tensor([1, 2, 2])).sum().backward()
+        opt.step()
+        opt.close()
+        files = [f for f in os.listdir(tmp_path / name)]
+        assert len(files) == 1, files
+        sizes[name] = os.path.getsize(tmp_path / name / files[0])
+    assert sizes["adam"] - sizes["ball"] == n * (2 * d - (d + 1)) * 4
+    from optim.disk_sparse.store import HEADER_BYTES
+
+    assert sizes["ball"] == HEADER_BYTES + n * (d + 1) * 4
+
+
+# --- Triton path vs torch path, both optimizers (interpreter: few, small cases) -------------------
+CASES = [  # (rows in the table, D, lookups per step): widths 1, 3, 37, 127, 300; 1..2000 rows
+    pytest.param(1, 1, 3, id="1x1"),
+    pytest.param(2000, 3, 1500, id="2000x3"),
+    pytest.param(50, 37, 80, id="50x37"),
+    pytest.param(40, 127, 30, id="40x127"),
+    pytest.param(9, 300, 12, id="9x300"),
+]
+
+
+def train_both_ways(cls, w0, batches, loss_fn, kw, backend, tmp):
+    """4 steps; the Triton run is checkpointed after step 2 and resumed in a fresh optimizer."""
+    emb = nn.Embedding(*w0.shape, sparse=True, dtype=w0.dtype)
+    with torch.no_grad():
+        emb.weight.copy_(w0)
+    opt = cls(emb.parameters(), **kw, backend=backend, state_dir=os.path.join(tmp, backend + "0"))
+    for t, idx in enumerate(batches):
+        if backend == "triton" and t == 2:
+            torch.save(opt.state_dict(), os.path.join(tmp, "sd.pt"))
+            opt.close()
+            opt = cls(emb.parameters(), **kw, backend=backend, state_dir=os.path.join(tmp, backend + "1"))
+            opt.load_state_dict(torch.load(os.path.join(tmp, "sd.pt"), map_location="cpu"))
+        opt.zero_grad()
+        loss_fn(emb(idx).float()).backward()
+        opt.step()
+    st = opt.state_dict()["state"][0]
+    state = torch.cat([st["exp_avg"], st["exp_avg_sq"]], dim=1).clone()
+    opt.close()
+    return emb.weight.detach().float(), state
+
+
+@pytest.mark.parametrize("n,d,batch", CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("which", ["adam", "ball"])
+def test_triton_backend_matches_torch_backend(n, d, batch, dtype, which, tmp_path, monkeypatch):
+    from optim.disk_sparse import kernels
+
+    calls = []
+    for name in ("adam_rows_", "riemannian_adam_rows_"):  # count launches: no silent torch fallback
+        fn = getattr(kernels, name)
+        monkeypatch.setattr(kernels, name, lambda *a, _fn=fn, _n=name, **k: (calls.append(_n), _fn(*a, **k))[1])
+    gen = torch.Generator().manual_seed(n * 1000 + d)
+    if which == "adam":
+        cls, kw = optim.DiskSparseAdam, dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8)
+        w0 = (torch.randn(n, d, generator=gen) * 0.3).to(dtype)
+        coef = torch.randn(d, generator=gen)
+        loss_fn = lambda x: ((x - coef) ** 2 * coef.abs()).sum()  # noqa: E731
+    else:
+        c = 0.5 if d % 2 == 0 else 1.0
+        exact = (d in (3, 127)) != (dtype == torch.bfloat16)  # both modes over the shapes and dtypes
+        cls, kw = DiskSparseRiemannianAdam, dict(lr=3e-2, betas=(0.9, 0.99), eps=1e-8, c=c, exact=exact)
+        w0 = ball_points(n, d, c, torch.float32, gen).to(dtype)
+        anchor = ball_points(1, d, c, torch.float64, gen)
+        M = ball(c)
+        loss_fn = lambda x: ((M.dist(x.double(), anchor) - 1.0) ** 2).sum()  # noqa: E731
+    batches = [torch.randint(0, n, (batch,), generator=gen) for _ in range(4)]
+    w_t, s_t = train_both_ways(cls, w0, batches, loss_fn, kw, "torch", str(tmp_path))
+    assert not calls
+    w_k, s_k = train_both_ways(cls, w0, batches, loss_fn, kw, "triton", str(tmp_path))
+    assert calls == ["adam_rows_" if which == "adam" else "riemannian_adam_rows_"] * len(batches)
+    assert s_t.shape == (n, 2 * d if which == "adam" else d + 1)
+    if dtype == torch.float32:
+        assert_close(w_k, w_t, atol=2e-6, rtol=1e-5, name="weights")
+    else:
+        assert_close(w_k, w_t, atol=1e-6, rtol=2 * 2.0**-8, rel_rms_tol=2e-3, name="bf16 weights")
+    assert_close(s_k, s_t, atol=2e-6, rtol=1e-5 if dtype == torch.float32 else 2e-2, rel_rms_tol=2e-3,
+                 name="state records")
+    if which != "adam":
+        assert (w_k.double().norm(dim=-1) < 1 / kw["c"] ** 0.5).all()
