@@ -177,15 +177,16 @@ def test_non_contiguous_parameter_is_written_back():
 
 @pytest.mark.parametrize("block", [1, 8, 515], ids=lambda b: f"P{b}")
 def test_histogram_matches_histc(block):
-    n = 4120 if block != 515 else 2060
-    g = torch.randn(n) * torch.rand(n) ** 3
-    g[: min(block, 16)] = 0  # an all-zero block (when block <= 16) normalises to 0
+    """Counts of g / (scale-block absmax) against torch.histc; two tensors and bf16 accumulate."""
+    gs = [torch.randn(n) * torch.rand(n) ** 3 for n in ((4120, 1032) if block != 515 else (2060, 515))]
+    gs[0][: R.scale_block_length(block)] = 0  # an all-zero scale block normalises to 0
     counts = torch.zeros(4096, dtype=torch.int64)
-    K.histogram_(counts, g, block=block)
-    K.histogram_(counts, g.bfloat16(), block=block)  # accumulates; bf16 input
+    K.histogram_(counts, gs, block=block)
+    K.histogram_(counts, gs[0].bfloat16(), block=block)  # accumulates; bf16 input
     expect = torch.zeros(4096)
-    for x in (g, g.bfloat16().float()):
-        a = R.block_absmax(x, block).repeat_interleave(block)[:n]
+    S = R.scale_block_length(block)
+    for x in (gs[0], gs[1], gs[0].bfloat16().float()):
+        a = R.block_absmax(x, S).repeat_interleave(S)[: x.numel()]
         expect += torch.histc(torch.where(a > 0, x / a, torch.zeros_like(x)), 4096, -1, 1)
     assert torch.equal(counts.float(), expect), (counts.float() - expect).abs().sum()
 

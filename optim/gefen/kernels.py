@@ -29,8 +29,12 @@ Why the kernel looks the way it does
   bf16: 8. Upstream's CUDA path runs the block mean of g**2 and the weight decay as separate
   kernels (two more reads of g and a read+write of p) and launches one CUDA block of >= 32
   threads per Gefen block, so a block length of 8 leaves 3/4 of its threads idle.
-* Tile = R whole blocks x next_pow2(S) columns, R*next_pow2(S) ~ ``TILE`` = 4096 elements. Lanes
-  past S (non-power-of-two S) are masked: they cost registers, not memory traffic.
+* Tile = R whole blocks x next_pow2(S) columns, R*next_pow2(S) ~ ``TILE`` = 2048 elements, with
+  ``ELEMS_PER_THREAD`` = 8 elements a thread (8 warps). Compiled offline for sm_90 (H200) and read
+  with ``cuobjdump --dump-resource-usage``: 16 elements a thread took 176-255 registers (one
+  256-thread program per SM), 8 a thread 70-128 registers and no spills (three programs per SM,
+  ~60 KB of loads in flight per SM, above the ~36 KB that 4.8 TB/s x ~1 us latency / 132 SMs
+  needs). Lanes past S (non-power-of-two S) are masked: they cost registers, not memory traffic.
 * Nearest codebook entry without scanning the entries: a 4096-bin lookup table over uniform bins
   of [-1, 1], built once per codebook on the host from the midpoints between consecutive distinct
   entries. ``lut[j]`` is the number of midpoints left of bin j (minus a 2**-20 safety margin that
@@ -58,14 +62,15 @@ import torch
 import triton
 import triton.language as tl
 
-from optim.gefen.reference import CHUNK, num_code_bytes, num_scales
+from optim.gefen.reference import num_code_bytes, num_scales, scale_block_length
 
-TILE = 4096  # elements per program (R blocks x next_pow2(S) lanes); see module docstring
+TILE = 2048  # elements per program (R blocks x next_pow2(S) lanes); see module docstring
+ELEMS_PER_THREAD = 8  # sets num_warps; 16 a thread needed 176-255 registers on sm_90
 MAX_TILE_WIDTH = 16384  # largest next_pow2(S) kept in one program; partition.py caps S at 1024
 LUT_BINS = 4096  # uniform bins of [-1, 1] in the nearest-entry table (uint8, 4 KB)
 LUT_MARGIN = 2.0**-20  # > rounding error of (x + 1) * LUT_BINS / 2 for |x| <= 1 in fp32
 HIST_BINS = 4096  # histogram bins on [-1, 1] (upstream: 16 per codebook level)
-HIST_TILE = 16384  # elements per histogram program: one 4096-bin atomic flush per this many
+HIST_TILE = 65536  # elements per histogram program: one 4096-bin atomic flush per this many
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
@@ -401,7 +406,7 @@ def _launch_step(rows, codebook, *, step, lr, beta1, beta2, eps, weight_decay, b
     tile (R blocks x WIDTH lanes) and the grid.
     """
     quant = codebook is not None
-    s_len = block if block > 1 else CHUNK
+    s_len = scale_block_length(block)
     four = quant and bits == 4
     group = 2 if four and s_len % 2 else 1
     lanes = group * s_len // 2 if four else s_len
@@ -424,7 +429,7 @@ def _launch_step(rows, codebook, *, step, lr, beta1, beta2, eps, weight_decay, b
     bc1 = 1 - beta1**step
     bc2 = 1 - beta2**step
     if num_warps is None:
-        num_warps = max(1, min(16, r * width // 512))
+        num_warps = max(1, min(16, r * width * (2 if four else 1) // (32 * ELEMS_PER_THREAD)))
     p, g, _, _, codes = rows[0]
     kernel = _gefen_step4_kernel if four else _gefen_step_kernel
     kernel[(n_tiles,)](
@@ -504,12 +509,14 @@ def gefen_step_(p, g, v, scales, codes, codebook, *, step, lr, beta1, beta2, eps
 
 
 def histogram_(counts, g, *, block, bins=HIST_BINS):
-    """Add to ``counts`` the histogram of g normalised by its block absmax (0 where it is 0).
+    """Add to ``counts`` the histogram of g divided by its scale block's absmax (0 where that is 0).
 
-    ``g`` is flattened and cut into blocks of ``block`` consecutive elements (a partial last block
-    is allowed, like ``reference.block_absmax``); x = g / absmax falls into bin
-    ``clamp(floor((x + 1) * bins / 2), 0, bins - 1)`` of ``bins`` uniform bins on [-1, 1].
-    ``counts``: 1-D, ``bins`` entries, int32, int64 or fp32, on g's device. Returns ``counts``.
+    Same counts as ``optim.gefen.cpu.histogram(gs, block=block, bins=bins)``: ``g`` is a tensor or
+    a list of tensors of one v-block length ``block`` (P); each is flattened and cut into scale
+    blocks of ``S = reference.scale_block_length(P)`` elements (a partial last one allowed); x =
+    g / absmax falls into bin ``clamp(floor((x + 1) * bins / 2), 0, bins - 1)`` of ``bins`` uniform
+    bins on [-1, 1]. ``counts``: 1-D, ``bins`` entries, int32, int64 or fp32, on g's device; every
+    program adds its local counts with one atomic add per bin. Returns ``counts``.
     """
     if bins & (bins - 1) or not 1 <= bins <= 16384:
         raise ValueError(f"bins must be a power of two <= 16384, got {bins}")
@@ -517,23 +524,28 @@ def histogram_(counts, g, *, block, bins=HIST_BINS):
         raise ValueError(f"counts must be a contiguous 1-D tensor of {bins} entries, got {tuple(counts.shape)}")
     if counts.dtype not in (torch.int32, torch.int64, torch.float32):
         raise TypeError(f"counts must be int32, int64 or float32, got {counts.dtype}")
-    if g.dtype not in _TL_DTYPES:
-        raise TypeError(f"g must be fp32, bf16 or fp16, got {g.dtype}")
-    if counts.device != g.device:
-        raise ValueError(f"counts is on {counts.device}, g on {g.device}")
     if not isinstance(block, int) or block < 1:
         raise ValueError(f"block must be a positive int, got {block!r}")
-    n = g.numel()
-    if n == 0:
-        return counts
-    _check_runnable(g, "g")
-    width = _next_pow2(block)
+    s_len = scale_block_length(block)
+    width = _next_pow2(s_len)
     if width > MAX_TILE_WIDTH:
         raise ValueError(f"block={block} is longer than one Triton program holds ({MAX_TILE_WIDTH})")
-    nrows = -(-n // block)
-    r = max(1, min(TILE // width, _next_pow2(nrows)))
-    iters = max(1, min(HIST_TILE // (r * width), -(-nrows // r)))
-    grid = (-(-nrows // (r * iters)),)
-    _histogram_kernel[grid](g.contiguous().view(-1), counts, n, S=block, R=r, WIDTH=width,
-                            ITERS=iters, BINS=bins, num_warps=max(1, min(8, r * width // 512)))
+    for i, gi in enumerate(_as_list(g)):
+        if gi.dtype not in _TL_DTYPES:
+            raise TypeError(f"g[{i}] must be fp32, bf16 or fp16, got {gi.dtype}")
+        if counts.device != gi.device:
+            raise ValueError(f"counts is on {counts.device}, g[{i}] on {gi.device}")
+        n = gi.numel()
+        if n == 0:
+            continue
+        if n % block:
+            raise ValueError(f"block={block} does not divide g[{i}].numel()={n}")
+        _check_runnable(gi, f"g[{i}]")
+        nrows = -(-n // s_len)
+        r = max(1, min(TILE // width, _next_pow2(nrows)))
+        iters = max(1, min(HIST_TILE // (r * width), -(-nrows // r)))
+        grid = (-(-nrows // (r * iters)),)
+        _histogram_kernel[grid](gi.contiguous().view(-1), counts, n, S=s_len, R=r, WIDTH=width,
+                                ITERS=iters, BINS=bins,
+                                num_warps=max(1, min(16, r * width // (32 * ELEMS_PER_THREAD))))
     return counts
