@@ -302,6 +302,8 @@ class CodeTable(NamedTuple):
     boundaries: torch.Tensor  # (levels - 1,) float32 rounded down, plus a trailing +inf
     boundaries64: torch.Tensor  # (levels - 1,) exact float64 midpoints, plus a trailing +inf
     lut: torch.Tensor | None  # (2^p,) int64 code of each uniform bin's left edge; None: bucketize
+    lut_bound: torch.Tensor | None  # (2^p,) float32 boundaries[lut]: the one comparison per bin
+    lut_bound64: torch.Tensor | None  # the same, float64, for float64 inputs
     scale: float  # 2^p / 2: bin of x is floor((x + 1) * scale)
 
 
@@ -344,7 +346,7 @@ def code_table(codebook: torch.Tensor, max_lut_bits: int = 16) -> CodeTable:
     b64 = code_boundaries(cb, torch.float64)
     bnd = torch.cat([b32, inf32])
     bnd64 = torch.cat([b64, inf32.double()])
-    lut = None
+    lut = lut_bound = lut_bound64 = None
     scale = 0.0
     if cb.numel() > 1:
         b = b32.double().cpu().numpy()
@@ -358,9 +360,10 @@ def code_table(codebook: torch.Tensor, max_lut_bits: int = 16) -> CodeTable:
             last = np.searchsorted(b, hi, side="right")  # #{b <= hi}
             if (last - first <= 1).all():
                 lut = torch.from_numpy(first.astype(np.int64)).to(dev)
+                lut_bound, lut_bound64 = bnd[lut], bnd64[lut]
                 scale = L / 2.0
                 break
-    return CodeTable(cb, bnd, bnd64, lut, scale)
+    return CodeTable(cb, bnd, bnd64, lut, lut_bound, lut_bound64, scale)
 
 
 def nearest_code(x: torch.Tensor, codebook, dtype=torch.int64) -> torch.Tensor:
@@ -376,12 +379,18 @@ def nearest_code(x: torch.Tensor, codebook, dtype=torch.int64) -> torch.Tensor:
         raise TypeError("x must be a floating-point tensor")
     xf = x if x.dtype in (torch.float32, torch.float64) else x.float()
     bnd = table.boundaries64 if xf.dtype == torch.float64 else table.boundaries
-    if table.codebook.numel() == 1:
+    levels = table.codebook.numel()
+    if dtype.is_floating_point or dtype == torch.bool or (dtype == torch.uint8 and levels > 256) or (
+            dtype == torch.int8 and levels > 128):
+        raise ValueError(f"dtype {dtype} cannot hold codes 0..{levels - 1}; use torch.uint8 (<= 256 levels), "
+                         "torch.int32 or torch.int64")
+    if levels == 1:
         return torch.zeros(x.shape, dtype=dtype, device=x.device)
     if table.lut is None:
         return torch.bucketize(xf, bnd[:-1], right=False).to(dtype)
+    # code = lut[bin] + (x > boundaries[lut[bin]]): two gathers with the same index, in the output
+    # dtype (uint8 codes: ~1.4x faster than int64 on 3.4 M values here; both beat bucketize ~2.5x)
     s = table.scale
-    t = torch.mul(xf, s).add_(s).clamp_(0, table.lut.numel() - 1)
-    g = table.lut[t.to(torch.int64)]
-    code = g.add_(xf > bnd[g])
-    return code if dtype == torch.int64 else code.to(dtype)
+    b = torch.mul(xf, s).add_(s).clamp_(0, table.lut.numel() - 1).to(torch.int64)
+    lb = table.lut_bound64 if xf.dtype == torch.float64 else table.lut_bound
+    return table.lut.to(dtype)[b].add_(xf > lb[b])
