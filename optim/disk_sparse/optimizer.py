@@ -156,6 +156,8 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
                 self._steps[p] += 1  # like SparseAdam, a present gradient counts even when empty
                 if g._nnz() == 0:
                     continue
+                if self._fused_cpu(p, g, group, self._steps[p]):
+                    continue
                 if g.is_coalesced():
                     rows, vals = g._indices()[0], g._values()
                 else:
@@ -178,6 +180,10 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
         else:
             self._update_torch(p, rows, g, rec, step, group)
         store.scatter(rows_cpu, rec.cpu())
+
+    def _fused_cpu(self, p, g, group, step):
+        """Subclass hook: update with a fused CPU kernel straight from the uncoalesced gradient."""
+        return False
 
     def _use_triton(self, p):
         if self.backend == "torch":
@@ -355,6 +361,19 @@ class DiskSparseAdam(DiskSparseOptimizer):
         beta1, beta2 = group["betas"]
         return dict(lr=_scalar(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
                     maximize=group["maximize"])
+
+    def _fused_cpu(self, p, g, group, step):
+        if self.backend != "auto" or p.is_cuda or p.dtype not in (torch.float32, torch.float64):
+            return False
+        from . import cpu_kernels
+
+        if not cpu_kernels.AVAILABLE or g._values().dtype != p.dtype:
+            return False
+        store = self._stores[p]
+        store.mark_dirty()
+        cpu_kernels.adam_rows_cpu_(p, g._indices()[0], g._values(), store.records.numpy(), step,
+                                   **self._hyper(group))
+        return True
 
     def _update_torch(self, p, rows, g, rec, step, group):
         delta = adam_rows_torch_(None, g, rec, step, **self._hyper(group))
