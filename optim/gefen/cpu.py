@@ -13,6 +13,9 @@ boundary); ``torch.bucketize`` against the 255 midpoints costs ~30 ns/element on
 times a gather (measured for issue 4).
 """
 
+import os
+
+import numpy as np
 import torch
 
 from .codebook import code_table, histogram as _histogram, nearest_code
@@ -113,3 +116,49 @@ def histogram(gs, *, block: int, bins: int = 4096) -> torch.Tensor:
     s = G.abs().amax(dim=1, keepdim=True)
     q = torch.where(s > 0, G / s, torch.zeros_like(G))
     return _histogram(_unrows(q, numels, S), bins=bins)[1]
+
+
+def numba_available() -> bool:
+    """True when the compiled CPU step can run (numba installed, GEFEN_NUMBA != "0")."""
+    if os.environ.get("GEFEN_NUMBA", "1") == "0":
+        return False
+    try:
+        from . import _cpu_numba  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@torch.no_grad()
+def gefen_step_compiled_(ps, gs, vs, scales, codes, codebook, *, step, lr, beta1, beta2, eps,
+                         weight_decay, block, bits, tables=None):
+    """:func:`gefen_step_` for CPU tensors and a quantised first moment, compiled with numba.
+
+    One call per tensor (not per block); non-fp32 or non-contiguous parameters and gradients
+    are copied to fp32 and back.
+    """
+    from ._cpu_numba import gefen_step_quantized
+
+    if tables is None:
+        tables = code_table(codebook)
+    if tables.lut is None:  # a codebook whose boundaries no lookup table separates
+        return gefen_step_(ps, gs, vs, scales, codes, codebook, step=step, lr=lr, beta1=beta1,
+                           beta2=beta2, eps=eps, weight_decay=weight_decay, block=block,
+                           bits=bits, tables=tables)
+    f32 = np.float32
+    cb = tables.codebook.numpy()
+    lut = tables.lut.numpy()
+    cb_next = np.append(cb, cb[-1])
+    luts = (lut.astype(np.int32), tables.boundaries.numpy()[lut], cb_next[lut], cb_next[lut + 1])
+    S = scale_block_length(block)
+    mbuf = np.empty(S, dtype=np.float32)
+    hyper = (f32(1 - beta1), f32(beta2), f32(1 - beta2), f32(1 - lr * weight_decay),
+             f32(-lr / (1 - beta1**step)), f32((1 - beta2**step) ** 0.5), f32(eps))
+    for p, g, v, s, c in zip(ps, gs, vs, scales, codes):
+        direct = p.dtype == torch.float32 and p.is_contiguous()
+        pw = p.detach() if direct else p.detach().float().contiguous()
+        gw = g.detach().reshape(-1).float().contiguous()
+        gefen_step_quantized(pw.view(-1).numpy(), gw.numpy(), v.numpy(), s.numpy(), c.numpy(),
+                             cb, *luts, f32(tables.scale), block, S, bits, *hyper, mbuf)
+        if not direct:
+            p.copy_(pw.view_as(p))

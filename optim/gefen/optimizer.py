@@ -6,7 +6,7 @@ from collections import defaultdict
 
 import torch
 
-from . import cpu, state as K
+from . import cpu, distributed as _dist, state as K
 from .codebook import code_table
 from .partition import RULES, choose_block
 from .reference import num_code_bytes, num_scales
@@ -55,11 +55,14 @@ class Gefen(torch.optim.Optimizer):
             elsewhere). (Default: "auto")
         block_rule: "adjacent_log" (upstream's current rule) or "variance_drop" (the paper-era
             rule); see ``partition.py``. (Default: "adjacent_log")
+        compile: on CPU, run the quantised step compiled with numba (``_cpu_numba.py``; ~2 s to
+            compile once, cached on disk) when numba is installed and ``GEFEN_NUMBA`` is not "0";
+            False runs the vectorised torch path. (Default: True)
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, bits=8,
                  share_second_moment=True, quantize_first_moment=True, backend="auto",
-                 block_rule="adjacent_log"):
+                 block_rule="adjacent_log", compile=True):
         if bits not in (4, 8):
             raise ValueError(f"Gefen: bits must be 8 or 4, got {bits!r}")
         if backend not in BACKENDS:
@@ -73,6 +76,7 @@ class Gefen(torch.optim.Optimizer):
         self.bits = bits
         self.backend = backend
         self.block_rule = block_rule
+        self.compile = compile
         self.codebook = None
         self._tables = None
 
@@ -167,9 +171,14 @@ class Gefen(torch.optim.Optimizer):
         work = self._gather()
         quantized = {p: _local(g) for group, items in work if group["quantize_first_moment"]
                      for p, g in items}
-        if self.codebook is None and quantized:
-            dev = next(iter(quantized.values())).device
-            self.learn_codebook(self.codebook_histogram(quantized), device=dev)
+        # [distributed, issue 5] sharded (FSDP2) histograms are summed over the ranks, so every
+        # rank learns the same codebook; a rank whose local shards are all empty still joins.
+        qparams = [p for g in self.param_groups if g["quantize_first_moment"] for p in g["params"]
+                   if p.grad is not None]
+        if self.codebook is None and (quantized or _dist.joins_codebook(qparams)):
+            dev = next(iter(quantized.values())).device if quantized else _local(qparams[0]).device
+            counts = _dist.global_histogram(self.codebook_histogram, quantized, qparams)
+            self.learn_codebook(counts, device=dev)
         for group, items in work:
             self._step_group(group, items)
         return loss
@@ -184,8 +193,8 @@ class Gefen(torch.optim.Optimizer):
         beta1, beta2 = group["betas"]
         for (block, step, dev), pg in buckets.items():
             sts = [self.state[p] for p, _ in pg]
-            fn, extra = self._backend_for(dev)
-            if quant and fn is cpu.gefen_step_:
+            fn, extra = self._backend_for(dev, quant)
+            if quant and fn in (cpu.gefen_step_, cpu.gefen_step_compiled_):
                 extra = {"tables": self._nearest_tables()}
             codebook = self.codebook if quant else None
             if codebook is not None and codebook.device != dev:
@@ -196,9 +205,11 @@ class Gefen(torch.optim.Optimizer):
                step=step, lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
                weight_decay=group["weight_decay"], block=block, bits=self.bits, **extra)
 
-    def _backend_for(self, device):
+    def _backend_for(self, device, quant):
         use_triton = self.backend == "triton" or (self.backend == "auto" and device.type == "cuda")
         if not use_triton:
+            if quant and device.type == "cpu" and self.compile and cpu.numba_available():
+                return cpu.gefen_step_compiled_, {}
             return cpu.gefen_step_, {}
         try:
             from .kernels import gefen_step_
@@ -214,10 +225,10 @@ class Gefen(torch.optim.Optimizer):
         sd = super().state_dict()
         sd[K.CODEBOOK] = None if self.codebook is None else self.codebook.clone()
         sd[K.BITS] = self.bits
-        return sd
+        return _dist.to_distributed_state_dict(self, sd)  # [distributed, issue 5] DCP-ready form
 
     def load_state_dict(self, state_dict):
-        sd = dict(state_dict)
+        sd = dict(_dist.from_distributed_state_dict(self, state_dict))  # [distributed, issue 5]
         codebook = sd.pop(K.CODEBOOK, None)
         bits = sd.pop(K.BITS, self.bits)
         if bits != self.bits:
