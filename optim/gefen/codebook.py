@@ -44,6 +44,7 @@ Three pieces, used once per model (``histogram``, ``optimal_codebook``) and ever
 from __future__ import annotations
 
 import heapq
+import sys
 from typing import NamedTuple
 
 import numpy as np
@@ -52,6 +53,7 @@ import torch
 __all__ = ["histogram", "optimal_codebook", "code_boundaries", "code_table", "CodeTable", "nearest_code"]
 
 _BACKENDS = ("auto", "numba", "numpy")
+_NUMBA_MIN_WORK = 1 << 18  # bins x levels above which "auto" uses numba even when not yet imported
 
 
 # ----------------------------------------------------------------------------------------------
@@ -230,8 +232,9 @@ def optimal_codebook(centers, counts, levels: int, fix_endpoints: bool = True, *
         levels: number of codebook entries (256 for 8-bit codes, 16 for 4-bit).
         fix_endpoints: pin the first and last levels at -1 and +1 (Gefen's default; block-absmax
             normalised values always reach ±1). (Default: True)
-        backend: "numba" (compiled), "numpy" (pure fallback) or "auto" (numba if importable).
-            (Default: "auto")
+        backend: "numba" (compiled), "numpy" (pure fallback) or "auto": numba if importable and
+            either already imported or occupied bins x levels >= 2^18 (e.g. 1024 x 256), else
+            numpy. (Default: "auto")
 
     Returns:
         ``codebook``: sorted float32 tensor of exactly ``levels`` values, on ``centers``' device
@@ -267,7 +270,10 @@ def optimal_codebook(centers, counts, levels: int, fix_endpoints: bool = True, *
         pw = np.concatenate([[0.0], np.cumsum(w)])
         pwx = np.concatenate([[0.0], np.cumsum(w * x)])
         pwx2 = np.concatenate([[0.0], np.cumsum(w * x * x)])
-        if backend == "numpy":
+        # "auto": numba pays ~2-4 s once per process (import + loading its on-disk cache, ~6 s to
+        # compile the first time), so small problems, where numpy takes milliseconds, stay in numpy
+        small = n * levels < _NUMBA_MIN_WORK and "numba" not in sys.modules
+        if backend == "numpy" or (backend == "auto" and small):
             dp = _dp_splits_numpy
         else:
             try:
