@@ -1,0 +1,117 @@
+"""Gefen block rules against brute-force restatements and upstream gefen, on crafted g**2.
+
+The brute force here loops over divisors and blocks in plain Python/numpy, as the rules are
+stated in ``partition.py``'s docstring; upstream's ``find_period_by_block_variance`` is the
+second, independent reference of the default rule (below the 1024 cap, where both agree).
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from optim.gefen.partition import MAX_BLOCK, choose_block
+
+
+def _divs(n):
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _brute_adjacent_log(g2):
+    x = np.log(np.asarray(g2, dtype=np.float64) + 1e-12)
+    n = x.size
+    cands = [p for p in _divs(n) if n // p >= 4]
+    scores = []
+    for p in cands:
+        means = [x[b * p:(b + 1) * p].mean() for b in range(n // p)]
+        scores.append(np.mean([abs(means[b + 1] - means[b]) for b in range(len(means) - 1)]))
+    best, best_p = -1.0, 1
+    for i in range(1, len(cands) - 1):
+        p = cands[i]
+        if p > 8 and scores[i] > scores[i - 1] and scores[i] > scores[i + 1]:
+            if (scores[i], p) > (best, best_p):
+                best, best_p = scores[i], p
+    return best_p
+
+
+def _brute_variance_drop(g2):
+    x = np.log(np.asarray(g2, dtype=np.float64) + 1e-12)
+    n = x.size
+    cands = [p for p in _divs(n) if n // p >= 4 and p > 1]
+    if len(cands) < 2:
+        return 1
+    w = [np.mean([x[b * p:(b + 1) * p].var(ddof=1) for b in range(n // p)]) for p in cands]
+    drops = [1 - w[i] / w[i + 1] if w[i + 1] > 0 else 0.0 for i in range(len(cands) - 1)]
+    i = max(range(len(drops)), key=lambda k: (drops[k], cands[k]))
+    return cands[i] if drops[i] >= 0.25 else 1
+
+
+def _cap(p):
+    return max(d for d in _divs(p) if d <= MAX_BLOCK)
+
+
+def _rows_grad(rows, cols, spread=2.0):
+    """A gradient whose rows have log-normal scales: the row length is the natural block."""
+    return torch.randn(rows, cols) * torch.exp(torch.randn(rows, 1) * spread)
+
+
+def _alternating_rows_grad(rows, cols):
+    """Rows alternately ~e^3 and ~e^-3 in scale: the row length is the one right block length
+    (blocks of two rows all look alike, blocks inside a row differ from their neighbours only
+    at row ends)."""
+    sign = torch.tensor([(-1.0) ** r for r in range(rows)]).view(rows, 1)
+    return torch.randn(rows, cols) * torch.exp(3 * sign + 0.3 * torch.randn(rows, 1))
+
+
+CASES = [
+    pytest.param((24, 48), id="24x48"),
+    pytest.param((40, 30), id="40x30"),
+    pytest.param((12, 256), id="12x256"),
+    pytest.param((16, 100), id="16x100"),
+    pytest.param((6, 2048), id="6x2048-capped"),
+]
+
+
+@pytest.mark.parametrize("shape", CASES)
+def test_rules_match_brute_force_on_row_structure(shape):
+    g = _rows_grad(*shape)
+    g2 = (g * g).reshape(-1).double().numpy()
+    assert choose_block(g, "adjacent_log") == _cap(_brute_adjacent_log(g2))
+    assert choose_block(g, "variance_drop") == _cap(_brute_variance_drop(g2))
+    g = _alternating_rows_grad(*shape)
+    g2 = (g * g).reshape(-1).double().numpy()
+    assert choose_block(g, "adjacent_log") == _cap(_brute_adjacent_log(g2))
+    assert choose_block(g, "variance_drop") == _cap(_brute_variance_drop(g2))
+    # crafted structure: both rules find the row length (or its capped divisor)
+    assert choose_block(g, "adjacent_log") == _cap(shape[1])
+    assert choose_block(g, "variance_drop") == _cap(shape[1])
+
+
+@pytest.mark.parametrize("shape", [pytest.param((24, 48), id="24x48"), pytest.param((8, 500), id="8x500"),
+                                   pytest.param((3000,), id="iid-3000")])
+def test_default_rule_matches_upstream(shape):
+    partitioning = pytest.importorskip("gefen.partitioning")
+    g = _rows_grad(shape[0], shape[1]) if len(shape) == 2 else torch.randn(shape)
+    g2 = (g.float() * g.float()).reshape(-1).double().numpy()
+    upstream = partitioning.find_period_by_block_variance(g2, print_results=False)
+    if upstream <= MAX_BLOCK:
+        assert choose_block(g) == upstream
+    else:  # upstream keeps its smallest divisor above 1024; we cap at 1024
+        assert choose_block(g) == _cap(_brute_adjacent_log(g2))
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 13, 31, 1009, 4099])
+def test_tiny_and_prime_sizes_get_block_one(n):
+    g = torch.randn(n)
+    for rule in ("adjacent_log", "variance_drop"):
+        assert choose_block(g, rule) == 1
+
+
+def test_cap_is_a_divisor_at_most_1024():
+    g = _alternating_rows_grad(8, 3 * 1024)  # rows of 3072: capped to its divisor 1024
+    assert _brute_adjacent_log((g * g).reshape(-1).double().numpy()) == 3072
+    assert choose_block(g) == 1024
+
+
+def test_unknown_rule_is_a_clear_error():
+    with pytest.raises(ValueError, match="block rule"):
+        choose_block(torch.randn(64), "by_name")
