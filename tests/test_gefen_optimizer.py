@@ -1,0 +1,262 @@
+"""Gefen optimizer: AdamW reduction, fast paths vs the reference, codebook, state dicts, errors.
+
+Independent references: ``torch.optim.AdamW``; ``optim.gefen.reference.gefen_step`` run tensor by
+tensor (the fast paths lay tensors side by side and, compiled, run in numba); a histogram built
+block by block in the test; ``torch.save``/``torch.load`` round trips.
+"""
+
+import io
+
+import pytest
+import torch
+
+from optim import Gefen
+from optim.gefen import reference as R, state as K
+from optim.gefen.codebook import histogram, optimal_codebook
+from tests.utils import assert_close
+
+LR, WD = 1e-2, 0.1
+SHAPES = [(24, 48), (7, 13), (1009,), (16, 96), (300,), (1,)]
+
+
+def _grad(shape):
+    """Rows of different scale, so blocks > 1 are found where the shape has rows."""
+    g = torch.randn(shape)
+    return g * torch.exp(torch.randn(shape[0], *([1] * (len(shape) - 1))) * 2) if len(shape) > 1 else g
+
+
+def _set_grads(params, grads):
+    for p, g in zip(params, grads):
+        p.grad = g.clone().to(p.dtype)
+
+
+def test_reduces_to_adamw_two_groups():
+    """50 steps, two groups (second: own lr, no decay), fp32: max |Δ| <= 1e-6 against AdamW.
+
+    Not bitwise: the fast path pads block-1 tensors to chunks of 256 and runs torch's generic
+    kernels, AdamW its foreach kernels; both round each operation to fp32.
+    """
+    params = [torch.nn.Parameter(torch.randn(s)) for s in SHAPES]
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+
+    def groups(ps):
+        return [{"params": ps[:3]}, {"params": ps[3:], "lr": 3e-3, "weight_decay": 0.0}]
+
+    ours = Gefen(groups(params), lr=LR, weight_decay=WD, share_second_moment=False,
+                 quantize_first_moment=False)
+    ref = torch.optim.AdamW(groups(twins), lr=LR, weight_decay=WD)
+    for _ in range(50):
+        grads = [torch.randn(s) for s in SHAPES]
+        _set_grads(params, grads)
+        _set_grads(twins, grads)
+        ours.step()
+        ref.step()
+    for p, q in zip(params, twins):
+        assert_close(p.detach(), q.detach(), atol=1e-6, name="p vs AdamW")
+
+
+def _run_reference(starts, grads_per_step, blocks, codebook, bits):
+    out = []
+    for k, x in enumerate(starts):
+        x, v, s, c = x.reshape(-1).float(), *R.init_state(x.numel(), block=blocks[k], bits=bits)
+        for t, gs in enumerate(grads_per_step, 1):
+            x, v, s, c = R.gefen_step(x, gs[k], v, s, c, codebook, step=t, lr=LR, beta1=0.9,
+                                      beta2=0.999, eps=1e-8, weight_decay=WD, block=blocks[k], bits=bits)
+        out.append((x, v, s, c))
+    return out
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("compiled", [pytest.param(True, id="numba"), pytest.param(False, id="torch")])
+def test_fast_path_matches_reference_20_steps(bits, compiled):
+    if compiled:
+        pytest.importorskip("numba")
+    params = [torch.nn.Parameter(torch.randn(s) * 0.1) for s in SHAPES]
+    starts = [p.detach().clone() for p in params]
+    opt = Gefen(params, lr=LR, weight_decay=WD, bits=bits, compile=compiled)
+    steps = [[_grad(s) for s in SHAPES] for _ in range(20)]
+    for gs in steps:
+        _set_grads(params, gs)
+        opt.step()
+    blocks = [opt.state[p][K.BLOCK] for p in params]
+    assert max(blocks) > 1 and min(blocks) == 1  # both layouts are exercised
+    for p, (x, v, s, c) in zip(params, _run_reference(starts, steps, blocks, opt.codebook, bits)):
+        st = opt.state[p]
+        assert torch.equal(st[K.CODES], c), "codes differ from the reference"
+        assert_close(st[K.SCALES], s, rtol=1e-6, name="scales")
+        assert_close(st[K.V], v, rtol=1e-5, name="v")
+        assert_close(p.detach().reshape(-1), x, atol=1e-6, name="p")
+
+
+def test_codebook_is_optimal_for_a_brute_force_histogram():
+    shapes = [(16, 96), (300,)]
+    params = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
+    grads = [_grad(s) for s in shapes]
+    opt = Gefen(params, bits=4)
+    _set_grads(params, grads)
+    opt.step()
+    normalised = []
+    for p, g in zip(params, grads):
+        S = R.scale_block_length(opt.state[p][K.BLOCK])
+        flat = g.reshape(-1)
+        for j in range(0, flat.numel(), S):
+            blk = flat[j:j + S]
+            normalised.append(blk / blk.abs().max())
+    centers, counts = histogram(torch.cat(normalised), bins=4096)
+    expected, _ = optimal_codebook(centers, counts, 16)
+    assert_close(opt.codebook, expected, atol=0, name="codebook")
+    assert opt.codebook[0] == -1 and opt.codebook[-1] == 1
+
+
+def test_late_parameter_gets_blocks_at_its_first_gradient_and_codebook_stays():
+    a, b = torch.nn.Parameter(torch.randn(16, 96)), torch.nn.Parameter(torch.randn(24, 48))
+    opt = Gefen([a, b])
+    a.grad = _grad((16, 96))
+    opt.step()
+    cb = opt.codebook.clone()
+    assert K.BLOCK not in opt.state[b]
+    b.grad = _grad((24, 48))
+    from optim.gefen.partition import choose_block
+
+    expected_block = choose_block(b.grad)
+    opt.step()
+    assert opt.state[b][K.BLOCK] == expected_block and opt.state[b][K.STEP] == 1
+    assert opt.state[a][K.STEP] == 2
+    assert torch.equal(opt.codebook, cb)
+
+
+def test_closure_and_scheduler():
+    w = torch.nn.Parameter(torch.randn(8, 32))
+    twin = torch.nn.Parameter(w.detach().clone())
+    x = torch.randn(16, 32)
+    ours = Gefen([w], lr=0.1, share_second_moment=False, quantize_first_moment=False)
+    ref = torch.optim.AdamW([twin], lr=0.1, weight_decay=0.0)
+    s1 = torch.optim.lr_scheduler.StepLR(ours, step_size=2, gamma=0.5)
+    s2 = torch.optim.lr_scheduler.StepLR(ref, step_size=2, gamma=0.5)
+    for _ in range(5):
+        def closure(p=w):
+            ours.zero_grad()
+            loss = (x @ p.t()).pow(2).mean()
+            loss.backward()
+            return loss
+
+        loss = ours.step(closure)
+        ref.zero_grad()
+        expected = (x @ twin.t()).pow(2).mean()
+        expected.backward()
+        ref.step()
+        s1.step()
+        s2.step()
+        assert_close(loss.detach(), expected.detach(), rtol=1e-6, name="closure loss")
+    assert ours.param_groups[0]["lr"] == pytest.approx(0.025)
+    assert_close(w.detach(), twin.detach(), atol=1e-6, name="p under StepLR")
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_state_dict_round_trip_is_exact(bits, tmp_path):
+    def make():
+        torch.manual_seed(1)
+        ps = [torch.nn.Parameter(torch.randn(s) * 0.1) for s in SHAPES]
+        return ps, Gefen([{"params": ps[:2]}, {"params": ps[2:], "weight_decay": 0.0}], bits=bits,
+                         weight_decay=WD)
+
+    steps = [[_grad(s) for s in SHAPES] for _ in range(5)]
+    params, opt = make()
+    for gs in steps[:3]:
+        _set_grads(params, gs)
+        opt.step()
+    path = tmp_path / "opt.pt"
+    torch.save({"opt": opt.state_dict(), "params": [p.detach().clone() for p in params]}, path)
+    for gs in steps[3:]:
+        _set_grads(params, gs)
+        opt.step()
+
+    saved = torch.load(path, map_location="cpu")
+    params2, opt2 = make()
+    with torch.no_grad():
+        for p, q in zip(params2, saved["params"]):
+            p.copy_(q)
+    opt2.load_state_dict(saved["opt"])
+    assert opt2.state[params2[0]][K.CODES].dtype == torch.uint8
+    for gs in steps[3:]:
+        _set_grads(params2, gs)
+        opt2.step()
+    assert torch.equal(opt2.codebook, opt.codebook)
+    for p, q in zip(params, params2):
+        assert torch.equal(p, q)
+        for key, val in opt.state[p].items():
+            other = opt2.state[q][key]
+            assert (torch.equal(val, other) and val.dtype == other.dtype) if torch.is_tensor(val) else val == other
+
+
+def test_bf16_params_follow_the_reference_rounded_to_bf16():
+    shapes = [(16, 96), (300,)]
+    params = [torch.nn.Parameter((torch.randn(s) * 0.1).bfloat16()) for s in shapes]
+    xs = [p.detach().clone() for p in params]
+    opt = Gefen(params, lr=LR, weight_decay=WD)
+    states = None
+    for t in range(1, 6):
+        gs = [_grad(s).bfloat16() for s in shapes]
+        _set_grads(params, gs)
+        opt.step()
+        if states is None:
+            states = [R.init_state(p.numel(), block=opt.state[p][K.BLOCK], bits=8) for p in params]
+        for k, p in enumerate(params):
+            x, *st = R.gefen_step(xs[k], gs[k], *states[k], opt.codebook, step=t, lr=LR, beta1=0.9,
+                                  beta2=0.999, eps=1e-8, weight_decay=WD,
+                                  block=opt.state[p][K.BLOCK], bits=8)
+            xs[k], states[k] = x.bfloat16().view(p.shape), st
+    for p, x in zip(params, xs):
+        assert p.dtype == torch.bfloat16 and opt.state[p][K.V].dtype == torch.float32
+        assert_close(p.detach().float(), x.float(), rtol=1e-2, atol=1e-4, name="bf16 p")
+
+
+def test_state_bytes_per_parameter():
+    """8-bit: 1 byte a code + 8 bytes per block; 4-bit: half a byte a code."""
+    p = torch.nn.Parameter(torch.randn(32, 256))
+    for bits, expected in [(8, 1.0), (4, 0.5)]:
+        opt = Gefen([p], bits=bits)
+        p.grad = _grad((32, 256))
+        opt.step()
+        st = opt.state[p]
+        per_param = sum(st[k].numel() * st[k].element_size() for k in (K.V, K.SCALES, K.CODES)) / p.numel()
+        assert st[K.BLOCK] >= 256 and per_param <= expected + 8 / 256
+
+
+# ---------------------------------------------------------------------------------- bad input
+
+
+def test_sparse_gradient_names_disk_sparse_adam():
+    emb = torch.nn.Embedding(10, 4, sparse=True)
+    opt = Gefen(emb.parameters())
+    emb(torch.tensor([1, 2])).sum().backward()
+    with pytest.raises(RuntimeError, match="DiskSparseAdam"):
+        opt.step()
+
+
+def test_complex_parameter_is_rejected():
+    with pytest.raises(ValueError, match="complex"):
+        Gefen([torch.nn.Parameter(torch.randn(4, dtype=torch.complex64))])
+
+
+@pytest.mark.parametrize("kwargs,match", [({"bits": 3}, "bits"), ({"backend": "cuda"}, "backend"),
+                                          ({"lr": -1.0}, "lr"), ({"betas": (0.9, 1.0)}, "betas"),
+                                          ({"block_rule": "names"}, "block_rule")])
+def test_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        Gefen([torch.nn.Parameter(torch.randn(4))], **kwargs)
+
+
+def test_state_dict_from_another_model_is_rejected():
+    a = torch.nn.Parameter(torch.randn(16, 96))
+    opt = Gefen([a])
+    a.grad = _grad((16, 96))
+    opt.step()
+    sd = opt.state_dict()
+    other = Gefen([torch.nn.Parameter(torch.randn(16, 97))])
+    with pytest.raises(ValueError, match="does not fit its shape"):
+        other.load_state_dict(sd)
+    with pytest.raises(ValueError, match="2 parameters|1 parameters"):
+        Gefen([torch.nn.Parameter(torch.randn(16, 96)), torch.nn.Parameter(torch.randn(3))]).load_state_dict(sd)
+    with pytest.raises(ValueError, match="bits=8"):
+        Gefen([torch.nn.Parameter(torch.randn(16, 96))], bits=4).load_state_dict(sd)
