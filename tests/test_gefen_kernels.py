@@ -163,6 +163,26 @@ def test_group_launch_equals_one_tensor_at_a_time():
         assert torch.equal(c1, st[2])
 
 
+def test_cached_launch_follows_new_gradient_tensors():
+    """Steps 2-4 reuse the cached launch tables; the gradients are new tensors each step (as after
+    zero_grad(set_to_none=True)), once with another dtype: each step still equals the reference."""
+    cb = random_codebook(8)
+    shapes = [(40, 8), (96,)]
+    ps = [torch.randn(sh) for sh in shapes]
+    states = [random_state(p.numel(), 8, 8) for p in ps]
+    refs = [[p.reshape(-1).clone(), *(t.clone() for t in st)] for p, st in zip(ps, states)]
+    keep = []
+    for t, gdt in zip(range(1, 5), [torch.float32, torch.float32, torch.bfloat16, torch.float32]):
+        gs = [torch.randn(sh).to(gdt) for sh in shapes]
+        keep.append(gs)  # keep old gradients alive, so new ones get new addresses
+        K.gefen_step_(ps, gs, [s[0] for s in states], [s[1] for s in states],
+                      [s[2] for s in states], cb, step=t, block=8, bits=8, **HP)
+        for k, g in enumerate(gs):
+            refs[k] = list(R.gefen_step(refs[k][0], g, *refs[k][1:], cb, step=t, block=8, bits=8, **HP))
+            assert_close(ps[k].reshape(-1), refs[k][0], atol=1e-5, name=f"p[{k}] after step {t}")
+            assert torch.equal(states[k][2], refs[k][3]), f"codes[{k}] after step {t}"
+
+
 def test_non_contiguous_parameter_is_written_back():
     cb = random_codebook(8)
     base = torch.randn(30, 20)
@@ -207,6 +227,7 @@ def test_bad_inputs_name_the_argument(monkeypatch):
         K.gefen_step_(p, g, v, s, c, cb.flip(0), step=1, block=8, bits=8, **HP)
     with pytest.raises(ValueError, match="counts"):
         K.histogram_(torch.zeros(100), g, block=8)
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # CPU tensors the kernels have not seen yet
+    p, g = torch.randn(24), torch.randn(24)
     with pytest.raises(RuntimeError, match="backend='torch'"):
-        K.gefen_step_(p, g, v, s, c, cb, step=1, block=8, bits=8, **HP)
+        K.gefen_step_(p, g, *R.init_state(24, block=8, bits=8), cb, step=1, block=8, bits=8, **HP)

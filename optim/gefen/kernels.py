@@ -374,102 +374,88 @@ def _codebook_tables(codebook: torch.Tensor, device, bits: int, nlut: int = LUT_
 _PLAN_CACHE: dict = {}
 
 
-def _plan(tensors, numels, trows, r):
-    """(tile table [n_tiles, 2] int64: tensor, first tile row; pointer table; numel table), cached.
+def _launch_plan(rows, *, block, bits, quant, tile, num_warps):
+    """Launches for `rows` = [(index, p, g, v, scales, codes)] (flat, contiguous, validated).
 
-    The optimizer passes the same tensors every step, so the tables are built (and copied to the
-    device) once, keyed on the addresses; a step then costs no host-to-device copy.
+    One launch per (p dtype, g dtype): [kernel, tile table [n_tiles, 2] int64 of (tensor, first
+    tile row), pointer table [n, 5] int64 (p, g, v, scales, codes), numel table, grid,
+    constexprs, indices of its tensors in the call]. Tables are built on the host and copied to
+    the device once per set of tensors (see `gefen_step_`'s plan cache).
     """
-    key = tuple(t.data_ptr() for row in tensors for t in row) + tuple(numels) + tuple(trows) + (r,)
-    hit = _PLAN_CACHE.get(key)
-    if hit is not None:
-        return hit
-    device = tensors[0][0].device
-    ptrs = torch.tensor([[t.data_ptr() for t in row] for row in tensors], dtype=torch.int64)
-    ntiles = [-(-tr // r) for tr in trows]
-    tid = torch.repeat_interleave(torch.arange(len(ntiles)), torch.tensor(ntiles))
-    start = torch.cat([torch.arange(k) * r for k in ntiles])
-    tiles = torch.stack([tid, start], dim=1).contiguous()
-    out = (tiles.to(device), ptrs.to(device), torch.tensor(numels, dtype=torch.int64).to(device),
-           int(tiles.shape[0]))
-    if len(_PLAN_CACHE) > 64:
-        _PLAN_CACHE.clear()
-    _PLAN_CACHE[key] = out
-    return out
-
-
-def _launch_step(rows, codebook, *, step, lr, beta1, beta2, eps, weight_decay, block, bits,
-                 tile=TILE, num_warps=None):
-    """One kernel launch over `rows` = [(p, g, v, scales, codes)] of one p dtype and one g dtype.
-
-    All tensors flat and contiguous. Chooses the kernel (8-bit/unquantised or packed 4-bit), the
-    tile (R blocks x WIDTH lanes) and the grid.
-    """
-    quant = codebook is not None
     s_len = scale_block_length(block)
     four = quant and bits == 4
     group = 2 if four and s_len % 2 else 1
-    lanes = group * s_len // 2 if four else s_len
+    lanes = group * s_len // 2 if four else s_len  # live lanes of a tile row: bytes or elements
     width = _next_pow2(lanes)
     if width > MAX_TILE_WIDTH:
         raise ValueError(f"block={block} is longer than one Triton program holds "
                          f"({MAX_TILE_WIDTH}); use backend='torch' for it")
-    numels = [r[0].numel() for r in rows]
-    units = [num_code_bytes(n, 4) if four else n for n in numels]  # bytes or elements
-    trows = [-(-u // lanes) for u in units]
-    per_tile = (tile // 2) if four else tile
-    r = max(1, min(per_tile // width, _next_pow2(max(trows))))
-    tiles, ptrs, numel_tab, n_tiles = _plan([list(x) for x in rows], numels, trows, r)
-    device = rows[0][0].device
-    if quant:
-        cb, uniq, mid, lut, first, ncmp, has_dup = _codebook_tables(codebook, device, bits)
-    else:
-        cb = uniq = mid = lut = first = torch.zeros(1, device=device)
-        ncmp, has_dup = 0, False
-    bc1 = 1 - beta1**step
-    bc2 = 1 - beta2**step
-    if num_warps is None:
-        num_warps = max(1, min(16, r * width * (2 if four else 1) // (32 * ELEMS_PER_THREAD)))
-    p, g, _, _, codes = rows[0]
-    kernel = _gefen_step4_kernel if four else _gefen_step_kernel
-    kernel[(n_tiles,)](
-        tiles, ptrs, numel_tab, cb, uniq, mid, lut, first,
-        1 - beta1, beta2, 1 - beta2, eps, 1 - lr * weight_decay, -lr / bc1, math.sqrt(bc2),
-        P_DT=_TL_DTYPES[p.dtype], G_DT=_TL_DTYPES[g.dtype],
-        C_DT=tl.uint8 if quant else tl.float32,
-        S=s_len, BLOCK_V=1 if block == 1 else s_len, **({"GROUP": group} if four else {"QUANT": quant}),
-        R=r, WIDTH=width, NLUT=LUT_BINS, NCMP=ncmp, HAS_DUP=has_dup, num_warps=num_warps,
-    )
+    by_dtype: dict = {}
+    for r in rows:
+        by_dtype.setdefault((r[1].dtype, r[2].dtype), []).append(r)
+    launches = []
+    for (pdt, gdt), rs in by_dtype.items():
+        numels = [r[1].numel() for r in rs]
+        trows = [-(-(num_code_bytes(n, 4) if four else n) // lanes) for n in numels]
+        per_tile = tile // 2 if four else tile
+        rr = max(1, min(per_tile // width, _next_pow2(max(trows))))
+        device = rs[0][1].device
+        ntiles = [-(-t // rr) for t in trows]
+        tid = torch.repeat_interleave(torch.arange(len(ntiles)), torch.tensor(ntiles))
+        start = torch.cat([torch.arange(k) * rr for k in ntiles])
+        tiles = torch.stack([tid, start], dim=1).contiguous().to(device)
+        ptrs = torch.tensor([[t.data_ptr() for t in r[1:]] for r in rs], dtype=torch.int64).to(device)
+        numel_tab = torch.tensor(numels, dtype=torch.int64).to(device)
+        warps = num_warps or max(1, min(16, rr * width * (2 if four else 1) // (32 * ELEMS_PER_THREAD)))
+        const = dict(P_DT=_TL_DTYPES[pdt], G_DT=_TL_DTYPES[gdt], C_DT=tl.uint8 if quant else tl.float32,
+                     S=s_len, BLOCK_V=1 if block == 1 else s_len, R=rr, WIDTH=width, num_warps=warps)
+        const.update({"GROUP": group} if four else {"QUANT": quant})
+        kernel = _gefen_step4_kernel if four else _gefen_step_kernel
+        launches.append([kernel, tiles, ptrs, numel_tab, (int(tiles.shape[0]),), const,
+                         [r[0] for r in rs]])
+    return launches
 
 
-# ----------------------------------------------------------------------------------------------
-# public functions
-# ----------------------------------------------------------------------------------------------
+class _Plan:
+    """Cached launches for one set of (p, v, scales, codes) tensors, and the gradients last seen.
+
+    Gradients are often re-allocated every step (``zero_grad(set_to_none=True)``), so they are not
+    part of the cache key: when their addresses change, only the pointer table's g column is
+    rewritten (a stream-ordered copy: launches already queued still read the old pointers).
+    """
+
+    __slots__ = ("launches", "gptrs", "gnumels", "gdtypes")
+
+    def __init__(self, launches, gs):
+        self.launches = launches
+        self.gptrs = tuple(map(_DATA_PTR, gs))
+        self.gnumels = tuple(map(_NUMEL, gs))
+        self.gdtypes = tuple(g.dtype for g in gs)
+
+    def update_grads(self, gs, gptrs) -> bool:
+        """Point the launches at new gradients; False if they do not fit this plan."""
+        if (tuple(map(_NUMEL, gs)) != self.gnumels or tuple(g.dtype for g in gs) != self.gdtypes
+                or not all(map(_IS_CONTIGUOUS, gs))):
+            return False
+        for launch in self.launches:
+            col = torch.tensor([gptrs[i] for i in launch[6]], dtype=torch.int64)
+            launch[2][:, 1].copy_(col, non_blocking=True)
+        self.gptrs = gptrs
+        return True
+
+
+_DATA_PTR = torch.Tensor.data_ptr
+_NUMEL = torch.Tensor.numel
+_IS_CONTIGUOUS = torch.Tensor.is_contiguous
+
+
 def _as_list(x):
     return list(x) if isinstance(x, (list, tuple)) else [x]
 
 
-def gefen_step_(p, g, v, scales, codes, codebook, *, step, lr, beta1, beta2, eps, weight_decay,
-                block, bits, tile=TILE, num_warps=None):
-    """One Gefen step in place: the rule and state layout of :func:`optim.gefen.reference.gefen_step`.
-
-    ``p, g, v, scales, codes`` are tensors of one parameter, or equal-length lists of them (a
-    group sharing ``block``, ``bits`` and every hyperparameter; launched together, split only by
-    parameter and gradient dtype). ``p`` (fp32/bf16/fp16, any shape) is updated in place, as are
-    ``v`` (fp32), ``scales`` (fp32) and ``codes`` (uint8; the fp32 first moment when
-    ``codebook is None``), which must be contiguous. ``step`` is t, counted from 1. ``tile`` and
-    ``num_warps`` are tuning knobs for benchmarks. Returns None.
-    """
-    ps, gs, vs, ss, cs = (_as_list(x) for x in (p, g, v, scales, codes))
-    if not len(ps) == len(gs) == len(vs) == len(ss) == len(cs):
-        raise ValueError("p, g, v, scales, codes must be lists of the same length")
-    if bits not in (4, 8):
-        raise ValueError(f"bits must be 4 or 8, got {bits}")
-    if not isinstance(block, int) or block < 1:
-        raise ValueError(f"block must be a positive int, got {block!r}")
-    quant = codebook is not None
-    groups: dict = {}
-    copies = []
+def _validate(ps, gs, vs, ss, cs, *, block, bits, quant):
+    """Check every tensor against the reference's layout; return (rows to launch, copies back)."""
+    rows, copies = [], []
     for i, (pi, gi, vi, si, ci) in enumerate(zip(ps, gs, vs, ss, cs)):
         n = pi.numel()
         if gi.numel() != n:
@@ -497,13 +483,68 @@ def gefen_step_(p, g, v, scales, codes, codebook, *, step, lr, beta1, beta2, eps
         pw = pi if pi.is_contiguous() else pi.contiguous()
         if pw is not pi:
             copies.append((pi, pw))
-        si = si if quant else vi  # unused pointer slot when unquantised
-        key = (pi.dtype, gi.dtype)
-        groups.setdefault(key, []).append((pw.view(-1), gi.contiguous().view(-1), vi, si, ci))
-    for rows in groups.values():
-        _launch_step(rows, codebook, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                     weight_decay=weight_decay, block=block, bits=bits, tile=tile,
-                     num_warps=num_warps)
+        rows.append((i, pw, gi.contiguous(), vi, si if quant else vi, ci))  # unquantised: slot unused
+    return rows, copies
+
+
+def gefen_step_(p, g, v, scales, codes, codebook, *, step, lr, beta1, beta2, eps, weight_decay,
+                block, bits, tile=TILE, num_warps=None):
+    """One Gefen step in place: the rule and state layout of :func:`optim.gefen.reference.gefen_step`.
+
+    ``p, g, v, scales, codes`` are tensors of one parameter, or equal-length lists of them (a
+    group sharing ``block``, ``bits`` and every hyperparameter; launched together, split only by
+    parameter and gradient dtype). ``p`` (fp32/bf16/fp16, any shape) is updated in place, as are
+    ``v`` (fp32), ``scales`` (fp32) and ``codes`` (uint8; the fp32 first moment when
+    ``codebook is None``, ``scales`` then unused), which must be contiguous. ``step`` is t, counted
+    from 1. ``tile`` and ``num_warps`` are tuning knobs for benchmarks. Returns None.
+
+    Host cost: the first call with a set of tensors validates them and builds the launch tables;
+    later calls with the same p, v, scales, codes (same addresses, sizes, dtypes) go straight to
+    the launch after ~8 attribute reads per tensor; new gradient addresses (re-allocated grads)
+    cost one small host-to-device copy of their pointers.
+    """
+    ps, gs, vs, ss, cs = (_as_list(x) for x in (p, g, v, scales, codes))
+    if not len(ps) == len(gs) == len(vs) == len(ss) == len(cs):
+        raise ValueError("p, g, v, scales, codes must be lists of the same length")
+    if bits not in (4, 8):
+        raise ValueError(f"bits must be 4 or 8, got {bits}")
+    if not isinstance(block, int) or block < 1:
+        raise ValueError(f"block must be a positive int, got {block!r}")
+    quant = codebook is not None
+    key = (block, bits, quant, tile, num_warps, tuple(map(_DATA_PTR, ps)), tuple(map(_NUMEL, ps)),
+           tuple(p.dtype for p in ps), tuple(map(_DATA_PTR, vs)), tuple(map(_DATA_PTR, cs)),
+           tuple(map(_DATA_PTR, ss)) if quant else None)
+    plan = _PLAN_CACHE.get(key)
+    if plan is not None:
+        gptrs = tuple(map(_DATA_PTR, gs))
+        if not all(map(_IS_CONTIGUOUS, ps)) or (gptrs != plan.gptrs and not plan.update_grads(gs, gptrs)):
+            plan = None
+    copies = []
+    if plan is None:
+        rows, copies = _validate(ps, gs, vs, ss, cs, block=block, bits=bits, quant=quant)
+        if not rows:
+            return
+        plan = _Plan(_launch_plan(rows, block=block, bits=bits, quant=quant, tile=tile,
+                                  num_warps=num_warps), gs)
+        if not copies:  # a temporary contiguous copy has a new address each call
+            if len(_PLAN_CACHE) > 64:
+                _PLAN_CACHE.clear()
+            _PLAN_CACHE[key] = plan
+    launches = plan.launches
+    if not launches:
+        return
+    device = launches[0][1].device
+    if quant:
+        cb, uniq, mid, lut, first, ncmp, has_dup = _codebook_tables(codebook, device, bits)
+    else:
+        cb = uniq = mid = lut = first = launches[0][3]  # unused pointers
+        ncmp, has_dup = 0, False
+    bc1 = 1 - beta1**step
+    bc2 = 1 - beta2**step
+    for kernel, tiles, ptrs, numel_tab, grid, const, _ in launches:
+        kernel[grid](tiles, ptrs, numel_tab, cb, uniq, mid, lut, first,
+                     1 - beta1, beta2, 1 - beta2, eps, 1 - lr * weight_decay, -lr / bc1,
+                     math.sqrt(bc2), NLUT=LUT_BINS, NCMP=ncmp, HAS_DUP=has_dup, **const)
     for pi, pw in copies:
         pi.copy_(pw.view_as(pi))
 

@@ -1,0 +1,336 @@
+"""Gefen's fused Triton step against fused AdamW and upstream gefen's CUDA kernels, on one GPU.
+
+Parameter sets shaped like GPT-2 small (124 M elements) and GPT-2 XL (1.56 B), fp32 and bf16,
+gradients with a different scale per matrix row (the structure Gefen's block rule finds; P = row
+length capped at 1024, P = 1 for vectors). For each optimizer, in one run, interleaved:
+
+* ``step_time`` (ms): median over ``--reps`` of CUDA-event timings of ``optimizer.step()``;
+* ``floor_bytes`` (B/param): the bytes a step must move at least: every parameter and state tensor
+  read and written once, every gradient read once (fp32: Gefen 8-bit ~14, AdamW 28);
+  ``floor_time`` (ms): those bytes at the measured device-to-device copy bandwidth, written beside
+  each time; ``bandwidth`` (GB/s) and ``frac_of_copy``: floor bytes / step time, and its ratio to
+  the copy's bandwidth (target >= 0.7);
+* ``state_bytes`` (B/param) and ``step_peak_memory`` (MiB allocated by a step beyond what was
+  allocated before it);
+* ``speedup_vs_*``: the other optimizer's time / Gefen Triton's (target > 1 against both);
+* ``agree_*``: Gefen(backend="triton") against Gefen(backend="torch") on the device over 5 steps
+  (max |Δp|, relative RMS, fraction of equal codes).
+
+Variants: ``gefen-triton`` (``optim.Gefen(backend="triton")``, 8 bits), ``gefen-triton-4bit``,
+``gefen-kernel`` (``kernels.gefen_step_`` called on the same state without the optimizer's Python
+work: the kernels' own time), ``adamw-fused`` (``torch.optim.AdamW(fused=True)``) and
+``upstream-gefen`` (``gefen.Gefen(fused=True)``, its CUDA extension built with nvcc on first use).
+
+Commands (results appended to results/gefen_kernels.csv)::
+
+    python experiments/bench_kernels.py                  # 125M and 1.5B, fp32 and bf16 (H200: ~4 min)
+    python experiments/bench_kernels.py --quick          # 10M elements, fp32 only: a smoke test
+    python experiments/bench_kernels.py --skip-upstream  # without upstream gefen
+
+Upstream ``gefen`` is not installed on the lent GPU machine: carry it from here, e.g.::
+
+    mkdir -p .carry && cp -r "$(python -c 'import gefen, os; print(os.path.dirname(gefen.__file__))')" .carry/
+    echo /.carry/ >> .git/info/exclude
+    # device run, carry [".carry"]:  PYTHONPATH=.carry python experiments/bench_kernels.py --wandb disabled
+
+Without CUDA it prints a message and exits 0. ``--cpu-smoke`` runs the whole script on tiny CPU
+tensors under ``TRITON_INTERPRET=1`` (wall-clock timings, meaningless as numbers) to check it.
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from experiments.common import Results, add_common_args  # noqa: E402
+
+SIZES = {"125M": (768, 12), "1.5B": (1600, 48)}  # GPT-2 small / XL: (d_model, layers)
+VOCAB, CTX = 50257, 1024
+LR, BETAS, EPS, WD = 1e-3, (0.9, 0.999), 1e-8, 0.01
+
+
+def gpt2_shapes(d, layers, vocab=VOCAB, ctx=CTX):
+    """Parameter shapes of a GPT-2 with tied embeddings (the layout of HF's GPT2LMHeadModel)."""
+    shapes = [(vocab, d), (ctx, d)]
+    for _ in range(layers):
+        shapes += [(d,), (d,), (d, 3 * d), (3 * d,), (d, d), (d,), (d,), (d,), (d, 4 * d), (4 * d,),
+                   (4 * d, d), (d,)]
+    return shapes + [(d,), (d,)]
+
+
+def quick_shapes(total):
+    """~total elements in 16 matrices of 1024 columns plus vectors."""
+    rows = max(1, total // (16 * 1024))
+    return [(rows, 1024)] * 16 + [(1024,)] * 4
+
+
+class Timer:
+    """CUDA events on a GPU (device time of the enqueued work), wall clock on the CPU."""
+
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+
+    def time(self, fn):
+        import torch
+
+        if self.cuda:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            return (a, b)
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+    def ms(self, h):
+        import torch
+
+        if self.cuda:
+            torch.cuda.synchronize()
+            return h[0].elapsed_time(h[1])
+        return h * 1e3
+
+
+def copy_bandwidth(device, timer, nbytes, reps):
+    """Bytes read + written per second by a device-to-device copy (median of reps)."""
+    import torch
+
+    n = nbytes // 4
+    src = torch.empty(n, device=device).normal_()
+    dst = torch.empty_like(src)
+    for _ in range(2):
+        dst.copy_(src)
+    ts = [timer.ms(timer.time(lambda: dst.copy_(src))) for _ in range(reps)]
+    del src, dst
+    return 2 * n * 4 / (statistics.median(ts) / 1e3)
+
+
+def make_set(shapes, dtype, device, seed):
+    """(params, grads): params ~ 0.02 N(0,1); grads with one random scale per row."""
+    import torch
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    ps, gs = [], []
+    for sh in shapes:
+        ps.append(torch.randn(sh, generator=gen, device=device).mul_(0.02).to(dtype))
+        g = torch.randn(sh, generator=gen, device=device).mul_(1e-3)
+        if len(sh) == 2:
+            g.mul_(torch.randn(sh[0], 1, generator=gen, device=device).mul_(0.7).exp_())
+        gs.append(g.to(dtype))
+    return ps, gs
+
+
+def tensor_bytes(ts):
+    return sum(t.numel() * t.element_size() for t in ts)
+
+
+def state_tensors(opt):
+    import torch
+
+    out = [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v) and v.dim() > 0]
+    cb = getattr(opt, "codebook", None)
+    return out + ([cb] if torch.is_tensor(cb) else [])
+
+
+def build(name, params, bits=8):
+    import torch
+
+    if name.startswith("gefen"):
+        from optim import Gefen
+
+        return Gefen(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, bits=bits, backend="triton")
+    if name == "adamw-fused":
+        return torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, fused=True)
+    if name == "upstream-gefen":
+        import gefen
+
+        return gefen.Gefen(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, fused=True)
+    raise ValueError(name)
+
+
+def kernel_only_step(opt):
+    """A closure running kernels.gefen_step_ over opt's state, grouped as the optimizer groups it."""
+    from collections import defaultdict
+
+    from optim.gefen import kernels
+    from optim.gefen import state as K
+
+    groups = defaultdict(list)
+    for p, st in opt.state.items():
+        groups[st[K.BLOCK]].append((p, st))
+    counter = {"t": max(st[K.STEP] for st in opt.state.values())}
+
+    def step():
+        counter["t"] += 1
+        for block, items in groups.items():
+            kernels.gefen_step_([p for p, _ in items], [p.grad for p, _ in items],
+                                [st[K.V] for _, st in items], [st[K.SCALES] for _, st in items],
+                                [st[K.CODES] for _, st in items], opt.codebook, step=counter["t"],
+                                lr=LR, beta1=BETAS[0], beta2=BETAS[1], eps=EPS, weight_decay=WD,
+                                block=block, bits=opt.bits)
+    return step
+
+
+def agreement(shapes, dtype, device, seed, steps=5):
+    """Gefen(backend='triton') vs Gefen(backend='torch') on the device: max|Δp|, rel RMS, codes."""
+    import torch
+
+    from optim import Gefen
+    from optim.gefen import state as K
+
+    ps, gs = make_set(shapes, dtype, device, seed)
+    qs = [p.clone() for p in ps]
+    a = Gefen(ps, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, backend="triton")
+    b = Gefen(qs, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, backend="torch", compile=False)
+    for t in range(steps):
+        for p, q, g in zip(ps, qs, gs):
+            p.grad = g * (1 + 0.1 * t)
+            q.grad = p.grad.clone()
+        a.step()
+        b.step()
+    num = den = 0.0
+    maxd, eq, tot = 0.0, 0, 0
+    for p, q in zip(ps, qs):
+        d = (p.float() - q.float())
+        maxd = max(maxd, d.abs().max().item())
+        num += d.square().sum().item()
+        den += q.float().square().sum().item()
+        eq += (a.state[p][K.CODES] == b.state[q][K.CODES]).sum().item()
+        tot += a.state[p][K.CODES].numel()
+    return maxd, (num / max(den, 1e-300)) ** 0.5, eq / tot
+
+
+def bench_set(res, label, shapes, dtype, device, args, copy_bw, timer):
+    import torch
+
+    dname = {torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype]
+    n = sum(torch.Size(s).numel() for s in shapes)
+    _, grads = make_set(shapes, dtype, device, args.seed)
+    names = ["gefen-triton", "gefen-triton-4bit", "adamw-fused"]
+    if not args.skip_upstream:
+        names.append("upstream-gefen")
+    opts, steps = {}, {}
+    for name in names:
+        params, _ = make_set(shapes, dtype, device, args.seed)
+        params = [torch.nn.Parameter(p) for p in params]
+        for p, g in zip(params, grads):
+            p.grad = g
+        try:
+            t0 = time.perf_counter()
+            opt = build(name, params, bits=4 if name.endswith("4bit") else 8)
+            for _ in range(args.warmup):
+                opt.step()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            print(f"  {label}/{dname} {name}: built and warmed up in {time.perf_counter() - t0:.1f} s",
+                  flush=True)
+        except Exception as exc:  # upstream needs nvcc and its own build; never lose the others
+            print(f"  {label}/{dname} {name}: unavailable ({type(exc).__name__}: {str(exc)[:300]})",
+                  flush=True)
+            continue
+        opts[name], steps[name] = opt, opt.step
+        if name == "gefen-triton":
+            opts["gefen-kernel"], steps["gefen-kernel"] = opt, kernel_only_step(opt)
+    # floor bytes and state bytes (per parameter)
+    floor = {}
+    for name, opt in opts.items():
+        params = [p for g in opt.param_groups for p in g["params"]]
+        st = state_tensors(opt)
+        floor[name] = 2 * tensor_bytes(params) + tensor_bytes(grads) + 2 * tensor_bytes(st)
+        res.add(f"{name}/{dname}", "state_bytes", "B/param", tensor_bytes(st) / n, "params", n)
+        res.add(f"{name}/{dname}", "floor_bytes", "B/param", floor[name] / n, "params", n)
+        res.add(f"{name}/{dname}", "floor_time", "ms", floor[name] / copy_bw * 1e3, "params", n)
+    # peak memory of one step, each alone
+    for name in opts:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            steps[name]()
+            torch.cuda.synchronize()
+            res.add(f"{name}/{dname}", "step_peak_memory", "MiB",
+                    (torch.cuda.max_memory_allocated() - base) / 2**20, "params", n)
+    # interleaved timing
+    times = {name: [] for name in opts}
+    for _ in range(args.reps):
+        handles = {name: timer.time(steps[name]) for name in opts}
+        for name, h in handles.items():
+            times[name].append(timer.ms(h))
+    med = {name: statistics.median(ts) for name, ts in times.items()}
+    for name, t in med.items():
+        bw = floor[name] / (t / 1e3)
+        res.add(f"{name}/{dname}", "step_time", "ms", t, "params", n)
+        res.add(f"{name}/{dname}", "bandwidth", "GB/s", bw / 1e9, "params", n)
+        res.add(f"{name}/{dname}", "frac_of_copy", "ratio", bw / copy_bw, "params", n)
+        print(f"  {label}/{dname} {name:18s} {t:8.3f} ms  floor {floor[name] / n:5.2f} B/param "
+              f"= {floor[name] / copy_bw * 1e3:7.3f} ms at copy speed  {bw / 1e9:7.1f} GB/s "
+              f"({bw / copy_bw:4.0%} of copy)", flush=True)
+    if "gefen-triton" in med:
+        for other in ("adamw-fused", "upstream-gefen"):
+            if other in med:
+                res.add(f"gefen-triton/{dname}", f"speedup_vs_{other}", "x",
+                        med[other] / med["gefen-triton"], "params", n)
+    del opts, steps
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_args(parser)
+    parser.add_argument("--sizes", default="125M,1.5B", help="comma list of " + ",".join(SIZES))
+    parser.add_argument("--dtypes", default="fp32,bf16")
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--skip-upstream", action="store_true")
+    parser.add_argument("--cpu-smoke", action="store_true",
+                        help="tiny CPU run under TRITON_INTERPRET=1, to check the script itself")
+    args = parser.parse_args(argv)
+
+    if args.cpu_smoke:
+        os.environ["TRITON_INTERPRET"] = "1"
+    import torch
+
+    if not torch.cuda.is_available() and not args.cpu_smoke:
+        print("bench_kernels: no CUDA device; this benchmark needs a GPU (nothing measured).")
+        return 0
+    device = torch.device("cuda" if not args.cpu_smoke else "cpu")
+    timer = Timer(device)
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    if args.cpu_smoke:
+        sets = {"smoke": quick_shapes(2**15)}
+        args.dtypes, args.reps, args.warmup = "fp32,bf16", 2, 1
+        args.skip_upstream = True
+    elif args.quick:
+        sets = {"10M": quick_shapes(10_000_000)}
+        args.dtypes = "fp32"
+    else:
+        sets = {s: gpt2_shapes(*SIZES[s]) for s in args.sizes.split(",")}
+    copy_bytes = 2**20 if args.cpu_smoke else 2**31
+    with Results("gefen_kernels", args, config=vars(args), device=device) as res:
+        copy_bw = copy_bandwidth(device, timer, copy_bytes, 10)
+        res.add("copy", "bandwidth", "GB/s", copy_bw / 1e9, "bytes", copy_bytes)
+        print(f"device-to-device copy: {copy_bw / 1e9:.0f} GB/s (read + write)", flush=True)
+        agree_shapes = next(iter(sets.values()))
+        for label, shapes in sets.items():
+            for dn in args.dtypes.split(","):
+                bench_set(res, label, shapes, dtypes[dn], device, args, copy_bw, timer)
+                res.flush()
+        for dn in args.dtypes.split(","):
+            maxd, rr, codes = agreement(agree_shapes, dtypes[dn], device, args.seed)
+            n = sum(torch.Size(s).numel() for s in agree_shapes)
+            res.add(f"triton-vs-torch/{dn}", "agree_max_abs_p", "abs", maxd, "params", n)
+            res.add(f"triton-vs-torch/{dn}", "agree_rel_rms_p", "ratio", rr, "params", n)
+            res.add(f"triton-vs-torch/{dn}", "agree_codes_equal", "fraction", codes, "params", n)
+            print(f"  Triton vs torch backend ({dn}, 5 steps): max|Δp| {maxd:.2e}, rel RMS {rr:.2e}, "
+                  f"codes equal {codes:.6f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
