@@ -57,17 +57,25 @@ def make_optimizer(name: str, params):
     raise ValueError(f"unknown optimizer {name!r}")
 
 
-def train_steps(model, opt, steps, *, rank=0, world=1, start=0):
-    """Plain training loop: rank r takes its contiguous slice of each global batch; mean MSE."""
+def train_steps(model, opt, steps, *, rank=0, world=1, start=0, micro_batches=1, fixed_batch=False):
+    """Plain training loop: rank r takes its contiguous slice of each global batch; mean MSE.
+
+    ``micro_batches`` > 1 splits this rank's slice further and accumulates the gradient (each
+    micro-batch's loss times 1/micro_batches), as a single rank replaying a 2-rank run does.
+    Returns this rank's losses (the mean over its micro-batches).
+    """
     losses = []
     for i in range(start, start + steps):
-        x, y = batch(i)
+        x, y = batch(0 if fixed_batch else i)
         x, y = x.chunk(world)[rank], y.chunk(world)[rank]
-        loss = ((model(x) - y) ** 2).mean()
-        loss.backward()
+        total = 0.0
+        for xm, ym in zip(x.chunk(micro_batches), y.chunk(micro_batches)):
+            loss = ((model(xm) - ym) ** 2).mean() * (1.0 / micro_batches)
+            loss.backward()
+            total += loss.detach()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(loss.detach().clone())
+        losses.append(total)
     return torch.stack(losses)
 
 
@@ -82,11 +90,22 @@ def full_params(model) -> dict:
     return out
 
 
-def single_process_run(opt_name: str, steps: int, seed: int = 0):
-    """Reference: one process, the whole global batch, no distribution at all."""
-    model = make_model(seed)
-    opt = make_optimizer(opt_name, model.parameters())
-    losses = train_steps(model, opt, steps)
+def single_process_run(opt_name: str, steps: int, seed: int = 0, micro_batches: int = 1,
+                       fixed_batch: bool = False):
+    """Reference: one process, no distribution, the same global batches.
+
+    With ``micro_batches = world`` the gradient is accumulated as DDP and FSDP2 form it: each
+    micro-batch's mean loss times 1/world (a power of two: exact), summed, so the reference sees
+    the very same gradients, bit for bit, as the ranks after their all-reduce / reduce-scatter.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the workers run single-threaded; so must the reference's matmuls
+    try:
+        model = make_model(seed)
+        opt = make_optimizer(opt_name, model.parameters())
+        losses = train_steps(model, opt, steps, micro_batches=micro_batches, fixed_batch=fixed_batch)
+    finally:
+        torch.set_num_threads(threads)
     return full_params(model), losses
 
 
@@ -140,6 +159,31 @@ def scenario_fsdp(opt_name, rank, world, out_dir):
     return {"params": full_params(model), "losses": losses, "codebooks": _codebooks(opt)}
 
 
+def local_states(model, opt) -> dict:
+    """Every rank's Gefen state of every parameter as {name: [rank 0's dict, rank 1's, ...]} with
+    per-element codes and first moments (the test compares them across shardings)."""
+    import torch.distributed as dist
+
+    from optim.gefen.reference import dequantize, unpack_codes
+
+    mine = {}
+    for name, p in model.named_parameters():
+        st = opt.state.get(p, {})
+        if "block" not in st:
+            continue
+        n = p.to_local().numel() if hasattr(p, "to_local") else p.numel()
+        d = {"block": st["block"], "v": st["v"].clone()}
+        if "codes" in st:
+            d["codes"] = unpack_codes(st["codes"], n, opt.bits).clone()
+            d["scales"] = st["scales"].clone()
+            d["m"] = dequantize(st["scales"], st["codes"], opt.codebook, numel=n, block=st["block"],
+                                bits=opt.bits)
+        mine[name] = d
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, mine)
+    return {name: [o[name] for o in out] for name in mine}, opt.codebook.clone()
+
+
 def _save(model, opt, path):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
@@ -159,13 +203,38 @@ def _load(model, opt, path):
     set_optimizer_state_dict(model, opt, state["optim"])
 
 
-def scenario_dcp(opt_name, rank, world, out_dir):
-    """Train K1 steps, save with DCP, train K2 more; a fresh model (other init) loads and trains K2."""
-    ckpt = Path(out_dir) / f"ckpt_{opt_name}"
+def _forced_first_step(model, opt, rank, world, segments: dict):
+    """Step 0 with the named parameters' local gradients replaced by ``structured_grad`` of the
+    given segment lengths, so that Gefen picks those block lengths on this rank."""
+    x, y = batch(0)
+    ((model(x.chunk(world)[rank]) - y.chunk(world)[rank]) ** 2).mean().backward()
+    params = dict(model.named_parameters())
+    for name, segment in segments.items():
+        g = params[name].grad.to_local()
+        g.copy_(structured_grad(g.shape[0], g.shape[1], segment, seed=10 * rank + len(name)))
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+# Block lengths every rank's local shard of each weight takes in the "aligned" checkpoint.
+ALIGNED_BLOCKS = {"0.weight": 16, "2.weight": 32, "4.weight": 16}
+
+
+def scenario_dcp(opt_name, rank, world, out_dir, segments=None, tag=""):
+    """Train K1 steps, save with DCP, train K2 more; a fresh model (other init) loads and trains K2.
+
+    With ``segments`` the first step's gradients are forced (see ``_forced_first_step``)."""
+    ckpt = Path(out_dir) / f"ckpt{tag}_{opt_name}"
     model = _fsdp_model(0)
     opt = make_optimizer(opt_name, model.parameters())
-    train_steps(model, opt, K1, rank=rank, world=world)
+    if segments:
+        _forced_first_step(model, opt, rank, world, segments)
+        train_steps(model, opt, K1 - 1, rank=rank, world=world, start=1)
+    else:
+        train_steps(model, opt, K1, rank=rank, world=world)
     _save(model, opt, ckpt)
+    blocks = {n: opt.state[p].get("block", 1) for n, p in model.named_parameters()}
+    saved = local_states(model, opt) if segments else None
     cont = train_steps(model, opt, K2, rank=rank, world=world, start=K1)
     uninterrupted = full_params(model)
 
@@ -173,20 +242,99 @@ def scenario_dcp(opt_name, rank, world, out_dir):
     opt2 = make_optimizer(opt_name, model2.parameters())
     _load(model2, opt2, ckpt)
     resumed_losses = train_steps(model2, opt2, K2, rank=rank, world=world, start=K1)
-    return {"uninterrupted": uninterrupted, "uninterrupted_losses": cont,
+    return {"uninterrupted": uninterrupted, "uninterrupted_losses": cont, "blocks": blocks, "saved": saved,
             "resumed": full_params(model2), "resumed_losses": resumed_losses}
 
 
-def scenario_reshard(opt_name, rank, world, out_dir):
-    """Load the checkpoint written by ``scenario_dcp`` (on another number of ranks) and train K2."""
+def scenario_dcp_aligned(opt_name, rank, world, out_dir):
+    return scenario_dcp(opt_name, rank, world, out_dir, segments=ALIGNED_BLOCKS, tag="_aligned")
+
+
+def scenario_reshard(opt_name, rank, world, out_dir, tag=""):
+    """Load the 2-rank checkpoint of ``scenario_dcp`` on ``world`` ranks and train K2 steps, each
+    rank splitting its slice into 2 / world micro-batches: the gradients are then bit for bit the
+    2-rank run's, so any difference comes from the reloaded state."""
     model = _fsdp_model(1)
     opt = make_optimizer(opt_name, model.parameters())
-    _load(model, opt, Path(out_dir) / f"ckpt_{opt_name}")
-    losses = train_steps(model, opt, K2, rank=rank, world=world, start=K1)
-    return {"resumed": full_params(model), "resumed_losses": losses}
+    _load(model, opt, Path(out_dir) / f"ckpt{tag}_{opt_name}")
+    blocks = {n: opt.state[p].get("block", 1) for n, p in model.named_parameters()}
+    loaded = local_states(model, opt) if tag else None
+    losses = train_steps(model, opt, K2, rank=rank, world=world, start=K1, micro_batches=2 // world)
+    return {"resumed": full_params(model), "resumed_losses": losses, "blocks": blocks, "loaded": loaded}
 
 
-SCENARIOS = {"ddp": scenario_ddp, "fsdp": scenario_fsdp, "dcp": scenario_dcp, "reshard": scenario_reshard}
+def scenario_reshard_aligned(opt_name, rank, world, out_dir):
+    return scenario_reshard(opt_name, rank, world, out_dir, tag="_aligned")
+
+
+def structured_grad(rows: int, cols: int, segment: int, seed: int) -> torch.Tensor:
+    """A gradient whose magnitude changes every ``segment`` elements (Gefen picks P = segment)."""
+    g = torch.Generator().manual_seed(seed)
+    n = rows * cols // segment
+    scale = 10 ** (torch.rand(n, 1, generator=g) * 4 - 2)
+    return (scale * (1 + 0.1 * torch.randn(n, segment, generator=g))).reshape(rows, cols)
+
+
+def scenario_dcp_mismatch(opt_name, rank, world, out_dir):
+    """A checkpoint whose ranks chose different block lengths for ``2.weight`` (32 on rank 0, 16
+    on rank 1, forced by its first gradient): it must not load onto one rank."""
+    model = _fsdp_model(0)
+    opt = make_optimizer(opt_name, model.parameters())
+    _forced_first_step(model, opt, rank, world, {"2.weight": 32 if rank == 0 else 16})
+    _save(model, opt, Path(out_dir) / f"ckpt_mismatch_{opt_name}")
+    return {"block": torch.tensor(opt.state[model[2].weight]["block"])}
+
+
+def scenario_reshard_mismatch(opt_name, rank, world, out_dir):
+    model = _fsdp_model(1)
+    opt = make_optimizer(opt_name, model.parameters())
+    try:
+        _load(model, opt, Path(out_dir) / f"ckpt_mismatch_{opt_name}")
+    except ValueError as exc:
+        return {"message": str(exc)}
+    return {"message": ""}
+
+
+def scenario_train(opt_name, rank, world, out_dir):
+    """FSDP2 on a fixed global batch (memorisation): the global loss per step, and the codebooks."""
+    import torch.distributed as dist
+
+    model = _fsdp_model(0)
+    opt = make_optimizer(opt_name, model.parameters())
+    losses = train_steps(model, opt, 30, rank=rank, world=world, fixed_batch=True)
+    dist.all_reduce(losses)
+    return {"losses": losses / world, "codebooks": _codebooks(opt)}
+
+
+def toy_hist(grads: dict) -> torch.Tensor:
+    """A stand-in histogram function: counts of |g| in 10 bins of width 0.1 (last bin open)."""
+    counts = torch.zeros(10, dtype=torch.int64)
+    for g in grads.values():
+        counts += torch.bincount((g.reshape(-1).abs() * 10).long().clamp(max=9), minlength=10)
+    return counts
+
+
+def scenario_hist(opt_name, rank, world, out_dir):
+    """``global_histogram`` on a sharded and a replicated parameter with rank-specific data."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from optim.gefen.distributed import global_histogram
+
+    mesh = _mesh()
+    full = torch.randn(10, 3, generator=torch.Generator().manual_seed(7))
+    sharded = distribute_tensor(full, mesh, [Shard(0)])
+    plain = torch.randn(5, generator=torch.Generator().manual_seed(8))  # the same on every rank
+    counts = global_histogram(toy_hist, {sharded: sharded.to_local(), plain: plain})
+    out = [torch.empty_like(counts) for _ in range(world)]
+    dist.all_gather(out, counts)
+    return {"counts": torch.stack(out), "sharded_full": full, "plain": plain}
+
+
+SCENARIOS = {"hist": scenario_hist, "ddp": scenario_ddp, "fsdp": scenario_fsdp, "dcp": scenario_dcp, "reshard": scenario_reshard,
+             "dcp_mismatch": scenario_dcp_mismatch, "reshard_mismatch": scenario_reshard_mismatch,
+             "train": scenario_train, "dcp_aligned": scenario_dcp_aligned,
+             "reshard_aligned": scenario_reshard_aligned}
 
 
 def main(argv):

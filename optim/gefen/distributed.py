@@ -1,0 +1,362 @@
+"""Gefen under ``torch.distributed``: DTensor shards, one codebook for all ranks, sharded checkpoints.
+
+DDP needs nothing from here: its gradients are averaged before ``step()``, every rank holds the
+same parameters, so every rank chooses the same blocks and learns the same codebook.
+
+FSDP2 (``torch.distributed.fsdp.fully_shard``) makes every parameter a DTensor sharded on dim 0.
+Gefen keeps each tensor's state with its local shard (``p.to_local()``) and chooses its block
+length P from the local shard's first gradient, so P may differ between ranks. Two things need
+the group:
+
+* The codebook is learned from the histogram of block-normalised gradients *summed over all
+  ranks* (:func:`global_histogram`), so every rank holds the same codebook.
+* Checkpoints. ``torch.distributed.checkpoint`` (DCP) saves a DTensor shard by shard and reloads it
+  into any other sharding, but needs tensors whose global shape does not depend on the sharding
+  or on P, because a fresh optimizer (``get_optimizer_state_dict`` first runs a zero-gradient step
+  on it) must present tensors of the saved shapes. So the *distributed form* of a sharded
+  parameter's state (:func:`to_distributed`) holds, for a parameter of shape ``shape``::
+
+      v       fp32 DTensor ``shape``, placed like the parameter: v of the element's block
+      scales  fp32 DTensor ``shape``: scale of the element's scale block   (quantised groups)
+      codes   uint8 DTensor ``shape``: the element's code (4-bit codes one a byte)   (quantised)
+      m       fp32 DTensor ``shape``: the first moment   (groups with quantize_first_moment=False)
+      layout  int64 (rows, 4), the same on every rank: per row of dim 0, the saved block length
+              P, the row's first element's position in its v-block and in its scale block, and
+              the step count
+      codebook  fp32 (2**bits,), the same on every rank (``get_optimizer_state_dict`` keeps only
+              per-parameter state, so the model-wide codebook travels with each parameter)
+
+  That is 9 bytes per element in the checkpoint (8 with an unquantised first moment) against
+  about 1 in memory: the price of a checkpoint that reshards freely.
+
+Loading (:func:`from_distributed`) cuts each rank's local rows back into Gefen's compact state.
+Onto another number of ranks this is exact where every new local shard starts and ends on a
+saved block boundary and sees one block length; otherwise it raises a ``ValueError`` that names
+the parameter and says what to do. Tensors with P = 1 (per-element v) always fit; if their
+256-element scale chunks moved, their first moment is requantised once with the codebook (one
+more rounding of m, v untouched).
+
+Supported placements: ``Shard(0)`` on at most one mesh dimension and ``Replicate`` elsewhere
+(FSDP2, HSDP). Other shardings (tensor parallel ``Shard(1)``, strided shards) raise.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from . import state as K
+from .reference import num_scales, pack_codes, quantize, scale_block_length, unpack_codes
+
+LAYOUT = "layout"
+_BLOCK, _POS_V, _POS_S, _STEP = range(4)
+
+
+# ------------------------------------------------------------------------------- DTensor access
+def is_dtensor(t) -> bool:
+    return hasattr(t, "to_local") and hasattr(t, "device_mesh")
+
+
+def local_shard(t):
+    """The local shard of a DTensor (state lives with it), the tensor itself otherwise."""
+    return t.to_local() if is_dtensor(t) else t
+
+
+def is_sharded(p) -> bool:
+    """True for a DTensor with a ``Shard`` placement (its local shards differ between ranks)."""
+    return is_dtensor(p) and any(pl.is_shard() for pl in p.placements)
+
+
+def _check_placements(p, what: str = "parameter"):
+    shards = [pl for pl in p.placements if pl.is_shard()]
+    bad = [pl for pl in p.placements if not (pl.is_shard() or pl.is_replicate())]
+    if bad or len(shards) > 1 or (shards and shards[0].dim != 0) or (shards and p.dim() == 0):
+        raise ValueError(
+            f"Gefen: {what} of shape {tuple(p.shape)} has placements {tuple(p.placements)}; Gefen's "
+            "distributed state supports Shard(0) on one mesh dimension and Replicate elsewhere "
+            "(FSDP2 / HSDP); shard other dimensions (e.g. tensor parallelism) outside Gefen")
+
+
+def shard_rows(p):
+    """(first row, end row, rows, row length) of a parameter's local shard along dim 0.
+
+    A 0-dim or replicated parameter is one shard of all its rows. Local shards of ``Shard(0)``
+    parameters are contiguous runs of rows, hence contiguous ranges of the flattened tensor.
+    """
+    rows = p.shape[0] if p.dim() > 0 else 1
+    row_len = p.numel() // rows if rows else 0
+    if not is_sharded(p):
+        return 0, rows, rows, row_len
+    _check_placements(p)
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    return offset[0], offset[0] + shape[0], rows, row_len
+
+
+def _shard_groups(p):
+    """Process groups of the mesh dimensions over which p is sharded."""
+    return [p.device_mesh.get_group(d) for d, pl in enumerate(p.placements) if pl.is_shard()]
+
+
+# ----------------------------------------------------------------------------------- codebook
+def joins_codebook(params) -> bool:
+    """True if this rank must take part in the codebook all-reduce (some parameter is sharded),
+    even when none of its local shards holds elements."""
+    return any(is_sharded(p) for p in params)
+
+
+def global_histogram(hist_fn, grads: dict, params=()) -> torch.Tensor:
+    """Codebook histogram over the whole model, the same on every rank.
+
+    ``grads`` maps parameters to their local gradients; ``hist_fn(grads) -> int64 counts`` (it
+    must accept an empty dict). Counts of sharded parameters are summed over their shard groups
+    (each rank holds a different part of them); counts of plain or replicated parameters (DDP)
+    are taken once, since every rank holds the same ones. Collective whenever ``grads`` or
+    ``params`` (all parameters that may have gradients) hold a sharded parameter, so a rank
+    whose local shards are all empty still joins.
+    """
+    sharded = {p: g for p, g in grads.items() if is_sharded(p)}
+    plain = {p: g for p, g in grads.items() if not is_sharded(p)}
+    mesh_params = list(sharded) or [p for p in params if is_sharded(p)]
+    if not mesh_params:
+        return hist_fn(plain)
+    keys = {tuple(id(g) for g in _shard_groups(p)) for p in mesh_params}
+    if len(keys) > 1:
+        raise ValueError("Gefen: sharded parameters live on different device meshes or "
+                         "placements; use one Gefen optimizer per mesh")
+    part = hist_fn(sharded).to(torch.int64)
+    for group in _shard_groups(mesh_params[0]):
+        dist.all_reduce(part, op=dist.ReduceOp.SUM, group=group)
+    return part + hist_fn(plain).to(part.device) if plain else part
+
+
+def all_reduce_histogram(counts: torch.Tensor, params) -> torch.Tensor:
+    """Sum a histogram of sharded parameters' gradients over the first sharded parameter's shard
+    groups (for callers that histogram sharded parameters alone). No-op without sharding."""
+    sharded = [p for p in params if is_sharded(p)]
+    if not sharded:
+        return counts
+    counts = counts.to(torch.int64).clone()
+    for group in _shard_groups(sharded[0]):
+        dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=group)
+    return counts
+
+
+# --------------------------------------------------------------------------------- checkpoints
+def _dtensor_like(p, local: torch.Tensor):
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local.reshape(local_shard(p).shape), p.device_mesh, p.placements,
+                              run_check=False, shape=p.shape, stride=p.stride())
+
+
+def _local_layout(st, r0, r1, row_len):
+    """This rank's rows of the layout table (see the module docstring)."""
+    rows = torch.zeros(r1 - r0, 4, dtype=torch.int64)
+    if st is None or r1 == r0:
+        return rows
+    block = int(st[K.BLOCK])
+    start = torch.arange(r1 - r0, dtype=torch.int64) * row_len
+    rows[:, _BLOCK] = block
+    rows[:, _POS_V] = start % block
+    rows[:, _POS_S] = start % scale_block_length(block)
+    rows[:, _STEP] = int(st[K.STEP])
+    return rows
+
+
+def _full_layout(p, local_rows):
+    if not is_sharded(p):
+        return local_rows
+    rows = p.shape[0]
+    return _dtensor_like_rows(p, local_rows, rows).full_tensor()
+
+
+def _dtensor_like_rows(p, local_rows, rows):
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local_rows, p.device_mesh, p.placements, run_check=False,
+                              shape=(rows, 4), stride=(4, 1))
+
+
+def to_distributed(state: dict, params, ids, quantized, *, codebook, bits: int) -> None:
+    """Rewrite ``state`` (``Optimizer.state_dict()['state']``) in place into the distributed form.
+
+    ``quantized[i]`` is the ``quantize_first_moment`` flag of the group of ``params[i]``. Sharded
+    DTensor parameters get the sharding-independent form of the module docstring; every
+    parameter with state gets a copy of the codebook. Collective over the parameters' meshes:
+    every rank must call it with the same parameters (``get_optimizer_state_dict`` does).
+    """
+    for pid, p, quant in zip(ids, params, quantized):
+        st = state.get(pid)
+        if is_sharded(p):
+            st = _to_distributed_one(p, st, quantized=quant, bits=bits)
+            if st is None:
+                continue
+            state[pid] = st
+        if st is not None and codebook is not None:
+            state[pid] = dict(st, **{K.CODEBOOK: codebook.detach().clone()})  # not the live dict
+
+
+def _to_distributed_one(p, st, *, quantized, bits):
+    r0, r1, rows, row_len = shard_rows(p)
+    layout = _full_layout(p, _local_layout(st, r0, r1, row_len))
+    if not bool((layout[:, _BLOCK] > 0).any()):
+        return None  # no rank has state for it yet
+    n = local_shard(p).numel()
+    out = {K.STEP: int(layout[:, _STEP].max()), LAYOUT: layout}
+    if st is None:  # an empty local shard: nothing of it is stored here
+        st = {K.BLOCK: 1, K.V: torch.zeros(0), K.SCALES: torch.zeros(0),
+              K.CODES: torch.zeros(0, dtype=torch.uint8)}
+        if not quantized:
+            st = {K.BLOCK: 1, K.V: torch.zeros(0), K.M: torch.zeros(0)}
+    block = int(st[K.BLOCK])
+    dev = local_shard(p).device
+    out[K.V] = _dtensor_like(p, st[K.V].to(dev).float().repeat_interleave(block))
+    if K.M in st:
+        out[K.M] = _dtensor_like(p, st[K.M].to(dev).float())
+    else:
+        s_len = scale_block_length(block)
+        out[K.SCALES] = _dtensor_like(p, st[K.SCALES].to(dev).float().repeat_interleave(s_len)[:n])
+        out[K.CODES] = _dtensor_like(p, unpack_codes(st[K.CODES], n, bits).to(torch.uint8))
+    return out
+
+
+def check_reshard(layout: torch.Tensor, r0: int, r1: int, row_len: int, *, name: str = "parameter",
+                  quantized: bool = True):
+    """Block length and scale alignment of rows ``[r0, r1)`` of a saved layout.
+
+    Returns ``(block, scales_aligned)``: the one saved block length of those rows and whether
+    their first-moment scale blocks start where a fresh shard's would. Raises ``ValueError`` if
+    the rows cannot hold Gefen's state exactly: they see several block lengths, or the shard
+    starts or ends inside a saved block.
+    """
+    rows = layout.shape[0]
+    if r1 <= r0:
+        return 1, True
+    part = layout[r0:r1]
+    blocks = sorted(set(part[:, _BLOCK].tolist()))
+    why = None
+    if len(blocks) != 1 or blocks[0] < 1:
+        why = f"its rows were saved with different block lengths {blocks}"
+    else:
+        block = blocks[0]
+        expect = torch.arange(r1 - r0, dtype=torch.int64) * row_len
+        n = (r1 - r0) * row_len
+        if n % block or not torch.equal(part[:, _POS_V], expect % block) or \
+                (r1 < rows and int(layout[r1, _POS_V]) != 0):
+            why = f"the shard does not start and end on boundaries of the saved blocks of length {block}"
+    if why:
+        raise ValueError(
+            f"Gefen: cannot load the checkpointed state of {name} into this sharding (rows "
+            f"{r0}..{r1} of {rows}, {row_len} elements a row): {why}. Gefen chose its blocks per "
+            "local shard when the checkpoint was written; load it onto the number of ranks it was "
+            "saved from, or onto one where every rank's shard is a whole number of the saved blocks")
+    s_len = scale_block_length(block)
+    # Saved scale chunks restart at every saved shard start; they coincide with a fresh shard's
+    # chunks iff every row starts at the same chunk position and the shard ends where a chunk does.
+    aligned = (not quantized) or (torch.equal(part[:, _POS_S], expect % s_len)
+                                  and (r1 == rows or int(layout[r1, _POS_S]) == 0))
+    return block, aligned
+
+
+def from_distributed(sd: dict, params, ids, *, bits: int) -> dict:
+    """The inverse of :func:`to_distributed` for this rank's sharding: a new state dict whose
+    per-parameter state is Gefen's compact local form, with the codebook at the top level."""
+    sd = dict(sd)
+    state = dict(sd.get("state", {}))
+    codebook = sd.get(K.CODEBOOK)
+    for st in state.values():
+        if codebook is None and isinstance(st, dict) and st.get(K.CODEBOOK) is not None:
+            codebook = st[K.CODEBOOK]
+    if codebook is not None:
+        codebook = local_shard(codebook).detach().float().cpu()
+    for k, (pid, p) in enumerate(zip(ids, params)):
+        st = state.get(pid)
+        if not isinstance(st, dict):
+            continue
+        st = {key: val for key, val in st.items() if key != K.CODEBOOK}
+        if LAYOUT in st:
+            name = pid if isinstance(pid, str) else f"parameter {k}"
+            st = _from_distributed_one(p, st, codebook=codebook, bits=bits, name=name)
+        state[pid] = st
+    sd["state"] = state
+    sd[K.CODEBOOK] = codebook
+    return sd
+
+
+def _local_rows_of(t, p, r0, r1):
+    """This rank's rows of a loaded distributed-form tensor, flattened (DTensor or full tensor)."""
+    if is_dtensor(t):
+        t = t.to_local()
+    elif t.dim() > 0 and tuple(t.shape) == tuple(p.shape) and (r1 - r0) != (p.shape[0] if p.dim() else 1):
+        t = t[r0:r1]  # a full (gathered) tensor: cut out this rank's rows
+    return t.reshape(-1)
+
+
+def _from_distributed_one(p, st, *, codebook, bits, name):
+    if not is_dtensor(p):
+        raise ValueError(f"Gefen: the checkpointed state of {name} is in the distributed (sharded) "
+                         "form but the parameter is a plain tensor; shard the model as when it was "
+                         "saved (e.g. fully_shard on one rank) before loading")
+    r0, r1, rows, row_len = shard_rows(p)
+    layout = local_shard(st[LAYOUT]).cpu().to(torch.int64)
+    if tuple(layout.shape) != (rows, 4):
+        raise ValueError(f"Gefen: the checkpointed layout of {name} has shape {tuple(layout.shape)}, "
+                         f"expected ({rows}, 4); the checkpoint comes from a model with other shapes")
+    quantized = K.M not in st
+    block, aligned = check_reshard(layout, r0, r1, row_len, name=name, quantized=quantized)
+    dev = local_shard(p).device
+    n = local_shard(p).numel()
+    out = {K.STEP: int(st[K.STEP]), K.BLOCK: block}
+    out[K.V] = _local_rows_of(st[K.V], p, r0, r1)[::block].float().to(dev).clone()
+    if not quantized:
+        out[K.M] = _local_rows_of(st[K.M], p, r0, r1).float().to(dev).clone()
+        return out
+    codes = _local_rows_of(st[K.CODES], p, r0, r1).to(torch.int64)
+    scales = _local_rows_of(st[K.SCALES], p, r0, r1).float()
+    s_len = scale_block_length(block)
+    if aligned:
+        out[K.SCALES] = scales[::s_len][: num_scales(n, block)].to(dev).clone()
+        out[K.CODES] = pack_codes(codes, bits).to(dev)
+    else:  # P == 1 tensor whose 256-element scale chunks moved: requantise m once
+        if codebook is None:
+            raise ValueError(f"Gefen: the checkpoint has no codebook for {name}")
+        cb = codebook.to(scales.device)
+        m = cb[codes] * scales
+        new_scales, new_codes = quantize(m, cb, block=block, bits=bits)
+        out[K.SCALES] = new_scales.to(dev)
+        out[K.CODES] = new_codes.to(dev)
+    return out
+
+
+# ------------------------------------------------------------------- hooks for Gefen.state_dict
+def _uses_distributed_form(params) -> bool:
+    return any(is_dtensor(p) for p in params) or (dist.is_available() and dist.is_initialized())
+
+
+def _params_and_ids(opt, sd):
+    params = [p for g in opt.param_groups for p in g["params"]]
+    quantized = [bool(g["quantize_first_moment"]) for g in opt.param_groups for _ in g["params"]]
+    ids = [i for g in sd["param_groups"] for i in g["params"]]
+    return params, ids, quantized
+
+
+def to_distributed_state_dict(opt, sd: dict) -> dict:
+    """``Gefen.state_dict()`` hook: the distributed form where torch.distributed is in use (a
+    DTensor parameter, or an initialised process group), ``sd`` unchanged otherwise."""
+    params, ids, quantized = _params_and_ids(opt, sd)
+    if _uses_distributed_form(params):
+        sd["state"] = dict(sd["state"])
+        to_distributed(sd["state"], params, ids, quantized, codebook=opt.codebook, bits=opt.bits)
+    return sd
+
+
+def from_distributed_state_dict(opt, sd: dict) -> dict:
+    """``Gefen.load_state_dict()`` hook: compact local state for this rank's shards."""
+    if "param_groups" not in sd:
+        return sd
+    params, ids, _ = _params_and_ids(opt, sd)
+    if len(ids) != len(params):
+        return sd  # Gefen.load_state_dict reports the mismatch
+    return from_distributed(sd, params, ids, bits=opt.bits)
