@@ -13,9 +13,12 @@ nibble first, scale blocks of ``S = block`` or ``S = CHUNK = 256`` when ``block 
 last chunk, ``codebook=None`` for an unquantised fp32 first moment stored in ``codes``), but updates
 ``p``, ``v``, ``scales`` and ``codes`` in place. ``p``/``g`` may be fp32, bf16 or fp16; the math is
 fp32. Each of ``p, g, v, scales, codes`` may also be a list (a group of tensors that share
-``block``, ``bits`` and the hyperparameters): the whole group is then one kernel launch, because a
-Python launch costs ~20-40 us of host time and a GPT-2-small parameter set has ~150 tensors whose
-whole step moves only ~1.75 GB (~0.4 ms at H200 bandwidth).
+``block``, ``bits`` and the hyperparameters): the whole group is then one kernel launch (per
+parameter dtype), because a GPT-2-small parameter set has ~150 tensors whose whole step moves only
+~1.75 GB (~0.4 ms at H200 bandwidth), so per-tensor launches (tens of us of host time each, an
+estimate) would leave the GPU idle. The launch tables are cached per set of tensors: a repeated
+call costs ~8 tensor attribute reads per tensor (measured on this project's 2-core CI-class CPU:
+3.6 ms for 580 tensors, against 46 ms when every call re-validated and re-viewed them).
 
 Both run on CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1`` (how the tests run them).
 
@@ -30,20 +33,23 @@ Why the kernel looks the way it does
   kernels (two more reads of g and a read+write of p) and launches one CUDA block of >= 32
   threads per Gefen block, so a block length of 8 leaves 3/4 of its threads idle.
 * Tile = R whole blocks x next_pow2(S) columns, R*next_pow2(S) ~ ``TILE`` = 2048 elements, with
-  ``ELEMS_PER_THREAD`` = 8 elements a thread (8 warps). Compiled offline for sm_90 (H200) and read
-  with ``cuobjdump --dump-resource-usage``: 16 elements a thread took 176-255 registers (one
-  256-thread program per SM), 8 a thread 70-128 registers and no spills (three programs per SM,
-  ~60 KB of loads in flight per SM, above the ~36 KB that 4.8 TB/s x ~1 us latency / 132 SMs
-  needs). Lanes past S (non-power-of-two S) are masked: they cost registers, not memory traffic.
+  ``ELEMS_PER_THREAD`` = 8 elements a thread (8 warps). Compiled offline for sm_90 (H200, Triton
+  3.6 and 3.9) and read with ``cuobjdump --dump-resource-usage``: 16 elements a thread took
+  176-255 registers (one 256-thread program per SM), 8 a thread 70-128 registers and no spills
+  (three programs per SM; by estimate ~60 KB of loads in flight per SM, above the ~36 KB that
+  4.8 TB/s x ~1 us latency / 132 SMs needs). Lanes past S (non-power-of-two S) are masked: they
+  cost registers, not memory traffic. Not yet timed on a GPU: ``experiments/bench_kernels.py``.
 * Nearest codebook entry without scanning the entries: a 4096-bin lookup table over uniform bins
   of [-1, 1], built once per codebook on the host from the midpoints between consecutive distinct
   entries. ``lut[j]`` is the number of midpoints left of bin j (minus a 2**-20 safety margin that
   covers the rounding of ``(x + 1) * 2048``), so the answer is ``lut[j]`` plus the number of
   midpoints in the bin that x exceeds: ``NCMP`` comparisons, where NCMP is the largest number of
   midpoints any bin holds. A codebook learned from a 4096-bin histogram has its distinct entries
-  at least one histogram bin apart, so NCMP is 1 or 2 (one uint8 LUT read of a 4 KB table plus
-  one or two reads of a 1 KB midpoint table, all L1-resident on a GPU), against 8 dependent reads
-  for a binary search over 255 midpoints and 256 compares for a scan. Equal entries (a codebook
+  at least one histogram bin apart, so NCMP is 1 or 2 (measured: 1-2 for random 16- and
+  256-entry codebooks; one uint8 read of a 4 KB table plus one or two reads of a 1 KB midpoint
+  table, all L1-resident on a GPU), against 8 dependent reads for a binary search over 255
+  midpoints and 256 compares for a scan. Denser codebooks get a finer table (see
+  ``_codebook_tables``). Equal entries (a codebook
   padded because fewer histogram bins were occupied than levels) are merged first; the code
   written is then the copy the reference's rule picks (first copy from below, last from above).
 * 4-bit codes are packed two a byte, so a program works on pairs of elements (even, odd) and
@@ -67,7 +73,7 @@ from optim.gefen.reference import num_code_bytes, num_scales, scale_block_length
 TILE = 2048  # elements per program (R blocks x next_pow2(S) lanes); see module docstring
 ELEMS_PER_THREAD = 8  # sets num_warps; 16 a thread needed 176-255 registers on sm_90
 MAX_TILE_WIDTH = 16384  # largest next_pow2(S) kept in one program; partition.py caps S at 1024
-LUT_BINS = 4096  # uniform bins of [-1, 1] in the nearest-entry table (uint8, 4 KB)
+LUT_BINS = 4096  # uniform bins of [-1, 1] in the nearest-entry table (uint8, 4 KB); see below
 LUT_MARGIN = 2.0**-20  # > rounding error of (x + 1) * LUT_BINS / 2 for |x| <= 1 in fp32
 HIST_BINS = 4096  # histogram bins on [-1, 1] (upstream: 16 per codebook level)
 HIST_TILE = 65536  # elements per histogram program: one 4096-bin atomic flush per this many
@@ -329,18 +335,20 @@ def _check_runnable(t: torch.Tensor, name: str):
 _TABLE_CACHE: dict = {}
 
 
-def _codebook_tables(codebook: torch.Tensor, device, bits: int, nlut: int = LUT_BINS):
+def _codebook_tables(codebook: torch.Tensor, device, bits: int):
     """Device tables for the nearest-entry search, built once per codebook (cached).
 
-    Returns (cb, uniq, mid, lut, first, ncmp, has_dup). ``cb`` is the codebook (fp32) for
+    Returns (cb, uniq, mid, lut, first, ncmp, has_dup, nlut). ``cb`` is the codebook (fp32) for
     dequantising; ``uniq`` its distinct values; ``mid`` the fp32 midpoints between consecutive
     distinct values padded with +inf; ``lut`` (uint8, ``nlut``) the number of midpoints left of each
-    uniform bin of [-1, 1]; ``first`` the codes of each distinct value (first copy, last copy); ``ncmp`` the most
-    midpoints one bin can hold (the number of comparisons after the table read).
+    uniform bin of [-1, 1]; ``first`` the codes of each distinct value (first copy, last copy);
+    ``ncmp`` the most midpoints one bin can hold (the comparisons after the table read). ``nlut``
+    starts at LUT_BINS and grows 4x (to 65536 at most) while ncmp > 4, i.e. for distinct entries
+    closer than a bin: the test suite's 'dense' codebook needs 6 compares at 4096 bins, 2 at 16384.
     """
     # Keyed on the codebook object itself (held, so its address cannot be reused by another
     # tensor while cached) and its version counter (bumped by any in-place change).
-    key = (id(codebook), codebook._version, str(device), nlut)
+    key = (id(codebook), codebook._version, str(device))
     hit = _TABLE_CACHE.get(key)
     if hit is not None and hit[0] is codebook:
         return hit[1]
@@ -357,13 +365,18 @@ def _codebook_tables(codebook: torch.Tensor, device, bits: int, nlut: int = LUT_
                          torch.searchsorted(c32, uniq, side="right") - 1], dim=1).reshape(-1)
     mid64 = (uniq[:-1].double() + uniq[1:].double()) / 2
     mid = torch.cat([mid64.float(), torch.tensor([math.inf])])
-    edges = torch.linspace(-1.0, 1.0, nlut + 1, dtype=torch.float64)
-    lo = torch.searchsorted(mid64, edges[:-1] - LUT_MARGIN, side="left")
-    hi = torch.searchsorted(mid64, edges[1:] + LUT_MARGIN, side="left")
-    ncmp = int((hi - lo).max()) if mid64.numel() else 0
+    nlut = LUT_BINS
+    while True:
+        edges = torch.linspace(-1.0, 1.0, nlut + 1, dtype=torch.float64)
+        lo = torch.searchsorted(mid64, edges[:-1] - LUT_MARGIN, side="left")
+        hi = torch.searchsorted(mid64, edges[1:] + LUT_MARGIN, side="left")
+        ncmp = int((hi - lo).max()) if mid64.numel() else 0
+        if ncmp <= 4 or nlut >= 65536:
+            break
+        nlut *= 4
     out = (
         c32.to(device), uniq.to(device), mid.to(device), lo.to(torch.uint8).to(device),
-        first.to(torch.uint8).to(device), ncmp, uniq.numel() < c32.numel(),
+        first.to(torch.uint8).to(device), ncmp, uniq.numel() < c32.numel(), nlut,
     )
     if len(_TABLE_CACHE) > 16:
         _TABLE_CACHE.clear()
@@ -535,16 +548,16 @@ def gefen_step_(p, g, v, scales, codes, codebook, *, step, lr, beta1, beta2, eps
         return
     device = launches[0][1].device
     if quant:
-        cb, uniq, mid, lut, first, ncmp, has_dup = _codebook_tables(codebook, device, bits)
+        cb, uniq, mid, lut, first, ncmp, has_dup, nlut = _codebook_tables(codebook, device, bits)
     else:
         cb = uniq = mid = lut = first = launches[0][3]  # unused pointers
-        ncmp, has_dup = 0, False
+        ncmp, has_dup, nlut = 0, False, LUT_BINS
     bc1 = 1 - beta1**step
     bc2 = 1 - beta2**step
     for kernel, tiles, ptrs, numel_tab, grid, const, _ in launches:
         kernel[grid](tiles, ptrs, numel_tab, cb, uniq, mid, lut, first,
                      1 - beta1, beta2, 1 - beta2, eps, 1 - lr * weight_decay, -lr / bc1,
-                     math.sqrt(bc2), NLUT=LUT_BINS, NCMP=ncmp, HAS_DUP=has_dup, **const)
+                     math.sqrt(bc2), NLUT=nlut, NCMP=ncmp, HAS_DUP=has_dup, **const)
     for pi, pw in copies:
         pi.copy_(pw.view_as(pi))
 
