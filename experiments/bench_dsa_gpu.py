@@ -18,8 +18,10 @@ Targets (issue 3): >= 1,000,000 samples/s on one H200 with optimizer device memo
 the published DSA claims 134,212 samples/s on a Kaggle GPU.
 
 Commands (a GPU is needed; without CUDA the script says so and exits with status 0):
-    python experiments/bench_dsa_gpu.py            # appends to results/dsa_gpu.csv
+    python experiments/bench_dsa_gpu.py            # appends to results/dsa_gpu.csv (a few minutes, estimated)
     python experiments/bench_dsa_gpu.py --quick    # 100k rows, fewer steps
+    # on a lent machine whose files come back through $OUT:
+    python experiments/bench_dsa_gpu.py --results-dir "$OUT" --wandb disabled
 """
 
 from __future__ import annotations
@@ -42,10 +44,11 @@ MiB = 2**20
 
 
 def make_table(rows, dim, dtype, device, seed, scale):
-    g = torch.Generator(device="cpu").manual_seed(seed)
+    """A fresh table, identical for equal (rows, dim, seed, scale): uniform in ±scale."""
+    g = torch.Generator(device=device).manual_seed(seed)
     emb = nn.Embedding(rows, dim, sparse=True, device=device, dtype=dtype)
     with torch.no_grad():
-        emb.weight.copy_(((torch.rand(rows, dim, generator=g) * 2 - 1) * scale).to(dtype))
+        emb.weight.copy_(((torch.rand(rows, dim, generator=g, device=device) * 2 - 1) * scale).to(dtype))
     return emb
 
 
