@@ -166,10 +166,11 @@ def normalised(tensors, blocks):
 # part 1: DP timing and cost
 
 
-def time_dp(res, norm_g1, args):
+def time_dp(res, norm_g1, args, bins_list=None, levels=(16, 256)):
     from gefen.quantization import exact_dp
 
-    bins_list = [256, 512, 1024] if args.quick else [256, 512, 1024, 2048, 4096, 8192, 16384]
+    if bins_list is None:
+        bins_list = [256, 512, 1024] if args.quick else [256, 512, 1024, 2048, 4096, 8192, 16384]
     upstream_max = 1024 if args.quick else 4096
     repeats = 3 if args.quick else 5
     impls = ["ours-numba", "ours-numpy", "upstream"]
@@ -177,7 +178,7 @@ def time_dp(res, norm_g1, args):
         centers, counts = histogram(norm_g1, bins)
         occ = counts > 0
         x, w = centers[occ].double().numpy(), counts[occ].double().numpy()
-        for K in (16, 256):
+        for K in levels:
             if occ.sum() < 2 * K:
                 continue  # too few occupied bins: upstream pads without a DP
             run = {
@@ -217,14 +218,14 @@ def time_dp(res, norm_g1, args):
 # part 2: quantisation error of the codes
 
 
-def quant_errors(res, m, g1, gefen_blocks):
+def quant_errors(res, m, g1, gefen_blocks, bits_list=(8, 4)):
     blockings = {"absmax256": [CHUNK] * len(m), "gefen": [b if b > 1 else CHUNK for b in gefen_blocks]}
     for bname, blocks in blockings.items():
         xm, sm = normalised(m, blocks)
         xg, _ = normalised(g1, blocks)
         m_flat = xm * sm
         denom = float(m_flat.double().square().sum())
-        for bits in (8, 4):
+        for bits in bits_list:
             K = 2 ** bits
             codes = {
                 "learned": optimal_codebook(*histogram(xm, 4096), K)[0],

@@ -8,7 +8,7 @@ References written here, independent of ``optim/gefen/codebook.py``:
 - brute-force argmin of |x − c| in float64 for the quantiser; ``torch.histc`` for the histogram.
 """
 
-import subprocess
+import runpy
 from fractions import Fraction
 import sys
 from pathlib import Path
@@ -352,11 +352,90 @@ def test_histogram_bad_input():
         histogram(torch.zeros(3), bins=0)
 
 
+@pytest.mark.parametrize("backend", ["auto", "numba"])
+def test_without_numba(monkeypatch, backend):
+    import optim.gefen.codebook as cbmod
+
+    def missing():
+        raise ImportError("No module named 'numba'")
+
+    monkeypatch.setattr(cbmod, "_numba_dp", missing)
+    monkeypatch.setattr(cbmod, "_NUMBA_MIN_WORK", 0)  # "auto" would pick numba here
+    centers, counts = histogram(torch.empty(5000).uniform_(-1, 1), 512)
+    if backend == "numba":
+        with pytest.raises(ImportError, match="backend='numpy'"):
+            optimal_codebook(centers, counts, 16, backend=backend)
+    else:
+        _, cost = optimal_codebook(centers, counts, 16, backend=backend)
+        x, w = _occ(centers, counts)
+        assert_close(_f64(cost), _f64(_brute_dp(x, w, 16, True)), rtol=1e-9, name="cost")
+
+
+# ----------------------------------------------------------------------------------------------
+# the experiment's helpers and rows
+
+
+def _experiment():
+    sys.path.insert(0, str(REPO))
+    import experiments.codebook_dp as exp
+
+    return exp
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_dynamic_map_matches_bitsandbytes_definition(bits):
+    import ast
+    import importlib.util
+
+    spec = importlib.util.find_spec("torchao")  # torchao ships bitsandbytes' definition
+    if spec is None:
+        pytest.skip("torchao not installed")
+    # take just that function from the file: importing torchao (or torch.distributed) takes seconds
+    src = (Path(spec.submodule_search_locations[0]) / "optim" / "quant_utils.py").read_text()
+    fn = next(n for n in ast.parse(src).body if isinstance(n, ast.FunctionDef) and n.name == "create_dynamic_map")
+    ns = {"torch": torch}
+    exec(compile(ast.Module([fn], []), "quant_utils.py", "exec"), ns)
+    ref = torch.tensor(ns["create_dynamic_map"](signed=True, max_exponent_bits=bits - 1, total_bits=bits))
+    assert_close(_experiment().dynamic_map(bits), ref.float(), atol=1e-7, name="dynamic map")
+
+
+def test_fixed_level_cost_matches_loop():
+    rng = np.random.default_rng(11)
+    x = np.sort(rng.uniform(-1, 1, 40))
+    w = rng.uniform(0.1, 2, 40)
+    for K in (1, 2, 7, 40):
+        levels = np.sort(rng.uniform(-1, 1, K))
+        assert_close(_f64(_experiment().fixed_level_cost(x, w, levels)),
+                     _f64(_fixed_level_partition_cost(x, w, levels)), rtol=1e-12, name=f"K={K}")
+
+
+def test_experiment_rows_tiny(tmp_path):
+    import argparse
+
+    from experiments.common import Results, read_results
+
+    exp = _experiment()
+    args = argparse.Namespace(quick=True, wandb="disabled", results_dir=tmp_path, seed=0)
+    g = [torch.randn(64, 32), torch.randn(32)]
+    m = [0.1 * t + 0.01 * torch.randn_like(t) for t in g]
+    with Results("codebook_dp", args, config={"tiny": True}) as res:
+        exp.quant_errors(res, m, g, [exp.gefen_block(t) for t in g], bits_list=(4,))
+        exp.time_dp(res, exp.normalised(g, [256, 256])[0], args, bins_list=[256], levels=(16,))
+    rows = read_results("codebook_dp", tmp_path)
+    by = {(r["variant"], r["metric"]): r["value"] for r in rows}
+    for code in ("learned", "learned-step1", "linear", "dynamic"):
+        assert 0 < by[(f"{code}/4bit/absmax256", "rel_mse")] < 1
+    # the in-sample optimal code beats the linear one on the data it was fitted to
+    assert by[("learned/4bit/absmax256", "nmse")] <= by[("linear/4bit/absmax256", "nmse")]
+    assert by[("ours-numba/K16", "cost_rel_diff_vs_upstream")] < 1e-9
+    assert by[("upstream/K16", "dp_time")] > 0
+
+
 # ----------------------------------------------------------------------------------------------
 # figure
 
 
-def test_codebook_figure_from_fixture_csv(tmp_path):
+def test_codebook_figure_from_fixture_csv(tmp_path, monkeypatch):
     import csv
 
     from experiments.common import FIELDS
@@ -384,7 +463,8 @@ def test_codebook_figure_from_fixture_csv(tmp_path):
         wr.writeheader()
         wr.writerows(rows)
     out = tmp_path / "codebook.png"
-    proc = subprocess.run([sys.executable, str(REPO / "analysis" / "codebook.py"), "--results-dir", str(tmp_path),
-                           "--out", str(out)], capture_output=True, text=True, timeout=120, cwd=REPO)
-    assert proc.returncode == 0, proc.stderr
+    # the script's own command line, run in this process (a fresh interpreter costs seconds here)
+    argv = [str(REPO / "analysis" / "codebook.py"), "--results-dir", str(tmp_path), "--out", str(out)]
+    monkeypatch.setattr(sys, "argv", argv)
+    runpy.run_path(argv[0], run_name="__main__")
     assert out.exists() and out.stat().st_size > 10_000
