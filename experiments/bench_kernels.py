@@ -211,9 +211,9 @@ def bench_set(res, label, shapes, dtype, device, args, copy_bw, timer):
     dname = {torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype]
     n = sum(torch.Size(s).numel() for s in shapes)
     _, grads = make_set(shapes, dtype, device, args.seed)
-    names = ["gefen-triton", "gefen-triton-4bit", "adamw-fused"]
-    if not args.skip_upstream:
-        names.append("upstream-gefen")
+    names = [v for v in args.variants.split(",") if v != "gefen-kernel"]
+    if args.skip_upstream and "upstream-gefen" in names:
+        names.remove("upstream-gefen")
     opts, steps = {}, {}
     for name in names:
         params, _ = make_set(shapes, dtype, device, args.seed)
@@ -288,6 +288,8 @@ def main(argv=None):
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--skip-upstream", action="store_true")
+    parser.add_argument("--variants", default="gefen-triton,gefen-triton-4bit,adamw-fused,upstream-gefen",
+                        help="comma list; gefen-kernel is timed whenever gefen-triton is")
     parser.add_argument("--cpu-smoke", action="store_true",
                         help="tiny CPU run under TRITON_INTERPRET=1, to check the script itself")
     args = parser.parse_args(argv)
