@@ -23,7 +23,7 @@ work: the kernels' own time), ``adamw-fused`` (``torch.optim.AdamW(fused=True)``
 
 Commands (results appended to results/gefen_kernels.csv)::
 
-    python experiments/bench_kernels.py                  # 125M and 1.5B, fp32 and bf16 (H200: ~4 min)
+    python experiments/bench_kernels.py                  # 125M and 1.5B, fp32 and bf16
     python experiments/bench_kernels.py --quick          # 10M elements, fp32 only: a smoke test
     python experiments/bench_kernels.py --skip-upstream  # without upstream gefen
 
@@ -33,6 +33,9 @@ Upstream ``gefen`` is not installed on the lent GPU machine: carry it from here,
     echo /.carry/ >> .git/info/exclude
     # device run, carry [".carry"]:  PYTHONPATH=.carry python experiments/bench_kernels.py --wandb disabled
 
+Not yet run on a GPU. Estimated time on an H200: a few minutes, mostly one-off compilation
+(upstream's extension with nvcc, one Triton kernel per distinct block length and dtype); rows are
+written after each (size, dtype) set, so a run stopped by a time limit keeps what it measured.
 Without CUDA it prints a message and exits 0. ``--cpu-smoke`` runs the whole script on tiny CPU
 tensors under ``TRITON_INTERPRET=1`` (wall-clock timings, meaningless as numbers) to check it.
 """
