@@ -1,0 +1,202 @@
+"""DiskSparseAdam checkpoints: state-dict round trips, resuming a state_dir, and SIGKILL crashes."""
+
+import os
+import random
+import signal
+import time
+
+import pytest
+import torch
+import torch.nn as nn
+
+from optim import DiskSparseAdam
+from optim.disk_sparse.store import StateFileError
+
+N, DIM, BATCH = 300, 12, 64
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    return nn.Embedding(N, DIM, sparse=True)
+
+
+def _train_steps(emb, opt, start, stop):
+    """Steps start+1..stop; the batch of step t depends only on t, so runs can resume anywhere."""
+    for t in range(start + 1, stop + 1):
+        gen = torch.Generator().manual_seed(t)
+        idx = torch.randint(0, N // 4, (BATCH,), generator=gen)
+        target = torch.randn(BATCH, DIM, generator=gen)
+        opt.zero_grad()
+        ((emb(idx) - target) ** 2).mean().backward()
+        opt.step()
+
+
+def test_state_dict_round_trip(tmp_path):
+    emb_a = _model()
+    opt_a = DiskSparseAdam(emb_a.parameters(), lr=1e-2, state_dir=tmp_path / "a")
+    _train_steps(emb_a, opt_a, 0, 30)
+    torch.save({"model": emb_a.state_dict(), "opt": opt_a.state_dict()}, tmp_path / "ckpt.pt")
+    _train_steps(emb_a, opt_a, 30, 60)  # the uninterrupted run
+
+    ckpt = torch.load(tmp_path / "ckpt.pt", map_location="cpu")
+    emb_b = _model(seed=1)
+    emb_b.load_state_dict(ckpt["model"])
+    opt_b = DiskSparseAdam(emb_b.parameters(), lr=0.5, state_dir=tmp_path / "b")
+    opt_b.load_state_dict(ckpt["opt"])
+    assert opt_b.param_groups[0]["lr"] == 1e-2
+    _train_steps(emb_b, opt_b, 30, 60)
+    assert torch.equal(emb_a.weight, emb_b.weight)
+    sa, sb = opt_a.state_dict()["state"][0], opt_b.state_dict()["state"][0]
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert torch.equal(sa[key], sb[key]), key
+    assert int(sa["step"]) == int(sb["step"]) == 60
+    opt_a.close()
+    opt_b.close()
+
+
+def test_sparse_adam_checkpoint_loads_and_back(tmp_path):
+    """State dicts share torch.optim.SparseAdam's keys: a SparseAdam run can continue here."""
+    emb_ref = _model()
+    ref = torch.optim.SparseAdam(emb_ref.parameters(), lr=1e-2)
+    _train_steps(emb_ref, ref, 0, 20)
+    emb = _model(seed=3)
+    emb.load_state_dict(emb_ref.state_dict())
+    opt = DiskSparseAdam(emb.parameters(), lr=1e-2, state_dir=tmp_path / "s")
+    opt.load_state_dict(ref.state_dict())
+    _train_steps(emb_ref, ref, 20, 40)
+    _train_steps(emb, opt, 20, 40)
+    assert torch.equal(emb.weight, emb_ref.weight)
+    back = torch.optim.SparseAdam(emb_ref.parameters(), lr=1e-2)
+    back.load_state_dict(opt.state_dict())
+    assert torch.equal(back.state[emb_ref.weight]["exp_avg_sq"], ref.state[emb_ref.weight]["exp_avg_sq"])
+    opt.close()
+
+
+def test_reopen_clean_state_dir_resumes(tmp_path):
+    emb_a = _model()
+    with DiskSparseAdam(emb_a.parameters(), lr=1e-2, state_dir=tmp_path / "a") as opt:
+        _train_steps(emb_a, opt, 0, 50)
+        expected = {k: v.clone() for k, v in opt.state_dict()["state"][0].items()}
+        opt.flush()
+        _train_steps(emb_a, opt, 50, 70)
+    # Closing made the files clean at step 70; reopening resumes there.
+    emb_b = _model()
+    with DiskSparseAdam(emb_b.parameters(), lr=1e-2, state_dir=tmp_path / "b") as opt_b:
+        _train_steps(emb_b, opt_b, 0, 50)
+        assert torch.equal(opt_b.state_dict()["state"][0]["exp_avg"], expected["exp_avg"])
+    emb_b2 = _model()
+    emb_b2.load_state_dict(emb_b.state_dict())
+    with DiskSparseAdam(emb_b2.parameters(), lr=1e-2, state_dir=tmp_path / "b") as opt_b2:
+        assert int(opt_b2.state_dict()["state"][0]["step"]) == 50
+        _train_steps(emb_b2, opt_b2, 50, 70)
+    assert torch.equal(emb_b2.weight, emb_a.weight)
+
+
+def test_temporary_state_dir_removed_at_close():
+    emb = _model()
+    opt = DiskSparseAdam(emb.parameters())
+    d = opt.state_dir
+    assert os.path.isdir(d) and os.listdir(d)
+    opt.close()
+    opt.close()
+    assert not os.path.exists(d)
+
+
+# -- crash safety ---------------------------------------------------------------------------------
+TOTAL = 120
+
+
+def _worker(state_dir, ckpt, total, out):
+    """Train to ``total`` steps, resuming from ``ckpt`` if it exists; checkpoint every 5 steps."""
+    emb = _model()
+    opt = DiskSparseAdam(emb.parameters(), lr=1e-2, state_dir=state_dir)
+    start = 0
+    if os.path.exists(ckpt):
+        c = torch.load(ckpt)
+        emb.load_state_dict(c["model"])
+        opt.load_state_dict(c["opt"])
+        start = c["step"]
+    for t in range(start, total):
+        _train_steps(emb, opt, t, t + 1)
+        if (t + 1) % 5 == 0:
+            torch.save({"model": emb.state_dict(), "opt": opt.state_dict(), "step": t + 1}, ckpt + ".tmp")
+            os.replace(ckpt + ".tmp", ckpt)
+            os.write(out, f"{t + 1}\n".encode())
+    torch.save({"weight": emb.weight.detach().clone(), "state": opt.state_dict()["state"][0]}, ckpt + ".final")
+    opt.close()
+
+
+def _spawn(state_dir, ckpt):
+    """Fork a training process (a fresh interpreter would spend most of the test importing torch)."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: train, then leave without running pytest's teardown
+        code = 1
+        try:
+            os.close(r)
+            _worker(str(state_dir), ckpt, TOTAL, w)
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(w)
+    return pid, os.fdopen(r)
+
+
+def _wait(pid, timeout):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return status
+        time.sleep(0.01)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    raise TimeoutError("training process did not finish in time")
+
+
+def test_sigkill_restart_from_checkpoint_is_identical(tmp_path):
+    rng = random.Random(os.getpid())
+    ckpt = str(tmp_path / "ckpt.pt")
+    reached = 0
+    for crash in range(3):
+        pid, progress = _spawn(tmp_path / f"run{crash}", ckpt)
+        try:
+            # Kill at a random moment after a random checkpoint past the previous crash.
+            target = reached + 5 * rng.randint(1, 6)
+            for line in progress:
+                if int(line) >= target:
+                    break
+            time.sleep(rng.uniform(0.0, 0.05))
+            os.kill(pid, signal.SIGKILL)
+            status = _wait(pid, 30)
+        finally:
+            progress.close()
+        assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, "worker ended before the kill"
+        reached = torch.load(ckpt)["step"]
+        assert reached >= target
+        # The killed process's live state is dirty: reopening it must be refused, not used.
+        with pytest.raises(StateFileError, match="dirty.*Restore the last checkpoint"):
+            DiskSparseAdam(_model().parameters(), state_dir=tmp_path / f"run{crash}")
+    pid, progress = _spawn(tmp_path / "final", ckpt)
+    progress.read()
+    progress.close()
+    status = _wait(pid, 120)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+    resumed = torch.load(ckpt + ".final")
+
+    emb = _model()
+    with DiskSparseAdam(emb.parameters(), lr=1e-2, state_dir=tmp_path / "uninterrupted") as opt:
+        _train_steps(emb, opt, 0, TOTAL)
+        assert torch.equal(resumed["weight"], emb.weight)
+        st = opt.state_dict()["state"][0]
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(resumed["state"][key], st[key]), key
+        assert int(resumed["state"]["step"]) == int(st["step"]) == TOTAL
