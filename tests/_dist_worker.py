@@ -28,16 +28,18 @@ K2 = 3  # steps after it
 
 # ----------------------------------------------------------------------------- shared definitions
 def make_model(seed: int = 0) -> nn.Module:
-    """Small MLP whose weights have 64 / 48 / 8 rows: dim 0 splits evenly over 1, 2 or 4 ranks."""
+    """Small MLP whose weights have 64 / 48 / 8 / 1 rows: the last layer's single row leaves rank 1
+    of 2 with empty local shards (FSDP2 shards dim 0 like torch.chunk)."""
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 48), nn.Tanh(), nn.Linear(48, 8))
+    return nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 48), nn.Tanh(), nn.Linear(48, 8),
+                         nn.Tanh(), nn.Linear(8, 1))
 
 
 def batch(i: int):
     """The global batch of step i: deterministic, identical in every process."""
     g = torch.Generator().manual_seed(1000 + i)
     x = torch.randn(GLOBAL_BATCH, 16, generator=g)
-    y = torch.randn(GLOBAL_BATCH, 8, generator=g)
+    y = torch.randn(GLOBAL_BATCH, 1, generator=g)
     return x, y
 
 
@@ -129,6 +131,12 @@ def _fsdp_model(seed: int = 0):
     return model
 
 
+def _ddp_model(seed: int = 0):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    return DDP(make_model(seed))
+
+
 def _codebooks(opt):
     """Every rank's codebook, gathered (for the 'same codebook on every rank' check)."""
     import torch.distributed as dist
@@ -143,9 +151,7 @@ def _codebooks(opt):
 
 
 def scenario_ddp(opt_name, rank, world, out_dir):
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    model = DDP(make_model(0))
+    model = _ddp_model(0)
     opt = make_optimizer(opt_name, model.parameters())
     losses = train_steps(model, opt, K1 + K2, rank=rank, world=world)
     params = {k.removeprefix("module."): v for k, v in full_params(model).items()}
@@ -181,7 +187,8 @@ def local_states(model, opt) -> dict:
         mine[name] = d
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, mine)
-    return {name: [o[name] for o in out] for name in mine}, opt.codebook.clone()
+    names = [n for n, _ in model.named_parameters() if any(n in o for o in out)]
+    return {name: [o.get(name) for o in out] for name in names}, opt.codebook.clone()
 
 
 def _save(model, opt, path):
@@ -220,12 +227,12 @@ def _forced_first_step(model, opt, rank, world, segments: dict):
 ALIGNED_BLOCKS = {"0.weight": 16, "2.weight": 32, "4.weight": 16}
 
 
-def scenario_dcp(opt_name, rank, world, out_dir, segments=None, tag=""):
+def scenario_dcp(opt_name, rank, world, out_dir, segments=None, tag="", ddp=False):
     """Train K1 steps, save with DCP, train K2 more; a fresh model (other init) loads and trains K2.
 
     With ``segments`` the first step's gradients are forced (see ``_forced_first_step``)."""
     ckpt = Path(out_dir) / f"ckpt{tag}_{opt_name}"
-    model = _fsdp_model(0)
+    model = _ddp_model(0) if ddp else _fsdp_model(0)
     opt = make_optimizer(opt_name, model.parameters())
     if segments:
         _forced_first_step(model, opt, rank, world, segments)
@@ -238,12 +245,16 @@ def scenario_dcp(opt_name, rank, world, out_dir, segments=None, tag=""):
     cont = train_steps(model, opt, K2, rank=rank, world=world, start=K1)
     uninterrupted = full_params(model)
 
-    model2 = _fsdp_model(1)
+    model2 = _ddp_model(1) if ddp else _fsdp_model(1)
     opt2 = make_optimizer(opt_name, model2.parameters())
     _load(model2, opt2, ckpt)
     resumed_losses = train_steps(model2, opt2, K2, rank=rank, world=world, start=K1)
     return {"uninterrupted": uninterrupted, "uninterrupted_losses": cont, "blocks": blocks, "saved": saved,
             "resumed": full_params(model2), "resumed_losses": resumed_losses}
+
+
+def scenario_dcp_ddp(opt_name, rank, world, out_dir):
+    return scenario_dcp(opt_name, rank, world, out_dir, tag="_ddp", ddp=True)
 
 
 def scenario_dcp_aligned(opt_name, rank, world, out_dir):
@@ -334,7 +345,7 @@ def scenario_hist(opt_name, rank, world, out_dir):
 SCENARIOS = {"hist": scenario_hist, "ddp": scenario_ddp, "fsdp": scenario_fsdp, "dcp": scenario_dcp, "reshard": scenario_reshard,
              "dcp_mismatch": scenario_dcp_mismatch, "reshard_mismatch": scenario_reshard_mismatch,
              "train": scenario_train, "dcp_aligned": scenario_dcp_aligned,
-             "reshard_aligned": scenario_reshard_aligned}
+             "reshard_aligned": scenario_reshard_aligned, "dcp_ddp": scenario_dcp_ddp}
 
 
 def main(argv):

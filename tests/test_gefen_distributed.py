@@ -63,9 +63,10 @@ def launch(world: int, specs: list, out_dir: Path, timeout: float = TIMEOUT_S) -
         for log in logs:
             log.close()
     bad = [(r, p.returncode) for r, p in enumerate(procs) if p.returncode != 0]
-    if bad:
+    if bad:  # the tests whose scenarios produced no result report this, the others still run
         tails = "\n".join(Path(log.name).read_text()[-3000:] for log in logs)
-        raise RuntimeError(f"distributed workers failed or timed out after {timeout}s (rank, code): {bad}\n{tails}")
+        with (out_dir / "launch_failures.txt").open("a") as f:
+            f.write(f"workers {specs} failed or timed out after {timeout}s (rank, code): {bad}\n{tails}\n")
 
 
 def result(out_dir: Path, spec: str) -> dict:
@@ -75,8 +76,11 @@ def result(out_dir: Path, spec: str) -> dict:
     if errors:
         path = errors[0]
     if not path.exists():
-        earlier = sorted(str(torch.load(p)["error"]) for p in out_dir.glob("*.pt") if "error" in torch.load(p))
-        pytest.fail(f"scenario {spec} produced no result; earlier failures: {earlier[:1]}")
+        earlier = [str(r["error"]) for r in (torch.load(p, weights_only=False) for p in sorted(out_dir.glob("*.pt")))
+                   if "error" in r]
+        launch_log = out_dir / "launch_failures.txt"
+        pytest.fail(f"scenario {spec} produced no result; earlier failures: {earlier[:1]}\n"
+                    + (launch_log.read_text()[-4000:] if launch_log.exists() else ""))
     res = torch.load(path, weights_only=False)
     if "error" in res:
         pytest.fail(f"scenario {spec} failed in the worker:\n{res['error']}")
@@ -87,10 +91,11 @@ def result(out_dir: Path, spec: str) -> dict:
 def runs(tmp_path_factory):
     """One 2-rank launch for every scenario, then one 1-rank launch that reloads its checkpoints."""
     out = tmp_path_factory.mktemp("dist")
-    two = [f"{s}:{o}" for o in OPTS for s in ("ddp", "fsdp", "dcp")]
+    two = [f"{s}:{o}" for o in OPTS for s in ("ddp", "fsdp", "dcp") if f"{s}:{o}" != "fsdp:gefen"]
     one = [f"reshard:{o}" for o in OPTS if o != "gefen"]  # full Gefen: the "aligned" checkpoint
     if HAVE_GEFEN:
-        two += ["train:gefen", "dcp_aligned:gefen", "dcp_mismatch:gefen", "hist:"]
+        two += ["train:gefen", "dcp_aligned:gefen", "dcp_mismatch:gefen", "hist:", "dcp:gefen4",
+                "dcp_ddp:gefen"]
         one += ["reshard_aligned:gefen", "reshard_mismatch:gefen"]
     launch(2, two, out)
     launch(1, one, out)
@@ -151,9 +156,11 @@ def test_histogram_summed_over_shards_counted_once_for_replicas(runs):
         assert torch.equal(res["counts"][r], expected), (r, res["counts"][r], expected)
 
 
-@pytest.mark.parametrize("opt", OPTS)
-def test_dcp_round_trip_continues_identically(runs, opt):
-    res = result(runs, f"dcp:{opt}")
+@pytest.mark.parametrize("spec", [f"dcp:{o}" for o in OPTS] + (["dcp:gefen4", "dcp_ddp:gefen"] if HAVE_GEFEN else []))
+def test_dcp_round_trip_continues_identically(runs, spec):
+    """Save, train on; a fresh model and optimizer load and train the same steps: bit for bit.
+    FSDP2 (blocks chosen per rank, both ranks' shards differ), 4-bit codes, and DDP."""
+    res = result(runs, spec)
     _assert_params_close(res["resumed"], res["uninterrupted"], atol=0.0)
     assert_close(res["resumed_losses"], res["uninterrupted_losses"], atol=0.0, name="losses")
 
@@ -185,7 +192,8 @@ def test_dcp_two_ranks_to_one_rank_full_gefen(runs):
     half_gap = float(codebook.diff().max()) / 2
     for name, ranks in saved.items():
         (one,) = loaded[name]
-        assert one["block"] == ranks[0]["block"] == ranks[1]["block"], name
+        ranks = [r for r in ranks if r is not None]  # rank 1 holds no rows of the 1-row last layer
+        assert all(one["block"] == r["block"] for r in ranks), name
         assert torch.equal(one["v"], torch.cat([r["v"] for r in ranks])), f"{name}: v"
         m = torch.cat([r["m"] for r in ranks])
         if one["block"] > 1:

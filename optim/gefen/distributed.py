@@ -13,8 +13,10 @@ the group:
 * Checkpoints. ``torch.distributed.checkpoint`` (DCP) saves a DTensor shard by shard and reloads it
   into any other sharding, but needs tensors whose global shape does not depend on the sharding
   or on P, because a fresh optimizer (``get_optimizer_state_dict`` first runs a zero-gradient step
-  on it) must present tensors of the saved shapes. So the *distributed form* of a sharded
-  parameter's state (:func:`to_distributed`) holds, for a parameter of shape ``shape``::
+  on it, which picks other blocks) must present tensors of the saved shapes. So wherever
+  torch.distributed is in use (a DTensor parameter or an initialised process group, DDP
+  included), ``Gefen.state_dict()`` returns the *distributed form* (:func:`to_distributed`); for
+  a parameter of shape ``shape`` (DTensors placed like the parameter, plain tensors otherwise)::
 
       v       fp32 DTensor ``shape``, placed like the parameter: v of the element's block
       scales  fp32 DTensor ``shape``: scale of the element's scale block   (quantised groups)
@@ -182,20 +184,20 @@ def _dtensor_like_rows(p, local_rows, rows):
 def to_distributed(state: dict, params, ids, quantized, *, codebook, bits: int) -> None:
     """Rewrite ``state`` (``Optimizer.state_dict()['state']``) in place into the distributed form.
 
-    ``quantized[i]`` is the ``quantize_first_moment`` flag of the group of ``params[i]``. Sharded
-    DTensor parameters get the sharding-independent form of the module docstring; every
-    parameter with state gets a copy of the codebook. Collective over the parameters' meshes:
-    every rank must call it with the same parameters (``get_optimizer_state_dict`` does).
+    ``quantized[i]`` is the ``quantize_first_moment`` flag of the group of ``params[i]``. Every
+    parameter gets the sharding- and block-independent form of the module docstring (plain
+    parameters, as under DDP, as one shard of all their rows: a fresh optimizer's blocks differ
+    from the saved ones, so DCP needs shapes that do not depend on them), with a copy of the
+    codebook. Collective over the sharded parameters' meshes: every rank must call it with the
+    same parameters (``get_optimizer_state_dict`` does).
     """
     for pid, p, quant in zip(ids, params, quantized):
-        st = state.get(pid)
-        if is_sharded(p):
-            st = _to_distributed_one(p, st, quantized=quant, bits=bits)
-            if st is None:
-                continue
-            state[pid] = st
-        if st is not None and codebook is not None:
-            state[pid] = dict(st, **{K.CODEBOOK: codebook.detach().clone()})  # not the live dict
+        st = _to_distributed_one(p, state.get(pid), quantized=quant, bits=bits)
+        if st is None:
+            continue
+        if codebook is not None:
+            st[K.CODEBOOK] = codebook.detach().clone()
+        state[pid] = st
 
 
 def _to_distributed_one(p, st, *, quantized, bits):
@@ -212,13 +214,14 @@ def _to_distributed_one(p, st, *, quantized, bits):
             st = {K.BLOCK: 1, K.V: torch.zeros(0), K.M: torch.zeros(0)}
     block = int(st[K.BLOCK])
     dev = local_shard(p).device
-    out[K.V] = _dtensor_like(p, st[K.V].to(dev).float().repeat_interleave(block))
+    like = (lambda t: _dtensor_like(p, t)) if is_sharded(p) else (lambda t: t.reshape(p.shape))
+    out[K.V] = like(st[K.V].to(dev).float().repeat_interleave(block))
     if K.M in st:
-        out[K.M] = _dtensor_like(p, st[K.M].to(dev).float())
+        out[K.M] = like(st[K.M].to(dev).float())
     else:
         s_len = scale_block_length(block)
-        out[K.SCALES] = _dtensor_like(p, st[K.SCALES].to(dev).float().repeat_interleave(s_len)[:n])
-        out[K.CODES] = _dtensor_like(p, unpack_codes(st[K.CODES], n, bits).to(torch.uint8))
+        out[K.SCALES] = like(st[K.SCALES].to(dev).float().repeat_interleave(s_len)[:n])
+        out[K.CODES] = like(unpack_codes(st[K.CODES], n, bits).to(torch.uint8))
     return out
 
 
@@ -295,10 +298,6 @@ def _local_rows_of(t, p, r0, r1):
 
 
 def _from_distributed_one(p, st, *, codebook, bits, name):
-    if not is_dtensor(p):
-        raise ValueError(f"Gefen: the checkpointed state of {name} is in the distributed (sharded) "
-                         "form but the parameter is a plain tensor; shard the model as when it was "
-                         "saved (e.g. fully_shard on one rank) before loading")
     r0, r1, rows, row_len = shard_rows(p)
     layout = local_shard(st[LAYOUT]).cpu().to(torch.int64)
     if tuple(layout.shape) != (rows, 4):
