@@ -5,8 +5,8 @@ paper_figs/codebook.png:
 
     python analysis/codebook.py [--results-dir results] [--out paper_figs/codebook.png]
 
-Left: median DP CPU time (wall time if the CSV has none) against histogram bins, ours (numba, numpy) and upstream gefen's
-exact_dp, at 16 and 256 levels. Middle: speed-up over upstream (median/median, same run).
+Left: median DP CPU time (wall time if the CSV has none) against histogram bins, ours (numba,
+numpy) and upstream gefen's exact_dp, at 16 and 256 levels. Middle: speed-up over upstream (median/median, same run).
 Right: relative error sum (m − m̂)² / sum m² of AdamW first moments quantised with each code, at
 8 and 4 bits, with absmax-256 blocks and with Gefen's blocks.
 """
@@ -50,7 +50,8 @@ def draw(rows, out: Path):
     cpu = any(r["metric"] == "dp_cpu_time" for r in rows)
     tmetric, smetric = ("dp_cpu_time", "cpu_speedup_vs_upstream") if cpu else ("dp_time", "speedup_vs_upstream")
     for (impl, k), pts in sorted(_series(rows, tmetric).items()):
-        ax.plot(*zip(*pts), STYLES.get(k, ":"), marker="o", ms=3, color=COLORS.get(impl), label=f"{impl}, {k[1:]} levels")
+        ax.plot(*zip(*pts), STYLES.get(k, ":"), marker="o", ms=3, color=COLORS.get(impl),
+                label=f"{impl}, {k[1:]} levels")
     ax.set(xscale="log", yscale="log", xlabel="histogram bins",
            ylabel=f"DP {'CPU' if cpu else 'wall'} time, median (s)", title="Exact optimal codebook: DP time")
     ax.set_xscale("log", base=2)
@@ -59,7 +60,8 @@ def draw(rows, out: Path):
 
     ax = axes[1]
     for (impl, k), pts in sorted(_series(rows, smetric).items()):
-        ax.plot(*zip(*pts), STYLES.get(k, ":"), marker="o", ms=3, color=COLORS.get(impl), label=f"{impl}, {k[1:]} levels")
+        ax.plot(*zip(*pts), STYLES.get(k, ":"), marker="o", ms=3, color=COLORS.get(impl),
+                label=f"{impl}, {k[1:]} levels")
         bx, by = pts[-1]
         ax.annotate(f"{by:.0f}x", (bx, by), fontsize=7, xytext=(3, 0), textcoords="offset points")
     ax.axhline(10, color="gray", lw=0.8, ls=":")

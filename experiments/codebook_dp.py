@@ -2,8 +2,8 @@
 
 Commands (CPU):
 
-    python experiments/codebook_dp.py            # full run, ~5 min on 2 cores -> results/codebook_dp.csv
-    python experiments/codebook_dp.py --quick    # ~1 min, smaller sizes
+    python experiments/codebook_dp.py            # full run, ~2.5 CPU-minutes -> results/codebook_dp.csv
+    python experiments/codebook_dp.py --quick    # ~20 CPU-seconds, smaller sizes
     python analysis/codebook.py                  # paper_figs/codebook.png from the CSV
 
 Part 1, the DP. A character MLP on Python's documentation text (``pydoc_data.topics``, no download)

@@ -31,10 +31,11 @@ Three pieces, used once per model (``histogram``, ``optimal_codebook``) and ever
     occupied bin is the extreme case of this rule.
 
 ``nearest_code(x, codebook_or_table, dtype=torch.int64)``
-    Index of the nearest codebook entry to each element (ties go to the lower index), exact for
-    float32 and float64 inputs (a repeated entry keeps only its first index). The decision boundaries are ``code_boundaries(codebook)``: the
-    midpoints (c[i] + c[i+1]) / 2, rounded *down* to float32, so that for float32 x
-    ``code(x) = #{i : boundaries[i] < x}`` equals the exact nearest-entry argmin. The fast path
+    Index of the nearest codebook entry to each element (ties go to the lower index; a repeated
+    entry keeps only its first index), exact for float32 and float64 inputs. The decision
+    boundaries are ``code_boundaries(codebook)``: the midpoints (c[i] + c[i+1]) / 2, rounded
+    *down* to float32, so that for float32 x ``code(x) = #{i : boundaries[i] < x}`` equals the
+    exact nearest-entry argmin. The fast path
     is a lookup table over 2^p uniform bins of [-1, 1] giving the code of each bin's left edge,
     plus one comparison with the next boundary (valid when no bin holds two boundaries; the
     table is grown until that holds, else ``torch.bucketize`` is used). Build the table once
