@@ -241,6 +241,7 @@ def test_one_bin_and_unsorted_duplicate_centers():
     (dict(centers=torch.tensor([0.0, float("nan"), 0.2, 0.3])), "centers must be finite"),
     (dict(centers=torch.zeros(2, 2)), "centers must be 1-D"),
     (dict(backend="cuda"), "backend"),
+    (dict(centers=torch.tensor([-0.5, 0.0, 0.2, 1.5])), r"centers must lie in \[-1, 1\]"),
 ])
 def test_bad_input(kwargs, match):
     args = dict(centers=torch.tensor([-0.5, 0.0, 0.2, 0.3]), counts=torch.ones(4), levels=3)

@@ -203,10 +203,10 @@ def _few_bins(x, w, levels, fix_endpoints):
     """Optimum of the nearest-level objective when fewer bins are occupied than levels."""
     if not fix_endpoints:
         return _fill_levels(x, levels), 0.0
-    inner = (x > -1.0) & (x < 1.0)
-    if int(inner.sum()) + 2 <= levels:
-        return _fill_levels(np.concatenate([x, [-1.0, 1.0]]), levels), 0.0
-    # exactly levels - 1 bins, all strictly inside: one of them must give up its own level
+    required = np.unique(np.concatenate([x, [-1.0, 1.0]]))
+    if required.size <= levels:
+        return _fill_levels(required, levels), 0.0
+    # exactly levels - 1 bins, none at ±1: one of them must give up its own level
     options = [(w[0] * (x[0] + 1.0) ** 2, "lo", 0), (w[-1] * (x[-1] - 1.0) ** 2, "hi", 0)]
     if x.size > 1:
         merge = w[:-1] * w[1:] / (w[:-1] + w[1:]) * (x[1:] - x[:-1]) ** 2
@@ -257,6 +257,9 @@ def optimal_codebook(centers, counts, levels: int, fix_endpoints: bool = True, *
         raise ValueError(f"centers and counts must have the same length, got {x.size} and {w.size}")
     if (w < 0).any():
         raise ValueError("counts must be non-negative")
+    if fix_endpoints and ((x < -1.0) | (x > 1.0))[w > 0].any():
+        raise ValueError("centers must lie in [-1, 1] with fix_endpoints=True (the levels pinned at ±1 are "
+                         "the ends of the code); normalise the values first or pass fix_endpoints=False")
     occupied = w > 0
     if not occupied.any():
         raise ValueError("counts has no positive entry: the histogram is empty, nothing to fit a "
