@@ -232,27 +232,33 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
                                  f"this optimizer's has {len(g['params'])}")
         id_map = dict(zip(itertools.chain.from_iterable(g["params"] for g in saved_groups),
                           itertools.chain.from_iterable(g["params"] for g in self.param_groups)))
-        for sg, g in zip(saved_groups, self.param_groups):
-            g.update({k: v for k, v in sg.items() if k != "params"})
         saved_state = {id_map[k]: v for k, v in state_dict["state"].items()}
-        for p, store in self._stores.items():
+        loaded = {}
+        for p, store in self._stores.items():  # check everything before writing anything
             entry = saved_state.get(p)
             views = self._state_views(store.records, p.shape[1])
-            store.mark_dirty()
-            if not entry:
-                store.records.zero_()
-                step = 0
-            else:
+            if entry:
+                vals = {}
                 for key, view in views.items():
                     if key not in entry:
                         raise KeyError(f"state_dict's state of parameter {self._index(p)} lacks {key!r}")
-                    val = torch.as_tensor(entry[key])
-                    if val.shape != view.shape:
+                    vals[key] = torch.as_tensor(entry[key])
+                    if vals[key].shape != view.shape:
                         raise ValueError(f"state_dict's {key!r} of parameter {self._index(p)} has shape "
-                                         f"{tuple(val.shape)}, expected {tuple(view.shape)}")
-                    if val.data_ptr() != view.data_ptr():
-                        view.copy_(val)
-                step = int(entry[STEP])
+                                         f"{tuple(vals[key].shape)}, expected {tuple(view.shape)}")
+                loaded[p] = (vals, int(entry[STEP]))
+        for sg, g in zip(saved_groups, self.param_groups):
+            g.update({k: v for k, v in sg.items() if k != "params"})
+        for p, store in self._stores.items():
+            views = self._state_views(store.records, p.shape[1])
+            store.mark_dirty()
+            vals, step = loaded.get(p, (None, 0))
+            if vals is None:
+                store.records.zero_()
+            else:
+                for key, view in views.items():
+                    if vals[key].data_ptr() != view.data_ptr():
+                        view.copy_(vals[key])
             store.flush(step)
             self._steps[p] = step
             self.state[p] = self._state_entry(p)

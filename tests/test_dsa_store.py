@@ -1,0 +1,161 @@
+"""The DSA state file (layout, preallocation, lock, dirty flag) and every bad input of issue 2."""
+
+import os
+import struct
+import resource
+import signal
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+
+from optim import DiskSparseAdam
+from optim.disk_sparse.store import HEADER_BYTES, RowStateFile, StateFileError
+
+
+def _emb(n=40, d=6, dtype=torch.float32):
+    return nn.Embedding(n, d, sparse=True, dtype=dtype)
+
+
+def test_file_layout_header_and_contiguous_records(tmp_path):
+    emb = _emb(40, 6, torch.float64)
+    opt = DiskSparseAdam(emb.parameters(), state_dir=tmp_path)
+    path = tmp_path / "param0000.dsa"
+    assert path.stat().st_size == HEADER_BYTES + 40 * 12 * 8  # [m | v] records of 2*D float64
+    emb(torch.tensor([5, 7, 7])).sum().backward()
+    opt.step()
+    opt.flush()
+    raw = path.read_bytes()
+    magic, version, code, rows, cols, width, step, clean = struct.unpack_from("<8sIIQQQQI", raw)
+    assert (magic, rows, cols, width, step, clean) == (b"DSAROWS\0", 40, 6, 12, 1, 1)
+    records = np.frombuffer(raw, dtype=np.float64, offset=HEADER_BYTES).reshape(40, 12)
+    st = opt.state_dict()["state"][0]
+    for r in (0, 5, 7):
+        assert np.array_equal(records[r, :6], st["exp_avg"][r].numpy())
+        assert np.array_equal(records[r, 6:], st["exp_avg_sq"][r].numpy())
+    assert np.abs(records[5]).min() > 0 and not records[0].any()
+    # Any write after a clean point makes the header dirty before the records change.
+    emb.zero_grad()
+    emb(torch.tensor([1])).sum().backward()
+    opt.step()
+    assert struct.unpack_from("<8sIIQQQQI", path.read_bytes())[7] == 0
+    opt.close()
+    assert struct.unpack_from("<8sIIQQQQI", path.read_bytes())[6:] == (2, 1)
+
+
+def test_store_gather_scatter_sorted_rows(tmp_path):
+    st = RowStateFile(tmp_path / "s.dsa", 100, 3, 6, torch.float32)
+    rows = torch.tensor([2, 17, 99])
+    rec = torch.randn(3, 6)
+    st.scatter(rows, rec)
+    assert torch.equal(st.gather(rows), rec)
+    assert torch.equal(st.gather(torch.tensor([0, 1])), torch.zeros(2, 6))
+    st.close(step=4)
+    st2 = RowStateFile(tmp_path / "s.dsa", 100, 3, 6, torch.float32)
+    assert st2.step == 4 and torch.equal(st2.gather(rows), rec)
+    st2.prefetch(rows)
+    st2.close()
+
+
+def test_dense_gradient_is_refused():
+    emb = nn.Embedding(10, 3)  # sparse=False
+    opt = DiskSparseAdam(emb.parameters())
+    emb(torch.tensor([1])).sum().backward()
+    with pytest.raises(RuntimeError, match=r"parameter 0 .*dense gradient.*sparse=True"):
+        opt.step()
+    opt.close()
+
+
+@pytest.mark.parametrize("param,match", [
+    pytest.param(nn.Parameter(torch.zeros(10)), "2-D", id="1-D"),
+    pytest.param(nn.Parameter(torch.zeros(2, 3, 4)), "2-D", id="3-D"),
+    pytest.param(nn.Parameter(torch.zeros(3, 4, dtype=torch.long), requires_grad=False), "floating", id="int"),
+])
+def test_bad_parameters(param, match):
+    with pytest.raises(ValueError, match=match):
+        DiskSparseAdam([param])
+
+
+@pytest.mark.parametrize("kw,match", [
+    ({"lr": 0.0}, "lr"), ({"lr": -1.0}, "lr"), ({"eps": 0.0}, "eps"), ({"betas": (1.0, 0.9)}, "betas"),
+    ({"betas": (0.9, -0.1)}, "betas"), ({"backend": "cuda"}, "backend"),
+])
+def test_bad_hyperparameters(kw, match):
+    with pytest.raises(ValueError, match=match):
+        DiskSparseAdam(_emb().parameters(), **kw)
+
+
+def test_unusable_state_dir(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    with pytest.raises(OSError, match="state_dir .*a_file"):
+        DiskSparseAdam(_emb().parameters(), state_dir=blocker / "sub")
+
+
+def test_full_disk_fails_at_creation_naming_the_file(tmp_path):
+    """A file-size limit makes posix_fallocate fail like a full disk; no SIGBUS later."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, hard))
+    try:
+        with pytest.raises(OSError, match=r"disk space for state file .*param0000.dsa.*needs 6.1 MiB"):
+            DiskSparseAdam(_emb(100000, 8).parameters(), state_dir=tmp_path)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, old_handler)
+    assert not (tmp_path / "param0000.dsa").exists()  # no half-made file left behind
+
+
+def test_state_file_of_other_shape_or_dtype_is_refused(tmp_path):
+    DiskSparseAdam(_emb(40, 6).parameters(), state_dir=tmp_path).close()
+    with pytest.raises(StateFileError, match=r"param0000.dsa.*shape \(40, 6\).*\(41, 6\)"):
+        DiskSparseAdam(_emb(41, 6).parameters(), state_dir=tmp_path)
+    with pytest.raises(StateFileError, match="param0000.dsa.*float64"):
+        DiskSparseAdam(_emb(40, 6, torch.float64).parameters(), state_dir=tmp_path)
+    (tmp_path / "param0000.dsa").write_bytes(b"not a state file" * 10)
+    with pytest.raises(StateFileError, match="param0000.dsa.*not a Disk Sparse Adam state file"):
+        DiskSparseAdam(_emb(40, 6).parameters(), state_dir=tmp_path)
+
+
+def test_state_dir_in_use_is_refused(tmp_path):
+    opt = DiskSparseAdam(_emb().parameters(), state_dir=tmp_path)
+    with pytest.raises(StateFileError, match="param0000.dsa is in use"):
+        DiskSparseAdam(_emb().parameters(), state_dir=tmp_path)
+    opt.close()
+    DiskSparseAdam(_emb().parameters(), state_dir=tmp_path).close()  # free again after close
+
+
+def test_dirty_file_is_refused(tmp_path):
+    st = RowStateFile(tmp_path / "param0000.dsa", 40, 6, 12, torch.float32)
+    st.scatter(torch.tensor([1]), torch.ones(1, 12))
+    st._release()  # stop without a clean point, as a killed process does
+    with pytest.raises(StateFileError, match="dirty.*load_state_dict"):
+        DiskSparseAdam(_emb().parameters(), state_dir=tmp_path)
+
+
+def test_step_after_close_is_refused():
+    emb = _emb()
+    opt = DiskSparseAdam(emb.parameters())
+    opt.close()
+    emb(torch.tensor([1])).sum().backward()
+    with pytest.raises(RuntimeError, match="closed"):
+        opt.step()
+    with pytest.raises(RuntimeError, match="closed"):
+        opt.state_dict()
+
+
+def test_mismatched_state_dict_is_refused(tmp_path):
+    a, b = _emb(), _emb()
+    opt = DiskSparseAdam([{"params": [a.weight]}, {"params": [b.weight]}], state_dir=tmp_path / "x")
+    single = DiskSparseAdam(_emb().parameters(), state_dir=tmp_path / "y")
+    with pytest.raises(ValueError, match="parameter groups"):
+        opt.load_state_dict(single.state_dict())
+    other = DiskSparseAdam([_emb(40, 6).weight, _emb(41, 6).weight], state_dir=tmp_path / "z")
+    with pytest.raises(ValueError, match="2 parameters"):
+        single.load_state_dict(other.state_dict())
+    wrong = DiskSparseAdam(_emb(41, 6).parameters(), state_dir=tmp_path / "w")
+    with pytest.raises(ValueError, match="exp_avg.*shape"):
+        single.load_state_dict(wrong.state_dict())
+    for o in (opt, single, other, wrong):
+        o.close()
