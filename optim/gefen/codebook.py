@@ -17,9 +17,9 @@ Three pieces, used once per model (``histogram``, ``optimal_codebook``) and ever
     minimum of  sum_groups sum_bins count·(center − level)²  (float64, a Python float); it is an
     upper bound of the error of quantising the histogram to the returned codebook by nearest
     level. Upstream solves it in O(B²K) (3.5 s for 3,200 bins x 256 levels on this CPU); here the
-    rows of the DP are filled by divide and conquer over the Monge property, O(K·B·log B), compiled
-    with numba when installed (``_codebook_numba.py``) and otherwise level-synchronous in numpy
-    (each recursion depth is one vectorised pass over all pending intervals).
+    rows of the DP are filled by divide and conquer over the Monge property, O(K·B·log B), either
+    compiled with numba (``_codebook_numba.py``) or level-synchronous in numpy (each recursion
+    depth is one vectorised pass over all pending intervals); ``backend`` chooses.
 
     Fewer occupied bins than levels: upstream's objective has no feasible partition then (upstream
     pads the codebook ad hoc). We return the optimum of the nearest-level objective instead (every
