@@ -24,6 +24,7 @@ STYLE = {
     "DiskSparseRiemannianAdam": dict(color="tab:blue", marker="o", ls="-"),
     "geoopt.SparseRiemannianAdam": dict(color="tab:orange", marker="x", ls="--", ms=9),
     "DiskSparseAdam+clip": dict(color="tab:red", marker="s", ls=":"),
+    "DiskSparseAdam-euclidean": dict(color="tab:green", marker="^", ls="-."),
 }
 
 

@@ -18,6 +18,8 @@ Optimizers compared on identical data, initialisation, batches and negatives (on
   geoopt.SparseRiemannianAdam  the trusted reference, on a geoopt.ManifoldParameter
   DiskSparseAdam+clip        Euclidean Adam on the same loss, rows clipped into the ball after each
                              step (what Euclidean Adam plus norm clipping does on the ball)
+  DiskSparseAdam-euclidean   Nickel & Kiela's Euclidean baseline: the same loss with the Euclidean
+                             distance |u - v|, embeddings in R^d, DiskSparseAdam
 
 Commands:
     python experiments/poincare.py --quick     # dims 2, 5, 10; 30 epochs; ~3 min on 2 CPU cores
@@ -105,15 +107,42 @@ def related_matrix(n, edges):
     return rel
 
 
-def nk_loss(x_u, x_cand, mask, c):
+def ball_distance(c):
+    return lambda x, y: poincare.distance(x, y, c=c)
+
+
+def euclidean_distance(x, y):
+    return (x - y).norm(dim=-1)
+
+
+def _sq_dists(a, b):
+    return (a.pow(2).sum(1)[:, None] + b.pow(2).sum(1)[None, :] - 2 * a @ b.T).clamp_min(0)
+
+
+def ball_pairwise(c):
+    """All distances between rows of a and b at once, by the closed form
+    d = arcosh(1 + 2c|a-b|^2 / ((1 - c|a|^2)(1 - c|b|^2))) / sqrt(c) (the same distance as
+    ``poincare.distance`` to 1e-11 relative, in matrix products, 4x faster than broadcasting it; and
+    without geoopt's artanh clamp, which saturates distances at 2 artanh(1 - 1e-7) / sqrt(c))."""
+    def pd(a, b):
+        den = (1 - c * a.pow(2).sum(1))[:, None] * (1 - c * b.pow(2).sum(1))[None, :]
+        return torch.acosh(1 + 2 * c * _sq_dists(a, b) / den.clamp_min(1e-300)) / c**0.5
+    return pd
+
+
+def euclidean_pairwise(a, b):
+    return _sq_dists(a, b).sqrt()
+
+
+def nk_loss(x_u, x_cand, mask, dist):
     """Nickel & Kiela's softmax loss; candidate 0 is the positive, masked candidates are ignored."""
-    logits = -poincare.distance(x_u.unsqueeze(1).expand_as(x_cand), x_cand, c=c)
+    logits = -dist(x_u.unsqueeze(1).expand_as(x_cand), x_cand)
     logits = logits.masked_fill(mask, float("-inf"))
     return F.cross_entropy(logits, torch.zeros(len(logits), dtype=torch.long))
 
 
 @torch.no_grad()
-def reconstruction(weight, rel, c, chunk=256):
+def reconstruction(weight, rel, pairwise, chunk=256):
     """Mean rank and MAP of the related classes of every class among all classes, by distance."""
     x = weight.detach().to(torch.float64)
     n = len(x)
@@ -121,7 +150,7 @@ def reconstruction(weight, rel, c, chunk=256):
     eye = torch.eye(n, dtype=torch.bool)
     for s in range(0, n, chunk):
         xs = x[s:s + chunk]
-        d = poincare.distance(xs[:, None, :].expand(-1, n, -1), x[None, :, :].expand(len(xs), -1, -1), c=c)
+        d = pairwise(xs, x)
         pos = rel[s:s + chunk] & ~eye[s:s + chunk]
         self_ = eye[s:s + chunk]
         neg_sorted = d.masked_fill(rel[s:s + chunk], float("inf")).sort(dim=1).values
@@ -140,7 +169,7 @@ def reconstruction(weight, rel, c, chunk=256):
 
 
 def make_variant(name, weight0, args):
-    """(parameter, optimizer, after_step hook or None, close) of one optimizer variant."""
+    """(parameter, optimizer, after-step hook or None) of one optimizer variant."""
     kw = dict(lr=args.lr, betas=(0.9, 0.999), eps=1e-8)
     if name == "geoopt.SparseRiemannianAdam":
         import geoopt
@@ -159,6 +188,10 @@ def make_variant(name, weight0, args):
             p.data[rows] = poincare.project(p.data[rows], c=args.c)
 
         return p, DiskSparseAdam([p], **kw, backend="torch"), clip
+    if name == "DiskSparseAdam-euclidean":
+        from optim import DiskSparseAdam
+
+        return p, DiskSparseAdam([p], **kw, backend="torch"), None
     raise ValueError(name)
 
 
@@ -167,6 +200,8 @@ def train(name, dim, names, edges, rel, args, pbar):
     gen = torch.Generator().manual_seed(args.seed * 1000 + dim)  # same data order for every variant
     weight0 = (torch.rand(n, dim, generator=gen, dtype=torch.float64) * 2 - 1) * 1e-3
     p, opt, after = make_variant(name, weight0, args)
+    euclid = name.endswith("-euclidean")
+    dist = euclidean_distance if euclid else ball_distance(args.c)
     E = len(edges)
     t0 = time.perf_counter()
     losses = []
@@ -184,7 +219,7 @@ def train(name, dim, names, edges, rel, args, pbar):
             idx = torch.cat([b[:, :1], cand], dim=1)
             opt.zero_grad()
             x = F.embedding(idx, p, sparse=True)
-            loss = nk_loss(x[:, 0], x[:, 1:], mask, args.c)
+            loss = nk_loss(x[:, 0], x[:, 1:], mask, dist)
             loss.backward()
             opt.step()
             if after is not None:
@@ -196,12 +231,13 @@ def train(name, dim, names, edges, rel, args, pbar):
         opt.close()
     w = p.detach()
     assert torch.isfinite(w).all(), f"{name}: non-finite embeddings"
-    mean_rank, mean_ap = reconstruction(w, rel, args.c)
+    mean_rank, mean_ap = reconstruction(w, rel, euclidean_pairwise if euclid else ball_pairwise(args.c))
     return dict(mean_rank=mean_rank, map=mean_ap, loss=sum(losses[-20:]) / len(losses[-20:]), seconds=seconds,
                 max_norm=float(w.norm(dim=-1).max()))
 
 
-VARIANTS = ["DiskSparseRiemannianAdam", "geoopt.SparseRiemannianAdam", "DiskSparseAdam+clip"]
+VARIANTS = ["DiskSparseRiemannianAdam", "geoopt.SparseRiemannianAdam", "DiskSparseAdam+clip",
+            "DiskSparseAdam-euclidean"]
 
 
 def main():
