@@ -13,6 +13,7 @@ single-process references from the same definitions.
 
 import os
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -191,23 +192,31 @@ def local_states(model, opt) -> dict:
     return {name: [o.get(name) for o in out] for name in names}, opt.codebook.clone()
 
 
-def _save(model, opt, path):
+def _options(flat: bool):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(flatten_optimizer_state_dict=flat)
+
+
+def _save(model, opt, path, flat=False):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+    state = {"model": get_model_state_dict(model),
+             "optim": get_optimizer_state_dict(model, opt, options=_options(flat))}
     dcp.save(state, checkpoint_id=str(path))
 
 
-def _load(model, opt, path):
+def _load(model, opt, path, flat=False):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                          set_model_state_dict, set_optimizer_state_dict)
 
-    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+    state = {"model": get_model_state_dict(model),
+             "optim": get_optimizer_state_dict(model, opt, options=_options(flat))}
     dcp.load(state, checkpoint_id=str(path))
     set_model_state_dict(model, state["model"])
-    set_optimizer_state_dict(model, opt, state["optim"])
+    set_optimizer_state_dict(model, opt, state["optim"], options=_options(flat))
 
 
 def _forced_first_step(model, opt, rank, world, segments: dict):
@@ -255,6 +264,19 @@ def scenario_dcp(opt_name, rank, world, out_dir, segments=None, tag="", ddp=Fals
 
 def scenario_dcp_ddp(opt_name, rank, world, out_dir):
     return scenario_dcp(opt_name, rank, world, out_dir, tag="_ddp", ddp=True)
+
+
+def scenario_dcp_flat(opt_name, rank, world, out_dir):
+    """flatten_optimizer_state_dict=True: saving works, loading must refuse with a clear error."""
+    model = _ddp_model(0)
+    opt = make_optimizer(opt_name, model.parameters())
+    train_steps(model, opt, 1, rank=rank, world=world)
+    _save(model, opt, Path(out_dir) / f"ckpt_flat_{opt_name}", flat=True)
+    try:
+        _load(model, opt, Path(out_dir) / f"ckpt_flat_{opt_name}", flat=True)
+    except ValueError as exc:
+        return {"message": str(exc)}
+    return {"message": ""}
 
 
 def scenario_dcp_aligned(opt_name, rank, world, out_dir):
@@ -345,7 +367,8 @@ def scenario_hist(opt_name, rank, world, out_dir):
 SCENARIOS = {"hist": scenario_hist, "ddp": scenario_ddp, "fsdp": scenario_fsdp, "dcp": scenario_dcp, "reshard": scenario_reshard,
              "dcp_mismatch": scenario_dcp_mismatch, "reshard_mismatch": scenario_reshard_mismatch,
              "train": scenario_train, "dcp_aligned": scenario_dcp_aligned,
-             "reshard_aligned": scenario_reshard_aligned, "dcp_ddp": scenario_dcp_ddp}
+             "reshard_aligned": scenario_reshard_aligned, "dcp_ddp": scenario_dcp_ddp,
+             "dcp_flat": scenario_dcp_flat}
 
 
 def main(argv):
@@ -357,6 +380,7 @@ def main(argv):
     try:
         for spec in argv[1:]:
             name, _, opt_name = spec.partition(":")
+            t0 = time.perf_counter()
             try:
                 result = SCENARIOS[name](opt_name or "adamw", rank, world, out_dir)
             except Exception:  # recorded per scenario so that one failure does not hide the others
@@ -365,6 +389,7 @@ def main(argv):
             if rank == 0 or "error" in result:
                 path = out_dir / (f"{spec.replace(':', '-')}" + ("" if rank == 0 else f".rank{rank}") + ".pt")
                 torch.save(result, path)
+            print(f"rank {rank}: {spec} {time.perf_counter() - t0:.1f} s", flush=True)
             if "error" in result:
                 break  # the group may be out of step now; the remaining scenarios report missing
             dist.barrier()

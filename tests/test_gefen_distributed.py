@@ -95,7 +95,7 @@ def runs(tmp_path_factory):
     one = [f"reshard:{o}" for o in OPTS if o != "gefen"]  # full Gefen: the "aligned" checkpoint
     if HAVE_GEFEN:
         two += ["train:gefen", "dcp_aligned:gefen", "dcp_mismatch:gefen", "hist:", "dcp:gefen4",
-                "dcp_ddp:gefen"]
+                "dcp_ddp:gefen", "dcp_flat:gefen"]
         one += ["reshard_aligned:gefen", "reshard_mismatch:gefen"]
     launch(2, two, out)
     launch(1, one, out)
@@ -215,6 +215,12 @@ def test_dcp_one_rank_refuses_blocks_it_cannot_hold(runs):
     assert "number of ranks it was saved from" in msg, msg
 
 
+@gefen_only
+def test_flattened_optimizer_state_dict_is_refused_clearly(runs):
+    msg = result(runs, "dcp_flat:gefen")["message"]
+    assert "flatten_optimizer_state_dict=False" in msg, msg
+
+
 # ------------------------------------------------------------------ resharding rule, in process
 def _saved_layout(shards, row_len):
     """Layout table (format of optim.gefen.distributed) for shards [(rows, block), ...] in order."""
@@ -279,3 +285,62 @@ def test_check_reshard_matches_brute_force(row_len):
                     assert check_reshard(layout, r0, r1, row_len, name="w") == want, (shards, r0, r1)
                     checked += 1
     assert checked > 20 and refused > 20  # both outcomes exercised
+
+
+# ------------------------------------------------------- distributed form of plain tensors, in process
+@gefen_only
+@pytest.mark.parametrize("bits", [8, 4])
+def test_distributed_form_round_trip_in_process(bits):
+    """Compact state -> distributed form -> load_state_dict gives back every state tensor exactly
+    (odd sizes, partial 256-chunks, P > 1, an unquantised group), and training continues bit
+    for bit like the optimizer that never left memory."""
+    from optim import Gefen
+    from optim.gefen import distributed as D
+
+    shapes = [(1,), (7,), (3, 5), (300,), (64, 48), (2, 1030)]
+    make = lambda: [torch.nn.Parameter(torch.randn(s, generator=torch.Generator().manual_seed(i)))  # noqa: E731
+                    for i, s in enumerate(shapes)]
+
+    def opt_for(ps):
+        return Gefen([{"params": ps[:5]}, {"params": ps[5:], "quantize_first_moment": False}],
+                     lr=1e-2, weight_decay=0.1, bits=bits, backend="torch")
+
+    def grads(step):
+        g = torch.Generator().manual_seed(100 + step)
+        out = [torch.randn(s, generator=g) for s in shapes]
+        out[4] = W.structured_grad(64, 48, 16, seed=step)  # P = 16 at the first step
+        return out
+
+    def run(opt, ps, steps, start=0):
+        for t in range(start, start + steps):
+            for p, g in zip(ps, grads(t)):
+                p.grad = g
+            opt.step()
+
+    pa = make()
+    a = opt_for(pa)
+    run(a, pa, 3)
+    assert a.state[pa[4]]["block"] == 16
+    sd = a.state_dict()
+    params = [p for g in a.param_groups for p in g["params"]]
+    ids = [i for g in sd["param_groups"] for i in g["params"]]
+    quantized = [g["quantize_first_moment"] for g in a.param_groups for _ in g["params"]]
+    dense = dict(sd, state=dict(sd["state"]))
+    D.to_distributed(dense["state"], params, ids, quantized, codebook=a.codebook, bits=bits)
+    for pid, p in zip(ids, params):
+        for key in ("v", "scales", "codes", "m"):
+            if key in dense["state"][pid]:
+                assert dense["state"][pid][key].shape == p.shape, (pid, key)
+    pb = [torch.nn.Parameter(p.detach().clone()) for p in pa]
+    b = opt_for(pb)
+    b.load_state_dict(dense)
+    assert torch.equal(b.codebook, a.codebook)
+    for p, q in zip(pa, pb):
+        assert a.state[p].keys() == b.state[q].keys()
+        for key, val in a.state[p].items():
+            same = torch.equal(val, b.state[q][key]) if torch.is_tensor(val) else val == b.state[q][key]
+            assert same, (tuple(p.shape), key)
+    run(a, pa, 2, start=3)
+    run(b, pb, 2, start=3)
+    for p, q in zip(pa, pb):
+        assert_close(q, p, atol=0.0, name=str(tuple(p.shape)))

@@ -38,6 +38,7 @@ the parameter and says what to do. Tensors with P = 1 (per-element v) always fit
 256-element scale chunks moved, their first moment is requantised once with the codebook (one
 more rounding of m, v untouched).
 
+Not supported: ``StateDictOptions(flatten_optimizer_state_dict=True)`` (loading raises, saying so).
 Supported placements: ``Shard(0)`` on at most one mesh dimension and ``Replicate`` elsewhere
 (FSDP2, HSDP). Other shardings (tensor parallel ``Shard(1)``, strided shards) raise.
 """
@@ -274,10 +275,21 @@ def from_distributed(sd: dict, params, ids, *, bits: int) -> dict:
             codebook = st[K.CODEBOOK]
     if codebook is not None:
         codebook = local_shard(codebook).detach().float().cpu()
+        if codebook.numel() != 2**bits:
+            raise ValueError(f"Gefen: the checkpoint's codebook has {codebook.numel()} entries, this "
+                             f"optimizer has bits={bits} ({2**bits}); construct Gefen with the bits it "
+                             "was saved with")
     for k, (pid, p) in enumerate(zip(ids, params)):
         st = state.get(pid)
         if not isinstance(st, dict):
             continue
+        if any(isinstance(st.get(key), dict) for key in (K.BLOCK, K.STEP)):
+            # torch's unflattening rebuilds only the keys of the live state, as empty dicts
+            raise ValueError(
+                "Gefen: optimizer state dicts made with StateDictOptions("
+                "flatten_optimizer_state_dict=True) lose Gefen's layout and codebook (torch "
+                "rebuilds only the keys of the live state); save and load Gefen with the default "
+                "nested optimizer state dict (flatten_optimizer_state_dict=False)")
         st = {key: val for key, val in st.items() if key != K.CODEBOOK}
         if LAYOUT in st:
             name = pid if isinstance(pid, str) else f"parameter {k}"
