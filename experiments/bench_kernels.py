@@ -13,6 +13,7 @@ length capped at 1024, P = 1 for vectors). For each optimizer, in one run, inter
 * ``state_bytes`` (B/param) and ``step_peak_memory`` (MiB allocated by a step beyond what was
   allocated before it);
 * ``speedup_vs_*``: the other optimizer's time / Gefen Triton's (target > 1 against both);
+* ``gefen-kernel-t{TILE}w{WARPS}``: the kernels at other tile sizes and warp counts (tuning);
 * ``agree_*``: Gefen(backend="triton") against Gefen(backend="torch") on the device over 5 steps
   (max |Δp|, relative RMS, fraction of equal codes).
 
@@ -156,7 +157,7 @@ def build(name, params, bits=8):
     raise ValueError(name)
 
 
-def kernel_only_step(opt):
+def kernel_only_step(opt, tile=None, num_warps=None):
     """A closure running kernels.gefen_step_ over opt's state, grouped as the optimizer groups it."""
     from collections import defaultdict
 
@@ -167,6 +168,7 @@ def kernel_only_step(opt):
     for p, st in opt.state.items():
         groups[st[K.BLOCK]].append((p, st))
     counter = {"t": max(st[K.STEP] for st in opt.state.values())}
+    knobs = {} if tile is None else {"tile": tile, "num_warps": num_warps}
 
     def step():
         counter["t"] += 1
@@ -175,7 +177,7 @@ def kernel_only_step(opt):
                                 [st[K.V] for _, st in items], [st[K.SCALES] for _, st in items],
                                 [st[K.CODES] for _, st in items], opt.codebook, step=counter["t"],
                                 lr=LR, beta1=BETAS[0], beta2=BETAS[1], eps=EPS, weight_decay=WD,
-                                block=block, bits=opt.bits)
+                                block=block, bits=opt.bits, **knobs)
     return step
 
 
@@ -239,6 +241,10 @@ def bench_set(res, label, shapes, dtype, device, args, copy_bw, timer):
         opts[name], steps[name] = opt, opt.step
         if name == "gefen-triton":
             opts["gefen-kernel"], steps["gefen-kernel"] = opt, kernel_only_step(opt)
+            for tw in filter(None, args.kernel_tiles.split(",")):
+                tile, warps = (int(x) for x in tw.split("x"))
+                key = f"gefen-kernel-t{tile}w{warps}"
+                opts[key], steps[key] = opt, kernel_only_step(opt, tile, warps)
     # floor bytes and state bytes (per parameter)
     floor = {}
     for name, opt in opts.items():
@@ -270,14 +276,15 @@ def bench_set(res, label, shapes, dtype, device, args, copy_bw, timer):
         res.add(f"{name}/{dname}", "step_time", "ms", t, "params", n)
         res.add(f"{name}/{dname}", "bandwidth", "GB/s", bw / 1e9, "params", n)
         res.add(f"{name}/{dname}", "frac_of_copy", "ratio", bw / copy_bw, "params", n)
-        print(f"  {label}/{dname} {name:18s} {t:8.3f} ms  floor {floor[name] / n:5.2f} B/param "
+        print(f"  {label}/{dname} {name:24s} {t:8.3f} ms  floor {floor[name] / n:5.2f} B/param "
               f"= {floor[name] / copy_bw * 1e3:7.3f} ms at copy speed  {bw / 1e9:7.1f} GB/s "
               f"({bw / copy_bw:4.0%} of copy)", flush=True)
-    if "gefen-triton" in med:
+    for ours in ("gefen-triton", "gefen-kernel"):
         for other in ("adamw-fused", "upstream-gefen"):
-            if other in med:
-                res.add(f"gefen-triton/{dname}", f"speedup_vs_{other}", "x",
-                        med[other] / med["gefen-triton"], "params", n)
+            if ours in med and other in med:
+                res.add(f"{ours}/{dname}", f"speedup_vs_{other}", "x", med[other] / med[ours],
+                        "params", n)
+                print(f"  {label}/{dname} {ours} is {med[other] / med[ours]:.2f}x faster than {other}")
     del opts, steps
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -293,6 +300,8 @@ def main(argv=None):
     parser.add_argument("--skip-upstream", action="store_true")
     parser.add_argument("--variants", default="gefen-triton,gefen-triton-4bit,adamw-fused,upstream-gefen",
                         help="comma list; gefen-kernel is timed whenever gefen-triton is")
+    parser.add_argument("--kernel-tiles", default="1024x4,4096x8,4096x16,8192x16",
+                        help="extra gefen-kernel timings at TILExNUM_WARPS (default tile: 2048x8)")
     parser.add_argument("--cpu-smoke", action="store_true",
                         help="tiny CPU run under TRITON_INTERPRET=1, to check the script itself")
     args = parser.parse_args(argv)
@@ -309,7 +318,7 @@ def main(argv=None):
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
     if args.cpu_smoke:
         sets = {"smoke": quick_shapes(2**15)}
-        args.dtypes, args.reps, args.warmup = "fp32,bf16", 2, 1
+        args.dtypes, args.reps, args.warmup, args.kernel_tiles = "fp32,bf16", 2, 1, "4096x8"
         args.skip_upstream = True
     elif args.quick:
         sets = {"10M": quick_shapes(10_000_000)}

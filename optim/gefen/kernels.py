@@ -33,12 +33,16 @@ Why the kernel looks the way it does
   kernels (two more reads of g and a read+write of p) and launches one CUDA block of >= 32
   threads per Gefen block, so a block length of 8 leaves 3/4 of its threads idle.
 * Tile = R whole blocks x next_pow2(S) columns, R*next_pow2(S) ~ ``TILE`` = 2048 elements, with
-  ``ELEMS_PER_THREAD`` = 8 elements a thread (8 warps). Compiled offline for sm_90 (H200, Triton
-  3.6 and 3.9) and read with ``cuobjdump --dump-resource-usage``: 16 elements a thread took
-  176-255 registers (one 256-thread program per SM), 8 a thread 70-128 registers and no spills
-  (three programs per SM; by estimate ~60 KB of loads in flight per SM, above the ~36 KB that
-  4.8 TB/s x ~1 us latency / 132 SMs needs). Lanes past S (non-power-of-two S) are masked: they
-  cost registers, not memory traffic. Not yet timed on a GPU: ``experiments/bench_kernels.py``.
+  ``ELEMS_PER_THREAD`` = 8 elements a thread (8 warps). Lanes past S (non-power-of-two S) are
+  masked: they cost registers, not memory traffic. Compiled offline for sm_90 (H200; Triton 3.6
+  and 3.9) and read with ``cuobjdump --dump-resource-usage`` and the PTX: 32-62 registers at 8
+  elements a thread, 56-106 at 16, no spills. Pointers read from the pointer table carry no
+  alignment the compiler can see, and a mask ``offs < n`` with n read from memory is not constant
+  over 4 lanes: either alone made every access scalar (0 of 66 global loads vectorised). So a
+  launch whose tensors are all 16-byte aligned says so (``tl.multiple_of``, ALIGN) and one whose
+  sizes are whole tile rows masks by row (EXACT): then p, g, v and codes move in 128-bit accesses.
+  Misaligned or ragged tensors (FSDP shards at odd offsets, a P = 1 tensor whose size is not a
+  multiple of 256) go to their own scalar launch. Not yet timed on a GPU: ``experiments/bench_kernels.py`` does that.
 * Nearest codebook entry without scanning the entries: a 4096-bin lookup table over uniform bins
   of [-1, 1], built once per codebook on the host from the midpoints between consecutive distinct
   entries. ``lut[j]`` is the number of midpoints left of bin j (minus a 2**-20 safety margin that
@@ -49,12 +53,14 @@ Why the kernel looks the way it does
   256-entry codebooks; one uint8 read of a 4 KB table plus one or two reads of a 1 KB midpoint
   table, all L1-resident on a GPU), against 8 dependent reads for a binary search over 255
   midpoints and 256 compares for a scan. Denser codebooks get a finer table (see
-  ``_codebook_tables``). Equal entries (a codebook
-  padded because fewer histogram bins were occupied than levels) are merged first; the code
-  written is then the copy the reference's rule picks (first copy from below, last from above).
+  ``_codebook_tables``). Equal entries (a codebook padded because fewer histogram bins were
+  occupied than levels) are merged first; the code written is then the copy the reference's rule
+  picks (first copy from below, last from above).
 * 4-bit codes are packed two a byte, so a program works on pairs of elements (even, odd) and
-  writes whole bytes; no two programs share a byte. For an odd block length a byte straddles two
-  blocks, so a tile row then holds two blocks (2S elements) reduced separately.
+  writes whole bytes; no two programs share a byte. Elements are loaded as one contiguous tile and
+  split into (even, odd) in registers (strided even/odd loads compiled to 4x as many scalar
+  ones). For an odd block length a byte straddles two blocks, so a tile row then holds two blocks
+  (2S elements) reduced separately.
 * Bias corrections, ``1 - lr*wd`` and ``1 - beta1`` are computed on the host in float64 and passed
   as fp32 scalars; torch's ``lerp`` formula (two branches on the weight) and ``addcdiv`` order are
   followed so the kernel agrees with the reference to fp32 rounding.
@@ -71,7 +77,7 @@ import triton.language as tl
 from optim.gefen.reference import num_code_bytes, num_scales, scale_block_length
 
 TILE = 2048  # elements per program (R blocks x next_pow2(S) lanes); see module docstring
-ELEMS_PER_THREAD = 8  # sets num_warps; 16 a thread needed 176-255 registers on sm_90
+ELEMS_PER_THREAD = 8  # sets num_warps (see module docstring)
 MAX_TILE_WIDTH = 16384  # largest next_pow2(S) kept in one program; partition.py caps S at 1024
 LUT_BINS = 4096  # uniform bins of [-1, 1] in the nearest-entry table (uint8, 4 KB); see below
 LUT_MARGIN = 2.0**-20  # > rounding error of (x + 1) * LUT_BINS / 2 for |x| <= 1 in fp32
