@@ -23,7 +23,7 @@ Optimizers compared on identical data, initialisation, batches and negatives (on
 
 Commands:
     python experiments/poincare.py --quick     # dims 2, 5, 10; 20 epochs; about 6 min on 2 busy CPU cores
-    python experiments/poincare.py             # dims 2, 5, 10; 150 epochs
+    python experiments/poincare.py             # dims 2, 5, 10; 100 epochs; about 30 min on 2 busy CPU cores
     python analysis/poincare.py                # paper_figs/poincare.png from results/poincare.csv
 """
 
@@ -244,7 +244,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(parser)
     parser.add_argument("--dims", type=int, nargs="+", default=[2, 5, 10])
-    parser.add_argument("--epochs", type=int, default=None, help="(Default: 150; 20 with --quick)")
+    parser.add_argument("--epochs", type=int, default=None, help="(Default: 100; 20 with --quick)")
     parser.add_argument("--burnin", type=int, default=None, help="epochs at lr/10 (Default: 10; 2 with --quick)")
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--batch", type=int, default=256)
@@ -256,7 +256,7 @@ def main():
                              "machine measured 28x slower per step)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    args.epochs = args.epochs or (20 if args.quick else 150)
+    args.epochs = args.epochs or (20 if args.quick else 100)
     args.burnin = args.burnin if args.burnin is not None else (2 if args.quick else 10)
     torch.manual_seed(args.seed)
 
