@@ -72,12 +72,22 @@ def summarise(rows):
             lr=lr,
             curves={s: sorted(c) for s, c in d["val_loss"].items()},
             finals=finals,
+            final_by_seed=dict(d["final_val_loss"]),
             bpp=statistics.fmean(d["state_bytes_per_param"].values()) if d["state_bytes_per_param"] else math.nan,
             step_ms=statistics.median(d["step_time"].values()) if d["step_time"] else math.nan,
             grid={l: statistics.fmean(v["final_val_loss"].values()) for l, v in by_lr.items()
                   if v["final_val_loss"]},
         )
     return dict(sorted(out.items(), key=lambda kv: ORDER.index(kv[0]) if kv[0] in ORDER else len(ORDER)))
+
+
+def paired_gap(summary, name, baseline):
+    """Mean over shared seeds of final loss / baseline's final loss - 1 (same init and batches per seed)."""
+    if name not in summary or baseline not in summary:
+        return math.nan
+    a, b = summary[name]["final_by_seed"], summary[baseline]["final_by_seed"]
+    gaps = [a[s] / b[s] - 1 for s in a if s in b and math.isfinite(a[s]) and math.isfinite(b[s])]
+    return statistics.fmean(gaps) if gaps else math.nan
 
 
 def draw(summary, out: Path, title: str = ""):
@@ -104,8 +114,10 @@ def draw(summary, out: Path, title: str = ""):
             sd = statistics.stdev(finals) if len(finals) > 1 else 0.0
             ax2.errorbar([s["bpp"]], [statistics.fmean(finals)], yerr=[sd], fmt="o", color=c, capsize=4,
                          label=name)
+            # alternate label sides: optimizers with the same state size would overprint
             ax2.annotate(name, (s["bpp"], statistics.fmean(finals)), textcoords="offset points",
-                         xytext=(5, 4), fontsize=7, color=c)
+                         xytext=(6, 4) if i % 2 == 0 else (-6, -10), ha="left" if i % 2 == 0 else "right",
+                         fontsize=7, color=c)
     ax1.set_xlabel("training step")
     ax1.set_ylabel("validation loss (nats/char)")
     ax1.set_title("validation loss, each optimizer at its best lr")
@@ -122,6 +134,10 @@ def draw(summary, out: Path, title: str = ""):
     if finals_all and early:
         ax1.set_ylim(min(finals_all) - 0.05, max(early) + 0.05)
     ax2.set_xscale("log")
+    ticks = [t for t in (0.25, 0.5, 1, 2, 4, 8, 16)
+             if any(t / 2 < sv["bpp"] < t * 2 for sv in summary.values() if math.isfinite(sv["bpp"]))]
+    ax2.set_xticks(ticks, [f"{t:g}" for t in ticks])
+    ax2.xaxis.set_minor_formatter(plt.NullFormatter())
     ax2.set_xlabel("optimizer state (bytes / parameter, tensor bytes of state_dict)")
     ax2.set_ylabel("final validation loss (nats/char)")
     ax2.set_title("final loss vs optimizer memory (mean ± std over seeds)")
@@ -149,13 +165,16 @@ def main(argv=None):
     if not summary:
         raise SystemExit(f"{args.results_dir}/convergence.csv has no per-run rows to draw")
     draw(summary, args.out, setup_line(rows))
-    print(f"{'optimizer':<20} {'best lr':>8} {'final val loss':>18} {'B/param':>8} {'step ms':>8}  grid")
+    print(f"{'optimizer':<20} {'best lr':>8} {'final val loss':>18} {'vs AdamW':>9} {'B/param':>8} "
+          f"{'step ms':>8}  mean final loss per lr of the grid")
     for name, s in summary.items():
         finals = [v for v in s["finals"] if math.isfinite(v)]
         mean = statistics.fmean(finals) if finals else math.nan
         sd = statistics.stdev(finals) if len(finals) > 1 else 0.0
         grid = ", ".join(f"{lr:g}: {v:.3f}" for lr, v in sorted(s["grid"].items()))
-        print(f"{name:<20} {s['lr']:>8g} {mean:>10.4f} ± {sd:.4f} {s['bpp']:>8.3f} {s['step_ms']:>8.2f}  {grid}")
+        rel = paired_gap(summary, name, "AdamW")
+        print(f"{name:<20} {s['lr']:>8g} {mean:>10.4f} ± {sd:.4f} {rel:>+8.2%} {s['bpp']:>8.3f} "
+              f"{s['step_ms']:>8.2f}  {grid}")
     print(f"wrote {args.out}")
     return summary
 

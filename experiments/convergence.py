@@ -341,9 +341,10 @@ def main(argv=None):
                 add_run_rows(res, name, lr, seed, out)
             res.add(name, "best_lr", "lr", best, x_name="selected_by", x_value=f"final_val_loss seed {args.seed}")
             res.flush()  # keep what is measured if a later optimizer takes the process down
-            finals = [out["final"] for lr, _, out in runs if lr == best]
-            bpp = runs[0][2]["state_bytes"] / runs[0][2]["params"]
-            summary.append((name, best, finals, bpp, statistics.median(o["step_time"] for *_, o in runs)))
+            chosen = [out for lr, _, out in runs if lr == best]
+            bpp = statistics.fmean(o["state_bytes"] / o["params"] for o in chosen)  # blocks vary with the seed
+            summary.append((name, best, [o["final"] for o in chosen], bpp,
+                            statistics.median(o["step_time"] for *_, o in runs)))
     print(f"\n{'optimizer':<20} {'best lr':>8} {'final val loss':>18} {'B/param':>8} {'step ms':>8}")
     for name, best, finals, bpp, st in summary:
         sd = statistics.stdev(finals) if len(finals) > 1 else 0.0
