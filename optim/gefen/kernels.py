@@ -362,6 +362,10 @@ def _next_pow2(x: int) -> int:
     return 1 << max(0, int(x) - 1).bit_length()
 
 
+def _prev_pow2(x: int) -> int:
+    return 1 << max(0, int(x).bit_length() - 1)
+
+
 def _check_runnable(t: torch.Tensor, name: str):
     if t.device.type == "cuda":
         return
@@ -457,7 +461,7 @@ def _launch_plan(rows, *, block, bits, quant, tile, num_warps):
         numels = [r[1].numel() for r in rs]
         trows = [-(-(num_code_bytes(n, 4) if four else n) // lanes) for n in numels]
         per_tile = tile // 2 if four else tile
-        rr = max(1, min(per_tile // width, _next_pow2(max(trows))))
+        rr = min(_prev_pow2(per_tile // width), _next_pow2(max(trows)))  # tl.arange needs 2**k
         device = rs[0][1].device
         ntiles = [-(-t // rr) for t in trows]
         tid = torch.repeat_interleave(torch.arange(len(ntiles)), torch.tensor(ntiles))
@@ -644,7 +648,7 @@ def histogram_(counts, g, *, block, bins=HIST_BINS):
             raise ValueError(f"block={block} does not divide g[{i}].numel()={n}")
         _check_runnable(gi, f"g[{i}]")
         nrows = -(-n // s_len)
-        r = max(1, min(TILE // width, _next_pow2(nrows)))
+        r = min(_prev_pow2(TILE // width), _next_pow2(nrows))
         iters = max(1, min(HIST_TILE // (r * width), -(-nrows // r)))
         grid = (-(-nrows // (r * iters)),)
         _histogram_kernel[grid](gi.contiguous().view(-1), counts, n, S=s_len, R=r, WIDTH=width,
