@@ -113,10 +113,15 @@ def single_process_run(opt_name: str, steps: int, seed: int = 0, micro_batches: 
 
 
 # ----------------------------------------------------------------------------- distributed scenarios
+GROUP = None  # the process group of the running scenario: None = all ranks; see main()
+
+
 def _mesh():
-    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
     import torch.distributed as dist
 
+    if GROUP is not None:
+        return DeviceMesh.from_group(GROUP, "cpu")
     return init_device_mesh("cpu", (dist.get_world_size(),))
 
 
@@ -186,8 +191,8 @@ def local_states(model, opt) -> dict:
             d["m"] = dequantize(st["scales"], st["codes"], opt.codebook, numel=n, block=st["block"],
                                 bits=opt.bits)
         mine[name] = d
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, mine)
+    out = [None] * dist.get_world_size(GROUP)
+    dist.all_gather_object(out, mine, group=GROUP)
     names = [n for n, _ in model.named_parameters() if any(n in o for o in out)]
     return {name: [o.get(name) for o in out] for name in names}, opt.codebook.clone()
 
@@ -214,7 +219,7 @@ def _load(model, opt, path, flat=False):
 
     state = {"model": get_model_state_dict(model),
              "optim": get_optimizer_state_dict(model, opt, options=_options(flat))}
-    dcp.load(state, checkpoint_id=str(path))
+    dcp.load(state, checkpoint_id=str(path), process_group=GROUP)
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, opt, state["optim"], options=_options(flat))
 
@@ -372,22 +377,33 @@ SCENARIOS = {"hist": scenario_hist, "ddp": scenario_ddp, "fsdp": scenario_fsdp, 
 
 
 def main(argv):
+    """Run the scenarios in order. ``SCENARIO:OPT@1`` runs on rank 0 alone, in a group of one
+    (a 1-rank job inside the same launch: it saves starting a second set of processes)."""
+    global GROUP
     import torch.distributed as dist
 
     out_dir = Path(argv[0])
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", rank=rank, world_size=world)
+    solo = dist.new_group([0])
     try:
         for spec in argv[1:]:
             name, _, opt_name = spec.partition(":")
+            opt_name, _, alone = opt_name.partition("@")
             t0 = time.perf_counter()
+            if alone and rank != 0:
+                dist.barrier()  # rank 0 runs it on its own
+                continue
+            GROUP = solo if alone else None
             try:
-                result = SCENARIOS[name](opt_name or "adamw", rank, world, out_dir)
+                result = SCENARIOS[name](opt_name or "adamw", 0 if alone else rank, 1 if alone else world,
+                                         out_dir)
             except Exception:  # recorded per scenario so that one failure does not hide the others
                 result = {"error": f"rank {rank}: " + traceback.format_exc()}
             # Keep ranks in step even when one failed half-way (a failed collective raises on all).
             if rank == 0 or "error" in result:
-                path = out_dir / (f"{spec.replace(':', '-')}" + ("" if rank == 0 else f".rank{rank}") + ".pt")
+                stem = spec.replace(":", "-").partition("@")[0]
+                path = out_dir / (stem + ("" if rank == 0 else f".rank{rank}") + ".pt")
                 torch.save(result, path)
             print(f"rank {rank}: {spec} {time.perf_counter() - t0:.1f} s", flush=True)
             if "error" in result:

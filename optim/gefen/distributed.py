@@ -1,7 +1,8 @@
 """Gefen under ``torch.distributed``: DTensor shards, one codebook for all ranks, sharded checkpoints.
 
-DDP needs nothing from here: its gradients are averaged before ``step()``, every rank holds the
-same parameters, so every rank chooses the same blocks and learns the same codebook.
+DDP needs nothing here to train: its gradients are averaged before ``step()``, every rank holds
+the same parameters, so every rank chooses the same blocks and learns the same codebook. Its
+checkpoints use the distributed form below.
 
 FSDP2 (``torch.distributed.fsdp.fully_shard``) makes every parameter a DTensor sharded on dim 0.
 Gefen keeps each tensor's state with its local shard (``p.to_local()``) and chooses its block
@@ -18,10 +19,10 @@ the group:
   included), ``Gefen.state_dict()`` returns the *distributed form* (:func:`to_distributed`); for
   a parameter of shape ``shape`` (DTensors placed like the parameter, plain tensors otherwise)::
 
-      v       fp32 DTensor ``shape``, placed like the parameter: v of the element's block
-      scales  fp32 DTensor ``shape``: scale of the element's scale block   (quantised groups)
-      codes   uint8 DTensor ``shape``: the element's code (4-bit codes one a byte)   (quantised)
-      m       fp32 DTensor ``shape``: the first moment   (groups with quantize_first_moment=False)
+      v       fp32 ``shape``: v of the element's block
+      scales  fp32 ``shape``: scale of the element's scale block   (quantised groups)
+      codes   uint8 ``shape``: the element's code (4-bit codes one a byte)   (quantised groups)
+      m       fp32 ``shape``: the first moment   (groups with quantize_first_moment=False)
       layout  int64 (rows, 4), the same on every rank: per row of dim 0, the saved block length
               P, the row's first element's position in its v-block and in its scale block, and
               the step count
@@ -34,9 +35,9 @@ the group:
 Loading (:func:`from_distributed`) cuts each rank's local rows back into Gefen's compact state.
 Onto another number of ranks this is exact where every new local shard starts and ends on a
 saved block boundary and sees one block length; otherwise it raises a ``ValueError`` that names
-the parameter and says what to do. Tensors with P = 1 (per-element v) always fit; if their
-256-element scale chunks moved, their first moment is requantised once with the codebook (one
-more rounding of m, v untouched).
+the parameter and says what to do. Tensors saved with P = 1 (per-element v) on every rank always
+fit; where their 256-element scale chunks moved, their first moment is requantised once with the
+codebook (one more rounding of m, at most half a codebook gap times the scale; v untouched).
 
 Not supported: ``StateDictOptions(flatten_optimizer_state_dict=True)`` (loading raises, saying so).
 Supported placements: ``Shard(0)`` on at most one mesh dimension and ``Replicate`` elsewhere
@@ -132,18 +133,6 @@ def global_histogram(hist_fn, grads: dict, params=()) -> torch.Tensor:
     for group in _shard_groups(mesh_params[0]):
         dist.all_reduce(part, op=dist.ReduceOp.SUM, group=group)
     return part + hist_fn(plain).to(part.device) if plain else part
-
-
-def all_reduce_histogram(counts: torch.Tensor, params) -> torch.Tensor:
-    """Sum a histogram of sharded parameters' gradients over the first sharded parameter's shard
-    groups (for callers that histogram sharded parameters alone). No-op without sharding."""
-    sharded = [p for p in params if is_sharded(p)]
-    if not sharded:
-        return counts
-    counts = counts.to(torch.int64).clone()
-    for group in _shard_groups(sharded[0]):
-        dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=group)
-    return counts
 
 
 # --------------------------------------------------------------------------------- checkpoints
