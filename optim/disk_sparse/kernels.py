@@ -24,9 +24,10 @@ import torch
 import triton
 import triton.language as tl
 
-# Elements per program. A tile of BLOCK_R x BLOCK_D = 2048 fp32 values keeps four warps busy with
-# 16 values per thread and, at the seed shape (2048 rows x 128), launches 128 programs: enough for
-# every SM of a large GPU, while the interpreter (one Python iteration per program) stays fast.
+# Elements per program. A tile of BLOCK_R x BLOCK_D = 2048 fp32 values gives four warps 16 values
+# per thread and, at the seed shape (2048 rows x 128), 128 programs (not yet tuned on a GPU). Fewer,
+# larger programs matter for the interpreter, which runs one Python iteration per program: one row
+# per program took 73 s there for 2000 x 3 rows, tiles of 512 x 4 took 0.2 s.
 _TILE = 2048
 # The ball's update needs whole-row norms and dot products (projection, conformal factor, transport),
 # so a program holds whole rows; beyond this width the rows no longer fit in registers.
@@ -66,7 +67,8 @@ def _adam_rows_kernel(w_ptr, g_ptr, s_ptr, n_rows, D, stride_w, stride_g, stride
     if MAXIMIZE:
         g = -g
     # old += (1 - b) * (new - old), rounded as SparseAdam does; IEEE sqrt/div (tl.sqrt and `/` are
-    # approximate on GPUs) and no FMA contraction (the launcher disables it) keep it bit-exact.
+    # approximate on GPUs) and no FMA contraction (the launcher disables it) so that it rounds like
+    # torch on CUDA (experiments/bench_dsa_gpu.py measures it).
     u_m = (g - m) * one_minus_beta1
     u_v = (g * g - v) * one_minus_beta2
     m = m + u_m
@@ -112,8 +114,9 @@ def _adam_rows_launch(w, g, state, neg_step_size, *, beta1, beta2, eps, maximize
 def adam_rows_(w, g, state, step, *, lr, beta1, beta2, eps, maximize=False) -> None:
     """In-place lazy-Adam update of gathered rows; ``state`` holds records ``[m | v]`` (width 2D).
 
-    Same update as ``reference.sparse_adam_rows`` (and ``torch.optim.SparseAdam``); float32 rows
-    agree bit for bit. ``step`` is the step count after incrementing (>= 1).
+    Same update as ``reference.sparse_adam_rows`` (and ``torch.optim.SparseAdam``), with correctly
+    rounded sqrt and division; on CPU, torch's vectorised sqrt is not correctly rounded, so there a
+    few values differ by one ulp. ``step`` is the step count after incrementing (>= 1).
     """
     _check_rows("adam_rows_", w, g, state, lambda d: 2 * d)
     if step < 1:
