@@ -29,8 +29,8 @@ except ImportError:  # numba is optional: the torch path computes the same updat
     AVAILABLE = False
 
 
-def _moments_kernel(sorted_idx, perm, values, records, rows, vbuf, c1, c2, maximize):
-    """Sum duplicate gradient rows, update the records in place; new v rows go to ``vbuf``."""
+def _moments_kernel(sorted_idx, perm, values, records, rows, mbuf, vbuf, c1, c2, maximize):
+    """Sum duplicate gradient rows, update the records in place; new m, v rows go to the buffers."""
     n = sorted_idx.shape[0]
     d = values.shape[1]
     gsum = np.empty(d, dtype=records.dtype)
@@ -52,21 +52,23 @@ def _moments_kernel(sorted_idx, perm, values, records, rows, vbuf, c1, c2, maxim
             g = -gsum[k] if maximize else gsum[k]
             m = records[r, k]
             v = records[r, d + k]
-            records[r, k] = m + (g - m) * c1
+            m2 = m + (g - m) * c1
             v2 = v + (g * g - v) * c2
+            records[r, k] = m2
             records[r, d + k] = v2
+            mbuf[u, k] = m2
             vbuf[u, k] = v2
         u += 1
     return u
 
 
-def _weights_kernel(rows, n_rows, records, sqrt_v, weight, eps, neg_step_size):
-    """w += (m / (sqrt(v) + eps)) * (-step_size) for the updated rows."""
+def _weights_kernel(rows, n_rows, mbuf, denom, weight, neg_step_size):
+    """w += (m / denom) * (-step_size) for the updated rows (compact buffers: vectorised loop)."""
     d = weight.shape[1]
     for u in range(n_rows):
         r = rows[u]
         for k in range(d):
-            weight[r, k] = weight[r, k] + (records[r, k] / (sqrt_v[u, k] + eps)) * neg_step_size
+            weight[r, k] = weight[r, k] + (mbuf[u, k] / denom[u, k]) * neg_step_size
 
 
 _compiled = None
@@ -92,11 +94,12 @@ def adam_rows_cpu_(weight: torch.Tensor, indices: torch.Tensor, values: torch.Te
     ty = records.dtype.type
     n = s.numel()
     rows = np.empty(n, dtype=np.int64)
+    mbuf = np.empty((n, values.shape[1]), dtype=records.dtype)
     vbuf = torch.empty((n, values.shape[1]), dtype=weight.dtype)
-    n_rows = moments(s.numpy(), perm.numpy(), values.contiguous().numpy(), records, rows, vbuf.numpy(),
+    n_rows = moments(s.numpy(), perm.numpy(), values.contiguous().numpy(), records, rows, mbuf, vbuf.numpy(),
                      ty(1 - beta1), ty(1 - beta2), bool(maximize))
     # torch's vectorised sqrt (Sleef on AVX512) is not always correctly rounded; taking it from
     # torch keeps the result bitwise equal to SparseAdam's (np.sqrt differed in 0.6% of elements).
-    sqrt_v = vbuf[:n_rows].sqrt_()
+    denom = vbuf[:n_rows].sqrt_().add_(eps)
     step_size = lr * math.sqrt(1 - beta2 ** step) / (1 - beta1 ** step)
-    weights(rows, n_rows, records, sqrt_v.numpy(), weight.detach().numpy(), ty(eps), ty(-step_size))
+    weights(rows, n_rows, mbuf, denom.numpy(), weight.detach().numpy(), ty(-step_size))
