@@ -63,7 +63,12 @@ Why the kernel looks the way it does
   (2S elements) reduced separately.
 * Bias corrections, ``1 - lr*wd`` and ``1 - beta1`` are computed on the host in float64 and passed
   as fp32 scalars; torch's ``lerp`` formula (two branches on the weight) and ``addcdiv`` order are
-  followed so the kernel agrees with the reference to fp32 rounding.
+  followed, and divisions and square roots are the IEEE-rounded ``tl.div_rn`` / ``tl.sqrt_rn``
+  (plain ``/`` and ``tl.sqrt`` compile to ``div.full``/``div.approx`` and ``sqrt.approx.ftz`` on
+  sm_90), and FMA contraction is off (``enable_fp_fusion=False``; torch rounds each operation), so
+  the kernel agrees with the torch reference to fp32 rounding, picks the same code except within
+  rounding of a midpoint, and bins the histogram as torch does; the kernel is memory-bound, so
+  the extra arithmetic costs no time (an expectation, to be confirmed by the benchmark).
 """
 
 from __future__ import annotations
@@ -157,7 +162,7 @@ def _round_bf16(x):
 def _apply(p_ptr, offs, mask, m_hat, denom, decay, neg_step):
     """p <- p * (1 - lr*wd); p <- p + (-lr/bc1) * m^ / denom (reference order), stored in p's dtype."""
     p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32) * decay
-    p = p + neg_step * m_hat / denom
+    p = p + tl.div_rn(neg_step * m_hat, denom)
     if p_ptr.dtype.element_ty == tl.bfloat16:
         p = _round_bf16(p)
     tl.store(p_ptr + offs, p, mask=mask)
@@ -199,9 +204,9 @@ def _gefen_step_kernel(
     else:
         rmask = rows * S < n
         v = tl.load(v_ptr + rows, mask=rmask, other=0.0)
-        v = beta2 * v + omb2 * (tl.sum(g * g, axis=1)[:, None] / S)
+        v = beta2 * v + omb2 * tl.div_rn(tl.sum(g * g, axis=1)[:, None], S * 1.0)
         tl.store(v_ptr + rows, v, mask=rmask)
-    denom = tl.sqrt(v) / sqrt_bc2 + eps
+    denom = tl.div_rn(tl.sqrt_rn(v), sqrt_bc2) + eps
 
     if QUANT:
         rmask = rows * S < n
@@ -210,7 +215,7 @@ def _gefen_step_kernel(
         m = tl.where(mask, _new_m(g, code, s_old, cb_ptr, w), 0.0)
         s_new = tl.max(tl.abs(m), axis=1)[:, None]
         tl.store(s_ptr + rows, s_new, mask=rmask)
-        x = m / tl.where(s_new > 0, s_new, 1.0)  # m == 0 where s == 0
+        x = tl.div_rn(m, tl.where(s_new > 0, s_new, 1.0))  # m == 0 where s == 0
         code, val = _nearest(x, uniq_ptr, mid_ptr, lut_ptr, first_ptr, NLUT, NCMP, HAS_DUP)
         tl.store(c_ptr + offs, code.to(tl.uint8), mask=mask)
         m_hat = val * s_new
@@ -305,14 +310,14 @@ def _gefen_step4_kernel(
         ba = rows * GROUP
         ma = ba * S < n
         mb = (GROUP == 2) & ((ba + 1) * S < n)
-        va = beta2 * tl.load(v_ptr + ba, mask=ma, other=0.0) + omb2 * (va / S)
-        vb = beta2 * tl.load(v_ptr + ba + 1, mask=mb, other=0.0) + omb2 * (vb / S)
+        va = beta2 * tl.load(v_ptr + ba, mask=ma, other=0.0) + omb2 * tl.div_rn(va, S * 1.0)
+        vb = beta2 * tl.load(v_ptr + ba + 1, mask=mb, other=0.0) + omb2 * tl.div_rn(vb, S * 1.0)
         tl.store(v_ptr + ba, va, mask=ma)
         tl.store(v_ptr + ba + 1, vb, mask=mb)
         v0 = tl.where(sub0, vb, va)
         v1 = tl.where(sub1, vb, va)
-    d0 = tl.sqrt(v0) / sqrt_bc2 + eps
-    d1 = tl.sqrt(v1) / sqrt_bc2 + eps
+    d0 = tl.div_rn(tl.sqrt_rn(v0), sqrt_bc2) + eps
+    d1 = tl.div_rn(tl.sqrt_rn(v1), sqrt_bc2) + eps
 
     packed = tl.load(c_ptr + byte, mask=m0, other=0).to(tl.int32)
     s0 = tl.load(s_ptr + blk0, mask=m0, other=0.0)
@@ -325,9 +330,9 @@ def _gefen_step4_kernel(
     tl.store(s_ptr + ba + 1, sb, mask=(GROUP == 2) & ((ba + 1) * S < n))
     s0 = tl.where(sub0, sb, sa)
     s1 = tl.where(sub1, sb, sa)
-    q0, val0 = _nearest(a0 / tl.where(s0 > 0, s0, 1.0), uniq_ptr, mid_ptr, lut_ptr, first_ptr,
+    q0, val0 = _nearest(tl.div_rn(a0, tl.where(s0 > 0, s0, 1.0)), uniq_ptr, mid_ptr, lut_ptr, first_ptr,
                         NLUT, NCMP, HAS_DUP)
-    q1, val1 = _nearest(a1 / tl.where(s1 > 0, s1, 1.0), uniq_ptr, mid_ptr, lut_ptr, first_ptr,
+    q1, val1 = _nearest(tl.div_rn(a1, tl.where(s1 > 0, s1, 1.0)), uniq_ptr, mid_ptr, lut_ptr, first_ptr,
                         NLUT, NCMP, HAS_DUP)
     q1 = tl.where(m1, q1, 0)  # odd n: the last high nibble is padding 0
     tl.store(c_ptr + byte, (q0 | (q1 << 4)).to(tl.uint8), mask=m0)
@@ -348,7 +353,7 @@ def _histogram_kernel(g_ptr, counts_ptr, n, S: tl.constexpr, R: tl.constexpr,
         mask = (cols < S) & (offs < n)
         g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         amax = tl.max(tl.abs(g), axis=1)[:, None]
-        x = g / tl.where(amax > 0, amax, 1.0)  # g == 0 where amax == 0
+        x = tl.div_rn(g, tl.where(amax > 0, amax, 1.0))  # g == 0 where amax == 0
         b = ((x + 1.0) * (BINS * 0.5)).to(tl.int32)
         b = tl.minimum(tl.maximum(b, 0), BINS - 1)
         acc += tl.histogram(tl.reshape(b, [R * WIDTH]), BINS, mask=tl.reshape(mask, [R * WIDTH]))
@@ -609,7 +614,8 @@ def gefen_step_(p, g, v, scales, codes, codebook, *, step, lr, beta1, beta2, eps
     for kernel, tiles, ptrs, numel_tab, grid, const, _ in launches:
         kernel[grid](tiles, ptrs, numel_tab, cb, uniq, mid, lut, first,
                      1 - beta1, beta2, 1 - beta2, eps, 1 - lr * weight_decay, -lr / bc1,
-                     math.sqrt(bc2), NLUT=nlut, NCMP=ncmp, HAS_DUP=has_dup, **const)
+                     math.sqrt(bc2), NLUT=nlut, NCMP=ncmp, HAS_DUP=has_dup,
+                     enable_fp_fusion=False, **const)
     for pi, pw in copies:
         pi.copy_(pw.view_as(pi))
 
@@ -652,6 +658,6 @@ def histogram_(counts, g, *, block, bins=HIST_BINS):
         iters = max(1, min(HIST_TILE // (r * width), -(-nrows // r)))
         grid = (-(-nrows // (r * iters)),)
         _histogram_kernel[grid](gi.contiguous().view(-1), counts, n, S=s_len, R=r, WIDTH=width,
-                                ITERS=iters, BINS=bins,
+                                ITERS=iters, BINS=bins, enable_fp_fusion=False,
                                 num_warps=max(1, min(16, r * width // (32 * ELEMS_PER_THREAD))))
     return counts
