@@ -159,3 +159,26 @@ def test_mismatched_state_dict_is_refused(tmp_path):
         single.load_state_dict(wrong.state_dict())
     for o in (opt, single, other, wrong):
         o.close()
+
+
+def test_prefetch_announces_rows_without_changing_results(tmp_path):
+    a, b = _emb(500, 8), _emb(500, 8)
+    b.load_state_dict(a.state_dict())
+    opt_a = DiskSparseAdam(a.parameters(), lr=1e-2, state_dir=tmp_path / "a")
+    opt_b = DiskSparseAdam(b.parameters(), lr=1e-2, state_dir=tmp_path / "b")
+    batches = [torch.randint(0, 500, (64,)) for _ in range(6)]
+    for k, idx in enumerate(batches):
+        if k + 1 < len(batches):
+            opt_b.prefetch(batches[k + 1])
+        for m, o in ((a, opt_a), (b, opt_b)):
+            o.zero_grad()
+            m(idx).pow(2).sum().backward()
+            o.step()
+    assert torch.equal(a.weight, b.weight)
+    with pytest.raises(IndexError, match=r"\[0, 500\)"):
+        opt_b.prefetch(torch.tensor([500]))
+    two = DiskSparseAdam([_emb().weight, _emb().weight], state_dir=tmp_path / "c")
+    with pytest.raises(ValueError, match="param="):
+        two.prefetch(torch.tensor([1]))
+    for o in (opt_a, opt_b, two):
+        o.close()

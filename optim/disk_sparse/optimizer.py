@@ -203,6 +203,28 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
             self._kernels = kernels
         return self._kernels
 
+    def prefetch(self, indices, param=None):
+        """Announce rows the next step will touch, so their state pages are read meanwhile.
+
+        ``indices``: any integer tensor of row indices (e.g. the next batch) of ``param`` (needed only
+        when the optimizer has several parameters). The pages are requested with
+        ``madvise(MADV_WILLNEED)``, which returns at once and reads in the background; on a warm page
+        cache it costs a few microseconds per row and gains nothing.
+        """
+        self._check_open()
+        if param is None:
+            if len(self._stores) != 1:
+                raise ValueError(f"prefetch: this optimizer has {len(self._stores)} parameters; say which "
+                                 "one the indices belong to with param=")
+            param = next(iter(self._stores))
+        if param not in self._stores:
+            raise ValueError("prefetch: param is not one of this optimizer's parameters")
+        rows = torch.unique(indices.detach().reshape(-1).to("cpu", torch.int64))
+        if rows.numel() and (rows[0] < 0 or rows[-1] >= param.shape[0]):
+            raise IndexError(f"prefetch: indices must lie in [0, {param.shape[0]}) for parameter "
+                             f"{self._index(param)}")
+        self._stores[param].prefetch(rows)
+
     # -- checkpoints -------------------------------------------------------------------------------
     def state_dict(self):
         """Step and moments of every parameter; the moments are tensors viewing the state files.
@@ -402,3 +424,65 @@ def _check_hyper(lr, betas, eps):
         raise ValueError(f"eps must be > 0, got {eps}")
     if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
         raise ValueError(f"betas must be two numbers in [0, 1), got {betas}")
+
+
+class DiskSparseRiemannianAdam(DiskSparseOptimizer):
+    r"""Riemannian Adam on the Poincaré ball for sparse embedding tables, moments in files.
+
+    For each row ``x`` present in the (coalesced) sparse gradient ``g`` at step ``t`` (Bécigneul &
+    Ganea, "Riemannian Adaptive Optimization Methods", ICLR 2019; the update of
+    ``geoopt.optim.SparseRiemannianAdam``)::
+
+        x  <- project(x)                          (a row nudged outside the ball cannot become NaN)
+        r   = g / lambda_x^2                      (Riemannian gradient, lambda_x = 2 / (1 - c|x|^2))
+        m  <- beta1 m + (1 - beta1) r
+        v  <- beta2 v + (1 - beta2) lambda_x^2 |r|^2        (one number per row)
+        u   = -lr (m / (1 - beta1^t)) / (sqrt(v / (1 - beta2^t)) + eps)
+        x, m <- retraction + transport (exact=False) or expmap + transport (exact=True) along u
+
+    on the ball of curvature ``-c`` (``geoopt.PoincareBall(c)`` / ``PoincareBallExact(c)``). Plain
+    ``nn.Embedding(sparse=True)`` weights; no ManifoldParameter is needed. A row's record on disk is
+    ``[m (D) | v (1)]``. Not for Euclidean tables (use :class:`DiskSparseAdam`) or other manifolds.
+
+    Args:
+        params: iterable of 2-D floating-point parameters whose rows lie in the ball, or dicts
+            defining parameter groups.
+        lr (float): learning rate. (Default: 1e-3)
+        betas (Tuple[float, float]): decay rates of the first and second moments. (Default: (0.9, 0.999))
+        eps (float): added to the denominator. (Default: 1e-8)
+        c (float): the ball's curvature is ``-c``; its radius ``1/sqrt(c)``. (Default: 1.0)
+        exact (bool): exponential map instead of the retraction. (Default: False)
+        state_dir (str or None): as in :class:`DiskSparseAdam`. (Default: None)
+        backend (str): ``"torch"``, ``"triton"`` or ``"auto"``. (Default: "auto")
+    """
+
+    _kernel_name = "riemannian_adam_rows_"
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, c=1.0, exact=False, state_dir=None,
+                 backend="auto"):
+        _check_hyper(lr, betas, eps)
+        if not float(c) > 0:
+            raise ValueError(f"c (the ball's curvature is -c) must be > 0, got {c}")
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, c=float(c), exact=bool(exact))
+        super().__init__(params, defaults, state_dir=state_dir, backend=backend)
+
+    def _state_width(self, cols):
+        return cols + 1
+
+    def _state_views(self, records, cols):
+        return {EXP_AVG: records[:, :cols], EXP_AVG_SQ: records[:, cols:]}
+
+    def _hyper(self, group):
+        beta1, beta2 = group["betas"]
+        return dict(lr=_scalar(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"], c=group["c"],
+                    exact=group["exact"])
+
+    def _update_torch(self, p, rows, g, rec, step, group):
+        from .poincare import riemannian_adam_rows
+
+        d = p.shape[1]
+        w = p.index_select(0, rows).to(rec.dtype)
+        w, m, v = riemannian_adam_rows(w, g, rec[:, :d], rec[:, d:], step, **self._hyper(group))
+        rec[:, :d] = m
+        rec[:, d:] = v
+        p.index_copy_(0, rows, w.to(p.dtype))
