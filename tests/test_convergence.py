@@ -186,3 +186,53 @@ def test_analysis_names_a_missing_csv(tmp_path):
 def test_variant_names_round_trip():
     assert conv_fig.split_variant("torchao-AdamW8bit/lr=0.003") == ("torchao-AdamW8bit", 0.003)
     assert conv_fig.split_variant("Gefen-8bit") == ("Gefen-8bit", None)
+
+
+# ------------------------------------------------------------------ analysis/gefen_memory.py (its figure)
+def _gefen_memory_csv(tmp_path):
+    import csv
+
+    from experiments.common import FIELDS
+
+    rows = []
+
+    def add(ts, variant, metric, value, x_name="model", x_value="transformer"):
+        rows.append(dict(experiment="gefen_memory", variant=variant, metric=metric, unit="", x_name=x_name,
+                         x_value=x_value, value=value, seed=0, device="cpu", torch_version="t",
+                         git_commit="c", timestamp=ts))
+
+    old, new = "2026-01-01T00:00:00+00:00", "2026-01-02T00:00:00+00:00"
+    add(old, "Gefen 8-bit (ours)", "state_bytes_per_param", 9.99)  # an older run: must be ignored
+    expected = {}
+    for model, scale in (("transformer", 1.0), ("mlp", 2.0)):
+        for variant, bpp, ms in (("AdamW(fused)", 8.0, 2.0), ("Gefen 8-bit (ours)", 1.04, 6.0),
+                                 ("Gefen 4-bit (ours)", 0.53, 5.0)):
+            add(new, variant, "state_bytes_per_param", bpp, x_value=model)
+            add(new, variant, "step_time_median", scale * ms / 1e3, x_value=model)
+            add(new, variant, "step_time_vs_adamw_fused", ms / 2.0, x_value=model)
+            expected[(model, variant)] = (bpp, scale * ms)
+    for variant, r in (("AdamW(fused)", 1.0), ("Gefen 8-bit (ours)", 1.012), ("Gefen 4-bit (ours)", 1.02)):
+        add(new, variant, "val_loss_vs_adamw", r, x_name="steps", x_value=200)
+    with open(tmp_path / "gefen_memory.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=FIELDS)
+        w.writeheader()
+        w.writerows(rows)
+    return expected
+
+
+def test_gefen_memory_figure_from_a_fixture_csv(tmp_path, capsys):
+    from analysis import gefen_memory as mem_fig
+    from analysis.common import latest_run
+
+    expected = _gefen_memory_csv(tmp_path)
+    out = tmp_path / "gefen_memory.png"
+    mem_fig.main(["--results-dir", str(tmp_path), "--out", str(out)])
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+    rows = latest_run(read_results("gefen_memory", tmp_path))
+    bpp = mem_fig.table(rows, "state_bytes_per_param")
+    ms = mem_fig.table(rows, "step_time_median")
+    for (model, variant), (b, t) in expected.items():
+        assert bpp[model][variant] == b
+        assert ms[model][variant] * 1e3 == pytest.approx(t)
+    printed = capsys.readouterr().out
+    assert "9.99" not in printed and "1.040" in printed
