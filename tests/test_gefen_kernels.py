@@ -12,10 +12,13 @@
   like; the kernel writes the same copy the reference does) and one denser than the kernel's
   lookup-table bins.
 * The unquantised, per-element mode is AdamW: checked against ``torch.optim.AdamW``.
-* A group of tensors (mixed sizes and dtypes) in one call equals each tensor stepped alone.
+* A group of tensors (mixed sizes and dtypes) in one call equals each tensor stepped alone; the
+  cached launch follows gradients re-allocated every step (and a gradient dtype change);
+  misaligned views and ragged sizes (their own, unvectorised launches on a GPU) are still exact.
+* ``optim.Gefen(backend="triton")`` (which dispatches to these kernels) against its torch backend.
 * ``histogram_`` against ``torch.histc`` of the block-normalised gradient.
 * Bad inputs raise errors that name the argument.
-Runs in ~30 s on 2 CPU cores.
+Runs in 25-45 s on 2 shared CPU cores.
 """
 
 import pytest
