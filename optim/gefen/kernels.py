@@ -73,6 +73,7 @@ Why the kernel looks the way it does
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -460,14 +461,13 @@ def _launch_plan(rows, *, block, bits, quant, tile, num_warps):
     for r in rows:
         align = all(t.data_ptr() % 16 == 0 for t in r[1:])
         exact = r[1].numel() % (group * s_len) == 0
-        by_kind.setdefault((r[1].dtype, r[2].dtype, align, exact), []).append(r)
+        by_kind.setdefault((r[1].device, r[1].dtype, r[2].dtype, align, exact), []).append(r)
     launches = []
-    for (pdt, gdt, align, exact), rs in by_kind.items():
+    for (device, pdt, gdt, align, exact), rs in by_kind.items():
         numels = [r[1].numel() for r in rs]
         trows = [-(-(num_code_bytes(n, 4) if four else n) // lanes) for n in numels]
         per_tile = tile // 2 if four else tile
         rr = min(_prev_pow2(per_tile // width), _next_pow2(max(trows)))  # tl.arange needs 2**k
-        device = rs[0][1].device
         ntiles = [-(-t // rr) for t in trows]
         tid = torch.repeat_interleave(torch.arange(len(ntiles)), torch.tensor(ntiles))
         start = torch.cat([torch.arange(k) * rr for k in ntiles])
@@ -514,6 +514,7 @@ class _Plan:
         return True
 
 
+_NO_GUARD = contextlib.nullcontext()
 _DATA_PTR = torch.Tensor.data_ptr
 _NUMEL = torch.Tensor.numel
 _IS_CONTIGUOUS = torch.Tensor.is_contiguous
@@ -603,19 +604,20 @@ def gefen_step_(p, g, v, scales, codes, codebook, *, step, lr, beta1, beta2, eps
     launches = plan.launches
     if not launches:
         return
-    device = launches[0][1].device
-    if quant:
-        cb, uniq, mid, lut, first, ncmp, has_dup, nlut = _codebook_tables(codebook, device, bits)
-    else:
-        cb = uniq = mid = lut = first = launches[0][3]  # unused pointers
-        ncmp, has_dup, nlut = 0, False, LUT_BINS
     bc1 = 1 - beta1**step
     bc2 = 1 - beta2**step
     for kernel, tiles, ptrs, numel_tab, grid, const, _ in launches:
-        kernel[grid](tiles, ptrs, numel_tab, cb, uniq, mid, lut, first,
-                     1 - beta1, beta2, 1 - beta2, eps, 1 - lr * weight_decay, -lr / bc1,
-                     math.sqrt(bc2), NLUT=nlut, NCMP=ncmp, HAS_DUP=has_dup,
-                     enable_fp_fusion=False, **const)
+        device = tiles.device
+        if quant:
+            cb, uniq, mid, lut, first, ncmp, has_dup, nlut = _codebook_tables(codebook, device, bits)
+        else:
+            cb = uniq = mid = lut = first = numel_tab  # unused pointers
+            ncmp, has_dup, nlut = 0, False, LUT_BINS
+        with torch.cuda.device(device) if device.type == "cuda" else _NO_GUARD:
+            kernel[grid](tiles, ptrs, numel_tab, cb, uniq, mid, lut, first,
+                         1 - beta1, beta2, 1 - beta2, eps, 1 - lr * weight_decay, -lr / bc1,
+                         math.sqrt(bc2), NLUT=nlut, NCMP=ncmp, HAS_DUP=has_dup,
+                         enable_fp_fusion=False, **const)
     for pi, pw in copies:
         pi.copy_(pw.view_as(pi))
 
@@ -657,7 +659,8 @@ def histogram_(counts, g, *, block, bins=HIST_BINS):
         r = min(_prev_pow2(TILE // width), _next_pow2(nrows))
         iters = max(1, min(HIST_TILE // (r * width), -(-nrows // r)))
         grid = (-(-nrows // (r * iters)),)
-        _histogram_kernel[grid](gi.contiguous().view(-1), counts, n, S=s_len, R=r, WIDTH=width,
-                                ITERS=iters, BINS=bins, enable_fp_fusion=False,
-                                num_warps=max(1, min(16, r * width // (32 * ELEMS_PER_THREAD))))
+        with torch.cuda.device(gi.device) if gi.device.type == "cuda" else _NO_GUARD:
+            _histogram_kernel[grid](gi.contiguous().view(-1), counts, n, S=s_len, R=r, WIDTH=width,
+                                    ITERS=iters, BINS=bins, enable_fp_fusion=False,
+                                    num_warps=max(1, min(16, r * width // (32 * ELEMS_PER_THREAD))))
     return counts
