@@ -85,7 +85,8 @@ def test_fast_path_matches_reference_20_steps(bits, compiled):
         assert torch.equal(st[K.CODES], c), "codes differ from the reference"
         assert_close(st[K.SCALES], s, rtol=1e-6, name="scales")
         assert_close(st[K.V], v, rtol=1e-5, name="v")
-        assert_close(p.detach().reshape(-1), x, atol=1e-6, name="p")
+        # the compiled path may fuse multiply-adds: p to a few fp32 ulps (codes exactly)
+        assert_close(p.detach().reshape(-1), x, atol=1e-6, rtol=1e-6, name="p")
 
 
 def test_codebook_is_optimal_for_a_brute_force_histogram():
@@ -258,5 +259,23 @@ def test_state_dict_from_another_model_is_rejected():
         other.load_state_dict(sd)
     with pytest.raises(ValueError, match="2 parameters|1 parameters"):
         Gefen([torch.nn.Parameter(torch.randn(16, 96)), torch.nn.Parameter(torch.randn(3))]).load_state_dict(sd)
-    with pytest.raises(ValueError, match="bits=8"):
+    with pytest.raises(ValueError, match="bits"):
         Gefen([torch.nn.Parameter(torch.randn(16, 96))], bits=4).load_state_dict(sd)
+
+
+def test_triton_backend_dispatch_matches_torch():
+    """backend="triton" hands the same lists to optim.gefen.kernels (interpreted on CPU here)."""
+    pytest.importorskip("triton")
+    shapes = [(16, 96), (300,)]
+    ps = [torch.nn.Parameter(torch.randn(s) * 0.1) for s in shapes]
+    qs = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+    tri, ref = Gefen(ps, lr=LR, weight_decay=WD, backend="triton"), Gefen(qs, lr=LR, weight_decay=WD, backend="torch")
+    for _ in range(2):
+        gs = [_grad(s) for s in shapes]
+        _set_grads(ps, gs)
+        _set_grads(qs, gs)
+        tri.step()
+        ref.step()
+    for p, q in zip(ps, qs):
+        assert torch.equal(tri.state[p][K.CODES], ref.state[q][K.CODES])
+        assert_close(p.detach(), q.detach(), atol=1e-6, name="p triton vs torch")

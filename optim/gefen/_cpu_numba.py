@@ -7,90 +7,88 @@ Why numba: on this project's 2-core CPU one elementwise torch pass over 3.4 M fp
 costs ~7 ms, and the vectorised step needs ~25 of them plus gathers (~300-500 ms a step, 40x
 fused AdamW); ``torch.compile`` of the whole bucket function fused it to ~110 ms (8x AdamW) after
 a 23 s compile. Here each scale block is read once (g, old code -> v, m~, absmax into a
-block-sized buffer) and written once (code, p), which is what fused AdamW does.
+block-sized buffer) and written once (code, p), as fused AdamW reads and writes each element once.
 
-The arithmetic mirrors ``reference.gefen_step`` in fp32 (all scalars arrive as float32):
-``lerp`` as torch's vectorised CPU kernel computes it (one fused multiply-add, emulated exactly
-enough in float64), ``addcdiv`` as ``p + (value * m^) / denom``, the nearest code as
-``codebook.nearest_code`` (lookup table + one boundary comparison). The block mean of g**2 is
-summed in float64, so v may differ from torch's fp32 sum in the last bit.
+One kernel per (bits, block == 1), with both as compile-time constants: a run-time ``bits`` and
+``block`` tested inside the element loops made the kernel 2.5x slower (measured: 9.5x fused
+AdamW's single-thread time against 3.7x for the sum of the specialised passes).
+
+Arithmetic: as ``reference.gefen_step`` in fp32, scalars passed as float32. Multiply-adds may be
+fused (``fastmath={"contract"}``): ``lerp`` is then exactly torch's vectorised CPU lerp (an FMA),
+while p and v can differ from the reference in the last bit; codes do not depend on that (the
+lookup table's slack absorbs the rounding of the bin index, the final boundary comparison is
+exact). The nearest code is ``codebook.nearest_code``'s: bin u of q, ``lut_code[u]`` plus one if
+q exceeds the next boundary ``lut_bound[u]``; ``lut_values[2u]``, ``lut_values[2u + 1]`` hold the
+two candidate values, read by index rather than selected (a select compiled to a branch that
+mispredicts on random data: pass 2 took 3.8x fused AdamW's time, 2.9x indexed).
 """
 
 import numpy as np
 from numba import njit
 
-
-@njit(cache=True, nogil=True, error_model="numpy")
-def _lerp(m, g, w):
-    # torch CPU: weight < 0.5 -> fma(w, g - m, m); else fma(w - 1, g - m, g)
-    d = np.float64(g - m)
-    if abs(w) < 0.5:
-        return np.float32(np.float64(w) * d + np.float64(m))
-    return np.float32(np.float64(w - np.float32(1.0)) * d + np.float64(g))
+_KERNELS = {}
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
-def _get_code(codes, i, bits):
-    if bits == 8:
-        return np.int64(codes[i])
-    b = np.int64(codes[i >> 1])
-    return (b >> 4) if (i & 1) else (b & 15)
+def kernel(bits: int, per_element_v: bool):
+    """The compiled step for 8- or 4-bit codes and block == 1 (per-element v) or block > 1."""
+    key = (bits, per_element_v)
+    if key not in _KERNELS:
+        _KERNELS[key] = _make(bits, per_element_v)
+    return _KERNELS[key]
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
-def _set_code(codes, i, c, bits):
-    if bits == 8:
-        codes[i] = np.uint8(c)
-    else:
-        k = i >> 1
-        old = np.int64(codes[k])
-        codes[k] = np.uint8(((old & 15) | (c << 4)) if (i & 1) else ((old & 240) | c))
+def _make(BITS, PER_ELEMENT):
+    @njit(nogil=True, error_model="numpy", fastmath={"contract"}, cache=True)
+    def step(p, g, v, scales, codes, cb, lut_code, lut_bound, lut_values, lut_scale, block, S, w1, beta2, one_minus_beta2, decay, neg_step, bc2_sqrt, eps, mbuf):
+        n = p.size
+        top = lut_code.size - 1
+        zero = np.float32(0.0)
+        small_w = abs(w1) < 0.5
+        w1m = w1 - np.float32(1.0)
+        denom = zero
+        for j in range(scales.size):
+            start = j * S
+            stop = min(start + S, n)
+            s_old = scales[j]
+            # pass 1: g**2 (v), m~ = lerp(C[code] * s, g, 1 - beta1) into mbuf, its absmax
+            acc = zero
+            amax = zero
+            for i in range(start, stop):
+                gi = g[i]
+                if PER_ELEMENT:
+                    v[i] = beta2 * v[i] + one_minus_beta2 * (gi * gi)
+                else:
+                    acc += gi * gi
+                if BITS == 8:
+                    c = np.int64(codes[i])
+                else:
+                    c = (np.int64(codes[i >> 1]) >> (4 * (i & 1))) & 15
+                m0 = cb[c] * s_old
+                d = gi - m0
+                m = w1 * d + m0 if small_w else w1m * d + gi  # torch's lerp
+                mbuf[i - start] = m
+                amax = max(amax, abs(m))
+            if not PER_ELEMENT:  # S == block: one v per scale block
+                vj = beta2 * v[j] + one_minus_beta2 * (acc / np.float32(block))
+                v[j] = vj
+                denom = np.float32(np.sqrt(vj) / bc2_sqrt) + eps
+            scales[j] = amax
+            nonzero = amax > zero
+            # pass 2: requantise, parameter update
+            for i in range(start, stop):
+                q = mbuf[i - start] / amax if nonzero else zero
+                u = min(np.int64(q * lut_scale + lut_scale), top)  # |q| <= 1: only q == 1 overflows
+                up = np.int64(q > lut_bound[u])
+                m_hat = lut_values[2 * u + up] * amax  # indexed, not selected: no branch
+                c = np.int64(lut_code[u]) + up
+                if BITS == 8:
+                    codes[i] = np.uint8(c)
+                else:
+                    k = i >> 1
+                    old = np.int64(codes[k])
+                    codes[k] = np.uint8(((old & 15) | (c << 4)) if (i & 1) else ((old & 240) | c))
+                if PER_ELEMENT:
+                    denom = np.float32(np.sqrt(v[i]) / bc2_sqrt) + eps
+                p[i] = p[i] * decay + (neg_step * m_hat) / denom
 
-
-@njit(cache=True, nogil=True, error_model="numpy")
-def gefen_step_quantized(p, g, v, scales, codes, cb, lut_code, lut_bound, lut_lo, lut_hi,
-                         lut_scale, block, S, bits, w1, beta2, one_minus_beta2, decay, neg_step,
-                         bc2_sqrt, eps, mbuf):
-    """In place on flat fp32 ``p``, ``g``, ``v``, ``scales``, uint8 ``codes`` (see reference).
-
-    Nearest code of q in [-1, 1] as ``codebook.nearest_code``: bin u of q, code ``lut_code[u]``
-    plus one if ``q > lut_bound[u]`` (the next decision boundary); ``lut_lo[u]``/``lut_hi[u]``
-    are the two codebook values, so no load depends on another (measured: 5.5x -> 4.7x fused
-    AdamW's single-thread time against a code -> boundary -> value chain of loads).
-    """
-    n = p.size
-    top = lut_code.size - 1
-    zero = np.float32(0.0)
-    denom = zero
-    for j in range(scales.size):
-        start = j * S
-        stop = min(start + S, n)
-        s_old = scales[j]
-        # pass 1: g**2 of the block, v (per element when block == 1), m~ into mbuf, its absmax
-        acc = 0.0
-        amax = zero
-        for i in range(start, stop):
-            gi = g[i]
-            if block == 1:
-                v[i] = beta2 * v[i] + one_minus_beta2 * (gi * gi)
-            else:
-                acc += np.float64(gi * gi)
-            m = _lerp(cb[_get_code(codes, i, bits)] * s_old, gi, w1)
-            mbuf[i - start] = m
-            amax = max(amax, abs(m))
-        if block > 1:  # S == block: one v per scale block
-            vj = beta2 * v[j] + one_minus_beta2 * np.float32(acc / block)
-            v[j] = vj
-            denom = np.float32(np.sqrt(vj) / bc2_sqrt) + eps
-        scales[j] = amax
-        nonzero = amax > zero
-        # pass 2: requantise, parameter update
-        for i in range(start, stop):
-            q = mbuf[i - start] / amax if nonzero else zero
-            u = min(np.int64(q * lut_scale + lut_scale), top)  # |q| <= 1; only q == 1 overflows
-            up = q > lut_bound[u]
-            m_hat = (lut_hi[u] if up else lut_lo[u]) * amax
-            _set_code(codes, i, np.int64(lut_code[u]) + np.int64(up), bits)
-            if block == 1:
-                denom = np.float32(np.sqrt(v[i]) / bc2_sqrt) + eps
-            p[i] = p[i] * decay + (neg_step * m_hat) / denom
+    return step

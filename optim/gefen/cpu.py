@@ -137,7 +137,7 @@ def gefen_step_compiled_(ps, gs, vs, scales, codes, codebook, *, step, lr, beta1
     One call per tensor (not per block); non-fp32 or non-contiguous parameters and gradients
     are copied to fp32 and back.
     """
-    from ._cpu_numba import gefen_step_quantized
+    from ._cpu_numba import kernel
 
     if tables is None:
         tables = code_table(codebook)
@@ -149,16 +149,18 @@ def gefen_step_compiled_(ps, gs, vs, scales, codes, codebook, *, step, lr, beta1
     cb = tables.codebook.numpy()
     lut = tables.lut.numpy()
     cb_next = np.append(cb, cb[-1])
-    luts = (lut.astype(np.int32), tables.boundaries.numpy()[lut], cb_next[lut], cb_next[lut + 1])
+    luts = (lut.astype(np.int32), tables.boundaries.numpy()[lut],
+            np.stack([cb_next[lut], cb_next[lut + 1]], axis=1).reshape(-1).copy())
     S = scale_block_length(block)
     mbuf = np.empty(S, dtype=np.float32)
+    step_fn = kernel(bits, block == 1)
     hyper = (f32(1 - beta1), f32(beta2), f32(1 - beta2), f32(1 - lr * weight_decay),
              f32(-lr / (1 - beta1**step)), f32((1 - beta2**step) ** 0.5), f32(eps))
     for p, g, v, s, c in zip(ps, gs, vs, scales, codes):
         direct = p.dtype == torch.float32 and p.is_contiguous()
         pw = p.detach() if direct else p.detach().float().contiguous()
         gw = g.detach().reshape(-1).float().contiguous()
-        gefen_step_quantized(pw.view(-1).numpy(), gw.numpy(), v.numpy(), s.numpy(), c.numpy(),
-                             cb, *luts, f32(tables.scale), block, S, bits, *hyper, mbuf)
+        step_fn(pw.view(-1).numpy(), gw.numpy(), v.numpy(), s.numpy(), c.numpy(), cb, *luts,
+                f32(tables.scale), block, S, *hyper, mbuf)
         if not direct:
             p.copy_(pw.view_as(p))
