@@ -13,6 +13,8 @@ length capped at 1024, P = 1 for vectors). For each optimizer, in one run, inter
 * ``state_bytes`` (B/param) and ``step_peak_memory`` (MiB allocated by a step beyond what was
   allocated before it);
 * ``speedup_vs_*``: the other optimizer's time / Gefen Triton's (target > 1 against both);
+* ``histogram-*``: the codebook's histogram of all gradients (first step only), Triton
+  ``kernels.histogram_`` against the torch ``cpu.histogram``, time and differing counts;
 * ``gefen-kernel-t{TILE}w{WARPS}``: the kernels at other tile sizes and warp counts (tuning);
 * ``agree_*``: Gefen(backend="triton") against Gefen(backend="torch") on the device over 5 steps
   (max |Δp|, relative RMS, fraction of equal codes).
@@ -181,6 +183,40 @@ def kernel_only_step(opt, tile=None, num_warps=None):
     return step
 
 
+def histogram_rows(res, opt, label, dname, n, timer, reps=5):
+    """The codebook's histogram (once, at the first step): kernels.histogram_ vs cpu.histogram."""
+    import torch
+    from collections import defaultdict
+
+    from optim.gefen import cpu, kernels
+    from optim.gefen import state as K
+
+    by_block = defaultdict(list)
+    for p, st in opt.state.items():
+        by_block[st[K.BLOCK]].append(p.grad)
+    dev = next(iter(opt.state)).device
+
+    def ours():
+        counts = torch.zeros(kernels.HIST_BINS, dtype=torch.int64, device=dev)
+        for block, gs in by_block.items():
+            kernels.histogram_(counts, gs, block=block)
+        return counts
+
+    def torch_path():
+        return sum(cpu.histogram(gs, block=block, bins=kernels.HIST_BINS).to(dev)
+                   for block, gs in by_block.items())
+
+    a, b = ours(), torch_path()
+    diff = int((a - b).abs().sum())
+    ta = statistics.median(timer.ms(timer.time(ours)) for _ in range(reps))
+    tb = statistics.median(timer.ms(timer.time(torch_path)) for _ in range(reps))
+    res.add(f"histogram-triton/{dname}", "time", "ms", ta, "params", n)
+    res.add(f"histogram-torch/{dname}", "time", "ms", tb, "params", n)
+    res.add(f"histogram-triton/{dname}", "counts_differing_from_torch", "count", diff, "params", n)
+    print(f"  {label} histogram: Triton {ta:.2f} ms, torch {tb:.2f} ms; counts differing {diff}",
+          flush=True)
+
+
 def agreement(shapes, dtype, device, seed, steps=5):
     """Gefen(backend='triton') vs Gefen(backend='torch') on the device: max|Δp|, rel RMS, codes."""
     import torch
@@ -279,6 +315,8 @@ def bench_set(res, label, shapes, dtype, device, args, copy_bw, timer):
         print(f"  {label}/{dname} {name:24s} {t:8.3f} ms  floor {floor[name] / n:5.2f} B/param "
               f"= {floor[name] / copy_bw * 1e3:7.3f} ms at copy speed  {bw / 1e9:7.1f} GB/s "
               f"({bw / copy_bw:4.0%} of copy)", flush=True)
+    if "gefen-triton" in opts:
+        histogram_rows(res, opts["gefen-triton"], f"{label}/{dname}", dname, n, timer)
     for ours in ("gefen-triton", "gefen-kernel"):
         for other in ("adamw-fused", "upstream-gefen"):
             if ours in med and other in med:
