@@ -50,7 +50,7 @@ BLOCK_SCHEMES = tuple(s for s in SCHEMES if s != "per_element")
 # d_model=16 and hidden=32 are the smallest widths at which Gefen's rules can pick a row (p > 8)
 # as a block; the models then have about 3,000 parameters each (full Hessian ~30 s on one core).
 FULL = dict(vocab=16, ctx=16, d_model=16, n_heads=2, d_ff=32, context=3, hidden=32, batch=16,
-            probe_batches=32, hess_batches=1, steps=400, checkpoints=3, seeds=3, lr=3e-3)
+            probe_batches=64, hess_batches=1, steps=400, checkpoints=3, seeds=3, lr=3e-3)
 QUICK = dict(vocab=12, ctx=8, d_model=12, n_heads=2, d_ff=24, context=2, hidden=24, batch=16,
              probe_batches=16, hess_batches=1, steps=60, checkpoints=2, seeds=2, lr=3e-3)
 

@@ -3,8 +3,6 @@ the shared-second-moment Adam, each against an independent restatement; the --qu
 size; the analysis script on a fixture CSV."""
 
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -45,12 +43,14 @@ def _tiny(kind, vocab=5, seed=0, dtype=torch.float64):
 def test_hessian_matches_double_loop_and_finite_differences(kind):
     fm, p, x, y = _tiny(kind)
     p = p + 0.1 * torch.randn_like(p)  # away from the symmetric init
-    H = hessian(fm, p, x, y, chunk=16)
-    # brute force: one reverse pass per row of the gradient (reverse over reverse)
+    H = hessian(fm, p, x, y, chunk=128)  # 2 chunks: covers the chunked path
+    assert H.shape == (fm.n, fm.n)
+    # brute force: one reverse pass per row of the gradient (reverse over reverse), 48 random rows
     q = p.clone().requires_grad_()
     g = torch.autograd.grad(fm.loss(q, x, y), q, create_graph=True)[0]
-    rows = torch.stack([torch.autograd.grad(g[i], q, retain_graph=True)[0] for i in range(fm.n)])
-    assert_close(H, rows, atol=1e-10, rtol=1e-8, name=f"{kind} Hessian vs double loop")
+    some = torch.randperm(fm.n)[:48]
+    rows = torch.stack([torch.autograd.grad(g[i], q, retain_graph=True)[0] for i in some.tolist()])
+    assert_close(H[some], rows, atol=1e-10, rtol=1e-8, name=f"{kind} Hessian vs double loop")
     # central differences of the gradient on a few random columns
     cols = torch.randperm(fm.n)[:12]
     h = 1e-5
@@ -291,16 +291,22 @@ def _fixture_csv(path: Path):
                     res.add(f"{kind}/{s}", "val_loss", "nats", 2.0 + 0.01 * seed, "steps", 10, seed=seed)
 
 
+def _analysis():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("analysis_hessian_alignment", REPO / "analysis" / "hessian_alignment.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def test_analysis_draws_figure_from_fixture(tmp_path):
     _fixture_csv(tmp_path)
     out = tmp_path / "fig.png"
-    subprocess.run([sys.executable, str(REPO / "analysis" / "hessian_alignment.py"), "--results-dir", str(tmp_path),
-                    "--out", str(out)], check=True, timeout=120, cwd=REPO)
+    assert _analysis().main(["--results-dir", str(tmp_path), "--out", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
 
 
 def test_analysis_names_missing_csv(tmp_path):
-    r = subprocess.run([sys.executable, str(REPO / "analysis" / "hessian_alignment.py"), "--results-dir",
-                        str(tmp_path), "--out", str(tmp_path / "x.png")], capture_output=True, text=True,
-                       timeout=120, cwd=REPO)
-    assert r.returncode != 0 and "hessian_alignment.csv" in r.stderr
+    with pytest.raises(SystemExit, match="hessian_alignment.csv"):
+        _analysis().main(["--results-dir", str(tmp_path), "--out", str(tmp_path / "x.png")])
