@@ -267,6 +267,24 @@ def scenario_dcp(opt_name, rank, world, out_dir, segments=None, tag="", ddp=Fals
             "resumed": full_params(model2), "resumed_losses": resumed_losses}
 
 
+def scenario_dcp_fresh(opt_name, rank, world, out_dir):
+    """A checkpoint of an optimizer that has not stepped yet (``get_optimizer_state_dict`` probes
+    it with a zero-gradient step): neither saving it nor loading it may change the training."""
+    ckpt = Path(out_dir) / f"ckpt_fresh_{opt_name}"
+    runs = {}
+    for how in ("plain", "saved_at_0", "loaded_at_0"):
+        model = _fsdp_model(1 if how == "loaded_at_0" else 0)
+        opt = make_optimizer(opt_name, model.parameters())
+        if how == "saved_at_0":
+            _save(model, opt, ckpt)
+        if how == "loaded_at_0":
+            _load(model, opt, ckpt)
+        train_steps(model, opt, K1 + K2, rank=rank, world=world)
+        runs[how] = {"params": full_params(model),
+                     "blocks": {n: opt.state[p].get("block", 1) for n, p in model.named_parameters()}}
+    return runs
+
+
 def scenario_dcp_ddp(opt_name, rank, world, out_dir):
     return scenario_dcp(opt_name, rank, world, out_dir, tag="_ddp", ddp=True)
 
@@ -372,7 +390,7 @@ def scenario_hist(opt_name, rank, world, out_dir):
 SCENARIOS = {"hist": scenario_hist, "ddp": scenario_ddp, "fsdp": scenario_fsdp, "dcp": scenario_dcp, "reshard": scenario_reshard,
              "dcp_mismatch": scenario_dcp_mismatch, "reshard_mismatch": scenario_reshard_mismatch,
              "train": scenario_train, "dcp_aligned": scenario_dcp_aligned,
-             "reshard_aligned": scenario_reshard_aligned, "dcp_ddp": scenario_dcp_ddp,
+             "reshard_aligned": scenario_reshard_aligned, "dcp_ddp": scenario_dcp_ddp, "dcp_fresh": scenario_dcp_fresh,
              "dcp_flat": scenario_dcp_flat}
 
 

@@ -95,7 +95,7 @@ def runs(tmp_path_factory):
     one = [f"reshard:{o}" for o in OPTS if o != "gefen"]  # full Gefen: the "aligned" checkpoint
     if HAVE_GEFEN:
         two += ["train:gefen", "dcp_aligned:gefen", "dcp_mismatch:gefen", "hist:", "dcp:gefen4",
-                "dcp_ddp:gefen", "dcp_flat:gefen"]
+                "dcp_ddp:gefen", "dcp_flat:gefen", "dcp_fresh:gefen"]
         one += ["reshard_aligned:gefen", "reshard_mismatch:gefen"]
     launch(2, two + [f"{s}@1" for s in one], out)  # the 1-rank loads run on rank 0 alone
     return out
@@ -212,6 +212,19 @@ def test_dcp_one_rank_refuses_blocks_it_cannot_hold(runs):
     msg = result(runs, "reshard_mismatch:gefen")["message"]
     assert "2.weight" in msg and "different block lengths [16, 32]" in msg, msg
     assert "number of ranks it was saved from" in msg, msg
+
+
+@gefen_only
+def test_checkpoint_before_the_first_step_changes_nothing(runs):
+    """torch's get_optimizer_state_dict probes an optimizer without state with a zero-gradient,
+    lr = 0 step; Gefen must not choose its blocks (all P = 1) nor its codebook from it. Saving at
+    step 0, or loading such a checkpoint, leaves training bit for bit as without."""
+    res = result(runs, "dcp_fresh:gefen")
+    plain = res["plain"]
+    assert any(b > 1 for b in plain["blocks"].values()), plain["blocks"]
+    for how in ("saved_at_0", "loaded_at_0"):
+        assert res[how]["blocks"] == plain["blocks"], how
+        _assert_params_close(res[how]["params"], plain["params"], atol=0.0)
 
 
 @gefen_only

@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 
 from . import state as K
-from .reference import num_scales, pack_codes, quantize, scale_block_length, unpack_codes
+from .reference import num_code_bytes, num_scales, pack_codes, quantize, scale_block_length, unpack_codes
 
 LAYOUT = "layout"
 _BLOCK, _POS_V, _POS_S, _STEP = range(4)
@@ -135,6 +135,20 @@ def global_histogram(hist_fn, grads: dict, params=()) -> torch.Tensor:
     return part + hist_fn(plain).to(part.device) if plain else part
 
 
+def is_state_dict_init_step(opt) -> bool:
+    """True for the zero-gradient, lr = 0 step that ``torch.distributed.checkpoint.state_dict``
+    runs on an optimizer without state (``_init_optim_state``) to make it create its state.
+
+    Gefen must not take it: it would choose every block from zero gradients (P = 1) and learn
+    its codebook from an all-zero histogram, for good. Gefen's distributed state dict needs no
+    such step (it presents zeros of the saved shapes), so the step is skipped.
+    """
+    if opt.state or any(float(g["lr"]) != 0.0 for g in opt.param_groups):
+        return False
+    grads = [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]
+    return bool(grads) and not any(bool(local_shard(g).any()) for g in grads)
+
+
 # --------------------------------------------------------------------------------- checkpoints
 def _dtensor_like(p, local: torch.Tensor):
     from torch.distributed.tensor import DTensor
@@ -182,26 +196,29 @@ def to_distributed(state: dict, params, ids, quantized, *, codebook, bits: int) 
     same parameters (``get_optimizer_state_dict`` does).
     """
     for pid, p, quant in zip(ids, params, quantized):
-        st = _to_distributed_one(p, state.get(pid), quantized=quant, bits=bits)
-        if st is None:
+        if not p.requires_grad:
             continue
-        if codebook is not None:
-            st[K.CODEBOOK] = codebook.detach().clone()
+        st = _to_distributed_one(p, state.get(pid), quantized=quant, bits=bits)
+        # all zeros before the first step (a learned codebook ends at -1 and +1)
+        st[K.CODEBOOK] = torch.zeros(2**bits) if codebook is None else codebook.detach().clone()
         state[pid] = st
 
 
 def _to_distributed_one(p, st, *, quantized, bits):
     r0, r1, rows, row_len = shard_rows(p)
     layout = _full_layout(p, _local_layout(st, r0, r1, row_len))
-    if not bool((layout[:, _BLOCK] > 0).any()):
-        return None  # no rank has state for it yet
     n = local_shard(p).numel()
     out = {K.STEP: int(layout[:, _STEP].max()), LAYOUT: layout}
-    if st is None:  # an empty local shard: nothing of it is stored here
-        st = {K.BLOCK: 1, K.V: torch.zeros(0), K.SCALES: torch.zeros(0),
-              K.CODES: torch.zeros(0, dtype=torch.uint8)}
-        if not quantized:
-            st = {K.BLOCK: 1, K.V: torch.zeros(0), K.M: torch.zeros(0)}
+    if st is None:
+        # No state here yet (a fresh optimizer, or an empty local shard): zeros of the same
+        # shapes, block 0 in the layout meaning "no state", so that a fresh optimizer presents DCP
+        # with every tensor a checkpoint holds, whatever blocks it will choose itself.
+        st = {K.BLOCK: 1, K.V: torch.zeros(n)}
+        if quantized:
+            st[K.SCALES] = torch.zeros(num_scales(n, 1))
+            st[K.CODES] = torch.zeros(num_code_bytes(n, bits), dtype=torch.uint8)
+        else:
+            st[K.M] = torch.zeros(n)
     block = int(st[K.BLOCK])
     dev = local_shard(p).device
     like = (lambda t: _dtensor_like(p, t)) if is_sharded(p) else (lambda t: t.reshape(p.shape))
@@ -264,6 +281,9 @@ def from_distributed(sd: dict, params, ids, *, bits: int) -> dict:
             codebook = st[K.CODEBOOK]
     if codebook is not None:
         codebook = local_shard(codebook).detach().float().cpu()
+    if codebook is not None and not bool(codebook.any()):
+        codebook = None  # the placeholder of an optimizer that had not stepped
+    if codebook is not None:
         if codebook.numel() != 2**bits:
             raise ValueError(f"Gefen: the checkpoint's codebook has {codebook.numel()} entries, this "
                              f"optimizer has bits={bits} ({2**bits}); construct Gefen with the bits it "
@@ -283,7 +303,10 @@ def from_distributed(sd: dict, params, ids, *, bits: int) -> dict:
         if LAYOUT in st:
             name = pid if isinstance(pid, str) else f"parameter {k}"
             st = _from_distributed_one(p, st, codebook=codebook, bits=bits, name=name)
-        state[pid] = st
+        if st is None:
+            state.pop(pid)  # saved before its first gradient: it chooses its blocks at that one
+        else:
+            state[pid] = st
     sd["state"] = state
     sd[K.CODEBOOK] = codebook
     return sd
@@ -304,6 +327,12 @@ def _from_distributed_one(p, st, *, codebook, bits, name):
     if tuple(layout.shape) != (rows, 4):
         raise ValueError(f"Gefen: the checkpointed layout of {name} has shape {tuple(layout.shape)}, "
                          f"expected ({rows}, 4); the checkpoint comes from a model with other shapes")
+    mine = layout[r0:r1, _BLOCK] if r1 > r0 else layout[:, _BLOCK]
+    if not bool((mine > 0).any()):
+        return None  # no state was saved for these rows
+    if not bool((mine > 0).all()):
+        raise ValueError(f"Gefen: the checkpoint holds state for only some rows {r0}..{r1} of {name}; "
+                         "load it onto the number of ranks it was saved from")
     quantized = K.M not in st
     block, aligned = check_reshard(layout, r0, r1, row_len, name=name, quantized=quantized)
     dev = local_shard(p).device

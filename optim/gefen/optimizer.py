@@ -168,6 +168,8 @@ class Gefen(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if _dist.is_state_dict_init_step(self):  # [distributed, issue 5] torch's zero-grad lr=0 probe
+            return loss
         work = self._gather()
         quantized = {p: _local(g) for group, items in work if group["quantize_first_moment"]
                      for p, g in items}
