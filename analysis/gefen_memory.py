@@ -71,6 +71,12 @@ def _bars(ax, data, order, log=False, labels=None, rotate=False):
         ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1, 2, 5)))
         ax.yaxis.set_major_formatter(StrMethodFormatter("{x:g}"))
         ax.yaxis.set_minor_formatter(NullFormatter())
+    finite = [v for d in data.values() for v in d.values() if math.isfinite(v) and (v > 0 or not log)]
+    if finite:  # room above the bars for the value labels
+        if log:
+            ax.set_ylim(min(finite) / 1.3, max(finite) * 2.0)
+        else:
+            ax.set_ylim(min(0.0, min(finite)), max(finite) * 1.12)
     ax.grid(alpha=0.3, axis="y", which="both")
     if len(models) > 1:
         ax.legend(fontsize=7, title="model", title_fontsize=7)

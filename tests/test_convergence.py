@@ -236,3 +236,20 @@ def test_gefen_memory_figure_from_a_fixture_csv(tmp_path, capsys):
         assert ms[model][variant] * 1e3 == pytest.approx(t)
     printed = capsys.readouterr().out
     assert "9.99" not in printed and "1.040" in printed
+
+
+@pytest.mark.parametrize("log", [False, True], ids=["linear", "log"])
+def test_gefen_memory_bars_keep_every_value_in_view(log):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from analysis import gefen_memory as mem_fig
+
+    data = {"transformer": {"a": 0.54, "b": 8.0}, "mlp": {"a": 1070.0, "b": 21.2}}
+    fig, ax = plt.subplots()
+    mem_fig._bars(ax, data, ["a", "b"], log=log)
+    lo, hi = ax.get_ylim()
+    plt.close(fig)
+    assert lo <= (0.54 if log else 0.0) and hi > 1070.0
