@@ -1,0 +1,227 @@
+"""Gefen: optimizer-state bytes per parameter, CPU step time, and loss against AdamW.
+
+Claims (issue 4): on a 3.4 M-parameter ``nn.TransformerEncoder`` model (d=256, 4 layers) Gefen keeps
+<= 1.05 bytes of state per parameter at 8 bits and <= 0.55 at 4 bits, its CPU step costs <= 4x
+``torch.optim.AdamW(fused=True)``'s, and 200 steps of a character model of Python's documentation
+text (``pydoc_data.topics``) end within 3% of AdamW's loss.
+
+Commands::
+
+    python experiments/gefen_memory.py --quick     # ~6 min on a 2-core CPU, torchao left out
+    python experiments/gefen_memory.py             # all optimizers (torchao compiles ~3 min each),
+                                                   # 21 timing repeats, 200- and 400-step loss runs
+
+Memory: tensor bytes of ``optimizer.state_dict()`` after one step (tensor subclasses such as
+torchao's quantised states counted by their inner tensors), divided by the parameter count.
+Time: median over repeats of one ``step()`` on fixed gradients, every optimizer stepped once per
+repeat in turn (interleaved), ``torch.set_num_threads(--threads)`` for all of them; rows carry
+the time and its ratio to fused AdamW's median from the same run.
+Optimizers: AdamW (fused), Adam-mini (``adam-mini``), torchao AdamW8bit / AdamW4bit, upstream
+``gefen`` (its CPU path), ours at 8 and 4 bits.
+"""
+
+import argparse
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from experiments.common import Results, add_common_args  # noqa: E402
+from optim import Gefen  # noqa: E402
+
+
+# ------------------------------------------------------------------------------------- models
+class Encoder(torch.nn.Module):
+    """Token embedding + ``nn.TransformerEncoder`` (tied output): 3.42 M parameters at the defaults."""
+
+    def __init__(self, vocab=1000, d=256, layers=4, heads=8, ff=1024, ctx=64):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, d)
+        # fixed sinusoidal positions: the model is the embedding and the encoder, 3,415,040 params
+        pos = torch.arange(ctx, dtype=torch.float32)[:, None]
+        freq = torch.exp(torch.arange(0, d, 2, dtype=torch.float32) * (-math.log(10000.0) / d))
+        self.register_buffer("pos", torch.cat([torch.sin(pos * freq), torch.cos(pos * freq)], dim=1))
+        layer = torch.nn.TransformerEncoderLayer(d, heads, ff, batch_first=True, dropout=0.0)
+        self.enc = torch.nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.register_buffer("mask", torch.nn.Transformer.generate_square_subsequent_mask(ctx))
+
+    def forward(self, x):
+        h = self.emb(x) + self.pos[: x.shape[1]]
+        h = self.enc(h, mask=self.mask[: x.shape[1], : x.shape[1]], is_causal=True)
+        return h @ self.emb.weight.t()
+
+
+def make_mlp():
+    return torch.nn.Sequential(torch.nn.Linear(784, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 1024),
+                               torch.nn.GELU(), torch.nn.Linear(1024, 10))
+
+
+MODELS = {
+    "transformer": (lambda: Encoder(), lambda: torch.randint(0, 1000, (8, 64))),
+    "mlp": (make_mlp, lambda: torch.randn(64, 784)),
+}
+
+
+def model_loss(model, x):
+    out = model(x)
+    if isinstance(model, Encoder):
+        return torch.nn.functional.cross_entropy(out[:, :-1].reshape(-1, out.shape[-1]), x[:, 1:].reshape(-1))
+    return out.pow(2).mean()
+
+
+# --------------------------------------------------------------------------------- optimizers
+def _adam_mini(model, lr):
+    import adam_mini
+
+    return adam_mini.Adam_mini(model.named_parameters(), lr=lr, dim=256, n_heads=8, verbose=False)
+
+
+def _torchao(name):
+    def make(model, lr):
+        import torchao.optim
+
+        return getattr(torchao.optim, name)(model.parameters(), lr=lr, weight_decay=0.0)
+    return make
+
+
+def _upstream(model, lr):
+    import gefen
+
+    return gefen.Gefen(list(model.parameters()), lr=lr, fused=False)
+
+
+OPTIMIZERS = {
+    "AdamW(fused)": lambda m, lr: torch.optim.AdamW(m.parameters(), lr=lr, weight_decay=0.0, fused=True),
+    "Adam-mini": _adam_mini,
+    "torchao AdamW8bit": _torchao("AdamW8bit"),
+    "torchao AdamW4bit": _torchao("AdamW4bit"),
+    "gefen (upstream)": _upstream,
+    "Gefen 8-bit (ours)": lambda m, lr: Gefen(m.parameters(), lr=lr, bits=8),
+    "Gefen 4-bit (ours)": lambda m, lr: Gefen(m.parameters(), lr=lr, bits=4),
+}
+
+
+def tensor_bytes(obj) -> int:
+    """Bytes held by the tensors in a (nested) state dict; tensor subclasses by their inner tensors."""
+    if torch.is_tensor(obj):
+        if type(obj) is not torch.Tensor and hasattr(obj, "__tensor_flatten__"):
+            names, _ = obj.__tensor_flatten__()
+            return sum(tensor_bytes(getattr(obj, n)) for n in names)
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_bytes(v) for v in obj)
+    return 0
+
+
+# ------------------------------------------------------------------------------- measurements
+def memory_and_time(res, model_name, names, repeats, seed):
+    make_model, make_input = MODELS[model_name]
+    torch.manual_seed(seed)
+    x = make_input()
+    runs = {}
+    for name in names:
+        torch.manual_seed(seed)
+        model = make_model()
+        try:
+            opt = OPTIMIZERS[name](model, 1e-3)
+            model_loss(model, x).backward()
+            t0 = time.perf_counter()
+            opt.step()  # first step: blocks, codebook, compilation where there is any
+            first = time.perf_counter() - t0
+        except Exception as exc:  # a baseline that cannot run here is reported, not fatal
+            print(f"[{model_name}] {name}: skipped ({type(exc).__name__}: {exc})", file=sys.stderr)
+            continue
+        n = sum(p.numel() for p in model.parameters())
+        bpp = tensor_bytes(opt.state_dict()) / n
+        res.add(name, "state_bytes_per_param", "B/param", bpp, x_name="model", x_value=model_name)
+        res.add(name, "first_step_time", "s", first, x_name="model", x_value=model_name)
+        runs[name] = (opt, [])
+        print(f"[{model_name}] {name}: {n} params, {bpp:.4f} B/param, first step {first:.2f} s")
+    for _ in tqdm(range(repeats), desc=f"{model_name} step times"):
+        for name, (opt, times) in runs.items():  # interleaved: one step of each per repeat
+            t0 = time.perf_counter()
+            opt.step()
+            times.append(time.perf_counter() - t0)
+    base = statistics.median(runs["AdamW(fused)"][1]) if "AdamW(fused)" in runs else float("nan")
+    for name, (_, times) in runs.items():
+        med = statistics.median(times)
+        res.add(name, "step_time_median", "s", med, x_name="model", x_value=model_name)
+        res.add(name, "step_time_vs_adamw_fused", "ratio", med / base, x_name="model", x_value=model_name)
+        print(f"[{model_name}] {name}: median step {med * 1e3:.1f} ms = {med / base:.2f}x fused AdamW")
+
+
+def char_data():
+    import pydoc_data.topics
+
+    text = "\n".join(pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics))
+    chars = sorted(set(text))
+    data = torch.tensor([chars.index(c) for c in text], dtype=torch.long)
+    return data, len(chars)
+
+
+def char_loss(res, names, steps, seed, ctx=64, batch=32):
+    data, vocab = char_data()
+    split = int(0.9 * data.numel())
+    train, val = data[:split], data[split:]
+    gen = torch.Generator().manual_seed(seed + 1)
+    val_idx = torch.randint(0, val.numel() - ctx - 1, (64,), generator=gen)
+    xv = torch.stack([val[i:i + ctx + 1] for i in val_idx])
+    finals = {}
+    for name in names:
+        torch.manual_seed(seed)
+        model = Encoder(vocab=vocab, d=128, layers=2, heads=4, ff=512, ctx=ctx)
+        opt = OPTIMIZERS[name](model, 3e-3)
+        gen = torch.Generator().manual_seed(seed)
+        for step in tqdm(range(1, steps + 1), desc=f"char {name}", leave=False):
+            idx = torch.randint(0, train.numel() - ctx - 1, (batch,), generator=gen)
+            xb = torch.stack([train[i:i + ctx + 1] for i in idx])
+            opt.zero_grad()
+            loss = torch.nn.functional.cross_entropy(model(xb[:, :-1]).reshape(-1, vocab), xb[:, 1:].reshape(-1))
+            loss.backward()
+            opt.step()
+            if step % 50 == 0 or step == steps:
+                res.add(name, "train_loss", "nats/char", loss.item(), x_name="step", x_value=step)
+        with torch.no_grad():
+            val_loss = torch.nn.functional.cross_entropy(model(xv[:, :-1]).reshape(-1, vocab), xv[:, 1:].reshape(-1))
+        finals[name] = val_loss.item()
+        res.add(name, "val_loss", "nats/char", finals[name], x_name="steps", x_value=steps)
+    base = finals.get("AdamW(fused)")
+    for name, v in finals.items():
+        res.add(name, "val_loss_vs_adamw", "ratio", v / base, x_name="steps", x_value=steps)
+        print(f"[char {steps} steps] {name}: val loss {v:.4f} = {v / base:.4f}x AdamW")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_args(parser)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads for every optimizer (ours: one numba thread)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed steps per optimizer")
+    parser.add_argument("--optimizers", nargs="*", default=None, choices=list(OPTIMIZERS),
+                        help="default: all; with --quick all but torchao's (each compiles for ~3 min here)")
+    parser.add_argument("--skip-loss", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.optimizers is None:
+        args.optimizers = [n for n in OPTIMIZERS if not (args.quick and n.startswith("torchao"))]
+    repeats = args.repeats or (7 if args.quick else 21)
+    loss_steps = [200] if args.quick else [200, 400]
+    with Results("gefen_memory", args, config=dict(vars(args), repeats=repeats, loss_steps=loss_steps)) as res:
+        for model_name in MODELS:
+            memory_and_time(res, model_name, args.optimizers, repeats, args.seed)
+            res.flush()
+        if not args.skip_loss:
+            for steps in loss_steps:
+                char_loss(res, ["AdamW(fused)", "Gefen 8-bit (ours)", "Gefen 4-bit (ours)"], steps, args.seed)
+                res.flush()
+
+
+if __name__ == "__main__":
+    main()
