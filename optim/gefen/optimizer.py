@@ -23,8 +23,10 @@ class Gefen(torch.optim.Optimizer):
     chosen once from its first squared gradient (``partition.py``; no parameter names needed).
     One second moment is kept per block and the first moment as ``bits``-bit codes into one
     model-wide codebook, learned at the first step as the exact optimal ``2**bits``-level
-    quantiser (ends pinned at -1, +1) of a 4096-bin histogram of gradients divided by their
-    block's absmax, times one fp32 scale per block. For a block b, with t the tensor's step::
+    quantiser (ends pinned at -1, +1) of a 4096-bin histogram of gradients divided by the
+    absmax of their scale block (P, or the chunk of 256 when P = 1: upstream divides a P = 1
+    tensor's gradients element by element, which puts all their mass at -1 and +1), times one
+    fp32 scale per scale block. For a block b, with t the tensor's step::
 
         v_b <- beta2 v_b + (1 - beta2) mean_b(g^2)
         p   <- p (1 - lr weight_decay)
