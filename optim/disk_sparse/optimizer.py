@@ -477,6 +477,13 @@ class DiskSparseRiemannianAdam(DiskSparseOptimizer):
         return dict(lr=_scalar(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"], c=group["c"],
                     exact=group["exact"])
 
+    def _use_triton(self, p):
+        use = super()._use_triton(p)
+        if use and self.backend == "auto":  # rows wider than one kernel program: the torch path
+            limit = getattr(self._kernel_module(), "_MAX_BALL_D", None)
+            return limit is None or p.shape[1] <= limit
+        return use
+
     def _update_torch(self, p, rows, g, rec, step, group):
         from .poincare import riemannian_adam_rows
 
