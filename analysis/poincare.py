@@ -55,12 +55,13 @@ def main():
         ax.grid(alpha=0.3)
     axes[0].set_yscale("log")
     axes[1].set_ylim(0, 1)
-    axes[1].legend(fontsize=8, loc="lower right")
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, fontsize=8, loc="lower center", ncol=len(labels), frameon=False)
     r0 = rows[0]
     fig.suptitle("Poincaré embeddings of the Python stdlib class hierarchy (reconstruction)\n"
                  f"torch {r0['torch_version']}, {r0['device']}, seed {r0['seed']}, commit {r0['git_commit']}",
                  fontsize=9)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(args.out, dpi=130)
     print(f"wrote {args.out}")
