@@ -364,8 +364,10 @@ class DiskSparseAdam(DiskSparseOptimizer):
         state_dir (str or None): directory of the state files; an existing one is resumed if its files
             are clean and match; ``None`` makes a private temporary directory removed by ``close()``.
             (Default: None)
-        backend (str): ``"torch"``, ``"triton"`` (``optim.disk_sparse.kernels``) or ``"auto"``
-            (Triton when the weights are on CUDA). (Default: "auto")
+        backend (str): ``"torch"`` (vectorised torch ops), ``"triton"`` (``optim.disk_sparse.kernels``)
+            or ``"auto"``: Triton when the weights are on CUDA; on CPU the fused Numba kernels of
+            ``optim.disk_sparse.cpu_kernels`` when Numba is installed (float32/float64), else torch.
+            All give SparseAdam's update; on CPU both are bitwise equal to it. (Default: "auto")
 
     Use ``flush()`` for a clean on-disk point, ``close()`` (or ``with``) when done; checkpoints via
     ``state_dict()``/``load_state_dict()`` as with any optimizer.
