@@ -7,8 +7,8 @@ Run by ``tests/test_gefen_distributed.py`` (never collected by pytest: no ``test
 
 Each scenario runs every rank through the same code and rank 0 writes ``OUT_DIR/<name>.pt`` (a dict
 of tensors, or ``{"error": traceback}``), so one launch serves several tests. The model, the data
-and the optimizers are defined here once; the test process imports this module to compute its
-single-process references from the same definitions.
+and the optimizers are defined here once, for the ranks and for the single-process references
+(``ref``) alike. ``SCENARIO:OPT@1`` runs on rank 0 alone, in a process group of one.
 """
 
 import os
@@ -387,7 +387,15 @@ def scenario_hist(opt_name, rank, world, out_dir):
     return {"counts": torch.stack(out), "sharded_full": full, "plain": plain}
 
 
-SCENARIOS = {"hist": scenario_hist, "ddp": scenario_ddp, "fsdp": scenario_fsdp, "dcp": scenario_dcp, "reshard": scenario_reshard,
+def scenario_ref(opt_name, rank, world, out_dir):
+    """The single-process references (run by rank 0 alone: the same code version as the ranks,
+    even while the optimizer's files are being edited)."""
+    params, _ = single_process_run(opt_name, K1 + K2, micro_batches=2)
+    _, fixed_batch_losses = single_process_run(opt_name, 30, fixed_batch=True, micro_batches=2)
+    return {"params": params, "fixed_batch_losses": fixed_batch_losses}
+
+
+SCENARIOS = {"ref": scenario_ref, "hist": scenario_hist, "ddp": scenario_ddp, "fsdp": scenario_fsdp, "dcp": scenario_dcp, "reshard": scenario_reshard,
              "dcp_mismatch": scenario_dcp_mismatch, "reshard_mismatch": scenario_reshard_mismatch,
              "train": scenario_train, "dcp_aligned": scenario_dcp_aligned,
              "reshard_aligned": scenario_reshard_aligned, "dcp_ddp": scenario_dcp_ddp, "dcp_fresh": scenario_dcp_fresh,

@@ -2,14 +2,14 @@
 
 Every distributed run is a real gloo group of separate processes on 127.0.0.1 (``_dist_worker.py``),
 launched once per module with a hard timeout; each test then reads its scenario's result. The
-references are single-process runs on the whole global batch, computed here from the worker's own
-model/data definitions, and ``torch.optim.AdamW`` through the very same harness (so a harness bug
-shows up on AdamW first).
+references are plain single-process runs (no process group, no DDP, no DTensor) on the same
+global batches, run by rank 0 alone in the same launch, so that they use the same version of the
+code while others edit it; ``torch.optim.AdamW`` goes through the very same harness, so a harness
+bug shows up on AdamW first.
 
-Why the distributed-vs-single comparisons are not bitwise: the gradient of the global batch is
-summed in a different order (two half-batch means averaged by all-reduce / reduce-scatter, against
-one full-batch mean), which moves gradients by ~1 ulp; the DCP round trip, by contrast, replays the
-same arithmetic on the same ranks and must match exactly.
+Why most comparisons are bit for bit: the reference accumulates the two half-batch gradients,
+each times 1/2 (a power of two, exact), which is what DDP's all-reduce and FSDP2's reduce-scatter
+compute on 2 ranks; a full-batch gradient would differ by ~1 ulp, enough to flip a Gefen code.
 """
 
 import importlib.util
@@ -97,14 +97,15 @@ def runs(tmp_path_factory):
         two += ["train:gefen", "dcp_aligned:gefen", "dcp_mismatch:gefen", "hist:", "dcp:gefen4",
                 "dcp_ddp:gefen", "dcp_flat:gefen", "dcp_fresh:gefen"]
         one += ["reshard_aligned:gefen", "reshard_mismatch:gefen"]
-    launch(2, two + [f"{s}@1" for s in one], out)  # the 1-rank loads run on rank 0 alone
+    refs = [f"ref:{o}@1" for o in OPTS]
+    launch(2, refs + two + [f"{s}@1" for s in one], out)  # "@1": rank 0 alone
     return out
 
 
 @pytest.fixture(scope="module")
-def references():
+def references(runs):
     """Single process, same global batches, gradients accumulated over the 2 ranks' halves."""
-    return {o: W.single_process_run(o, W.K1 + W.K2, micro_batches=2) for o in OPTS}
+    return {o: result(runs, f"ref:{o}") for o in OPTS}
 
 
 def _assert_params_close(actual: dict, expected: dict, **tol):
@@ -118,8 +119,7 @@ def test_ddp_equals_single_process(runs, references, opt):
     """DDP averages the two half-batch gradients exactly as the reference accumulates them, so
     every optimizer, full Gefen included (same blocks, same codebook), must match bit for bit."""
     res = result(runs, f"ddp:{opt}")
-    params, _ = references[opt]
-    _assert_params_close(res["params"], params, atol=0.0)
+    _assert_params_close(res["params"], references[opt]["params"], atol=0.0)
 
 
 @pytest.mark.parametrize("opt", [o for o in OPTS if o != "gefen"])
@@ -127,16 +127,15 @@ def test_fsdp2_equals_single_process(runs, references, opt):
     """FSDP2's reduce-scatter gives each rank its rows of the same averaged gradient; Gefen's
     reduction mode is elementwise, so sharding must not change a bit."""
     res = result(runs, f"fsdp:{opt}")
-    params, _ = references[opt]
-    _assert_params_close(res["params"], params, atol=0.0)
+    _assert_params_close(res["params"], references[opt]["params"], atol=0.0)
 
 
 @gefen_only
-def test_fsdp2_full_gefen_trains_with_one_codebook(runs):
+def test_fsdp2_full_gefen_trains_with_one_codebook(runs, references):
     """Full Gefen under FSDP2 (blocks per local shard) memorises a fixed batch about as AdamW does
     in one process, and both ranks hold the identical codebook learned from the summed histogram."""
     res = result(runs, "train:gefen")
-    _, adamw = W.single_process_run("adamw", 30, fixed_batch=True, micro_batches=2)
+    adamw = references["adamw"]["fixed_batch_losses"]
     losses = res["losses"]
     assert losses[-1] < 0.5 * losses[0], f"Gefen under FSDP2 did not train: losses {losses.tolist()}"
     assert losses[-1] < 1.5 * adamw[-1], f"Gefen {losses[-1]:.4f} vs AdamW {adamw[-1]:.4f} after 30 steps"

@@ -129,10 +129,12 @@ def global_histogram(hist_fn, grads: dict, params=()) -> torch.Tensor:
     if len(keys) > 1:
         raise ValueError("Gefen: sharded parameters live on different device meshes or "
                          "placements; use one Gefen optimizer per mesh")
-    part = hist_fn(sharded).to(torch.int64)
+    # on the parameters' device: NCCL reduces CUDA tensors only
+    part = hist_fn(sharded).to(torch.int64).to(local_shard(mesh_params[0]).device)
     for group in _shard_groups(mesh_params[0]):
         dist.all_reduce(part, op=dist.ReduceOp.SUM, group=group)
-    return part + hist_fn(plain).to(part.device) if plain else part
+    part = part.cpu()
+    return part + hist_fn(plain).cpu() if plain else part
 
 
 def is_state_dict_init_step(opt) -> bool:
@@ -174,8 +176,8 @@ def _local_layout(st, r0, r1, row_len):
 def _full_layout(p, local_rows):
     if not is_sharded(p):
         return local_rows
-    rows = p.shape[0]
-    return _dtensor_like_rows(p, local_rows, rows).full_tensor()
+    local_rows = local_rows.to(local_shard(p).device)  # NCCL gathers CUDA tensors only
+    return _dtensor_like_rows(p, local_rows, p.shape[0]).full_tensor().cpu()
 
 
 def _dtensor_like_rows(p, local_rows, rows):
@@ -373,7 +375,9 @@ def _params_and_ids(opt, sd):
 
 def to_distributed_state_dict(opt, sd: dict) -> dict:
     """``Gefen.state_dict()`` hook: the distributed form where torch.distributed is in use (a
-    DTensor parameter, or an initialised process group), ``sd`` unchanged otherwise."""
+    DTensor parameter, or an initialised process group), ``sd`` unchanged otherwise. With
+    sharded parameters it is collective: call ``state_dict()`` on every rank, as
+    ``get_optimizer_state_dict`` does."""
     params, ids, quantized = _params_and_ids(opt, sd)
     if _uses_distributed_form(params):
         sd["state"] = dict(sd["state"])
