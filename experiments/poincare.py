@@ -22,8 +22,8 @@ Optimizers compared on identical data, initialisation, batches and negatives (on
                              distance |u - v|, embeddings in R^d, DiskSparseAdam
 
 Commands:
-    python experiments/poincare.py --quick     # dims 2, 5, 10; 20 epochs; about 6 min on 2 busy CPU cores
-    python experiments/poincare.py             # dims 2, 5, 10; 100 epochs; about 30 min on 2 busy CPU cores
+    python experiments/poincare.py --quick     # dims 2, 5, 10; 20 epochs; 3 min on 2 CPU cores
+    python experiments/poincare.py             # dims 2, 5, 10; 100 epochs; about 20 min on 2 CPU cores
     python analysis/poincare.py                # paper_figs/poincare.png from results/poincare.csv
 """
 
