@@ -125,11 +125,16 @@ def _mesh():
     return init_device_mesh("cpu", (dist.get_world_size(),))
 
 
-def _fsdp_model(seed: int = 0):
+def _fsdp_model(seed: int = 0, hsdp: bool = False):
+    """FSDP2 on all ranks; ``hsdp``: a (replicate=world, shard=1) mesh instead (HSDP placements
+    (Replicate(), Shard(0)), gradients all-reduced over the replicas)."""
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+    import torch.distributed as dist
 
     model = make_model(seed)
-    mesh = _mesh()
+    mesh = (init_device_mesh("cpu", (dist.get_world_size(), 1), mesh_dim_names=("replicate", "shard"))
+            if hsdp else _mesh())
     for layer in model:
         if isinstance(layer, nn.Linear):
             fully_shard(layer, mesh=mesh)
@@ -241,12 +246,12 @@ def _forced_first_step(model, opt, rank, world, segments: dict):
 ALIGNED_BLOCKS = {"0.weight": 16, "2.weight": 32, "4.weight": 16}
 
 
-def scenario_dcp(opt_name, rank, world, out_dir, segments=None, tag="", ddp=False):
+def scenario_dcp(opt_name, rank, world, out_dir, segments=None, tag="", ddp=False, hsdp=False):
     """Train K1 steps, save with DCP, train K2 more; a fresh model (other init) loads and trains K2.
 
     With ``segments`` the first step's gradients are forced (see ``_forced_first_step``)."""
     ckpt = Path(out_dir) / f"ckpt{tag}_{opt_name}"
-    model = _ddp_model(0) if ddp else _fsdp_model(0)
+    model = _ddp_model(0) if ddp else _fsdp_model(0, hsdp)
     opt = make_optimizer(opt_name, model.parameters())
     if segments:
         _forced_first_step(model, opt, rank, world, segments)
@@ -259,7 +264,7 @@ def scenario_dcp(opt_name, rank, world, out_dir, segments=None, tag="", ddp=Fals
     cont = train_steps(model, opt, K2, rank=rank, world=world, start=K1)
     uninterrupted = full_params(model)
 
-    model2 = _ddp_model(1) if ddp else _fsdp_model(1)
+    model2 = _ddp_model(1) if ddp else _fsdp_model(1, hsdp)
     opt2 = make_optimizer(opt_name, model2.parameters())
     _load(model2, opt2, ckpt)
     resumed_losses = train_steps(model2, opt2, K2, rank=rank, world=world, start=K1)
@@ -283,6 +288,16 @@ def scenario_dcp_fresh(opt_name, rank, world, out_dir):
         runs[how] = {"params": full_params(model),
                      "blocks": {n: opt.state[p].get("block", 1) for n, p in model.named_parameters()}}
     return runs
+
+
+def scenario_hsdp(opt_name, rank, world, out_dir):
+    """HSDP placements: training equals the single process; a DCP round trip continues exactly."""
+    res = scenario_dcp(opt_name, rank, world, out_dir, tag="_hsdp", hsdp=True)
+    model = _fsdp_model(0, hsdp=True)
+    assert [str(pl) for pl in model[0].weight.placements] == ["R", "S(0)"], model[0].weight.placements
+    opt = make_optimizer(opt_name, model.parameters())
+    train_steps(model, opt, K1 + K2, rank=rank, world=world)
+    return dict(res, params=full_params(model), codebooks=_codebooks(opt))
 
 
 def scenario_dcp_ddp(opt_name, rank, world, out_dir):
@@ -399,6 +414,7 @@ SCENARIOS = {"ref": scenario_ref, "hist": scenario_hist, "ddp": scenario_ddp, "f
              "dcp_mismatch": scenario_dcp_mismatch, "reshard_mismatch": scenario_reshard_mismatch,
              "train": scenario_train, "dcp_aligned": scenario_dcp_aligned,
              "reshard_aligned": scenario_reshard_aligned, "dcp_ddp": scenario_dcp_ddp, "dcp_fresh": scenario_dcp_fresh,
+             "hsdp": scenario_hsdp,
              "dcp_flat": scenario_dcp_flat}
 
 

@@ -95,7 +95,7 @@ def runs(tmp_path_factory):
     one = [f"reshard:{o}" for o in OPTS if o != "gefen"]  # full Gefen: the "aligned" checkpoint
     if HAVE_GEFEN:
         two += ["train:gefen", "dcp_aligned:gefen", "dcp_mismatch:gefen", "hist:", "dcp:gefen4",
-                "dcp_ddp:gefen", "dcp_flat:gefen", "dcp_fresh:gefen"]
+                "dcp_ddp:gefen", "dcp_flat:gefen", "dcp_fresh:gefen", "hsdp:gefen"]
         one += ["reshard_aligned:gefen", "reshard_mismatch:gefen"]
     refs = [f"ref:{o}@1" for o in OPTS]
     launch(2, refs + two + [f"{s}@1" for s in one], out)  # "@1": rank 0 alone
@@ -143,6 +143,18 @@ def test_fsdp2_full_gefen_trains_with_one_codebook(runs, references):
     assert cb.shape == (2, 256)
     assert_close(cb[1], cb[0], atol=0.0, name="codebook rank 1 vs rank 0")
     assert float(cb[0, 0]) == -1.0 and float(cb[0, -1]) == 1.0 and bool((cb[0].diff() > 0).all())
+
+
+@gefen_only
+def test_hsdp_placements_equal_single_process_and_round_trip(runs, references):
+    """HSDP (mesh replicate=2 x shard=1, placements (Replicate(), Shard(0))): each rank holds whole
+    tensors and averages gradients over the replicas, so full Gefen equals the single process bit
+    for bit; the histogram is reduced over the (size-1) shard group only; a DCP round trip
+    continues exactly."""
+    res = result(runs, "hsdp:gefen")
+    _assert_params_close(res["params"], references["gefen"]["params"], atol=0.0)
+    assert torch.equal(res["codebooks"][0], res["codebooks"][1])
+    _assert_params_close(res["resumed"], res["uninterrupted"], atol=0.0)
 
 
 @gefen_only
