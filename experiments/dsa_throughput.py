@@ -2,11 +2,12 @@
 
 Commands::
 
-    python experiments/dsa_throughput.py            # full run (about 15 minutes on 2 shared cores)
+    python experiments/dsa_throughput.py            # full run (about 5 minutes on 2 shared cores)
     python experiments/dsa_throughput.py --quick    # about a minute, into results/quick/
 
-Two configurations, each measured side by side in one process, variants interleaved within every
-repeat and reported as medians over repeats:
+Two configurations, each measured side by side in one process and reported as medians over repeats;
+the warm variants are interleaved within every repeat (in a shuffled order), the cold one follows
+(dropping the cache also drops the mapping's page tables, which would tax an interleaved warm step):
 
 - ``seed``: the Disk Sparse Adam seed's setup, ``nn.Embedding(1_000_000, 128, sparse=True)``, batch
   2048 uniform indices, loss ``mean(x**2)``, lr 1e-3.
@@ -20,7 +21,9 @@ dropped with madvise/posix_fadvise DONTNEED before every step; the drop itself i
 to ``disk/4KiB-random-read`` (synchronous 4 KiB preads at random offsets of a dropped state file) and
 the bound it implies for a cold step (one page read per touched row). Rows: samples/s (wall clock and
 per CPU second of the process, the latter robust to other jobs on the machine), ratios, process RSS
-(anonymous and file-backed) and bytes on disk. Torch runs single-threaded (--threads) because the
+(anonymous and file-backed) and bytes on disk. Before measuring, every state record is written once
+(the steady state of a long run: ext4 converts the preallocated extents at the first write of a
+page, a one-time cost of 30+ ms per step on a fresh file). Torch runs single-threaded (--threads) because the
 machine's two cores are shared.
 """
 
@@ -226,7 +229,8 @@ def main():
     add_common_args(parser)
     parser.add_argument("--configs", default="seed,kg", help="comma-separated: seed, kg")
     parser.add_argument("--reps", type=int, default=None, help="repeats (default 7, --quick 3)")
-    parser.add_argument("--steps", type=int, default=None, help="steps per variant and repeat (default 40, --quick 10)")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="steps per variant and repeat (default 40, --quick 10)")
     parser.add_argument("--cold-steps", type=int, default=None, help="cold-cache steps per repeat (default 5, --quick 2)")
     parser.add_argument("--disk-reads", type=int, default=2000)
     parser.add_argument("--threads", type=int, default=1)

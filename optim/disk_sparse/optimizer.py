@@ -18,7 +18,7 @@ import tempfile
 
 import torch
 
-from .store import RowStateFile, StateFileError
+from .store import RowStateFile, StateFileError  # noqa: F401  (re-exported for users' except clauses)
 
 # State-dict keys (the same as torch.optim.SparseAdam's, so its checkpoints load here and back).
 STEP, EXP_AVG, EXP_AVG_SQ = "step", "exp_avg", "exp_avg_sq"

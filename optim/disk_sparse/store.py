@@ -158,11 +158,10 @@ class RowStateFile:
             self._write_header(self._step, clean=False)
             self._dirty = True
 
-    def gather(self, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def gather(self, rows: torch.Tensor) -> torch.Tensor:
         """Records of ``rows`` (int64, CPU, sorted unique) as a new ``(n, width)`` tensor."""
         self._check_open()
-        return torch.index_select(self.records, 0, rows, out=out) if out is not None else \
-            self.records.index_select(0, rows)
+        return self.records.index_select(0, rows)
 
     def scatter(self, rows: torch.Tensor, records: torch.Tensor):
         """Write ``records`` (``(n, width)``) to ``rows`` (int64, CPU, sorted unique)."""
