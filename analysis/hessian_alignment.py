@@ -6,7 +6,8 @@ paper_figs/hessian_alignment.png, one row of panels per model:
 
 - (a) median spread of log(g_i**2/g_j**2) over minibatches per coupling decile (x: the decile's
   median coupling |H_ij|/sqrt(|H_ii H_jj|), log scale), one line per checkpoint; dotted: median
-  level |log(E g_i**2 / E g_j**2)|; the title carries the Spearman correlations;
+  level |log(E g_i**2 / E g_j**2)|; dashed: pi, the spread of two independent zero-mean Gaussian
+  gradients; the title carries the Spearman correlations;
 - (b) within-block coupling per block scheme, at initialisation and at the last checkpoint;
 - (c) within-block dispersion of the second moment (RMS log(v_i / block mean v)) per scheme;
 - (d) final validation loss per scheme minus AdamW's, mean over seeds with a min-max bar.
@@ -18,6 +19,7 @@ paper_figs/hessian_alignment.png, one row of panels per model:
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 from collections import defaultdict
@@ -76,6 +78,8 @@ def draw(data, out_path):
             if "level_median" in c:
                 ax.plot([c["coupling_median"][k] for k in xs], [c["level_median"][k] for k in xs], ":",
                         color=col, label=f"level, step {step}")
+        # std of log(g_i²/g_j²) for independent zero-mean Gaussian g_i, g_j: sqrt(2) * pi/sqrt(2) = pi
+        ax.axhline(math.pi, ls="--", color="0.5", lw=0.8, label="independent Gaussians (π)")
         ax.set_xscale("log")
         ax.set_xlabel("coupling |H_ij| / sqrt|H_ii H_jj|  (decile median)")
         ax.set_ylabel("median over pairs")
