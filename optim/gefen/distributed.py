@@ -26,8 +26,9 @@ the group:
       layout  int64 (rows, 4), the same on every rank: per row of dim 0, the saved block length
               P, the row's first element's position in its v-block and in its scale block, and
               the step count
-      codebook  fp32 (2**bits,), the same on every rank (``get_optimizer_state_dict`` keeps only
-              per-parameter state, so the model-wide codebook travels with each parameter)
+      codebook  fp32 (2**bits,), the same on every rank, zeros before the first step
+              (``get_optimizer_state_dict`` keeps only per-parameter state, so the model-wide
+              codebook travels with each parameter of a quantised group)
 
   That is 9 bytes per element in the checkpoint (8 with an unquantised first moment) against
   about 1 in memory: the price of a checkpoint that reshards freely.
@@ -201,8 +202,8 @@ def to_distributed(state: dict, params, ids, quantized, *, codebook, bits: int) 
         if not p.requires_grad:
             continue
         st = _to_distributed_one(p, state.get(pid), quantized=quant, bits=bits)
-        # all zeros before the first step (a learned codebook ends at -1 and +1)
-        st[K.CODEBOOK] = torch.zeros(2**bits) if codebook is None else codebook.detach().clone()
+        if quant:  # all zeros before the first step (a learned codebook ends at -1 and +1)
+            st[K.CODEBOOK] = torch.zeros(2**bits) if codebook is None else codebook.detach().clone()
         state[pid] = st
 
 
