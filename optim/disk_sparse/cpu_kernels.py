@@ -144,6 +144,8 @@ def adam_rows_cpu_(weight: torch.Tensor, indices: torch.Tensor, values: torch.Te
     ``weight``, ``values`` and ``records`` share one dtype (float32 or float64), all on CPU.
     """
     s, perm = indices.sort()
+    if s.numel() and (int(s[0]) < 0 or int(s[-1]) >= weight.shape[0]):  # compiled code has no bounds checks
+        raise IndexError(f"sparse gradient rows must lie in [0, {weight.shape[0]}), got {int(s[0])}..{int(s[-1])}")
     moments, weights = _kernels()
     ty = records.dtype.type
     n = s.numel()
