@@ -231,7 +231,8 @@ def main():
     parser.add_argument("--reps", type=int, default=None, help="repeats (default 7, --quick 3)")
     parser.add_argument("--steps", type=int, default=None,
                         help="steps per variant and repeat (default 40, --quick 10)")
-    parser.add_argument("--cold-steps", type=int, default=None, help="cold-cache steps per repeat (default 5, --quick 2)")
+    parser.add_argument("--cold-steps", type=int, default=None,
+                        help="cold-cache steps per repeat (default 5, --quick 2)")
     parser.add_argument("--disk-reads", type=int, default=2000)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--state-dir", default=None, help="where the state files go (default: a temp dir)")
