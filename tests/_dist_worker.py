@@ -300,6 +300,32 @@ def scenario_hsdp(opt_name, rank, world, out_dir):
     return dict(res, params=full_params(model), codebooks=_codebooks(opt))
 
 
+def scenario_full_state_dict(opt_name, rank, world, out_dir):
+    """StateDictOptions(full_state_dict=True): gathered on every rank, and gathered to rank 0 only
+    (cpu_offload) then broadcast on loading; both must continue exactly."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+                                                         set_optimizer_state_dict)
+
+    out = {}
+    for how, save_opts, load_opts in (
+            ("everywhere", StateDictOptions(full_state_dict=True), StateDictOptions(full_state_dict=True)),
+            ("rank0", StateDictOptions(full_state_dict=True, cpu_offload=True),
+             StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))):
+        model = _fsdp_model(0)
+        opt = make_optimizer(opt_name, model.parameters())
+        train_steps(model, opt, K1, rank=rank, world=world)
+        full = get_optimizer_state_dict(model, opt, options=save_opts)
+        train_steps(model, opt, K2, rank=rank, world=world, start=K1)
+        uninterrupted = full_params(model)
+        model2 = _fsdp_model(0)
+        train_steps(model2, make_optimizer(opt_name, model2.parameters()), K1, rank=rank, world=world)
+        opt2 = make_optimizer(opt_name, model2.parameters())  # fresh: only the weights are equal
+        set_optimizer_state_dict(model2, opt2, full, options=load_opts)
+        train_steps(model2, opt2, K2, rank=rank, world=world, start=K1)
+        out[how] = {"uninterrupted": uninterrupted, "resumed": full_params(model2)}
+    return out
+
+
 def scenario_dcp_ddp(opt_name, rank, world, out_dir):
     return scenario_dcp(opt_name, rank, world, out_dir, tag="_ddp", ddp=True)
 
@@ -414,7 +440,7 @@ SCENARIOS = {"ref": scenario_ref, "hist": scenario_hist, "ddp": scenario_ddp, "f
              "dcp_mismatch": scenario_dcp_mismatch, "reshard_mismatch": scenario_reshard_mismatch,
              "train": scenario_train, "dcp_aligned": scenario_dcp_aligned,
              "reshard_aligned": scenario_reshard_aligned, "dcp_ddp": scenario_dcp_ddp, "dcp_fresh": scenario_dcp_fresh,
-             "hsdp": scenario_hsdp,
+             "hsdp": scenario_hsdp, "full_sd": scenario_full_state_dict,
              "dcp_flat": scenario_dcp_flat}
 
 

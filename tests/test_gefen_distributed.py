@@ -95,7 +95,7 @@ def runs(tmp_path_factory):
     one = [f"reshard:{o}" for o in OPTS if o != "gefen"]  # full Gefen: the "aligned" checkpoint
     if HAVE_GEFEN:
         two += ["train:gefen", "dcp_aligned:gefen", "dcp_mismatch:gefen", "hist:", "dcp:gefen4",
-                "dcp_ddp:gefen", "dcp_flat:gefen", "dcp_fresh:gefen", "hsdp:gefen"]
+                "dcp_ddp:gefen", "dcp_flat:gefen", "dcp_fresh:gefen", "hsdp:gefen", "full_sd:gefen"]
         one += ["reshard_aligned:gefen", "reshard_mismatch:gefen"]
     refs = [f"ref:{o}@1" for o in OPTS]
     launch(2, refs + two + [f"{s}@1" for s in one], out)  # "@1": rank 0 alone
@@ -223,6 +223,16 @@ def test_dcp_one_rank_refuses_blocks_it_cannot_hold(runs):
     msg = result(runs, "reshard_mismatch:gefen")["message"]
     assert "2.weight" in msg and "different block lengths [16, 32]" in msg, msg
     assert "number of ranks it was saved from" in msg, msg
+
+
+@gefen_only
+def test_full_state_dict_options_continue_identically(runs):
+    """get/set_optimizer_state_dict with full_state_dict=True (gathered on every rank) and with
+    cpu_offload + broadcast_from_rank0 (only rank 0 holds it): the gathered distributed form
+    reloads into the shards exactly."""
+    res = result(runs, "full_sd:gefen")
+    for how in ("everywhere", "rank0"):
+        _assert_params_close(res[how]["resumed"], res[how]["uninterrupted"], atol=0.0)
 
 
 @gefen_only
