@@ -360,6 +360,16 @@ def scenario_reshard(opt_name, rank, world, out_dir, tag=""):
     return {"resumed": full_params(model), "resumed_losses": losses, "blocks": blocks, "loaded": loaded}
 
 
+def scenario_ddp_to_fsdp(opt_name, rank, world, out_dir):
+    """Resume the DDP checkpoint of ``scenario_dcp_ddp`` under FSDP2 on the same ranks."""
+    model = _fsdp_model(1)
+    opt = make_optimizer(opt_name, model.parameters())
+    _load(model, opt, Path(out_dir) / f"ckpt_ddp_{opt_name}")
+    blocks = {n: opt.state[p].get("block", 1) for n, p in model.named_parameters()}
+    train_steps(model, opt, K2, rank=rank, world=world, start=K1)
+    return {"resumed": full_params(model), "blocks": blocks}
+
+
 def scenario_reshard_aligned(opt_name, rank, world, out_dir):
     return scenario_reshard(opt_name, rank, world, out_dir, tag="_aligned")
 
@@ -440,7 +450,7 @@ SCENARIOS = {"ref": scenario_ref, "hist": scenario_hist, "ddp": scenario_ddp, "f
              "dcp_mismatch": scenario_dcp_mismatch, "reshard_mismatch": scenario_reshard_mismatch,
              "train": scenario_train, "dcp_aligned": scenario_dcp_aligned,
              "reshard_aligned": scenario_reshard_aligned, "dcp_ddp": scenario_dcp_ddp, "dcp_fresh": scenario_dcp_fresh,
-             "hsdp": scenario_hsdp, "full_sd": scenario_full_state_dict,
+             "hsdp": scenario_hsdp, "ddp_to_fsdp": scenario_ddp_to_fsdp, "full_sd": scenario_full_state_dict,
              "dcp_flat": scenario_dcp_flat}
 
 

@@ -95,7 +95,8 @@ def runs(tmp_path_factory):
     one = [f"reshard:{o}" for o in OPTS if o != "gefen"]  # full Gefen: the "aligned" checkpoint
     if HAVE_GEFEN:
         two += ["train:gefen", "dcp_aligned:gefen", "dcp_mismatch:gefen", "hist:", "dcp:gefen4",
-                "dcp_ddp:gefen", "dcp_flat:gefen", "dcp_fresh:gefen", "hsdp:gefen", "full_sd:gefen"]
+                "dcp_ddp:gefen", "dcp_flat:gefen", "dcp_fresh:gefen", "hsdp:gefen", "full_sd:gefen",
+                "ddp_to_fsdp:gefen"]
         one += ["reshard_aligned:gefen", "reshard_mismatch:gefen"]
     refs = [f"ref:{o}@1" for o in OPTS]
     launch(2, refs + two + [f"{s}@1" for s in one], out)  # "@1": rank 0 alone
@@ -214,6 +215,18 @@ def test_dcp_two_ranks_to_one_rank_full_gefen(runs):
             assert bool(((one["m"] - m).abs() <= half_gap * scale * (1 + 1e-6)).all()), name
             assert float(one["scales"][0]) == float(m.abs().max())
     _assert_params_close(res["resumed"], ref["uninterrupted"], atol=1e-2, rel_rms_tol=2e-2)
+
+
+@gefen_only
+def test_dcp_ddp_checkpoint_resumes_under_fsdp2(runs):
+    """A DDP checkpoint (whole tensors) loads into FSDP2 shards on the same 2 ranks: every weight
+    keeps its block length (each half is a whole number of blocks) and training continues like
+    the DDP run, up to the one re-quantisation of the P = 1 biases' first moment (see above)."""
+    ref = result(runs, "dcp_ddp:gefen")
+    res = result(runs, "ddp_to_fsdp:gefen")
+    assert {k.removeprefix("module."): v for k, v in ref["blocks"].items()} == res["blocks"]
+    expected = {k.removeprefix("module."): v for k, v in ref["uninterrupted"].items()}
+    _assert_params_close(res["resumed"], expected, atol=1e-2, rel_rms_tol=2e-2)
 
 
 @gefen_only
