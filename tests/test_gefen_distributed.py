@@ -12,11 +12,12 @@ each times 1/2 (a power of two, exact), which is what DDP's all-reduce and FSDP2
 compute on 2 ranks; a full-batch gradient would differ by ~1 ulp, enough to flip a Gefen code.
 """
 
-import importlib.util
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -28,10 +29,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import _dist_worker as W  # noqa: E402
 
-TIMEOUT_S = 120
-HAVE_GEFEN = importlib.util.find_spec("optim.gefen.optimizer") is not None
-OPTS = ["adamw"] + (["gefen_reduction", "gefen"] if HAVE_GEFEN else [])
-gefen_only = pytest.mark.skipif(not HAVE_GEFEN, reason="optim/gefen/optimizer.py not written yet")
+TIMEOUT_S = 120  # the whole launch; it takes ~25 s on an idle 2-core machine
+OPTS = ["adamw", "gefen_reduction", "gefen"]
 
 
 def _free_port() -> int:
@@ -50,9 +49,10 @@ def launch(world: int, specs: list, out_dir: Path, timeout: float = TIMEOUT_S) -
         logs.append(log)
         procs.append(subprocess.Popen([sys.executable, str(HERE / "_dist_worker.py"), str(out_dir), *specs],
                                       env=dict(env, RANK=str(rank)), stdout=log, stderr=subprocess.STDOUT))
+    deadline = time.monotonic() + timeout
     try:
         for p in procs:
-            p.wait(timeout=timeout)
+            p.wait(timeout=max(deadline - time.monotonic(), 0.1))
     except subprocess.TimeoutExpired:
         pass
     finally:
@@ -89,18 +89,19 @@ def result(out_dir: Path, spec: str) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """One 2-rank launch for every scenario; at its end rank 0 alone reloads the checkpoints."""
+    """One 2-rank launch for every scenario; "@1" scenarios run on rank 0 alone (1-rank reloads)."""
     out = tmp_path_factory.mktemp("dist")
-    two = [f"{s}:{o}" for o in OPTS for s in ("ddp", "fsdp", "dcp") if f"{s}:{o}" != "fsdp:gefen"]
-    one = [f"reshard:{o}" for o in OPTS if o != "gefen"]  # full Gefen: the "aligned" checkpoint
-    if HAVE_GEFEN:
-        two += ["train:gefen", "dcp_aligned:gefen", "dcp_mismatch:gefen", "hist:", "dcp:gefen4",
-                "dcp_ddp:gefen", "dcp_flat:gefen", "dcp_fresh:gefen", "hsdp:gefen", "full_sd:gefen",
-                "ddp_to_fsdp:gefen"]
-        one += ["reshard_aligned:gefen", "reshard_mismatch:gefen"]
-    refs = [f"ref:{o}@1" for o in OPTS]
-    launch(2, refs + two + [f"{s}@1" for s in one], out)  # "@1": rank 0 alone
-    return out
+    specs = [f"ref:{o}@1" for o in OPTS]
+    specs += [f"{s}:{o}" for o in OPTS for s in ("ddp", "fsdp", "dcp") if f"{s}:{o}" != "fsdp:gefen"]
+    specs += ["train:gefen", "dcp_aligned:gefen", "dcp_mismatch:gefen", "hist:", "dcp:gefen4",
+              "dcp_ddp:gefen", "dcp_flat:gefen", "dcp_fresh:gefen", "hsdp:gefen", "full_sd:gefen",
+              "ddp_to_fsdp:gefen"]
+    # 2-rank checkpoints onto 1 rank; full Gefen only from the "aligned" one (blocks agree)
+    specs += [f"reshard:{o}@1" for o in OPTS if o != "gefen"]
+    specs += ["reshard_aligned:gefen@1", "reshard_mismatch:gefen@1"]
+    launch(2, specs, out)
+    yield out
+    shutil.rmtree(out, ignore_errors=True)  # checkpoints and logs
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +132,6 @@ def test_fsdp2_equals_single_process(runs, references, opt):
     _assert_params_close(res["params"], references[opt]["params"], atol=0.0)
 
 
-@gefen_only
 def test_fsdp2_full_gefen_trains_with_one_codebook(runs, references):
     """Full Gefen under FSDP2 (blocks per local shard) memorises a fixed batch about as AdamW does
     in one process, and both ranks hold the identical codebook learned from the summed histogram."""
@@ -146,7 +146,6 @@ def test_fsdp2_full_gefen_trains_with_one_codebook(runs, references):
     assert float(cb[0, 0]) == -1.0 and float(cb[0, -1]) == 1.0 and bool((cb[0].diff() > 0).all())
 
 
-@gefen_only
 def test_hsdp_placements_equal_single_process_and_round_trip(runs, references):
     """HSDP (mesh replicate=2 x shard=1, placements (Replicate(), Shard(0))): each rank holds whole
     tensors and averages gradients over the replicas, so full Gefen equals the single process bit
@@ -158,7 +157,6 @@ def test_hsdp_placements_equal_single_process_and_round_trip(runs, references):
     _assert_params_close(res["resumed"], res["uninterrupted"], atol=0.0)
 
 
-@gefen_only
 def test_histogram_summed_over_shards_counted_once_for_replicas(runs):
     res = result(runs, "hist:")
     # Independent recount: the sharded parameter's full gradient once, the replicated one once.
@@ -167,7 +165,7 @@ def test_histogram_summed_over_shards_counted_once_for_replicas(runs):
         assert torch.equal(res["counts"][r], expected), (r, res["counts"][r], expected)
 
 
-@pytest.mark.parametrize("spec", [f"dcp:{o}" for o in OPTS] + (["dcp:gefen4", "dcp_ddp:gefen"] if HAVE_GEFEN else []))
+@pytest.mark.parametrize("spec", [f"dcp:{o}" for o in OPTS] + ["dcp:gefen4", "dcp_ddp:gefen"])
 def test_dcp_round_trip_continues_identically(runs, spec):
     """Save, train on; a fresh model and optimizer load and train the same steps: bit for bit.
     FSDP2 (blocks chosen per rank, both ranks' shards differ), 4-bit codes, and DDP."""
@@ -184,7 +182,6 @@ def test_dcp_two_ranks_to_one_rank(runs, opt):
     _assert_params_close(res["resumed"], ref["uninterrupted"], atol=0.0)
 
 
-@gefen_only
 def test_dcp_two_ranks_to_one_rank_full_gefen(runs):
     """Both ranks chose the same block lengths (forced at the first gradient), so one rank can
     hold them: its loaded state is the two ranks' states laid end to end, exactly, for v, codes
@@ -217,7 +214,6 @@ def test_dcp_two_ranks_to_one_rank_full_gefen(runs):
     _assert_params_close(res["resumed"], ref["uninterrupted"], atol=1e-2, rel_rms_tol=2e-2)
 
 
-@gefen_only
 def test_dcp_ddp_checkpoint_resumes_under_fsdp2(runs):
     """A DDP checkpoint (whole tensors) loads into FSDP2 shards on the same 2 ranks: every weight
     keeps its block length (each half is a whole number of blocks) and training continues like
@@ -229,7 +225,6 @@ def test_dcp_ddp_checkpoint_resumes_under_fsdp2(runs):
     _assert_params_close(res["resumed"], expected, atol=1e-2, rel_rms_tol=2e-2)
 
 
-@gefen_only
 def test_dcp_one_rank_refuses_blocks_it_cannot_hold(runs):
     saved = result(runs, "dcp_mismatch:gefen")
     assert int(saved["block"]) == 32  # rank 0's choice; rank 1 chose 16 (checked by the message)
@@ -238,7 +233,6 @@ def test_dcp_one_rank_refuses_blocks_it_cannot_hold(runs):
     assert "number of ranks it was saved from" in msg, msg
 
 
-@gefen_only
 def test_full_state_dict_options_continue_identically(runs):
     """get/set_optimizer_state_dict with full_state_dict=True (gathered on every rank) and with
     cpu_offload + broadcast_from_rank0 (only rank 0 holds it): the gathered distributed form
@@ -248,7 +242,6 @@ def test_full_state_dict_options_continue_identically(runs):
         _assert_params_close(res[how]["resumed"], res[how]["uninterrupted"], atol=0.0)
 
 
-@gefen_only
 def test_checkpoint_before_the_first_step_changes_nothing(runs):
     """torch's get_optimizer_state_dict probes an optimizer without state with a zero-gradient,
     lr = 0 step; Gefen must not choose its blocks (all P = 1) nor its codebook from it. Saving at
@@ -261,7 +254,6 @@ def test_checkpoint_before_the_first_step_changes_nothing(runs):
         _assert_params_close(res[how]["params"], plain["params"], atol=0.0)
 
 
-@gefen_only
 def test_flattened_optimizer_state_dict_is_refused_clearly(runs):
     msg = result(runs, "dcp_flat:gefen")["message"]
     assert "flatten_optimizer_state_dict=False" in msg, msg
@@ -334,7 +326,6 @@ def test_check_reshard_matches_brute_force(row_len):
 
 
 # ------------------------------------------------------- distributed form of plain tensors, in process
-@gefen_only
 @pytest.mark.parametrize("bits", [8, 4])
 def test_distributed_form_round_trip_in_process(bits):
     """Compact state -> distributed form -> load_state_dict gives back every state tensor exactly
