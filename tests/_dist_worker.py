@@ -446,12 +446,25 @@ def scenario_ref(opt_name, rank, world, out_dir):
     return {"params": params, "fixed_batch_losses": fixed_batch_losses}
 
 
-SCENARIOS = {"ref": scenario_ref, "hist": scenario_hist, "ddp": scenario_ddp, "fsdp": scenario_fsdp, "dcp": scenario_dcp, "reshard": scenario_reshard,
-             "dcp_mismatch": scenario_dcp_mismatch, "reshard_mismatch": scenario_reshard_mismatch,
-             "train": scenario_train, "dcp_aligned": scenario_dcp_aligned,
-             "reshard_aligned": scenario_reshard_aligned, "dcp_ddp": scenario_dcp_ddp, "dcp_fresh": scenario_dcp_fresh,
-             "hsdp": scenario_hsdp, "ddp_to_fsdp": scenario_ddp_to_fsdp, "full_sd": scenario_full_state_dict,
-             "dcp_flat": scenario_dcp_flat}
+SCENARIOS = {
+    "ref": scenario_ref,
+    "hist": scenario_hist,
+    "ddp": scenario_ddp,
+    "fsdp": scenario_fsdp,
+    "dcp": scenario_dcp,
+    "reshard": scenario_reshard,
+    "dcp_mismatch": scenario_dcp_mismatch,
+    "reshard_mismatch": scenario_reshard_mismatch,
+    "train": scenario_train,
+    "dcp_aligned": scenario_dcp_aligned,
+    "reshard_aligned": scenario_reshard_aligned,
+    "dcp_ddp": scenario_dcp_ddp,
+    "dcp_fresh": scenario_dcp_fresh,
+    "hsdp": scenario_hsdp,
+    "ddp_to_fsdp": scenario_ddp_to_fsdp,
+    "full_sd": scenario_full_state_dict,
+    "dcp_flat": scenario_dcp_flat,
+}
 
 
 def main(argv):

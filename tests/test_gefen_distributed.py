@@ -76,8 +76,8 @@ def result(out_dir: Path, spec: str) -> dict:
     if errors:
         path = errors[0]
     if not path.exists():
-        earlier = [str(r["error"]) for r in (torch.load(p, weights_only=False) for p in sorted(out_dir.glob("*.pt")))
-                   if "error" in r]
+        loaded = (torch.load(p, weights_only=False) for p in sorted(out_dir.glob("*.pt")))
+        earlier = [str(r["error"]) for r in loaded if "error" in r]
         launch_log = out_dir / "launch_failures.txt"
         pytest.fail(f"scenario {spec} produced no result; earlier failures: {earlier[:1]}\n"
                     + (launch_log.read_text()[-4000:] if launch_log.exists() else ""))
@@ -194,7 +194,7 @@ def test_dcp_two_ranks_to_one_rank_full_gefen(runs):
     ref = result(runs, "dcp_aligned:gefen")
     res = result(runs, "reshard_aligned:gefen")
     for name, block in W.ALIGNED_BLOCKS.items():
-        assert ref["blocks"][name] == block and res["blocks"][name] == block, (name, ref["blocks"], res["blocks"])
+        assert ref["blocks"][name] == res["blocks"][name] == block, (name, ref["blocks"], res["blocks"])
     (saved, codebook), (loaded, loaded_codebook) = ref["saved"], res["loaded"]
     assert torch.equal(loaded_codebook, codebook)
     half_gap = float(codebook.diff().max()) / 2
@@ -316,7 +316,8 @@ def test_check_reshard_matches_brute_force(row_len):
             for r1 in range(r0 + 1, rows + 1):
                 want = _brute_force(shards, row_len, r0, r1)
                 if want is None:
-                    with pytest.raises(ValueError, match=r"cannot load the checkpointed state of w .*ranks it was saved from"):
+                    refusal = r"cannot load the checkpointed state of w .*ranks it was saved from"
+                    with pytest.raises(ValueError, match=refusal):
                         check_reshard(layout, r0, r1, row_len, name="w")
                     refused += 1
                 else:
@@ -335,8 +336,9 @@ def test_distributed_form_round_trip_in_process(bits):
     from optim.gefen import distributed as D
 
     shapes = [(1,), (7,), (3, 5), (300,), (64, 48), (2, 1030)]
-    make = lambda: [torch.nn.Parameter(torch.randn(s, generator=torch.Generator().manual_seed(i)))  # noqa: E731
-                    for i, s in enumerate(shapes)]
+    def make():
+        return [torch.nn.Parameter(torch.randn(s, generator=torch.Generator().manual_seed(i)))
+                for i, s in enumerate(shapes)]
 
     def opt_for(ps):
         return Gefen([{"params": ps[:5]}, {"params": ps[5:], "quantize_first_moment": False}],
