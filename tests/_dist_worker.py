@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 GLOBAL_BATCH = 32
 K1 = 3  # steps before the checkpoint
 K2 = 3  # steps after it
+LR = 1e-2
 
 
 # ----------------------------------------------------------------------------- shared definitions
@@ -46,16 +47,16 @@ def batch(i: int):
 
 def make_optimizer(name: str, params):
     if name == "adamw":
-        return torch.optim.AdamW(params, lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
+        return torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
     from optim import Gefen
 
     if name == "gefen_reduction":
-        return Gefen(params, lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1,
+        return Gefen(params, lr=LR, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1,
                      share_second_moment=False, quantize_first_moment=False, backend="torch")
     if name == "gefen":
-        return Gefen(params, lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1, backend="torch")
+        return Gefen(params, lr=LR, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1, backend="torch")
     if name == "gefen4":
-        return Gefen(params, lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1, bits=4,
+        return Gefen(params, lr=LR, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1, bits=4,
                      backend="torch")
     raise ValueError(f"unknown optimizer {name!r}")
 

@@ -189,8 +189,8 @@ def test_dcp_two_ranks_to_one_rank_full_gefen(runs):
     chunks, which restarted at each rank's shard) get their first moment re-quantised once:
     within half a codebook gap of the saved one. Training then continues like the 2-rank run up
     to that rounding: for an element of the half with the smaller saved scale the re-quantised m
-    can move its update by a good part of lr (1e-2), so the trajectory check is a loose one
-    (measured: max |Δ| 2.6e-3 on 0.bias after 3 steps); the exact claims are the state checks."""
+    can move its update by up to about lr (1e-2) a step, so the trajectory check is loose (see
+    ``_assert_resumed``); the exact claims are the state checks."""
     ref = result(runs, "dcp_aligned:gefen")
     res = result(runs, "reshard_aligned:gefen")
     for name, block in W.ALIGNED_BLOCKS.items():
@@ -211,7 +211,16 @@ def test_dcp_two_ranks_to_one_rank_full_gefen(runs):
             scale = one["scales"].repeat_interleave(256)[: m.numel()]
             assert bool(((one["m"] - m).abs() <= half_gap * scale * (1 + 1e-6)).all()), name
             assert float(one["scales"][0]) == float(m.abs().max())
-    _assert_params_close(res["resumed"], ref["uninterrupted"], atol=1e-2, rel_rms_tol=2e-2)
+    _assert_resumed(res["resumed"], ref["uninterrupted"])
+
+
+def _assert_resumed(actual: dict, expected: dict):
+    """Training resumed from re-quantised P = 1 biases: biases within K2 steps of lr (measured
+    8.4e-3 on 0.bias for 2 -> 1 ranks, 1.3e-3 for DDP -> FSDP2), weights, moved only through the
+    biases' effect on their gradients, within 2e-3 (measured 2.7e-4 and 1.9e-4)."""
+    assert actual.keys() == expected.keys()
+    for k in expected:
+        assert_close(actual[k], expected[k], atol=W.K2 * W.LR if k.endswith("bias") else 2e-3, name=k)
 
 
 def test_dcp_ddp_checkpoint_resumes_under_fsdp2(runs):
@@ -222,7 +231,7 @@ def test_dcp_ddp_checkpoint_resumes_under_fsdp2(runs):
     res = result(runs, "ddp_to_fsdp:gefen")
     assert {k.removeprefix("module."): v for k, v in ref["blocks"].items()} == res["blocks"]
     expected = {k.removeprefix("module."): v for k, v in ref["uninterrupted"].items()}
-    _assert_params_close(res["resumed"], expected, atol=1e-2, rel_rms_tol=2e-2)
+    _assert_resumed(res["resumed"], expected)
 
 
 def test_dcp_one_rank_refuses_blocks_it_cannot_hold(runs):
