@@ -114,8 +114,12 @@ def test_temporary_state_dir_removed_at_close():
 TOTAL = 120
 
 
-def _worker(state_dir, ckpt, total, out):
-    """Train to ``total`` steps, resuming from ``ckpt`` if it exists; checkpoint every 5 steps."""
+def _worker(state_dir, ckpt, total, out, hold_at=None):
+    """Train to ``total`` steps, resuming from ``ckpt`` if it exists; checkpoint every 5 steps.
+
+    With ``hold_at``, stop stepping there and wait, live and dirty, to be killed (so a fast worker
+    cannot finish before the test's kill lands).
+    """
     emb = _model()
     opt = DiskSparseAdam(emb.parameters(), lr=1e-2, state_dir=state_dir)
     start = 0
@@ -125,6 +129,8 @@ def _worker(state_dir, ckpt, total, out):
         opt.load_state_dict(c["opt"])
         start = c["step"]
     for t in range(start, total):
+        while hold_at is not None and t >= hold_at:
+            time.sleep(1)
         _train_steps(emb, opt, t, t + 1)
         if (t + 1) % 5 == 0:
             torch.save({"model": emb.state_dict(), "opt": opt.state_dict(), "step": t + 1}, ckpt + ".tmp")
@@ -134,7 +140,7 @@ def _worker(state_dir, ckpt, total, out):
     opt.close()
 
 
-def _spawn(state_dir, ckpt):
+def _spawn(state_dir, ckpt, hold_at=None):
     """Fork a training process (a fresh interpreter would spend most of the test importing torch)."""
     r, w = os.pipe()
     pid = os.fork()
@@ -142,7 +148,7 @@ def _spawn(state_dir, ckpt):
         code = 1
         try:
             os.close(r)
-            _worker(str(state_dir), ckpt, TOTAL, w)
+            _worker(str(state_dir), ckpt, TOTAL, w, hold_at)
             code = 0
         finally:
             os._exit(code)
@@ -162,15 +168,17 @@ def _wait(pid, timeout):
     raise TimeoutError("training process did not finish in time")
 
 
+@pytest.mark.timeout(180)
 def test_sigkill_restart_from_checkpoint_is_identical(tmp_path):
     rng = random.Random(os.getpid())
     ckpt = str(tmp_path / "ckpt.pt")
     reached = 0
     for crash in range(3):
-        pid, progress = _spawn(tmp_path / f"run{crash}", ckpt)
+        # Kill at a random moment after a random checkpoint past the previous crash; the worker
+        # waits a few steps past it (live, dirty) in case this process is slow to kill.
+        target = reached + 5 * rng.randint(1, 4)
+        pid, progress = _spawn(tmp_path / f"run{crash}", ckpt, hold_at=target + 5 * rng.randint(1, 3))
         try:
-            # Kill at a random moment after a random checkpoint past the previous crash.
-            target = reached + 5 * rng.randint(1, 6)
             for line in progress:
                 if int(line) >= target:
                     break
@@ -179,7 +187,7 @@ def test_sigkill_restart_from_checkpoint_is_identical(tmp_path):
             status = _wait(pid, 30)
         finally:
             progress.close()
-        assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, "worker ended before the kill"
+        assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, f"worker ended: {status}"
         reached = torch.load(ckpt)["step"]
         assert reached >= target
         # The killed process's live state is dirty: reopening it must be refused, not used.
