@@ -38,3 +38,17 @@ def latest_run(rows):
         if r["variant"] not in newest or r["timestamp"] > newest[r["variant"]]:
             newest[r["variant"]] = r["timestamp"]
     return [r for r in rows if r["timestamp"] == newest[r["variant"]]]
+
+
+def save_figure(fig, out, title=None, dpi=130):
+    """Give ``fig`` its setup-line title, lay it out, write it to ``out`` (a PNG path), close it."""
+    import matplotlib.pyplot as plt
+
+    if title:
+        fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=dpi)
+    plt.close(fig)
+    return out

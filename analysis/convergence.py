@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from analysis.common import add_analysis_args, latest_run, read_results  # noqa: E402
+from analysis.common import add_analysis_args, latest_run, read_results, save_figure  # noqa: E402
 
 # fixed order and colours so every figure of this experiment reads the same
 ORDER = ["AdamW", "Adam-mini", "torchao-AdamW8bit", "torchao-AdamW4bit", "gefen-upstream",
@@ -142,13 +142,7 @@ def draw(summary, out: Path, title: str = ""):
     ax2.set_ylabel("final validation loss (nats/char)")
     ax2.set_title("final loss vs optimizer memory (mean ± std over seeds)")
     ax2.grid(alpha=0.3, which="both")
-    if title:
-        fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=130)
-    plt.close(fig)
-    return out
+    return save_figure(fig, out, title)
 
 
 def setup_line(rows) -> str:

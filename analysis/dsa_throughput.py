@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from analysis.common import add_analysis_args, latest_run, read_results  # noqa: E402
+from analysis.common import add_analysis_args, latest_run, read_results, save_figure  # noqa: E402
 
 BARS = [("ceiling", "no optimizer (ceiling)"), ("SparseAdam", "torch SparseAdam (RAM)"),
         ("DiskSparseAdam/warm", "DiskSparseAdam, warm cache"), ("DiskSparseAdam/cold", "DiskSparseAdam, cold cache")]
@@ -76,14 +76,9 @@ def draw(rows, out_path):
     axm.set_ylabel("MiB")
     axm.set_title("optimizer state memory")
     axm.legend(fontsize=8)
-    commit = rows[-1]["git_commit"]
-    fig.suptitle(f"Disk Sparse Adam ({rows[-1]['device']}, torch {rows[-1]['torch_version']}, {commit})", fontsize=9)
-    fig.tight_layout()
-    out_path = Path(out_path)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out_path, dpi=120)
-    plt.close(fig)
-    return out_path
+    last = rows[-1]
+    title = f"Disk Sparse Adam ({last['device']}, torch {last['torch_version']}, {last['git_commit']})"
+    return save_figure(fig, out_path, title)
 
 
 def main(argv=None):

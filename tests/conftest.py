@@ -13,6 +13,11 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 
+# Test shapes are small: a second torch thread only adds synchronisation, and on a shared 2-core
+# machine it was measured 25x slower for the DSA trajectory tests. Benchmarks choose their own.
+torch.set_num_threads(1)
+
+
 @pytest.fixture(autouse=True)
 def _seed_everything():
     random.seed(0)

@@ -15,13 +15,6 @@ from optim.disk_sparse.store import StateFileError
 N, DIM, BATCH = 300, 12, 64
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def _model(seed=0):
     torch.manual_seed(seed)

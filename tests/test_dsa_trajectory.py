@@ -18,14 +18,6 @@ from tests.utils import assert_close
 STEPS = 200
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Small ops on a shared 2-core machine: torch's second thread only spins (25x slower measured).
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 class TwoTables(nn.Module):
     """A KG-style scorer: entity table + relation bag, heavy duplicate indices."""
