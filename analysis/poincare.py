@@ -3,6 +3,7 @@
 Reads only results/poincare.csv (written by experiments/poincare.py); writes paper_figs/poincare.png:
 
     python analysis/poincare.py [--results-dir results] [--out paper_figs/poincare.png]
+    python analysis/poincare.py --results-dir results/quick --out paper_figs/quick/poincare.png
 
 Left: mean rank (lower is better, log scale) against the embedding dimension, per optimizer.
 Right: MAP (higher is better). The latest run of each variant is drawn.
@@ -36,10 +37,10 @@ def series(rows, metric):
     return {k: sorted(v) for k, v in out.items()}
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_analysis_args(parser, "poincare")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     rows = latest_run(read_results("poincare", args.results_dir))
     if not rows:
         raise SystemExit(f"{args.results_dir}/poincare.csv has no rows; run experiments/poincare.py first")

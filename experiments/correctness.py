@@ -1,7 +1,9 @@
 """One table: how far each optimizer is from its independent reference.
 
-    python experiments/correctness.py --quick      # CPU, about a minute
-    python experiments/correctness.py              # more steps, larger tables
+    python experiments/correctness.py --quick      # CPU, under a minute; rows into results/quick/
+    python experiments/correctness.py              # more steps, larger tables; rows into results/
+    python experiments/correctness.py --quick --no-triton                  # torch backends only
+    python experiments/correctness.py --quick --checks DiskSparseAdam/triton  # one group
 
 Rows (results/correctness.csv): variant "<ours> vs <reference>", metrics ``max_abs_err`` and
 ``rel_rms_err`` of the weights after N steps from the same start on the same random batches.
@@ -28,7 +30,7 @@ import torch  # noqa: E402
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
 
-from experiments.common import Results, add_common_args  # noqa: E402
+from experiments.common import RESULTS_DIR, Results, add_common_args  # noqa: E402
 
 
 def _errors(ours, ref):
@@ -87,7 +89,8 @@ def check_riemannian(res, steps, rows, dim, backends, device):
         for c in (1.0, 0.5):
             g = torch.Generator().manual_seed(2)
             w0 = torch.randn(rows, dim, generator=g, dtype=torch.float64)
-            w0 = w0 / w0.norm(dim=-1, keepdim=True) * torch.rand(rows, 1, generator=g, dtype=torch.float64) * 0.9 / c**0.5
+            radius = torch.rand(rows, 1, generator=g, dtype=torch.float64) * 0.9 / c**0.5
+            w0 = w0 / w0.norm(dim=-1, keepdim=True) * radius
             ball = geoopt.PoincareBallExact(c=c) if exact else geoopt.PoincareBall(c=c)
             emb = torch.nn.Embedding(rows, dim, sparse=True).double()
             emb.weight = geoopt.ManifoldParameter(w0.clone(), manifold=ball)
@@ -141,11 +144,19 @@ def check_gefen(res, steps, backends, device):
             yield res, f"Gefen[triton,{bits}-bit] vs Gefen[torch,{bits}-bit]", triton_run, torch_run, steps
 
 
+CHECKS = ["DiskSparseAdam", "DiskSparseAdam/triton", "DiskSparseRiemannianAdam", "DiskSparseRiemannianAdam/triton",
+          "Gefen"]
+
+
 def main(argv=None):
     parser = add_common_args(argparse.ArgumentParser(description=__doc__,
                                                      formatter_class=argparse.RawDescriptionHelpFormatter))
     parser.add_argument("--no-triton", action="store_true", help="skip the Triton backend comparisons")
+    parser.add_argument("--checks", nargs="+", default=None, choices=CHECKS,
+                        help="run only these groups of comparisons (Default: all)")
     args = parser.parse_args(argv)
+    if args.quick and args.results_dir == RESULTS_DIR:
+        args.results_dir = RESULTS_DIR / "quick"  # quick numbers never mix with the committed ones
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     steps = 20 if args.quick else 200
@@ -164,6 +175,8 @@ def main(argv=None):
             ("Gefen", lambda: check_gefen(res, steps // 2 if args.quick else 50, backends, device)),
         ]
         for label, run in checks:
+            if args.checks and label not in args.checks:
+                continue
             try:
                 for r, variant, ours, ref, n in run():
                     mx, rr = _errors(ours, ref)
@@ -172,9 +185,10 @@ def main(argv=None):
                     table.append((variant, n, mx, rr))
             except (ImportError, AttributeError, NotImplementedError) as exc:
                 print(f"[correctness] skipped {label}: {type(exc).__name__}: {exc}", file=sys.stderr)
-    print(f"\n{'comparison':<78} {'steps':>5} {'max|Δ|':>10} {'rel RMS':>10}")
+    width = max([len("comparison")] + [len(t[0]) for t in table])
+    print(f"\n{'comparison':<{width}} {'steps':>5} {'max|Δ|':>10} {'rel RMS':>10}")
     for variant, n, mx, rr in table:
-        print(f"{variant:<78} {n:>5} {mx:>10.2e} {rr:>10.2e}")
+        print(f"{variant:<{width}} {n:>5} {mx:>10.2e} {rr:>10.2e}")
     return 0
 
 

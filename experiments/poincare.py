@@ -22,7 +22,9 @@ Optimizers compared on identical data, initialisation, batches and negatives (on
                              distance |u - v|, embeddings in R^d, DiskSparseAdam
 
 Commands:
-    python experiments/poincare.py --quick     # dims 2, 5, 10; 20 epochs; 3 min on 2 CPU cores
+    python experiments/poincare.py --quick     # dims 2, 5, 10; 20 epochs; 3 min on 2 CPU cores;
+                                               # rows into results/quick/
+    python experiments/poincare.py --modules numbers collections.abc --dims 2 --epochs 2  # seconds (tests)
     python experiments/poincare.py             # dims 2, 5, 10; 100 epochs; about 20 min on 2 CPU cores
     python analysis/poincare.py                # paper_figs/poincare.png from results/poincare.csv
 """
@@ -43,7 +45,7 @@ import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from experiments.common import Results, add_common_args  # noqa: E402
+from experiments.common import RESULTS_DIR, Results, add_common_args  # noqa: E402
 from optim.disk_sparse import poincare  # noqa: E402
 
 # Run in a fresh interpreter so module side effects (signal handlers, printing) stay out of ours.
@@ -59,7 +61,7 @@ def load(name):
     except BaseException:
         return None
 mods = []
-for n in sorted(sys.stdlib_module_names):
+for n in sys.argv[1:] or sorted(sys.stdlib_module_names):
     if n in SKIP or n.startswith("_"):
         continue
     m = load(n)
@@ -85,10 +87,12 @@ json.dump({"modules": len(mods), "python": sys.version.split()[0], "edges": edge
 '''
 
 
-def stdlib_hierarchy(timeout=600):
-    """(names, edges (E, 2) child->ancestor index pairs, info) of the stdlib's is-a closure."""
-    out = subprocess.run([sys.executable, "-I", "-c", _HIERARCHY_CODE], capture_output=True, text=True,
-                         timeout=timeout)
+def stdlib_hierarchy(timeout=600, modules=None):
+    """(names, edges (E, 2) child->ancestor index pairs, info) of the stdlib's is-a closure.
+
+    ``modules``: import only these (and their submodules) instead of the whole standard library."""
+    out = subprocess.run([sys.executable, "-I", "-c", _HIERARCHY_CODE, *(modules or [])], capture_output=True,
+                         text=True, timeout=timeout)
     if out.returncode != 0:
         raise RuntimeError(f"collecting the class hierarchy failed:\n{out.stderr[-2000:]}")
     data = json.loads(out.stdout)
@@ -174,7 +178,8 @@ def make_variant(name, weight0, args):
     if name == "geoopt.SparseRiemannianAdam":
         import geoopt
 
-        p = geoopt.ManifoldParameter(weight0.clone(), manifold=geoopt.PoincareBall(c=torch.tensor(args.c, dtype=torch.float64)))
+        ball = geoopt.PoincareBall(c=torch.tensor(args.c, dtype=torch.float64))
+        p = geoopt.ManifoldParameter(weight0.clone(), manifold=ball)
         return p, geoopt.optim.SparseRiemannianAdam([p], **kw), None
     p = nn.Parameter(weight0.clone())
     if name == "DiskSparseRiemannianAdam":
@@ -240,7 +245,7 @@ VARIANTS = ["DiskSparseRiemannianAdam", "geoopt.SparseRiemannianAdam", "DiskSpar
             "DiskSparseAdam-euclidean"]
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(parser)
     parser.add_argument("--dims", type=int, nargs="+", default=[2, 5, 10])
@@ -254,13 +259,18 @@ def main():
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (Default: 1; small ops, and 2 threads on a busy 2-core "
                              "machine measured 28x slower per step)")
-    args = parser.parse_args()
+    parser.add_argument("--modules", nargs="+", default=None,
+                        help="build the hierarchy from these stdlib modules only (Default: all of them; "
+                             "tests use e.g. `--modules numbers collections.abc` for a tiny run)")
+    args = parser.parse_args(argv)
+    if args.quick and args.results_dir == RESULTS_DIR:
+        args.results_dir = RESULTS_DIR / "quick"  # quick numbers never mix with the committed ones
     torch.set_num_threads(args.threads)
     args.epochs = args.epochs or (20 if args.quick else 100)
     args.burnin = args.burnin if args.burnin is not None else (2 if args.quick else 10)
     torch.manual_seed(args.seed)
 
-    names, edges, info = stdlib_hierarchy()
+    names, edges, info = stdlib_hierarchy(modules=args.modules)
     rel = related_matrix(len(names), edges)
     print(f"[poincare] {len(names)} classes, {len(edges)} is-a pairs (closure) from {info['modules']} "
           f"modules of Python {info['python']}")

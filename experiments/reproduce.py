@@ -50,7 +50,8 @@ def _run(cmd, log, timeout):
         status = "ok" if ok else f"exit {proc.returncode}"
     except subprocess.TimeoutExpired:
         ok, status = False, f"timeout after {timeout}s"
-    log.append((" ".join(map(str, cmd[1:3])), status, time.perf_counter() - start))
+    script = Path(cmd[1])
+    log.append((f"{script.parent.name}/{script.stem}", status, time.perf_counter() - start))
     return ok
 
 

@@ -1,0 +1,336 @@
+"""Experiments at tiny sizes, analysis scripts on fixture CSVs, and reproduce.py's command assembly.
+
+Each experiment runs in-process (its ``main``) on the smallest size its flags allow, into tmp_path;
+the CSV must have DESIGN.md's columns, the expected variants and metrics, finite values, and the
+numbers that can be restated independently (state bytes of AdamW, SparseAdam's RAM state, the
+reconstruction metrics of Nickel & Kiela 2017) must match that restatement.
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib
+import inspect
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from experiments.common import FIELDS, read_results
+
+REPO = Path(__file__).resolve().parents[1]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _main(module, argv, monkeypatch):
+    """Run ``module.main`` in this process with ``argv``; torch's thread count is restored after."""
+    mod = importlib.import_module(module)
+    threads = torch.get_num_threads()
+    monkeypatch.setattr(sys, "argv", [module.replace(".", "/") + ".py", *map(str, argv)])
+    try:
+        if inspect.signature(mod.main).parameters:
+            return mod.main([str(a) for a in argv])
+        return mod.main()
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _rows(path, experiment):
+    with open(path, newline="") as f:
+        header = next(csv.reader(f))
+    assert header == FIELDS, f"{path}: columns {header} != DESIGN.md's {FIELDS}"
+    rows = read_results(path)
+    assert rows, f"{path}: no rows"
+    for r in rows:
+        assert r["experiment"] == experiment, r
+        assert math.isfinite(r["value"]), f"{path}: non-finite value in {r}"
+        assert r["torch_version"] == torch.__version__ and r["timestamp"] and r["device"], r
+    return rows
+
+
+def _value(rows, variant, metric, x_value=None):
+    hits = [r["value"] for r in rows if r["variant"] == variant and r["metric"] == metric
+            and (x_value is None or r["x_value"] == x_value)]
+    assert len(hits) == 1, f"expected one {variant}/{metric} row at {x_value}, found {len(hits)}"
+    return hits[0]
+
+
+def _assert_png(path):
+    assert path.exists(), f"{path} was not written"
+    assert path.read_bytes()[:8] == PNG_MAGIC, f"{path} is not a PNG"
+    assert path.stat().st_size > 5000, f"{path} is suspiciously small"
+
+
+def _write_fixture(path, experiment, rows):
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=FIELDS)
+        w.writeheader()
+        for variant, metric, unit, x_name, x_value, value in rows:
+            w.writerow(dict(experiment=experiment, variant=variant, metric=metric, unit=unit, x_name=x_name,
+                            x_value=x_value, value=value, seed=0, device="cpu:fixture", torch_version="0",
+                            git_commit="fixture", timestamp="2026-01-01T00:00:00+00:00"))
+
+
+# ------------------------------------------------------------------------------------ poincare
+def _brute_reconstruction(x, rel, dist):
+    """Nickel & Kiela 2017, reconstruction: for every u and every v related to u (v != u), the rank of
+    d(u, v) among d(u, v) and the distances to all classes unrelated to u; and per u the average
+    precision of its related classes in the ranking of all other classes by distance."""
+    n = len(x)
+    ranks, aps = [], []
+    for u in range(n):
+        others = [w for w in range(n) if w != u]
+        related = [v for v in others if rel[u][v]]
+        d = {w: dist(x[u], x[w]) for w in others}
+        for v in related:
+            ranks.append(1 + sum(1 for w in others if not rel[u][w] and d[w] < d[v]))
+        if related:
+            precisions = [sum(1 for w in related if d[w] <= d[v]) / sum(1 for w in others if d[w] <= d[v])
+                          for v in related]
+            aps.append(sum(precisions) / len(precisions))
+    return sum(ranks) / len(ranks), sum(aps) / len(aps)
+
+
+def _ball_dist(a, b):  # c = 1, written out: arcosh(1 + 2|a-b|^2 / ((1-|a|^2)(1-|b|^2)))
+    sq = lambda v: sum(t * t for t in v)  # noqa: E731
+    return math.acosh(1 + 2 * sq([p - q for p, q in zip(a, b)]) / ((1 - sq(a)) * (1 - sq(b))))
+
+
+def _euclid_dist(a, b):
+    return math.sqrt(sum((p - q) ** 2 for p, q in zip(a, b)))
+
+
+@pytest.mark.parametrize("geometry", ["ball", "euclidean"])
+def test_poincare_reconstruction_matches_brute_force(geometry):
+    from experiments import poincare as exp
+
+    n, dim = 23, 3
+    x = torch.randn(n, dim, dtype=torch.float64)
+    x = x / x.norm(dim=1, keepdim=True) * torch.rand(n, 1, dtype=torch.float64) * 0.9
+    rel = torch.rand(n, n) < 0.25
+    rel = rel | rel.T
+    rel.fill_diagonal_(True)
+    rel[5, :] = False  # a class related to nothing else: no rank, no AP
+    rel[:, 5] = False
+    rel[5, 5] = True
+    pairwise = exp.ball_pairwise(1.0) if geometry == "ball" else exp.euclidean_pairwise
+    mean_rank, mean_ap = exp.reconstruction(x, rel, pairwise, chunk=7)  # chunks that do not divide n
+    want_rank, want_ap = _brute_reconstruction(x.tolist(), rel.tolist(),
+                                               _ball_dist if geometry == "ball" else _euclid_dist)
+    assert mean_rank == pytest.approx(want_rank, rel=1e-12), (mean_rank, want_rank)
+    assert mean_ap == pytest.approx(want_ap, rel=1e-12), (mean_ap, want_ap)
+
+
+def test_poincare_related_matrix_is_the_symmetric_closure():
+    from experiments import poincare as exp
+
+    edges = torch.tensor([[0, 1], [1, 2], [0, 2]])
+    rel = exp.related_matrix(4, edges)
+    want = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 0], [1, 1, 1, 0], [0, 0, 0, 1]], dtype=torch.bool)
+    assert torch.equal(rel, want)
+
+
+@pytest.mark.timeout(180)
+def test_poincare_tiny_run_and_figure(tmp_path, monkeypatch):
+    from experiments.poincare import VARIANTS
+
+    _main("experiments.poincare", ["--modules", "numbers", "collections.abc", "--dims", 2, 3, "--epochs", 2,
+                                   "--burnin", 1, "--results-dir", tmp_path], monkeypatch)
+    rows = _rows(tmp_path / "poincare.csv", "poincare")
+    assert (tmp_path / "poincare.config.json").exists()
+    assert {r["variant"] for r in rows} == set(VARIANTS)
+    assert {r["metric"] for r in rows} == {"mean_rank", "map", "final_loss", "train_time"}
+    assert {r["x_value"] for r in rows} == {2.0, 3.0} and {r["x_name"] for r in rows} == {"dim"}
+    for r in rows:
+        if r["metric"] == "map":
+            assert 0 < r["value"] <= 1, r
+        if r["metric"] == "mean_rank":
+            assert r["value"] >= 1, r
+    # ours and geoopt ran from the same start on the same batches: the same embedding to ~1e-12,
+    # so the same reconstruction quality
+    for dim in (2.0, 3.0):
+        for metric in ("mean_rank", "map"):
+            ours = _value(rows, "DiskSparseRiemannianAdam", metric, dim)
+            ref = _value(rows, "geoopt.SparseRiemannianAdam", metric, dim)
+            assert ours == pytest.approx(ref, abs=0.05), (metric, dim, ours, ref)
+    out = tmp_path / "figs" / "poincare.png"
+    _main("analysis.poincare", ["--results-dir", tmp_path, "--out", out], monkeypatch)
+    _assert_png(out)
+
+
+# ------------------------------------------------------------------------ analysis on fixtures
+def test_analysis_poincare_from_fixture(tmp_path, monkeypatch):
+    rows = []
+    for v in ["DiskSparseRiemannianAdam", "geoopt.SparseRiemannianAdam", "DiskSparseAdam+clip",
+              "DiskSparseAdam-euclidean"]:
+        for dim, rank, ap in [(2, 20.0, 0.3), (5, 4.0, 0.6), (10, 2.0, 0.8)]:
+            rows += [(v, "mean_rank", "rank", "dim", dim, rank), (v, "map", "", "dim", dim, ap),
+                     (v, "final_loss", "nats", "dim", dim, 1.5), (v, "train_time", "s", "dim", dim, 3.0)]
+    _write_fixture(tmp_path / "poincare.csv", "poincare", rows)
+    out = tmp_path / "poincare.png"
+    _main("analysis.poincare", ["--results-dir", tmp_path, "--out", out], monkeypatch)
+    _assert_png(out)
+
+
+def test_analysis_gefen_memory_from_fixture(tmp_path, monkeypatch, capsys):
+    rows = []
+    for model in ("transformer", "mlp"):
+        for v, bpp, ms in [("AdamW(fused)", 8.0, 3e-3), ("Adam-mini", 4.0, 4e-3), ("Gefen 8-bit (ours)", 1.01, 9e-3),
+                           ("Gefen 4-bit (ours)", 0.51, 1e-2)]:
+            rows += [(v, "state_bytes_per_param", "B/param", "model", model, bpp),
+                     (v, "step_time_median", "s", "model", model, ms),
+                     (v, "step_time_vs_adamw_fused", "ratio", "model", model, ms / 3e-3)]
+    for v, ratio in [("AdamW(fused)", 1.0), ("Gefen 8-bit (ours)", 1.01), ("Gefen 4-bit (ours)", 1.02)]:
+        rows.append((v, "val_loss_vs_adamw", "ratio", "steps", 200, ratio))
+    _write_fixture(tmp_path / "gefen_memory.csv", "gefen_memory", rows)
+    out = tmp_path / "gefen_memory.png"
+    _main("analysis.gefen_memory", ["--results-dir", tmp_path, "--out", out], monkeypatch)
+    _assert_png(out)
+    printed = capsys.readouterr().out
+    assert "Gefen 4-bit (ours)" in printed and "0.510" in printed
+
+
+# ---------------------------------------------------------------------------- dsa_throughput
+@pytest.mark.timeout(180)
+def test_dsa_throughput_smallest_run(tmp_path, monkeypatch):
+    # The table sizes are fixed by the script (kg: 200k x 64 with --quick); repeats, steps and
+    # disk reads are what can be made small.
+    _main("experiments.dsa_throughput", ["--quick", "--configs", "kg", "--reps", 1, "--steps", 1, "--cold-steps", 1,
+                                         "--disk-reads", 10, "--results-dir", tmp_path, "--state-dir", tmp_path],
+          monkeypatch)
+    rows = _rows(tmp_path / "dsa_throughput.csv", "dsa_throughput")
+    assert {r["x_value"] for r in rows} == {"kg"}
+    for v in ("ceiling", "SparseAdam", "DiskSparseAdam/warm", "DiskSparseAdam/cold"):
+        for metric in ("throughput", "throughput_per_cpu_second"):
+            assert _value(rows, f"kg/{v}", metric) > 0
+    # SparseAdam keeps exp_avg and exp_avg_sq in fp32 for both tables (200k entities + 1000 relations, dim 64)
+    want_ram = 2 * (200_000 + 1000) * 64 * 4
+    assert _value(rows, "kg/SparseAdam", "state_bytes_in_ram") == want_ram
+    assert _value(rows, "kg/DiskSparseAdam", "bytes_on_disk") >= want_ram
+    assert _value(rows, "kg/disk", "random_read_4KiB") > 0 and _value(rows, "kg/disk", "cold_bound") > 0
+    ratio = _value(rows, "kg/ratio", "DiskSparseAdam_warm/SparseAdam")
+    assert ratio == pytest.approx(_value(rows, "kg/DiskSparseAdam/warm", "throughput")
+                                  / _value(rows, "kg/SparseAdam", "throughput"), rel=1e-9)
+    assert not list(tmp_path.glob("dsa-bench-*")), "the state files' temporary directory was left behind"
+
+
+# ------------------------------------------------------------------------------ gefen_memory
+@pytest.mark.timeout(180)
+def test_gefen_memory_smallest_run(tmp_path, monkeypatch):
+    _main("experiments.gefen_memory", ["--optimizers", "AdamW(fused)", "Gefen 8-bit (ours)", "--repeats", 1,
+                                       "--skip-loss", "--results-dir", tmp_path], monkeypatch)
+    rows = _rows(tmp_path / "gefen_memory.csv", "gefen_memory")
+    assert {r["variant"] for r in rows} == {"AdamW(fused)", "Gefen 8-bit (ours)"}
+    assert {r["x_value"] for r in rows} == {"transformer", "mlp"}
+    assert {r["metric"] for r in rows} == {"state_bytes_per_param", "first_step_time", "step_time_median",
+                                           "step_time_vs_adamw_fused"}
+    for model in ("transformer", "mlp"):
+        # AdamW: two fp32 moments per parameter plus one step scalar per tensor
+        assert 8.0 < _value(rows, "AdamW(fused)", "state_bytes_per_param", model) < 8.001
+        assert _value(rows, "Gefen 8-bit (ours)", "state_bytes_per_param", model) <= 1.05
+        assert _value(rows, "AdamW(fused)", "step_time_vs_adamw_fused", model) == 1.0
+        assert _value(rows, "Gefen 8-bit (ours)", "step_time_median", model) > 0
+    out = tmp_path / "gefen_memory.png"
+    _main("analysis.gefen_memory", ["--results-dir", tmp_path, "--out", out], monkeypatch)
+    _assert_png(out)
+
+
+# ------------------------------------------------------------------------------- correctness
+def _correctness(tmp_path, monkeypatch, capsys, *flags):
+    assert _main("experiments.correctness", ["--quick", *flags, "--results-dir", tmp_path], monkeypatch) == 0
+    printed = capsys.readouterr().out
+    rows = _rows(tmp_path / "correctness.csv", "correctness")
+    variants = {r["variant"] for r in rows}
+    for v in variants:
+        assert v in printed, f"{v} missing from the printed table"
+        assert {r["metric"] for r in rows if r["variant"] == v} == {"max_abs_err", "rel_rms_err"}
+    return rows, variants
+
+
+@pytest.mark.timeout(180)
+def test_correctness_quick_torch(tmp_path, monkeypatch, capsys):
+    rows, variants = _correctness(tmp_path, monkeypatch, capsys, "--no-triton")
+    want = {"DiskSparseAdam[torch] vs torch.optim.SparseAdam", "Gefen[reduction] vs torch.optim.AdamW"}
+    want |= {f"DiskSparseRiemannianAdam[torch,{m},c={c},float64] vs geoopt.SparseRiemannianAdam"
+             for m in ("retr", "exact") for c in ("1", "0.5")}
+    assert variants == want
+    for r in rows:  # fp32 / fp64 runs against their references from the same start
+        assert r["value"] < 1e-6, r
+
+
+@pytest.mark.timeout(180)
+def test_correctness_tiny_triton_case(tmp_path, monkeypatch, capsys):
+    rows, variants = _correctness(tmp_path, monkeypatch, capsys, "--checks", "DiskSparseAdam/triton")
+    assert variants == {"DiskSparseAdam[triton] vs torch.optim.SparseAdam"}
+    for r in rows:
+        assert r["value"] < 1e-6, r
+
+
+# -------------------------------------------------------------------------------- reproduce
+def test_reproduce_covers_every_experiment_and_analysis():
+    from experiments import reproduce
+
+    gpu_only = {"bench_dsa_gpu", "bench_kernels"}  # prepared GPU checks, documented as not in the run
+    scripts = {p.stem for p in (REPO / "experiments").glob("*.py")
+               if not p.stem.startswith("_") and p.stem not in {"common", "reproduce"} | gpu_only}
+    assert set(reproduce.EXPERIMENTS) == scripts
+    analyses = {p.stem for p in (REPO / "analysis").glob("*.py") if p.stem not in {"common", "__init__"}}
+    drawn = {a for figs in reproduce.EXPERIMENTS.values() for a in figs}
+    assert drawn == analyses
+    assert set(reproduce.FIGURE_OF) == analyses
+
+
+def test_reproduce_command_assembly(tmp_path, monkeypatch, capsys):
+    import subprocess
+
+    from experiments import reproduce
+
+    calls = []
+
+    def fake_run(cmd, cwd=None, timeout=None):
+        calls.append((cmd, cwd, timeout))
+        return subprocess.CompletedProcess(cmd, 3 if "analysis" in cmd[1] else 0)
+
+    monkeypatch.setattr(reproduce.subprocess, "run", fake_run)
+    res, figs = tmp_path / "res", tmp_path / "figs"
+    rc = reproduce.main(["--quick", "--only", "poincare", "hessian_alignment", "--results-dir", str(res),
+                         "--figs-dir", str(figs), "--wandb", "disabled", "--timeout", "7"])
+    py = sys.executable
+    assert [c[0] for c in calls] == [
+        [py, str(REPO / "experiments/poincare.py"), "--results-dir", str(res), "--quick", "--wandb", "disabled"],
+        [py, str(REPO / "experiments/hessian_alignment.py"), "--results-dir", str(res), "--quick", "--wandb",
+         "disabled"],
+        [py, str(REPO / "analysis/poincare.py"), "--results-dir", str(res), "--out", str(figs / "poincare.png")],
+        [py, str(REPO / "analysis/hessian_alignment.py"), "--results-dir", str(res), "--out",
+         str(figs / "hessian_alignment.png")],
+    ]
+    assert all(c[1] == reproduce.REPO_ROOT and c[2] == 7 for c in calls)
+    assert res.is_dir() and figs.is_dir()
+    assert rc == 1  # the (fake) analysis steps failed
+    out = capsys.readouterr().out
+    for step, status in [("experiments/poincare", "ok"), ("experiments/hessian_alignment", "ok"),
+                         ("analysis/poincare", "exit 3"), ("analysis/hessian_alignment", "exit 3")]:
+        want = [step, *status.split()]
+        assert any(line.split()[:len(want)] == want for line in out.splitlines()), (step, out)
+    assert "2/4 steps ok" in out
+
+
+def test_reproduce_full_run_defaults_and_timeout(tmp_path, monkeypatch, capsys):
+    import subprocess
+
+    from experiments import reproduce
+
+    calls = []
+
+    def fake_run(cmd, cwd=None, timeout=None):
+        calls.append((cmd, timeout))
+        raise subprocess.TimeoutExpired(cmd, timeout)
+
+    monkeypatch.setattr(reproduce.subprocess, "run", fake_run)
+    rc = reproduce.main(["--only", "correctness", "--results-dir", str(tmp_path), "--figs-dir", str(tmp_path)])
+    assert rc == 1
+    assert calls == [([sys.executable, str(REPO / "experiments/correctness.py"), "--results-dir", str(tmp_path)],
+                      None)]
+    assert "timeout" in capsys.readouterr().out
