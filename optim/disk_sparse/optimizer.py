@@ -18,6 +18,7 @@ import tempfile
 
 import torch
 
+from .pipeline import RowStager, make_executor
 from .store import RowStateFile, StateFileError  # noqa: F401  (re-exported for users' except clauses)
 
 # State-dict keys (the same as torch.optim.SparseAdam's, so its checkpoints load here and back).
@@ -87,6 +88,9 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
         self._steps: dict = {}
         self._closed = False
         self._kernels = None
+        self._stagers: dict = {}  # parameter -> RowStager (weights on CUDA; see pipeline.py)
+        self._executor = None
+        self._force_staging = False  # testing hook: stage CPU weights too (same code path, no streams)
         try:
             os.makedirs(self.state_dir, exist_ok=True)
         except OSError as exc:
@@ -156,13 +160,15 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
                 self._steps[p] += 1  # like SparseAdam, a present gradient counts even when empty
                 if g._nnz() == 0:
                     continue
-                if self._fused_cpu(p, g, group, self._steps[p]):
+                staged = self._staged(p)
+                if not staged and self._fused_cpu(p, g, group, self._steps[p]):
                     continue
                 if g.is_coalesced():
                     rows, vals = g._indices()[0], g._values()
                 else:
                     rows, vals = coalesce_rows(g._indices()[0], g._values())
-                self._step_rows(p, rows, vals, group, self._steps[p])
+                step_rows = self._step_rows_staged if staged else self._step_rows
+                step_rows(p, rows, vals, group, self._steps[p])
         return loss
 
     def _step_rows(self, p, rows, vals, group, step):
@@ -180,6 +186,47 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
         else:
             self._update_torch(p, rows, g, rec, step, group)
         store.scatter(rows_cpu, rec.cpu())
+
+    def _staged(self, p):
+        return p.is_cuda or self._force_staging
+
+    def _stager(self, p):
+        st = self._stagers.get(p)
+        if st is None:
+            if self._executor is None:
+                self._executor = make_executor()
+            st = self._stagers[p] = RowStager(self._stores[p], p.device, self._executor)
+        return st
+
+    def _step_rows_staged(self, p, rows, vals, group, step):
+        """``_step_rows`` through persistent pinned/device buffers and announced rows (pipeline.py)."""
+        st = self._stager(p)
+        rows_cpu = rows.cpu()
+        host = st.acquire(rows_cpu)
+        rec = st.to_device(host)
+        g = vals.to(rec.dtype)
+        if self._use_triton(p):
+            w = st.weight_rows(p, rows)
+            getattr(self._kernel_module(), self._kernel_name)(w, g.contiguous(), rec, step,
+                                                             **self._hyper(group))
+            p.index_copy_(0, rows, w)
+        else:
+            self._update_torch(p, rows, g, rec, step, group)
+        st.to_host(rec, host)
+        self._stores[p].scatter(rows_cpu, host)
+        st.written(rows_cpu, host)
+
+    def device_staging_bytes(self):
+        """Device memory held by the optimizer: its staging buffers (O(largest batch's unique rows)).
+
+        The moments live in the state files; per step, transient device tensors (the coalesced
+        gradient and its sort) come and go through the caching allocator and are not counted.
+        """
+        return sum(st.device_bytes() for st in self._stagers.values())
+
+    def pinned_staging_bytes(self):
+        """Pinned host memory held by the staging buffers (plain host memory for CPU weights)."""
+        return sum(st.host_bytes() for st in self._stagers.values())
 
     def _fused_cpu(self, p, g, group, step):
         """Subclass hook: update with a fused CPU kernel straight from the uncoalesced gradient."""
@@ -207,9 +254,11 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
         """Announce rows the next step will touch, so their state pages are read meanwhile.
 
         ``indices``: any integer tensor of row indices (e.g. the next batch) of ``param`` (needed only
-        when the optimizer has several parameters). The pages are requested with
+        when the optimizer has several parameters). For CPU weights the pages are requested with
         ``madvise(MADV_WILLNEED)``, which returns at once and reads in the background; on a warm page
-        cache it costs a few microseconds per row and gains nothing.
+        cache it costs a few microseconds per row and gains nothing. For CUDA weights the rows'
+        records are gathered into a pinned buffer on a background thread, and the step whose unique
+        rows equal them uses it (steps in between keep it up to date; see ``pipeline.py``).
         """
         self._check_open()
         if param is None:
@@ -223,7 +272,10 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
         if rows.numel() and (rows[0] < 0 or rows[-1] >= param.shape[0]):
             raise IndexError(f"prefetch: indices must lie in [0, {param.shape[0]}) for parameter "
                              f"{self._index(param)}")
-        self._stores[param].prefetch(rows)
+        if self._staged(param):
+            self._stager(param).prefetch(rows)
+        else:
+            self._stores[param].prefetch(rows)
 
     # -- checkpoints -------------------------------------------------------------------------------
     def state_dict(self):
@@ -269,6 +321,8 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
                         raise ValueError(f"state_dict's {key!r} of parameter {self._index(p)} has shape "
                                          f"{tuple(vals[key].shape)}, expected {tuple(view.shape)}")
                 loaded[p] = (vals, int(entry[STEP]))
+        for st in self._stagers.values():  # announced records are about to be replaced
+            st.invalidate()
         for sg, g in zip(saved_groups, self.param_groups):
             g.update({k: v for k, v in sg.items() if k != "params"})
         for p, store in self._stores.items():
@@ -298,6 +352,11 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
             return
         self._closed = True
         try:
+            for st in self._stagers.values():  # no background gather may outlive the mappings
+                st.invalidate()
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+            self._stagers.clear()
             for p, store in self._stores.items():
                 store.close(self._steps[p])
         finally:

@@ -1,0 +1,187 @@
+"""Staging of Disk Sparse Adam state records between the state file and the weights' device.
+
+For weights on CUDA, one step of one parameter goes (``DiskSparseOptimizer._step_rows_staged``)::
+
+    file (mmap) --gather--> pinned host buffer --H2D, side stream--> device records
+        --row update in place with the weight rows (index_select / index_copy_ on the device)-->
+    device records --D2H, side stream--> the same pinned buffer --event, then scatter--> file
+
+All buffers are persistent per parameter and grown geometrically to the largest batch of unique rows
+seen, so a training loop allocates no pinned or device staging memory after its first steps, and
+the optimizer's device memory is bounded by the staging buffers (O(batch rows)); the moments
+themselves never live on the device.
+
+``prefetch(rows)`` starts gathering announced rows' records into another pinned buffer on a
+background thread. A later step whose unique rows equal an announcement uses that buffer instead of
+reading the file again; other steps gather as usual. Announcements stay valid across steps: after a
+step writes its rows back, every pending announcement is waited for and the rows it shares with the
+step are overwritten with the step's new records, so a prefetched buffer is never used stale (a step
+of random rows from a large table usually shares a few rows with the next batch; dropping the whole
+announcement then would waste it). Anything else that writes the file (``load_state_dict``,
+``close``) calls ``invalidate()``. At most ``depth`` announcements are kept; older ones are dropped.
+
+The same code runs with CPU "device" tensors (plain host buffers, no streams), which is how the tests
+check it against the direct path.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+
+def _grown(cap: int, n: int) -> int:
+    """Capacity for ``n`` rows: at least double the old one, in multiples of 256 rows."""
+    return -(-max(n, 2 * cap) // 256) * 256
+
+
+class _Buffer:
+    """A persistent ``(capacity, width)`` tensor grown geometrically; ``view(n)`` is its first n rows."""
+
+    __slots__ = ("tensor", "dtype", "device", "pin")
+
+    def __init__(self, dtype, device, pin=False):
+        self.tensor, self.dtype, self.device, self.pin = None, dtype, torch.device(device), pin
+
+    def view(self, n: int, width: int) -> torch.Tensor:
+        t = self.tensor
+        if t is None or t.shape[0] < n or t.shape[1] != width:
+            cap = _grown(0 if t is None or t.shape[1] != width else t.shape[0], n)
+            self.tensor = t = torch.empty((cap, width), dtype=self.dtype, device=self.device,
+                                          pin_memory=self.pin)
+        return t[:n]
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.tensor is None else self.tensor.numel() * self.tensor.element_size()
+
+
+class _Announced:
+    __slots__ = ("rows", "buf", "future")
+
+    def __init__(self, rows, buf, future):
+        self.rows, self.buf, self.future = rows, buf, future
+
+
+class RowStager:
+    """Pinned and device staging buffers of one parameter, and its pending prefetches.
+
+    ``store``: the parameter's :class:`~optim.disk_sparse.store.RowStateFile`; ``device``: the
+    weights' device; ``executor``: a one-thread executor for the background gathers; ``depth``: how
+    many announcements are kept (two cover a loop that announces batch k+1 before stepping batch k).
+    """
+
+    def __init__(self, store, device, executor, depth: int = 2):
+        self.store, self.device, self.executor, self.depth = store, torch.device(device), executor, depth
+        self.cuda = self.device.type == "cuda"
+        pin = self.cuda
+        # depth + 1 host buffers: each pending announcement holds one, the running step one more.
+        self.host = [_Buffer(store.dtype, "cpu", pin) for _ in range(depth + 1)]
+        self.dev_records = _Buffer(store.dtype, self.device)
+        self.dev_weights = None  # created on first use, in the weights' dtype
+        self.pending: deque = deque()
+        self.stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self.event = torch.cuda.Event() if self.cuda else None
+        self.hits = self.misses = self.patched_rows = 0
+
+    # -- host side -----------------------------------------------------------------------------
+    def _free_buffer(self) -> _Buffer:
+        busy = {id(a.buf) for a in self.pending}
+        return next(b for b in self.host if id(b) not in busy)
+
+    def prefetch(self, rows: torch.Tensor):
+        """Start gathering the records of ``rows`` (CPU int64, sorted unique) in the background."""
+        while len(self.pending) >= self.depth:
+            self._drop(self.pending.popleft())
+        buf = self._free_buffer()
+        out = buf.view(rows.numel(), self.store.width)
+        fut = self.executor.submit(torch.index_select, self.store.records, 0, rows, out=out)
+        self.pending.append(_Announced(rows, buf, fut))
+
+    def acquire(self, rows: torch.Tensor) -> torch.Tensor:
+        """Host records of ``rows`` (CPU int64, sorted unique): a prefetched buffer or a fresh gather.
+
+        The result is a view of a persistent buffer, valid until the next ``acquire``.
+        """
+        n = rows.numel()
+        for k, a in enumerate(self.pending):
+            if a.rows.numel() == n and torch.equal(a.rows, rows):
+                for _ in range(k):  # announced before this batch and never stepped: stale
+                    self._drop(self.pending.popleft())
+                self.pending.popleft()
+                a.future.result()
+                self.hits += 1
+                return a.buf.view(n, self.store.width)
+        self.misses += 1
+        out = self._free_buffer().view(n, self.store.width)
+        torch.index_select(self.store.records, 0, rows, out=out)
+        return out
+
+    def written(self, rows: torch.Tensor, records: torch.Tensor):
+        """After ``records`` of ``rows`` were scattered to the file: refresh pending announcements."""
+        for a in self.pending:
+            a.future.result()  # its gather may have read a row before (or while) it was written
+            m = a.rows.numel()
+            if m == 0 or rows.numel() == 0:
+                continue
+            pos = torch.searchsorted(a.rows, rows).clamp_(max=m - 1)
+            hit = a.rows[pos] == rows
+            if bool(hit.any()):
+                a.buf.view(m, self.store.width)[pos[hit]] = records[hit]
+                self.patched_rows += int(hit.sum())
+
+    def invalidate(self):
+        """Forget every announcement (after its gather finished); call before other file writes."""
+        while self.pending:
+            self._drop(self.pending.popleft())
+
+    @staticmethod
+    def _drop(a):
+        try:
+            a.future.result()
+        except Exception:  # a dropped gather's failure does not matter: its rows are read again
+            pass
+
+    # -- device side ---------------------------------------------------------------------------
+    def to_device(self, host: torch.Tensor) -> torch.Tensor:
+        """Copy host records to the persistent device buffer (side stream on CUDA); returns the view."""
+        dev = self.dev_records.view(host.shape[0], host.shape[1])
+        if not self.cuda:
+            return dev.copy_(host)
+        main = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(main)  # the buffer's previous readers on the main stream are done
+        with torch.cuda.stream(self.stream):
+            dev.copy_(host, non_blocking=True)
+        main.wait_stream(self.stream)
+        return dev
+
+    def weight_rows(self, p: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Rows of ``p`` gathered into the persistent device weight buffer."""
+        if self.dev_weights is None or self.dev_weights.dtype != p.dtype:
+            self.dev_weights = _Buffer(p.dtype, p.device)
+        out = self.dev_weights.view(rows.numel(), p.shape[1])
+        return torch.index_select(p, 0, rows, out=out)
+
+    def to_host(self, dev: torch.Tensor, host: torch.Tensor):
+        """Copy updated device records back into ``host`` and wait until they are there."""
+        if not self.cuda:
+            host.copy_(dev)
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))  # after the row update
+        with torch.cuda.stream(self.stream):
+            host.copy_(dev, non_blocking=True)
+            self.event.record(self.stream)
+        self.event.synchronize()
+
+    def device_bytes(self) -> int:
+        return self.dev_records.nbytes + (0 if self.dev_weights is None else self.dev_weights.nbytes)
+
+    def host_bytes(self) -> int:
+        return sum(b.nbytes for b in self.host)
+
+
+def make_executor() -> ThreadPoolExecutor:
+    """The one background thread that gathers announced rows (shared by an optimizer's parameters)."""
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsa-prefetch")
