@@ -91,7 +91,9 @@ def check_riemannian(res, steps, rows, dim, backends, device):
             w0 = torch.randn(rows, dim, generator=g, dtype=torch.float64)
             radius = torch.rand(rows, 1, generator=g, dtype=torch.float64) * 0.9 / c**0.5
             w0 = w0 / w0.norm(dim=-1, keepdim=True) * radius
-            ball = geoopt.PoincareBallExact(c=c) if exact else geoopt.PoincareBall(c=c)
+            # geoopt keeps c as a float32 tensor unless given one of float64 (1e-9 drift at c=0.5)
+            c64 = torch.tensor(c, dtype=torch.float64)
+            ball = geoopt.PoincareBallExact(c=c64) if exact else geoopt.PoincareBall(c=c64)
             emb = torch.nn.Embedding(rows, dim, sparse=True).double()
             emb.weight = geoopt.ManifoldParameter(w0.clone(), manifold=ball)
             ropt = geoopt.optim.SparseRiemannianAdam([emb.weight], lr=1e-2)
