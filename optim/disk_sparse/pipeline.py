@@ -70,10 +70,11 @@ class RowStager:
 
     ``store``: the parameter's :class:`~optim.disk_sparse.store.RowStateFile`; ``device``: the
     weights' device; ``executor``: a one-thread executor for the background gathers; ``depth``: how
-    many announcements are kept (two cover a loop that announces batch k+1 before stepping batch k).
+    many announcements are kept (two cover a loop that announces batch k+1 before stepping batch k,
+    three one that looks two batches ahead); when one more arrives, the oldest is dropped.
     """
 
-    def __init__(self, store, device, executor, depth: int = 2):
+    def __init__(self, store, device, executor, depth: int = 3):
         self.store, self.device, self.executor, self.depth = store, torch.device(device), executor, depth
         self.cuda = self.device.type == "cuda"
         pin = self.cuda
