@@ -6,14 +6,19 @@ medians over repeats:
 
   fwd+bwd (no optimizer)       the ceiling: embedding forward + backward only
   torch.optim.SparseAdam       moments in device memory (2 x the table)
-  DiskSparseAdam               moments in a memory-mapped file, Triton row kernel on the GPU
+  DiskSparseAdam               moments in a memory-mapped file, Triton row kernel on the GPU, staged
+                               through persistent pinned/device buffers with the next batch announced
+                               by opt.prefetch (optim/disk_sparse/pipeline.py)
+  DiskSparseAdam (direct)      the same without the staging pipeline (per-step pinned copies)
   DiskSparseRiemannianAdam     the same on the Poincaré ball (c = 1), record D+1 per row
 
 Reported: samples/s, peak device memory the optimizer step adds above the weights (MiB; the
-optimizer is created after the baseline is read, so its state and staging buffers count), and
-agreement after a few steps on the GPU: DiskSparseAdam's Triton path vs its torch path and vs
-torch.optim.SparseAdam, DiskSparseRiemannianAdam's Triton path vs its torch path (max |Δ| of
-weights and state records; float32, and bfloat16 weights on a smaller table).
+optimizer is created after the baseline is read, so its state and staging buffers count), the
+optimizer's persistent device staging buffers (opt.device_staging_bytes(), MiB) and how many steps
+used announced rows (opt.staging_stats()), and agreement after a few steps on the GPU:
+DiskSparseAdam's Triton path vs its torch path, vs torch.optim.SparseAdam and vs the unstaged direct
+path, DiskSparseRiemannianAdam's Triton path vs its torch path (max |Δ| of weights and state
+records; float32, and bfloat16 weights on a smaller table).
 Targets (issue 3): >= 1,000,000 samples/s on one H200 with optimizer device memory < 64 MiB;
 the published DSA claims 134,212 samples/s on a Kaggle GPU.
 
@@ -67,13 +72,21 @@ def train_steps(emb, opt, idx_list):
             opt.step()
 
 
+def unstaged(opt):
+    """The optimizer without the staging pipeline: the direct path of each step (for comparison)."""
+    opt._staging = False
+    return opt
+
+
 def optimizers(args, tmp):
     """name -> constructor(params) of the variants that exist here (None: the no-optimizer ceiling)."""
     from optim import DiskSparseAdam
 
     out = {"fwd+bwd (no optimizer)": None,
            "torch.optim.SparseAdam": lambda p: torch.optim.SparseAdam(p, lr=args.lr),
-           "DiskSparseAdam": lambda p: DiskSparseAdam(p, lr=args.lr, state_dir=tempfile.mkdtemp(dir=tmp))}
+           "DiskSparseAdam": lambda p: DiskSparseAdam(p, lr=args.lr, state_dir=tempfile.mkdtemp(dir=tmp)),
+           "DiskSparseAdam (direct)": lambda p: unstaged(DiskSparseAdam(p, lr=args.lr,
+                                                                         state_dir=tempfile.mkdtemp(dir=tmp)))}
     try:
         from optim import DiskSparseRiemannianAdam
 
@@ -102,6 +115,15 @@ def measure(args, res, dev, tmp):
         extra = (torch.cuda.max_memory_allocated(dev) - base) / MiB
         res.add(name, "device_memory_over_weights", "MiB", extra, "rows", args.rows)
         print(f"{name:28s} peak device memory above the weights: {extra:9.1f} MiB")
+        if hasattr(opts[name], "staging_stats"):
+            st = opts[name].staging_stats()
+            res.add(name, "device_staging_buffers", "MiB", st["device_bytes"] / MiB, "batch", args.batch)
+            res.add(name, "pinned_staging_buffers", "MiB", st["pinned_bytes"] / MiB, "batch", args.batch)
+            res.add(name, "prefetch_hit_rate", "fraction", st["hits"] / max(1, st["hits"] + st["misses"]),
+                    "steps", args.warmup)
+            print(f"{name:28s} staging buffers: device {st['device_bytes'] / MiB:.1f} MiB, pinned "
+                  f"{st['pinned_bytes'] / MiB:.1f} MiB; announced rows used in {st['hits']} of "
+                  f"{st['hits'] + st['misses']} steps ({st['patched_rows']} rows refreshed)")
     # Throughput: interleaved repeats, medians.
     times = {n: [] for n in names}
     for r in range(args.repeats):
@@ -146,12 +168,20 @@ def agreement(args, res, dev, tmp):
         tname = str(dtype).replace("torch.", "")
         for name, (cls, extra, scale) in classes.items():
             out = {}
-            for backend in ("torch", "triton"):
+            for backend in ("torch", "triton", "triton-direct"):
                 emb = make_table(rows, args.dim, dtype, dev, args.seed, scale / args.dim**0.5)
-                opt = cls([emb.weight], lr=args.lr * 10, backend=backend, state_dir=tempfile.mkdtemp(dir=tmp), **extra)
+                opt = cls([emb.weight], lr=args.lr * 10, backend=backend.split("-")[0],
+                          state_dir=tempfile.mkdtemp(dir=tmp), **extra)
+                if backend.endswith("direct"):
+                    unstaged(opt)
                 train_steps(emb, opt, idx)
                 out[backend] = (emb.weight.detach().float().cpu(), final_state(opt))
                 opt.close()
+            dw = float((out["triton"][0] - out["triton-direct"][0]).abs().max())
+            ds = float((out["triton"][1] - out["triton-direct"][1]).abs().max())
+            res.add(f"{name}/{tname}", "max_abs_diff_weights_staged_vs_direct", "abs", dw, "steps", args.check_steps)
+            res.add(f"{name}/{tname}", "max_abs_diff_state_staged_vs_direct", "abs", ds, "steps", args.check_steps)
+            print(f"{name}/{tname:8s} staged vs direct Triton (expected 0): max|Δw| {dw:.3e}  max|Δstate| {ds:.3e}")
             dw = float((out["triton"][0] - out["torch"][0]).abs().max())
             ds = float((out["triton"][1] - out["torch"][1]).abs().max())
             res.add(f"{name}/{tname}", "max_abs_diff_weights_triton_vs_torch", "abs", dw, "steps", args.check_steps)

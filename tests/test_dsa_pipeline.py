@@ -1,7 +1,7 @@
 """The staging pipeline of Disk Sparse Adam (pipeline.py), run on CPU tensors.
 
 On CUDA every step goes through persistent pinned/device buffers and ``prefetch`` gathers announced
-rows on a background thread. ``opt._force_staging = True`` runs the same code on CPU weights (no
+rows on a background thread. ``opt._staging = True`` runs the same code on CPU weights (no
 streams: the "device" buffers are separate CPU tensors), so here it is compared with the direct path
 (``_step_rows``) and with ``torch.optim.SparseAdam`` on identical tables and batches. Both paths apply
 the same operations to the same gathered values, so they must agree bitwise (atol 0); a prefetched
@@ -57,7 +57,7 @@ def run(idx, *, staged, announce, cls=DiskSparseAdam, backend="torch", dtype=tor
     """Train on ``idx``; ``announce(k)`` gives the rows to prefetch before batch k's forward (or None)."""
     emb = table(dtype=dtype, scale=scale)
     opt = cls([emb.weight], lr=3e-2, backend=backend, state_dir=tmp, **kw)
-    opt._force_staging = staged
+    opt._staging = staged
     for k, b in enumerate(idx):
         rows = announce(k) if announce else None
         if rows is not None:
@@ -126,7 +126,7 @@ def test_two_parameters_announced_separately():
     for staged in (False, True):
         ea, eb = table(seed=1), table(rows=200, seed=2)
         opt = DiskSparseAdam([ea.weight, eb.weight], lr=3e-2, backend="torch")
-        opt._force_staging = staged
+        opt._staging = staged
         for k in range(15):
             if k + 1 < 15:
                 opt.prefetch(idx_a[k + 1], param=ea.weight)
@@ -148,7 +148,7 @@ def test_staging_buffers_are_reused_and_bounded():
     idx = batches(60)
     emb = table()
     opt = DiskSparseAdam([emb.weight], lr=3e-2, backend="triton")
-    opt._force_staging = True
+    opt._staging = True
     big = torch.arange(BATCH)  # the largest batch of unique rows first: later ones fit
     grad_step(emb, big, opt)
     for k in range(3):
@@ -156,17 +156,17 @@ def test_staging_buffers_are_reused_and_bounded():
         grad_step(emb, idx[k], opt)
     st = opt._stagers[emb.weight]
     tensors = [b.tensor for b in st.host] + [st.dev_records.tensor, st.dev_weights.tensor]
-    nbytes = (opt.device_staging_bytes(), opt.pinned_staging_bytes())
+    nbytes = (opt.device_staging_bytes(), opt.staging_stats()["pinned_bytes"])
     for k in range(3, 40):
         opt.prefetch(idx[k + 1])
         grad_step(emb, idx[k], opt)
     after = [b.tensor for b in st.host] + [st.dev_records.tensor, st.dev_weights.tensor]
     assert all(a is b for a, b in zip(tensors, after) if a is not None), "a staging buffer was reallocated"
-    assert (opt.device_staging_bytes(), opt.pinned_staging_bytes()) == nbytes
+    assert (opt.device_staging_bytes(), opt.staging_stats()["pinned_bytes"]) == nbytes
     # Bounded by the batch: records (2D) and weight rows (D) of at most max(2 x rows, 256) rows.
     cap = max(2 * BATCH, 256)
     assert 0 < opt.device_staging_bytes() <= cap * 3 * DIM * 4
-    assert opt.pinned_staging_bytes() <= 4 * cap * 2 * DIM * 4  # depth + 1 host buffers
+    assert opt.staging_stats()["pinned_bytes"] <= 4 * cap * 2 * DIM * 4  # depth + 1 host buffers
     opt.close()
 
 
@@ -177,7 +177,7 @@ def test_state_dict_round_trip_mid_run(tmp_path):
     # optimizer; and the original one rewound to an older checkpoint while an announcement is pending.
     emb = table()
     opt = DiskSparseAdam([emb.weight], lr=3e-2, backend="torch", state_dir=tmp_path / "a")
-    opt._force_staging = True
+    opt._staging = True
     ckpts = {}
     for k in range(12):
         opt.prefetch(idx[k + 1])
@@ -191,7 +191,7 @@ def test_state_dict_round_trip_mid_run(tmp_path):
     with torch.no_grad():
         emb2.weight.copy_(ckpts[12][1])
     opt2 = DiskSparseAdam([emb2.weight], lr=3e-2, backend="torch", state_dir=tmp_path / "b")
-    opt2._force_staging = True
+    opt2._staging = True
     opt2.load_state_dict(torch.load(io.BytesIO(ckpts[12][0])))
     for k in range(12, 30):
         if k + 1 < 30:
@@ -216,7 +216,7 @@ def test_state_dict_round_trip_mid_run(tmp_path):
 def test_close_with_pending_announcement(tmp_path):
     emb = table()
     opt = DiskSparseAdam([emb.weight], lr=3e-2, backend="torch", state_dir=tmp_path)
-    opt._force_staging = True
+    opt._staging = True
     grad_step(emb, torch.tensor([1, 2, 3]), opt)
     opt.prefetch(torch.arange(ROWS))
     opt.close()  # waits for the background gather before unmapping

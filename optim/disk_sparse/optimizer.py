@@ -90,7 +90,8 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
         self._kernels = None
         self._stagers: dict = {}  # parameter -> RowStager (weights on CUDA; see pipeline.py)
         self._executor = None
-        self._force_staging = False  # testing hook: stage CPU weights too (same code path, no streams)
+        # None: stage the weights on CUDA (pipeline.py); True/False: always/never (tests, benchmarks).
+        self._staging = None
         try:
             os.makedirs(self.state_dir, exist_ok=True)
         except OSError as exc:
@@ -188,7 +189,7 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
         store.scatter(rows_cpu, rec.cpu())
 
     def _staged(self, p):
-        return p.is_cuda or self._force_staging
+        return p.is_cuda if self._staging is None else bool(self._staging)
 
     def _stager(self, p):
         st = self._stagers.get(p)
@@ -224,9 +225,18 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
         """
         return sum(st.device_bytes() for st in self._stagers.values())
 
-    def pinned_staging_bytes(self):
-        """Pinned host memory held by the staging buffers (plain host memory for CPU weights)."""
-        return sum(st.host_bytes() for st in self._stagers.values())
+    def staging_stats(self):
+        """Totals over parameters: staging bytes (device, pinned host) and announcement use.
+
+        ``hits``: steps that used announced records; ``misses``: steps that gathered from the file;
+        ``patched_rows``: announced rows refreshed because a step in between wrote them.
+        """
+        out = dict(device_bytes=self.device_staging_bytes(), hits=0, misses=0, patched_rows=0,
+                   pinned_bytes=sum(st.host_bytes() for st in self._stagers.values()))
+        for st in self._stagers.values():
+            out.update(hits=out["hits"] + st.hits, misses=out["misses"] + st.misses,
+                       patched_rows=out["patched_rows"] + st.patched_rows)
+        return out
 
     def _fused_cpu(self, p, g, group, step):
         """Subclass hook: update with a fused CPU kernel straight from the uncoalesced gradient."""
