@@ -52,12 +52,36 @@ def assert_same(a, b, what):
         assert_close(x, y, atol=0.0, name=f"{what}: {name}")
 
 
+class LazyExecutor:
+    """Runs a background gather only when its result is asked for: the latest order it can run in."""
+
+    class Future:
+        def __init__(self, fn, args, kwargs):
+            self.call, self.done = (fn, args, kwargs), False
+
+        def result(self):
+            if not self.done:
+                fn, args, kwargs = self.call
+                fn(*args, **kwargs)
+                self.done = True
+
+    _shutdown = False
+
+    def submit(self, fn, *args, **kwargs):
+        return self.Future(fn, args, kwargs)
+
+    def shutdown(self, wait=True):
+        self._shutdown = True
+
+
 def run(idx, *, staged, announce, cls=DiskSparseAdam, backend="torch", dtype=torch.float32, tmp=None,
-        scale=0.3, **kw):
+        scale=0.3, lazy=False, **kw):
     """Train on ``idx``; ``announce(k)`` gives the rows to prefetch before batch k's forward (or None)."""
     emb = table(dtype=dtype, scale=scale)
     opt = cls([emb.weight], lr=3e-2, backend=backend, state_dir=tmp, **kw)
     opt._staging = staged
+    if lazy:
+        opt._executor = LazyExecutor()
     for k, b in enumerate(idx):
         rows = announce(k) if announce else None
         if rows is not None:
@@ -108,14 +132,17 @@ def test_prefetch_of_wrong_rows_falls_back():
     assert patched > 0  # the wrong announcements shared rows with the steps and were refreshed
 
 
-def test_overlapping_announcement_sees_the_step_in_between():
+@pytest.mark.parametrize("lazy", [False, True], ids=["thread", "gather_after_write"])
+def test_overlapping_announcement_sees_the_step_in_between(lazy):
     # Batch k+1 is announced before step k and contains all of batch k's rows plus others, so
-    # every row step k writes must reach the announced buffer before step k+1 uses it.
+    # every row step k writes must reach the announced buffer before step k+1 uses it, whether the
+    # background gather ran before step k wrote its rows (the usual case) or after.
     gen = torch.Generator().manual_seed(3)
     base = [torch.randint(0, ROWS, (20,), generator=gen) for _ in range(12)]
     idx = [base[0]] + [torch.cat([base[k - 1], base[k]]) for k in range(1, 12)]
     direct, _ = run(idx, staged=False, announce=None)
-    staged, (hits, _, patched) = run(idx, staged=True, announce=lambda k: idx[k + 1] if k + 1 < 12 else None)
+    staged, (hits, _, patched) = run(idx, staged=True, announce=lambda k: idx[k + 1] if k + 1 < 12 else None,
+                                     lazy=lazy)
     assert_same(staged, direct, "overlapping announcements")
     assert hits == 11 and patched >= 11 * 15
 

@@ -268,7 +268,9 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
         ``madvise(MADV_WILLNEED)``, which returns at once and reads in the background; on a warm page
         cache it costs a few microseconds per row and gains nothing. For CUDA weights the rows'
         records are gathered into a pinned buffer on a background thread, and the step whose unique
-        rows equal them uses it (steps in between keep it up to date; see ``pipeline.py``).
+        rows equal them uses it (steps in between keep it up to date, ``load_state_dict`` drops it;
+        see ``pipeline.py``). Writing the state tensors by hand between ``prefetch`` and ``step`` is
+        not supported for CUDA weights: the announced copy would not see it.
         """
         self._check_open()
         if param is None:
@@ -420,7 +422,10 @@ class DiskSparseAdam(DiskSparseOptimizer):
 
     The moments of each parameter live in one file under ``state_dir`` (record ``[m | v]`` per row),
     so they cost no RAM beyond the page cache and no accelerator memory. Weights stay where they are
-    (CPU or CUDA). Not for dense gradients (use ``torch.optim.Adam``) or tables that fit in memory
+    (CPU or CUDA); for CUDA weights each step stages its rows' records through persistent pinned and
+    device buffers (``optim/disk_sparse/pipeline.py``), so the optimizer's device memory is
+    ``device_staging_bytes()``, O(rows per batch), and ``prefetch(next_indices)`` reads the next
+    batch's records on a background thread. Not for dense gradients (use ``torch.optim.Adam``) or tables that fit in memory
     with their moments comfortably (``torch.optim.SparseAdam`` is then simpler).
 
     Args:
