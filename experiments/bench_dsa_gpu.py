@@ -179,9 +179,11 @@ def agreement(args, res, dev, tmp):
                 opt.close()
             dw = float((out["triton"][0] - out["triton-direct"][0]).abs().max())
             ds = float((out["triton"][1] - out["triton-direct"][1]).abs().max())
-            res.add(f"{name}/{tname}", "max_abs_diff_weights_staged_vs_direct", "abs", dw, "steps", args.check_steps)
-            res.add(f"{name}/{tname}", "max_abs_diff_state_staged_vs_direct", "abs", ds, "steps", args.check_steps)
-            print(f"{name}/{tname:8s} staged vs direct Triton (expected 0): max|Δw| {dw:.3e}  max|Δstate| {ds:.3e}")
+            for what, val in (("weights", dw), ("state", ds)):
+                res.add(f"{name}/{tname}", f"max_abs_diff_{what}_staged_vs_direct", "abs", val,
+                        "steps", args.check_steps)
+            print(f"{name}/{tname:8s} staged vs direct Triton (expected 0): max|Δw| {dw:.3e}  "
+                  f"max|Δstate| {ds:.3e}")
             dw = float((out["triton"][0] - out["torch"][0]).abs().max())
             ds = float((out["triton"][1] - out["torch"][1]).abs().max())
             res.add(f"{name}/{tname}", "max_abs_diff_weights_triton_vs_torch", "abs", dw, "steps", args.check_steps)

@@ -425,8 +425,9 @@ class DiskSparseAdam(DiskSparseOptimizer):
     (CPU or CUDA); for CUDA weights each step stages its rows' records through persistent pinned and
     device buffers (``optim/disk_sparse/pipeline.py``), so the optimizer's device memory is
     ``device_staging_bytes()``, O(rows per batch), and ``prefetch(next_indices)`` reads the next
-    batch's records on a background thread. Not for dense gradients (use ``torch.optim.Adam``) or tables that fit in memory
-    with their moments comfortably (``torch.optim.SparseAdam`` is then simpler).
+    batch's records on a background thread. Not for dense gradients (use ``torch.optim.Adam``) or
+    tables that fit in memory with their moments comfortably (``torch.optim.SparseAdam`` is then
+    simpler).
 
     Args:
         params: iterable of 2-D floating-point parameters (``nn.Embedding(sparse=True).weight``,
