@@ -7,17 +7,28 @@ text (``pydoc_data.topics``) end within 3% of AdamW's loss.
 
 Commands::
 
-    python experiments/gefen_memory.py --quick     # ~6 min on a 2-core CPU, torchao left out
-    python experiments/gefen_memory.py             # all optimizers (torchao compiles ~3 min each),
-                                                   # 21 timing repeats, 200- and 400-step loss runs
+    python experiments/gefen_memory.py --quick     # torchao left out, 7 repeats, loss: 1 seed, lr 3e-3
+    python experiments/gefen_memory.py --threads 2 # all optimizers (torchao compiles ~3 min each),
+                                                   # 21 timing repeats, loss: lr grid, 3 seeds
+    # or in two runs (analysis/gefen_memory.py keeps the newest rows per variant and metric):
+    python experiments/gefen_memory.py --threads 2 --skip-loss
+    python experiments/gefen_memory.py --skip-timing
 
 Memory: tensor bytes of ``optimizer.state_dict()`` after one step (tensor subclasses such as
 torchao's quantised states counted by their inner tensors), divided by the parameter count.
 Time: median over repeats of one ``step()`` on fixed gradients, every optimizer stepped once per
 repeat in turn (interleaved), ``torch.set_num_threads(--threads)`` for all of them; rows carry
 the time and its ratio to fused AdamW's median from the same run.
+Ours runs its numba kernel on as many threads as torch (``--threads``); rows ``threads`` say how many.
 Optimizers: AdamW (fused), Adam-mini (``adam-mini``), torchao AdamW8bit / AdamW4bit, upstream
 ``gefen`` (its CPU path), ours at 8 and 4 bits.
+Loss: fused AdamW, upstream ``gefen``, ours at 8 and 4 bits train a character ``Encoder`` (d=128,
+2 layers, context 64, batch 32; 90/10 split of ``pydoc_data.topics``) for 200 steps with
+experiments/convergence.py's protocol: linear warm-up over 5% of the steps, cosine decay to 10%,
+gradient clipping at 1.0, weight decay 0.1; each optimizer's peak learning rate is the best of the
+same grid (``--lrs``) on the first seed, then two more seeds; the same initialisation and batches
+per seed for every optimizer. Rows: ``val_loss`` per seed, ``val_loss_vs_adamw`` per seed (ratio to
+AdamW's of the same seed), its ``_mean`` and ``_std`` over seeds, ``best_lr``, ``val_loss_lr_sweep``.
 """
 
 import argparse
@@ -76,34 +87,34 @@ def model_loss(model, x):
 
 
 # --------------------------------------------------------------------------------- optimizers
-def _adam_mini(model, lr):
+def _adam_mini(model, lr, wd=0.0):
     import adam_mini
 
-    return adam_mini.Adam_mini(model.named_parameters(), lr=lr, dim=256, n_heads=8, verbose=False)
+    return adam_mini.Adam_mini(model.named_parameters(), lr=lr, weight_decay=wd, dim=256, n_heads=8, verbose=False)
 
 
 def _torchao(name):
-    def make(model, lr):
+    def make(model, lr, wd=0.0):
         import torchao.optim
 
-        return getattr(torchao.optim, name)(model.parameters(), lr=lr, weight_decay=0.0)
+        return getattr(torchao.optim, name)(model.parameters(), lr=lr, weight_decay=wd)
     return make
 
 
-def _upstream(model, lr):
+def _upstream(model, lr, wd=0.0):
     import gefen
 
-    return gefen.Gefen(list(model.parameters()), lr=lr, fused=False)
+    return gefen.Gefen(list(model.parameters()), lr=lr, weight_decay=wd, fused=False)
 
 
 OPTIMIZERS = {
-    "AdamW(fused)": lambda m, lr: torch.optim.AdamW(m.parameters(), lr=lr, weight_decay=0.0, fused=True),
+    "AdamW(fused)": lambda m, lr, wd=0.0: torch.optim.AdamW(m.parameters(), lr=lr, weight_decay=wd, fused=True),
     "Adam-mini": _adam_mini,
     "torchao AdamW8bit": _torchao("AdamW8bit"),
     "torchao AdamW4bit": _torchao("AdamW4bit"),
     "gefen (upstream)": _upstream,
-    "Gefen 8-bit (ours)": lambda m, lr: Gefen(m.parameters(), lr=lr, bits=8),
-    "Gefen 4-bit (ours)": lambda m, lr: Gefen(m.parameters(), lr=lr, bits=4),
+    "Gefen 8-bit (ours)": lambda m, lr, wd=0.0: Gefen(m.parameters(), lr=lr, weight_decay=wd, bits=8),
+    "Gefen 4-bit (ours)": lambda m, lr, wd=0.0: Gefen(m.parameters(), lr=lr, weight_decay=wd, bits=4),
 }
 
 
@@ -155,6 +166,7 @@ def memory_and_time(res, model_name, names, repeats, seed):
         med = statistics.median(times)
         res.add(name, "step_time_median", "s", med, x_name="model", x_value=model_name)
         res.add(name, "step_time_vs_adamw_fused", "ratio", med / base, x_name="model", x_value=model_name)
+        res.add(name, "threads", "count", torch.get_num_threads(), x_name="model", x_value=model_name)
         print(f"[{model_name}] {name}: median step {med * 1e3:.1f} ms = {med / base:.2f}x fused AdamW")
 
 
@@ -167,60 +179,108 @@ def char_data():
     return data, len(chars)
 
 
-def char_loss(res, names, steps, seed, ctx=64, batch=32):
+LOSS_OPTIMIZERS = ["AdamW(fused)", "gefen (upstream)", "Gefen 8-bit (ours)", "Gefen 4-bit (ours)"]
+
+
+def char_run(name, data, vocab, xv, steps, lr, seed, ctx=64, batch=32):
+    """One training run (convergence.py's protocol); returns the final validation loss."""
+    import contextlib
+    import io
+
+    from experiments.convergence import GRAD_CLIP, WEIGHT_DECAY, lr_factor, set_lr
+
+    torch.manual_seed(seed)
+    model = Encoder(vocab=vocab, d=128, layers=2, heads=4, ff=512, ctx=ctx)
+    with contextlib.redirect_stdout(io.StringIO()):  # upstream gefen prints while it sets up
+        opt = OPTIMIZERS[name](model, lr, WEIGHT_DECAY)
+    gen = torch.Generator().manual_seed(seed)
+    for step in tqdm(range(steps), desc=f"char {name} seed {seed}", leave=False, mininterval=2.0):
+        set_lr(opt, lr * lr_factor(step, steps))
+        idx = torch.randint(0, data.numel() - ctx - 1, (batch,), generator=gen)
+        xb = torch.stack([data[i:i + ctx + 1] for i in idx])
+        opt.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.cross_entropy(model(xb[:, :-1]).reshape(-1, vocab), xb[:, 1:].reshape(-1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
+        with contextlib.redirect_stdout(io.StringIO()):
+            opt.step()
+    with torch.no_grad():
+        return torch.nn.functional.cross_entropy(model(xv[:, :-1]).reshape(-1, vocab), xv[:, 1:].reshape(-1)).item()
+
+
+def char_loss(res, names, steps, seeds, lrs, base_seed):
+    """Every optimizer, same protocol, same initialisation and batches per seed; ratios per seed.
+
+    As experiments/convergence.py: each optimizer's peak learning rate is the best of ``lrs`` by
+    the final validation loss of the first seed (the same grid for every optimizer), then rerun
+    with the other seeds.
+    """
     data, vocab = char_data()
     split = int(0.9 * data.numel())
     train, val = data[:split], data[split:]
-    gen = torch.Generator().manual_seed(seed + 1)
-    val_idx = torch.randint(0, val.numel() - ctx - 1, (64,), generator=gen)
+    ctx = 64
+    gen = torch.Generator().manual_seed(base_seed + 1)
+    val_idx = torch.randint(0, val.numel() - ctx - 1, (256,), generator=gen)
     xv = torch.stack([val[i:i + ctx + 1] for i in val_idx])
+    seed_list = list(range(base_seed, base_seed + seeds))
     finals = {}
     for name in names:
-        torch.manual_seed(seed)
-        model = Encoder(vocab=vocab, d=128, layers=2, heads=4, ff=512, ctx=ctx)
-        opt = OPTIMIZERS[name](model, 3e-3)
-        gen = torch.Generator().manual_seed(seed)
-        for step in tqdm(range(1, steps + 1), desc=f"char {name}", leave=False):
-            idx = torch.randint(0, train.numel() - ctx - 1, (batch,), generator=gen)
-            xb = torch.stack([train[i:i + ctx + 1] for i in idx])
-            opt.zero_grad()
-            loss = torch.nn.functional.cross_entropy(model(xb[:, :-1]).reshape(-1, vocab), xb[:, 1:].reshape(-1))
-            loss.backward()
-            opt.step()
-            if step % 50 == 0 or step == steps:
-                res.add(name, "train_loss", "nats/char", loss.item(), x_name="step", x_value=step)
-        with torch.no_grad():
-            val_loss = torch.nn.functional.cross_entropy(model(xv[:, :-1]).reshape(-1, vocab), xv[:, 1:].reshape(-1))
-        finals[name] = val_loss.item()
-        res.add(name, "val_loss", "nats/char", finals[name], x_name="steps", x_value=steps)
+        sweep = {lr: char_run(name, train, vocab, xv, steps, lr, base_seed, ctx=ctx) for lr in lrs}
+        best = min(lrs, key=lambda lr: sweep[lr] if math.isfinite(sweep[lr]) else math.inf)
+        print(f"[char {steps} steps] {name}: lr sweep {sweep}, best {best:g}")
+        for lr, v in sweep.items():
+            res.add(name, "val_loss_lr_sweep", "nats/char", v, x_name="lr", x_value=lr, seed=base_seed)
+        res.add(name, "best_lr", "lr", best, x_name="steps", x_value=steps)
+        finals[name] = [sweep[best]] + [char_run(name, train, vocab, xv, steps, best, s, ctx=ctx)
+                                        for s in seed_list[1:]]
+        for seed, v in zip(seed_list, finals[name]):
+            res.add(name, "val_loss", "nats/char", v, x_name="steps", x_value=steps, seed=seed)
+        res.flush()
     base = finals.get("AdamW(fused)")
-    for name, v in finals.items():
-        res.add(name, "val_loss_vs_adamw", "ratio", v / base, x_name="steps", x_value=steps)
-        print(f"[char {steps} steps] {name}: val loss {v:.4f} = {v / base:.4f}x AdamW")
+    for name, vals in finals.items():
+        ratios = [v / b for v, b in zip(vals, base)]
+        for seed, r in zip(seed_list, ratios):
+            res.add(name, "val_loss_vs_adamw", "ratio", r, x_name="steps", x_value=steps, seed=seed)
+        mean = statistics.fmean(ratios)
+        std = statistics.stdev(ratios) if len(ratios) > 1 else 0.0
+        res.add(name, "val_loss_vs_adamw_mean", "ratio", mean, x_name="steps", x_value=steps)
+        res.add(name, "val_loss_vs_adamw_std", "ratio", std, x_name="steps", x_value=steps)
+        print(f"[char {steps} steps] {name}: val loss {statistics.fmean(vals):.4f} = "
+              f"{mean:.4f} +- {std:.4f} x AdamW over {len(vals)} seeds")
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(parser)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads for every optimizer (ours: one numba thread)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads for every optimizer (ours: as many numba threads)")
     parser.add_argument("--repeats", type=int, default=None, help="timed steps per optimizer")
     parser.add_argument("--optimizers", nargs="*", default=None, choices=list(OPTIMIZERS),
                         help="default: all; with --quick all but torchao's (each compiles for ~3 min here)")
-    parser.add_argument("--skip-loss", action="store_true")
+    parser.add_argument("--skip-loss", action="store_true", help="only memory and step times")
+    parser.add_argument("--skip-timing", action="store_true", help="only the character-model loss runs")
+    parser.add_argument("--seeds", type=int, default=None, help="loss runs per optimizer (default 3; 1 with --quick)")
+    parser.add_argument("--lrs", type=float, nargs="+", default=None,
+                        help="peak learning-rate grid of every optimizer's loss runs "
+                             "(default 1e-3 3e-3 1e-2; 3e-3 with --quick)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.optimizers is None:
         args.optimizers = [n for n in OPTIMIZERS if not (args.quick and n.startswith("torchao"))]
     repeats = args.repeats or (7 if args.quick else 21)
-    loss_steps = [200] if args.quick else [200, 400]
-    with Results("gefen_memory", args, config=dict(vars(args), repeats=repeats, loss_steps=loss_steps)) as res:
-        for model_name in MODELS:
-            memory_and_time(res, model_name, args.optimizers, repeats, args.seed)
-            res.flush()
-        if not args.skip_loss:
-            for steps in loss_steps:
-                char_loss(res, ["AdamW(fused)", "Gefen 8-bit (ours)", "Gefen 4-bit (ours)"], steps, args.seed)
+    seeds = args.seeds or (1 if args.quick else 3)
+    loss_steps = 200
+    lrs = args.lrs or ([3e-3] if args.quick else [1e-3, 3e-3, 1e-2])
+    config = dict(vars(args), repeats=repeats, loss_steps=loss_steps, seeds=seeds, lrs=lrs,
+                  threads=torch.get_num_threads())
+    with Results("gefen_memory", args, config=config) as res:
+        if not args.skip_timing:
+            for model_name in MODELS:
+                memory_and_time(res, model_name, args.optimizers, repeats, args.seed)
                 res.flush()
+        if not args.skip_loss:
+            char_loss(res, LOSS_OPTIMIZERS, loss_steps, seeds, lrs, args.seed)
+            res.flush()
 
 
 if __name__ == "__main__":

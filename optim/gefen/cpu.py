@@ -129,13 +129,45 @@ def numba_available() -> bool:
     return True
 
 
+_JOBS = {}
+_JOB_ELEMENTS = 1 << 15  # elements per parallel job (whole scale blocks)
+
+
+def _jobs(numels, S: int, bits: int) -> np.ndarray:
+    """(tensor, first scale block, end scale block) rows: runs of whole blocks of ~32 K elements.
+
+    With 4-bit codes and an odd ``S`` a run starts at an even block (an even element), so two
+    runs never share a code byte. Cached per layout.
+    """
+    key = (tuple(numels), S, bits)
+    if key not in _JOBS:
+        per = max(1, _JOB_ELEMENTS // S)
+        if bits == 4 and S % 2 and per % 2:
+            per += 1
+        rows = []
+        for t, n in enumerate(numels):
+            nb = -(-n // S)
+            rows.extend((t, j, min(j + per, nb)) for j in range(0, nb, per))
+        if len(_JOBS) > 256:
+            _JOBS.clear()
+        _JOBS[key] = np.asarray(rows, dtype=np.int64).reshape(-1, 3)
+    return _JOBS[key]
+
+
+def _set_numba_threads():
+    import numba
+
+    numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
+
+
 @torch.no_grad()
 def gefen_step_compiled_(ps, gs, vs, scales, codes, codebook, *, step, lr, beta1, beta2, eps,
                          weight_decay, block, bits, tables=None):
     """:func:`gefen_step_` for CPU tensors and a quantised first moment, compiled with numba.
 
-    One call per tensor (not per block); non-fp32 or non-contiguous parameters and gradients
-    are copied to fp32 and back.
+    One kernel call for the whole list, runs of scale blocks in parallel on
+    ``torch.get_num_threads()`` numba threads (the same results at any thread count); non-fp32
+    or non-contiguous parameters and gradients are copied to fp32 (and parameters back).
     """
     from ._cpu_numba import kernel
 
@@ -146,21 +178,49 @@ def gefen_step_compiled_(ps, gs, vs, scales, codes, codebook, *, step, lr, beta1
                            beta2=beta2, eps=eps, weight_decay=weight_decay, block=block,
                            bits=bits, tables=tables)
     f32 = np.float32
-    cb = tables.codebook.numpy()
-    lut = tables.lut.numpy()
-    cb_next = np.append(cb, cb[-1])
-    luts = (lut.astype(np.int32), tables.boundaries.numpy()[lut],
-            np.stack([cb_next[lut], cb_next[lut + 1]], axis=1).reshape(-1).copy())
+    luts = _luts(tables)
     S = scale_block_length(block)
-    mbuf = np.empty(S, dtype=np.float32)
     step_fn = kernel(bits, block == 1)
     hyper = (f32(1 - beta1), f32(beta2), f32(1 - beta2), f32(1 - lr * weight_decay),
              f32(-lr / (1 - beta1**step)), f32((1 - beta2**step) ** 0.5), f32(eps))
-    for p, g, v, s, c in zip(ps, gs, vs, scales, codes):
-        direct = p.dtype == torch.float32 and p.is_contiguous()
-        pw = p.detach() if direct else p.detach().float().contiguous()
-        gw = g.detach().reshape(-1).float().contiguous()
-        step_fn(pw.view(-1).numpy(), gw.numpy(), v.numpy(), s.numpy(), c.numpy(), cb, *luts,
-                f32(tables.scale), block, S, *hyper, mbuf)
-        if not direct:
-            p.copy_(pw.view_as(p))
+    meta = np.empty((len(ps), 9), dtype=np.int64)
+    keep, back = [], []  # fp32 working copies alive until the kernel returns; params to copy back
+    for t, (p, g, v, s, c) in enumerate(zip(ps, gs, vs, scales, codes)):
+        for x in (v, s, c):
+            if not x.is_contiguous():
+                raise ValueError("Gefen state tensors must be contiguous")
+        pw = p.detach()
+        if not (p.dtype == torch.float32 and p.is_contiguous()):
+            pw = pw.float().contiguous()
+            back.append((p, pw))
+        gw = g.detach()
+        if not (g.dtype == torch.float32 and g.is_contiguous()):
+            gw = gw.float().contiguous()
+        keep += (pw, gw)
+        meta[t] = (pw.data_ptr(), gw.data_ptr(), v.data_ptr(), s.data_ptr(), c.data_ptr(),
+                   p.numel(), v.numel(), s.numel(), c.numel())
+    jobs = _jobs([p.numel() for p in ps], S, bits)
+    _set_numba_threads()
+    step_fn(meta, jobs, *luts, f32(tables.scale), block, S, *hyper)
+    for p, pw in back:
+        p.copy_(pw.view_as(p))
+
+
+_LUTS = {}
+
+
+def _luts(tables):
+    """The kernel's codebook arrays for one ``CodeTable`` (cached by identity while it lives)."""
+    key = id(tables)
+    hit = _LUTS.get(key)
+    if hit is not None and hit[0] is tables:
+        return hit[1]
+    cb = tables.codebook.numpy()
+    lut = tables.lut.numpy()
+    cb_next = np.append(cb, cb[-1])
+    out = (cb, lut.astype(np.int32), tables.boundaries.numpy()[lut],
+           np.stack([cb_next[lut], cb_next[lut + 1]], axis=1).reshape(-1).copy())
+    if len(_LUTS) > 64:
+        _LUTS.clear()
+    _LUTS[key] = (tables, out)
+    return out
