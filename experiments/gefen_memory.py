@@ -259,6 +259,8 @@ def main():
                         help="default: all; with --quick all but torchao's (each compiles for ~3 min here)")
     parser.add_argument("--skip-loss", action="store_true", help="only memory and step times")
     parser.add_argument("--skip-timing", action="store_true", help="only the character-model loss runs")
+    parser.add_argument("--loss-optimizers", nargs="+", default=LOSS_OPTIMIZERS, choices=LOSS_OPTIMIZERS,
+                        help="optimizers of the loss runs (AdamW is always run: the ratios need it)")
     parser.add_argument("--seeds", type=int, default=None, help="loss runs per optimizer (default 3; 1 with --quick)")
     parser.add_argument("--lrs", type=float, nargs="+", default=None,
                         help="peak learning-rate grid of every optimizer's loss runs "
@@ -279,7 +281,8 @@ def main():
                 memory_and_time(res, model_name, args.optimizers, repeats, args.seed)
                 res.flush()
         if not args.skip_loss:
-            char_loss(res, LOSS_OPTIMIZERS, loss_steps, seeds, lrs, args.seed)
+            char_loss(res, ["AdamW(fused)"] + [n for n in args.loss_optimizers if n != "AdamW(fused)"],
+                      loss_steps, seeds, lrs, args.seed)
             res.flush()
 
 
