@@ -153,12 +153,15 @@ def draw(rows, out: Path, title: str = ""):
 def main(argv=None):
     parser = add_analysis_args(argparse.ArgumentParser(description=__doc__), "gefen_memory")
     args = parser.parse_args(argv)
-    rows = latest_per_metric(read_results("gefen_memory", args.results_dir))
+    used = {"state_bytes_per_param", "step_time_median", "step_time_vs_adamw_fused", "threads",
+            "val_loss_vs_adamw_mean", "val_loss_vs_adamw_std"}
+    rows = [r for r in latest_per_metric(read_results("gefen_memory", args.results_dir)) if r["metric"] in used]
     if not any(r["metric"] == "state_bytes_per_param" for r in rows):
         raise SystemExit(f"{args.results_dir}/gefen_memory.csv has no state_bytes_per_param rows to draw")
     r0 = rows[0]
     threads = sorted({int(r["value"]) for r in rows if r["metric"] == "threads"})
-    setup = f"{r0['device']}, torch {r0['torch_version']}, commit {r0['git_commit']}"
+    commits = "/".join(sorted({r["git_commit"] for r in rows}))
+    setup = f"{r0['device']}, torch {r0['torch_version']}, commit {commits}"
     if threads:
         setup += f", {'/'.join(map(str, threads))} thread(s) for every optimizer's step"
     draw(rows, args.out, setup)
