@@ -225,13 +225,14 @@ def test_gefen_memory_smallest_run(tmp_path, monkeypatch):
     assert {r["variant"] for r in rows} == {"AdamW(fused)", "Gefen 8-bit (ours)"}
     assert {r["x_value"] for r in rows} == {"transformer", "mlp"}
     assert {r["metric"] for r in rows} == {"state_bytes_per_param", "first_step_time", "step_time_median",
-                                           "step_time_vs_adamw_fused"}
+                                           "step_time_vs_adamw_fused", "threads"}
     for model in ("transformer", "mlp"):
         # AdamW: two fp32 moments per parameter plus one step scalar per tensor
         assert 8.0 < _value(rows, "AdamW(fused)", "state_bytes_per_param", model) < 8.001
         assert _value(rows, "Gefen 8-bit (ours)", "state_bytes_per_param", model) <= 1.05
         assert _value(rows, "AdamW(fused)", "step_time_vs_adamw_fused", model) == 1.0
         assert _value(rows, "Gefen 8-bit (ours)", "step_time_median", model) > 0
+        assert _value(rows, "Gefen 8-bit (ours)", "threads", model) >= 1
     out = tmp_path / "gefen_memory.png"
     _main("analysis.gefen_memory", ["--results-dir", tmp_path, "--out", out], monkeypatch)
     _assert_png(out)
