@@ -44,6 +44,7 @@ import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from experiments.common import Results, add_common_args  # noqa: E402
+from experiments.convergence import tensor_bytes  # noqa: E402  (one state-bytes rule for all experiments)
 from optim import Gefen  # noqa: E402
 
 
@@ -116,20 +117,6 @@ OPTIMIZERS = {
     "Gefen 8-bit (ours)": lambda m, lr, wd=0.0: Gefen(m.parameters(), lr=lr, weight_decay=wd, bits=8),
     "Gefen 4-bit (ours)": lambda m, lr, wd=0.0: Gefen(m.parameters(), lr=lr, weight_decay=wd, bits=4),
 }
-
-
-def tensor_bytes(obj) -> int:
-    """Bytes held by the tensors in a (nested) state dict; tensor subclasses by their inner tensors."""
-    if torch.is_tensor(obj):
-        if type(obj) is not torch.Tensor and hasattr(obj, "__tensor_flatten__"):
-            names, _ = obj.__tensor_flatten__()
-            return sum(tensor_bytes(getattr(obj, n)) for n in names)
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, dict):
-        return sum(tensor_bytes(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(tensor_bytes(v) for v in obj)
-    return 0
 
 
 # ------------------------------------------------------------------------------- measurements

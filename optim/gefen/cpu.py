@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from .codebook import code_table, histogram as _histogram, nearest_code
-from .reference import scale_block_length
+from .reference import pack_codes, scale_block_length, unpack_codes
 
 def _rows(flats, width: int) -> torch.Tensor:
     """Concatenate 1-D tensors, each zero-padded to a multiple of ``width``, as (rows, width)."""
@@ -38,22 +38,6 @@ def _unrows(x: torch.Tensor, numels, width: int):
         out.append(x[r:r + rows].reshape(-1)[:n])
         r += rows
     return out
-
-
-def _unpack(codes, n, bits):
-    if bits == 8:
-        return codes
-    return torch.stack([codes & 15, codes >> 4], dim=1).view(-1)[:n]
-
-
-def _pack_into(dst, idx, bits):
-    if bits == 8:
-        dst.copy_(idx)
-        return
-    if idx.numel() % 2:
-        idx = torch.cat([idx, idx.new_zeros(1)])
-    idx = idx.view(-1, 2)
-    torch.bitwise_or(idx[:, 0], idx[:, 1] << 4, out=dst)
 
 
 @torch.no_grad()
@@ -75,8 +59,8 @@ def gefen_step_(ps, gs, vs, scales, codes, codebook, *, step, lr, beta1, beta2, 
     else:
         if tables is None:
             tables = code_table(codebook)
-        idx = _rows([_unpack(c, n, bits) for c, n in zip(codes, numels)], S)
-        M = codebook[idx.long()] * _rows(scales, 1)
+        idx = _rows([unpack_codes(c, n, bits) for c, n in zip(codes, numels)], S)
+        M = codebook[idx] * _rows(scales, 1)
         if R * S != sum(numels):  # zero-padded partial chunks (block 1) must hold m = 0
             M = M * _rows([M.new_ones(n) for n in numels], S)
         M = M.lerp(G, 1 - beta1)
@@ -98,8 +82,8 @@ def gefen_step_(ps, gs, vs, scales, codes, codebook, *, step, lr, beta1, beta2, 
             c.copy_(x)
         return
     idx8 = idx.to(torch.uint8)
-    for c, x, n in zip(codes, _unrows(idx8, numels, S), numels):
-        _pack_into(c, x, bits)
+    for c, x in zip(codes, _unrows(idx8, numels, S)):
+        c.copy_(pack_codes(x, bits))
     for s, x in zip(scales, _unrows(s_new, [s.numel() for s in scales], 1)):
         s.copy_(x)
 
