@@ -166,3 +166,35 @@ def test_bfloat16_weights_keep_float32_state():
     assert opt.state_dict()["state"][0]["exp_avg"].dtype == torch.float32
     assert_close(emb.weight.float(), ref.weight.to(torch.bfloat16).float(), atol=0, name="bf16 weight")
     opt.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_fused_cpu_path_on_two_threads_matches_sparse_adam(dtype, tmp_path):
+    """Enough unique rows per step (>= 256) that the fused kernels split them over two threads:
+    the result must not depend on the thread count and must still agree with SparseAdam."""
+    emb_ref = nn.Embedding(2000, 24, sparse=True, dtype=dtype)
+    emb_two, emb_one = copy.deepcopy(emb_ref), copy.deepcopy(emb_ref)
+    kw = dict(lr=2e-2, betas=(0.85, 0.99), eps=1e-7)
+    ref = torch.optim.SparseAdam(emb_ref.parameters(), **kw)
+    two = DiskSparseAdam(emb_two.parameters(), **kw, state_dir=tmp_path / "two")
+    one = DiskSparseAdam(emb_one.parameters(), **kw, state_dir=tmp_path / "one")
+    gen = torch.Generator().manual_seed(7)
+    threads = torch.get_num_threads()
+    try:
+        for _ in range(30):
+            idx = torch.cat([torch.randint(0, 2000, (600,), generator=gen),
+                             torch.randint(0, 40, (300,), generator=gen)])  # duplicates too
+            target = torch.randn(idx.numel(), 24, generator=gen, dtype=dtype)
+            for emb, opt, n_threads in ((emb_ref, ref, 2), (emb_two, two, 2), (emb_one, one, 1)):
+                torch.set_num_threads(n_threads)
+                opt.zero_grad()
+                ((emb(idx) - target) ** 2).mean().backward()
+                opt.step()
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(emb_two.weight, emb_one.weight)
+    assert_close(emb_two.weight, emb_ref.weight, atol=1e-6, name="weight, 2 threads")
+    st = two.state_dict()["state"][0]
+    assert_close(st["exp_avg_sq"], ref.state[emb_ref.weight]["exp_avg_sq"], atol=1e-6, name="exp_avg_sq")
+    two.close()
+    one.close()
