@@ -234,6 +234,8 @@ def main():
     parser.add_argument("--cold-steps", type=int, default=None,
                         help="cold-cache steps per repeat (default 5, --quick 2)")
     parser.add_argument("--disk-reads", type=int, default=2000)
+    parser.add_argument("--rows", type=int, default=None,
+                        help="table rows of every config (default: seed 1M, kg 2M, --quick kg 200k); for smoke runs")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--state-dir", default=None, help="where the state files go (default: a temp dir)")
     args = parser.parse_args()
@@ -246,6 +248,10 @@ def main():
         "kg": dict(name="kg", rows=200_000 if args.quick else 2_000_000, dim=64, batch=1024),
     }
     chosen = [configs[c] for c in args.configs.split(",")]
+    if args.rows is not None:
+        if args.rows < 1000:
+            parser.error("--rows must be >= 1000 (the KG config has 1000 relations and Zipf-skewed entities)")
+        chosen = [dict(c, rows=args.rows) for c in chosen]
     if args.quick and args.results_dir == RESULTS_DIR:
         args.results_dir = RESULTS_DIR / "quick"  # quick numbers never mix with the committed ones
     with Results("dsa_throughput", args, config={**vars(args), "configs": chosen}) as res, \

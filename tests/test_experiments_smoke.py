@@ -195,18 +195,17 @@ def test_analysis_gefen_memory_from_fixture(tmp_path, monkeypatch, capsys):
 # ---------------------------------------------------------------------------- dsa_throughput
 @pytest.mark.timeout(180)
 def test_dsa_throughput_smallest_run(tmp_path, monkeypatch):
-    # The table sizes are fixed by the script (kg: 200k x 64 with --quick); repeats, steps and
-    # disk reads are what can be made small.
-    _main("experiments.dsa_throughput", ["--quick", "--configs", "kg", "--reps", 1, "--steps", 1, "--cold-steps", 1,
-                                         "--disk-reads", 10, "--results-dir", tmp_path, "--state-dir", tmp_path],
+    _main("experiments.dsa_throughput", ["--quick", "--configs", "kg", "--rows", 20_000, "--reps", 1, "--steps", 1,
+                                         "--cold-steps", 1, "--disk-reads", 10, "--results-dir", tmp_path,
+                                         "--state-dir", tmp_path],
           monkeypatch)
     rows = _rows(tmp_path / "dsa_throughput.csv", "dsa_throughput")
     assert {r["x_value"] for r in rows} == {"kg"}
     for v in ("ceiling", "SparseAdam", "DiskSparseAdam/warm", "DiskSparseAdam/cold"):
         for metric in ("throughput", "throughput_per_cpu_second"):
             assert _value(rows, f"kg/{v}", metric) > 0
-    # SparseAdam keeps exp_avg and exp_avg_sq in fp32 for both tables (200k entities + 1000 relations, dim 64)
-    want_ram = 2 * (200_000 + 1000) * 64 * 4
+    # SparseAdam keeps exp_avg and exp_avg_sq in fp32 for both tables (20k entities + 1000 relations, dim 64)
+    want_ram = 2 * (20_000 + 1000) * 64 * 4
     assert _value(rows, "kg/SparseAdam", "state_bytes_in_ram") == want_ram
     assert _value(rows, "kg/DiskSparseAdam", "bytes_on_disk") >= want_ram
     assert _value(rows, "kg/disk", "random_read_4KiB") > 0 and _value(rows, "kg/disk", "cold_bound") > 0
