@@ -1,6 +1,6 @@
 """Staging of Disk Sparse Adam state records between the state file and the weights' device.
 
-For weights on CUDA, one step of one parameter goes (``DiskSparseOptimizer._step_rows_staged``)::
+For weights on CUDA, one step of one parameter goes (``base.DiskSparseOptimizer._step_rows_staged``)::
 
     file (mmap) --gather--> pinned host buffer --H2D, side stream--> device records
         --row update in place with the weight rows (index_select / index_copy_ on the device)-->
