@@ -182,3 +182,55 @@ def test_prefetch_announces_rows_without_changing_results(tmp_path):
         two.prefetch(torch.tensor([1]))
     for o in (opt_a, opt_b, two):
         o.close()
+
+
+def _file_pmd_mapped_kib(addr):
+    """FilePmdMapped of the mapping holding ``addr`` in /proc/self/smaps (None if not reported)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= addr < hi
+            elif inside and head == "FilePmdMapped:":
+                return int(line.split()[1])
+    return None
+
+
+def test_huge_pages_change_nothing_but_the_mapping(tmp_path):
+    """Same trajectory with and without huge pages; where the kernel maps file folios with PMDs the
+    huge-page mapping actually uses them (checked only where smaps reports it)."""
+    emb_a = _emb(40_000, 16)
+    emb_b = nn.Embedding(40_000, 16, sparse=True)
+    emb_b.weight.data.copy_(emb_a.weight.data)
+    opt_a = DiskSparseAdam(emb_a.parameters(), lr=1e-2, state_dir=tmp_path / "a", huge_pages=True)
+    opt_b = DiskSparseAdam(emb_b.parameters(), lr=1e-2, state_dir=tmp_path / "b", huge_pages=False)
+    sa, sb = opt_a._stores[emb_a.weight], opt_b._stores[emb_b.weight]
+    assert sa.huge_pages == hasattr(__import__("mmap"), "MADV_HUGEPAGE") and not sb.huge_pages
+    for _ in range(5):
+        idx = torch.randint(0, 40_000, (3000,))
+        for emb, opt in ((emb_a, opt_a), (emb_b, opt_b)):
+            opt.zero_grad()
+            (emb(idx) ** 2).mean().backward()
+            opt.step()
+    assert torch.equal(emb_a.weight, emb_b.weight)
+    assert torch.equal(opt_a.state_dict()["state"][0]["exp_avg_sq"], opt_b.state_dict()["state"][0]["exp_avg_sq"])
+    assert _file_pmd_mapped_kib(sb.records.data_ptr()) in (0, None)
+    opt_a.close()
+    opt_b.close()
+
+
+def test_huge_pages_default_follows_the_size_rule(tmp_path, monkeypatch):
+    from optim.disk_sparse import base
+
+    phys = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    assert base.fits_in_page_cache(int(0.2 * phys)) and not base.fits_in_page_cache(int(0.3 * phys))
+    monkeypatch.setattr(base, "fits_in_page_cache", lambda nbytes: nbytes < 10_000)
+    small, big = _emb(10, 6), _emb(1000, 6)  # state files of 480 and 48,000 bytes
+    opt = DiskSparseAdam([small.weight, big.weight], state_dir=tmp_path)
+    assert opt._stores[small.weight].huge_pages == hasattr(__import__("mmap"), "MADV_HUGEPAGE")
+    assert not opt._stores[big.weight].huge_pages
+    opt.close()
+    with pytest.raises(ValueError, match="huge_pages"):
+        DiskSparseAdam(small.parameters(), huge_pages="yes")

@@ -25,6 +25,17 @@ STEP, EXP_AVG, EXP_AVG_SQ = "step", "exp_avg", "exp_avg_sq"
 _BACKENDS = ("auto", "torch", "triton")
 
 
+def fits_in_page_cache(nbytes: int, fraction: float = 0.25) -> bool:
+    """The ``huge_pages=None`` rule: a state file at most ``fraction`` of physical memory is expected
+    to stay in the page cache, so it is mapped with huge pages (``store.py``); larger ones are not,
+    since every page-cache miss would read 2 MiB."""
+    try:
+        phys = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return False
+    return nbytes <= fraction * phys
+
+
 def coalesce_rows(indices: torch.Tensor, values: torch.Tensor):
     """Sorted unique rows of a row-sparse gradient and their summed values.
 
@@ -55,10 +66,13 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
 
     _kernel_name = ""
 
-    def __init__(self, params, defaults, state_dir=None, backend="auto"):
+    def __init__(self, params, defaults, state_dir=None, backend="auto", huge_pages=None):
         if backend not in _BACKENDS:
             raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+        if huge_pages not in (None, True, False):
+            raise ValueError(f"huge_pages must be None (decide by size), True or False, got {huge_pages!r}")
         self.backend = backend
+        self.huge_pages = huge_pages
         self._own_dir = state_dir is None
         if state_dir is None:
             state_dir = tempfile.mkdtemp(prefix="disk-sparse-adam-")
@@ -102,7 +116,11 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
                              "such as nn.Embedding(..., sparse=True).weight")
         sdtype = p.dtype if p.dtype in (torch.float32, torch.float64) else torch.float32
         path = os.path.join(self.state_dir, f"param{k:04d}.dsa")
-        store = RowStateFile(path, p.shape[0], p.shape[1], self._state_width(p.shape[1]), sdtype)
+        width = self._state_width(p.shape[1])
+        huge = self.huge_pages
+        if huge is None:
+            huge = fits_in_page_cache(p.shape[0] * width * torch.empty((), dtype=sdtype).element_size())
+        store = RowStateFile(path, p.shape[0], p.shape[1], width, sdtype, huge_pages=huge)
         self._stores[p] = store
         self._steps[p] = store.step
         self.state[p] = self._state_entry(p)

@@ -17,6 +17,12 @@ Safety:
   and set again by ``flush()``/``close()``. A process killed between the two leaves a dirty file, which
   is refused on reopening: its records may mix steps, so the last checkpoint must be restored.
 - The mapping is advised ``MADV_RANDOM``: a step reads scattered rows, readahead would only evict.
+
+Page size: with ``huge_pages=True`` the mapping is also advised ``MADV_HUGEPAGE``. Where the kernel
+and file system back file mappings with 2 MiB folios (Linux 6.x with large folios, e.g. ext4 from
+6.16, XFS), a warm step then takes one TLB entry per 2 MiB instead of per 4 KiB: on the seed
+configuration (1M x 128) the whole step was ~10% faster. But each page-cache miss then reads a
+2 MiB folio, so it is only for state that stays in the page cache. Elsewhere the advice is ignored.
 """
 
 from __future__ import annotations
@@ -45,18 +51,20 @@ class StateFileError(RuntimeError):
 class RowStateFile:
     """Memory-mapped ``(rows, width)`` table of per-row optimizer state records in one file.
 
-    ``RowStateFile(path, rows, cols, width, dtype)`` opens ``path`` if it exists (it must be clean and
-    match ``rows``/``cols``/``width``/``dtype``) and creates it (zero records, step 0) otherwise.
+    ``RowStateFile(path, rows, cols, width, dtype, huge_pages=False)`` opens ``path`` if it exists (it
+    must be clean and match ``rows``/``cols``/``width``/``dtype``) and creates it (zero records, step
+    0) otherwise; ``huge_pages`` advises 2 MiB pages for the mapping (see the module docstring).
     ``records`` is a torch tensor view of the mapping; ``gather``/``scatter`` move whole records of
     sorted unique rows.
     """
 
-    def __init__(self, path, rows: int, cols: int, width: int, dtype: torch.dtype):
+    def __init__(self, path, rows: int, cols: int, width: int, dtype: torch.dtype, huge_pages: bool = False):
         if dtype not in _CODES:
             raise TypeError(f"state file {path}: state dtype must be float32 or float64, got {dtype}")
         self.path = os.fspath(path)
         self.rows, self.cols, self.width, self.dtype = int(rows), int(cols), int(width), dtype
         self.nbytes = HEADER_BYTES + self.rows * self.width * torch.empty((), dtype=dtype).element_size()
+        self.huge_pages = bool(huge_pages) and hasattr(mmap, "MADV_HUGEPAGE")
         self._fd = None
         self._mm = None
         self.records = None
@@ -135,6 +143,11 @@ class RowStateFile:
         self._mm = mmap.mmap(self._fd, self.nbytes, flags=mmap.MAP_SHARED,
                              prot=mmap.PROT_READ | mmap.PROT_WRITE)
         self._mm.madvise(mmap.MADV_RANDOM)
+        if self.huge_pages:
+            try:
+                self._mm.madvise(mmap.MADV_HUGEPAGE)
+            except OSError:  # kernels without transparent huge pages: 4 KiB pages, as without the advice
+                self.huge_pages = False
         np_dtype = np.float32 if self.dtype == torch.float32 else np.float64
         arr = np.frombuffer(self._mm, dtype=np_dtype, count=self.rows * self.width, offset=HEADER_BYTES)
         self.records = torch.from_numpy(arr.reshape(self.rows, self.width))
@@ -234,4 +247,5 @@ class RowStateFile:
 
     def __repr__(self):
         return (f"RowStateFile({self.path!r}, rows={self.rows}, width={self.width}, dtype={self.dtype}, "
+                f"huge_pages={self.huge_pages}, "
                 f"step={self._step})")
