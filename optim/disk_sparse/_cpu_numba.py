@@ -100,15 +100,16 @@ def _moments(sorted_idx, perm, starts, n_rows, values, records, weight, rows, mb
                 rec[d + k] = vu[k]
 
 
-def _weights(rows, n_rows, mbuf, denom, weight, neg_step_size, n_chunks):
-    """w += (m / denom) * (-step_size) for the updated rows (compact buffers, row views)."""
+def _weights(rows, n_rows, mbuf, sqrt_v, eps, weight, neg_step_size, n_chunks):
+    """w += (m / (sqrt(v) + eps)) * (-step_size) for the updated rows (compact buffers, row views);
+    ``sqrt_v`` is torch's (see ``cpu_kernels.py``), the sum with eps is IEEE as torch's ``add_``."""
     for c in prange(n_chunks):
         u0 = c * n_rows // n_chunks
         u1 = (c + 1) * n_rows // n_chunks
         for u in range(u0, u1):
-            wr, mr, dr = weight[rows[u]], mbuf[u], denom[u]
+            wr, mr, sr = weight[rows[u]], mbuf[u], sqrt_v[u]
             for k in range(wr.shape[0]):
-                wr[k] = wr[k] + (mr[k] / dr[k]) * neg_step_size
+                wr[k] = wr[k] + (mr[k] / (sr[k] + eps)) * neg_step_size
 
 
 def _named(fn, name):

@@ -81,6 +81,6 @@ def adam_rows_cpu_(weight: torch.Tensor, indices: torch.Tensor, values: torch.Te
     w = weight.detach().numpy()
     moments(s_np, perm.numpy(), starts, n_rows, values.contiguous().numpy(), records, w, rows, mbuf,
             vbuf.numpy(), ty(1 - beta1), ty(1 - beta2), bool(maximize), threads)
-    denom = vbuf[:n_rows].sqrt_().add_(eps)  # torch's sqrt: see the module docstring
+    sqrt_v = vbuf[:n_rows].sqrt_()  # torch's sqrt: see the module docstring
     step_size = lr * math.sqrt(1 - beta2 ** step) / (1 - beta1 ** step)
-    weights(rows, n_rows, mbuf, denom.numpy(), w, ty(-step_size), threads)
+    weights(rows, n_rows, mbuf, sqrt_v.numpy(), ty(eps), w, ty(-step_size), threads)
