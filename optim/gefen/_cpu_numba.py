@@ -1,4 +1,4 @@
-"""Compiled (numba) CPU Gefen step: one pass per tensor, two short passes per scale block.
+"""Compiled (numba) CPU Gefen step: one parallel call per bucket, short vectorised passes per block.
 
 Kept in its own module so that ``import optim.gefen.cpu`` does not import numba; ``cpu.py``'s
 vectorised torch path computes the same step and is used when numba is missing or disabled.
@@ -14,22 +14,35 @@ blocks so that no two jobs write the same code byte.
 Why numba: on this project's 2-core CPU one elementwise torch pass over 3.4 M fp32 elements
 costs ~7 ms, and the vectorised step needs ~25 of them plus gathers (~300-500 ms a step, 40x
 fused AdamW); ``torch.compile`` of the whole bucket function fused it to ~110 ms (8x AdamW) after
-a 23 s compile. Here each scale block is read once (g, old code -> v, m~, absmax into a
-block-sized buffer) and written once (code, p), as fused AdamW reads and writes each element once.
+a 23 s compile.
 
-One kernel per (bits, block == 1), with both as compile-time constants: a run-time ``bits`` and
-``block`` tested inside the element loops made the kernel 2.5x slower (measured: 9.5x fused
-AdamW's single-thread time against 3.7x for the sum of the specialised passes).
+Passes: each scale block (S <= 1024 elements, so its buffers stay in L1) goes through short
+loops, each written so that LLVM vectorises it or, where it cannot (table lookups: LLVM keeps
+gathers scalar on this CPU, where an AVX2 gather measured ~1 ns/element, no faster than scalar
+loads), so that the scalar loop holds nothing but the lookup. One loop doing everything per
+element compiled fully scalar (a ``vdivss`` per element, ~3 cycles) and cost 8x fused AdamW's
+time on the 3.4 M-parameter transformer; the passes cost ~2.5x (measured at one thread):
+
+1. decode ``C[code] * s`` into a block buffer (scalar lookup; 4 bits: nibbles unpacked first);
+2. lerp with g in place (vector; an FMA, exactly torch's vectorised CPU ``lerp``);
+3. absmax as an integer max over the buffer's bit patterns (vector; exact: for non-negative
+   floats the integer order is the float order, and a NaN stays the largest);
+4. v: sum of g**2 (block > 1; vector, ``reassoc``: the order of the sum differs from torch's,
+   so v is equal to fp32 rounding, as before) or per element (block == 1);
+5. q = m / absmax (vector ``vdivps``, exact) and its lookup-table bin (8 bits), or its code
+   counted against the 15 decision boundaries with the value selected alongside (4 bits, vector,
+   no table);
+6. (8 bits) code = ``lut_code[u] + (q > lut_bound[u])``, value ``lut_values[2u + up]`` (scalar);
+7. parameter update (vector) and, at 4 bits, packing two codes a byte.
 
 Arithmetic: as ``reference.gefen_step`` in fp32, scalars passed as float32. Multiply-adds may be
-fused (``fastmath={"contract"}``): ``lerp`` is then exactly torch's vectorised CPU lerp (an FMA),
-while p and v can differ from the reference in the last bits (also because for block > 1 the
-update is ``m^ * (value / denom)``, one division per block); codes do not depend on that (the
-lookup table's slack absorbs the rounding of the bin index, the final boundary comparison is
-exact). The nearest code is ``codebook.nearest_code``'s: bin u of q, ``lut_code[u]`` plus one if
-q exceeds the next boundary ``lut_bound[u]``; ``lut_values[2u]``, ``lut_values[2u + 1]`` hold the
-two candidate values, read by index rather than selected (a select compiled to a branch that
-mispredicts on random data: pass 2 took 3.8x fused AdamW's time, 2.9x indexed).
+fused (``fastmath={"contract"}``) only where the reference's value does not depend on it: the
+decode ``C[code] * s`` is a pass of its own, compiled without ``contract``, so it is rounded
+before the lerp as torch rounds it; ``lerp`` is then exactly torch's vectorised CPU lerp (an
+FMA); p and v can differ from the reference in the last bits (block > 1: the update is
+``m^ * (value / denom)``, one division per block). Codes do not depend on that (the lookup
+table's slack absorbs the rounding of the bin index, the final boundary comparison is exact;
+the 4-bit count ``#{boundaries < q}`` is ``codebook.nearest_code``'s definition).
 """
 
 import numpy as np
@@ -37,6 +50,7 @@ from numba import carray, njit, prange, types
 from numba.extending import intrinsic
 
 _KERNELS = {}
+_FMA = {"contract"}
 
 
 @intrinsic
@@ -60,10 +74,12 @@ def _u8_ptr(typingctx, addr):
 def kernel(bits: int, per_element_v: bool):
     """The compiled step for 8- or 4-bit codes and block == 1 (per-element v) or block > 1.
 
-    ``kernel(...)(meta, jobs, cb, lut_code, lut_bound, lut_values, lut_scale, block, S, w1,
-    beta2, one_minus_beta2, decay, neg_step, bc2_sqrt, eps)``: ``meta`` int64 (tensors, 9) =
+    ``kernel(...)(meta, jobs, cb, bounds, lut_code, lut_bound, lut_values, lut_scale, block, S,
+    w1, beta2, one_minus_beta2, decay, neg_step, bc2_sqrt, eps)``: ``meta`` int64 (tensors, 9) =
     addresses of p, g, v, scales, codes (contiguous fp32, fp32, fp32, fp32, uint8) and their
-    element counts; ``jobs`` int64 (jobs, 3) = tensor row, first scale block, end scale block.
+    element counts; ``jobs`` int64 (jobs, 3) = tensor row, first scale block, end scale block;
+    ``bounds`` the fp32 decision boundaries (``code_boundaries``, levels - 1 and a trailing +inf;
+    used at 4 bits).
     """
     key = (bits, per_element_v)
     if key not in _KERNELS:
@@ -71,68 +87,225 @@ def kernel(bits: int, per_element_v: bool):
     return _KERNELS[key]
 
 
-def _make(BITS, PER_ELEMENT):
-    @njit(nogil=True, error_model="numpy", fastmath={"contract"}, cache=True)
-    def blocks(p, g, v, scales, codes, j0, j1, cb, lut_code, lut_bound, lut_values, lut_scale, block, S, w1,
-               beta2, one_minus_beta2, decay, neg_step, bc2_sqrt, eps, mbuf):
-        n = p.size
-        top = lut_code.size - 1
-        zero = np.float32(0.0)
-        small_w = abs(w1) < 0.5
+# ------------------------------------------------------------------------------ passes
+# Each takes block-sized slices (indices from 0, so numba adds no negative-index wrap-around,
+# which kept LLVM from vectorising).
+
+@njit(nogil=True, error_model="numpy", cache=True)
+def _decode(codes, cb, s, m):
+    """m = C[code] * s (rounded as torch rounds it: no ``contract`` here)."""
+    for i in range(codes.size):
+        m[i] = cb[codes[i]] * s
+
+
+@njit(nogil=True, error_model="numpy", cache=True)
+def _unpack4(codes, start, stop, out):
+    """Nibble codes of elements start..stop-1 (two a byte, low nibble first) into ``out``."""
+    i, o = start, 0
+    if i & 1:
+        out[0] = codes[i >> 1] >> 4
+        i, o = i + 1, 1
+    pairs = (stop - i) >> 1
+    src, dst = codes[i >> 1:(i >> 1) + pairs], out[o:o + 2 * pairs]
+    for k in range(pairs):
+        b = src[k]
+        dst[2 * k] = b & 15
+        dst[2 * k + 1] = b >> 4
+    if (stop - i) & 1:
+        out[stop - start - 1] = codes[(stop - 1) >> 1] & 15
+
+
+@njit(nogil=True, error_model="numpy", cache=True)
+def _pack4(src_codes, start, stop, codes):
+    """Inverse of ``_unpack4``; the other nibble of a shared end byte is kept."""
+    i, o = start, 0
+    if i & 1:
+        k = i >> 1
+        codes[k] = (codes[k] & 15) | (src_codes[0] << 4)
+        i, o = i + 1, 1
+    pairs = (stop - i) >> 1
+    src, dst = src_codes[o:o + 2 * pairs], codes[i >> 1:(i >> 1) + pairs]
+    for k in range(pairs):
+        dst[k] = src[2 * k] | (src[2 * k + 1] << 4)
+    if (stop - i) & 1:
+        k = (stop - 1) >> 1
+        codes[k] = (codes[k] & 240) | src_codes[stop - start - 1]
+
+
+@njit(nogil=True, error_model="numpy", fastmath=_FMA, cache=True)
+def _lerp(g, w1, m):
+    """m = lerp(m, g, w1) in place, torch's formula (an FMA either way)."""
+    if abs(w1) < 0.5:
+        for i in range(g.size):
+            m0 = m[i]
+            m[i] = w1 * (g[i] - m0) + m0
+    else:
         w1m = w1 - np.float32(1.0)
-        denom = zero
-        step_over_denom = zero
+        for i in range(g.size):
+            gi = g[i]
+            m[i] = w1m * (gi - m[i]) + gi
+
+
+@njit(nogil=True, error_model="numpy", cache=True)
+def _absmax_bits(bits, n):
+    """max |x| over the first n floats, as an int32 bit pattern (vectorised integer max)."""
+    a = np.int32(0)
+    for i in range(n):
+        a = max(a, bits[i] & np.int32(0x7FFFFFFF))
+    return a
+
+
+@njit(nogil=True, error_model="numpy", fastmath={"contract", "reassoc"}, cache=True)
+def _sum_sq(g):
+    acc = np.float32(0.0)
+    for i in range(g.size):
+        acc += g[i] * g[i]
+    return acc
+
+
+@njit(nogil=True, error_model="numpy", fastmath=_FMA, cache=True)
+def _v_per_element(v, g, beta2, one_minus_beta2):
+    for i in range(g.size):
+        v[i] = beta2 * v[i] + one_minus_beta2 * (g[i] * g[i])
+
+
+@njit(nogil=True, error_model="numpy", fastmath=_FMA, cache=True)
+def _bins(m, n, amax, lut_scale, top, u):
+    """q = m / amax in place (exact division; m == 0 where amax == 0) and q's table bin."""
+    div = amax if amax > np.float32(0.0) else np.float32(1.0)
+    for i in range(n):
+        q = m[i] / div
+        m[i] = q
+        u[i] = min(np.uint32(q * lut_scale + lut_scale), top)  # |q| <= 1: only q == 1 overflows
+
+
+@njit(nogil=True, error_model="numpy", cache=True)
+def _lookup8(codes, q, u, lut_code, lut_bound, lut_values):
+    """Code of q (``codebook.nearest_code``'s table) into ``codes``, its value into q."""
+    for i in range(codes.size):
+        b = u[i]
+        up = np.uint32(q[i] > lut_bound[b])
+        q[i] = lut_values[np.uint32(2) * b + up]  # indexed, not selected: no branch
+        codes[i] = np.uint8(lut_code[b] + up)
+
+
+@njit(nogil=True, error_model="numpy", fastmath=_FMA, cache=True)
+def _quantize4(m, n, amax, bounds, cb, codes):
+    """4 bits: code = #{boundaries < m / amax} and its value C[code] (into m), vectorised.
+
+    ``bounds`` (15 + 1 values) and ``cb`` (16) are tuples, unpacked into registers: the same
+    loop over arrays compiled to scalar code (their loads could alias the stores) at ~50 ns an
+    element, unrolled over tuples it compiles to compares and blends, ~1 ns an element.
+    """
+    div = amax if amax > np.float32(0.0) else np.float32(1.0)
+    b0, b1, b2, b3, b4, b5, b6, b7, b8, b9, b10, b11, b12, b13, b14, _ = bounds
+    c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15 = cb
+    one = np.int32(1)
+    for i in range(n):
+        q = m[i] / div
+        c = np.int32(0)
+        v = c0
+        if q > b0:
+            c, v = c + one, c1
+        if q > b1:
+            c, v = c + one, c2
+        if q > b2:
+            c, v = c + one, c3
+        if q > b3:
+            c, v = c + one, c4
+        if q > b4:
+            c, v = c + one, c5
+        if q > b5:
+            c, v = c + one, c6
+        if q > b6:
+            c, v = c + one, c7
+        if q > b7:
+            c, v = c + one, c8
+        if q > b8:
+            c, v = c + one, c9
+        if q > b9:
+            c, v = c + one, c10
+        if q > b10:
+            c, v = c + one, c11
+        if q > b11:
+            c, v = c + one, c12
+        if q > b12:
+            c, v = c + one, c13
+        if q > b13:
+            c, v = c + one, c14
+        if q > b14:
+            c, v = c + one, c15
+        codes[i] = np.uint8(c)
+        m[i] = v
+
+
+@njit(nogil=True, error_model="numpy", fastmath=_FMA, cache=True)
+def _update_shared(p, value, amax, decay, step_over_denom):
+    for i in range(p.size):
+        m_hat = value[i] * amax
+        p[i] = p[i] * decay + m_hat * step_over_denom
+
+
+@njit(nogil=True, error_model="numpy", fastmath=_FMA, cache=True)
+def _update_per_element(p, value, amax, v, decay, neg_step, bc2_sqrt, eps):
+    for i in range(p.size):
+        m_hat = value[i] * amax
+        denom = np.float32(np.sqrt(v[i]) / bc2_sqrt) + eps
+        p[i] = p[i] * decay + (neg_step * m_hat) / denom
+
+
+def _make(BITS, PER_ELEMENT):
+    @njit(nogil=True, error_model="numpy", cache=True)
+    def blocks(p, g, v, scales, codes, j0, j1, cb, bounds, lut_code, lut_bound, lut_values,
+               lut_scale, block, S, w1, beta2, one_minus_beta2, decay, neg_step, bc2_sqrt, eps):
+        n = p.size
+        m = np.empty(S, dtype=np.float32)
+        bits = m.view(np.int32)
+        u = np.empty(S, dtype=np.uint32)
+        c = np.empty(S, dtype=np.uint8)
+        amax_bits = np.empty(1, dtype=np.int32)
+        amax_f = amax_bits.view(np.float32)
+        top = np.uint32(lut_code.size - 1)
+        if BITS == 4:  # tuples: registers in _quantize4 (prange cannot pass tuples in)
+            bounds16 = (bounds[0], bounds[1], bounds[2], bounds[3], bounds[4], bounds[5], bounds[6],
+                        bounds[7], bounds[8], bounds[9], bounds[10], bounds[11], bounds[12],
+                        bounds[13], bounds[14], bounds[15])
+            cb16 = (cb[0], cb[1], cb[2], cb[3], cb[4], cb[5], cb[6], cb[7], cb[8], cb[9], cb[10],
+                    cb[11], cb[12], cb[13], cb[14], cb[15])
         for j in range(j0, j1):
             start = j * S
             stop = min(start + S, n)
-            s_old = scales[j]
-            # pass 1: g**2 (v), m~ = lerp(C[code] * s, g, 1 - beta1) into mbuf, its absmax
-            acc = zero
-            amax = zero
-            for i in range(start, stop):
-                gi = g[i]
-                if PER_ELEMENT:
-                    v[i] = beta2 * v[i] + one_minus_beta2 * (gi * gi)
-                else:
-                    acc += gi * gi
-                if BITS == 8:
-                    c = np.int64(codes[i])
-                else:
-                    c = (np.int64(codes[i >> 1]) >> (4 * (i & 1))) & 15
-                m0 = cb[c] * s_old
-                d = gi - m0
-                m = w1 * d + m0 if small_w else w1m * d + gi  # torch's lerp
-                mbuf[i - start] = m
-                amax = max(amax, abs(m))
-            if not PER_ELEMENT:  # S == block: one v per scale block
-                vj = beta2 * v[j] + one_minus_beta2 * (acc / np.float32(block))
-                v[j] = vj
-                denom = np.float32(np.sqrt(vj) / bc2_sqrt) + eps
-                step_over_denom = neg_step / denom
+            L = stop - start
+            gj = g[start:stop]
+            mj = m[:L]
+            if BITS == 8:
+                _decode(codes[start:stop], cb, scales[j], mj)
+            else:
+                _unpack4(codes, start, stop, c)
+                _decode(c[:L], cb, scales[j], mj)
+            _lerp(gj, w1, mj)
+            amax_bits[0] = _absmax_bits(bits, L)
+            amax = amax_f[0]
             scales[j] = amax
-            nonzero = amax > zero
-            # pass 2: requantise, parameter update
-            for i in range(start, stop):
-                q = mbuf[i - start] / amax if nonzero else zero
-                u = min(np.int64(q * lut_scale + lut_scale), top)  # |q| <= 1: only q == 1 overflows
-                up = np.int64(q > lut_bound[u])
-                m_hat = lut_values[2 * u + up] * amax  # indexed, not selected: no branch
-                c = np.int64(lut_code[u]) + up
-                if BITS == 8:
-                    codes[i] = np.uint8(c)
-                else:
-                    k = i >> 1
-                    old = np.int64(codes[k])
-                    codes[k] = np.uint8(((old & 15) | (c << 4)) if (i & 1) else ((old & 240) | c))
-                if PER_ELEMENT:
-                    denom = np.float32(np.sqrt(v[i]) / bc2_sqrt) + eps
-                    p[i] = p[i] * decay + (neg_step * m_hat) / denom
-                else:  # one division per block, not per element (~10% of the step)
-                    p[i] = p[i] * decay + m_hat * step_over_denom
+            if BITS == 8:
+                _bins(m, L, amax, lut_scale, top, u)
+                _lookup8(codes[start:stop], mj, u, lut_code, lut_bound, lut_values)
+            else:
+                _quantize4(m, L, amax, bounds16, cb16, c)
+                _pack4(c, start, stop, codes)
+            if PER_ELEMENT:
+                vj = v[start:stop]
+                _v_per_element(vj, gj, beta2, one_minus_beta2)
+                _update_per_element(p[start:stop], mj, amax, vj, decay, neg_step, bc2_sqrt, eps)
+            else:  # S == block: one v per scale block, one division per block (~10% of the step)
+                vb = beta2 * v[j] + one_minus_beta2 * (_sum_sq(gj) / np.float32(block))
+                v[j] = vb
+                denom = np.float32(np.sqrt(vb) / bc2_sqrt) + eps
+                _update_shared(p[start:stop], mj, amax, decay, neg_step / denom)
 
     @njit(nogil=True, error_model="numpy", parallel=True, cache=True)
-    def step(meta, jobs, cb, lut_code, lut_bound, lut_values, lut_scale, block, S, w1, beta2,
-             one_minus_beta2, decay, neg_step, bc2_sqrt, eps):
+    def step(meta, jobs, cb, bounds, lut_code, lut_bound, lut_values, lut_scale, block, S, w1,
+             beta2, one_minus_beta2, decay, neg_step, bc2_sqrt, eps):
         for k in prange(jobs.shape[0]):
             t = jobs[k, 0]
             p = carray(_f32_ptr(meta[t, 0]), (meta[t, 5],))
@@ -140,8 +313,8 @@ def _make(BITS, PER_ELEMENT):
             v = carray(_f32_ptr(meta[t, 2]), (meta[t, 6],))
             scales = carray(_f32_ptr(meta[t, 3]), (meta[t, 7],))
             codes = carray(_u8_ptr(meta[t, 4]), (meta[t, 8],))
-            mbuf = np.empty(S, dtype=np.float32)
-            blocks(p, g, v, scales, codes, jobs[k, 1], jobs[k, 2], cb, lut_code, lut_bound, lut_values,
-                   lut_scale, block, S, w1, beta2, one_minus_beta2, decay, neg_step, bc2_sqrt, eps, mbuf)
+            blocks(p, g, v, scales, codes, jobs[k, 1], jobs[k, 2], cb, bounds, lut_code, lut_bound,
+                   lut_values, lut_scale, block, S, w1, beta2, one_minus_beta2, decay, neg_step,
+                   bc2_sqrt, eps)
 
     return step

@@ -202,7 +202,7 @@ def _luts(tables):
     cb = tables.codebook.numpy()
     lut = tables.lut.numpy()
     cb_next = np.append(cb, cb[-1])
-    out = (cb, lut.astype(np.int32), tables.boundaries.numpy()[lut],
+    out = (cb, tables.boundaries.numpy(), lut.astype(np.int32), tables.boundaries.numpy()[lut],
            np.stack([cb_next[lut], cb_next[lut + 1]], axis=1).reshape(-1).copy())
     if len(_LUTS) > 64:
         _LUTS.clear()
