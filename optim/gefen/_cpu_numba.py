@@ -71,8 +71,13 @@ def _u8_ptr(typingctx, addr):
     return sig, codegen
 
 
-def kernel(bits: int, per_element_v: bool):
+def kernel(bits: int, per_element_v: bool, parallel: bool = True):
     """The compiled step for 8- or 4-bit codes and block == 1 (per-element v) or block > 1.
+
+    ``parallel=False``: the same jobs run in order on the calling thread. At one thread this
+    skips the OpenMP launch, whose second pool thread (numba starts ``NUMBA_NUM_THREADS`` and
+    masks them) must still reach the barrier: on this shared 2-core machine a call then waited
+    a scheduler slice (~8 ms) on about half the calls.
 
     ``kernel(...)(meta, jobs, cb, bounds, lut_code, lut_bound, lut_values, lut_scale, block, S,
     w1, beta2, one_minus_beta2, decay, neg_step, bc2_sqrt, eps)``: ``meta`` int64 (tensors, 9) =
@@ -84,7 +89,7 @@ def kernel(bits: int, per_element_v: bool):
     key = (bits, per_element_v)
     if key not in _KERNELS:
         _KERNELS[key] = _make(bits, per_element_v)
-    return _KERNELS[key]
+    return _KERNELS[key][0 if parallel else 1]
 
 
 # ------------------------------------------------------------------------------ passes
@@ -317,4 +322,19 @@ def _make(BITS, PER_ELEMENT):
                    lut_values, lut_scale, block, S, w1, beta2, one_minus_beta2, decay, neg_step,
                    bc2_sqrt, eps)
 
-    return step
+
+    @njit(nogil=True, error_model="numpy", parallel=False, cache=True)
+    def step_serial(meta, jobs, cb, bounds, lut_code, lut_bound, lut_values, lut_scale, block, S, w1,
+             beta2, one_minus_beta2, decay, neg_step, bc2_sqrt, eps):
+        for k in range(jobs.shape[0]):
+            t = jobs[k, 0]
+            p = carray(_f32_ptr(meta[t, 0]), (meta[t, 5],))
+            g = carray(_f32_ptr(meta[t, 1]), (meta[t, 5],))
+            v = carray(_f32_ptr(meta[t, 2]), (meta[t, 6],))
+            scales = carray(_f32_ptr(meta[t, 3]), (meta[t, 7],))
+            codes = carray(_u8_ptr(meta[t, 4]), (meta[t, 8],))
+            blocks(p, g, v, scales, codes, jobs[k, 1], jobs[k, 2], cb, bounds, lut_code, lut_bound,
+                   lut_values, lut_scale, block, S, w1, beta2, one_minus_beta2, decay, neg_step,
+                   bc2_sqrt, eps)
+
+    return step, step_serial

@@ -138,10 +138,12 @@ def _jobs(numels, S: int, bits: int) -> np.ndarray:
     return _JOBS[key]
 
 
-def _set_numba_threads():
+def _set_numba_threads() -> int:
     import numba
 
-    numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
+    n = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+    numba.set_num_threads(n)
+    return n
 
 
 @torch.no_grad()
@@ -164,7 +166,6 @@ def gefen_step_compiled_(ps, gs, vs, scales, codes, codebook, *, step, lr, beta1
     f32 = np.float32
     luts = _luts(tables)
     S = scale_block_length(block)
-    step_fn = kernel(bits, block == 1)
     hyper = (f32(1 - beta1), f32(beta2), f32(1 - beta2), f32(1 - lr * weight_decay),
              f32(-lr / (1 - beta1**step)), f32((1 - beta2**step) ** 0.5), f32(eps))
     meta = np.empty((len(ps), 9), dtype=np.int64)
@@ -184,7 +185,7 @@ def gefen_step_compiled_(ps, gs, vs, scales, codes, codebook, *, step, lr, beta1
         meta[t] = (pw.data_ptr(), gw.data_ptr(), v.data_ptr(), s.data_ptr(), c.data_ptr(),
                    p.numel(), v.numel(), s.numel(), c.numel())
     jobs = _jobs([p.numel() for p in ps], S, bits)
-    _set_numba_threads()
+    step_fn = kernel(bits, block == 1, parallel=_set_numba_threads() > 1)
     step_fn(meta, jobs, *luts, f32(tables.scale), block, S, *hyper)
     for p, pw in back:
         p.copy_(pw.view_as(p))
