@@ -117,13 +117,13 @@ _JOBS = {}
 _JOB_ELEMENTS = 1 << 15  # elements per parallel job (whole scale blocks)
 
 
-def _jobs(numels, S: int, bits: int) -> np.ndarray:
+def _jobs(numels: tuple, S: int, bits: int) -> np.ndarray:
     """(tensor, first scale block, end scale block) rows: runs of whole blocks of ~32 K elements.
 
     With 4-bit codes and an odd ``S`` a run starts at an even block (an even element), so two
     runs never share a code byte. Cached per layout.
     """
-    key = (tuple(numels), S, bits)
+    key = (numels, S, bits)
     if key not in _JOBS:
         per = max(1, _JOB_ELEMENTS // S)
         if bits == 4 and S % 2 and per % 2:
@@ -168,23 +168,24 @@ def gefen_step_compiled_(ps, gs, vs, scales, codes, codebook, *, step, lr, beta1
     S = scale_block_length(block)
     hyper = (f32(1 - beta1), f32(beta2), f32(1 - beta2), f32(1 - lr * weight_decay),
              f32(-lr / (1 - beta1**step)), f32((1 - beta2**step) ** 0.5), f32(eps))
-    meta = np.empty((len(ps), 9), dtype=np.int64)
-    keep, back = [], []  # fp32 working copies alive until the kernel returns; params to copy back
-    for t, (p, g, v, s, c) in enumerate(zip(ps, gs, vs, scales, codes)):
-        for x in (v, s, c):
-            if not x.is_contiguous():
-                raise ValueError("Gefen state tensors must be contiguous")
-        pw = p.detach()
-        if not (p.dtype == torch.float32 and p.is_contiguous()):
-            pw = pw.float().contiguous()
+    rows, keep, back = [], [], []  # kernel table; fp32 working copies alive until it returns
+    f32_ = torch.float32
+    for p, g, v, s, c in zip(ps, gs, vs, scales, codes):
+        if not (v.is_contiguous() and s.is_contiguous() and c.is_contiguous()):
+            raise ValueError("Gefen state tensors must be contiguous")
+        pw, gw = p, g
+        if not (p.dtype == f32_ and p.is_contiguous()):
+            pw = p.detach().float().contiguous()
             back.append((p, pw))
-        gw = g.detach()
-        if not (g.dtype == torch.float32 and g.is_contiguous()):
-            gw = gw.float().contiguous()
-        keep += (pw, gw)
-        meta[t] = (pw.data_ptr(), gw.data_ptr(), v.data_ptr(), s.data_ptr(), c.data_ptr(),
-                   p.numel(), v.numel(), s.numel(), c.numel())
-    jobs = _jobs([p.numel() for p in ps], S, bits)
+            keep.append(pw)
+        if not (g.dtype == f32_ and g.is_contiguous()):
+            gw = g.detach().float().contiguous()
+            keep.append(gw)
+        n = p.numel()
+        rows.append((pw.data_ptr(), gw.data_ptr(), v.data_ptr(), s.data_ptr(), c.data_ptr(),
+                     n, v.numel(), s.numel(), c.numel()))
+    meta = np.array(rows, dtype=np.int64)
+    jobs = _jobs(tuple(r[5] for r in rows), S, bits)
     step_fn = kernel(bits, block == 1, parallel=_set_numba_threads() > 1)
     step_fn(meta, jobs, *luts, f32(tables.scale), block, S, *hyper)
     for p, pw in back:
