@@ -1,0 +1,130 @@
+"""The compiled CPU step's passes (``optim/gefen/_cpu_numba.py``) against brute force.
+
+The optimizer-level tests compare the whole step with the reference on random gradients, which
+rarely land exactly on a decision boundary, at +-1, or on a 4-bit block that starts inside a
+code byte. Here each pass is driven directly: the quantisers on values at, just below and just
+above every boundary (nearest entry by brute-force argmin, ties to the lower index, written
+here), the nibble packing at odd starts and ends (against ``reference.pack_codes``), the
+bit-pattern absmax (against ``max(abs(x))``), and the serial kernel against the parallel one.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from optim import Gefen
+from optim.gefen import reference as R, state as K
+from optim.gefen.codebook import code_table
+
+numba = pytest.importorskip("numba")
+from optim.gefen import _cpu_numba as C  # noqa: E402
+from optim.gefen.cpu import _luts  # noqa: E402
+
+
+def _brute_nearest(q, cb):
+    """Index of the nearest entry per value, ties to the lower index (float64 distances)."""
+    d = np.abs(q.astype(np.float64)[:, None] - cb.astype(np.float64)[None, :])
+    return d.argmin(axis=1)  # argmin returns the first (lowest) index among equal distances
+
+
+def _codebook(levels, gen):
+    inner = torch.rand(levels - 2, generator=gen) * 2 - 1
+    return torch.cat([torch.tensor([-1.0, 1.0]), inner]).sort().values
+
+
+def _probe_values(cb, gen, n_random=2000):
+    """Random values in [-1, 1], +-1, 0, and every midpoint with its fp32 neighbours."""
+    mids = ((cb[1:].double() + cb[:-1].double()) / 2).float()
+    up = torch.nextafter(mids, torch.full_like(mids, 2.0))
+    down = torch.nextafter(mids, torch.full_like(mids, -2.0))
+    fixed = torch.tensor([-1.0, 1.0, 0.0, -0.0])
+    return torch.cat([torch.rand(n_random, generator=gen) * 2 - 1, fixed, mids, up, down, cb]).numpy()
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantisers_match_brute_force_at_boundaries(bits):
+    gen = torch.Generator().manual_seed(3)
+    cb_t = _codebook(2**bits, gen)
+    cb = cb_t.numpy()
+    q = _probe_values(cb_t, gen)
+    q = np.concatenate([q, np.zeros((-q.size) % 8, np.float32)]).astype(np.float32)
+    expected = _brute_nearest(q, cb)
+    tables = code_table(cb_t)
+    lut_cb, bounds, lut_code, lut_bound, lut_values = _luts(tables)
+    m = q.copy()
+    codes = np.zeros(q.size, np.uint8)
+    if bits == 8:
+        u = np.zeros(q.size, np.uint32)
+        C._bins(m, q.size, np.float32(1.0), np.float32(tables.scale),
+                np.uint32(lut_code.size - 1), u)
+        C._lookup8(codes, m, u, lut_code, lut_bound, lut_values)
+    else:
+        C._quantize4(m, q.size, np.float32(1.0), tuple(bounds), tuple(cb), codes)
+    bad = np.nonzero(codes != expected)[0]
+    assert bad.size == 0, f"codes differ at {bad[:5]}: q={q[bad[:5]]}, got {codes[bad[:5]]}, want {expected[bad[:5]]}"
+    np.testing.assert_array_equal(m, cb[expected])  # the selected value is C[code] exactly
+
+
+@pytest.mark.parametrize("start,stop", [(0, 10), (1, 10), (1, 9), (2, 7), (5, 6), (4, 5), (0, 11), (1, 11)],
+                         ids=lambda x: str(x))
+def test_nibble_unpack_and_pack_at_odd_ends(start, stop):
+    """A block's elements start..stop-1 (never empty) of an 11-element tensor's codes."""
+    gen = torch.Generator().manual_seed(5)
+    n = 11
+    idx = torch.randint(0, 16, (n,), generator=gen)
+    packed = R.pack_codes(idx, 4).numpy()
+    out = np.full(16, 99, np.uint8)
+    C._unpack4(packed, start, stop, out)
+    np.testing.assert_array_equal(out[:stop - start], idx[start:stop].numpy())
+    new = torch.randint(0, 16, (n,), generator=gen)
+    merged = idx.clone()
+    merged[start:stop] = new[start:stop]
+    codes = packed.copy()
+    C._pack4(new[start:stop].numpy().astype(np.uint8), start, stop, codes)
+    np.testing.assert_array_equal(codes, R.pack_codes(merged, 4).numpy())  # neighbours kept
+
+
+def test_absmax_bits_is_max_abs():
+    gen = torch.Generator().manual_seed(7)
+    for n in (1, 7, 256, 1000):
+        x = (torch.randn(n, generator=gen) * torch.rand(n, generator=gen) ** 8).numpy()
+        x[::5] = -x[::5]
+        got = np.array([C._absmax_bits(x.view(np.int32), n)], np.int32).view(np.float32)[0]
+        assert got == np.abs(x).max()
+    z = np.array([-0.0, 0.0, -0.0], np.float32)
+    assert np.array([C._absmax_bits(z.view(np.int32), 3)], np.int32).view(np.float32)[0] == 0.0
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_serial_kernel_equals_parallel_kernel(bits, monkeypatch):
+    """One thread runs the serial kernel, two the prange one: the same bits."""
+    if numba.config.NUMBA_NUM_THREADS < 2:
+        pytest.skip("numba has a single thread here")
+    shapes = [(96, 1024), (33, 17), (4099,)]
+
+    def run(threads):
+        old = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            gen = torch.Generator().manual_seed(13)
+            params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
+            opt = Gefen(params, lr=1e-2, weight_decay=0.01, bits=bits)
+            for _ in range(3):
+                for p in params:
+                    scale = torch.rand(p.shape[0], *([1] * (p.dim() - 1)), generator=gen) + 0.1
+                    p.grad = torch.randn(p.shape, generator=gen) * scale
+                opt.step()
+            return params, opt
+        finally:
+            torch.set_num_threads(old)
+
+    used = []
+    real = C.kernel
+    monkeypatch.setattr(C, "kernel", lambda b, pe, parallel=True: used.append(parallel) or real(b, pe, parallel))
+    p1, o1 = run(1)
+    p2, o2 = run(2)
+    assert False in used and True in used
+    for a, b in zip(p1, p2):
+        assert torch.equal(a, b)
+        for key in (K.V, K.SCALES, K.CODES):
+            assert torch.equal(o1.state[a][key], o2.state[b][key]), key
