@@ -24,6 +24,12 @@ Both then cap P at ``MAX_BLOCK`` = 1024: a larger P is replaced by its largest d
 Triton program). Tensors with fewer than 2 * MIN_BLOCKS elements, and primes, get P = 1: per-element
 v, first-moment scales over chunks of 256 (``reference.CHUNK``), so they never cost more than
 AdamW's per-element second moment plus one byte.
+
+Limit of any block rule: blocks are contiguous in the flattened (row-major) tensor, so at P >= 2
+they group a weight matrix's neighbouring columns, never one column across rows. On
+experiments/gefen_memory.py's character model the second moment of the attention and first
+feed-forward matrices varies mostly by column (input feature), not in runs of neighbouring columns,
+and sharing v there is what costs loss against AdamW (see the README's Gefen loss check).
 """
 
 import torch
