@@ -128,3 +128,22 @@ def test_serial_kernel_equals_parallel_kernel(bits, monkeypatch):
         assert torch.equal(a, b)
         for key in (K.V, K.SCALES, K.CODES):
             assert torch.equal(o1.state[a][key], o2.state[b][key]), key
+
+
+def test_one_thread_step_leaves_torch_at_one_thread():
+    """Starting numba's OpenMP pool once reset torch's thread count to all cores (shared
+    libgomp); a fresh process (the pool starts once per process) must stay at one thread."""
+    import subprocess
+    import sys
+
+    code = ("import torch; torch.set_num_threads(1)\n"
+            "from optim import Gefen\n"
+            "p = torch.nn.Parameter(torch.randn(64, 256)); opt = Gefen([p])\n"
+            "for _ in range(2):\n"
+            "    p.grad = torch.randn(64, 256) * (torch.rand(64, 1) + 0.1); opt.step()\n"
+            "print(torch.get_num_threads())\n")
+    root = __import__("pathlib").Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[-1] == "1"

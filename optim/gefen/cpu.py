@@ -139,10 +139,22 @@ def _jobs(numels: tuple, S: int, bits: int) -> np.ndarray:
 
 
 def _set_numba_threads() -> int:
+    """Numba threads for the kernel: torch's count (at most numba's); 1 runs the serial kernel.
+
+    At one thread numba's OpenMP pool is never started. Starting it sets the OpenMP thread
+    count of the process (numba and torch share libgomp here) to ``NUMBA_NUM_THREADS``, so
+    torch silently ran every later op on all cores after ``torch.set_num_threads(1)``; torch's
+    count is put back if that happens.
+    """
+    threads = torch.get_num_threads()
+    if threads <= 1:
+        return 1
     import numba
 
-    n = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+    n = min(threads, numba.config.NUMBA_NUM_THREADS)
     numba.set_num_threads(n)
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
     return n
 
 
