@@ -30,6 +30,8 @@ import threading
 import numpy as np
 import torch
 
+from .._threads import numba_threads
+
 try:
     import numba
 
@@ -71,12 +73,8 @@ def adam_rows_cpu_(weight: torch.Tensor, indices: torch.Tensor, values: torch.Te
     n_rows = K.segments(s_np, weight.shape[0], starts)
     if n_rows < 0:
         raise IndexError(f"sparse gradient rows must lie in [0, {weight.shape[0]}), got {int(s[0])}..{int(s[-1])}")
-    threads = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
-    if threads > 1 and n_rows >= _PARALLEL_MIN_ROWS:
-        numba.set_num_threads(threads)
-        moments, weights = K.moments_parallel, K.weights_parallel
-    else:
-        threads, moments, weights = 1, K.moments, K.weights
+    threads = numba_threads() if n_rows >= _PARALLEL_MIN_ROWS else 1
+    moments, weights = (K.moments_parallel, K.weights_parallel) if threads > 1 else (K.moments, K.weights)
     ty = records.dtype.type
     w = weight.detach().numpy()
     moments(s_np, perm.numpy(), starts, n_rows, values.contiguous().numpy(), records, w, rows, mbuf,
