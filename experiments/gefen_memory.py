@@ -169,8 +169,10 @@ def char_data():
 LOSS_OPTIMIZERS = ["AdamW(fused)", "gefen (upstream)", "Gefen 8-bit (ours)", "Gefen 4-bit (ours)"]
 
 
-def char_run(name, data, vocab, xv, steps, lr, seed, ctx=64, batch=32):
-    """One training run (convergence.py's protocol); returns the final validation loss."""
+def char_run(name, data, vocab, xv, steps, lr, seed, ctx=64, batch=32, make=None):
+    """One training run (convergence.py's protocol); returns the final validation loss.
+
+    ``make(model, lr, wd)`` builds the optimizer (default: ``OPTIMIZERS[name]``)."""
     import contextlib
     import io
 
@@ -179,7 +181,7 @@ def char_run(name, data, vocab, xv, steps, lr, seed, ctx=64, batch=32):
     torch.manual_seed(seed)
     model = Encoder(vocab=vocab, d=128, layers=2, heads=4, ff=512, ctx=ctx)
     with contextlib.redirect_stdout(io.StringIO()):  # upstream gefen prints while it sets up
-        opt = OPTIMIZERS[name](model, lr, WEIGHT_DECAY)
+        opt = (make or OPTIMIZERS[name])(model, lr, WEIGHT_DECAY)
     gen = torch.Generator().manual_seed(seed)
     for step in tqdm(range(steps), desc=f"char {name} seed {seed}", leave=False, mininterval=2.0):
         set_lr(opt, lr * lr_factor(step, steps))
@@ -195,6 +197,16 @@ def char_run(name, data, vocab, xv, steps, lr, seed, ctx=64, batch=32):
         return torch.nn.functional.cross_entropy(model(xv[:, :-1]).reshape(-1, vocab), xv[:, 1:].reshape(-1)).item()
 
 
+def char_split(base_seed, ctx=64):
+    """(training characters, vocabulary size, 256 validation windows of ctx + 1): a 90/10 split."""
+    data, vocab = char_data()
+    split = int(0.9 * data.numel())
+    train, val = data[:split], data[split:]
+    gen = torch.Generator().manual_seed(base_seed + 1)
+    val_idx = torch.randint(0, val.numel() - ctx - 1, (256,), generator=gen)
+    return train, vocab, torch.stack([val[i:i + ctx + 1] for i in val_idx])
+
+
 def char_loss(res, names, steps, seeds, lrs, base_seed):
     """Every optimizer, same protocol, same initialisation and batches per seed; ratios per seed.
 
@@ -202,13 +214,8 @@ def char_loss(res, names, steps, seeds, lrs, base_seed):
     the final validation loss of the first seed (the same grid for every optimizer), then rerun
     with the other seeds.
     """
-    data, vocab = char_data()
-    split = int(0.9 * data.numel())
-    train, val = data[:split], data[split:]
     ctx = 64
-    gen = torch.Generator().manual_seed(base_seed + 1)
-    val_idx = torch.randint(0, val.numel() - ctx - 1, (256,), generator=gen)
-    xv = torch.stack([val[i:i + ctx + 1] for i in val_idx])
+    train, vocab, xv = char_split(base_seed, ctx)
     seed_list = list(range(base_seed, base_seed + seeds))
     finals = {}
     for name in names:

@@ -33,11 +33,13 @@ EXPERIMENTS = {
     "poincare": ["poincare"],
     "codebook_dp": ["codebook"],
     "gefen_memory": ["gefen_memory"],
+    "gefen_ablation": ["gefen_ablation"],
     "hessian_alignment": ["hessian_alignment"],
     "convergence": ["convergence"],
 }
 FIGURE_OF = {"dsa_throughput": "dsa_throughput", "poincare": "poincare", "codebook": "codebook",
-             "gefen_memory": "gefen_memory", "hessian_alignment": "hessian_alignment",
+             "gefen_memory": "gefen_memory", "gefen_ablation": "gefen_ablation",
+             "hessian_alignment": "hessian_alignment",
              "convergence": "convergence"}
 
 

@@ -334,3 +334,42 @@ def test_reproduce_full_run_defaults_and_timeout(tmp_path, monkeypatch, capsys):
     assert calls == [([sys.executable, str(REPO / "experiments/correctness.py"), "--results-dir", str(tmp_path)],
                       None)]
     assert "timeout" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------- gefen_ablation
+def test_gefen_ablation_factory_gives_per_element_v_only_to_the_named_tensors():
+    from experiments.gefen_ablation import gefen_with_per_element_v
+    from experiments.gefen_memory import Encoder
+
+    torch.manual_seed(0)
+    model = Encoder(vocab=50, d=32, layers=1, heads=2, ff=64, ctx=16)
+    opt = gefen_with_per_element_v(r"in_proj_weight$")(model, 1e-3, 0.1)
+    x = torch.randint(0, 50, (4, 16))
+    model(x).sum().backward()
+    opt.step()
+    names = dict(model.named_parameters())
+    for n, p in names.items():
+        st = opt.state[p]
+        if n.endswith("in_proj_weight"):
+            assert st["block"] == 1 and st["v"].numel() == p.numel(), n
+        elif p.dim() == 2 and p.numel() >= 1024:  # the rule shares v on these matrices
+            assert st["block"] > 1 and st["v"].numel() == p.numel() // st["block"], n
+    assert all(g["weight_decay"] == 0.1 for g in opt.param_groups)
+
+
+@pytest.mark.timeout(300)
+def test_gefen_ablation_tiny_run_and_figure(tmp_path, monkeypatch):
+    _main("experiments.gefen_ablation", ["--quick", "--variants", "in_proj", "--seeds", 2, "--steps", 3,
+                                         "--results-dir", tmp_path, "--wandb", "disabled"], monkeypatch)
+    rows = _rows(tmp_path / "gefen_ablation.csv", "gefen_ablation")
+    base = {r["seed"]: r["value"] for r in rows if r["variant"] == "AdamW(fused)" and r["metric"] == "val_loss"}
+    assert sorted(base) == ["0", "1"]
+    for v in ("none", "in_proj"):
+        loss = {r["seed"]: r["value"] for r in rows if r["variant"] == v and r["metric"] == "val_loss"}
+        ratio = {r["seed"]: r["value"] for r in rows if r["variant"] == v and r["metric"] == "val_loss_vs_adamw"}
+        assert ratio == pytest.approx({s: loss[s] / base[s] for s in base}, rel=1e-12)
+        assert _value(rows, v, "val_loss_vs_adamw_mean") == pytest.approx(sum(ratio.values()) / 2, rel=1e-12)
+    assert _value(rows, "none", "delta_vs_shared_mean") == 0.0
+    out = tmp_path / "gefen_ablation.png"
+    _main("analysis.gefen_ablation", ["--results-dir", tmp_path, "--out", out], monkeypatch)
+    _assert_png(out)
