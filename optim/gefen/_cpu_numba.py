@@ -11,6 +11,12 @@ so every block's v, absmax and codes are computed exactly as in the serial loop 
 depend on the thread count); with 4-bit codes and an odd scale-block length, jobs start at even
 blocks so that no two jobs write the same code byte.
 
+Every compiled function is top level with one signature: the code width and ``block == 1`` are
+run-time flags tested once per scale block (not per element, so they cost nothing measurable).
+Per-variant closures shared one on-disk cache index (named after the closure's qualname and line),
+and two processes compiling different variants at once (the team runs tests side by side) wrote
+the same numbered cache file: a later process loaded a wrong variant (NaN parameters).
+
 Why numba: on this project's 2-core CPU one elementwise torch pass over 3.4 M fp32 elements
 costs ~7 ms, and the vectorised step needs ~25 of them plus gathers (~300-500 ms a step, 40x
 fused AdamW); ``torch.compile`` of the whole bucket function fused it to ~110 ms (8x AdamW) after
@@ -27,8 +33,8 @@ time on the 3.4 M-parameter transformer; the passes cost ~2.5x (measured at one 
 2. lerp with g in place (vector; an FMA, exactly torch's vectorised CPU ``lerp``);
 3. absmax as an integer max over the buffer's bit patterns (vector; exact: for non-negative
    floats the integer order is the float order, and a NaN stays the largest);
-4. v: sum of g**2 (block > 1; vector, ``reassoc``: the order of the sum differs from torch's,
-   so v is equal to fp32 rounding, as before) or per element (block == 1);
+4. v: sum of g**2 (block > 1; vector, in 8 interleaved lanes: the order of the sum differs from
+   torch's, so v is equal to fp32 rounding, as before) or per element (block == 1);
 5. q = m / absmax (vector ``vdivps``, exact) and its lookup-table bin (8 bits), or its code
    counted against the 15 decision boundaries with the value selected alongside (4 bits, vector,
    no table);
@@ -39,11 +45,15 @@ Arithmetic: as ``reference.gefen_step`` in fp32, scalars passed as float32. Mult
 fused (``fastmath={"contract"}``) only where the reference's value does not depend on it: the
 decode ``C[code] * s`` is a pass of its own, compiled without ``contract``, so it is rounded
 before the lerp as torch rounds it; ``lerp`` is then exactly torch's vectorised CPU lerp (an
-FMA); p and v can differ from the reference in the last bits (block > 1: the update is
-``m^ * (value / denom)``, one division per block). Codes do not depend on that (the lookup
+FMA); the v and parameter updates are compiled without ``contract`` (a multiply-add with two
+products may be fused either way, differently in the serial and the parallel copy); p and v
+can differ from the reference in the last bits (block > 1: the update is ``m^ * (value /
+denom)``, one division per block). Codes do not depend on that (the lookup
 table's slack absorbs the rounding of the bin index, the final boundary comparison is exact;
 the 4-bit count ``#{boundaries < q}`` is ``codebook.nearest_code``'s definition).
 """
+
+from functools import partial
 
 import numpy as np
 from numba import carray, njit, prange, types
@@ -86,10 +96,10 @@ def kernel(bits: int, per_element_v: bool, parallel: bool = True):
     ``bounds`` the fp32 decision boundaries (``code_boundaries``, levels - 1 and a trailing +inf;
     used at 4 bits).
     """
-    key = (bits, per_element_v)
+    key = (bits, per_element_v, parallel)
     if key not in _KERNELS:
-        _KERNELS[key] = _make(bits, per_element_v)
-    return _KERNELS[key][0 if parallel else 1]
+        _KERNELS[key] = partial(_step_parallel if parallel else _step_serial, bits == 4, per_element_v)
+    return _KERNELS[key]
 
 
 # ------------------------------------------------------------------------------ passes
@@ -160,15 +170,26 @@ def _absmax_bits(bits, n):
     return a
 
 
-@njit(nogil=True, error_model="numpy", fastmath={"contract", "reassoc"}, cache=True)
-def _sum_sq(g):
-    acc = np.float32(0.0)
-    for i in range(g.size):
-        acc += g[i] * g[i]
-    return acc
+@njit(nogil=True, error_model="numpy", cache=True)
+def _sum_sq(g, acc):
+    """sum(g**2) in 8 interleaved lanes (``acc``: 8 floats of scratch), then a fixed tree.
+
+    Vectorised without ``reassoc``: LLVM may order a ``reassoc`` sum differently in each
+    compiled copy (serial and parallel kernels), which would break the bitwise equality of one
+    and two threads.
+    """
+    for k in range(8):
+        acc[k] = np.float32(0.0)
+    n8 = g.size - g.size % 8
+    for i in range(0, n8, 8):
+        for k in range(8):
+            acc[k] += g[i + k] * g[i + k]
+    for i in range(n8, g.size):
+        acc[0] += g[i] * g[i]
+    return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]))
 
 
-@njit(nogil=True, error_model="numpy", fastmath=_FMA, cache=True)
+@njit(nogil=True, error_model="numpy", cache=True)  # no contract: see _step_serial
 def _v_per_element(v, g, beta2, one_minus_beta2):
     for i in range(g.size):
         v[i] = beta2 * v[i] + one_minus_beta2 * (g[i] * g[i])
@@ -244,14 +265,14 @@ def _quantize4(m, n, amax, bounds, cb, codes):
         m[i] = v
 
 
-@njit(nogil=True, error_model="numpy", fastmath=_FMA, cache=True)
+@njit(nogil=True, error_model="numpy", cache=True)  # no contract: see _step_serial
 def _update_shared(p, value, amax, decay, step_over_denom):
     for i in range(p.size):
         m_hat = value[i] * amax
         p[i] = p[i] * decay + m_hat * step_over_denom
 
 
-@njit(nogil=True, error_model="numpy", fastmath=_FMA, cache=True)
+@njit(nogil=True, error_model="numpy", cache=True)  # no contract: see _step_serial
 def _update_per_element(p, value, amax, v, decay, neg_step, bc2_sqrt, eps):
     for i in range(p.size):
         m_hat = value[i] * amax
@@ -259,82 +280,85 @@ def _update_per_element(p, value, amax, v, decay, neg_step, bc2_sqrt, eps):
         p[i] = p[i] * decay + (neg_step * m_hat) / denom
 
 
-def _make(BITS, PER_ELEMENT):
-    @njit(nogil=True, error_model="numpy", cache=True)
-    def blocks(p, g, v, scales, codes, j0, j1, cb, bounds, lut_code, lut_bound, lut_values,
-               lut_scale, block, S, w1, beta2, one_minus_beta2, decay, neg_step, bc2_sqrt, eps):
-        n = p.size
-        m = np.empty(S, dtype=np.float32)
-        bits = m.view(np.int32)
-        u = np.empty(S, dtype=np.uint32)
-        c = np.empty(S, dtype=np.uint8)
-        amax_bits = np.empty(1, dtype=np.int32)
-        amax_f = amax_bits.view(np.float32)
-        top = np.uint32(lut_code.size - 1)
-        if BITS == 4:  # tuples: registers in _quantize4 (prange cannot pass tuples in)
-            bounds16 = (bounds[0], bounds[1], bounds[2], bounds[3], bounds[4], bounds[5], bounds[6],
-                        bounds[7], bounds[8], bounds[9], bounds[10], bounds[11], bounds[12],
-                        bounds[13], bounds[14], bounds[15])
-            cb16 = (cb[0], cb[1], cb[2], cb[3], cb[4], cb[5], cb[6], cb[7], cb[8], cb[9], cb[10],
-                    cb[11], cb[12], cb[13], cb[14], cb[15])
-        for j in range(j0, j1):
-            start = j * S
-            stop = min(start + S, n)
-            L = stop - start
-            gj = g[start:stop]
-            mj = m[:L]
-            if BITS == 8:
-                _decode(codes[start:stop], cb, scales[j], mj)
-            else:
-                _unpack4(codes, start, stop, c)
-                _decode(c[:L], cb, scales[j], mj)
-            _lerp(gj, w1, mj)
-            amax_bits[0] = _absmax_bits(bits, L)
-            amax = amax_f[0]
-            scales[j] = amax
-            if BITS == 8:
-                _bins(m, L, amax, lut_scale, top, u)
-                _lookup8(codes[start:stop], mj, u, lut_code, lut_bound, lut_values)
-            else:
-                _quantize4(m, L, amax, bounds16, cb16, c)
-                _pack4(c, start, stop, codes)
-            if PER_ELEMENT:
-                vj = v[start:stop]
-                _v_per_element(vj, gj, beta2, one_minus_beta2)
-                _update_per_element(p[start:stop], mj, amax, vj, decay, neg_step, bc2_sqrt, eps)
-            else:  # S == block: one v per scale block, one division per block (~10% of the step)
-                vb = beta2 * v[j] + one_minus_beta2 * (_sum_sq(gj) / np.float32(block))
-                v[j] = vb
-                denom = np.float32(np.sqrt(vb) / bc2_sqrt) + eps
-                _update_shared(p[start:stop], mj, amax, decay, neg_step / denom)
-
-    @njit(nogil=True, error_model="numpy", parallel=True, cache=True)
-    def step(meta, jobs, cb, bounds, lut_code, lut_bound, lut_values, lut_scale, block, S, w1,
-             beta2, one_minus_beta2, decay, neg_step, bc2_sqrt, eps):
-        for k in prange(jobs.shape[0]):
-            t = jobs[k, 0]
-            p = carray(_f32_ptr(meta[t, 0]), (meta[t, 5],))
-            g = carray(_f32_ptr(meta[t, 1]), (meta[t, 5],))
-            v = carray(_f32_ptr(meta[t, 2]), (meta[t, 6],))
-            scales = carray(_f32_ptr(meta[t, 3]), (meta[t, 7],))
-            codes = carray(_u8_ptr(meta[t, 4]), (meta[t, 8],))
-            blocks(p, g, v, scales, codes, jobs[k, 1], jobs[k, 2], cb, bounds, lut_code, lut_bound,
-                   lut_values, lut_scale, block, S, w1, beta2, one_minus_beta2, decay, neg_step,
-                   bc2_sqrt, eps)
+@njit(nogil=True, error_model="numpy", cache=True)
+def _blocks(bits4, per_element, p, g, v, scales, codes, j0, j1, cb, bounds, lut_code, lut_bound,
+            lut_values, lut_scale, block, S, w1, beta2, one_minus_beta2, decay, neg_step, bc2_sqrt,
+            eps):
+    """Scale blocks j0..j1-1 of one tensor, pass by pass (see the module docstring)."""
+    n = p.size
+    m = np.empty(S, dtype=np.float32)
+    bits = m.view(np.int32)
+    u = np.empty(S, dtype=np.uint32)
+    c = np.empty(S, dtype=np.uint8)
+    acc8 = np.empty(8, dtype=np.float32)
+    amax_bits = np.empty(1, dtype=np.int32)
+    amax_f = amax_bits.view(np.float32)
+    top = np.uint32(lut_code.size - 1)
+    # tuples: registers in _quantize4 (used at 4 bits; prange cannot pass tuples in)
+    bounds16 = (bounds[0], bounds[1], bounds[2], bounds[3], bounds[4], bounds[5], bounds[6],
+                bounds[7], bounds[8], bounds[9], bounds[10], bounds[11], bounds[12], bounds[13],
+                bounds[14], bounds[15])
+    cb16 = (cb[0], cb[1], cb[2], cb[3], cb[4], cb[5], cb[6], cb[7], cb[8], cb[9], cb[10], cb[11],
+            cb[12], cb[13], cb[14], cb[15])
+    for j in range(j0, j1):
+        start = j * S
+        stop = min(start + S, n)
+        L = stop - start
+        gj = g[start:stop]
+        mj = m[:L]
+        if bits4:
+            _unpack4(codes, start, stop, c)
+            _decode(c[:L], cb, scales[j], mj)
+        else:
+            _decode(codes[start:stop], cb, scales[j], mj)
+        _lerp(gj, w1, mj)
+        amax_bits[0] = _absmax_bits(bits, L)
+        amax = amax_f[0]
+        scales[j] = amax
+        if bits4:
+            _quantize4(m, L, amax, bounds16, cb16, c)
+            _pack4(c, start, stop, codes)
+        else:
+            _bins(m, L, amax, lut_scale, top, u)
+            _lookup8(codes[start:stop], mj, u, lut_code, lut_bound, lut_values)
+        if per_element:
+            vj = v[start:stop]
+            _v_per_element(vj, gj, beta2, one_minus_beta2)
+            _update_per_element(p[start:stop], mj, amax, vj, decay, neg_step, bc2_sqrt, eps)
+        else:  # S == block: one v per scale block, one division per block (~10% of the step)
+            vb = beta2 * v[j] + one_minus_beta2 * (_sum_sq(gj, acc8) / np.float32(block))
+            v[j] = vb
+            denom = np.float32(np.sqrt(vb) / bc2_sqrt) + eps
+            _update_shared(p[start:stop], mj, amax, decay, neg_step / denom)
 
 
-    @njit(nogil=True, error_model="numpy", parallel=False, cache=True)
-    def step_serial(meta, jobs, cb, bounds, lut_code, lut_bound, lut_values, lut_scale, block, S, w1,
-             beta2, one_minus_beta2, decay, neg_step, bc2_sqrt, eps):
-        for k in range(jobs.shape[0]):
-            t = jobs[k, 0]
-            p = carray(_f32_ptr(meta[t, 0]), (meta[t, 5],))
-            g = carray(_f32_ptr(meta[t, 1]), (meta[t, 5],))
-            v = carray(_f32_ptr(meta[t, 2]), (meta[t, 6],))
-            scales = carray(_f32_ptr(meta[t, 3]), (meta[t, 7],))
-            codes = carray(_u8_ptr(meta[t, 4]), (meta[t, 8],))
-            blocks(p, g, v, scales, codes, jobs[k, 1], jobs[k, 2], cb, bounds, lut_code, lut_bound,
-                   lut_values, lut_scale, block, S, w1, beta2, one_minus_beta2, decay, neg_step,
-                   bc2_sqrt, eps)
+@njit(nogil=True, error_model="numpy", cache=True)
+def _job(bits4, per_element, meta, jobs, k, cb, bounds, lut_code, lut_bound, lut_values, lut_scale,
+         block, S, w1, beta2, one_minus_beta2, decay, neg_step, bc2_sqrt, eps):
+    t = jobs[k, 0]
+    p = carray(_f32_ptr(meta[t, 0]), (meta[t, 5],))
+    g = carray(_f32_ptr(meta[t, 1]), (meta[t, 5],))
+    v = carray(_f32_ptr(meta[t, 2]), (meta[t, 6],))
+    scales = carray(_f32_ptr(meta[t, 3]), (meta[t, 7],))
+    codes = carray(_u8_ptr(meta[t, 4]), (meta[t, 8],))
+    _blocks(bits4, per_element, p, g, v, scales, codes, jobs[k, 1], jobs[k, 2], cb, bounds,
+            lut_code, lut_bound, lut_values, lut_scale, block, S, w1, beta2, one_minus_beta2,
+            decay, neg_step, bc2_sqrt, eps)
 
-    return step, step_serial
+
+@njit(nogil=True, error_model="numpy", parallel=True, cache=True)
+def _step_parallel(bits4, per_element, meta, jobs, cb, bounds, lut_code, lut_bound, lut_values,
+                   lut_scale, block, S, w1, beta2, one_minus_beta2, decay, neg_step, bc2_sqrt, eps):
+    for k in prange(jobs.shape[0]):
+        _job(bits4, per_element, meta, jobs, k, cb, bounds, lut_code, lut_bound, lut_values,
+             lut_scale, block, S, w1, beta2, one_minus_beta2, decay, neg_step, bc2_sqrt, eps)
+
+
+@njit(nogil=True, error_model="numpy", cache=True)
+def _step_serial(bits4, per_element, meta, jobs, cb, bounds, lut_code, lut_bound, lut_values,
+                 lut_scale, block, S, w1, beta2, one_minus_beta2, decay, neg_step, bc2_sqrt, eps):
+    # the same passes compiled again: every pass is written so that its rounding cannot depend on
+    # the copy (no multiply-add with two products to choose from, no reassoc)
+    for k in range(jobs.shape[0]):
+        _job(bits4, per_element, meta, jobs, k, cb, bounds, lut_code, lut_bound, lut_values,
+             lut_scale, block, S, w1, beta2, one_minus_beta2, decay, neg_step, bc2_sqrt, eps)
