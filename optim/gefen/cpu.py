@@ -18,6 +18,7 @@ import os
 import numpy as np
 import torch
 
+from .._threads import numba_threads
 from .codebook import code_table, histogram as _histogram, nearest_code
 from .reference import pack_codes, scale_block_length, unpack_codes
 
@@ -138,26 +139,6 @@ def _jobs(numels: tuple, S: int, bits: int) -> np.ndarray:
     return _JOBS[key]
 
 
-def _set_numba_threads() -> int:
-    """Numba threads for the kernel: torch's count (at most numba's); 1 runs the serial kernel.
-
-    At one thread numba's OpenMP pool is never started. Starting it sets the OpenMP thread
-    count of the process (numba and torch share libgomp here) to ``NUMBA_NUM_THREADS``, so
-    torch silently ran every later op on all cores after ``torch.set_num_threads(1)``; torch's
-    count is put back if that happens.
-    """
-    threads = torch.get_num_threads()
-    if threads <= 1:
-        return 1
-    import numba
-
-    n = min(threads, numba.config.NUMBA_NUM_THREADS)
-    numba.set_num_threads(n)
-    if torch.get_num_threads() != threads:
-        torch.set_num_threads(threads)
-    return n
-
-
 @torch.no_grad()
 def gefen_step_compiled_(ps, gs, vs, scales, codes, codebook, *, step, lr, beta1, beta2, eps,
                          weight_decay, block, bits, tables=None):
@@ -198,7 +179,7 @@ def gefen_step_compiled_(ps, gs, vs, scales, codes, codebook, *, step, lr, beta1
                      n, v.numel(), s.numel(), c.numel()))
     meta = np.array(rows, dtype=np.int64)
     jobs = _jobs(tuple(r[5] for r in rows), S, bits)
-    step_fn = kernel(bits, block == 1, parallel=_set_numba_threads() > 1)
+    step_fn = kernel(bits, block == 1, parallel=numba_threads() > 1)
     step_fn(meta, jobs, *luts, f32(tables.scale), block, S, *hyper)
     for p, pw in back:
         p.copy_(pw.view_as(p))
