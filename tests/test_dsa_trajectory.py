@@ -7,6 +7,7 @@ the fused CPU path sums duplicates in coalesce's order and takes sqrt from torch
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -198,3 +199,50 @@ def test_fused_cpu_path_on_two_threads_matches_sparse_adam(dtype, tmp_path):
     assert_close(st["exp_avg_sq"], ref.state[emb_ref.weight]["exp_avg_sq"], atol=1e-6, name="exp_avg_sq")
     two.close()
     one.close()
+
+
+def test_sorted_rows_radix_and_coalesce_order():
+    """The radix path sorts like Tensor.sort (stable among equal rows); with a row three times it
+    falls back to Tensor.sort's own permutation, the order coalesce sums in."""
+    from optim.disk_sparse import _cpu_numba as K
+    from optim.disk_sparse.cpu_kernels import _scratch, _sorted_rows
+
+    gen = torch.Generator().manual_seed(3)
+    for n_table, idx in (
+        (10_000, torch.randperm(10_000, generator=gen)[:900]),                       # unique rows
+        (10_000, torch.randperm(10_000, generator=gen)[:500].repeat(2)),             # each row twice
+        (3_000_000, torch.randint(0, 3_000_000, (1500,), generator=gen)),           # three radix passes
+        (50, torch.randint(0, 50, (700,), generator=gen)),                          # rows many times
+    ):
+        starts, _, _, _, bufs, counts = _scratch(idx.numel(), 4, torch.float32)
+        keys, perm, n_rows = _sorted_rows(K, idx, n_table, bufs, counts, starts)
+        s, p = idx.sort()
+        assert np.array_equal(keys, s.numpy()) and n_rows == torch.unique(idx).numel()
+        assert np.array_equal(idx.numpy()[perm], s.numpy())
+        if torch.unique(idx, return_counts=True)[1].max() >= 3:
+            assert np.array_equal(perm, p.numpy())  # coalesce's order
+        else:
+            assert np.array_equal(perm, np.argsort(idx.numpy(), kind="stable"))
+    with pytest.raises(IndexError, match=r"\[0, 50\)"):
+        starts, _, _, _, bufs, counts = _scratch(3, 4, torch.float32)
+        _sorted_rows(K, torch.tensor([3, 50, 1]), 50, bufs, counts, starts)
+
+
+def test_rows_at_most_twice_agree_bitwise_with_sparse_adam(tmp_path):
+    """The radix path (no row three times) on the seed's shape of problem: bitwise SparseAdam."""
+    emb_ref = nn.Embedding(20_000, 32, sparse=True)
+    emb = copy.deepcopy(emb_ref)
+    ref = torch.optim.SparseAdam(emb_ref.parameters(), lr=1e-2)
+    opt = DiskSparseAdam(emb.parameters(), lr=1e-2, state_dir=tmp_path)
+    gen = torch.Generator().manual_seed(11)
+    for _ in range(40):
+        rows = torch.randperm(20_000, generator=gen)[:700]
+        idx = torch.cat([rows, rows[:300]])[torch.randperm(1000, generator=gen)]
+        target = torch.randn(1000, 32, generator=gen)
+        for m, o in ((emb_ref, ref), (emb, opt)):
+            o.zero_grad()
+            ((m(idx) - target) ** 2).mean().backward()
+            o.step()
+    assert torch.equal(emb.weight, emb_ref.weight)
+    assert torch.equal(opt.state_dict()["state"][0]["exp_avg_sq"], ref.state[emb_ref.weight]["exp_avg_sq"])
+    opt.close()

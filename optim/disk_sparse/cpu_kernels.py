@@ -16,7 +16,8 @@ numpy error model let them vectorise; reused scratch buffers avoid ~1000 page fa
 Bitwise agreement with ``torch.optim.SparseAdam`` (float32 and float64): the operations and their
 order are those of the reference, scalars are rounded to the state dtype as torch rounds a Python
 scalar, duplicates are summed in the order of ``indices.sort()``'s permutation (the order
-``Tensor.coalesce`` uses; torch's CPU sort is not stable, so no other sort may replace it), and
+``Tensor.coalesce`` uses; torch's CPU sort is not stable, so a faster stable radix sort is used
+only where no row occurs three times or more, and the order of a sum of two does not matter), and
 Numba is run without fastmath, so no FMA contraction or reassociation. The square root is torch's,
 on a tensor of the same shape as SparseAdam's: torch's CPU sqrt of large tensors is not always
 correctly rounded (0.6% of float32 elements differ from ``np.sqrt``), so no other sqrt may replace it.
@@ -53,9 +54,30 @@ def _scratch(n, d, dtype):
     if bufs is None or bufs[0].shape[0] < n + 1:
         n = max(n + 1, 2 * bufs[0].shape[0]) if bufs is not None else n + 1
         bufs = (np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64),
-                torch.empty((n, d), dtype=dtype).numpy(), torch.empty((n, d), dtype=dtype))
+                torch.empty((n, d), dtype=dtype).numpy(), torch.empty((n, d), dtype=dtype),
+                np.empty((4, n), dtype=np.int64), np.empty(2048, dtype=np.int64))
         buffers[(d, dtype)] = bufs
     return bufs
+
+
+def _sorted_rows(K, indices: torch.Tensor, n_table_rows: int, sort_bufs, counts, starts):
+    """(sorted indices, permutation, number of unique rows) as numpy, duplicates in coalesce's order.
+
+    A stable radix sort in numba when no row occurs three times or more (the order of a sum of two
+    is immaterial); otherwise ``Tensor.sort``, whose order ``Tensor.coalesce`` (and so SparseAdam)
+    uses. Raises ``IndexError`` for rows outside the table.
+    """
+    n = indices.shape[0]
+    keys, perm = sort_bufs[0, :n], sort_bufs[1, :n]
+    if not K.radix_sort(indices.numpy(), n_table_rows, keys, perm, sort_bufs[2, :n], sort_bufs[3, :n], counts):
+        raise IndexError(f"sparse gradient rows must lie in [0, {n_table_rows}), got "
+                         f"{int(indices.min())}..{int(indices.max())}")
+    n_rows, longest = K.segments(keys, n_table_rows, starts)
+    if longest >= 3:
+        s, p = indices.sort()
+        keys, perm = s.numpy(), p.numpy()
+        n_rows, _ = K.segments(keys, n_table_rows, starts)
+    return keys, perm, n_rows
 
 
 def adam_rows_cpu_(weight: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, records, step: int, *,
@@ -67,17 +89,13 @@ def adam_rows_cpu_(weight: torch.Tensor, indices: torch.Tensor, values: torch.Te
     """
     from . import _cpu_numba as K
 
-    s, perm = indices.sort()
-    s_np = s.numpy()
-    starts, rows, mbuf, vbuf = _scratch(s_np.shape[0], values.shape[1], weight.dtype)
-    n_rows = K.segments(s_np, weight.shape[0], starts)
-    if n_rows < 0:
-        raise IndexError(f"sparse gradient rows must lie in [0, {weight.shape[0]}), got {int(s[0])}..{int(s[-1])}")
+    starts, rows, mbuf, vbuf, sort_bufs, counts = _scratch(indices.shape[0], values.shape[1], weight.dtype)
+    s_np, perm, n_rows = _sorted_rows(K, indices.contiguous(), weight.shape[0], sort_bufs, counts, starts)
     threads = numba_threads() if n_rows >= _PARALLEL_MIN_ROWS else 1
     moments, weights = (K.moments_parallel, K.weights_parallel) if threads > 1 else (K.moments, K.weights)
     ty = records.dtype.type
     w = weight.detach().numpy()
-    moments(s_np, perm.numpy(), starts, n_rows, values.contiguous().numpy(), records, w, rows, mbuf,
+    moments(s_np, perm, starts, n_rows, values.contiguous().numpy(), records, w, rows, mbuf,
             vbuf.numpy(), ty(1 - beta1), ty(1 - beta2), bool(maximize), threads)
     sqrt_v = vbuf[:n_rows].sqrt_()  # torch's sqrt: see the module docstring
     step_size = lr * math.sqrt(1 - beta2 ** step) / (1 - beta1 ** step)
