@@ -221,11 +221,26 @@ def test_huge_pages_change_nothing_but_the_mapping(tmp_path):
     opt_b.close()
 
 
+def test_memory_limit_is_the_smaller_of_ram_and_the_cgroup_limit(tmp_path):
+    from optim.disk_sparse.base import memory_limit_bytes
+
+    phys = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    assert memory_limit_bytes(str(tmp_path)) == phys  # no cgroup files: physical RAM
+    (tmp_path / "memory.max").write_text("max\n")  # cgroup v2 without a limit
+    assert memory_limit_bytes(str(tmp_path)) == phys
+    (tmp_path / "memory.max").write_text(f"{phys // 8}\n")
+    assert memory_limit_bytes(str(tmp_path)) == phys // 8
+    (tmp_path / "memory.max").unlink()
+    (tmp_path / "memory").mkdir()
+    (tmp_path / "memory" / "memory.limit_in_bytes").write_text(f"{phys * 4}\n")  # v1, above RAM
+    assert memory_limit_bytes(str(tmp_path)) == phys
+
+
 def test_huge_pages_default_follows_the_size_rule(tmp_path, monkeypatch):
     from optim.disk_sparse import base
 
-    phys = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    assert base.fits_in_page_cache(int(0.2 * phys)) and not base.fits_in_page_cache(int(0.3 * phys))
+    limit = base.memory_limit_bytes()
+    assert base.fits_in_page_cache(int(0.2 * limit)) and not base.fits_in_page_cache(int(0.3 * limit))
     monkeypatch.setattr(base, "fits_in_page_cache", lambda nbytes: nbytes < 10_000)
     small, big = _emb(10, 6), _emb(1000, 6)  # state files of 480 and 48,000 bytes
     opt = DiskSparseAdam([small.weight, big.weight], state_dir=tmp_path)

@@ -25,15 +25,31 @@ STEP, EXP_AVG, EXP_AVG_SQ = "step", "exp_avg", "exp_avg_sq"
 _BACKENDS = ("auto", "torch", "triton")
 
 
-def fits_in_page_cache(nbytes: int, fraction: float = 0.25) -> bool:
-    """The ``huge_pages=None`` rule: a state file at most ``fraction`` of physical memory is expected
-    to stay in the page cache, so it is mapped with huge pages (``store.py``); larger ones are not,
-    since every page-cache miss would read 2 MiB."""
+def memory_limit_bytes(cgroup_root: str = "/sys/fs/cgroup") -> int | None:
+    """The memory this process may use: physical RAM, or a smaller cgroup v2 / v1 limit (the page
+    cache counts against it in a container). ``None`` if it cannot be told."""
+    limits = []
     try:
-        phys = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        limits.append(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
     except (ValueError, OSError, AttributeError):
-        return False
-    return nbytes <= fraction * phys
+        pass
+    for name in ("memory.max", "memory/memory.limit_in_bytes"):
+        try:
+            with open(os.path.join(cgroup_root, name)) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            limits.append(int(text))
+    return min(limits) if limits else None
+
+
+def fits_in_page_cache(nbytes: int, fraction: float = 0.25) -> bool:
+    """The ``huge_pages=None`` rule: a state file at most ``fraction`` of the memory limit (physical
+    RAM or the container's cgroup limit) is expected to stay in the page cache, so it is mapped with
+    huge pages (``store.py``); larger ones are not, since every page-cache miss would read 2 MiB."""
+    limit = memory_limit_bytes()
+    return limit is not None and nbytes <= fraction * limit
 
 
 def coalesce_rows(indices: torch.Tensor, values: torch.Tensor):

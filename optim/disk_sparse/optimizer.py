@@ -76,7 +76,8 @@ class DiskSparseAdam(DiskSparseOptimizer):
         huge_pages (bool or None): map the state files with transparent huge pages (2 MiB), which
             makes warm steps faster (fewer TLB misses) where the kernel supports huge pages for file
             mappings, but makes every page-cache miss read 2 MiB: only for state that stays in RAM.
-            ``None``: for each state file of at most a quarter of the machine's memory.
+            ``None``: for each state file of at most a quarter of the memory limit (physical RAM,
+            or the container's cgroup limit if smaller).
             (Default: None)
 
     Use ``flush()`` for a clean on-disk point, ``close()`` (or ``with``) when done; checkpoints via
