@@ -20,7 +20,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from analysis.common import add_analysis_args, latest_run, read_results, save_figure  # noqa: E402
 
 BARS = [("ceiling", "no optimizer (ceiling)"), ("SparseAdam", "torch SparseAdam (RAM)"),
-        ("DiskSparseAdam/warm", "DiskSparseAdam, warm cache"), ("DiskSparseAdam/cold", "DiskSparseAdam, cold cache")]
+        ("DiskSparseAdam/warm", "DiskSparseAdam, warm cache"),
+        ("DiskSparseAdam/warm-fused", "DiskSparseAdam, warm, bitwise=False"),
+        ("DiskSparseAdam/cold", "DiskSparseAdam, cold cache")]
 
 
 def collect(rows):

@@ -17,7 +17,8 @@ the warm variants are interleaved within every repeat (in a shuffled order), the
 
 Variants: ``ceiling`` (forward+backward, no optimizer step), ``SparseAdam`` (moments in RAM),
 ``DiskSparseAdam/warm`` (state file in the page cache; the default ``huge_pages=None`` maps it
-with 2 MiB pages, as it fits in RAM), ``DiskSparseAdam/cold`` (the same files reopened with 4 KiB
+with 2 MiB pages, as it fits in RAM), ``DiskSparseAdam/warm-fused`` (the same optimizer and state
+with ``bitwise=False``: one fused pass, a correctly rounded sqrt), ``DiskSparseAdam/cold`` (the same files reopened with 4 KiB
 pages, their pages dropped with madvise/posix_fadvise DONTNEED before every step; the drop itself
 is not timed), next
 to ``disk/4KiB-random-read`` (synchronous 4 KiB preads at random offsets of a dropped state file) and
@@ -168,10 +169,17 @@ def run_config(cfg, args, res, tmp):
         for st in stores:
             st.drop_cache()
 
+    def dsa_step(k, bitwise=True):
+        for group in dsa.param_groups:  # a param-group option, like lr: both variants share the state
+            group["bitwise"] = bitwise
+        fwd_bwd(k)
+        dsa.step()
+
     variants = {
         "ceiling": lambda k: fwd_bwd(k),
         "SparseAdam": lambda k: (fwd_bwd(k), sparse_adam.step()),
-        "DiskSparseAdam/warm": lambda k: (fwd_bwd(k), dsa.step()),
+        "DiskSparseAdam/warm": dsa_step,
+        "DiskSparseAdam/warm-fused": lambda k: dsa_step(k, bitwise=False),
     }
     walls = {v: [] for v in list(variants) + ["DiskSparseAdam/cold"]}
     cpus = {v: [] for v in walls}
@@ -217,6 +225,8 @@ def run_config(cfg, args, res, tmp):
         "DiskSparseAdam_cold/disk_bound": med["DiskSparseAdam/cold"] / bound,
         "cpu:DiskSparseAdam_warm/SparseAdam": med_cpu["DiskSparseAdam/warm"] / med_cpu["SparseAdam"],
         "cpu:DiskSparseAdam_warm/ceiling": med_cpu["DiskSparseAdam/warm"] / med_cpu["ceiling"],
+        "DiskSparseAdam_warm_fused/SparseAdam": med["DiskSparseAdam/warm-fused"] / med["SparseAdam"],
+        "DiskSparseAdam_warm_fused/ceiling": med["DiskSparseAdam/warm-fused"] / med["ceiling"],
     }
     for name, r in ratios.items():
         res.add(f"{tag}/ratio", name, "x", r, **x)

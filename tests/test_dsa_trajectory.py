@@ -246,3 +246,34 @@ def test_rows_at_most_twice_agree_bitwise_with_sparse_adam(tmp_path):
     assert torch.equal(emb.weight, emb_ref.weight)
     assert torch.equal(opt.state_dict()["state"][0]["exp_avg_sq"], ref.state[emb_ref.weight]["exp_avg_sq"])
     opt.close()
+
+
+def test_fused_pass_without_bitwise_stays_within_tolerance_of_sparse_adam(tmp_path):
+    """bitwise=False: one fused pass with a correctly rounded sqrt; within the issue's 1e-6 of
+    SparseAdam after 200 steps (with duplicates), and the same bits at one and two threads."""
+    emb_ref = nn.Embedding(3000, 24, sparse=True)
+    emb_one, emb_two = copy.deepcopy(emb_ref), copy.deepcopy(emb_ref)
+    kw = dict(lr=1e-2, betas=(0.8, 0.99))
+    ref = torch.optim.SparseAdam(emb_ref.parameters(), **kw)
+    one = DiskSparseAdam(emb_one.parameters(), **kw, state_dir=tmp_path / "one", bitwise=False)
+    two = DiskSparseAdam(emb_two.parameters(), **kw, state_dir=tmp_path / "two", bitwise=False)
+    gen = torch.Generator().manual_seed(5)
+    saved = torch.get_num_threads()
+    try:
+        for _ in range(STEPS):
+            idx = torch.cat([torch.randint(0, 3000, (400,), generator=gen), torch.randint(0, 30, (200,), generator=gen)])
+            target = torch.randn(600, 24, generator=gen)
+            for m, o, n in ((emb_ref, ref, 1), (emb_one, one, 1), (emb_two, two, 2)):
+                torch.set_num_threads(n)
+                o.zero_grad()
+                ((m(idx) - target) ** 2).mean().backward()
+                o.step()
+    finally:
+        torch.set_num_threads(saved)
+    assert torch.equal(emb_one.weight, emb_two.weight)
+    assert_close(emb_one.weight, emb_ref.weight, atol=1e-6, name="weight")
+    assert_close(one.state_dict()["state"][0]["exp_avg_sq"], ref.state[emb_ref.weight]["exp_avg_sq"], atol=1e-6,
+                 name="exp_avg_sq")
+    assert one.param_groups[0]["bitwise"] is False
+    one.close()
+    two.close()

@@ -160,6 +160,44 @@ def _weights(rows, n_rows, mbuf, sqrt_v, eps, weight, neg_step_size, n_chunks):
                 wr[k] = wr[k] + (mr[k] / (sr[k] + eps)) * neg_step_size
 
 
+def _fused(sorted_idx, perm, starts, n_rows, values, records, weight, c1, c2, eps, neg_step_size,
+           maximize, n_chunks):
+    """The whole row update in one pass (``bitwise=False``): m, v in place, then the weight row,
+    with numba's correctly rounded sqrt instead of torch's (see ``cpu_kernels.py``)."""
+    d = values.shape[1]
+    for c in prange(n_chunks):
+        u0 = c * n_rows // n_chunks
+        u1 = (c + 1) * n_rows // n_chunks
+        gsum = np.empty(d, dtype=records.dtype)
+        for u in range(u0, u1):
+            if u + PREFETCH_AHEAD < u1:
+                ahead = sorted_idx[starts[u + PREFETCH_AHEAD]]
+                _prefetch_row(records, ahead)
+                _prefetch_row(weight, ahead)
+            j = starts[u]
+            r = sorted_idx[j]
+            src = values[perm[j]]
+            for k in range(d):
+                gsum[k] = src[k]
+            for jj in range(j + 1, starts[u + 1]):
+                src = values[perm[jj]]
+                for k in range(d):
+                    gsum[k] += src[k]
+            if maximize:
+                for k in range(d):
+                    gsum[k] = -gsum[k]
+            rec, wr = records[r], weight[r]
+            for k in range(d):
+                m = rec[k]
+                rec[k] = m + (gsum[k] - m) * c1
+            for k in range(d):
+                g = gsum[k]
+                v = rec[d + k]
+                rec[d + k] = v + (g * g - v) * c2
+            for k in range(d):
+                wr[k] = wr[k] + (rec[k] / (np.sqrt(rec[d + k]) + eps)) * neg_step_size
+
+
 def _named(fn, name):
     """A copy of ``fn`` under another name: numba's disk cache keys kernels by name, so the serial and
     parallel compilations of one body need two."""
@@ -172,3 +210,5 @@ moments = njit(**_opts)(_named(_moments, "moments"))
 weights = njit(**_opts)(_named(_weights, "weights"))
 moments_parallel = njit(parallel=True, **_opts)(_named(_moments, "moments_parallel"))
 weights_parallel = njit(parallel=True, **_opts)(_named(_weights, "weights_parallel"))
+fused = njit(**_opts)(_named(_fused, "fused"))
+fused_parallel = njit(parallel=True, **_opts)(_named(_fused, "fused_parallel"))

@@ -81,22 +81,30 @@ def _sorted_rows(K, indices: torch.Tensor, n_table_rows: int, sort_bufs, counts,
 
 
 def adam_rows_cpu_(weight: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, records, step: int, *,
-                   lr: float, beta1: float, beta2: float, eps: float, maximize: bool = False) -> None:
+                   lr: float, beta1: float, beta2: float, eps: float, maximize: bool = False,
+                   bitwise: bool = True) -> None:
     """Update ``weight`` (N, D) and ``records`` (numpy (N, 2D) view of the state file) in place.
 
     ``indices`` (int64, may repeat) and ``values`` (nnz, D) are the uncoalesced sparse gradient.
     ``weight``, ``values`` and ``records`` share one dtype (float32 or float64), all on CPU.
+    ``bitwise=False`` runs the update as one fused pass with a correctly rounded sqrt (the result
+    differs from SparseAdam's where torch's sqrt is not correctly rounded, by the rounding of sqrt).
     """
     from . import _cpu_numba as K
 
     starts, rows, mbuf, vbuf, sort_bufs, counts = _scratch(indices.shape[0], values.shape[1], weight.dtype)
     s_np, perm, n_rows = _sorted_rows(K, indices.contiguous(), weight.shape[0], sort_bufs, counts, starts)
     threads = numba_threads() if n_rows >= _PARALLEL_MIN_ROWS else 1
-    moments, weights = (K.moments_parallel, K.weights_parallel) if threads > 1 else (K.moments, K.weights)
     ty = records.dtype.type
     w = weight.detach().numpy()
+    step_size = lr * math.sqrt(1 - beta2 ** step) / (1 - beta1 ** step)
+    if not bitwise:
+        fused = K.fused_parallel if threads > 1 else K.fused
+        fused(s_np, perm, starts, n_rows, values.contiguous().numpy(), records, w, ty(1 - beta1), ty(1 - beta2),
+              ty(eps), ty(-step_size), bool(maximize), threads)
+        return
+    moments, weights = (K.moments_parallel, K.weights_parallel) if threads > 1 else (K.moments, K.weights)
     moments(s_np, perm, starts, n_rows, values.contiguous().numpy(), records, w, rows, mbuf,
             vbuf.numpy(), ty(1 - beta1), ty(1 - beta2), bool(maximize), threads)
     sqrt_v = vbuf[:n_rows].sqrt_()  # torch's sqrt: see the module docstring
-    step_size = lr * math.sqrt(1 - beta2 ** step) / (1 - beta1 ** step)
     weights(rows, n_rows, mbuf, sqrt_v.numpy(), ty(eps), w, ty(-step_size), threads)

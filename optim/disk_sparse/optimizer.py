@@ -79,6 +79,12 @@ class DiskSparseAdam(DiskSparseOptimizer):
             ``None``: for each state file of at most a quarter of the memory limit (physical RAM,
             or the container's cgroup limit if smaller).
             (Default: None)
+        bitwise (bool): on CPU, take the square root from torch in a separate pass, so that every
+            bit equals ``torch.optim.SparseAdam``'s (torch's CPU sqrt of large tensors is MKL's and
+            not always correctly rounded). ``False`` fuses the whole update into one pass with a
+            correctly rounded sqrt: the optimizer step takes about 25-45% less time, and results
+            differ from SparseAdam's only by the rounding of that sqrt (within the 1e-6 of the
+            trajectory tests). A param-group option. (Default: True)
 
     Use ``flush()`` for a clean on-disk point, ``close()`` (or ``with``) when done; checkpoints via
     ``state_dict()``/``load_state_dict()`` as with any optimizer.
@@ -87,9 +93,9 @@ class DiskSparseAdam(DiskSparseOptimizer):
     _kernel_name = "adam_rows_"
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, maximize=False, state_dir=None,
-                 backend="auto", huge_pages=None):
+                 backend="auto", huge_pages=None, bitwise=True):
         _check_hyper(lr, betas, eps)
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, maximize=bool(maximize))
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, maximize=bool(maximize), bitwise=bool(bitwise))
         super().__init__(params, defaults, state_dir=state_dir, backend=backend, huge_pages=huge_pages)
 
     def _state_width(self, cols):
@@ -113,7 +119,7 @@ class DiskSparseAdam(DiskSparseOptimizer):
         store = self._stores[p]
         store.mark_dirty()
         cpu_kernels.adam_rows_cpu_(p, g._indices()[0], g._values(), store.records.numpy(), step,
-                                   **self._hyper(group))
+                                   bitwise=group.get("bitwise", True), **self._hyper(group))
         return True
 
     def _update_torch(self, p, rows, g, rec, step, group):
