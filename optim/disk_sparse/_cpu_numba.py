@@ -105,6 +105,22 @@ def segments(sorted_idx, n_table_rows, starts):
     return u, longest
 
 
+@njit(inline="always", cache=True)
+def _sum_rows(values, perm, j0, j1, negate, gsum):
+    """gsum = the sum of values[perm[j0:j1]] in that order (coalesce's), negated if ``negate``."""
+    d = gsum.shape[0]
+    src = values[perm[j0]]
+    for k in range(d):
+        gsum[k] = src[k]
+    for jj in range(j0 + 1, j1):
+        src = values[perm[jj]]
+        for k in range(d):
+            gsum[k] += src[k]
+    if negate:
+        for k in range(d):
+            gsum[k] = -gsum[k]
+
+
 def _moments(sorted_idx, perm, starts, n_rows, values, records, weight, rows, mbuf, vbuf, c1, c2,
              maximize, n_chunks):
     """Per unique row u: sum its gradient rows, update its record ``[m | v]`` in place, copy the new
@@ -119,18 +135,8 @@ def _moments(sorted_idx, perm, starts, n_rows, values, records, weight, rows, mb
                 ahead = sorted_idx[starts[u + PREFETCH_AHEAD]]
                 _prefetch_row(records, ahead)
                 _prefetch_row(weight, ahead)
-            j = starts[u]
-            r = sorted_idx[j]
-            src = values[perm[j]]
-            for k in range(d):
-                gsum[k] = src[k]
-            for jj in range(j + 1, starts[u + 1]):
-                src = values[perm[jj]]
-                for k in range(d):
-                    gsum[k] += src[k]
-            if maximize:
-                for k in range(d):
-                    gsum[k] = -gsum[k]
+            r = sorted_idx[starts[u]]
+            _sum_rows(values, perm, starts[u], starts[u + 1], maximize, gsum)
             rows[u] = r
             rec, mu, vu = records[r], mbuf[u], vbuf[u]
             for k in range(d):
@@ -174,18 +180,8 @@ def _fused(sorted_idx, perm, starts, n_rows, values, records, weight, c1, c2, ep
                 ahead = sorted_idx[starts[u + PREFETCH_AHEAD]]
                 _prefetch_row(records, ahead)
                 _prefetch_row(weight, ahead)
-            j = starts[u]
-            r = sorted_idx[j]
-            src = values[perm[j]]
-            for k in range(d):
-                gsum[k] = src[k]
-            for jj in range(j + 1, starts[u + 1]):
-                src = values[perm[jj]]
-                for k in range(d):
-                    gsum[k] += src[k]
-            if maximize:
-                for k in range(d):
-                    gsum[k] = -gsum[k]
+            r = sorted_idx[starts[u]]
+            _sum_rows(values, perm, starts[u], starts[u + 1], maximize, gsum)
             rec, wr = records[r], weight[r]
             for k in range(d):
                 m = rec[k]
