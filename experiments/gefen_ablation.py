@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from experiments.common import Results, add_common_args  # noqa: E402
-from experiments.gefen_memory import OPTIMIZERS, char_run, char_split  # noqa: E402
+from experiments.gefen_memory import char_run, char_split  # noqa: E402
 from optim import Gefen  # noqa: E402
 
 # variant -> regular expression of the parameter names that get a per-element v (None: no tensor)
@@ -106,8 +106,6 @@ def main():
 def _std(xs):
     return statistics.stdev(xs) if len(xs) > 1 else 0.0
 
-
-assert "AdamW(fused)" in OPTIMIZERS
 
 if __name__ == "__main__":
     main()

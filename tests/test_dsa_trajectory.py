@@ -169,6 +169,16 @@ def test_bfloat16_weights_keep_float32_state():
     opt.close()
 
 
+def _step_each(runs, idx, target):
+    """One step of every (embedding, optimizer, torch threads) on the batch ``idx`` with a squared
+    error to ``target``; the caller restores torch's thread count."""
+    for emb, opt, n_threads in runs:
+        torch.set_num_threads(n_threads)
+        opt.zero_grad()
+        ((emb(idx) - target) ** 2).mean().backward()
+        opt.step()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_fused_cpu_path_on_two_threads_matches_sparse_adam(dtype, tmp_path):
     """Enough unique rows per step (>= 256) that the fused kernels split them over two threads:
@@ -186,11 +196,7 @@ def test_fused_cpu_path_on_two_threads_matches_sparse_adam(dtype, tmp_path):
             idx = torch.cat([torch.randint(0, 2000, (600,), generator=gen),
                              torch.randint(0, 40, (300,), generator=gen)])  # duplicates too
             target = torch.randn(idx.numel(), 24, generator=gen, dtype=dtype)
-            for emb, opt, n_threads in ((emb_ref, ref, 2), (emb_two, two, 2), (emb_one, one, 1)):
-                torch.set_num_threads(n_threads)
-                opt.zero_grad()
-                ((emb(idx) - target) ** 2).mean().backward()
-                opt.step()
+            _step_each(((emb_ref, ref, 2), (emb_two, two, 2), (emb_one, one, 1)), idx, target)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(emb_two.weight, emb_one.weight)
@@ -239,10 +245,7 @@ def test_rows_at_most_twice_agree_bitwise_with_sparse_adam(tmp_path):
         rows = torch.randperm(20_000, generator=gen)[:700]
         idx = torch.cat([rows, rows[:300]])[torch.randperm(1000, generator=gen)]
         target = torch.randn(1000, 32, generator=gen)
-        for m, o in ((emb_ref, ref), (emb, opt)):
-            o.zero_grad()
-            ((m(idx) - target) ** 2).mean().backward()
-            o.step()
+        _step_each(((emb_ref, ref, 1), (emb, opt, 1)), idx, target)
     assert torch.equal(emb.weight, emb_ref.weight)
     assert torch.equal(opt.state_dict()["state"][0]["exp_avg_sq"], ref.state[emb_ref.weight]["exp_avg_sq"])
     opt.close()
@@ -263,11 +266,7 @@ def test_fused_pass_without_bitwise_stays_within_tolerance_of_sparse_adam(tmp_pa
         for _ in range(STEPS):
             idx = torch.cat([torch.randint(0, 3000, (400,), generator=gen), torch.randint(0, 30, (200,), generator=gen)])
             target = torch.randn(600, 24, generator=gen)
-            for m, o, n in ((emb_ref, ref, 1), (emb_one, one, 1), (emb_two, two, 2)):
-                torch.set_num_threads(n)
-                o.zero_grad()
-                ((m(idx) - target) ** 2).mean().backward()
-                o.step()
+            _step_each(((emb_ref, ref, 1), (emb_one, one, 1), (emb_two, two, 2)), idx, target)
     finally:
         torch.set_num_threads(saved)
     assert torch.equal(emb_one.weight, emb_two.weight)

@@ -121,6 +121,18 @@ def _sum_rows(values, perm, j0, j1, negate, gsum):
             gsum[k] = -gsum[k]
 
 
+@njit(inline="always", cache=True)
+def _next_row(u, u1, sorted_idx, perm, starts, values, records, weight, negate, gsum):
+    """The table row of unique row u, its summed gradient left in ``gsum``; the records and weight
+    rows ``PREFETCH_AHEAD`` unique rows on (within ``u1``) are prefetched meanwhile."""
+    if u + PREFETCH_AHEAD < u1:
+        ahead = sorted_idx[starts[u + PREFETCH_AHEAD]]
+        _prefetch_row(records, ahead)
+        _prefetch_row(weight, ahead)
+    _sum_rows(values, perm, starts[u], starts[u + 1], negate, gsum)
+    return sorted_idx[starts[u]]
+
+
 def _moments(sorted_idx, perm, starts, n_rows, values, records, weight, rows, mbuf, vbuf, c1, c2,
              maximize, n_chunks):
     """Per unique row u: sum its gradient rows, update its record ``[m | v]`` in place, copy the new
@@ -131,12 +143,7 @@ def _moments(sorted_idx, perm, starts, n_rows, values, records, weight, rows, mb
         u1 = (c + 1) * n_rows // n_chunks
         gsum = np.empty(d, dtype=records.dtype)
         for u in range(u0, u1):
-            if u + PREFETCH_AHEAD < u1:
-                ahead = sorted_idx[starts[u + PREFETCH_AHEAD]]
-                _prefetch_row(records, ahead)
-                _prefetch_row(weight, ahead)
-            r = sorted_idx[starts[u]]
-            _sum_rows(values, perm, starts[u], starts[u + 1], maximize, gsum)
+            r = _next_row(u, u1, sorted_idx, perm, starts, values, records, weight, maximize, gsum)
             rows[u] = r
             rec, mu, vu = records[r], mbuf[u], vbuf[u]
             for k in range(d):
@@ -176,12 +183,7 @@ def _fused(sorted_idx, perm, starts, n_rows, values, records, weight, c1, c2, ep
         u1 = (c + 1) * n_rows // n_chunks
         gsum = np.empty(d, dtype=records.dtype)
         for u in range(u0, u1):
-            if u + PREFETCH_AHEAD < u1:
-                ahead = sorted_idx[starts[u + PREFETCH_AHEAD]]
-                _prefetch_row(records, ahead)
-                _prefetch_row(weight, ahead)
-            r = sorted_idx[starts[u]]
-            _sum_rows(values, perm, starts[u], starts[u + 1], maximize, gsum)
+            r = _next_row(u, u1, sorted_idx, perm, starts, values, records, weight, maximize, gsum)
             rec, wr = records[r], weight[r]
             for k in range(d):
                 m = rec[k]

@@ -73,10 +73,8 @@ def _sorted_rows(K, indices: torch.Tensor, n_table_rows: int, sort_bufs, counts,
         raise IndexError(f"sparse gradient rows must lie in [0, {n_table_rows}), got "
                          f"{int(indices.min())}..{int(indices.max())}")
     n_rows, longest = K.segments(keys, n_table_rows, starts)
-    if longest >= 3:
-        s, p = indices.sort()
-        keys, perm = s.numpy(), p.numpy()
-        n_rows, _ = K.segments(keys, n_table_rows, starts)
+    if longest >= 3:  # the sorted keys and their runs are the same; only the order of equal keys differs
+        perm = indices.sort()[1].numpy()
     return keys, perm, n_rows
 
 
