@@ -36,6 +36,22 @@ def _prefetch_addr(typingctx, addr):
     return types.void(types.intp), codegen
 
 
+@intrinsic
+def _call_sqrt(typingctx, fn, n, src, dst, mode):
+    """Call the C function at address ``fn``, ``void f(int32 n, const T *src, T *dst, int64 mode)``
+    (MKL's vector sqrt, see ``vml_sqrt.py``). The address is an argument, not a constant, so the
+    compiled kernel stays cacheable across processes."""
+    def codegen(context, builder, signature, args):
+        i8p, i32, i64 = ir.IntType(8).as_pointer(), ir.IntType(32), ir.IntType(64)
+        fnty = ir.FunctionType(ir.VoidType(), [i32, i8p, i8p, i64])
+        f = builder.inttoptr(args[0], fnty.as_pointer())
+        builder.call(f, [builder.trunc(args[1], i32), builder.inttoptr(args[2], i8p),
+                         builder.inttoptr(args[3], i8p), args[4]])
+        return context.get_dummy_value()
+
+    return types.void(types.intp, types.intp, types.intp, types.intp, types.intp), codegen
+
+
 @njit(inline="always", cache=True)
 def _prefetch_row(arr, r):
     base = arr.ctypes.data + r * arr.strides[0]
@@ -196,6 +212,42 @@ def _fused(sorted_idx, perm, starts, n_rows, values, records, weight, c1, c2, ep
                 wr[k] = wr[k] + (rec[k] / (np.sqrt(rec[d + k]) + eps)) * neg_step_size
 
 
+def _tiled(sorted_idx, perm, starts, n_rows, values, records, weight, c1, c2, eps, neg_step_size,
+           maximize, n_chunks, tile_rows, sqrt_fn, sqrt_mode):
+    """The bitwise update in one pass over tiles of ``tile_rows`` unique rows: m and v of each row in
+    place (v also copied to a small tile buffer), one call of torch's own sqrt function
+    (``sqrt_fn``, see ``vml_sqrt.py``) on the tile, then the tile's weight rows, whose records are
+    still in cache. Same operations and order as ``_moments`` + torch sqrt + ``_weights``."""
+    d = values.shape[1]
+    for c in prange(n_chunks):
+        u0 = c * n_rows // n_chunks
+        u1 = (c + 1) * n_rows // n_chunks
+        gsum = np.empty(d, dtype=records.dtype)
+        v_tile = np.empty((tile_rows, d), dtype=records.dtype)
+        sqrt_tile = np.empty((tile_rows, d), dtype=records.dtype)
+        tile = np.empty(tile_rows, dtype=np.int64)
+        for t0 in range(u0, u1, tile_rows):
+            t1 = min(t0 + tile_rows, u1)
+            for u in range(t0, t1):
+                r = _next_row(u, u1, sorted_idx, perm, starts, values, records, weight, maximize, gsum)
+                tile[u - t0] = r
+                rec, vu = records[r], v_tile[u - t0]
+                for k in range(d):
+                    m = rec[k]
+                    rec[k] = m + (gsum[k] - m) * c1
+                for k in range(d):
+                    g = gsum[k]
+                    v = rec[d + k]
+                    vu[k] = v + (g * g - v) * c2
+                for k in range(d):
+                    rec[d + k] = vu[k]
+            _call_sqrt(sqrt_fn, (t1 - t0) * d, v_tile.ctypes.data, sqrt_tile.ctypes.data, sqrt_mode)
+            for i in range(t1 - t0):
+                rec, wr, sr = records[tile[i]], weight[tile[i]], sqrt_tile[i]
+                for k in range(d):
+                    wr[k] = wr[k] + (rec[k] / (sr[k] + eps)) * neg_step_size
+
+
 def _named(fn, name):
     """A copy of ``fn`` under another name: numba's disk cache keys kernels by name, so the serial and
     parallel compilations of one body need two."""
@@ -210,3 +262,5 @@ moments_parallel = njit(parallel=True, **_opts)(_named(_moments, "moments_parall
 weights_parallel = njit(parallel=True, **_opts)(_named(_weights, "weights_parallel"))
 fused = njit(**_opts)(_named(_fused, "fused"))
 fused_parallel = njit(parallel=True, **_opts)(_named(_fused, "fused_parallel"))
+tiled = njit(**_opts)(_named(_tiled, "tiled"))
+tiled_parallel = njit(parallel=True, **_opts)(_named(_tiled, "tiled_parallel"))

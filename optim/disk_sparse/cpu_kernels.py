@@ -1,26 +1,30 @@
 """Fused CPU fast path of the Disk Sparse Adam row update (Numba), used when weights are on CPU.
 
 Per unique row: sum the row's duplicate gradient rows, update its ``[m | v]`` record in place
-straight in the memory-mapped state file, then (after torch's sqrt of the new v rows) update the
-weight row in place; the update is that of ``reference.sparse_adam_rows``. The compiled kernels
-are in ``_cpu_numba.py`` (cached on disk); they run on ``torch.get_num_threads()`` threads.
+straight in the memory-mapped state file, then update the weight row in place; the update is that of
+``reference.sparse_adam_rows``. The compiled kernels are in ``_cpu_numba.py`` (cached on disk); they
+run on ``torch.get_num_threads()`` threads.
 
 The vectorised torch path makes about twelve passes over ``(n, D)`` temporaries plus a gather, a
 scatter and a coalesce. On the seed configuration (1M x 128, batch 2048, one thread) the step is
 bound by memory traffic on the 2048 scattered rows (a 1 KiB record and a 512 B weight row each):
-the moments pass costs ~0.35 ms when the same rows are contiguous and ~0.8-1.0 ms scattered, and
-the prefetch distance makes no difference. Prefetching the weight rows during the moments pass
-cut the weights pass from ~0.7 to ~0.15 ms; splitting each row's update into simple loops and the
-numpy error model let them vectorise; reused scratch buffers avoid ~1000 page faults per step.
+the moments pass costs ~0.3 ms when the same rows are contiguous and ~0.45-1.0 ms scattered.
+Prefetching the weight rows during the moments pass cut the weights pass from ~0.7 to ~0.15 ms;
+splitting each row's update into simple loops and the numpy error model let them vectorise; reused
+scratch buffers avoid ~1000 page faults per step.
 
 Bitwise agreement with ``torch.optim.SparseAdam`` (float32 and float64): the operations and their
 order are those of the reference, scalars are rounded to the state dtype as torch rounds a Python
 scalar, duplicates are summed in the order of ``indices.sort()``'s permutation (the order
 ``Tensor.coalesce`` uses; torch's CPU sort is not stable, so a faster stable radix sort is used
 only where no row occurs three times or more, and the order of a sum of two does not matter), and
-Numba is run without fastmath, so no FMA contraction or reassociation. The square root is torch's,
-on a tensor of the same shape as SparseAdam's: torch's CPU sqrt of large tensors is not always
-correctly rounded (0.6% of float32 elements differ from ``np.sqrt``), so no other sqrt may replace it.
+Numba is run without fastmath, so no FMA contraction or reassociation. The square root must be
+torch's: torch's CPU sqrt (MKL's vector sqrt) is not always correctly rounded, so ``np.sqrt`` gives
+other bits for 1e-5 to 17% of inputs depending on the CPU. Where ``vml_sqrt`` finds that function in
+torch's library (and checks that it reproduces ``torch.sqrt``), the whole update is one pass over
+tiles of rows that calls it per tile (``tiled``); otherwise it is two passes around ``Tensor.sqrt_``
+on the ``(n, D)`` new v (``moments``, ``weights``), about 10% slower on the seed configuration.
+``bitwise=False`` uses a correctly rounded sqrt in one pass (``fused``).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import numpy as np
 import torch
 
 from .._threads import numba_threads
+from . import vml_sqrt
 
 try:
     import numba
@@ -42,6 +47,7 @@ except ImportError:  # numba is optional: the torch path computes the same updat
     AVAILABLE = False
 
 _PARALLEL_MIN_ROWS = 256  # below this a parallel launch costs more than it saves
+_TILE_ELEMENTS = 2048  # v values per sqrt call in the tiled kernel (8 KiB of float32: stays in L1)
 _local = threading.local()  # scratch buffers per thread: optimizers may step in several threads
 
 
@@ -100,6 +106,13 @@ def adam_rows_cpu_(weight: torch.Tensor, indices: torch.Tensor, values: torch.Te
         fused = K.fused_parallel if threads > 1 else K.fused
         fused(s_np, perm, starts, n_rows, values.contiguous().numpy(), records, w, ty(1 - beta1), ty(1 - beta2),
               ty(eps), ty(-step_size), bool(maximize), threads)
+        return
+    sqrt_fn = vml_sqrt.address(weight.dtype)
+    if sqrt_fn is not None:
+        tiled = K.tiled_parallel if threads > 1 else K.tiled
+        tiled(s_np, perm, starts, n_rows, values.contiguous().numpy(), records, w, ty(1 - beta1), ty(1 - beta2),
+              ty(eps), ty(-step_size), bool(maximize), threads, max(1, _TILE_ELEMENTS // values.shape[1]), sqrt_fn,
+              vml_sqrt.MODE)
         return
     moments, weights = (K.moments_parallel, K.weights_parallel) if threads > 1 else (K.moments, K.weights)
     moments(s_np, perm, starts, n_rows, values.contiguous().numpy(), records, w, rows, mbuf,
