@@ -138,15 +138,12 @@ def _sum_rows(values, perm, j0, j1, negate, gsum):
 
 
 @njit(inline="always", cache=True)
-def _next_row(u, u1, sorted_idx, perm, starts, values, records, weight, negate, gsum):
-    """The table row of unique row u, its summed gradient left in ``gsum``; the records and weight
-    rows ``PREFETCH_AHEAD`` unique rows on (within ``u1``) are prefetched meanwhile."""
+def _prefetch_ahead(u, u1, sorted_idx, starts, records, weight):
+    """Prefetch the record and weight rows of unique row ``u + PREFETCH_AHEAD`` (if below ``u1``)."""
     if u + PREFETCH_AHEAD < u1:
         ahead = sorted_idx[starts[u + PREFETCH_AHEAD]]
         _prefetch_row(records, ahead)
         _prefetch_row(weight, ahead)
-    _sum_rows(values, perm, starts[u], starts[u + 1], negate, gsum)
-    return sorted_idx[starts[u]]
 
 
 def _moments(sorted_idx, perm, starts, n_rows, values, records, weight, rows, mbuf, vbuf, c1, c2,
@@ -159,7 +156,9 @@ def _moments(sorted_idx, perm, starts, n_rows, values, records, weight, rows, mb
         u1 = (c + 1) * n_rows // n_chunks
         gsum = np.empty(d, dtype=records.dtype)
         for u in range(u0, u1):
-            r = _next_row(u, u1, sorted_idx, perm, starts, values, records, weight, maximize, gsum)
+            _prefetch_ahead(u, u1, sorted_idx, starts, records, weight)
+            _sum_rows(values, perm, starts[u], starts[u + 1], maximize, gsum)
+            r = sorted_idx[starts[u]]
             rows[u] = r
             rec, mu, vu = records[r], mbuf[u], vbuf[u]
             for k in range(d):
@@ -199,7 +198,9 @@ def _fused(sorted_idx, perm, starts, n_rows, values, records, weight, c1, c2, ep
         u1 = (c + 1) * n_rows // n_chunks
         gsum = np.empty(d, dtype=records.dtype)
         for u in range(u0, u1):
-            r = _next_row(u, u1, sorted_idx, perm, starts, values, records, weight, maximize, gsum)
+            _prefetch_ahead(u, u1, sorted_idx, starts, records, weight)
+            _sum_rows(values, perm, starts[u], starts[u + 1], maximize, gsum)
+            r = sorted_idx[starts[u]]
             rec, wr = records[r], weight[r]
             for k in range(d):
                 m = rec[k]
@@ -229,7 +230,9 @@ def _tiled(sorted_idx, perm, starts, n_rows, values, records, weight, c1, c2, ep
         for t0 in range(u0, u1, tile_rows):
             t1 = min(t0 + tile_rows, u1)
             for u in range(t0, t1):
-                r = _next_row(u, u1, sorted_idx, perm, starts, values, records, weight, maximize, gsum)
+                _prefetch_ahead(u, u1, sorted_idx, starts, records, weight)
+                _sum_rows(values, perm, starts[u], starts[u + 1], maximize, gsum)
+                r = sorted_idx[starts[u]]
                 tile[u - t0] = r
                 rec, vu = records[r], v_tile[u - t0]
                 for k in range(d):
