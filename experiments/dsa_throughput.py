@@ -120,8 +120,10 @@ def run_config(cfg, args, res, tmp):
     model = SeedModel(cfg["rows"], cfg["dim"]) if cfg["name"] == "seed" else KGModel(cfg["rows"], cfg["dim"])
     batches = make_batches(cfg, 32, gen)
     samples = cfg["batch"]
-    x = dict(x_name="config", x_value=cfg["name"])
-    tag = cfg["name"]
+    # Runs on more than one torch thread are configs of their own ("seed@2t"): ceiling and optimizers
+    # all get the threads, and the 1-thread rows stay comparable across commits.
+    tag = cfg["name"] if args.threads == 1 else f"{cfg['name']}@{args.threads}t"
+    x = dict(x_name="config", x_value=tag)
     params = list(model.parameters())
 
     def fwd_bwd(k):
@@ -255,7 +257,8 @@ def main():
     parser.add_argument("--disk-reads", type=int, default=2000)
     parser.add_argument("--rows", type=int, default=None,
                         help="table rows of every config (default: seed 1M, kg 2M, --quick kg 200k); for smoke runs")
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch (and so numba) threads for every variant; >1 tags the configs, e.g. seed@2t")
     parser.add_argument("--state-dir", default=None, help="where the state files go (default: a temp dir)")
     args = parser.parse_args()
     args.reps = args.reps or (3 if args.quick else 7)
