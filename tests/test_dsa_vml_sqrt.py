@@ -100,3 +100,30 @@ def test_without_vml_the_two_pass_path_is_bitwise_sparse_adam(dtype, tmp_path, m
     monkeypatch.setattr(K, "tiled", None)  # would raise if called
     monkeypatch.setattr(K, "tiled_parallel", None)
     _train(37, dtype, tmp_path)
+
+
+@needs_vml
+@pytest.mark.skipif(not vml_sqrt.threads_local_address(), reason="no MKL_Set_Num_Threads_Local in torch's library")
+@pytest.mark.parametrize("n_idx", [50, 600])  # the serial kernel and the parallel one
+def test_tiled_kernel_leaves_mkl_threads_as_they_were(n_idx, tmp_path):
+    """The kernel asks MKL for one thread per calling thread while it runs (MKL would otherwise thread
+    every small tile) and must put the previous per-thread setting back."""
+    lib = vml_sqrt._library()
+    set_local = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int)(vml_sqrt.threads_local_address())
+    max_threads = lib.mkl_get_max_threads
+    max_threads.restype = ctypes.c_int
+    emb = nn.Embedding(3000, 16, sparse=True)
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        with DiskSparseAdam(emb.parameters(), state_dir=tmp_path) as opt:
+            for local in (0, 3):  # no per-thread setting, then one of 3 threads
+                set_local(local)
+                before = max_threads()
+                emb(torch.randint(0, 3000, (n_idx,))).sum().backward()
+                opt.step()
+                assert max_threads() == before
+                assert set_local(0) == local  # the per-thread setting in force after the step
+    finally:
+        set_local(0)
+        torch.set_num_threads(saved)

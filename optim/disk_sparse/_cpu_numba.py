@@ -52,6 +52,17 @@ def _call_sqrt(typingctx, fn, n, src, dst, mode):
     return types.void(types.intp, types.intp, types.intp, types.intp, types.intp), codegen
 
 
+@intrinsic
+def _call_int(typingctx, fn, x):
+    """``int32 f(int32 x)`` at address ``fn`` (MKL_Set_Num_Threads_Local); returns its result."""
+    def codegen(context, builder, signature, args):
+        i32 = ir.IntType(32)
+        f = builder.inttoptr(args[0], ir.FunctionType(i32, [i32]).as_pointer())
+        return builder.sext(builder.call(f, [builder.trunc(args[1], i32)]), ir.IntType(64))
+
+    return types.int64(types.intp, types.intp), codegen
+
+
 @njit(inline="always", cache=True)
 def _prefetch_row(arr, r):
     base = arr.ctypes.data + r * arr.strides[0]
@@ -214,15 +225,17 @@ def _fused(sorted_idx, perm, starts, n_rows, values, records, weight, c1, c2, ep
 
 
 def _tiled(sorted_idx, perm, starts, n_rows, values, records, weight, c1, c2, eps, neg_step_size,
-           maximize, n_chunks, tile_rows, sqrt_fn, sqrt_mode):
+           maximize, n_chunks, tile_rows, sqrt_fn, sqrt_mode, threads_fn):
     """The bitwise update in one pass over tiles of ``tile_rows`` unique rows: m and v of each row in
     place (v also copied to a small tile buffer), one call of torch's own sqrt function
     (``sqrt_fn``, see ``vml_sqrt.py``) on the tile, then the tile's weight rows, whose records are
-    still in cache. Same operations and order as ``_moments`` + torch sqrt + ``_weights``."""
+    still in cache. Same operations and order as ``_moments`` + torch sqrt + ``_weights``.
+    ``threads_fn`` (if not 0) sets MKL's thread count of the calling thread: one while it runs."""
     d = values.shape[1]
     for c in prange(n_chunks):
         u0 = c * n_rows // n_chunks
         u1 = (c + 1) * n_rows // n_chunks
+        mkl_threads = _call_int(threads_fn, 1) if threads_fn else 0
         gsum = np.empty(d, dtype=records.dtype)
         v_tile = np.empty((tile_rows, d), dtype=records.dtype)
         sqrt_tile = np.empty((tile_rows, d), dtype=records.dtype)
@@ -249,6 +262,8 @@ def _tiled(sorted_idx, perm, starts, n_rows, values, records, weight, c1, c2, ep
                 rec, wr, sr = records[tile[i]], weight[tile[i]], sqrt_tile[i]
                 for k in range(d):
                     wr[k] = wr[k] + (rec[k] / (sr[k] + eps)) * neg_step_size
+        if threads_fn:
+            _call_int(threads_fn, mkl_threads)
 
 
 def _named(fn, name):

@@ -112,7 +112,7 @@ def adam_rows_cpu_(weight: torch.Tensor, indices: torch.Tensor, values: torch.Te
         tiled = K.tiled_parallel if threads > 1 else K.tiled
         tiled(s_np, perm, starts, n_rows, values.contiguous().numpy(), records, w, ty(1 - beta1), ty(1 - beta2),
               ty(eps), ty(-step_size), bool(maximize), threads, max(1, _TILE_ELEMENTS // values.shape[1]), sqrt_fn,
-              vml_sqrt.MODE)
+              vml_sqrt.MODE, vml_sqrt.threads_local_address())
         return
     moments, weights = (K.moments_parallel, K.weights_parallel) if threads > 1 else (K.moments, K.weights)
     moments(s_np, perm, starts, n_rows, values.contiguous().numpy(), records, w, rows, mbuf,
