@@ -79,12 +79,15 @@ class DiskSparseAdam(DiskSparseOptimizer):
             ``None``: for each state file of at most a quarter of the memory limit (physical RAM,
             or the container's cgroup limit if smaller).
             (Default: None)
-        bitwise (bool): on CPU, take the square root from torch in a separate pass, so that every
-            bit equals ``torch.optim.SparseAdam``'s (torch's CPU sqrt of large tensors is MKL's and
-            not always correctly rounded). ``False`` fuses the whole update into one pass with a
-            correctly rounded sqrt: training steps in ``experiments/dsa_throughput.py`` ran 4% (seed
-            config) and 18% (KG config) faster, and results differ from SparseAdam's only by the
-            rounding of that sqrt (within the 1e-6 of the trajectory tests). A param-group option.
+        bitwise (bool): on CPU, give every bit of ``torch.optim.SparseAdam``: the square root is
+            torch's own (MKL's vector sqrt, not always correctly rounded; called on tiles of rows
+            inside the kernel where torch's library exposes it, else ``Tensor.sqrt_`` in a separate
+            pass), and rows that occur three times or more in a gradient are summed in
+            ``Tensor.sort``'s order, as ``coalesce`` sums them. ``False`` takes a correctly rounded
+            sqrt and a stable radix sort's order: training steps in ``experiments/dsa_throughput.py``
+            ran 10-20% (seed config) and 15-30% (KG config) faster, and results differ from
+            SparseAdam's only by the rounding of that sqrt and of those sums (within the 1e-6 of
+            the trajectory tests). A param-group option.
             (Default: True)
 
     Use ``flush()`` for a clean on-disk point, ``close()`` (or ``with``) when done; checkpoints via
