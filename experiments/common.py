@@ -57,8 +57,11 @@ def git_commit() -> str:
         sha = out.stdout.strip()
         if not sha:
             return "unknown"
+        # Outputs do not make the code dirty: a second run after a first one wrote its rows is still
+        # a run of this commit.
         dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT,
+            ["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
+             ":(exclude)results", ":(exclude)paper_figs"], cwd=REPO_ROOT,
             capture_output=True, text=True, timeout=10,
         ).stdout.strip()
         return sha + ("+dirty" if dirty else "")
