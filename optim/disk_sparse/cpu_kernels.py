@@ -23,7 +23,7 @@ torch's: torch's CPU sqrt (MKL's vector sqrt) is not always correctly rounded, s
 other bits for 1e-5 to 17% of inputs depending on the CPU. Where ``vml_sqrt`` finds that function in
 torch's library (and checks that it reproduces ``torch.sqrt``), the whole update is one pass over
 tiles of rows that calls it per tile (``tiled``); otherwise it is two passes around ``Tensor.sqrt_``
-on the ``(n, D)`` new v (``moments``, ``weights``), about 10% slower on the seed configuration.
+on the ``(n, D)`` new v (``moments``, ``weights``), 5-10% slower on the seed configuration.
 ``bitwise=False`` uses a correctly rounded sqrt in one pass (``fused``) and never ``Tensor.sort``.
 """
 

@@ -84,8 +84,8 @@ class DiskSparseAdam(DiskSparseOptimizer):
             inside the kernel where torch's library exposes it, else ``Tensor.sqrt_`` in a separate
             pass), and rows that occur three times or more in a gradient are summed in
             ``Tensor.sort``'s order, as ``coalesce`` sums them. ``False`` takes a correctly rounded
-            sqrt and a stable radix sort's order: training steps in ``experiments/dsa_throughput.py``
-            ran 10-20% (seed config) and 15-30% (KG config) faster, and results differ from
+            sqrt and a stable radix sort's order: training in ``experiments/dsa_throughput.py`` ran
+            11% (seed config) and 41% (KG config) more samples/s, and results differ from
             SparseAdam's only by the rounding of that sqrt and of those sums (within the 1e-6 of
             the trajectory tests). A param-group option.
             (Default: True)
