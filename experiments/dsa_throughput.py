@@ -27,7 +27,8 @@ per CPU second of the process, the latter robust to other jobs on the machine), 
 (anonymous and file-backed) and bytes on disk. Before measuring, every state record is written once
 (the steady state of a long run: ext4 converts the preallocated extents at the first write of a
 page, a one-time cost of 30+ ms per step on a fresh file). Torch runs single-threaded (--threads) because the
-machine's two cores are shared.
+machine's two cores are shared; with --threads N > 1 every variant gets N threads and the configs are
+tagged seed@Nt, kg@Nt.
 """
 
 from __future__ import annotations
