@@ -252,12 +252,16 @@ def _correctness(tmp_path, monkeypatch, capsys, *flags):
 @pytest.mark.timeout(180)
 def test_correctness_quick_torch(tmp_path, monkeypatch, capsys):
     rows, variants = _correctness(tmp_path, monkeypatch, capsys, "--no-triton")
-    want = {"DiskSparseAdam[torch] vs torch.optim.SparseAdam", "Gefen[reduction] vs torch.optim.AdamW"}
+    want = {f"DiskSparseAdam[{b}] vs torch.optim.SparseAdam"
+            for b in ("torch", "auto (numba)", "auto (numba), bitwise=False")}
+    want |= {"Gefen[reduction] vs torch.optim.AdamW"}
     want |= {f"DiskSparseRiemannianAdam[torch,{m},c={c},float64] vs geoopt.SparseRiemannianAdam"
              for m in ("retr", "exact") for c in ("1", "0.5")}
     assert variants == want
     for r in rows:  # fp32 / fp64 runs against their references from the same start
         assert r["value"] < 1e-6, r
+        if r["variant"].startswith(("DiskSparseAdam[torch]", "DiskSparseAdam[auto (numba)] ")):
+            assert r["value"] == 0, r  # the bitwise paths
 
 
 @pytest.mark.timeout(180)
