@@ -9,7 +9,8 @@ Arithmetic is that of ``torch.optim.SparseAdam`` operation for operation: no ``f
 contraction, no reassociation), duplicates summed in the order of ``indices.sort()``'s permutation.
 The numpy error model lets the divisions vectorise (no zero-division branch; denominators are
 ``sqrt(v) + eps > 0``). Each row's update is written as four simple loops: one loop over five
-arrays did not vectorise.
+arrays did not vectorise. ``tiled`` calls C functions (MKL's sqrt, MKL's per-thread thread count)
+through addresses passed as arguments (``_call_sqrt``, ``_call_int``), which keeps it cacheable.
 """
 
 import types as pytypes
@@ -150,7 +151,11 @@ def _sum_rows(values, perm, j0, j1, negate, gsum):
 
 @njit(inline="always", cache=True)
 def _prefetch_ahead(u, u1, sorted_idx, starts, records, weight):
-    """Prefetch the record and weight rows of unique row ``u + PREFETCH_AHEAD`` (if below ``u1``)."""
+    """Prefetch the record and weight rows of unique row ``u + PREFETCH_AHEAD`` (if below ``u1``).
+
+    The kernels write their row prelude out (this, ``_sum_rows``, the row's index): one inline
+    helper doing all three and returning the row compiled ~25% slower in ``tiled`` and ~30% slower
+    in ``fused`` (2,048 random rows of a 1M x 128 table)."""
     if u + PREFETCH_AHEAD < u1:
         ahead = sorted_idx[starts[u + PREFETCH_AHEAD]]
         _prefetch_row(records, ahead)
