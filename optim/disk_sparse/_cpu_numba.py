@@ -1,6 +1,6 @@
 """Compiled (numba) kernels of the fused CPU Disk Sparse Adam step; see ``cpu_kernels.py``.
 
-Kept in its own module so that ``import optim.disk_sparse.cpu_kernels`` does not import numba. The
+Kept in its own module so that ``import optim.disk_sparse.cpu_kernels`` loads no kernel. The
 kernels are compiled once and cached on disk (``cache=True``), serial and parallel variants of each:
 the parallel one splits the unique rows into ``n_chunks`` contiguous runs, one per thread, and every
 row is computed exactly as in the serial loop, so results do not depend on the thread count.
