@@ -103,6 +103,36 @@ def test_temporary_state_dir_removed_at_close():
     assert not os.path.exists(d)
 
 
+_EXIT_WITHOUT_CLOSE = """
+import sys
+import torch
+from optim import DiskSparseAdam
+emb = torch.nn.Embedding(3000, 16, sparse=True)
+opt = DiskSparseAdam(emb.parameters())
+view = opt.state_dict()["state"][0]["exp_avg"].numpy()  # a live view of the state in a global
+emb(torch.tensor([1, 2, 2])).sum().backward()
+opt.step()
+print(opt.state_dir)
+"""
+
+
+def test_temporary_state_dir_removed_when_the_process_exits_without_close(tmp_path):
+    """A script that never closes its optimizer must not leave the (table-sized) private state
+    file behind, even when a view of the state keeps the optimizer alive into interpreter shutdown."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]), TMPDIR=str(tmp_path))
+    out = subprocess.run([sys.executable, "-c", _EXIT_WITHOUT_CLOSE], capture_output=True, text=True,
+                         timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    state_dir = out.stdout.strip().splitlines()[-1]
+    assert state_dir.startswith(str(tmp_path))
+    assert not os.path.exists(state_dir)
+    assert not [f for f in os.listdir(tmp_path) if f.startswith("disk-sparse-adam-")]
+
+
 # -- crash safety ---------------------------------------------------------------------------------
 TOTAL = 120
 

@@ -14,6 +14,7 @@ import itertools
 import os
 import shutil
 import tempfile
+import weakref
 
 import torch
 
@@ -92,6 +93,10 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
         self._own_dir = state_dir is None
         if state_dir is None:
             state_dir = tempfile.mkdtemp(prefix="disk-sparse-adam-")
+            # Removed by close(), and at interpreter exit if close() never ran: at shutdown __del__
+            # may not run (e.g. a numpy view of the state in a global), which left the whole
+            # table-sized state file in /tmp. The finalizer holds the path only, not the optimizer.
+            self._remove_own_dir = weakref.finalize(self, shutil.rmtree, state_dir, ignore_errors=True)
         self.state_dir = os.fspath(state_dir)
         self._stores: dict = {}
         self._steps: dict = {}
@@ -387,7 +392,7 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
         finally:
             self.state.clear()
             if self._own_dir:
-                shutil.rmtree(self.state_dir, ignore_errors=True)
+                self._remove_own_dir()
 
     def __enter__(self):
         return self
