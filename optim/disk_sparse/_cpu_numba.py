@@ -155,7 +155,9 @@ def _prefetch_ahead(u, u1, sorted_idx, starts, records, weight):
 
     The kernels write their row prelude out (this, ``_sum_rows``, the row's index): one inline
     helper doing all three and returning the row compiled ~25% slower in ``tiled`` and ~30% slower
-    in ``fused`` (2,048 random rows of a 1M x 128 table)."""
+    in ``fused`` (2,048 random rows of a 1M x 128 table). The m and v loops of ``moments`` and
+    ``tiled`` are written out for the same reason: an inline ``_new_moments(rec, gsum, m_out,
+    v_out, c1, c2)`` shared by both made them 40-80% slower at widths 64 and 128."""
     if u + PREFETCH_AHEAD < u1:
         ahead = sorted_idx[starts[u + PREFETCH_AHEAD]]
         _prefetch_row(records, ahead)

@@ -81,8 +81,9 @@ def _sorted_rows(K, indices: torch.Tensor, n_table_rows: int, sort_bufs, counts,
         raise IndexError(f"sparse gradient rows must lie in [0, {n_table_rows}), got "
                          f"{int(indices.min())}..{int(indices.max())}")
     n_rows, longest = K.segments(keys, n_table_rows, starts)
-    if coalesce_order and longest >= 3:  # the sorted keys and their runs are the same; only the order of equal keys differs
-        # Into the radix scratch rows (free again): fresh output tensors cost ~20 page faults a call.
+    if coalesce_order and longest >= 3:
+        # The sorted keys and their runs stay; only the order of equal keys differs. Into the radix
+        # scratch rows (free again): fresh output tensors cost ~20 page faults a call.
         perm = sort_bufs[3, :n]
         torch.sort(indices, out=(torch.from_numpy(sort_bufs[2, :n]), torch.from_numpy(perm)))
     return keys, perm, n_rows
