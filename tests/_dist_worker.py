@@ -20,8 +20,6 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 GLOBAL_BATCH = 32
 K1 = 3  # steps before the checkpoint
 K2 = 3  # steps after it

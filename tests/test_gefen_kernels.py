@@ -1,6 +1,6 @@
-"""Gefen's Triton kernels (run by Triton's interpreter on CPU) against the torch reference.
+"""Gefen's in-place steps against the torch reference; Triton runs in its interpreter on CPU.
 
-* The fused step (``kernels.gefen_step_``) against ``reference.gefen_step`` over several steps from
+* Every backend's step (``torch_ops``, ``numba_ops``, ``triton_ops``) against ``reference.gefen_step`` over several steps from
   a random (not fresh) state: sizes 1, 7, 1000, 4097 and 2x1030; block lengths 1 (per-element v,
   scales over 256-chunks with a partial last one), 8, 515 (odd: a packed byte straddles two
   blocks), 1030 and 1024; 8 and 4 bits; fp32 parameters held to max |Δ| <= 1e-5, bf16 to relative
@@ -16,19 +16,21 @@
   cached launch follows gradients re-allocated every step (and a gradient dtype change);
   misaligned views and ragged sizes (their own, unvectorised launches on a GPU) are still exact.
 * ``optim.Gefen(backend="triton")`` (which dispatches to these kernels) against its torch backend.
-* ``histogram_`` against ``torch.histc`` of the block-normalised gradient.
+* ``torch_ops.histogram`` (the codebook's histogram on every backend) against ``torch.histc`` of
+  the block-normalised gradient.
 * Bad inputs raise errors that name the argument.
-Runs in 25-45 s on 2 shared CPU cores.
 """
 
 import pytest
 import torch
 
-from optim.gefen import kernels as K
+from optim.gefen import numba_ops, torch_ops, triton_ops as K
 from optim.gefen import reference as R
 from tests.utils import assert_close, rel_rms
 
 HP = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
+STEPS = [pytest.param(torch_ops.gefen_step_, id="torch"), pytest.param(numba_ops.gefen_step_, id="numba"),
+         pytest.param(K.gefen_step_, id="triton")]
 
 
 def random_codebook(bits, kind="random"):
@@ -70,8 +72,9 @@ STEP_CASES = [
 ]
 
 
+@pytest.mark.parametrize("step_", STEPS)
 @pytest.mark.parametrize("shape,block,bits,dtype", STEP_CASES)
-def test_step_matches_reference_over_steps(shape, block, bits, dtype):
+def test_step_matches_reference_over_steps(shape, block, bits, dtype, step_):
     n = torch.Size(shape).numel()
     cb = random_codebook(bits)
     v, s, c = random_state(n, block, bits)
@@ -82,7 +85,7 @@ def test_step_matches_reference_over_steps(shape, block, bits, dtype):
         g = torch.randn(shape).to(dtype)
         ref = list(R.gefen_step(*ref[:1], g, *ref[1:], cb, step=t, block=block, bits=bits, **HP))
         ref[0] = ref[0].to(dtype).float()  # the optimizer stores the reference's p in p's dtype
-        K.gefen_step_(kp, g, kv, ks, kc, cb, step=t, block=block, bits=bits, **HP)
+        step_([kp], [g], [kv], [ks], [kc], cb, step=t, block=block, bits=bits, **HP)
         if dtype == torch.float32:
             assert_close(kp.reshape(-1), ref[0], atol=1e-5, name=f"p after step {t}")
         else:
@@ -128,8 +131,9 @@ def test_codes_and_scales_after_one_step(n, block, bits, kind):
     assert differ.float().mean() <= 1e-3
 
 
+@pytest.mark.parametrize("step_", STEPS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_unquantised_per_element_is_adamw(dtype):
+def test_unquantised_per_element_is_adamw(dtype, step_):
     n = 1000
     p = torch.randn(n).to(dtype)
     ref = torch.nn.Parameter(p.float().clone())
@@ -142,7 +146,7 @@ def test_unquantised_per_element_is_adamw(dtype):
         opt.step()
         with torch.no_grad():
             ref.copy_(ref.to(dtype).float())
-        K.gefen_step_(p, g, v, s, m, None, step=t, block=1, bits=8, **HP)
+        step_([p], [g], [v], [s], [m], None, step=t, block=1, bits=8, **HP)
     if dtype == torch.float32:
         assert_close(p, ref.detach(), atol=1e-6, name="p vs AdamW")
         assert_close(m, opt.state[ref]["exp_avg"], atol=1e-7, rtol=1e-6, name="m vs exp_avg")
@@ -223,9 +227,7 @@ def test_histogram_matches_histc(block):
     """Counts of g / (scale-block absmax) against torch.histc; two tensors and bf16 accumulate."""
     gs = [torch.randn(n) * torch.rand(n) ** 3 for n in ((4120, 1032) if block != 515 else (2060, 515))]
     gs[0][: R.scale_block_length(block)] = 0  # an all-zero scale block normalises to 0
-    counts = torch.zeros(4096, dtype=torch.int64)
-    K.histogram_(counts, gs, block=block)
-    K.histogram_(counts, gs[0].bfloat16(), block=block)  # accumulates; bf16 input
+    counts = torch_ops.histogram(gs, block=block) + torch_ops.histogram([gs[0].bfloat16()], block=block)
     expect = torch.zeros(4096)
     S = R.scale_block_length(block)
     for x in (gs[0], gs[1], gs[0].bfloat16().float()):
@@ -248,8 +250,6 @@ def test_bad_inputs_name_the_argument(monkeypatch):
         K.gefen_step_(p, g, v, s, c, cb, step=1, block=5, bits=8, **HP)
     with pytest.raises(ValueError, match="sorted"):
         K.gefen_step_(p, g, v, s, c, cb.flip(0), step=1, block=8, bits=8, **HP)
-    with pytest.raises(ValueError, match="counts"):
-        K.histogram_(torch.zeros(100), g, block=8)
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # CPU tensors the kernels have not seen yet
     p, g = torch.randn(24), torch.randn(24)
     with pytest.raises(RuntimeError, match="backend='torch'"):
@@ -267,7 +267,7 @@ def test_optimizer_triton_backend_matches_torch_backend(bits, dtype):
 
     ma, mb = model(), model()
     oa = Gefen(ma.parameters(), lr=1e-2, weight_decay=0.1, bits=bits, backend="triton")
-    ob = Gefen(mb.parameters(), lr=1e-2, weight_decay=0.1, bits=bits, backend="torch", compile=False)
+    ob = Gefen(mb.parameters(), lr=1e-2, weight_decay=0.1, bits=bits, backend="torch")
     x = torch.randn(64, 32).to(dtype)
     for _ in range(4):
         for m, o in ((ma, oa), (mb, ob)):

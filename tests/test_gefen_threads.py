@@ -1,16 +1,15 @@
-"""The compiled CPU step splits each group into jobs of whole scale blocks run in parallel.
+"""The numba step splits each group into jobs of whole scale blocks run in parallel.
 
 The split must not change a single bit: with 4-bit codes two elements share a byte, so a job
 boundary inside a byte (odd block lengths) would race. One and two threads must agree exactly.
 """
 
+import numba
 import pytest
 import torch
 
 from optim import Gefen
 from optim.gefen import state as K
-
-numba = pytest.importorskip("numba")
 
 # numels: odd blocks (3 x 7 x 11 rows), a prime (per-element v, chunked scales), a large even tensor
 # so a group spans several ~32K-element jobs.
@@ -23,7 +22,7 @@ def _run(threads, bits, steps=3):
     try:
         gen = torch.Generator().manual_seed(11)
         params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in SHAPES]
-        opt = Gefen(params, lr=1e-2, weight_decay=0.01, bits=bits, backend="torch", compile=True)
+        opt = Gefen(params, lr=1e-2, weight_decay=0.01, bits=bits, backend="numba")
         for _ in range(steps):
             for p in params:
                 # row-structured gradient magnitudes so the block rule finds blocks > 1

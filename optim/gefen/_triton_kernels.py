@@ -1,4 +1,4 @@
-"""The ``@triton.jit`` kernels of Gefen's fused step and histogram; launched by ``kernels.py``.
+"""The ``@triton.jit`` kernels of Gefen's fused step; launched by ``triton_ops.py``.
 
 Why the kernel looks the way it does
 ------------------------------------
@@ -20,20 +20,17 @@ Why the kernel looks the way it does
   launch whose tensors are all 16-byte aligned says so (``tl.multiple_of``, ALIGN) and one whose
   sizes are whole tile rows masks by row (EXACT): then p, g, v and codes move in 128-bit accesses.
   Misaligned or ragged tensors (FSDP shards at odd offsets, a P = 1 tensor whose size is not a
-  multiple of 256) go to their own scalar launch. Not yet timed on a GPU: ``experiments/bench_kernels.py`` does that.
-* Nearest codebook entry without scanning the entries: a 4096-bin lookup table over uniform bins
-  of [-1, 1], built once per codebook on the host from the midpoints between consecutive distinct
-  entries. ``lut[j]`` is the number of midpoints left of bin j (minus a 2**-20 safety margin that
-  covers the rounding of ``(x + 1) * 2048``), so the answer is ``lut[j]`` plus the number of
-  midpoints in the bin that x exceeds: ``NCMP`` comparisons, where NCMP is the largest number of
-  midpoints any bin holds. A codebook learned from a 4096-bin histogram has its distinct entries
-  at least one histogram bin apart, so NCMP is 1 or 2 (measured: 1-2 for random 16- and
-  256-entry codebooks; one uint8 read of a 4 KB table plus one or two reads of a 1 KB midpoint
-  table, all L1-resident on a GPU), against 8 dependent reads for a binary search over 255
-  midpoints and 256 compares for a scan. Denser codebooks get a finer table (see
-  ``_codebook_tables``). Equal entries (a codebook padded because fewer histogram bins were
-  occupied than levels) are merged first; the code written is then the copy the reference's rule
-  picks (first copy from below, last from above).
+  multiple of 256) go to their own scalar launch (``experiments/bench_kernels.py`` times both).
+* Nearest codebook entry without scanning the entries: ``codebook.code_table``'s lookup table over
+  uniform bins of [-1, 1] (the one every fast path reads), built once per codebook on the host
+  over the distinct entries. ``lut[j]`` is the number of boundaries left of bin j (less the
+  table's margin for the rounding of the bin index), so the answer is ``lut[j]`` plus the number
+  of boundaries in the bin that x exceeds: ``NCMP`` comparisons, 1 for every codebook learned
+  from a 4096-bin histogram (one uint8 read of a table of at most 64 KB and one read of a 1 KB
+  boundary table), against 8 dependent reads for a binary search over 255 boundaries. Equal
+  entries (a codebook padded because fewer histogram bins were occupied than levels) are merged
+  in the table; the code written is then the copy the reference's rule picks (first copy from
+  below, last from above).
 * 4-bit codes are packed two a byte, so a program works on pairs of elements (even, odd) and
   writes whole bytes; no two programs share a byte. Elements are loaded as one contiguous tile and
   split into (even, odd) in registers (strided even/odd loads compiled to 4x as many scalar
@@ -44,22 +41,20 @@ Why the kernel looks the way it does
   followed, and divisions and square roots are the IEEE-rounded ``tl.div_rn`` / ``tl.sqrt_rn``
   (plain ``/`` and ``tl.sqrt`` compile to ``div.full``/``div.approx`` and ``sqrt.approx.ftz`` on
   sm_90), and FMA contraction is off (``enable_fp_fusion=False``; torch rounds each operation), so
-  the kernel agrees with the torch reference to fp32 rounding, picks the same code except within
-  rounding of a midpoint, and bins the histogram as torch does; the kernel is memory-bound, so
-  the extra arithmetic costs no time (an expectation, to be confirmed by the benchmark).
+  the kernel agrees with the torch reference to fp32 rounding and picks the same code except
+  within rounding of a midpoint; the kernel is memory-bound, so the extra arithmetic is hidden
+  behind its memory traffic.
 """
 
 import torch
 import triton
 import triton.language as tl
 
+from .._triton_common import round_bf16
+
 TILE = 2048  # elements per program (R blocks x next_pow2(S) lanes); see module docstring
 ELEMS_PER_THREAD = 8  # sets num_warps (see module docstring)
 MAX_TILE_WIDTH = 16384  # largest next_pow2(S) kept in one program; partition.py caps S at 1024
-LUT_BINS = 4096  # uniform bins of [-1, 1] in the nearest-entry table (uint8, 4 KB); see the docstring
-LUT_MARGIN = 2.0**-20  # > rounding error of (x + 1) * LUT_BINS / 2 for |x| <= 1 in fp32
-HIST_BINS = 4096  # histogram bins on [-1, 1] (upstream: 16 per codebook level)
-HIST_TILE = 65536  # elements per histogram program: one 4096-bin atomic flush per this many
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
@@ -117,26 +112,12 @@ def _tensor_ptrs(ptr_tab, t, P_DT: tl.constexpr, G_DT: tl.constexpr, C_DT: tl.co
 
 
 @triton.jit
-def _round_bf16(x):
-    """fp32 -> the nearest bf16 value (ties to even), still as fp32.
-
-    Triton's interpreter converts fp32 -> bf16 by truncation (measured: 508 of 1024 random values
-    differ from torch's ``.bfloat16()``), while compiled Triton rounds to nearest. Rounding here
-    first makes the final conversion exact on both, so CPU tests check what the GPU computes;
-    it costs three integer operations an element.
-    """
-    b = x.to(tl.int32, bitcast=True)
-    r = (b + 0x7FFF + ((b >> 16) & 1)) & -65536
-    return tl.where(x == x, r.to(tl.float32, bitcast=True), x)
-
-
-@triton.jit
 def _apply(p_ptr, offs, mask, m_hat, denom, decay, neg_step):
     """p <- p * (1 - lr*wd); p <- p + (-lr/bc1) * m^ / denom (reference order), stored in p's dtype."""
     p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32) * decay
     p = p + tl.div_rn(neg_step * m_hat, denom)
     if p_ptr.dtype.element_ty == tl.bfloat16:
-        p = _round_bf16(p)
+        p = round_bf16(p)
     tl.store(p_ptr + offs, p, mask=mask)
 
 
@@ -310,23 +291,3 @@ def _gefen_step4_kernel(
     tl.store(c_ptr + byte, (q0 | (q1 << 4)).to(tl.uint8), mask=m0)
     _apply(p_ptr, fe, me, _unpairs(val0 * s0, val1 * s1, R, WIDTH), _unpairs(d0, d1, R, WIDTH),
            decay, neg_step)
-
-
-@triton.jit
-def _histogram_kernel(g_ptr, counts_ptr, n, S: tl.constexpr, R: tl.constexpr,
-                      WIDTH: tl.constexpr, ITERS: tl.constexpr, BINS: tl.constexpr):
-    """Counts of g / (block absmax) in BINS uniform bins of [-1, 1]; one atomic flush a program."""
-    pid = tl.program_id(0)
-    acc = tl.zeros([BINS], dtype=tl.int32)
-    cols = tl.arange(0, WIDTH)[None, :]
-    for it in range(ITERS):
-        rows = (pid * ITERS + it) * R + tl.arange(0, R)[:, None].to(tl.int64)
-        offs = rows * S + cols
-        mask = (cols < S) & (offs < n)
-        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        amax = tl.max(tl.abs(g), axis=1)[:, None]
-        x = tl.div_rn(g, tl.where(amax > 0, amax, 1.0))  # g == 0 where amax == 0
-        b = ((x + 1.0) * (BINS * 0.5)).to(tl.int32)
-        b = tl.minimum(tl.maximum(b, 0), BINS - 1)
-        acc += tl.histogram(tl.reshape(b, [R * WIDTH]), BINS, mask=tl.reshape(mask, [R * WIDTH]))
-    tl.atomic_add(counts_ptr + tl.arange(0, BINS), acc.to(counts_ptr.dtype.element_ty))

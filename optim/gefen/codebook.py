@@ -3,7 +3,7 @@
 Three pieces, used once per model (``histogram``, ``optimal_codebook``) and every step
 (``nearest_code``):
 
-``histogram(values, bins=4096)``
+``histogram(values, bins=HIST_BINS)``
     Counts of block-normalised values over ``bins`` equal bins on [-1, 1], binned exactly as
     upstream ``gefen`` does: ``floor((x + 1) / (2 / bins))``, values outside [-1, 1] clamped into
     the end bins. Returns ``(centers, counts)``.
@@ -16,9 +16,8 @@ Three pieces, used once per model (``histogram``, ``optimal_codebook``) and ever
     (they are non-empty even where their bins would be nearer another level). ``cost`` is the
     minimum of  sum_groups sum_bins count·(center − level)²  (float64, a Python float); it is an
     upper bound of the error of quantising the histogram to the returned codebook by nearest
-    level. Upstream solves it in O(B²K) (3.5 s for 3,200 bins x 256 levels on this CPU); here the
-    rows of the DP are filled by divide and conquer over the Monge property, O(K·B·log B), either
-    compiled with numba (``_codebook_numba.py``) or level-synchronous in numpy (each recursion
+    level. Upstream solves it in O(B²K); here the rows of the DP are filled by divide and conquer
+    over the Monge property, O(K·B·log B), either compiled with numba (``_codebook_numba.py``) or level-synchronous in numpy (each recursion
     depth is one vectorised pass over all pending intervals); ``backend`` chooses.
 
     Fewer occupied bins than levels: upstream's objective has no feasible partition then (upstream
@@ -30,16 +29,10 @@ Three pieces, used once per model (``histogram``, ``optimal_codebook``) and ever
     values: first −1 and +1 if absent, then repeatedly the midpoint of the widest gap. A single
     occupied bin is the extreme case of this rule.
 
-``nearest_code(x, codebook_or_table, dtype=torch.int64)``
+``code_table(codebook)`` and ``nearest_code(x, codebook_or_table, dtype=torch.int64)``
     Index of the nearest codebook entry to each element (ties go to the lower index; a repeated
-    entry keeps only its first index), exact for float32 and float64 inputs. The decision
-    boundaries are ``code_boundaries(codebook)``: the midpoints (c[i] + c[i+1]) / 2, rounded
-    *down* to float32, so that for float32 x ``code(x) = #{i : boundaries[i] < x}`` equals the
-    exact nearest-entry argmin. The fast path
-    is a lookup table over 2^p uniform bins of [-1, 1] giving the code of each bin's left edge,
-    plus one comparison with the next boundary (valid when no bin holds two boundaries; the
-    table is grown until that holds, else ``torch.bucketize`` is used). Build the table once
-    with ``code_table(codebook)`` and pass it instead of the codebook in a loop.
+    entry keeps its first index), exact for float32 and float64 inputs, through the one lookup
+    table that every fast path of the step reads (``CodeTable``; see ``code_table``).
 """
 
 from __future__ import annotations
@@ -51,7 +44,10 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-__all__ = ["histogram", "optimal_codebook", "code_boundaries", "code_table", "CodeTable", "nearest_code"]
+__all__ = ["HIST_BINS", "histogram", "optimal_codebook", "code_boundaries", "code_table", "CodeTable",
+           "nearest_code"]
+
+HIST_BINS = 4096  # bins of the codebook's histogram on [-1, 1] (upstream: 16 per 8-bit level)
 
 _BACKENDS = ("auto", "numba", "numpy")
 _NUMBA_MIN_WORK = 1 << 21  # bins x levels above which "auto" uses numba even when not yet imported
@@ -61,7 +57,7 @@ _NUMBA_MIN_WORK = 1 << 21  # bins x levels above which "auto" uses numba even wh
 # histogram
 
 
-def histogram(values, bins: int = 4096):
+def histogram(values, bins: int = HIST_BINS):
     """Histogram of values on [-1, 1] with ``bins`` equal bins -> (centers float32, counts int64).
 
     ``values``: a floating tensor of any shape, or an iterable of them (summed into one
@@ -104,7 +100,7 @@ def _dp_splits_numpy(pw, pwx, pwx2, levels, fix_endpoints):
     For a fixed end j the group cost is S2(j) − S2(i) − (S1(j) − S1(i))² / (S0(j) − S0(i)) (mean
     level) or S2(j) − S2(i) − 2c(S1(j) − S1(i)) + c²(S0(j) − S0(i)) (pinned level c); the terms
     in j alone do not move the argmin, so the scan minimises prev(i) − S2(i) + (the rest) and adds
-    S2(j) afterwards. This halves the array passes per depth (~0.3 s for 4096 x 256 here).
+    S2(j) afterwards. This halves the array passes per depth.
     """
     n = pw.shape[0] - 1
     K = levels
@@ -274,10 +270,9 @@ def optimal_codebook(centers, counts, levels: int, fix_endpoints: bool = True, *
         pw = np.concatenate([[0.0], np.cumsum(w)])
         pwx = np.concatenate([[0.0], np.cumsum(w * x)])
         pwx2 = np.concatenate([[0.0], np.cumsum(w * x * x)])
-        # "auto": numba costs ~1 s of CPU once per process (import + loading its on-disk cache; ~6 s
-        # to compile the very first time), more than the numpy path needs below ~8192 x 256 (4096 x
-        # 256: numpy 0.44 s CPU cold vs numba 1.04 s; warm 0.5 s vs 0.06 s), so unless numba is
-        # already loaded (Gefen's CPU step uses it), problems below that size stay in numpy
+        # "auto": loading numba (and its on-disk cache) costs more than the numpy DP below
+        # _NUMBA_MIN_WORK, so small problems stay in numpy unless numba is already loaded
+        # (experiments/codebook_dp.py times both)
         small = n * levels < _NUMBA_MIN_WORK and "numba" not in sys.modules
         if backend == "numpy" or (backend == "auto" and small):
             dp = _dp_splits_numpy
@@ -304,19 +299,39 @@ def optimal_codebook(centers, counts, levels: int, fix_endpoints: bool = True, *
 # ----------------------------------------------------------------------------------------------
 # nearest-code lookup
 
-_LUT_SLACK = 1e-6  # x-units; covers the float32 rounding of (x + 1) * scale (<= 1.2e-7)
+# Every fast path computes a value's table bin as floor((x + 1) * nlut / 2) in fp32. For |x| <= 1
+# that is off the exact bin position by at most 2^-22 in x units (one rounding of x + 1 in [0, 2],
+# one of the product), so each bin is built over its edges widened by LUT_MARGIN = 2^-20 on both
+# sides: whatever bin a value lands in, every boundary between it and that bin's start is among
+# the bin's ``ncmp`` comparisons.
+LUT_MARGIN = 2.0**-20
+_LUT_BITS = range(10, 17)  # table sizes tried, 2^10 .. 2^16 bins, smallest with ncmp <= 1 kept
 
 
 class CodeTable(NamedTuple):
-    """Everything ``nearest_code`` needs, built once per codebook by ``code_table``."""
+    """Everything a nearest-code lookup needs, built once per codebook by ``code_table``.
+
+    The table works on the distinct entries ``uniq``: u = ``lut[bin(x)]`` plus the number of
+    ``boundaries[u], boundaries[u + 1], ...`` below x (``ncmp`` comparisons at most) is the
+    nearest distinct entry; ``first[u]`` / ``last[u]`` are its first and last index in the
+    codebook (they differ only for repeated entries).
+    """
 
     codebook: torch.Tensor  # (levels,) float32, sorted
-    boundaries: torch.Tensor  # (levels - 1,) float32 rounded down, plus a trailing +inf
-    boundaries64: torch.Tensor  # (levels - 1,) exact float64 midpoints, plus a trailing +inf
-    lut: torch.Tensor | None  # (2^p,) int64 code of each uniform bin's left edge; None: bucketize
-    lut_bound: torch.Tensor | None  # (2^p,) float32 boundaries[lut]: the one comparison per bin
-    lut_bound64: torch.Tensor | None  # the same, float64, for float64 inputs
-    scale: float  # 2^p / 2: bin of x is floor((x + 1) * scale)
+    uniq: torch.Tensor  # (u,) float32, the distinct entries
+    boundaries: torch.Tensor  # (u,) float32 midpoints of uniq rounded down, then +inf
+    boundaries64: torch.Tensor  # (u,) the exact float64 midpoints, then +inf
+    lut: torch.Tensor  # (nlut,) int64, #{boundaries < left edge of the bin - LUT_MARGIN}
+    lut_bound: torch.Tensor  # (nlut,) float32 boundaries[lut]: the comparison when ncmp <= 1
+    lut_bound64: torch.Tensor  # the same in float64, for float64 inputs
+    ncmp: int  # most boundaries inside one widened bin
+    scale: float  # nlut / 2: bin of x is floor((x + 1) * scale)
+    first: torch.Tensor  # (u,) int64 first codebook index of each distinct entry
+    last: torch.Tensor  # (u,) int64 last codebook index of each distinct entry
+
+    @property
+    def has_repeats(self) -> bool:
+        return self.uniq.numel() < self.codebook.numel()
 
 
 def _check_codebook(codebook):
@@ -348,34 +363,30 @@ def code_boundaries(codebook: torch.Tensor, dtype=torch.float32) -> torch.Tensor
     return low.to(codebook.device)
 
 
-def code_table(codebook: torch.Tensor, max_lut_bits: int = 16) -> CodeTable:
-    """Lookup table for ``nearest_code``: the smallest 2^p bins (p >= 10) with <= 1 boundary each."""
+def code_table(codebook: torch.Tensor) -> CodeTable:
+    """The lookup table of ``codebook`` over the fewest 2^p uniform bins of [-1, 1] (10 <= p <= 16)
+    that hold at most one boundary each; 2^16 bins with ``ncmp > 1`` where none does."""
     _check_codebook(codebook)
     cb = codebook.detach().float()
     dev = cb.device
-    inf32 = torch.tensor([float("inf")], device=dev)
-    b32 = code_boundaries(cb, torch.float32)
-    b64 = code_boundaries(cb, torch.float64)
-    bnd = torch.cat([b32, inf32])
-    bnd64 = torch.cat([b64, inf32.double()])
-    lut = lut_bound = lut_bound64 = None
-    scale = 0.0
-    if cb.numel() > 1:
-        b = b32.double().cpu().numpy()
-        for p in range(10, max_lut_bits + 1):
-            L = 1 << p
-            edges = -1.0 + 2.0 * np.arange(L + 1) / L
-            lo = edges[:-1] - _LUT_SLACK
-            hi = edges[1:] + _LUT_SLACK
-            lo[0], hi[-1] = -np.inf, np.inf  # the end bins also take everything outside [-1, 1]
-            first = np.searchsorted(b, lo, side="left")  # #{b < lo}
-            last = np.searchsorted(b, hi, side="right")  # #{b <= hi}
-            if (last - first <= 1).all():
-                lut = torch.from_numpy(first.astype(np.int64)).to(dev)
-                lut_bound, lut_bound64 = bnd[lut], bnd64[lut]
-                scale = L / 2.0
-                break
-    return CodeTable(cb, bnd, bnd64, lut, lut_bound, lut_bound64, scale)
+    uniq = torch.unique_consecutive(cb)
+    inf = torch.tensor([float("inf")], device=dev)
+    bnd = torch.cat([code_boundaries(uniq, torch.float32), inf])
+    bnd64 = torch.cat([code_boundaries(uniq, torch.float64), inf.double()])
+    b = bnd64[:-1].cpu().numpy()
+    for p in _LUT_BITS:
+        nlut = 1 << p
+        edges = -1.0 + 2.0 * np.arange(nlut + 1) / nlut
+        lo, hi = edges[:-1] - LUT_MARGIN, edges[1:] + LUT_MARGIN
+        lo[0], hi[-1] = -np.inf, np.inf  # the end bins also take everything outside [-1, 1]
+        lut = np.searchsorted(b, lo, side="left")  # #{b < lo}
+        ncmp = int((np.searchsorted(b, hi, side="right") - lut).max())  # most b in [lo, hi]
+        if ncmp <= 1:
+            break
+    lut = torch.from_numpy(lut.astype(np.int64)).to(dev)
+    first = torch.searchsorted(cb, uniq, side="left")
+    last = torch.searchsorted(cb, uniq, side="right") - 1
+    return CodeTable(cb, uniq, bnd, bnd64, lut, bnd[lut], bnd64[lut], ncmp, nlut / 2.0, first, last)
 
 
 def nearest_code(x: torch.Tensor, codebook, dtype=torch.int64) -> torch.Tensor:
@@ -390,19 +401,16 @@ def nearest_code(x: torch.Tensor, codebook, dtype=torch.int64) -> torch.Tensor:
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         raise TypeError("x must be a floating-point tensor")
     xf = x if x.dtype in (torch.float32, torch.float64) else x.float()
-    bnd = table.boundaries64 if xf.dtype == torch.float64 else table.boundaries
     levels = table.codebook.numel()
     if dtype.is_floating_point or dtype == torch.bool or (dtype == torch.uint8 and levels > 256) or (
             dtype == torch.int8 and levels > 128):
         raise ValueError(f"dtype {dtype} cannot hold codes 0..{levels - 1}; use torch.uint8 (<= 256 levels), "
                          "torch.int32 or torch.int64")
-    if levels == 1:
-        return torch.zeros(x.shape, dtype=dtype, device=x.device)
-    if table.lut is None:
-        return torch.bucketize(xf, bnd[:-1], right=False).to(dtype)
-    # code = lut[bin] + (x > boundaries[lut[bin]]): two gathers with the same index, in the output
-    # dtype (uint8 codes: ~1.4x faster than int64 on 3.4 M values here; both beat bucketize ~2.5x)
-    s = table.scale
-    b = torch.mul(xf, s).add_(s).clamp_(0, table.lut.numel() - 1).to(torch.int64)
-    lb = table.lut_bound64 if xf.dtype == torch.float64 else table.lut_bound
-    return table.lut.to(dtype)[b].add_(xf > lb[b])
+    f64 = xf.dtype == torch.float64
+    if table.ncmp > 1:  # entries closer than the finest table separates: binary search
+        u = torch.bucketize(xf, (table.boundaries64 if f64 else table.boundaries)[:-1])
+    else:  # u = lut[bin] + (x > boundaries[lut[bin]]): two gathers with one index
+        s = table.scale
+        b = torch.mul(xf, s).add_(s).clamp_(0, table.lut.numel() - 1).to(torch.int64)
+        u = table.lut[b].add_(xf > (table.lut_bound64 if f64 else table.lut_bound)[b])
+    return (u if not table.has_repeats else table.first[u]).to(dtype)

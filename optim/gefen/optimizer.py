@@ -6,13 +6,23 @@ from collections import defaultdict
 
 import torch
 
-from . import cpu, distributed as _dist, state as K
-from .codebook import code_table
+from ..backends import resolve_backend
+from . import distributed as _dist, state as K
+from .codebook import HIST_BINS, code_table
 from .partition import RULES, choose_block
 from .reference import num_code_bytes, num_scales
+from .torch_ops import histogram
 
-HIST_BINS = 4096
-BACKENDS = ("auto", "torch", "triton")
+
+def _step_function(backend: str):
+    """The in-place step of a resolved backend; all three share one signature."""
+    if backend == "triton":
+        from .triton_ops import gefen_step_
+    elif backend == "numba":
+        from .numba_ops import gefen_step_
+    else:
+        from .torch_ops import gefen_step_
+    return gefen_step_
 
 
 class Gefen(torch.optim.Optimizer):
@@ -23,7 +33,7 @@ class Gefen(torch.optim.Optimizer):
     chosen once from its first squared gradient (``partition.py``; no parameter names needed).
     One second moment is kept per block and the first moment as ``bits``-bit codes into one
     model-wide codebook, learned at the first step as the exact optimal ``2**bits``-level
-    quantiser (ends pinned at -1, +1) of a 4096-bin histogram of gradients divided by the
+    quantiser (ends pinned at -1, +1) of a ``HIST_BINS`` = 4096-bin histogram of gradients divided by the
     absmax of their scale block (P, or the chunk of 256 when P = 1: upstream divides a P = 1
     tensor's gradients element by element, which puts all their mass at -1 and +1), times one
     fp32 scale per scale block. For a block b, with t the tensor's step::
@@ -52,43 +62,47 @@ class Gefen(torch.optim.Optimizer):
             per element. (Default: True)
         quantize_first_moment: store the first moment as codes and block scales; False keeps it
             in fp32. (Default: True)
-        backend: "torch" (vectorised PyTorch, any device), "triton" (``optim.gefen.kernels``,
-            CUDA, or CPU under ``TRITON_INTERPRET=1``) or "auto" (Triton for CUDA tensors, torch
-            elsewhere). (Default: "auto")
+        backend: "torch" (``torch_ops``, any device), "numba" (``numba_ops``, CPU tensors),
+            "triton" (``triton_ops``, CUDA tensors, or CPU under ``TRITON_INTERPRET=1``) or "auto"
+            (Triton for CUDA tensors, numba on CPU where it is installed, torch otherwise);
+            resolved once per device at construction (``optim.backends``). The numba step runs
+            groups with a quantised first moment; it hands the others (and codebooks with
+            repeated or very close entries) to the torch step, which computes the same update.
+            The codebook's histogram is computed with torch on every backend (once per model).
+            (Default: "auto")
         block_rule: "adjacent_log" (upstream's current rule) or "variance_drop" (the paper-era
             rule); see ``partition.py``. (Default: "adjacent_log")
-        compile: on CPU, run the quantised step compiled with numba (``_cpu_numba.py``; ~2 s to
-            compile once, cached on disk) when numba is installed and ``GEFEN_NUMBA`` is not "0";
-            False runs the vectorised torch path. (Default: True)
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, bits=8,
                  share_second_moment=True, quantize_first_moment=True, backend="auto",
-                 block_rule="adjacent_log", compile=True):
+                 block_rule="adjacent_log"):
         if bits not in (4, 8):
             raise ValueError(f"Gefen: bits must be 8 or 4, got {bits!r}")
-        if backend not in BACKENDS:
-            raise ValueError(f"Gefen: backend must be one of {BACKENDS}, got {backend!r}")
         if block_rule not in RULES:
             raise ValueError(f"Gefen: block_rule must be one of {RULES}, got {block_rule!r}")
+        self.backend = backend
+        self._steps = {}  # device -> step function, filled by add_param_group
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                         share_second_moment=share_second_moment,
                         quantize_first_moment=quantize_first_moment)
         super().__init__(params, defaults)
         self.bits = bits
-        self.backend = backend
         self.block_rule = block_rule
-        self.compile = compile
         self.codebook = None
         self._tables = None
 
     def add_param_group(self, param_group):
         super().add_param_group(param_group)
         _check_group(self.param_groups[-1], len(self.param_groups) - 1)
+        for p in self.param_groups[-1]["params"]:
+            dev = _local(p).device
+            if dev not in self._steps:
+                self._steps[dev] = _step_function(resolve_backend(self.backend, dev, owner="Gefen"))
 
     # ----------------------------------------------------------------------------- codebook
     def codebook_histogram(self, grads) -> torch.Tensor:
-        """4096 counts (int64, CPU) of block-normalised gradients of ``grads`` ({param: grad}).
+        """``HIST_BINS`` counts (int64, CPU) of block-normalised gradients of ``grads`` ({param: grad}).
 
         A distributed wrapper all-reduces this before :meth:`learn_codebook`.
         """
@@ -97,7 +111,7 @@ class Gefen(torch.optim.Optimizer):
             by_block[self.state[p][K.BLOCK]].append(g)
         counts = torch.zeros(HIST_BINS, dtype=torch.int64)
         for block, gs in by_block.items():
-            counts += cpu.histogram(gs, block=block, bins=HIST_BINS).cpu()
+            counts += histogram(gs, block=block, bins=HIST_BINS).cpu()
         return counts
 
     def learn_codebook(self, counts: torch.Tensor, device=None) -> torch.Tensor:
@@ -170,12 +184,12 @@ class Gefen(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if _dist.is_state_dict_init_step(self):  # [distributed, issue 5] torch's zero-grad lr=0 probe
+        if _dist.is_state_dict_init_step(self):  # [distributed] torch's zero-grad lr=0 probe
             return loss
         work = self._gather()
         quantized = {p: _local(g) for group, items in work if group["quantize_first_moment"]
                      for p, g in items}
-        # [distributed, issue 5] sharded (FSDP2) histograms are summed over the ranks, so every
+        # [distributed] sharded (FSDP2) histograms are summed over the ranks, so every
         # rank learns the same codebook; a rank whose local shards are all empty still joins.
         qparams = [p for g in self.param_groups if g["quantize_first_moment"] for p in g["params"]
                    if p.grad is not None]
@@ -197,42 +211,27 @@ class Gefen(torch.optim.Optimizer):
         beta1, beta2 = group["betas"]
         for (block, step, dev), pg in buckets.items():
             sts = [self.state[p] for p, _ in pg]
-            fn, extra = self._backend_for(dev, quant)
-            if quant and fn in (cpu.gefen_step_, cpu.gefen_step_compiled_):
-                extra = {"tables": self._nearest_tables()}
-            codebook = self.codebook if quant else None
-            if codebook is not None and codebook.device != dev:
-                codebook = self.codebook = self.codebook.to(dev)
-            fn([_local(p) for p, _ in pg], [_local(g) for _, g in pg], [s[K.V] for s in sts],
-               [s[K.SCALES] if quant else s[K.V].new_zeros(0) for s in sts],
-               [s[K.CODES] if quant else s[K.M] for s in sts], codebook,
-               step=step, lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
-               weight_decay=group["weight_decay"], block=block, bits=self.bits, **extra)
-
-    def _backend_for(self, device, quant):
-        use_triton = self.backend == "triton" or (self.backend == "auto" and device.type == "cuda")
-        if not use_triton:
-            if quant and device.type == "cpu" and self.compile and cpu.numba_available():
-                return cpu.gefen_step_compiled_, {}
-            return cpu.gefen_step_, {}
-        try:
-            from .kernels import gefen_step_
-        except ImportError as exc:
-            if self.backend == "auto":
-                return cpu.gefen_step_, {}
-            raise RuntimeError(f"Gefen(backend='triton') needs optim.gefen.kernels and Triton: "
-                               f"{exc}; use backend='torch'") from exc
-        return gefen_step_, {}
+            codebook, tables = None, None
+            if quant:
+                if self.codebook.device != dev:
+                    self.set_codebook(self.codebook.to(dev))
+                codebook, tables = self.codebook, self._nearest_tables()
+            self._steps[dev](
+                [_local(p) for p, _ in pg], [_local(g) for _, g in pg], [s[K.V] for s in sts],
+                [s[K.SCALES] if quant else s[K.V].new_zeros(0) for s in sts],
+                [s[K.CODES] if quant else s[K.M] for s in sts], codebook, tables=tables,
+                step=step, lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
+                weight_decay=group["weight_decay"], block=block, bits=self.bits)
 
     # --------------------------------------------------------------------------- state dict
     def state_dict(self):
         sd = super().state_dict()
         sd[K.CODEBOOK] = None if self.codebook is None else self.codebook.clone()
         sd[K.BITS] = self.bits
-        return _dist.to_distributed_state_dict(self, sd)  # [distributed, issue 5] DCP-ready form
+        return _dist.to_distributed_state_dict(self, sd)  # [distributed] DCP-ready form
 
     def load_state_dict(self, state_dict):
-        sd = dict(_dist.from_distributed_state_dict(self, state_dict))  # [distributed, issue 5]
+        sd = dict(_dist.from_distributed_state_dict(self, state_dict))  # [distributed]
         codebook = sd.pop(K.CODEBOOK, None)
         bits = sd.pop(K.BITS, self.bits)
         if bits != self.bits:

@@ -2,9 +2,9 @@
 
 Gefen (arXiv 2606.13894; upstream PyPI package ``gefen``, ``gefen/gefen.py``) is AdamW whose second
 moment is shared inside blocks and whose first moment is stored as codes into one model-wide
-codebook, scaled per block. Everything here is out of place and fp32; the optimizer's fast paths
-(``optimizer.py`` on CPU, ``kernels.py`` in Triton) take the same keyword arguments and are tested
-against :func:`gefen_step`.
+codebook, scaled per block. Everything here is out of place and fp32; the in-place steps
+(``torch_ops.py``, ``numba_ops.py``, ``triton_ops.py``) take the same keyword arguments and are
+tested against :func:`gefen_step`.
 
 State layout of one tensor (flattened, ``n = numel``; under FSDP the local shard)
 ---------------------------------------------------------------------------------

@@ -1,9 +1,6 @@
-"""Compiled (numba) CPU Gefen step: one parallel call per bucket, short vectorised passes per block.
+"""The ``@numba.njit`` bodies of Gefen's CPU step; launched by ``numba_ops.py``.
 
-Kept in its own module so that ``import optim.gefen.cpu`` does not import numba; ``cpu.py``'s
-vectorised torch path computes the same step and is used when numba is missing or disabled.
-
-Layout: one call per step for all tensors of a bucket (same block length and step). Python
+Layout: one call per step for all tensors of a group (same block length and step). Python
 passes a table of raw data addresses (``meta``: p, g, v, scales, codes addresses and sizes per
 tensor) and a job table (tensor, first and last scale block); jobs run in parallel
 (``prange``, numba threads = ``torch.get_num_threads()``). A job is a run of whole scale blocks,
@@ -12,29 +9,21 @@ depend on the thread count); with 4-bit codes and an odd scale-block length, job
 blocks so that no two jobs write the same code byte.
 
 Every compiled function is top level with one signature: the code width and ``block == 1`` are
-run-time flags tested once per scale block (not per element, so they cost nothing measurable).
-Per-variant closures shared one on-disk cache index (named after the closure's qualname and line),
-and two processes compiling different variants at once (the team runs tests side by side) wrote
-the same numbered cache file: a later process loaded a wrong variant (NaN parameters).
-
-Why numba: on this project's 2-core CPU one elementwise torch pass over 3.4 M fp32 elements
-costs ~7 ms, and the vectorised step needs ~25 of them plus gathers (~300-500 ms a step, 40x
-fused AdamW); ``torch.compile`` of the whole bucket function fused it to ~110 ms (8x AdamW) after
-a 23 s compile.
+run-time flags tested once per scale block, not per element. Top-level functions have one on-disk
+cache entry each, so processes compiling at the same time cannot load each other's variants.
 
 Passes: each scale block (S <= 1024 elements, so its buffers stay in L1) goes through short
-loops, each written so that LLVM vectorises it or, where it cannot (table lookups: LLVM keeps
-gathers scalar on this CPU, where an AVX2 gather measured ~1 ns/element, no faster than scalar
-loads), so that the scalar loop holds nothing but the lookup. One loop doing everything per
-element compiled fully scalar (a ``vdivss`` per element, ~3 cycles) and cost 8x fused AdamW's
-time on the 3.4 M-parameter transformer; the passes cost ~2.5x (measured at one thread):
+loops, each written so that LLVM vectorises it or, where it cannot (table lookups are gathers,
+which LLVM keeps scalar), so that the scalar loop holds nothing but the lookup. A single loop
+doing everything per element compiles to scalar code (a scalar division per element);
+``experiments/bench_kernels.py`` times the passes against ``torch.optim.AdamW``:
 
 1. decode ``C[code] * s`` into a block buffer (scalar lookup; 4 bits: nibbles unpacked first);
 2. lerp with g in place (vector; an FMA, exactly torch's vectorised CPU ``lerp``);
 3. absmax as an integer max over the buffer's bit patterns (vector; exact: for non-negative
    floats the integer order is the float order, and a NaN stays the largest);
 4. v: sum of g**2 (block > 1; vector, in 8 interleaved lanes: the order of the sum differs from
-   torch's, so v is equal to fp32 rounding, as before) or per element (block == 1);
+   torch's, so v is equal to fp32 rounding) or per element (block == 1);
 5. q = m / absmax (vector ``vdivps``, exact) and its lookup-table bin (8 bits), or its code
    counted against the 15 decision boundaries with the value selected alongside (4 bits, vector,
    no table);
@@ -48,9 +37,9 @@ before the lerp as torch rounds it; ``lerp`` is then exactly torch's vectorised 
 FMA); the v and parameter updates are compiled without ``contract`` (a multiply-add with two
 products may be fused either way, differently in the serial and the parallel copy); p and v
 can differ from the reference in the last bits (block > 1: the update is ``m^ * (value /
-denom)``, one division per block). Codes do not depend on that (the lookup
-table's slack absorbs the rounding of the bin index, the final boundary comparison is exact;
-the 4-bit count ``#{boundaries < q}`` is ``codebook.nearest_code``'s definition).
+denom)``, one division per block). Codes do not depend on that (the lookup table's margin
+absorbs the rounding of the bin index, the final boundary comparison is exact; the 4-bit count
+``#{boundaries < q}`` is ``codebook.nearest_code``'s definition).
 """
 
 from functools import partial
@@ -84,17 +73,15 @@ def _u8_ptr(typingctx, addr):
 def kernel(bits: int, per_element_v: bool, parallel: bool = True):
     """The compiled step for 8- or 4-bit codes and block == 1 (per-element v) or block > 1.
 
-    ``parallel=False``: the same jobs run in order on the calling thread. At one thread this
-    skips the OpenMP launch, whose second pool thread (numba starts ``NUMBA_NUM_THREADS`` and
-    masks them) must still reach the barrier: on this shared 2-core machine a call then waited
-    a scheduler slice (~8 ms) on about half the calls.
+    ``parallel=False``: the same jobs run in order on the calling thread, without starting
+    numba's OpenMP pool (at one thread its barrier would only add waiting).
 
     ``kernel(...)(meta, jobs, cb, bounds, lut_code, lut_bound, lut_values, lut_scale, block, S,
     w1, beta2, one_minus_beta2, decay, neg_step, bc2_sqrt, eps)``: ``meta`` int64 (tensors, 9) =
     addresses of p, g, v, scales, codes (contiguous fp32, fp32, fp32, fp32, uint8) and their
     element counts; ``jobs`` int64 (jobs, 3) = tensor row, first scale block, end scale block;
-    ``bounds`` the fp32 decision boundaries (``code_boundaries``, levels - 1 and a trailing +inf;
-    used at 4 bits).
+    ``bounds`` the fp32 decision boundaries (``CodeTable.boundaries``, levels - 1 and a trailing
+    +inf; used at 4 bits).
     """
     key = (bits, per_element_v, parallel)
     if key not in _KERNELS:
@@ -219,9 +206,9 @@ def _lookup8(codes, q, u, lut_code, lut_bound, lut_values):
 def _quantize4(m, n, amax, bounds, cb, codes):
     """4 bits: code = #{boundaries < m / amax} and its value C[code] (into m), vectorised.
 
-    ``bounds`` (15 + 1 values) and ``cb`` (16) are tuples, unpacked into registers: the same
-    loop over arrays compiled to scalar code (their loads could alias the stores) at ~50 ns an
-    element, unrolled over tuples it compiles to compares and blends, ~1 ns an element.
+    ``bounds`` (15 + 1 values) and ``cb`` (16) are tuples, unpacked into registers: over arrays
+    the loop compiles to scalar code (their loads could alias the stores), over tuples to
+    compares and blends.
     """
     div = amax if amax > np.float32(0.0) else np.float32(1.0)
     b0, b1, b2, b3, b4, b5, b6, b7, b8, b9, b10, b11, b12, b13, b14, _ = bounds
@@ -325,7 +312,7 @@ def _blocks(bits4, per_element, p, g, v, scales, codes, j0, j1, cb, bounds, lut_
             vj = v[start:stop]
             _v_per_element(vj, gj, beta2, one_minus_beta2)
             _update_per_element(p[start:stop], mj, amax, vj, decay, neg_step, bc2_sqrt, eps)
-        else:  # S == block: one v per scale block, one division per block (~10% of the step)
+        else:  # S == block: one v per scale block, one division per block
             vb = beta2 * v[j] + one_minus_beta2 * (_sum_sq(gj, acc8) / np.float32(block))
             v[j] = vb
             denom = np.float32(np.sqrt(vb) / bc2_sqrt) + eps

@@ -1,4 +1,4 @@
-"""The compiled CPU step's passes (``optim/gefen/_cpu_numba.py``) against brute force.
+"""The numba step's passes (``optim/gefen/_numba_kernels.py``) against brute force.
 
 The optimizer-level tests compare the whole step with the reference on random gradients, which
 rarely land exactly on a decision boundary, at +-1, or on a 4-bit block that starts inside a
@@ -8,17 +8,15 @@ here), the nibble packing at odd starts and ends (against ``reference.pack_codes
 bit-pattern absmax (against ``max(abs(x))``), and the serial kernel against the parallel one.
 """
 
+import numba
 import numpy as np
 import pytest
 import torch
 
 from optim import Gefen
-from optim.gefen import reference as R, state as K
+from optim.gefen import _numba_kernels as C, reference as R, state as K
 from optim.gefen.codebook import code_table
-
-numba = pytest.importorskip("numba")
-from optim.gefen import _cpu_numba as C  # noqa: E402
-from optim.gefen.cpu import _luts  # noqa: E402
+from optim.gefen.numba_ops import _luts
 
 
 def _brute_nearest(q, cb):
@@ -50,6 +48,7 @@ def test_quantisers_match_brute_force_at_boundaries(bits):
     q = np.concatenate([q, np.zeros((-q.size) % 8, np.float32)]).astype(np.float32)
     expected = _brute_nearest(q, cb)
     tables = code_table(cb_t)
+    assert tables.ncmp <= 1 and not tables.has_repeats  # the table the numba step runs on
     lut_cb, bounds, lut_code, lut_bound, lut_values = _luts(tables)
     m = q.copy()
     codes = np.zeros(q.size, np.uint8)
@@ -108,7 +107,7 @@ def test_serial_kernel_equals_parallel_kernel(bits, monkeypatch):
         try:
             gen = torch.Generator().manual_seed(13)
             params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
-            opt = Gefen(params, lr=1e-2, weight_decay=0.01, bits=bits)
+            opt = Gefen(params, lr=1e-2, weight_decay=0.01, bits=bits, backend="numba")
             for _ in range(3):
                 for p in params:
                     scale = torch.rand(p.shape[0], *([1] * (p.dim() - 1)), generator=gen) + 0.1
