@@ -1,112 +1,112 @@
-"""Figure: the exact codebook DP (time vs bins and levels) and the quantisation error of the codes.
-
-Reads only results/codebook_dp.csv (written by experiments/codebook_dp.py); writes
-paper_figs/codebook.png:
+"""Figure and README section: the exact codebook DP (time against bins and levels) and the
+quantisation error of learned and fixed codes.
 
     python analysis/codebook.py [--results-dir results] [--out paper_figs/codebook.png]
 
-Left: median DP CPU time (wall time if the CSV has none) against histogram bins, ours (numba,
-numpy) and upstream gefen's exact_dp, at 16 and 256 levels. Middle: speed-up over upstream (median/median, same run).
-Right: relative error sum (m − m̂)² / sum m² of AdamW first moments quantised with each code, at
-8 and 4 bits, with absmax-256 blocks and with Gefen's blocks.
+Reads ``codebook_dp.csv``. Left: median DP CPU time against histogram bins for ours (numba, numpy)
+and upstream gefen's ``exact_dp`` at each number of levels (variants ``<impl>/K<levels>``). Middle:
+speed-up over upstream (median over median, same run). Right: relative error Σ(m − m̂)²/Σm² of
+AdamW first moments quantised with each code (variants ``<code>/<bits>/<blocking>``).
 """
 
 from __future__ import annotations
 
-import argparse
-import sys
 from collections import defaultdict
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import matplotlib  # noqa: E402
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
-from experiments.common import FIGS_DIR, RESULTS_DIR, read_results  # noqa: E402
+from analysis.common import Report, fmt, main, md_table, save_figure, select, value
 
 COLORS = {"ours-numba": "tab:blue", "ours-numpy": "tab:green", "upstream": "tab:red"}
 STYLES = {"K16": "--", "K256": "-"}
-CODE_ORDER = ["learned", "learned-step1", "linear", "dynamic"]
+CODES = {"learned": "learned (on these moments)", "learned-step1": "learned (on step-1 gradients, as Gefen)",
+         "linear": "linear", "dynamic": "dynamic exponent (bitsandbytes)"}
+GROUPS = [(bits, blocking) for bits in ("8bit", "4bit") for blocking in ("absmax256", "gefen")]
 
 
-def _series(rows, metric):
+def series(rows, metric):
     """{(impl, K): sorted [(bins, value)]} for rows of one metric."""
     out = defaultdict(list)
-    for r in rows:
-        if r["metric"] == metric and r["x_name"] == "bins":
-            impl, k = r["variant"].rsplit("/", 1)
-            out[(impl, k)].append((float(r["x_value"]), r["value"]))
-    return {key: sorted(v) for key, v in out.items()}
+    for r in select(rows, metric, x_name="bins"):
+        impl, k = r["variant"].rsplit("/", 1)
+        out[(impl, k)].append((r["x_value"], r["value"]))
+    return {key: sorted(v) for key, v in sorted(out.items())}
 
 
-def draw(rows, out: Path):
+def errors(rows):
+    """{(code, bits, blocking): relative error}."""
+    return {tuple(r["variant"].split("/")): r["value"] for r in select(rows, "rel_mse")}
+
+
+def _lines(ax, rows, metric, ylabel, title):
+    for (impl, k), pts in series(rows, metric).items():
+        ax.plot(*zip(*pts), STYLES.get(k, ":"), marker="o", ms=3, color=COLORS.get(impl),
+                label=f"{impl}, {k[1:]} levels")
+    ax.set(yscale="log", xlabel="histogram bins", ylabel=ylabel, title=title)
+    ax.set_xscale("log", base=2)
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3, which="both")
+
+
+def draw(rows, out, config):
+    import matplotlib.pyplot as plt
+
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
-    ax = axes[0]
-    # CPU time of the (single-threaded) DP is the primary number: the shared 2-core machine this
-    # runs on is often oversubscribed, which inflates wall time; wall medians stay in the CSV
-    cpu = any(r["metric"] == "dp_cpu_time" for r in rows)
-    tmetric, smetric = ("dp_cpu_time", "cpu_speedup_vs_upstream") if cpu else ("dp_time", "speedup_vs_upstream")
-    for (impl, k), pts in sorted(_series(rows, tmetric).items()):
-        ax.plot(*zip(*pts), STYLES.get(k, ":"), marker="o", ms=3, color=COLORS.get(impl),
-                label=f"{impl}, {k[1:]} levels")
-    ax.set(xscale="log", yscale="log", xlabel="histogram bins",
-           ylabel=f"DP {'CPU' if cpu else 'wall'} time, median (s)", title="Exact optimal codebook: DP time")
-    ax.set_xscale("log", base=2)
-    ax.legend(fontsize=7)
-    ax.grid(alpha=0.3, which="both")
-
-    ax = axes[1]
-    for (impl, k), pts in sorted(_series(rows, smetric).items()):
-        ax.plot(*zip(*pts), STYLES.get(k, ":"), marker="o", ms=3, color=COLORS.get(impl),
-                label=f"{impl}, {k[1:]} levels")
-        bx, by = pts[-1]
-        ax.annotate(f"{by:.0f}x", (bx, by), fontsize=7, xytext=(3, 0), textcoords="offset points")
-    ax.axhline(10, color="gray", lw=0.8, ls=":")
-    ax.axhline(50, color="gray", lw=0.8, ls="--")
-    ax.set(xscale="log", yscale="log", xlabel="histogram bins", ylabel="upstream time / ours (medians)",
-           title="Speed-up over upstream exact_dp (same optimum)")
-    ax.set_xscale("log", base=2)
-    ax.legend(fontsize=7)
-    ax.grid(alpha=0.3, which="both")
-
-    ax = axes[2]
-    err = {}
-    for r in rows:
-        if r["metric"] == "rel_mse":
-            code, bits, blocking = r["variant"].split("/")
-            err[(code, bits, blocking)] = r["value"]
-    codes = [c for c in CODE_ORDER if any(k[0] == c for k in err)] + sorted({k[0] for k in err} - set(CODE_ORDER))
-    groups = [(bits, blocking) for bits in ("8bit", "4bit") for blocking in ("absmax256", "gefen")
-              if any(k[1:] == (bits, blocking) for k in err)]
+    _lines(axes[0], rows, "dp_cpu_time", "DP CPU time, median (s)", "Exact optimal codebook: DP time")
+    _lines(axes[1], rows, "cpu_speedup_vs_upstream", "upstream time / ours (medians)",
+           "Speed-up over upstream exact_dp (same optimum)")
+    for ref in (10, 50):
+        axes[1].axhline(ref, color="gray", lw=0.8, ls=":" if ref == 10 else "--")
+    ax, err = axes[2], errors(rows)
+    codes = [c for c in CODES if any(k[0] == c for k in err)]
+    groups = [g for g in GROUPS if any(k[1:] == g for k in err)]
     width = 0.8 / max(len(codes), 1)
-    cmap = plt.get_cmap("tab10")
     for ci, code in enumerate(codes):
         xs = [gi + (ci - (len(codes) - 1) / 2) * width for gi in range(len(groups))]
-        ys = [err.get((code, *g), float("nan")) for g in groups]
-        ax.bar(xs, ys, width, label=code, color=cmap(ci))
+        ax.bar(xs, [err.get((code, *g), float("nan")) for g in groups], width, label=code,
+               color=plt.get_cmap("tab10")(ci))
     ax.set_xticks(range(len(groups)), [f"{b}\n{bl}" for b, bl in groups], fontsize=8)
     ax.set(yscale="log", ylabel="sum (m - m_q)^2 / sum m^2", title="AdamW first moments: quantisation error")
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3, axis="y", which="both")
-
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=130)
-    plt.close(fig)
-    return out
+    save_figure(fig, out)
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
-    parser.add_argument("--out", type=Path, default=FIGS_DIR / "codebook.png")
-    args = parser.parse_args()
-    rows = read_results("codebook_dp", args.results_dir)
-    print(f"wrote {draw(rows, args.out)}")
+def _ms(seconds):
+    return fmt(seconds * 1e3, 2) + " ms" if seconds < 1 else fmt(seconds, 3) + " s"
 
+
+def body(rows, config):
+    c = config.get("config", {})
+    times = series(rows, "dp_cpu_time")
+    impls = list(dict.fromkeys(impl for impl, _ in times))
+    table = []
+    for _, k in sorted({key for key in times if key[0] == "upstream"}, key=lambda x: int(x[1][1:])):
+        for bins, up in times[("upstream", k)]:
+            t = {i: value(rows, "dp_cpu_time", f"{i}/{k}", x_value=bins) for i in impls}
+            speed = " / ".join(fmt(up / t[i], 3) + "×" for i in impls if i != "upstream")
+            diff = max(value(rows, "cost_rel_diff_vs_upstream", f"{i}/{k}", x_value=bins)
+                       for i in impls if i != "upstream")
+            table.append([f"{bins:g} × {k[1:]}"] + [_ms(t[i]) for i in impls] + [speed, fmt(diff, 2)])
+    ours = [i for i in impls if i != "upstream"]
+    text = [f"CPU-time medians of interleaved repeats, one thread, fp64 DP. The histogram holds the "
+            f"block-normalised first gradients of a {c.get('model', 'character model')} with "
+            f"{fmt(c.get('n_params'))} parameters.",
+            md_table(["bins × levels"] + impls + [f"speed-up {' / '.join(ours)}", "cost rel. diff (max)"], table),
+            "The DP is divide and conquer over the Monge property, O(K·B·log B); ours and upstream reach the "
+            "same optimum (the last column)."]
+    err = errors(rows)
+    codes = [code for code in CODES if any(key[0] == code for key in err)]
+    if err:
+        text.append(f"Learned against fixed codes on AdamW first moments after {c.get('steps', '?')} steps; "
+                    "relative quantisation error Σ(m − m̂)²/Σm²:")
+        text.append(md_table(["blocking, bits"] + [CODES[code] for code in codes],
+                             [[f"{'absmax-256' if bl == 'absmax256' else 'Gefen blocks'}, {b[:-3]}-bit"]
+                              + [fmt(err.get((code, b, bl)), 2) for code in codes]
+                              for b, bl in GROUPS if any(k[1:] == (b, bl) for k in err)]))
+    return "\n\n".join(text)
+
+
+REPORT = Report("codebook", "codebook_dp", "Gefen's codebook: exact and fast", body, draw,
+                metrics=("dp_cpu_time",))
 
 if __name__ == "__main__":
-    main()
+    main(REPORT, doc=__doc__)

@@ -1,54 +1,249 @@
-"""What every analysis script shares: paths, the Agg backend, and "latest run only" row selection.
+"""What every analysis script shares: reading one run's CSV and config, plot style, README sections.
 
-Analysis scripts read only ``results/*.csv`` (never rerun experiments) and write one PNG each into
-``paper_figs/``. ``--results-dir`` and ``--out`` let tests and ``experiments/reproduce.py --quick``
-draw from other CSVs into other files.
+Each script turns one experiment's ``<results-dir>/<experiment>.csv`` and ``.config.json`` (never a
+rerun) into a PNG and into its own section of ``<results-dir>/README.md``. A section sits between
+``<!-- begin NAME -->`` and ``<!-- end NAME -->`` and is replaced in place, so scripts run in any
+order and leave the other sections alone. Every number in a section is formatted from the CSV, so
+the README cannot drift from the data.
+
+A script declares a ``Report`` (name, experiment, title, how to draw, how to write the body) and
+calls ``main``; ``--results-dir R --out F`` read from R and draw into F.
 """
 
 from __future__ import annotations
 
-import sys
+import argparse
+import json
+import math
+import os
+import re
+import statistics
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
-
-import matplotlib  # noqa: E402
+import matplotlib
 
 matplotlib.use("Agg")
 
-from experiments.common import FIGS_DIR, RESULTS_DIR, read_results  # noqa: E402,F401
+from experiments.common import FIGS_DIR, RESULTS_DIR, read_results  # noqa: E402
+
+README_HEAD = """# Results
+
+Every section below is written by one analysis script from one experiment's CSV and config in this
+folder; rerunning the script replaces its section. The setup line names the commit, machine, torch
+version, wall time and the command of the run that wrote the CSV.
+"""
+
+# One colour per optimizer, so every figure reads the same.
+OPTIMIZERS = ["AdamW", "Adam-mini", "torchao-AdamW8bit", "torchao-AdamW4bit", "gefen-upstream",
+              "Gefen-8bit", "Gefen-4bit"]
 
 
-def add_analysis_args(parser, figure: str):
-    parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR, help="where the CSVs are")
-    parser.add_argument("--out", type=Path, default=FIGS_DIR / f"{figure}.png", help="PNG to write")
-    return parser
+class ResultsError(ValueError):
+    """A results file that an analysis script cannot use; the message names the file."""
 
 
-def latest_run(rows):
-    """Keep only the rows of the most recent run of each variant.
+# ----------------------------------------------------------------------------------------- reading
+def load_rows(experiment: str, results_dir, metrics=()):
+    """Rows of ``<results_dir>/<experiment>.csv`` (``value`` a float); raise if it lacks ``metrics``."""
+    path = Path(results_dir) / f"{experiment}.csv"
+    try:
+        rows = read_results(path)
+    except ValueError as exc:  # a non-numeric value or missing columns
+        raise ResultsError(f"{path}: malformed results file ({exc})") from None
+    if not rows:
+        raise ResultsError(f"{path}: no rows")
+    missing = sorted(set(metrics) - {r["metric"] for r in rows})
+    if missing:
+        raise ResultsError(f"{path}: no rows of metric(s) {missing}; rerun experiments/{experiment}.py")
+    return rows
 
-    CSVs are append-only, so a rerun adds rows beside the old ones. Every row of one run carries
-    the run's start time as its timestamp; per variant, only rows with the newest timestamp stay.
+
+def load_config(experiment: str, results_dir) -> dict:
+    """The run's ``<experiment>.config.json`` ({} when the experiment wrote none)."""
+    path = Path(results_dir) / f"{experiment}.config.json"
+    if not path.exists():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ResultsError(f"{path}: not JSON ({exc})") from None
+
+
+def select(rows, metric=None, variant=None, **where):
+    """Rows matching every given column value (``metric``, ``variant`` and any other column)."""
+    if metric is not None:
+        where["metric"] = metric
+    if variant is not None:
+        where["variant"] = variant
+    return [r for r in rows if all(r[k] == v for k, v in where.items())]
+
+
+def value(rows, metric, variant, **where) -> float:
+    """The one value of (metric, variant[, columns]); NaN when absent, the mean if several."""
+    vals = [r["value"] for r in select(rows, metric, variant, **where)]
+    return statistics.fmean(vals) if vals else math.nan
+
+
+def variants(rows, metric=None):
+    """Variants in the order the experiment wrote them."""
+    return list(dict.fromkeys(r["variant"] for r in rows if metric is None or r["metric"] == metric))
+
+
+def mean_std(vals):
+    vals = [v for v in vals if math.isfinite(v)]
+    if not vals:
+        return math.nan, math.nan
+    return statistics.fmean(vals), (statistics.stdev(vals) if len(vals) > 1 else 0.0)
+
+
+# -------------------------------------------------------------------------------------- formatting
+def fmt(x, digits=3) -> str:
+    """``digits`` significant digits, thousands separators for large numbers, '—' for NaN/None."""
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return "—"
+    if isinstance(x, str):
+        return x
+    if x == 0:
+        return "0"
+    if abs(x) >= 10 ** digits:
+        return f"{x:,.0f}"
+    if abs(x) < 1e-3:
+        return f"{x:.{max(digits - 1, 0)}e}"
+    return f"{x:.{digits}g}"
+
+
+def fixed(x, decimals=4) -> str:
+    """``decimals`` places, '—' for NaN/None."""
+    return "—" if x is None or not math.isfinite(x) else f"{x:.{decimals}f}"
+
+
+def pm(mean, std, digits=4) -> str:
+    return f"{mean:.{digits}f} ± {std:.{digits}f}" if math.isfinite(mean) else "—"
+
+
+def md_table(header, body) -> str:
+    """A Markdown table from a header list and rows of already formatted cells."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in body]
+    return "\n".join(lines)
+
+
+def duration(seconds) -> str:
+    if seconds is None or not math.isfinite(float(seconds)):
+        return "?"
+    s = float(seconds)
+    return f"{s:.0f} s" if s < 120 else (f"{s / 60:.1f} min" if s < 7200 else f"{s / 3600:.2f} h")
+
+
+def setup_line(config: dict, rows) -> str:
+    """Commit, machine, torch, wall time and command of the run, from its config.json.
+
+    Keys absent from the config fall back to the CSV's columns; commits of rows that differ from
+    the config's are listed, since a results file should hold one run.
     """
-    newest = {}
-    for r in rows:
-        if r["variant"] not in newest or r["timestamp"] > newest[r["variant"]]:
-            newest[r["variant"]] = r["timestamp"]
-    return [r for r in rows if r["timestamp"] == newest[r["variant"]]]
+    r0 = rows[0] if rows else {}
+    commit = config.get("git_commit") or r0.get("git_commit", "?")
+    parts = [f"commit `{commit}`", config.get("device") or r0.get("device", "?"),
+             f"torch {config.get('torch_version') or r0.get('torch_version', '?')}",
+             f"wall time {duration(config.get('wall_seconds'))}"]
+    seeds = sorted({r["seed"] for r in rows if r.get("seed") not in (None, "")}, key=str)
+    if seeds:
+        parts.append("seed" + ("s " if len(seeds) > 1 else " ") + ", ".join(map(str, seeds)))
+    if config.get("timestamp"):
+        parts.append(f"run {config['timestamp']}")
+    line = "Setup: " + ", ".join(parts) + "."
+    others = sorted({r["git_commit"] for r in rows} - {commit})
+    if others:
+        line += f" **Rows from other commits too:** {', '.join(others)}."
+    if config.get("command"):
+        line += f" Command: `{config['command']}`."
+    return line
 
 
-def save_figure(fig, out, title=None, dpi=130):
-    """Give ``fig`` its setup-line title, lay it out, write it to ``out`` (a PNG path), close it."""
+# ---------------------------------------------------------------------------------------- plotting
+def colour(name, i=0):
+    """The fixed colour of an optimizer name, else the i-th of the palette."""
+    import matplotlib.pyplot as plt
+
+    cmap = plt.get_cmap("tab10")
+    return cmap(OPTIMIZERS.index(name)) if name in OPTIMIZERS else cmap(i % 10)
+
+
+def save_figure(fig, out, title=None, dpi=130, rect=None):
+    """Give ``fig`` its title, lay it out, write it to ``out`` (a PNG path), close it."""
     import matplotlib.pyplot as plt
 
     if title:
         fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
+    fig.tight_layout(rect=rect) if rect else fig.tight_layout()
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=dpi)
     plt.close(fig)
     return out
+
+
+# ------------------------------------------------------------------------------- README sections
+def _markers(name):
+    return f"<!-- begin {name} -->", f"<!-- end {name} -->"
+
+
+def write_section(readme, name: str, text: str) -> Path:
+    """Put ``text`` between ``name``'s markers in ``readme``: replaced in place, else appended."""
+    readme = Path(readme)
+    begin, end = _markers(name)
+    block = f"{begin}\n{text.strip()}\n{end}"
+    doc = readme.read_text() if readme.exists() else README_HEAD
+    pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end), re.S)
+    if pattern.search(doc):
+        doc = pattern.sub(lambda _: block, doc, count=1)
+    else:
+        doc = doc.rstrip("\n") + "\n\n" + block + "\n"
+    readme.parent.mkdir(parents=True, exist_ok=True)
+    readme.write_text(doc)
+    return readme
+
+
+def read_section(readme, name: str) -> str | None:
+    """The text between ``name``'s markers, or None."""
+    begin, end = _markers(name)
+    m = re.search(re.escape(begin) + r"\n(.*?)\n" + re.escape(end), Path(readme).read_text(), re.S)
+    return m.group(1) if m else None
+
+
+@dataclass
+class Report:
+    """One analysis script: ``draw(rows, out, config)`` makes the figure (None: no figure), and
+    ``body(rows, config)`` returns the section's Markdown after the setup line (tables, verdicts)."""
+
+    name: str
+    experiment: str
+    title: str
+    body: Callable
+    draw: Callable | None = None
+    metrics: tuple = ()
+
+
+def main(report: Report, argv=None, doc=None):
+    """Command line of every analysis script: read, draw, write the README section."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR,
+                        help="where the CSVs are; the section goes into its README.md")
+    if report.draw is not None:
+        parser.add_argument("--out", type=Path, default=FIGS_DIR / f"{report.name}.png", help="PNG to write")
+    args = parser.parse_args(argv)
+    rows = load_rows(report.experiment, args.results_dir, report.metrics)
+    config = load_config(report.experiment, args.results_dir)
+    readme = Path(args.results_dir) / "README.md"
+    parts = [f"## {report.title}", setup_line(config, rows)]
+    if report.draw is not None:
+        report.draw(rows, args.out, config)
+        rel = Path(os.path.relpath(Path(args.out).resolve(), readme.parent.resolve())).as_posix()
+        parts.append(f"![{report.name}]({rel})")
+        print(f"wrote {args.out}")
+    parts.append(report.body(rows, config).strip())
+    write_section(readme, report.name, "\n\n".join(parts))
+    print(f"wrote section {report.name} of {readme}")
+    return readme

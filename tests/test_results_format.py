@@ -1,11 +1,14 @@
-"""The long results format of DESIGN.md: every experiment writes through experiments.common."""
+"""The results format of DESIGN.md that analysis relies on: one CSV per run, its config beside it."""
 
 import argparse
 import csv
+import json
 
 import pytest
 
 from experiments.common import FIELDS, Results, add_common_args, read_results
+
+CONFIG_KEYS = {"config", "git_commit", "device", "torch_version", "command", "wall_seconds", "timestamp"}
 
 
 def _args(tmp_path):
@@ -13,30 +16,26 @@ def _args(tmp_path):
     return p.parse_args(["--wandb", "disabled", "--results-dir", str(tmp_path), "--seed", "7"])
 
 
-def test_rows_append_in_long_format(tmp_path):
+def test_a_run_replaces_the_csv_and_writes_its_config(tmp_path):
     args = _args(tmp_path)
     with Results("demo", args, config=vars(args)) as res:
         res.add("a", "loss", "nats", 1.25, x_name="step", x_value=10)
-    with Results("demo", args) as res:
+    with Results("demo", args, config=vars(args)) as res:
         res.add("b", "loss", "nats", 2.5, x_name="step", x_value=20, seed=3)
     with open(tmp_path / "demo.csv", newline="") as f:
-        reader = csv.reader(f)
-        header = next(reader)
-        body = list(reader)
-    assert header == FIELDS
-    assert len(body) == 2  # appended, header written once
+        header, *body = list(csv.reader(f))
+    assert header == FIELDS and len(body) == 1
     rows = read_results("demo", tmp_path)
-    assert [r["variant"] for r in rows] == ["a", "b"]
-    assert [r["value"] for r in rows] == [1.25, 2.5]
-    assert [r["x_value"] for r in rows] == [10.0, 20.0]
-    assert [r["seed"] for r in rows] == ["7", "3"]
-    assert (tmp_path / "demo.config.json").exists()
+    assert [(r["variant"], r["value"], r["x_value"], r["seed"]) for r in rows] == [("b", 2.5, 20.0, "3")]
+    config = json.loads((tmp_path / "demo.config.json").read_text())
+    assert CONFIG_KEYS <= set(config)
+    assert config["timestamp"] == rows[0]["timestamp"] and config["git_commit"] == rows[0]["git_commit"]
+    assert config["wall_seconds"] >= 0
 
 
 def test_rows_survive_an_exception(tmp_path):
-    args = _args(tmp_path)
     with pytest.raises(RuntimeError):
-        with Results("crashy", args) as res:
+        with Results("crashy", _args(tmp_path)) as res:
             res.add("a", "t", "s", 1.0)
             raise RuntimeError("late failure")
     assert len(read_results("crashy", tmp_path)) == 1

@@ -1,0 +1,238 @@
+"""analysis/: every script on a small fixture CSV writes its PNG and its README section, whose
+numbers equal what the test computes from the CSV; sections are replaced in place; bad input fails
+with a message that names the file."""
+
+import csv
+import json
+import re
+import statistics
+
+import pytest
+
+from analysis import (codebook, common, convergence, correctness, dsa_throughput, gefen_ablation, gefen_memory,
+                      hessian_alignment, poincare)
+from experiments.common import FIELDS
+
+CONFIG = {"config": {"steps": 10}, "git_commit": "abc1234", "device": "cpu:Test CPU x2",
+          "torch_version": "2.13.0+cpu", "command": "python experiments/demo.py --quick",
+          "wall_seconds": 75.0, "timestamp": "2026-01-01T00:00:00+00:00"}
+
+
+def write(tmp_path, experiment, rows, config=CONFIG):
+    """Write rows (variant, metric, value, x_name, x_value, seed) as a results CSV and its config."""
+    with open(tmp_path / f"{experiment}.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=FIELDS)
+        w.writeheader()
+        for variant, metric, value, x_name, x_value, seed in rows:
+            w.writerow(dict(experiment=experiment, variant=variant, metric=metric, unit="", x_name=x_name,
+                            x_value=x_value, value=value, seed=seed, device=config["device"],
+                            torch_version=config["torch_version"], git_commit=config["git_commit"],
+                            timestamp=config["timestamp"]))
+    (tmp_path / f"{experiment}.config.json").write_text(json.dumps(config))
+
+
+def poincare_rows():
+    return [(v, m, val * (1 + 0.1 * d), "dim", d, 0) for v, val in
+            (("DiskSparseRiemannianAdam", 0.5), ("geoopt-SparseRiemannianAdam", 0.5), ("DiskSparseAdam+clip", 0.02))
+            for m in ("map", "mean_rank") for d in (2, 5)]
+
+
+def convergence_rows():
+    rows = []
+    for k, name in enumerate(("AdamW", "Gefen-8bit", "Gefen-4bit")):
+        rows.append((name, "best_lr", 3e-3, "selected_by", "lr_sweep_val_loss", 0))
+        rows += [(name, "lr_sweep_val_loss", 2.5 + k / 100 + lr, "lr", lr, 0) for lr in (1e-3, 3e-3)]
+        for seed in range(3):
+            final = 2.5 + 0.01 * k + 0.003 * seed * k
+            rows += [(name, "val_loss", final + 1 / (s + 1), "step", s, seed) for s in (0, 5, 10)]
+            rows += [(name, "final_val_loss", final, "lr", 3e-3, seed),
+                     (name, "state_bytes_per_param", 8.0 / (k + 1), "lr", 3e-3, seed),
+                     (name, "step_time", 1.0 + k, "lr", 3e-3, seed), (name, "params", 1000, "lr", 3e-3, seed)]
+    finals = {(r[0], r[5]): r[2] for r in rows if r[1] == "final_val_loss"}
+    rows += [(n, "val_loss_vs_adamw", finals[(n, s)] / finals[("AdamW", s)], "model", "char-gpt-1k", s)
+             for n, s in finals]
+    return rows
+
+
+def gefen_memory_rows():
+    rows = []
+    for m in ("transformer", "mlp"):
+        for k, (name, bpp, ms) in enumerate((("AdamW", 8.0, 5.0), ("Gefen-8bit", 1.04, 10.0), ("Gefen-4bit", 0.6, 9.0))):
+            rows += [(name, "state_bytes_per_param", bpp, "model", m, 0), (name, "step_time_median", ms / 1e3, "model", m, 0),
+                     (name, "step_time_vs_adamw", ms / 5.0, "model", m, 0), (name, "threads", 1, "model", m, 0)]
+    return rows
+
+
+def dsa_rows():
+    rows = []
+    for cfg, s in (("seed", 1.0), ("kg", 0.3)):
+        for what, v in (("ceiling", 3e5), ("SparseAdam", 4e4), ("DiskSparseAdam/warm", 1e5),
+                        ("DiskSparseAdam/warm-fused", 1.2e5), ("DiskSparseAdam/cold", 5e3)):
+            rows.append((f"{cfg}/{what}", "throughput", v * s, "config", cfg, 0))
+        rows += [(f"{cfg}/disk", "cold_bound", 1e4 * s, "config", cfg, 0),
+                 (f"{cfg}/ratio", "DiskSparseAdam_warm/SparseAdam", 2.5, "config", cfg, 0),
+                 (f"{cfg}/ratio", "DiskSparseAdam_warm/ceiling", 1 / 3 + s / 5, "config", cfg, 0),
+                 (f"{cfg}/ratio", "DiskSparseAdam_cold/disk_bound", 0.5, "config", cfg, 0),
+                 (f"{cfg}/SparseAdam", "state_bytes_in_ram", 2.0**30 * s, "config", cfg, 0),
+                 (f"{cfg}/DiskSparseAdam", "rss_anon_delta", 3.0, "config", cfg, 0),
+                 (f"{cfg}/DiskSparseAdam", "bytes_on_disk", 2.0**30 * s, "config", cfg, 0)]
+    return rows
+
+
+def ablation_rows():
+    return [(v, "val_loss_vs_adamw", 1 + d + 0.01 * s, "steps", 10, s)
+            for v, d in (("none", 0.04), ("all", 0.0), ("in_proj", 0.01)) for s in range(3)]
+
+
+def hessian_rows():
+    rows = []
+    for kind in ("transformer", "mlp"):
+        rows.append((kind, "n_params", 100, "", "", 0))
+        for step in (0, 10):
+            rows.append((kind, "spearman_spread", -0.05 * (step + 1), "step", step, 0))
+            for dec in (1, 2):
+                rows += [(f"{kind}/step{step}", m, v * dec, "coupling_decile", dec, 0)
+                         for m, v in (("coupling_median", 0.1), ("spread_median", 3.0), ("level_median", 1.0))]
+            for sch, c in (("gefen", 0.5), ("random_gefen", 0.2)):
+                rows += [(f"{kind}/{sch}", "coupling_within", c, "step", step, 0),
+                         (f"{kind}/{sch}", "dispersion", 1 - c, "step", step, 0),
+                         (f"{kind}/{sch}", "spread_within", 3.0, "step", step, 0)]
+        rows += [(f"{kind}/{s}", "val_loss", 1.7 + d, "steps", 10, seed)
+                 for s, d in (("adamw", 0.0), ("gefen", 0.002), ("random_gefen", 0.003)) for seed in (0, 1)]
+    return rows
+
+
+def codebook_rows():
+    rows = []
+    for k in (16, 256):
+        for bins in (256, 512):
+            for impl, t in (("ours-numba", 1e-3), ("ours-numpy", 1e-2), ("upstream", 1e-1)):
+                rows.append((f"{impl}/K{k}", "dp_cpu_time", t * bins / 256, "bins", bins, 0))
+                if impl != "upstream":
+                    rows += [(f"{impl}/K{k}", "cpu_speedup_vs_upstream", 1e-1 / t, "bins", bins, 0),
+                             (f"{impl}/K{k}", "cost_rel_diff_vs_upstream", 1e-12, "bins", bins, 0)]
+    rows += [(f"{c}/{b}/{bl}", "rel_mse", e, "", "", 0) for c, e in (("learned", 1e-4), ("linear", 2e-4))
+             for b in ("8bit", "4bit") for bl in ("absmax256", "gefen")]
+    return rows
+
+
+def correctness_rows():
+    return [(v, m, e, "steps", 20, 0) for v, e in (("DiskSparseAdam[numba] vs torch.optim.SparseAdam", 0.0),
+                                                  ("Gefen[triton,8-bit] vs Gefen[torch,8-bit]", 1.5e-8))
+            for m in ("max_abs_err", "rel_rms_err")]
+
+
+SCRIPTS = [(poincare, poincare_rows), (convergence, convergence_rows), (gefen_memory, gefen_memory_rows),
+           (dsa_throughput, dsa_rows), (gefen_ablation, ablation_rows), (hessian_alignment, hessian_rows),
+           (codebook, codebook_rows), (correctness, correctness_rows)]
+
+
+def run(module, tmp_path):
+    out = tmp_path / "figs" / f"{module.REPORT.name}.png"
+    argv = ["--results-dir", str(tmp_path)] + (["--out", str(out)] if module.REPORT.draw else [])
+    common.main(module.REPORT, argv)
+    return out, common.read_section(tmp_path / "README.md", module.REPORT.name)
+
+
+@pytest.mark.parametrize("module, rows", SCRIPTS, ids=[m.REPORT.name for m, _ in SCRIPTS])
+def test_script_writes_figure_and_section(tmp_path, module, rows):
+    write(tmp_path, module.REPORT.experiment, rows())
+    out, section = run(module, tmp_path)
+    if module.REPORT.draw:
+        assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+        assert f"![{module.REPORT.name}](figs/{module.REPORT.name}.png)" in section
+    assert section.startswith(f"## {module.REPORT.title}")
+    for part in ("commit `abc1234`", "cpu:Test CPU x2", "torch 2.13.0+cpu", "wall time 75 s",
+                 "`python experiments/demo.py --quick`"):
+        assert part in section
+    assert "|---|" in section
+
+
+def _row(section, first_cell):
+    line = next(ln for ln in section.splitlines() if ln.startswith(f"| {first_cell} |"))
+    return [c.strip() for c in line.strip("|").split("|")]
+
+
+def test_convergence_numbers_come_from_the_csv(tmp_path):
+    rows = convergence_rows()
+    write(tmp_path, "convergence", rows)
+    _, section = run(convergence, tmp_path)
+    finals = [r[2] for r in rows if r[:2] == ("Gefen-4bit", "final_val_loss")]
+    ratios = [r[2] for r in rows if r[:2] == ("Gefen-4bit", "val_loss_vs_adamw")]
+    cells = _row(section, "**Gefen-4bit**")
+    assert cells[2] == f"{statistics.fmean(finals):.4f} ± {statistics.stdev(finals):.4f}"
+    assert cells[5] == f"{statistics.fmean(ratios):.3f} ± {statistics.stdev(ratios):.3f}"
+    assert f"{statistics.fmean(ratios) - 1:+.2%} against AdamW" in section
+
+
+def test_gefen_memory_numbers_and_verdicts(tmp_path):
+    write(tmp_path, "gefen_memory", gefen_memory_rows())
+    _, section = run(gefen_memory, tmp_path)
+    assert _row(section, "**Gefen-8bit**")[1:] == ["1.040", "10", "2"]
+    assert "Gefen-4bit on mlp: 0.600 B/param (target ≤ 0.55: missed)" in section
+    assert "Gefen-8bit on transformer: 1.040 B/param (target ≤ 1.05: met)" in section
+
+
+def test_dsa_targets_follow_the_ratios(tmp_path):
+    write(tmp_path, "dsa_throughput", dsa_rows())
+    _, section = run(dsa_throughput, tmp_path)
+    assert "warm / ceiling ≥ 0.5: met on seed; missed on kg." in section
+    assert _row(section, "seed")[1] == "300,000"
+
+
+def test_poincare_table_matches_csv(tmp_path):
+    write(tmp_path, "poincare", poincare_rows())
+    _, section = run(poincare, tmp_path)
+    assert _row(section, "DiskSparseRiemannianAdam")[1:] == ["0.6 / 0.75", "0.6 / 0.75"]
+
+
+def test_sections_are_replaced_in_place_and_others_kept(tmp_path):
+    readme = tmp_path / "README.md"
+    common.write_section(readme, "a", "first A")
+    common.write_section(readme, "b", "first B")
+    common.write_section(readme, "a", "second A\nwith two lines")
+    text = readme.read_text()
+    assert text.count("<!-- begin a -->") == 1 and "first A" not in text
+    assert text.index("second A") < text.index("first B")
+    assert common.read_section(readme, "b") == "first B"
+    before = text
+    common.write_section(readme, "a", "second A\nwith two lines")
+    assert readme.read_text() == before
+
+
+def test_rerun_of_a_script_keeps_other_sections(tmp_path):
+    write(tmp_path, "gefen_ablation", ablation_rows())
+    write(tmp_path, "correctness", correctness_rows())
+    run(gefen_ablation, tmp_path)
+    run(correctness, tmp_path)
+    run(gefen_ablation, tmp_path)
+    text = (tmp_path / "README.md").read_text()
+    assert text.count("<!-- begin gefen_ablation -->") == 1
+    assert common.read_section(tmp_path / "README.md", "correctness") is not None
+
+
+def test_malformed_csv_names_the_file(tmp_path):
+    write(tmp_path, "poincare", poincare_rows())
+    lines = (tmp_path / "poincare.csv").read_text().splitlines()
+    cells = lines[1].split(",")
+    cells[FIELDS.index("value")] = "oops"
+    (tmp_path / "poincare.csv").write_text("\n".join([lines[0], ",".join(cells)] + lines[2:]) + "\n")
+    with pytest.raises(common.ResultsError, match=r"poincare\.csv: malformed"):
+        run(poincare, tmp_path)
+
+
+def test_missing_metric_and_missing_file_are_named(tmp_path):
+    write(tmp_path, "poincare", [r for r in poincare_rows() if r[1] != "map"])
+    with pytest.raises(common.ResultsError, match=re.escape("poincare.csv: no rows of metric(s) ['map']")):
+        run(poincare, tmp_path)
+    with pytest.raises(FileNotFoundError, match="convergence.csv"):
+        run(convergence, tmp_path)
+
+
+def test_figure_link_is_relative_to_the_readme(tmp_path):
+    quick = tmp_path / "results" / "quick"
+    quick.mkdir(parents=True)
+    write(quick, "poincare", poincare_rows())
+    out = tmp_path / "paper_figs" / "quick" / "poincare.png"
+    common.main(poincare.REPORT, ["--results-dir", str(quick), "--out", str(out)])
+    assert "![poincare](../../paper_figs/quick/poincare.png)" in (quick / "README.md").read_text()
