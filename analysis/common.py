@@ -24,9 +24,9 @@ from typing import Callable
 
 import matplotlib
 
-matplotlib.use("Agg")
+from experiments.common import FIGS_DIR, RESULTS_DIR, read_results
 
-from experiments.common import FIGS_DIR, RESULTS_DIR, read_results  # noqa: E402
+matplotlib.use("Agg")  # before any script imports pyplot: figures are files, never windows
 
 README_HEAD = """# Results
 
