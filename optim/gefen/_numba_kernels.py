@@ -52,6 +52,8 @@ _KERNELS = {}
 _FMA = {"contract"}
 
 
+# _f32_ptr and _u8_ptr are written out (a deliberate duplicate of shape): an intrinsic built by a
+# factory would be a closure, which numba's on-disk cache cannot key reliably.
 @intrinsic
 def _f32_ptr(typingctx, addr):
     sig = types.CPointer(types.float32)(types.int64)

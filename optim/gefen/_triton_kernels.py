@@ -203,6 +203,8 @@ def _half_rows(a0, a1, sub0, sub1, IS_MAX: tl.constexpr):
     return ra[:, None], rb[:, None]
 
 
+# The two kernels share one argument list (a deliberate duplicate of shape): the launcher calls
+# either with the same arguments and constexprs; GROUP replaces QUANT for packed 4-bit codes.
 @triton.jit
 def _gefen_step4_kernel(
     tile_ptr, ptr_tab, numel_tab, cb_ptr, uniq_ptr, mid_ptr, lut_ptr, first_ptr,

@@ -17,8 +17,8 @@ Three pieces, used once per model (``histogram``, ``optimal_codebook``) and ever
     minimum of  sum_groups sum_bins count·(center − level)²  (float64, a Python float); it is an
     upper bound of the error of quantising the histogram to the returned codebook by nearest
     level. Upstream solves it in O(B²K); here the rows of the DP are filled by divide and conquer
-    over the Monge property, O(K·B·log B), either compiled with numba (``_codebook_numba.py``) or level-synchronous in numpy (each recursion
-    depth is one vectorised pass over all pending intervals); ``backend`` chooses.
+    over the Monge property, O(K·B·log B), compiled with numba (``_codebook_numba.py``) or
+    level-synchronous in numpy (``_codebook_numpy.py``); ``backend`` chooses.
 
     Fewer occupied bins than levels: upstream's objective has no feasible partition then (upstream
     pads the codebook ad hoc). We return the optimum of the nearest-level objective instead (every
@@ -43,6 +43,8 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
+
+from ._codebook_numpy import dp_splits_numpy as _dp_splits_numpy
 
 __all__ = ["HIST_BINS", "histogram", "optimal_codebook", "code_boundaries", "code_table", "CodeTable",
            "nearest_code"]
@@ -91,66 +93,7 @@ def histogram(values, bins: int = HIST_BINS):
 
 
 # ----------------------------------------------------------------------------------------------
-# the DP, numpy fallback (level-synchronous divide and conquer)
-
-
-def _dp_splits_numpy(pw, pwx, pwx2, levels, fix_endpoints):
-    """Same contract as ``_codebook_numba.dp_splits_numba``; all intervals of one depth at once.
-
-    For a fixed end j the group cost is S2(j) − S2(i) − (S1(j) − S1(i))² / (S0(j) − S0(i)) (mean
-    level) or S2(j) − S2(i) − 2c(S1(j) − S1(i)) + c²(S0(j) − S0(i)) (pinned level c); the terms
-    in j alone do not move the argmin, so the scan minimises prev(i) − S2(i) + (the rest) and adds
-    S2(j) afterwards. This halves the array passes per depth.
-    """
-    n = pw.shape[0] - 1
-    K = levels
-    prev = np.full(n + 1, np.inf)
-    prev[0] = 0.0
-    arg = np.zeros((K + 1, n + 1), dtype=np.int64)
-    big = n + 1
-    for k in range(1, K + 1):
-        kind = 1 if (fix_endpoints and k == 1) else 2 if (fix_endpoints and k == K) else 0
-        jlo = k if k < K else n
-        jhi = n - (K - k)
-        cur = np.full(n + 1, np.inf)
-        if kind == 0:
-            base = prev - pwx2
-        else:
-            c = -1.0 if kind == 1 else 1.0
-            base = prev - pwx2 + 2.0 * c * pwx - c * c * pw
-        a, b = np.array([jlo]), np.array([jhi])
-        lo, hi = np.array([k - 1]), np.array([jhi - 1])
-        while a.size:
-            m = (a + b) // 2
-            cnt = np.minimum(hi, m - 1) - lo + 1  # >= 1: lo <= m - 1 always
-            ends = np.cumsum(cnt)
-            off = ends - cnt
-            i = np.arange(ends[-1]) - np.repeat(off - lo, cnt)
-            if kind == 0:
-                d1 = np.repeat(pwx[m], cnt) - pwx[i]
-                val = base[i] - d1 * d1 / (np.repeat(pw[m], cnt) - pw[i])
-            else:
-                val = base[i]
-            segmin = np.minimum.reduceat(val, off)
-            besti = np.minimum.reduceat(np.where(val == np.repeat(segmin, cnt), i, big), off)
-            if kind == 0:
-                cur[m] = segmin + pwx2[m]
-            else:
-                cur[m] = segmin + pwx2[m] - 2.0 * c * pwx[m] + c * c * pw[m]
-            arg[k, m] = besti
-            keep_l = a <= m - 1
-            keep_r = m + 1 <= b
-            a = np.concatenate([a[keep_l], (m + 1)[keep_r]])
-            b = np.concatenate([(m - 1)[keep_l], b[keep_r]])
-            lo = np.concatenate([lo[keep_l], besti[keep_r]])
-            hi = np.concatenate([besti[keep_l], hi[keep_r]])
-        prev = cur
-    bounds = np.empty(K + 1, dtype=np.int64)
-    bounds[K] = j = n
-    for k in range(K, 0, -1):
-        j = arg[k, j]
-        bounds[k - 1] = j
-    return bounds, prev[n]
+# the DP (numpy: _codebook_numpy.py, numba: _codebook_numba.py)
 
 
 def _numba_dp():
@@ -219,6 +162,33 @@ def _few_bins(x, w, levels, fix_endpoints):
     return np.concatenate([[-1.0], lv, [1.0]]), float(cost)
 
 
+def _dp_levels(x, w, levels, fix_endpoints, backend):
+    """Levels and cost of the optimal partition of >= ``levels`` occupied bins (sorted x)."""
+    pw = np.concatenate([[0.0], np.cumsum(w)])
+    pwx = np.concatenate([[0.0], np.cumsum(w * x)])
+    pwx2 = np.concatenate([[0.0], np.cumsum(w * x * x)])
+    # "auto": loading numba (and its on-disk cache) costs more than the numpy DP below
+    # _NUMBA_MIN_WORK, so small problems stay in numpy unless numba is already loaded
+    # (experiments/codebook_dp.py times both)
+    small = x.size * levels < _NUMBA_MIN_WORK and "numba" not in sys.modules
+    dp = _dp_splits_numpy
+    if backend == "numba" or (backend == "auto" and not small):
+        try:
+            dp = _numba_dp()
+        except ImportError:
+            if backend == "numba":
+                raise ImportError("backend='numba' needs the numba package (pip install numba), "
+                                  "or use backend='numpy'") from None
+    bounds, _ = dp(pw, pwx, pwx2, levels, bool(fix_endpoints))
+    bounds = np.asarray(bounds, dtype=np.int64)
+    lv = (pwx[bounds[1:]] - pwx[bounds[:-1]]) / (pw[bounds[1:]] - pw[bounds[:-1]])
+    if fix_endpoints:
+        lv[0], lv[-1] = -1.0, 1.0
+    # cost recomputed bin by bin (no cancellation of prefix-sum differences)
+    group = np.repeat(np.arange(levels), np.diff(bounds))
+    return lv, float(np.sum(w * (x - lv[group]) ** 2))
+
+
 def optimal_codebook(centers, counts, levels: int, fix_endpoints: bool = True, *, backend: str = "auto"):
     """Exact optimal ``levels``-level codebook of a histogram -> (codebook, cost).
 
@@ -267,31 +237,7 @@ def optimal_codebook(centers, counts, levels: int, fix_endpoints: bool = True, *
     if n < levels:
         lv, cost = _few_bins(x, w, levels, fix_endpoints)
     else:
-        pw = np.concatenate([[0.0], np.cumsum(w)])
-        pwx = np.concatenate([[0.0], np.cumsum(w * x)])
-        pwx2 = np.concatenate([[0.0], np.cumsum(w * x * x)])
-        # "auto": loading numba (and its on-disk cache) costs more than the numpy DP below
-        # _NUMBA_MIN_WORK, so small problems stay in numpy unless numba is already loaded
-        # (experiments/codebook_dp.py times both)
-        small = n * levels < _NUMBA_MIN_WORK and "numba" not in sys.modules
-        if backend == "numpy" or (backend == "auto" and small):
-            dp = _dp_splits_numpy
-        else:
-            try:
-                dp = _numba_dp()
-            except ImportError:
-                if backend == "numba":
-                    raise ImportError("backend='numba' needs the numba package (pip install numba), "
-                                      "or use backend='numpy'") from None
-                dp = _dp_splits_numpy
-        bounds, _ = dp(pw, pwx, pwx2, levels, bool(fix_endpoints))
-        bounds = np.asarray(bounds, dtype=np.int64)
-        lv = (pwx[bounds[1:]] - pwx[bounds[:-1]]) / (pw[bounds[1:]] - pw[bounds[:-1]])
-        if fix_endpoints:
-            lv[0], lv[-1] = -1.0, 1.0
-        # cost recomputed bin by bin (no cancellation of prefix-sum differences)
-        group = np.repeat(np.arange(levels), np.diff(bounds))
-        cost = float(np.sum(w * (x - lv[group]) ** 2))
+        lv, cost = _dp_levels(x, w, levels, fix_endpoints, backend)
     codebook = torch.from_numpy(np.sort(lv).astype(np.float32)).to(device)
     return codebook, cost
 

@@ -20,6 +20,7 @@ Runs on CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1`` (how the t
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 import triton.language as tl
@@ -202,6 +203,29 @@ def _validate(ps, gs, vs, ss, cs, *, block, bits, quant):
     return rows, copies
 
 
+def _plan(ps, gs, vs, ss, cs, *, block, bits, quant, tile, num_warps):
+    """(cached or new ``_Plan``, contiguous copies of parameters to write back); (None, []) when
+    every tensor is empty."""
+    key = (block, bits, quant, tile, num_warps, tuple(map(_DATA_PTR, ps)), tuple(map(_NUMEL, ps)),
+           tuple(p.dtype for p in ps), tuple(map(_DATA_PTR, vs)), tuple(map(_DATA_PTR, cs)),
+           tuple(map(_DATA_PTR, ss)) if quant else None)
+    plan = _PLAN_CACHE.get(key)
+    if plan is not None:
+        gptrs = tuple(map(_DATA_PTR, gs))
+        if all(map(_IS_CONTIGUOUS, ps)) and (gptrs == plan.gptrs or plan.update_grads(gs, gptrs)):
+            return plan, []
+    rows, copies = _validate(ps, gs, vs, ss, cs, block=block, bits=bits, quant=quant)
+    if not rows:
+        return None, []
+    plan = _Plan(_launch_plan(rows, block=block, bits=bits, quant=quant, tile=tile,
+                              num_warps=num_warps), gs)
+    if not copies:  # a temporary contiguous copy has a new address each call
+        if len(_PLAN_CACHE) > 64:
+            _PLAN_CACHE.clear()
+        _PLAN_CACHE[key] = plan
+    return plan, copies
+
+
 def gefen_step_(ps, gs, vs, scales, codes, codebook, *, step, lr, beta1, beta2, eps, weight_decay,
                 block, bits, tables=None, tile=TILE, num_warps=None):
     """One Gefen step in place: the rule and state layout of :func:`optim.gefen.reference.gefen_step`.
@@ -229,25 +253,10 @@ def gefen_step_(ps, gs, vs, scales, codes, codebook, *, step, lr, beta1, beta2, 
     quant = codebook is not None
     if quant and tables is None:
         tables = _table_of(codebook)
-    key = (block, bits, quant, tile, num_warps, tuple(map(_DATA_PTR, ps)), tuple(map(_NUMEL, ps)),
-           tuple(p.dtype for p in ps), tuple(map(_DATA_PTR, vs)), tuple(map(_DATA_PTR, cs)),
-           tuple(map(_DATA_PTR, ss)) if quant else None)
-    plan = _PLAN_CACHE.get(key)
-    if plan is not None:
-        gptrs = tuple(map(_DATA_PTR, gs))
-        if not all(map(_IS_CONTIGUOUS, ps)) or (gptrs != plan.gptrs and not plan.update_grads(gs, gptrs)):
-            plan = None
-    copies = []
+    plan, copies = _plan(ps, gs, vs, ss, cs, block=block, bits=bits, quant=quant, tile=tile,
+                         num_warps=num_warps)
     if plan is None:
-        rows, copies = _validate(ps, gs, vs, ss, cs, block=block, bits=bits, quant=quant)
-        if not rows:
-            return
-        plan = _Plan(_launch_plan(rows, block=block, bits=bits, quant=quant, tile=tile,
-                                  num_warps=num_warps), gs)
-        if not copies:  # a temporary contiguous copy has a new address each call
-            if len(_PLAN_CACHE) > 64:
-                _PLAN_CACHE.clear()
-            _PLAN_CACHE[key] = plan
+        return
     launches = plan.launches
     if not launches:
         return
@@ -263,7 +272,7 @@ def gefen_step_(ps, gs, vs, scales, codes, codebook, *, step, lr, beta1, beta2, 
         with torch.cuda.device(device) if device.type == "cuda" else _NO_GUARD:
             kernel[grid](tiles, ptrs, numel_tab, cb, uniq, mid, lut, first,
                          1 - beta1, beta2, 1 - beta2, eps, 1 - lr * weight_decay, -lr / bc1,
-                         bc2**0.5, NLUT=nlut, NCMP=ncmp, HAS_DUP=has_dup,
+                         math.sqrt(bc2), NLUT=nlut, NCMP=ncmp, HAS_DUP=has_dup,
                          enable_fp_fusion=False, **const)
     for pi, pw in copies:
         pi.copy_(pw.view_as(pi))
