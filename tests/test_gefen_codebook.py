@@ -8,9 +8,7 @@ References written here, independent of ``optim/gefen/codebook.py``:
 - brute-force argmin of |x − c| in float64 for the quantiser; ``torch.histc`` for the histogram.
 """
 
-import runpy
 from fractions import Fraction
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -427,42 +425,3 @@ def test_experiment_rows_tiny(tmp_path):
     assert by[("learned/4bit/absmax256", "nmse")] <= by[("linear/4bit/absmax256", "nmse")]
     assert by[("ours-numba/K16", "cost_rel_diff_vs_upstream")] < 1e-9
     assert by[("upstream/K16", "dp_time")] > 0
-
-
-# ----------------------------------------------------------------------------------------------
-# figure
-
-
-def test_codebook_figure_from_fixture_csv(tmp_path, monkeypatch):
-    import csv
-
-    from experiments.common import FIELDS
-
-    rows = []
-
-    def add(variant, metric, unit, value, x_name="", x_value=""):
-        rows.append(dict(experiment="codebook_dp", variant=variant, metric=metric, unit=unit,
-                         x_name=x_name, x_value=x_value, value=value, seed=0, device="cpu",
-                         torch_version=torch.__version__, git_commit="test", timestamp="now"))
-
-    for impl in ("ours-numba", "upstream"):
-        for K in (16, 256):
-            for B in (256, 512, 1024):
-                add(f"{impl}/K{K}", "dp_time", "s", B * K * (1e-6 if impl == "upstream" else 1e-8), "bins", B)
-                add(f"{impl}/K{K}", "dp_cost", "sum w·err²", 1.0, "bins", B)
-                if impl != "upstream":
-                    add(f"{impl}/K{K}", "speedup_vs_upstream", "x", 100.0, "bins", B)
-    for code in ("learned", "learned-step1", "linear", "dynamic"):
-        for bits in (8, 4):
-            for blocking in ("absmax256", "gefen"):
-                add(f"{code}/{bits}bit/{blocking}", "rel_mse", "1", 1e-4 * bits, "", "")
-    with open(tmp_path / "codebook_dp.csv", "w", newline="") as f:
-        wr = csv.DictWriter(f, fieldnames=FIELDS)
-        wr.writeheader()
-        wr.writerows(rows)
-    out = tmp_path / "codebook.png"
-    # the script's own command line, run in this process (a fresh interpreter costs seconds here)
-    argv = [str(REPO / "analysis" / "codebook.py"), "--results-dir", str(tmp_path), "--out", str(out)]
-    monkeypatch.setattr(sys, "argv", argv)
-    runpy.run_path(argv[0], run_name="__main__")
-    assert out.exists() and out.stat().st_size > 10_000
