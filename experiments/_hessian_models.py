@@ -3,8 +3,7 @@
 Used by ``experiments/hessian_alignment.py``. Everything works on one flat parameter vector, so the
 Hessian is an ordinary ``n x n`` matrix and every block scheme is a vector of block ids.
 
-- Data: Python's documentation topics (``pydoc_data.topics.topics``, ships with Python, no download),
-  characters mapped to the ``vocab - 1`` most frequent ones plus one "other" symbol; the first 90 % is
+- Data: Python's documentation topics (experiments/data.py), characters mapped to the ``vocab - 1`` most frequent ones plus one "other" symbol; the first 90 % is
   the training split, the rest the validation split.
 - ``TinyCharTransformer``: one pre-norm transformer block (separate q/k/v/o projections, GELU MLP),
   learned token and position tables, an untied output head. Parameter names follow nanoGPT
@@ -18,12 +17,13 @@ Hessian is an ordinary ``n x n`` matrix and every block scheme is a vector of bl
 from __future__ import annotations
 
 import math
-from collections import Counter
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.func import functional_call, grad, jvp, vmap
+
+from experiments import data
 
 
 # ----------------------------------------------------------------------------------------- data
@@ -32,16 +32,9 @@ def load_text_ids(vocab: int) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
 
     Symbol ``vocab - 1`` stands for every character outside the ``vocab - 1`` most frequent ones.
     """
-    if vocab < 2:
-        raise ValueError(f"vocab={vocab}: need at least 2 symbols (one character plus 'other')")
-    from pydoc_data.topics import topics
-
-    text = "".join(topics[k] for k in sorted(topics))
-    chars = [c for c, _ in Counter(text).most_common(vocab - 1)]
-    table = {c: i for i, c in enumerate(chars)}
-    ids = torch.tensor([table.get(c, vocab - 1) for c in text], dtype=torch.long)
+    ids, symbols = data.frequent_char_ids(data.documentation_text(), vocab)
     cut = int(0.9 * len(ids))
-    return ids[:cut], ids[cut:], chars + ["<other>"]
+    return ids[:cut], ids[cut:], symbols
 
 
 def sample_batch(ids: torch.Tensor, batch: int, length: int, gen: torch.Generator):

@@ -1,32 +1,34 @@
 """GPU check of Disk Sparse Adam: throughput, device memory, and Triton vs torch paths on CUDA.
 
+    python experiments/bench_dsa_gpu.py            # writes results/dsa_gpu.csv
+    python experiments/bench_dsa_gpu.py --quick    # 100k rows, fewer steps -> results/quick/
+    # on a lent machine whose files come back through $OUT:
+    python experiments/bench_dsa_gpu.py --results-dir "$OUT" --wandb disabled
+
+A GPU is needed; without CUDA the script says so and exits with status 0. Not part of
+experiments/reproduce.py.
+
 The seed's configuration: an nn.Embedding(1,000,000 x 128, sparse=True) on the GPU, batches of 2048
 uniform random rows, loss mean(x^2), lr 1e-3. Measured side by side in one run, interleaved,
 medians over repeats:
 
-  fwd+bwd (no optimizer)       the ceiling: embedding forward + backward only
-  torch.optim.SparseAdam       moments in device memory (2 x the table)
+  ceiling                      embedding forward + backward only, no optimizer
+  SparseAdam                   torch.optim.SparseAdam: moments in device memory (2 x the table)
   DiskSparseAdam               moments in a memory-mapped file, Triton row kernel on the GPU, staged
                                through persistent pinned/device buffers with the next batch announced
                                by opt.prefetch (optim/disk_sparse/pipeline.py)
-  DiskSparseAdam (direct)      the same without the staging pipeline (per-step pinned copies)
+  DiskSparseAdam/direct        the same without the staging pipeline (per-step pinned copies)
   DiskSparseRiemannianAdam     the same on the Poincaré ball (c = 1), record D+1 per row
 
 Reported: samples/s, peak device memory the optimizer step adds above the weights (MiB; the
 optimizer is created after the baseline is read, so its state and staging buffers count), the
 optimizer's persistent device staging buffers (opt.device_staging_bytes(), MiB) and how many steps
 used announced rows (opt.staging_stats()), and agreement after a few steps on the GPU:
-DiskSparseAdam's Triton path vs its torch path, vs torch.optim.SparseAdam and vs the unstaged direct
+DiskSparseAdam's Triton path vs its torch path, vs SparseAdam and vs the unstaged direct
 path, DiskSparseRiemannianAdam's Triton path vs its torch path (max |Δ| of weights and state
 records; float32, and bfloat16 weights on a smaller table).
-Targets (issue 3): >= 1,000,000 samples/s on one H200 with optimizer device memory < 64 MiB;
+Targets: >= 1,000,000 samples/s on one H200 with optimizer device memory < 64 MiB;
 the published DSA claims 134,212 samples/s on a Kaggle GPU.
-
-Commands (a GPU is needed; without CUDA the script says so and exits with status 0):
-    python experiments/bench_dsa_gpu.py            # appends to results/dsa_gpu.csv (a few minutes, estimated)
-    python experiments/bench_dsa_gpu.py --quick    # 100k rows, fewer steps
-    # on a lent machine whose files come back through $OUT:
-    python experiments/bench_dsa_gpu.py --results-dir "$OUT" --wandb disabled
 """
 
 from __future__ import annotations
@@ -36,14 +38,12 @@ import statistics
 import sys
 import tempfile
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+import torch.nn as nn
 
-import torch  # noqa: E402
-import torch.nn as nn  # noqa: E402
-
-from experiments.common import Results, add_common_args  # noqa: E402
+from experiments.common import Results, add_common_args
+from experiments.registry import make_optimizer
 
 MiB = 2**20
 
@@ -72,29 +72,16 @@ def train_steps(emb, opt, idx_list):
             opt.step()
 
 
-def unstaged(opt):
-    """The optimizer without the staging pipeline: the direct path of each step (for comparison)."""
-    opt._staging = False
-    return opt
-
-
 def optimizers(args, tmp):
-    """name -> constructor(params) of the variants that exist here (None: the no-optimizer ceiling)."""
-    from optim import DiskSparseAdam
+    """variant -> constructor(params) (None: the no-optimizer ceiling); names as experiments/registry.py."""
+    def dsa(name, **kw):
+        return lambda p: make_optimizer(name, p, args.lr, state_dir=tempfile.mkdtemp(dir=tmp), **kw)
 
-    out = {"fwd+bwd (no optimizer)": None,
-           "torch.optim.SparseAdam": lambda p: torch.optim.SparseAdam(p, lr=args.lr),
-           "DiskSparseAdam": lambda p: DiskSparseAdam(p, lr=args.lr, state_dir=tempfile.mkdtemp(dir=tmp)),
-           "DiskSparseAdam (direct)": lambda p: unstaged(DiskSparseAdam(p, lr=args.lr,
-                                                                         state_dir=tempfile.mkdtemp(dir=tmp)))}
-    try:
-        from optim import DiskSparseRiemannianAdam
-
-        out["DiskSparseRiemannianAdam"] = lambda p: DiskSparseRiemannianAdam(
-            p, lr=args.lr, c=1.0, state_dir=tempfile.mkdtemp(dir=tmp))
-    except (ImportError, AttributeError) as exc:
-        print(f"[bench_dsa_gpu] note: DiskSparseRiemannianAdam not available ({exc}); skipped")
-    return out
+    return {"ceiling": None,
+            "SparseAdam": lambda p: make_optimizer("SparseAdam", p, args.lr),
+            "DiskSparseAdam": dsa("DiskSparseAdam"),
+            "DiskSparseAdam/direct": dsa("DiskSparseAdam", staging=False),
+            "DiskSparseRiemannianAdam": dsa("DiskSparseRiemannianAdam", c=1.0)}
 
 
 def measure(args, res, dev, tmp):
@@ -137,8 +124,8 @@ def measure(args, res, dev, tmp):
     sps = {n: args.batch * args.steps / statistics.median(t) for n, t in times.items()}
     for name in names:
         res.add(name, "throughput", "samples/s", sps[name], "batch", args.batch)
-        res.add(name, "throughput_vs_SparseAdam", "ratio", sps[name] / sps["torch.optim.SparseAdam"], "batch", args.batch)
-        print(f"{name:28s} {sps[name]:12,.0f} samples/s  ({sps[name] / sps['torch.optim.SparseAdam']:.2f}x SparseAdam)")
+        res.add(name, "throughput_vs_SparseAdam", "ratio", sps[name] / sps["SparseAdam"], "batch", args.batch)
+        print(f"{name:28s} {sps[name]:12,.0f} samples/s  ({sps[name] / sps['SparseAdam']:.2f}x SparseAdam)")
     for name in names:
         if hasattr(opts[name], "close"):
             opts[name].close()
@@ -154,26 +141,17 @@ def final_state(opt):
 
 def agreement(args, res, dev, tmp):
     """A few steps through each path from identical tables and batches; max |Δ| of weights and states."""
-    from optim import DiskSparseAdam
-
-    classes = {"DiskSparseAdam": (DiskSparseAdam, {}, 1.0)}
-    try:
-        from optim import DiskSparseRiemannianAdam
-
-        classes["DiskSparseRiemannianAdam"] = (DiskSparseRiemannianAdam, dict(c=1.0), 0.5)
-    except (ImportError, AttributeError):
-        pass
+    classes = {"DiskSparseAdam": ({}, 1.0), "DiskSparseRiemannianAdam": (dict(c=1.0), 0.5)}
     for dtype, rows in ((torch.float32, args.rows), (torch.bfloat16, min(args.rows, 100_000))):
         idx = batches(rows, args.batch, args.check_steps, dev, args.seed + 7)
         tname = str(dtype).replace("torch.", "")
-        for name, (cls, extra, scale) in classes.items():
+        for name, (extra, scale) in classes.items():
             out = {}
             for backend in ("torch", "triton", "triton-direct"):
                 emb = make_table(rows, args.dim, dtype, dev, args.seed, scale / args.dim**0.5)
-                opt = cls([emb.weight], lr=args.lr * 10, backend=backend.split("-")[0],
-                          state_dir=tempfile.mkdtemp(dir=tmp), **extra)
-                if backend.endswith("direct"):
-                    unstaged(opt)
+                opt = make_optimizer(name, [emb.weight], args.lr * 10, backend=backend.split("-")[0],
+                                     staging=not backend.endswith("direct"), state_dir=tempfile.mkdtemp(dir=tmp),
+                                     **extra)
                 train_steps(emb, opt, idx)
                 out[backend] = (emb.weight.detach().float().cpu(), final_state(opt))
                 opt.close()
@@ -191,7 +169,7 @@ def agreement(args, res, dev, tmp):
             print(f"{name}/{tname:8s} Triton vs torch after {args.check_steps} steps: max|Δw| {dw:.3e}  max|Δstate| {ds:.3e}")
             if name == "DiskSparseAdam" and dtype == torch.float32:
                 emb = make_table(rows, args.dim, dtype, dev, args.seed, scale / args.dim**0.5)
-                ref = torch.optim.SparseAdam([emb.weight], lr=args.lr * 10)
+                ref = make_optimizer("SparseAdam", [emb.weight], args.lr * 10)
                 train_steps(emb, ref, idx)
                 st = ref.state[emb.weight]
                 ref_state = torch.cat([st["exp_avg"], st["exp_avg_sq"]], dim=1).cpu()

@@ -1,12 +1,10 @@
 """Gefen's codebook: exact DP time and cost against upstream, and quantisation error on real moments.
 
-Commands (CPU):
-
-    python experiments/codebook_dp.py            # full run, ~2.5 CPU-minutes -> results/codebook_dp.csv
-    python experiments/codebook_dp.py --quick    # ~20 CPU-seconds, smaller sizes
+    python experiments/codebook_dp.py            # full run -> results/codebook_dp.csv
+    python experiments/codebook_dp.py --quick    # smaller sizes -> results/quick/
     python analysis/codebook.py                  # paper_figs/codebook.png from the CSV
 
-Part 1, the DP. A character MLP on Python's documentation text (``pydoc_data.topics``, no download)
+Part 1, the DP. A character MLP on Python's documentation text (experiments/data.py, no download)
 gives its first gradients; block-normalised as Gefen does (block length from upstream gefen's
 current rule on g², absmax per block), they are histogrammed with 256 ... 16384 bins. For each
 histogram and 16 / 256 levels, ``optim.gefen.codebook.optimal_codebook`` (numba and numpy
@@ -32,17 +30,16 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import numpy as np
+import torch
+from tqdm import tqdm
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from tqdm import tqdm  # noqa: E402
-
-from experiments.common import Results, add_common_args  # noqa: E402
-from optim.gefen.codebook import histogram, nearest_code, optimal_codebook  # noqa: E402
+from experiments import data
+from experiments.common import Results, add_common_args
+from experiments.train import interleaved
+from optim.gefen.codebook import histogram, nearest_code, optimal_codebook
 
 CHUNK = 256  # m-scale block for absmax-256 blocking and for Gefen tensors with block length 1
 
@@ -91,15 +88,6 @@ def fixed_level_cost(x: np.ndarray, w: np.ndarray, levels: np.ndarray) -> float:
 # model, data, moments
 
 
-def char_data():
-    """Python's documentation topics as character ids (ships with Python; no download)."""
-    import pydoc_data.topics
-
-    text = "\n".join(pydoc_data.topics.topics.values())
-    vocab = np.array(sorted(set(text)))
-    return torch.from_numpy(np.searchsorted(vocab, np.array(list(text))).astype(np.int64)), vocab.size
-
-
 def make_model(vocab: int, context: int, width: int):
     return torch.nn.Sequential(
         torch.nn.Embedding(vocab, 32), torch.nn.Flatten(),
@@ -113,8 +101,8 @@ def train(args):
     """AdamW on the character MLP; returns (params, first gradients, final exp_avg, loss curve)."""
     torch.manual_seed(args.seed)
     context, width = 32, (256 if args.quick else 512)
-    steps = 40 if args.quick else 300
-    ids, vocab = char_data()
+    steps = args.steps or (40 if args.quick else 300)
+    ids, vocab = data.encode(data.documentation_text()), data.VOCAB_SIZE
     model = make_model(vocab, context, width)
     opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.01)
     g1, losses = None, []
@@ -172,9 +160,9 @@ def time_dp(res, norm_g1, args, bins_list=None, levels=(16, 256)):
     from gefen.quantization import exact_dp
 
     if bins_list is None:
-        bins_list = [256, 512, 1024] if args.quick else [256, 512, 1024, 2048, 4096, 8192, 16384]
+        bins_list = args.bins or ([256, 512, 1024] if args.quick else [256, 512, 1024, 2048, 4096, 8192, 16384])
     upstream_max = 1024 if args.quick else 4096
-    repeats = 3 if args.quick else 5
+    repeats = args.repeats or (3 if args.quick else 5)
     impls = ["ours-numba", "ours-numpy", "upstream"]
     for bins in tqdm(bins_list, desc="DP timing", leave=False):
         centers, counts = histogram(norm_g1, bins)
@@ -190,15 +178,10 @@ def time_dp(res, norm_g1, args, bins_list=None, levels=(16, 256)):
                                                "active_counts": counts[occ].float()}, K), None),
             }
             active = [i for i in impls if i != "upstream" or bins <= upstream_max]
-            wall = {i: [] for i in active}
-            cpu = {i: [] for i in active}
             out = {i: run[i]() for i in active}  # warm-up: compilation and caches
-            for _ in range(repeats):
-                for i in active:  # interleaved
-                    t0, c0 = time.perf_counter(), time.process_time()
-                    run[i]()
-                    wall[i].append(time.perf_counter() - t0)
-                    cpu[i].append(time.process_time() - c0)
+            times = interleaved({i: run[i] for i in active}, repeats)
+            wall = {i: t["wall"] for i, t in times.items()}
+            cpu = {i: t["cpu"] for i, t in times.items()}
             up_cost = fixed_level_cost(x, w, out["upstream"][0].double().numpy()) if "upstream" in out else None
             for i in active:
                 v = f"{i}/K{K}"
@@ -217,9 +200,8 @@ def time_dp(res, norm_g1, args, bins_list=None, levels=(16, 256)):
 
 
 _COLD = """
-import sys, time
+import time
 t0, c0 = time.perf_counter(), time.process_time()
-sys.path.insert(0, {repo!r})
 import torch
 from optim.gefen.codebook import histogram
 centers, counts = histogram(torch.load({path!r}), {bins})
@@ -240,12 +222,11 @@ def cold_start(res, norm_g1, args, bins, K):
     import subprocess
     import tempfile
 
-    repo = str(Path(__file__).resolve().parents[1])
     with tempfile.TemporaryDirectory() as tmp:
         path = str(Path(tmp) / "values.pt")
         torch.save(norm_g1, path)
         for impl in ("ours-numba", "ours-numpy", "upstream"):
-            code = _COLD.format(repo=repo, path=path, bins=bins, K=K, impl=impl)
+            code = _COLD.format(path=path, bins=bins, K=K, impl=impl)
             out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
             if out.returncode != 0:
                 tqdm.write(f"cold start of {impl} failed: {out.stderr[-500:]}")
@@ -284,10 +265,14 @@ def quant_errors(res, m, g1, gefen_blocks, bits_list=(8, 4)):
                 tqdm.write(f"{v}: rel error {err / denom:.3e}")
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(parser)
-    args = parser.parse_args()
+    parser.add_argument("--steps", type=int, default=None, help="AdamW steps of the character MLP (300; quick 40)")
+    parser.add_argument("--bins", type=int, nargs="+", default=None, help="histogram sizes of the DP timing")
+    parser.add_argument("--repeats", type=int, default=None, help="timed DP calls per case (5; quick 3)")
+    parser.add_argument("--no-cold-start", action="store_true", help="skip the fresh-process first calls")
+    args = parser.parse_args(argv)
     params, g1, m, losses = train(args)
     gefen_blocks = [gefen_block(g) for g in g1]
     cfg = dict(vars(args), model="char MLP (context 32, embed 32)", n_params=sum(p.numel() for p in params),
@@ -299,8 +284,8 @@ def main():
         blocks = [b if b > 1 else CHUNK for b in gefen_blocks]
         norm_g1, _ = normalised(g1, blocks)
         time_dp(res, norm_g1, args)
-        cold_start(res, norm_g1, args, 1024 if args.quick else 4096, 256)
-    print(f"wrote {res.path}")
+        if not args.no_cold_start:
+            cold_start(res, norm_g1, args, 1024 if args.quick else 4096, 256)
 
 
 if __name__ == "__main__":

@@ -1,12 +1,14 @@
-"""What every experiment shares: command-line flags, the long-format results CSV, W&B logging.
+"""What every experiment shares: command-line flags, where outputs go, the results CSV, W&B logging.
 
-Every experiment appends rows to ``results/<experiment>.csv`` with the columns of DESIGN.md::
+A run of an experiment writes ``results/<experiment>.csv`` (replacing the file: one CSV is one run
+of one commit) with the columns of DESIGN.md::
 
     experiment, variant, metric, unit, x_name, x_value, value, seed, device, torch_version,
     git_commit, timestamp
 
-and saves its resolved config beside them as ``results/<experiment>.config.json``. Analysis scripts
-read only these files.
+and ``results/<experiment>.config.json`` beside it: the resolved config, the commit, the device, the
+torch version, the command line and the run's wall time. ``--quick`` runs always write under
+``results/quick/`` (and figures under ``paper_figs/quick/``), never over the committed files.
 
 Usage inside an experiment::
 
@@ -14,7 +16,7 @@ Usage inside an experiment::
     add_common_args(parser)              # --quick, --wandb, --results-dir, --seed
     args = parser.parse_args()
     with Results("dsa_throughput", args, config=vars(args)) as res:
-        res.add("DiskSparseAdam/warm", "throughput", "samples/s", 1.2e5, x_name="rows", x_value=1e6)
+        res.add("seed/DiskSparseAdam/warm", "throughput", "samples/s", 1.2e5, x_name="config", x_value="seed")
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -37,19 +40,32 @@ FIELDS = [
 ]
 
 
+def results_dir(quick: bool) -> Path:
+    """The default results folder: ``results/quick`` for --quick runs, else ``results``."""
+    return RESULTS_DIR / "quick" if quick else RESULTS_DIR
+
+
+def figs_dir(quick: bool) -> Path:
+    """The default figures folder: ``paper_figs/quick`` for --quick runs, else ``paper_figs``."""
+    return FIGS_DIR / "quick" if quick else FIGS_DIR
+
+
 def add_common_args(parser, default_seed: int = 0):
     """Flags every experiment takes."""
-    parser.add_argument("--quick", action="store_true", help="CPU-sized run that finishes in minutes")
+    parser.add_argument("--quick", action="store_true",
+                        help="small sizes; outputs go to results/quick (unless --results-dir)")
     parser.add_argument(
         "--wandb", choices=["offline", "online", "disabled"], default=None,
         help="Weights & Biases mode (default: $WANDB_MODE, else offline; `wandb sync` uploads later)",
     )
-    parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR, help="where results/*.csv go")
+    parser.add_argument("--results-dir", type=Path, default=None,
+                        help="where the CSV goes (default: results, or results/quick with --quick)")
     parser.add_argument("--seed", type=int, default=default_seed)
     return parser
 
 
 def git_commit() -> str:
+    """Short HEAD hash, with "+dirty" when tracked files outside results/ and paper_figs/ differ."""
     try:
         out = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10
@@ -57,8 +73,7 @@ def git_commit() -> str:
         sha = out.stdout.strip()
         if not sha:
             return "unknown"
-        # Outputs do not make the code dirty: a second run after a first one wrote its rows is still
-        # a run of this commit.
+        # Outputs do not make the code dirty: a second experiment of one run is still of this commit.
         dirty = subprocess.run(
             ["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
              ":(exclude)results", ":(exclude)paper_figs"], cwd=REPO_ROOT,
@@ -70,7 +85,7 @@ def git_commit() -> str:
 
 
 def device_name(device=None) -> str:
-    """A short human name of the device a measurement ran on ("cpu:<model>" or the CUDA name)."""
+    """A short human name of the device a measurement ran on ("cpu:<model> xN" or the CUDA name)."""
     import torch
 
     if device is not None and str(device).startswith("cuda") and torch.cuda.is_available():
@@ -92,24 +107,28 @@ def wandb_mode(args) -> str:
 
 
 class Results:
-    """Collects rows of one experiment run, appends them to its CSV, mirrors them to W&B.
+    """Collects the rows of one experiment run, writes its CSV and config, mirrors rows to W&B.
 
-    Rows are written when the context exits (also on an exception, so a long run that fails late
-    keeps what it measured) or on ``flush()``.
+    Every ``flush()`` (and the context's exit, also on an exception, so a run that fails late keeps
+    what it measured) rewrites the CSV with all rows of this run. The output folder is
+    ``args.results_dir`` if given, else ``results/quick`` for ``args.quick``, else ``results``.
     """
 
     def __init__(self, experiment: str, args=None, config: dict | None = None, device=None):
         import torch
 
         self.experiment = experiment
-        self.results_dir = Path(getattr(args, "results_dir", None) or RESULTS_DIR)
+        given = getattr(args, "results_dir", None)
+        self.results_dir = Path(given) if given else results_dir(bool(getattr(args, "quick", False)))
         self.seed = getattr(args, "seed", "")
         self.device = device_name(device)
         self.torch_version = torch.__version__
         self.commit = git_commit()
-        self.config = {k: (str(v) if isinstance(v, Path) else v) for k, v in (config or {}).items()}
-        # One timestamp per run (its start), so analysis can tell runs apart in an append-only CSV.
+        self.config = _jsonable(config or {})
+        self.command = " ".join(sys.argv)
+        # One timestamp per run (its start): rows of one run carry the same one.
         self.timestamp = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+        self._start = time.perf_counter()
         self.rows: list[dict] = []
         self._run = None
         mode = wandb_mode(args)
@@ -129,6 +148,10 @@ class Results:
     def path(self) -> Path:
         return self.results_dir / f"{self.experiment}.csv"
 
+    @property
+    def config_path(self) -> Path:
+        return self.results_dir / f"{self.experiment}.config.json"
+
     def add(self, variant, metric, unit, value, x_name="", x_value="", seed=None):
         row = {
             "experiment": self.experiment, "variant": variant, "metric": metric, "unit": unit,
@@ -139,8 +162,7 @@ class Results:
         }
         self.rows.append(row)
         if self._run is not None:
-            key = f"{variant}/{metric}"
-            data = {key: float(value)}
+            data = {f"{variant}/{metric}": float(value)}
             if x_name:
                 data[x_name] = x_value
             self._run.log(data)
@@ -152,21 +174,20 @@ class Results:
 
             self._run.log({Path(path).stem: wandb.Image(str(path))})
 
+    @property
+    def wall_seconds(self) -> float:
+        return time.perf_counter() - self._start
+
     def flush(self):
-        if not self.rows:
-            return
         self.results_dir.mkdir(parents=True, exist_ok=True)
-        new = not self.path.exists() or self.path.stat().st_size == 0
-        with open(self.path, "a", newline="") as f:
+        with open(self.path, "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=FIELDS)
-            if new:
-                w.writeheader()
+            w.writeheader()
             w.writerows(self.rows)
-        self.rows = []
-        cfg = self.results_dir / f"{self.experiment}.config.json"
-        cfg.write_text(json.dumps({"config": self.config, "git_commit": self.commit,
-                                   "device": self.device, "torch_version": self.torch_version},
-                                  indent=2, sort_keys=True, default=str) + "\n")
+        meta = {"config": self.config, "git_commit": self.commit, "device": self.device,
+                "torch_version": self.torch_version, "command": self.command,
+                "wall_seconds": round(self.wall_seconds, 1), "timestamp": self.timestamp}
+        self.config_path.write_text(json.dumps(meta, indent=2, sort_keys=True, default=str) + "\n")
 
     def __enter__(self):
         return self
@@ -175,7 +196,13 @@ class Results:
         self.flush()
         if self._run is not None:
             self._run.finish()
+        print(f"[{self.experiment}] {len(self.rows)} rows in {self.path}; wall time {self.wall_seconds:.1f} s",
+              flush=True)
         return False
+
+
+def _jsonable(config: dict) -> dict:
+    return {k: (str(v) if isinstance(v, Path) else v) for k, v in config.items()}
 
 
 def read_results(name_or_path, results_dir: Path | None = None):

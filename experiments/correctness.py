@@ -5,12 +5,13 @@
     python experiments/correctness.py --quick --no-triton                  # torch backends only
     python experiments/correctness.py --quick --checks DiskSparseAdam/triton  # one group
 
-Rows (results/correctness.csv): variant "<ours> vs <reference>", metrics ``max_abs_err`` and
+Rows (results/correctness.csv): variant "<ours>[<backend>,...] vs <reference>" with both named as in
+experiments/registry.py, metrics ``max_abs_err`` and
 ``rel_rms_err`` of the weights after N steps from the same start on the same random batches.
 
-- DiskSparseAdam vs torch.optim.SparseAdam (fp32, heavy duplicate indices): the default CPU path
-  (numba, also with ``bitwise=False``) and the torch backend;
-- DiskSparseRiemannianAdam vs geoopt.optim.SparseRiemannianAdam on PoincareBall / PoincareBallExact
+- DiskSparseAdam vs torch.optim.SparseAdam (fp32, heavy duplicate indices): the numba backend (the
+  CPU default, also with ``bitwise=False``) and the torch backend;
+- DiskSparseRiemannianAdam vs geoopt's SparseRiemannianAdam on PoincareBall / PoincareBallExact
   (float64, points up to 0.9 of the radius);
 - Gefen with share_second_moment=False, quantize_first_moment=False vs torch.optim.AdamW;
 - the Triton backend vs the torch backend of each optimizer (under TRITON_INTERPRET=1 on CPU; on
@@ -22,16 +23,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
-
-from experiments.common import RESULTS_DIR, Results, add_common_args  # noqa: E402
+from experiments.common import Results, add_common_args
+from experiments.registry import make_optimizer
 
 
 def _errors(ours, ref):
@@ -71,24 +67,19 @@ def _ball_loss(x):
 
 
 def check_dsa(res, steps, rows, dim, backends, device):
-    from optim import DiskSparseAdam
-
     w0 = torch.randn(rows, dim) * 0.1
-    ref = _embedding_run(lambda p: torch.optim.SparseAdam(p, lr=1e-2), w0, steps, 256, 1, _euclid_loss)
+    ref = _embedding_run(lambda p: make_optimizer("SparseAdam", p, 1e-2), w0, steps, 256, 1, _euclid_loss)
     for backend in backends:
-        # "auto" on CPU weights is the compiled path users get by default (numba; bitwise=False is
-        # its faster variant with a correctly rounded sqrt), "torch" the vectorised fallback.
-        for bitwise in ((True, False) if backend == "auto" else (True,)):
-            ours = _embedding_run(lambda p: DiskSparseAdam(p, lr=1e-2, backend=backend, bitwise=bitwise), w0, steps,
-                                  256, 1, _euclid_loss, device=device if backend == "triton" else "cpu")
-            name = {"auto": "auto (numba)"}.get(backend, backend) + ("" if bitwise else ", bitwise=False")
-            yield res, f"DiskSparseAdam[{name}] vs torch.optim.SparseAdam", ours, ref, steps
+        # numba is the CPU default (bitwise=False: its faster variant with a correctly rounded sqrt)
+        for bitwise in ((True, False) if backend == "numba" else (True,)):
+            ours = _embedding_run(lambda p: make_optimizer("DiskSparseAdam", p, 1e-2, backend=backend, bitwise=bitwise),
+                                  w0, steps, 256, 1, _euclid_loss, device=device if backend == "triton" else "cpu")
+            name = backend + ("" if bitwise else ",bitwise=False")
+            yield res, f"DiskSparseAdam[{name}] vs SparseAdam", ours, ref, steps
 
 
 def check_riemannian(res, steps, rows, dim, backends, device):
     import geoopt
-
-    from optim import DiskSparseRiemannianAdam
 
     for exact in (False, True):
         for c in (1.0, 0.5):
@@ -101,7 +92,7 @@ def check_riemannian(res, steps, rows, dim, backends, device):
             ball = geoopt.PoincareBallExact(c=c64) if exact else geoopt.PoincareBall(c=c64)
             emb = torch.nn.Embedding(rows, dim, sparse=True).double()
             emb.weight = geoopt.ManifoldParameter(w0.clone(), manifold=ball)
-            ropt = geoopt.optim.SparseRiemannianAdam([emb.weight], lr=1e-2)
+            ropt = make_optimizer("geoopt-SparseRiemannianAdam", [emb.weight], 1e-2)
             for idx in _sparse_batches(rows, steps, 128, 3):
                 ropt.zero_grad()
                 _ball_loss(emb(idx)).backward()
@@ -110,10 +101,10 @@ def check_riemannian(res, steps, rows, dim, backends, device):
             for backend in backends:
                 dt = torch.float64 if backend == "torch" else torch.float32
                 ours = _embedding_run(
-                    lambda p: DiskSparseRiemannianAdam(p, lr=1e-2, c=c, exact=exact, backend=backend),
+                    lambda p: make_optimizer("DiskSparseRiemannianAdam", p, 1e-2, c=c, exact=exact, backend=backend),
                     w0.to(dt), steps, 128, 3, _ball_loss, device=device if backend == "triton" else "cpu")
                 name = f"DiskSparseRiemannianAdam[{backend},{'exact' if exact else 'retr'},c={c:g},{str(dt)[6:]}]"
-                yield res, f"{name} vs geoopt.SparseRiemannianAdam", ours, ref, steps
+                yield res, f"{name} vs geoopt-SparseRiemannianAdam", ours, ref, steps
 
 
 def _dense_problem(seed, device="cpu"):
@@ -138,17 +129,16 @@ def _dense_run(make_opt, steps, seed, device="cpu"):
 
 
 def check_gefen(res, steps, backends, device):
-    from optim import Gefen
-
-    ref = _dense_run(lambda g: torch.optim.AdamW(g, lr=1e-3), steps, 4)
-    ours = _dense_run(lambda g: Gefen(g, lr=1e-3, share_second_moment=False, quantize_first_moment=False),
-                      steps, 4)
-    yield res, "Gefen[reduction] vs torch.optim.AdamW", ours, ref, steps
+    ref = _dense_run(lambda g: make_optimizer("AdamW", g, 1e-3), steps, 4)
+    ours = _dense_run(lambda g: make_optimizer("Gefen-8bit", g, 1e-3, share_second_moment=False,
+                                               quantize_first_moment=False), steps, 4)
+    yield res, "Gefen[reduction] vs AdamW", ours, ref, steps
     if "triton" in backends:
         for bits in (8, 4):
-            torch_run = _dense_run(lambda g: Gefen(g, lr=1e-3, bits=bits, backend="torch"), steps, 5, device)
-            triton_run = _dense_run(lambda g: Gefen(g, lr=1e-3, bits=bits, backend="triton"), steps, 5, device)
-            yield res, f"Gefen[triton,{bits}-bit] vs Gefen[torch,{bits}-bit]", triton_run, torch_run, steps
+            name = f"Gefen-{bits}bit"
+            torch_run = _dense_run(lambda g: make_optimizer(name, g, 1e-3, backend="torch"), steps, 5, device)
+            triton_run = _dense_run(lambda g: make_optimizer(name, g, 1e-3, backend="triton"), steps, 5, device)
+            yield res, f"{name}[triton] vs {name}[torch]", triton_run, torch_run, steps
 
 
 CHECKS = ["DiskSparseAdam", "DiskSparseAdam/triton", "DiskSparseRiemannianAdam", "DiskSparseRiemannianAdam/triton",
@@ -162,9 +152,9 @@ def main(argv=None):
     parser.add_argument("--checks", nargs="+", default=None, choices=CHECKS,
                         help="run only these groups of comparisons (Default: all)")
     args = parser.parse_args(argv)
-    if args.quick and args.results_dir == RESULTS_DIR:
-        args.results_dir = RESULTS_DIR / "quick"  # quick numbers never mix with the committed ones
     cuda = torch.cuda.is_available()
+    if not cuda:
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # read when triton is first imported
     device = "cuda" if cuda else "cpu"
     steps = 20 if args.quick else 200
     rows, dim = (500, 16) if args.quick else (5000, 64)
@@ -174,7 +164,7 @@ def main(argv=None):
     table = []
     with Results("correctness", args, config=vars(args), device=device) as res:
         checks = [
-            ("DiskSparseAdam", lambda: check_dsa(res, steps, rows, dim, ["auto", "torch"], device)),
+            ("DiskSparseAdam", lambda: check_dsa(res, steps, rows, dim, ["numba", "torch"], device)),
             ("DiskSparseAdam/triton", lambda: check_dsa(res, tri_steps, rows, dim, backends[1:], device)),
             ("DiskSparseRiemannianAdam", lambda: check_riemannian(res, steps, rows // 5, dim, ["torch"], device)),
             ("DiskSparseRiemannianAdam/triton",

@@ -1,9 +1,8 @@
 """Throughput of Disk Sparse Adam against torch.optim.SparseAdam and the no-optimizer ceiling.
 
-Commands::
-
-    python experiments/dsa_throughput.py            # full run (about 5 minutes on 2 shared cores)
-    python experiments/dsa_throughput.py --quick    # about a minute, into results/quick/
+    python experiments/dsa_throughput.py            # full run -> results/dsa_throughput.csv
+    python experiments/dsa_throughput.py --quick    # smaller KG table, fewer repeats -> results/quick/
+    python analysis/dsa_throughput.py               # paper_figs/dsa_throughput.png
 
 Two configurations, each measured side by side in one process and reported as medians over repeats;
 the warm variants are interleaved within every repeat (in a shuffled order), the cold one follows
@@ -26,7 +25,7 @@ the bound it implies for a cold step (one page read per touched row). Rows: samp
 per CPU second of the process, the latter robust to other jobs on the machine), ratios, process RSS
 (anonymous and file-backed) and bytes on disk. Before measuring, every state record is written once
 (the steady state of a long run: ext4 converts the preallocated extents at the first write of a
-page, a one-time cost of 30+ ms per step on a fresh file). Torch runs single-threaded (--threads) because the
+page, a one-time cost that is not a step's). Torch runs single-threaded (--threads) because the
 machine's two cores are shared; with --threads N > 1 every variant gets N threads and the configs are
 tagged seed@Nt, kg@Nt.
 """
@@ -37,20 +36,16 @@ import argparse
 import os
 import random
 import statistics
-import sys
 import tempfile
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
 
-import torch  # noqa: E402
-import torch.nn as nn  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from tqdm import tqdm  # noqa: E402
-
-from experiments.common import RESULTS_DIR, Results, add_common_args  # noqa: E402
-from optim import DiskSparseAdam  # noqa: E402
+from experiments.common import Results, add_common_args
+from experiments.registry import make_optimizer
+from experiments.train import interleaved
 
 
 def rss_mib():
@@ -133,18 +128,16 @@ def run_config(cfg, args, res, tmp):
         model.loss(batches[k % len(batches)]).backward()
 
     mem0 = rss_mib()
-    sparse_adam = torch.optim.SparseAdam(params, lr=1e-3)
+    sparse_adam = make_optimizer("SparseAdam", params, lr=1e-3)
     fwd_bwd(0)
     sparse_adam.step()
     mem1 = rss_mib()
-    dsa = DiskSparseAdam(params, lr=1e-3, state_dir=os.path.join(tmp, tag))
-    stores = list(dsa._stores.values())
+    dsa = make_optimizer("DiskSparseAdam", params, lr=1e-3, state_dir=os.path.join(tmp, tag))
+    stores = dsa.state_files()
     for st in stores:
         # Steady state of a long run: every record written once (ext4 turns the preallocated,
         # unwritten extents into written ones on first writeback; that one-time cost is not a step's).
-        st.mark_dirty()
-        st.records.zero_()
-        st.flush()
+        st.write_all(None, st.step)
     fwd_bwd(0)
     dsa.step()
     mem2 = rss_mib()
@@ -157,18 +150,7 @@ def run_config(cfg, args, res, tmp):
     res.add(f"{tag}/SparseAdam", "state_bytes_in_ram", "bytes",
             sum(2 * p.numel() * p.element_size() for p in params), **x)
 
-    def timed(step_fn, steps, before=None):
-        wall = cpu = 0.0
-        for k in range(steps):
-            if before is not None:
-                before()
-            w0, c0 = time.perf_counter(), time.process_time()
-            step_fn(k)
-            wall += time.perf_counter() - w0
-            cpu += time.process_time() - c0
-        return samples * steps / wall, samples * steps / cpu
-
-    def drop():
+    def drop(_name=None):
         for st in stores:
             st.drop_cache()
 
@@ -178,21 +160,20 @@ def run_config(cfg, args, res, tmp):
         fwd_bwd(k)
         dsa.step()
 
+    def steps(fn, n):
+        return lambda: [fn(k) for k in range(n)]
+
     variants = {
         "ceiling": lambda k: fwd_bwd(k),
         "SparseAdam": lambda k: (fwd_bwd(k), sparse_adam.step()),
         "DiskSparseAdam/warm": dsa_step,
         "DiskSparseAdam/warm-fused": lambda k: dsa_step(k, bitwise=False),
     }
-    walls = {v: [] for v in list(variants) + ["DiskSparseAdam/cold"]}
-    cpus = {v: [] for v in walls}
-    for rep in tqdm(range(args.reps), desc=f"{tag} warm repeats"):
-        order = list(variants)
-        random.Random(rep).shuffle(order)  # interleaved, in a different order every repeat
-        for v in order:
-            w, c = timed(variants[v], args.steps)
-            walls[v].append(w)
-            cpus[v].append(c)
+    # interleaved, in a different order every repeat; each call is args.steps steps
+    times = interleaved({v: steps(fn, args.steps) for v, fn in variants.items()}, args.reps, shuffle=True,
+                        progress=True, desc=f"{tag} warm repeats")
+    walls = {v: [samples * args.steps / w for w in t["wall"]] for v, t in times.items()}
+    cpus = {v: [samples * args.steps / c for c in t["cpu"]] for v, t in times.items()}
     # Cold cache last: dropping the pages also drops the mapping's page tables, which would cost
     # the warm variant page faults if the two were interleaved. The cold optimizer reopens the same
     # (clean) state files with 4 KiB pages: the default maps files that fit in RAM with huge pages,
@@ -200,13 +181,16 @@ def run_config(cfg, args, res, tmp):
     # state that does not stay in the page cache, which is what the cold variant stands for).
     res.add(f"{tag}/DiskSparseAdam/warm", "huge_pages", "bool", float(stores[0].huge_pages), **x)
     dsa.close()
-    dsa = DiskSparseAdam(params, lr=1e-3, state_dir=os.path.join(tmp, tag), huge_pages=False)
-    stores = list(dsa._stores.values())  # dsa_step and drop see the reopened optimizer and files
+    dsa = make_optimizer("DiskSparseAdam", params, lr=1e-3, state_dir=os.path.join(tmp, tag), huge_pages=False)
+    stores = dsa.state_files()  # dsa_step and drop see the reopened optimizer and files
     reads = []
-    for rep in tqdm(range(args.reps), desc=f"{tag} cold repeats"):
-        w, c = timed(variants["DiskSparseAdam/warm"], args.cold_steps, before=drop)
-        walls["DiskSparseAdam/cold"].append(w)
-        cpus["DiskSparseAdam/cold"].append(c)
+    walls["DiskSparseAdam/cold"], cpus["DiskSparseAdam/cold"] = [], []
+    for rep in range(args.reps):
+        # one step per call, every page dropped (untimed) before it
+        batch_ids = iter(range(rep * args.cold_steps, (rep + 1) * args.cold_steps))
+        t = interleaved({"cold": lambda: dsa_step(next(batch_ids))}, args.cold_steps, before=drop)["cold"]
+        walls["DiskSparseAdam/cold"].append(samples * args.cold_steps / sum(t["wall"]))
+        cpus["DiskSparseAdam/cold"].append(samples * args.cold_steps / sum(t["cpu"]))
         reads.append(disk_random_read_rate(stores[0].path, args.disk_reads, args.seed + rep))
     variants = walls
     med = {v: statistics.median(walls[v]) for v in variants}
@@ -246,7 +230,7 @@ def _tensors(b):
     return [torch.cat([b[0], b[2], b[3].flatten()]), b[1]]
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(parser)
     parser.add_argument("--configs", default="seed,kg", help="comma-separated: seed, kg")
@@ -261,7 +245,7 @@ def main():
     parser.add_argument("--threads", type=int, default=1,
                         help="torch (and so numba) threads for every variant; >1 tags the configs, e.g. seed@2t")
     parser.add_argument("--state-dir", default=None, help="where the state files go (default: a temp dir)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     args.reps = args.reps or (3 if args.quick else 7)
     args.steps = args.steps or (10 if args.quick else 40)
     args.cold_steps = args.cold_steps or (2 if args.quick else 5)
@@ -275,8 +259,6 @@ def main():
         if args.rows < 1000:
             parser.error("--rows must be >= 1000 (the KG config has 1000 relations and Zipf-skewed entities)")
         chosen = [dict(c, rows=args.rows) for c in chosen]
-    if args.quick and args.results_dir == RESULTS_DIR:
-        args.results_dir = RESULTS_DIR / "quick"  # quick numbers never mix with the committed ones
     with Results("dsa_throughput", args, config={**vars(args), "configs": chosen}) as res, \
             tempfile.TemporaryDirectory(prefix="dsa-bench-", dir=args.state_dir) as tmp:
         for cfg in chosen:

@@ -1,24 +1,19 @@
 """Where Gefen's loss gap to AdamW comes from: a per-element second moment on one kind of tensor.
 
-Claim judged (issue 4, the seed's "performance stays at AdamW's level"): Gefen's 8-bit optimizer
-ends 200 steps of gefen_memory.py's character model within 3% of AdamW's loss. It misses by about
-one point, as upstream does; this ablation finds which tensors carry the gap. Each variant is our
-8-bit Gefen with ``share_second_moment=False`` (a per-element v, as block length 1) on the named
-tensors only, through a second parameter group, and everything else unchanged. Names select the
-tensors of the ablation only; the optimizer never sees them.
-
-Commands::
-
-    python experiments/gefen_ablation.py            # 8 variants + AdamW, 3 seeds, 200 steps
-    python experiments/gefen_ablation.py --quick    # 4 variants + AdamW, 1 seed, 60 steps
+    python experiments/gefen_ablation.py            # every tensor group, 3 seeds -> results/gefen_ablation.csv
+    python experiments/gefen_ablation.py --quick    # 4 groups, 1 seed, the quick model -> results/quick/
     python analysis/gefen_ablation.py
 
-Protocol: gefen_memory.py's ``char_run`` (convergence.py's warm-up, cosine decay, clipping 1.0,
-weight decay 0.1), lr 1e-3 for every run (the best of {3e-4, 1e-3, 3e-3, 1e-2} for AdamW and for
-Gefen in gefen_memory.py's grid), the same initialisation and batches per seed for every variant.
-Rows: ``val_loss`` per variant and seed, ``val_loss_vs_adamw`` (paired by seed), its ``_mean``
-and ``_std``, and ``delta_vs_shared`` (the paired difference of ratios against the variant that
-shares v everywhere, ``none``), its ``_mean`` and ``_std``.
+Each variant is 8-bit Gefen (registry name Gefen-8bit) with ``share_second_moment=False`` (a
+per-element v, as block length 1) on the named group of tensors only, through a second parameter
+group, everything else unchanged; ``none`` is Gefen as published, ``all`` shares v nowhere. The
+model, data, schedule and sizes are experiments/convergence.py's (experiments/train.py's
+``CHAR_LM`` and ``train_lm``), at one learning rate for every run (``--lr``), with the same
+initialisation and batches per seed for every variant and for AdamW.
+
+Rows: ``val_loss`` per variant (and AdamW) and seed, ``val_loss_vs_adamw`` (paired by seed), its
+``_mean`` and ``_std``, and ``delta_vs_shared`` (the paired difference of ratios against ``none``),
+its ``_mean`` and ``_std``; all against ``steps``.
 """
 
 from __future__ import annotations
@@ -26,68 +21,75 @@ from __future__ import annotations
 import argparse
 import re
 import statistics
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
+from experiments.common import Results, add_common_args
+from experiments.models import GPT
+from experiments.registry import make_optimizer
+from experiments.train import CHAR_LM, WEIGHT_DECAY, char_lm_problem, train_lm
 
-from experiments.common import Results, add_common_args  # noqa: E402
-from experiments.gefen_memory import char_run, char_split  # noqa: E402
-from optim import Gefen  # noqa: E402
-
-# variant -> regular expression of the parameter names that get a per-element v (None: no tensor)
+# variant -> regular expression of the parameter names (of experiments/models.py's GPT) that get a
+# per-element v (None: no tensor). Names select the tensors of the ablation only; the optimizer
+# never sees them.
 VARIANTS = {
     "none": None,
     "all": r".",
-    "embedding": r"^emb\.weight$",
-    "linear2": r"linear2\.weight$",
-    "linear1": r"linear1\.weight$",
-    "out_proj": r"out_proj\.weight$",
-    "in_proj": r"in_proj_weight$",
-    "in_proj+linear1": r"in_proj_weight$|linear1\.weight$",
+    "embedding": r"^(wte|wpe)\.weight$",
+    "lm_head": r"^lm_head\.weight$",
+    "attn_qkv": r"attn\.[qkv]_proj\.weight$",
+    "attn_out": r"attn\.o_proj\.weight$",
+    "mlp_in": r"mlp\.fc\.weight$",
+    "mlp_out": r"mlp\.proj\.weight$",
 }
-QUICK_VARIANTS = ["none", "all", "in_proj", "embedding"]
+QUICK_VARIANTS = ["none", "all", "attn_qkv", "embedding"]
 
 
-def gefen_with_per_element_v(pattern, bits=8):
-    """An optimizer factory: Gefen whose tensors matching ``pattern`` keep v per element."""
-    def make(model, lr, wd=0.0):
-        rx = re.compile(pattern) if pattern else None
-        own = [p for n, p in model.named_parameters() if rx is not None and rx.search(n)]
-        rest = [p for n, p in model.named_parameters() if rx is None or not rx.search(n)]
-        groups = [g for g in ({"params": rest}, {"params": own, "share_second_moment": False}) if g["params"]]
-        return Gefen(groups, lr=lr, weight_decay=wd, bits=bits)
-    return make
+def per_element_v_groups(model, pattern):
+    """Param groups: the tensors matching ``pattern`` with ``share_second_moment=False``, the rest as is."""
+    rx = re.compile(pattern) if pattern else None
+    own = [p for n, p in model.named_parameters() if rx is not None and rx.search(n)]
+    rest = [p for n, p in model.named_parameters() if rx is None or not rx.search(n)]
+    return [g for g in ({"params": rest}, {"params": own, "share_second_moment": False}) if g["params"]]
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(parser)
+    parser.add_argument("--tiny", action="store_true", help="test size (seconds)")
     parser.add_argument("--variants", nargs="+", default=None, choices=list(VARIANTS),
-                        help="default: all (--quick: none, all, in_proj, embedding)")
-    parser.add_argument("--seeds", type=int, default=None, help="default 3 (--quick 1)")
-    parser.add_argument("--steps", type=int, default=None, help="default 200 (--quick 60)")
-    parser.add_argument("--lr", type=float, default=1e-3)
-    args = parser.parse_args()
+                        help="default: all (--quick: " + ", ".join(QUICK_VARIANTS) + ")")
+    parser.add_argument("--seeds", type=int, default=None, help="default: the size's seeds (3 full, 1 quick)")
+    parser.add_argument("--steps", type=int, default=None, help="default: the size's steps")
+    parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate of every run")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    size_name = "tiny" if args.tiny else "quick" if args.quick else "full"
+    size = dict(CHAR_LM[size_name])
+    size["steps"] = args.steps or size["steps"]
     variants = args.variants or (QUICK_VARIANTS if args.quick else list(VARIANTS))
     if "none" not in variants:
         variants = ["none"] + variants
-    seeds = list(range(args.seed, args.seed + (args.seeds or (1 if args.quick else 3))))
-    steps = args.steps or (60 if args.quick else 200)
-    torch.set_num_threads(1)
-    ctx = 64
-    train, vocab, xv = char_split(args.seed, ctx)
-    x = dict(x_name="steps", x_value=steps)
-    with Results("gefen_ablation", args, config=dict(vars(args), variants=variants, seeds=seeds, steps=steps)) as res:
-        base = [char_run("AdamW(fused)", train, vocab, xv, steps, args.lr, s, ctx=ctx) for s in seeds]
+    seeds = list(range(args.seed, args.seed + (args.seeds or size["seeds"])))
+    cfg, corpus, n_params = char_lm_problem(size)
+    x = dict(x_name="steps", x_value=size["steps"])
+
+    def final_loss(make_params, name, seed):
+        torch.manual_seed(seed)
+        model = GPT(cfg)
+        opt = make_optimizer(name, make_params(model), args.lr, WEIGHT_DECAY)
+        return train_lm(model, opt, corpus[0], corpus[1], lr=args.lr, steps=size["steps"], batch=size["batch"],
+                        seed=seed, eval_every=size["steps"])["final"]
+
+    config = dict(vars(args), size=size_name, **size, variants=variants, seeds=seeds, model=vars(cfg),
+                  params=n_params, patterns={v: VARIANTS[v] for v in variants})
+    with Results("gefen_ablation", args, config=config) as res:
+        base = [final_loss(lambda m: m.parameters(), "AdamW", s) for s in seeds]
         for s, v in zip(seeds, base):
-            res.add("AdamW(fused)", "val_loss", "nats/char", v, seed=s, **x)
+            res.add("AdamW", "val_loss", "nats/char", v, seed=s, **x)
         ratios = {}
         for name in variants:
-            make = gefen_with_per_element_v(VARIANTS[name])
-            vals = [char_run(name, train, vocab, xv, steps, args.lr, s, ctx=ctx, make=make) for s in seeds]
+            vals = [final_loss(lambda m: per_element_v_groups(m, VARIANTS[name]), "Gefen-8bit", s) for s in seeds]
             ratios[name] = [v / b for v, b in zip(vals, base)]
             for s, v, r in zip(seeds, vals, ratios[name]):
                 res.add(name, "val_loss", "nats/char", v, seed=s, **x)
@@ -95,8 +97,8 @@ def main():
             res.add(name, "val_loss_vs_adamw_mean", "ratio", statistics.fmean(ratios[name]), **x)
             res.add(name, "val_loss_vs_adamw_std", "ratio", _std(ratios[name]), **x)
             res.flush()
-            print(f"[ablation] per-element v on {name}: {statistics.fmean(ratios[name]):.4f} "
-                  f"+- {_std(ratios[name]):.4f} x AdamW over {len(seeds)} seeds")
+            print(f"[gefen_ablation] per-element v on {name}: {statistics.fmean(ratios[name]):.4f} "
+                  f"+- {_std(ratios[name]):.4f} x AdamW over {len(seeds)} seeds", flush=True)
         for name in variants:
             deltas = [r - r0 for r, r0 in zip(ratios[name], ratios["none"])]
             res.add(name, "delta_vs_shared_mean", "ratio", statistics.fmean(deltas), **x)

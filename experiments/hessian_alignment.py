@@ -1,11 +1,15 @@
 """Do large mixed Hessian entries keep squared-gradient ratios stable, and do Gefen's blocks
 (found from the first squared gradients) group such parameters?
 
+    python experiments/hessian_alignment.py             # full run -> results/hessian_alignment.csv
+    python experiments/hessian_alignment.py --quick     # smaller models, fewer steps -> results/quick/
+    python analysis/hessian_alignment.py                # paper_figs/hessian_alignment.png
+
 The Gefen article (arXiv 2606.13894) motivates its shared second moment with the statement that a
 large mixed Hessian entry H_ij keeps g_i**2 / g_j**2 near one, so Hessian-aligned parameters can
 share one v, and that blocks found from the initial squared gradients capture this. This experiment
 measures both halves on two models whose full Hessian fits on a CPU (a one-block character
-transformer and a character MLP on Python's documentation topics, about a thousand parameters
+transformer and a character MLP on Python's documentation topics, a few thousand parameters
 each):
 
 1. pairs: at initialisation and at checkpoints of AdamW training, the full Hessian H of the loss on a
@@ -18,37 +22,27 @@ each):
    Adam-mini's name-based blocks and one block per tensor (``experiments/_hessian_blocks.py``).
 3. loss: each block scheme trained with a shared, unquantised second moment (``SharedVAdam``) against
    ``torch.optim.AdamW``, same steps, lr and batches, several seeds; validation loss at the end.
-
-Commands::
-
-    python experiments/hessian_alignment.py --quick     # about a minute on 2 CPU cores
-    python experiments/hessian_alignment.py             # full: committed results/hessian_alignment.csv
-    python analysis/hessian_alignment.py                # paper_figs/hessian_alignment.png
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+from torch.func import grad_and_value, vmap
+from tqdm import tqdm
 
-import torch  # noqa: E402
-from torch.func import grad_and_value, vmap  # noqa: E402
-from tqdm import tqdm  # noqa: E402
-
-from experiments._hessian_blocks import SCHEMES, SharedVAdam, block_stats, scheme_ids  # noqa: E402
-from experiments._hessian_models import (  # noqa: E402
+from experiments._hessian_blocks import SCHEMES, SharedVAdam, block_stats, scheme_ids
+from experiments._hessian_models import (
     FlatModel, build_model, hessian, load_text_ids, minibatch_grads, sample_batch,
 )
-from experiments.common import Results, add_common_args  # noqa: E402
+from experiments.common import Results, add_common_args
 
 NAME = "hessian_alignment"
 BLOCK_SCHEMES = tuple(s for s in SCHEMES if s != "per_element")
 # d_model=16 and hidden=32 are the smallest widths at which Gefen's rules can pick a row (p > 8)
-# as a block; the models then have about 3,000 parameters each (full Hessian ~30 s on one core).
+# as a block; the models then have about 3,000 parameters each.
 FULL = dict(vocab=16, ctx=16, d_model=16, n_heads=2, d_ff=32, context=3, hidden=32, batch=16,
             probe_batches=64, hess_batches=1, steps=400, checkpoints=3, seeds=3, lr=3e-3)
 QUICK = dict(vocab=12, ctx=8, d_model=12, n_heads=2, d_ff=24, context=2, hidden=24, batch=16,
@@ -257,8 +251,7 @@ def main(argv=None):
                         help=f"override a size/run setting ({', '.join(FULL)}), e.g. --set steps=20")
     parser.add_argument("--skip-losses", action="store_true", help="only pair and block statistics")
     parser.add_argument("--threads", type=int, default=1,
-                        help="torch CPU threads (default 1: on a shared 2-core machine one thread ran a "
-                             "training step 12x and a batch of Hessian-vector products 17x faster than two)")
+                        help="torch CPU threads (default 1: the models are tiny)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     cfg = dict(QUICK if args.quick else FULL)

@@ -1,5 +1,10 @@
 """Poincaré embeddings of the Python standard library's class hierarchy (Nickel & Kiela 2017).
 
+    python experiments/poincare.py             # full run -> results/poincare.csv
+    python experiments/poincare.py --quick     # fewer epochs -> results/quick/poincare.csv
+    python experiments/poincare.py --modules numbers collections.abc --dims 2 --epochs 2  # a tiny run
+    python analysis/poincare.py                # paper_figs/poincare.png from results/poincare.csv
+
 The data ships with Python: every class reachable by importing the standard library's modules (in a
 subprocess, stdout silenced; modules with side effects such as ``antigravity``/``this``/``turtle``
 and test packages are skipped, modules that fail to import are dropped), and the is-a relation
@@ -15,100 +20,28 @@ related one, MAP = mean over u of the average precision of u's related classes.
 
 Optimizers compared on identical data, initialisation, batches and negatives (one seed):
   DiskSparseRiemannianAdam   ours: Riemannian Adam (retraction + transport), moments on disk
-  geoopt.SparseRiemannianAdam  the trusted reference, on a geoopt.ManifoldParameter
+  geoopt-SparseRiemannianAdam  the trusted reference, on a geoopt.ManifoldParameter
   DiskSparseAdam+clip        Euclidean Adam on the same loss, rows clipped into the ball after each
                              step (what Euclidean Adam plus norm clipping does on the ball)
   DiskSparseAdam-euclidean   Nickel & Kiela's Euclidean baseline: the same loss with the Euclidean
                              distance |u - v|, embeddings in R^d, DiskSparseAdam
-
-Commands:
-    python experiments/poincare.py --quick     # dims 2, 5, 10; 20 epochs; 3 min on 2 CPU cores;
-                                               # rows into results/quick/
-    python experiments/poincare.py --modules numbers collections.abc --dims 2 --epochs 2  # seconds (tests)
-    python experiments/poincare.py             # dims 2, 5, 10; 100 epochs; about 20 min on 2 CPU cores
-    python analysis/poincare.py                # paper_figs/poincare.png from results/poincare.csv
+Optimizer names are experiments/registry.py's; the two DiskSparseAdam variants name their setup.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from tqdm import tqdm
 
-import torch  # noqa: E402
-import torch.nn as nn  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from tqdm import tqdm  # noqa: E402
-
-from experiments.common import RESULTS_DIR, Results, add_common_args  # noqa: E402
-from optim.disk_sparse import poincare  # noqa: E402
-
-# Run in a fresh interpreter so module side effects (signal handlers, printing) stay out of ours.
-_HIERARCHY_CODE = r'''
-import contextlib, importlib, io, json, pkgutil, sys, warnings
-warnings.simplefilter("ignore")
-SKIP = {"antigravity", "this", "idlelib", "tkinter", "turtle", "turtledemo", "test", "lib2to3",
-        "ensurepip", "pydoc_data", "xxsubtype", "xxlimited"}
-def load(name):
-    try:
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-            return importlib.import_module(name)
-    except BaseException:
-        return None
-mods = []
-for n in sys.argv[1:] or sorted(sys.stdlib_module_names):
-    if n in SKIP or n.startswith("_"):
-        continue
-    m = load(n)
-    if m is None:
-        continue
-    mods.append(m)
-    for info in pkgutil.walk_packages(getattr(m, "__path__", None) or [], n + "."):
-        parts = info.name.split(".")[1:]
-        if any(p in SKIP or p in ("tests", "test") or p.startswith("_") for p in parts):
-            continue
-        sub = load(info.name)
-        if sub is not None:
-            mods.append(sub)
-seen = {}
-for m in mods:
-    for obj in list(vars(m).values()):
-        if isinstance(obj, type):
-            for c in obj.__mro__:
-                seen[id(c)] = c
-name = lambda c: f"{c.__module__}.{c.__qualname__}"
-edges = sorted({(name(c), name(a)) for c in seen.values() for a in c.__mro__[1:]})
-json.dump({"modules": len(mods), "python": sys.version.split()[0], "edges": edges}, sys.stdout)
-'''
-
-
-def stdlib_hierarchy(timeout=600, modules=None):
-    """(names, edges (E, 2) child->ancestor index pairs, info) of the stdlib's is-a closure.
-
-    ``modules``: import only these (and their submodules) instead of the whole standard library."""
-    out = subprocess.run([sys.executable, "-I", "-c", _HIERARCHY_CODE, *(modules or [])], capture_output=True,
-                         text=True, timeout=timeout)
-    if out.returncode != 0:
-        raise RuntimeError(f"collecting the class hierarchy failed:\n{out.stderr[-2000:]}")
-    data = json.loads(out.stdout)
-    names = sorted({n for e in data["edges"] for n in e})
-    index = {n: i for i, n in enumerate(names)}
-    edges = torch.tensor([[index[a], index[b]] for a, b in data["edges"]], dtype=torch.long)
-    return names, edges, {"modules": data["modules"], "python": data["python"]}
-
-
-def related_matrix(n, edges):
-    """Symmetric boolean (n, n): u and v related by is-a in either direction, or u == v."""
-    rel = torch.zeros(n, n, dtype=torch.bool)
-    rel[edges[:, 0], edges[:, 1]] = True
-    rel[edges[:, 1], edges[:, 0]] = True
-    rel.fill_diagonal_(True)
-    return rel
+from experiments.common import Results, add_common_args
+from experiments.data import related_matrix, stdlib_hierarchy
+from experiments.registry import make_optimizer
+from optim.disk_sparse import poincare
 
 
 def ball_distance(c):
@@ -173,30 +106,25 @@ def reconstruction(weight, rel, pairwise, chunk=256):
 
 
 def make_variant(name, weight0, args):
-    """(parameter, optimizer, after-step hook or None) of one optimizer variant."""
-    kw = dict(lr=args.lr, betas=(0.9, 0.999), eps=1e-8)
-    if name == "geoopt.SparseRiemannianAdam":
+    """(parameter, optimizer, after-step hook or None) of one variant."""
+    kw = dict(betas=(0.9, 0.999), eps=1e-8)
+    if name == "geoopt-SparseRiemannianAdam":
         import geoopt
 
         ball = geoopt.PoincareBall(c=torch.tensor(args.c, dtype=torch.float64))
         p = geoopt.ManifoldParameter(weight0.clone(), manifold=ball)
-        return p, geoopt.optim.SparseRiemannianAdam([p], **kw), None
+        return p, make_optimizer(name, [p], args.lr, **kw), None
     p = nn.Parameter(weight0.clone())
     if name == "DiskSparseRiemannianAdam":
-        from optim import DiskSparseRiemannianAdam
-
-        return p, DiskSparseRiemannianAdam([p], **kw, c=args.c, exact=False, backend="torch"), None
+        return p, make_optimizer(name, [p], args.lr, **kw, c=args.c, exact=False, backend="torch"), None
+    opt = make_optimizer("DiskSparseAdam", [p], args.lr, **kw, backend="torch")
     if name == "DiskSparseAdam+clip":
-        from optim import DiskSparseAdam
-
         def clip(rows):
             p.data[rows] = poincare.project(p.data[rows], c=args.c)
 
-        return p, DiskSparseAdam([p], **kw, backend="torch"), clip
+        return p, opt, clip
     if name == "DiskSparseAdam-euclidean":
-        from optim import DiskSparseAdam
-
-        return p, DiskSparseAdam([p], **kw, backend="torch"), None
+        return p, opt, None
     raise ValueError(name)
 
 
@@ -241,7 +169,7 @@ def train(name, dim, names, edges, rel, args, pbar):
                 max_norm=float(w.norm(dim=-1).max()))
 
 
-VARIANTS = ["DiskSparseRiemannianAdam", "geoopt.SparseRiemannianAdam", "DiskSparseAdam+clip",
+VARIANTS = ["DiskSparseRiemannianAdam", "geoopt-SparseRiemannianAdam", "DiskSparseAdam+clip",
             "DiskSparseAdam-euclidean"]
 
 
@@ -257,14 +185,11 @@ def main(argv=None):
     parser.add_argument("--c", type=float, default=1.0, help="curvature -c of the ball")
     parser.add_argument("--variants", nargs="+", default=VARIANTS, choices=VARIANTS)
     parser.add_argument("--threads", type=int, default=1,
-                        help="torch CPU threads (Default: 1; small ops, and 2 threads on a busy 2-core "
-                             "machine measured 28x slower per step)")
+                        help="torch CPU threads (Default: 1; the ops are small)")
     parser.add_argument("--modules", nargs="+", default=None,
                         help="build the hierarchy from these stdlib modules only (Default: all of them; "
                              "tests use e.g. `--modules numbers collections.abc` for a tiny run)")
     args = parser.parse_args(argv)
-    if args.quick and args.results_dir == RESULTS_DIR:
-        args.results_dir = RESULTS_DIR / "quick"  # quick numbers never mix with the committed ones
     torch.set_num_threads(args.threads)
     args.epochs = args.epochs or (20 if args.quick else 100)
     args.burnin = args.burnin if args.burnin is not None else (2 if args.quick else 10)
@@ -275,11 +200,6 @@ def main(argv=None):
     print(f"[poincare] {len(names)} classes, {len(edges)} is-a pairs (closure) from {info['modules']} "
           f"modules of Python {info['python']}")
     variants = list(args.variants)
-    try:
-        from optim import DiskSparseRiemannianAdam  # noqa: F401
-    except (ImportError, AttributeError) as exc:
-        print(f"[poincare] note: DiskSparseRiemannianAdam is not available ({exc}); variant skipped")
-        variants = [v for v in variants if v != "DiskSparseRiemannianAdam"]
 
     config = dict(vars(args), classes=len(names), pairs=len(edges), **info)
     with Results("poincare", args, config=config) as res:

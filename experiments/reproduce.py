@@ -1,18 +1,19 @@
 """Run every experiment, then every analysis script: the repository's main job.
 
-    # CPU scale, under 30 minutes on 2 cores; writes results/quick/*.csv and paper_figs/quick/*.png
-    python experiments/reproduce.py --quick
-
     # the full CPU run whose CSVs and figures are committed (results/*.csv, paper_figs/*.png)
     python experiments/reproduce.py
+
+    # small sizes; writes results/quick/*.csv and paper_figs/quick/*.png
+    python experiments/reproduce.py --quick
 
     # one or a few experiments only
     python experiments/reproduce.py --quick --only dsa_throughput codebook_dp
 
-Each experiment runs in its own process (a crash or an out-of-memory in one does not take the
-others down); the exit status is non-zero if any step failed, and a summary lists each step's
-status and time. GPU-only scripts (bench_dsa_gpu, bench_kernels) are not part of this run: they
-are the prepared checks for a lent GPU.
+Experiments run one after another, each in its own process (a crash or an out-of-memory in one
+does not take the others down, and no two measurements share the CPU); then each analysis script
+draws its figure and writes its section of results/README.md. The exit status is non-zero if any
+step failed; a summary lists each step's status and time, and the total. GPU-only scripts
+(bench_dsa_gpu, bench_kernels) are not part of this run: they are the prepared checks for a GPU.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from experiments.common import REPO_ROOT, figs_dir, results_dir
 
 # experiment script -> the analysis scripts that draw from its CSV
 EXPERIMENTS = {
@@ -69,13 +70,14 @@ def main(argv=None):
     parser.add_argument("--timeout", type=int, default=None, help="seconds per step (default 900 quick, none full)")
     args = parser.parse_args(argv)
 
-    results = args.results_dir or REPO_ROOT / ("results/quick" if args.quick else "results")
-    figs = args.figs_dir or REPO_ROOT / ("paper_figs/quick" if args.quick else "paper_figs")
+    results = args.results_dir or results_dir(args.quick)
+    figs = args.figs_dir or figs_dir(args.quick)
     results.mkdir(parents=True, exist_ok=True)
     figs.mkdir(parents=True, exist_ok=True)
     timeout = args.timeout or (900 if args.quick else None)
     names = args.only or list(EXPERIMENTS)
     env_py = sys.executable
+    start = time.perf_counter()
     log: list[tuple[str, str, float]] = []
     for name in names:
         cmd = [env_py, REPO_ROOT / "experiments" / f"{name}.py", "--results-dir", results]
@@ -94,6 +96,7 @@ def main(argv=None):
     for step, status, secs in log:
         print(f"{step[-48:]:<48} {status:<15} {secs:8.1f}")
     failed = [s for s in log if s[1] != "ok"]
+    print(f"{'total':<48} {'':<15} {time.perf_counter() - start:8.1f}")
     print(f"\n{len(log) - len(failed)}/{len(log)} steps ok; results in {results}, figures in {figs}")
     return 1 if failed else 0
 

@@ -1,9 +1,10 @@
-"""Experiments at tiny sizes, analysis scripts on fixture CSVs, and reproduce.py's command assembly.
+"""The experiment harness, every experiment at a tiny size, and reproduce.py's command assembly.
 
 Each experiment runs in-process (its ``main``) on the smallest size its flags allow, into tmp_path;
-the CSV must have DESIGN.md's columns, the expected variants and metrics, finite values, and the
-numbers that can be restated independently (state bytes of AdamW, SparseAdam's RAM state, the
-reconstruction metrics of Nickel & Kiela 2017) must match that restatement.
+the CSV must have DESIGN.md's columns, the expected variants (registry names) and metrics, finite
+values, and the numbers that can be restated independently (state bytes of AdamW, SparseAdam's RAM
+state, the reconstruction metrics of Nickel & Kiela 2017) must match that restatement. Where an
+experiment has a figure, its analysis script draws it from the tiny CSV.
 """
 
 from __future__ import annotations
@@ -63,16 +64,6 @@ def _assert_png(path):
     assert path.stat().st_size > 5000, f"{path} is suspiciously small"
 
 
-def _write_fixture(path, experiment, rows):
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=FIELDS)
-        w.writeheader()
-        for variant, metric, unit, x_name, x_value, value in rows:
-            w.writerow(dict(experiment=experiment, variant=variant, metric=metric, unit=unit, x_name=x_name,
-                            x_value=x_value, value=value, seed=0, device="cpu:fixture", torch_version="0",
-                            git_commit="fixture", timestamp="2026-01-01T00:00:00+00:00"))
-
-
 # ------------------------------------------------------------------------------------ poincare
 def _brute_reconstruction(x, rel, dist):
     """Nickel & Kiela 2017, reconstruction: for every u and every v related to u (v != u), the rank of
@@ -124,10 +115,10 @@ def test_poincare_reconstruction_matches_brute_force(geometry):
 
 
 def test_poincare_related_matrix_is_the_symmetric_closure():
-    from experiments import poincare as exp
+    from experiments.data import related_matrix
 
     edges = torch.tensor([[0, 1], [1, 2], [0, 2]])
-    rel = exp.related_matrix(4, edges)
+    rel = related_matrix(4, edges)
     want = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 0], [1, 1, 1, 0], [0, 0, 0, 1]], dtype=torch.bool)
     assert torch.equal(rel, want)
 
@@ -153,43 +144,11 @@ def test_poincare_tiny_run_and_figure(tmp_path, monkeypatch):
     for dim in (2.0, 3.0):
         for metric in ("mean_rank", "map"):
             ours = _value(rows, "DiskSparseRiemannianAdam", metric, dim)
-            ref = _value(rows, "geoopt.SparseRiemannianAdam", metric, dim)
+            ref = _value(rows, "geoopt-SparseRiemannianAdam", metric, dim)
             assert ours == pytest.approx(ref, abs=0.05), (metric, dim, ours, ref)
     out = tmp_path / "figs" / "poincare.png"
     _main("analysis.poincare", ["--results-dir", tmp_path, "--out", out], monkeypatch)
     _assert_png(out)
-
-
-# ------------------------------------------------------------------------ analysis on fixtures
-def test_analysis_poincare_from_fixture(tmp_path, monkeypatch):
-    rows = []
-    for v in ["DiskSparseRiemannianAdam", "geoopt.SparseRiemannianAdam", "DiskSparseAdam+clip",
-              "DiskSparseAdam-euclidean"]:
-        for dim, rank, ap in [(2, 20.0, 0.3), (5, 4.0, 0.6), (10, 2.0, 0.8)]:
-            rows += [(v, "mean_rank", "rank", "dim", dim, rank), (v, "map", "", "dim", dim, ap),
-                     (v, "final_loss", "nats", "dim", dim, 1.5), (v, "train_time", "s", "dim", dim, 3.0)]
-    _write_fixture(tmp_path / "poincare.csv", "poincare", rows)
-    out = tmp_path / "poincare.png"
-    _main("analysis.poincare", ["--results-dir", tmp_path, "--out", out], monkeypatch)
-    _assert_png(out)
-
-
-def test_analysis_gefen_memory_from_fixture(tmp_path, monkeypatch, capsys):
-    rows = []
-    for model in ("transformer", "mlp"):
-        for v, bpp, ms in [("AdamW(fused)", 8.0, 3e-3), ("Adam-mini", 4.0, 4e-3), ("Gefen 8-bit (ours)", 1.01, 9e-3),
-                           ("Gefen 4-bit (ours)", 0.51, 1e-2)]:
-            rows += [(v, "state_bytes_per_param", "B/param", "model", model, bpp),
-                     (v, "step_time_median", "s", "model", model, ms),
-                     (v, "step_time_vs_adamw_fused", "ratio", "model", model, ms / 3e-3)]
-    for v, ratio in [("AdamW(fused)", 1.0), ("Gefen 8-bit (ours)", 1.01), ("Gefen 4-bit (ours)", 1.02)]:
-        rows.append((v, "val_loss_vs_adamw", "ratio", "steps", 200, ratio))
-    _write_fixture(tmp_path / "gefen_memory.csv", "gefen_memory", rows)
-    out = tmp_path / "gefen_memory.png"
-    _main("analysis.gefen_memory", ["--results-dir", tmp_path, "--out", out], monkeypatch)
-    _assert_png(out)
-    printed = capsys.readouterr().out
-    assert "Gefen 4-bit (ours)" in printed and "0.510" in printed
 
 
 # ---------------------------------------------------------------------------- dsa_throughput
@@ -218,20 +177,20 @@ def test_dsa_throughput_smallest_run(tmp_path, monkeypatch):
 # ------------------------------------------------------------------------------ gefen_memory
 @pytest.mark.timeout(180)
 def test_gefen_memory_smallest_run(tmp_path, monkeypatch):
-    _main("experiments.gefen_memory", ["--optimizers", "AdamW(fused)", "Gefen 8-bit (ours)", "--repeats", 1,
-                                       "--skip-loss", "--results-dir", tmp_path], monkeypatch)
+    _main("experiments.gefen_memory", ["--optimizers", "AdamW", "Gefen-8bit", "--repeats", 1,
+                                       "--results-dir", tmp_path], monkeypatch)
     rows = _rows(tmp_path / "gefen_memory.csv", "gefen_memory")
-    assert {r["variant"] for r in rows} == {"AdamW(fused)", "Gefen 8-bit (ours)"}
+    assert {r["variant"] for r in rows} == {"AdamW", "Gefen-8bit"}
     assert {r["x_value"] for r in rows} == {"transformer", "mlp"}
     assert {r["metric"] for r in rows} == {"state_bytes_per_param", "first_step_time", "step_time_median",
-                                           "step_time_vs_adamw_fused", "threads"}
+                                           "step_time_vs_adamw", "threads"}
     for model in ("transformer", "mlp"):
         # AdamW: two fp32 moments per parameter plus one step scalar per tensor
-        assert 8.0 < _value(rows, "AdamW(fused)", "state_bytes_per_param", model) < 8.001
-        assert _value(rows, "Gefen 8-bit (ours)", "state_bytes_per_param", model) <= 1.05
-        assert _value(rows, "AdamW(fused)", "step_time_vs_adamw_fused", model) == 1.0
-        assert _value(rows, "Gefen 8-bit (ours)", "step_time_median", model) > 0
-        assert _value(rows, "Gefen 8-bit (ours)", "threads", model) >= 1
+        assert 8.0 < _value(rows, "AdamW", "state_bytes_per_param", model) < 8.001
+        assert _value(rows, "Gefen-8bit", "state_bytes_per_param", model) <= 1.05
+        assert _value(rows, "AdamW", "step_time_vs_adamw", model) == 1.0
+        assert _value(rows, "Gefen-8bit", "step_time_median", model) > 0
+        assert _value(rows, "Gefen-8bit", "threads", model) >= 1
     out = tmp_path / "gefen_memory.png"
     _main("analysis.gefen_memory", ["--results-dir", tmp_path, "--out", out], monkeypatch)
     _assert_png(out)
@@ -252,22 +211,21 @@ def _correctness(tmp_path, monkeypatch, capsys, *flags):
 @pytest.mark.timeout(180)
 def test_correctness_quick_torch(tmp_path, monkeypatch, capsys):
     rows, variants = _correctness(tmp_path, monkeypatch, capsys, "--no-triton")
-    want = {f"DiskSparseAdam[{b}] vs torch.optim.SparseAdam"
-            for b in ("torch", "auto (numba)", "auto (numba), bitwise=False")}
-    want |= {"Gefen[reduction] vs torch.optim.AdamW"}
-    want |= {f"DiskSparseRiemannianAdam[torch,{m},c={c},float64] vs geoopt.SparseRiemannianAdam"
+    want = {f"DiskSparseAdam[{b}] vs SparseAdam" for b in ("torch", "numba", "numba,bitwise=False")}
+    want |= {"Gefen[reduction] vs AdamW"}
+    want |= {f"DiskSparseRiemannianAdam[torch,{m},c={c},float64] vs geoopt-SparseRiemannianAdam"
              for m in ("retr", "exact") for c in ("1", "0.5")}
     assert variants == want
     for r in rows:  # fp32 / fp64 runs against their references from the same start
         assert r["value"] < 1e-6, r
-        if r["variant"].startswith(("DiskSparseAdam[torch]", "DiskSparseAdam[auto (numba)] ")):
+        if r["variant"].startswith(("DiskSparseAdam[torch]", "DiskSparseAdam[numba] ")):
             assert r["value"] == 0, r  # the bitwise paths
 
 
 @pytest.mark.timeout(180)
 def test_correctness_tiny_triton_case(tmp_path, monkeypatch, capsys):
     rows, variants = _correctness(tmp_path, monkeypatch, capsys, "--checks", "DiskSparseAdam/triton")
-    assert variants == {"DiskSparseAdam[triton] vs torch.optim.SparseAdam"}
+    assert variants == {"DiskSparseAdam[triton] vs SparseAdam"}
     for r in rows:
         assert r["value"] < 1e-6, r
 
@@ -277,8 +235,9 @@ def test_reproduce_covers_every_experiment_and_analysis():
     from experiments import reproduce
 
     gpu_only = {"bench_dsa_gpu", "bench_kernels"}  # prepared GPU checks, documented as not in the run
+    harness = {"common", "data", "models", "registry", "train", "reproduce"}
     scripts = {p.stem for p in (REPO / "experiments").glob("*.py")
-               if not p.stem.startswith("_") and p.stem not in {"common", "reproduce"} | gpu_only}
+               if not p.stem.startswith("_") and p.stem not in harness | gpu_only}
     assert set(reproduce.EXPERIMENTS) == scripts
     analyses = {p.stem for p in (REPO / "analysis").glob("*.py") if p.stem not in {"common", "__init__"}}
     drawn = {a for figs in reproduce.EXPERIMENTS.values() for a in figs}
@@ -341,34 +300,36 @@ def test_reproduce_full_run_defaults_and_timeout(tmp_path, monkeypatch, capsys):
 
 
 # ---------------------------------------------------------------------------- gefen_ablation
-def test_gefen_ablation_factory_gives_per_element_v_only_to_the_named_tensors():
-    from experiments.gefen_ablation import gefen_with_per_element_v
-    from experiments.gefen_memory import Encoder
+def test_gefen_ablation_groups_give_per_element_v_only_to_the_named_tensors():
+    from experiments.gefen_ablation import VARIANTS, per_element_v_groups
+    from experiments.models import GPT, GPTConfig
+    from experiments.registry import make_optimizer
 
-    torch.manual_seed(0)
-    model = Encoder(vocab=50, d=32, layers=1, heads=2, ff=64, ctx=16)
-    opt = gefen_with_per_element_v(r"in_proj_weight$")(model, 1e-3, 0.1)
+    model = GPT(GPTConfig(block=16, n_layer=1, n_head=2, n_embd=64))
+    for variant, pattern in VARIANTS.items():  # every pattern names some tensor of the model
+        if pattern is not None:
+            assert per_element_v_groups(model, pattern)[-1]["share_second_moment"] is False, variant
+    opt = make_optimizer("Gefen-8bit", per_element_v_groups(model, VARIANTS["attn_qkv"]), 1e-3, 0.1)
     x = torch.randint(0, 50, (4, 16))
-    model(x).sum().backward()
+    model(x, x).backward()
     opt.step()
-    names = dict(model.named_parameters())
-    for n, p in names.items():
+    for n, p in model.named_parameters():
         st = opt.state[p]
-        if n.endswith("in_proj_weight"):
+        if "_proj" in n and "o_proj" not in n:
             assert st["block"] == 1 and st["v"].numel() == p.numel(), n
-        elif p.dim() == 2 and p.numel() >= 1024:  # the rule shares v on these matrices
+        elif n == "lm_head.weight":  # a large matrix: the rule shares v
             assert st["block"] > 1 and st["v"].numel() == p.numel() // st["block"], n
     assert all(g["weight_decay"] == 0.1 for g in opt.param_groups)
 
 
 @pytest.mark.timeout(300)
 def test_gefen_ablation_tiny_run_and_figure(tmp_path, monkeypatch):
-    _main("experiments.gefen_ablation", ["--quick", "--variants", "in_proj", "--seeds", 2, "--steps", 3,
+    _main("experiments.gefen_ablation", ["--tiny", "--variants", "attn_qkv", "--seeds", 2,
                                          "--results-dir", tmp_path, "--wandb", "disabled"], monkeypatch)
     rows = _rows(tmp_path / "gefen_ablation.csv", "gefen_ablation")
-    base = {r["seed"]: r["value"] for r in rows if r["variant"] == "AdamW(fused)" and r["metric"] == "val_loss"}
+    base = {r["seed"]: r["value"] for r in rows if r["variant"] == "AdamW" and r["metric"] == "val_loss"}
     assert sorted(base) == ["0", "1"]
-    for v in ("none", "in_proj"):
+    for v in ("none", "attn_qkv"):
         loss = {r["seed"]: r["value"] for r in rows if r["variant"] == v and r["metric"] == "val_loss"}
         ratio = {r["seed"]: r["value"] for r in rows if r["variant"] == v and r["metric"] == "val_loss_vs_adamw"}
         assert ratio == pytest.approx({s: loss[s] / base[s] for s in base}, rel=1e-12)
@@ -377,3 +338,82 @@ def test_gefen_ablation_tiny_run_and_figure(tmp_path, monkeypatch):
     out = tmp_path / "gefen_ablation.png"
     _main("analysis.gefen_ablation", ["--results-dir", tmp_path, "--out", out], monkeypatch)
     _assert_png(out)
+
+
+# ------------------------------------------------------------------------------- codebook_dp
+@pytest.mark.timeout(180)
+def test_codebook_dp_tiny_run(tmp_path, monkeypatch):
+    _main("experiments.codebook_dp", ["--quick", "--steps", 3, "--bins", 256, "--repeats", 1, "--no-cold-start",
+                                      "--results-dir", tmp_path], monkeypatch)
+    rows = _rows(tmp_path / "codebook_dp.csv", "codebook_dp")
+    for impl in ("ours-numba", "ours-numpy", "upstream"):
+        assert _value(rows, f"{impl}/K16", "dp_time", 256.0) > 0
+    # ours and upstream solve the same DP: the same optimum up to upstream's float32 levels
+    assert _value(rows, "ours-numba/K16", "cost_rel_diff_vs_upstream", 256.0) < 1e-4
+    for bits in (8, 4):
+        for blocking in ("absmax256", "gefen"):
+            learned = _value(rows, f"learned/{bits}bit/{blocking}", "rel_mse")
+            assert 0 < learned <= _value(rows, f"linear/{bits}bit/{blocking}", "rel_mse")
+    out = tmp_path / "codebook.png"
+    _main("analysis.codebook", ["--results-dir", tmp_path, "--out", out], monkeypatch)
+    _assert_png(out)
+
+
+# ---------------------------------------------------------------------------------- harness
+def test_results_replace_the_csv_and_write_the_run_config(tmp_path, monkeypatch):
+    import argparse
+    import json
+
+    from experiments.common import Results, add_common_args
+
+    monkeypatch.setattr(sys, "argv", ["experiments/x.py", "--seed", "3"])
+    args = add_common_args(argparse.ArgumentParser()).parse_args(["--results-dir", str(tmp_path), "--seed", "3",
+                                                                  "--wandb", "disabled"])
+    for run in range(2):
+        with Results("x", args, config={"size": run, "path": tmp_path}) as res:
+            res.add("AdamW", "val_loss", "nats", 2.0 + run, x_name="step", x_value=10)
+    rows = _rows(tmp_path / "x.csv", "x")
+    assert [(r["variant"], r["value"], r["seed"]) for r in rows] == [("AdamW", 3.0, "3")]  # replaced
+    meta = json.loads((tmp_path / "x.config.json").read_text())
+    assert set(meta) == {"config", "git_commit", "device", "torch_version", "command", "wall_seconds", "timestamp"}
+    assert meta["config"] == {"size": 1, "path": str(tmp_path)}
+    assert meta["command"] == "experiments/x.py --seed 3" and meta["wall_seconds"] >= 0
+    assert meta["timestamp"] == rows[0]["timestamp"] and meta["git_commit"] == rows[0]["git_commit"]
+
+
+def test_quick_runs_write_under_quick(monkeypatch):
+    import argparse
+
+    from experiments import common
+
+    parse = common.add_common_args(argparse.ArgumentParser()).parse_args
+    assert common.Results("x", parse(["--quick", "--wandb", "disabled"])).results_dir == common.RESULTS_DIR / "quick"
+    assert common.Results("x", parse(["--wandb", "disabled"])).results_dir == common.RESULTS_DIR
+    assert common.figs_dir(True) == common.FIGS_DIR / "quick" and common.figs_dir(False) == common.FIGS_DIR
+
+
+def test_registry_names_are_the_canonical_ones():
+    from experiments.registry import DENSE, OPTIMIZERS
+
+    assert DENSE == ["AdamW", "Adam-mini", "torchao-AdamW8bit", "torchao-AdamW4bit", "gefen-upstream",
+                     "Gefen-8bit", "Gefen-4bit"]
+    assert set(OPTIMIZERS) == set(DENSE) | {"SparseAdam", "DiskSparseAdam", "DiskSparseRiemannianAdam",
+                                            "geoopt-SparseRiemannianAdam"}
+
+
+def test_experiments_do_not_import_each_other():
+    import ast
+
+    harness = {"common", "data", "models", "registry", "train"}
+    scripts = {p.stem for p in (REPO / "experiments").glob("*.py")} - harness - {"__init__"}
+    for path in (REPO / "experiments").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            for n in names:
+                parts = n.split(".")
+                if parts[0] == "experiments" and len(parts) > 1 and parts[1] in scripts - {path.stem}:
+                    assert parts[1].startswith("_") and path.stem == "hessian_alignment", (path.name, n)

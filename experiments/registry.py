@@ -1,0 +1,148 @@
+"""The optimizer registry: one name per optimizer, used as the variant name in every CSV and figure.
+
+    opt = make_optimizer("Gefen-8bit", model, lr=3e-3, weight_decay=0.1)
+    opt = make_optimizer("DiskSparseAdam", [emb.weight], lr=1e-3, state_dir=tmp)
+
+``model_or_params`` is an ``nn.Module`` or what ``torch.optim`` accepts (tensors or param-group
+dicts); optimizers that need parameter names (Adam-mini) need a module. Keyword options go to the
+constructor. Dense peers: AdamW (torch, fused), Adam-mini, torchao's AdamW8bit / AdamW4bit,
+upstream ``gefen``, ours at 8 and 4 bits. Sparse: torch's SparseAdam, ours on disk (Euclidean and
+Poincaré ball), geoopt's SparseRiemannianAdam (its parameter must be a ``geoopt.ManifoldParameter``).
+
+State bytes (``state_bytes``) are the tensor bytes of ``optimizer.state_dict()``, tensor subclasses
+(torchao's quantised states) counted by their inner tensors, non-tensor entries not counted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+
+import torch
+
+
+def _adamw(params, named, lr, weight_decay, **kw):
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=True, **kw)
+
+
+def _adam_mini(params, named, lr, weight_decay, *, dim, n_heads, **kw):
+    from adam_mini import Adam_mini
+
+    if named is None:
+        raise TypeError("Adam-mini needs parameter names: pass the nn.Module")
+    opt = Adam_mini(named, lr=lr, weight_decay=weight_decay, dim=dim, n_heads=n_heads, verbose=False, **kw)
+    opt.embd_names.add("wpe")  # a learned position table: one second moment per position, like wte
+    return opt
+
+
+def _torchao(cls_name):
+    def make(params, named, lr, weight_decay, **kw):
+        import torchao.optim
+
+        return getattr(torchao.optim, cls_name)(params, lr=lr, weight_decay=weight_decay, **kw)
+    return make
+
+
+def _gefen_upstream(params, named, lr, weight_decay, **kw):
+    import gefen
+
+    fused = kw.pop("fused", any(p.is_cuda for p in _tensors(params)))  # its fused path is CUDA only
+    return gefen.Gefen(named if named is not None else params, lr=lr, weight_decay=weight_decay, fused=fused, **kw)
+
+
+def _gefen(bits):
+    def make(params, named, lr, weight_decay, **kw):
+        from optim import Gefen
+
+        return Gefen(params, lr=lr, weight_decay=weight_decay, bits=bits, **kw)
+    return make
+
+
+def _sparse_adam(params, named, lr, weight_decay, **kw):
+    return torch.optim.SparseAdam(params, lr=lr, **kw)
+
+
+def _dsa(params, named, lr, weight_decay, **kw):
+    from optim import DiskSparseAdam
+
+    return DiskSparseAdam(params, lr=lr, **kw)
+
+
+def _dsa_riemannian(params, named, lr, weight_decay, **kw):
+    from optim import DiskSparseRiemannianAdam
+
+    return DiskSparseRiemannianAdam(params, lr=lr, **kw)
+
+
+def _geoopt(params, named, lr, weight_decay, **kw):
+    import geoopt
+
+    return geoopt.optim.SparseRiemannianAdam(params, lr=lr, **kw)
+
+
+OPTIMIZERS = {
+    "AdamW": _adamw,
+    "Adam-mini": _adam_mini,
+    "torchao-AdamW8bit": _torchao("AdamW8bit"),
+    "torchao-AdamW4bit": _torchao("AdamW4bit"),
+    "gefen-upstream": _gefen_upstream,
+    "Gefen-8bit": _gefen(8),
+    "Gefen-4bit": _gefen(4),
+    "SparseAdam": _sparse_adam,
+    "DiskSparseAdam": _dsa,
+    "DiskSparseRiemannianAdam": _dsa_riemannian,
+    "geoopt-SparseRiemannianAdam": _geoopt,
+}
+DENSE = ["AdamW", "Adam-mini", "torchao-AdamW8bit", "torchao-AdamW4bit", "gefen-upstream", "Gefen-8bit",
+         "Gefen-4bit"]
+
+
+def _tensors(params):
+    for p in params:
+        if isinstance(p, dict):
+            yield from p["params"]
+        else:
+            yield p
+
+
+def make_optimizer(name, model_or_params, lr, weight_decay=0.0, **options):
+    """The optimizer registered as ``name`` over a module's parameters (or the given parameters)."""
+    if name not in OPTIMIZERS:
+        raise KeyError(f"unknown optimizer {name!r}; registered: {', '.join(OPTIMIZERS)}")
+    if isinstance(model_or_params, torch.nn.Module):
+        named = list(model_or_params.named_parameters())
+        params = [p for _, p in named]
+    else:
+        named, params = None, list(model_or_params)
+    # upstream gefen prints while it sets up; keep the logs readable
+    with contextlib.redirect_stdout(io.StringIO()):
+        return OPTIMIZERS[name](params, named, lr, weight_decay, **options)
+
+
+def tensor_bytes(obj, _seen=None) -> int:
+    """Bytes of every tensor inside ``obj`` (nested dicts/lists/tuples), each storage view once.
+
+    Tensor subclasses (torchao's quantised states) count by their inner tensors (codes, scales,
+    code maps), not by the dense shape they present. Non-tensor entries count nothing.
+    """
+    seen = set() if _seen is None else _seen
+    if isinstance(obj, torch.Tensor):
+        if type(obj) not in (torch.Tensor, torch.nn.Parameter) and hasattr(obj, "__tensor_flatten__"):
+            names, _ = obj.__tensor_flatten__()
+            return sum(tensor_bytes(getattr(obj, n), seen) for n in names)
+        nbytes = obj.numel() * obj.element_size()
+        key = (obj.data_ptr(), nbytes, obj.dtype)
+        if nbytes and key in seen:
+            return 0
+        seen.add(key)
+        return nbytes
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(v, seen) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_bytes(v, seen) for v in obj)
+    return 0
+
+
+def state_bytes(opt) -> int:
+    """Tensor bytes of the optimizer's state dict (see ``tensor_bytes``)."""
+    return tensor_bytes(opt.state_dict())

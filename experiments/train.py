@@ -1,0 +1,133 @@
+"""The training loop and the step timer every experiment uses.
+
+``train_lm``: one run of a character language model under one protocol: the same initialisation
+and batches per seed for every optimizer, linear warm-up over 5% of the steps then cosine decay to
+10% of the peak learning rate, gradient clipping at 1.0, validation loss on fixed windows at a fixed
+interval. Weight decay is the optimizer's (``registry.make_optimizer(..., weight_decay=...)``).
+
+``interleaved``: medians of step times that other jobs on the machine cannot bias one-sidedly:
+every repeat runs each candidate once, in turn (optionally in a shuffled order), and records wall
+and process-CPU seconds of each call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import math
+import random
+import statistics
+import time
+
+import torch
+from tqdm import tqdm
+
+from experiments import data
+from experiments.models import GPT, GPTConfig, evaluate
+
+GRAD_CLIP = 1.0
+WEIGHT_DECAY = 0.1
+# The character GPT's sizes and schedule (experiments/models.py), shared by the experiments that
+# train it so that their numbers compare: "tiny" for tests, "quick" for --quick, "full" for the run
+# whose results are committed. lrs: the peak learning-rate grid; seeds: runs at the chosen rate.
+CHAR_LM = {
+    "tiny": dict(n_layer=1, n_head=2, n_embd=16, block=16, batch=8, steps=6, eval_every=3,
+                 eval_windows=16, max_chars=60_000, lrs=[3e-3], seeds=1),
+    "quick": dict(n_layer=2, n_head=2, n_embd=32, block=32, batch=16, steps=60, eval_every=20,
+                  eval_windows=64, max_chars=200_000, lrs=[3e-3], seeds=1),
+    "full": dict(n_layer=2, n_head=4, n_embd=64, block=64, batch=16, steps=200, eval_every=20,
+                 eval_windows=128, max_chars=1_000_000, lrs=[1e-3, 3e-3, 1e-2], seeds=3),
+}
+
+
+def char_lm_problem(size: dict):
+    """(GPTConfig, (training ids, fixed validation windows (x, y)), n_params) of one ``CHAR_LM`` size."""
+    cfg = GPTConfig(block=size["block"], n_layer=size["n_layer"], n_head=size["n_head"], n_embd=size["n_embd"])
+    train, val = data.load_splits(size["max_chars"])
+    n_params = sum(p.numel() for p in GPT(cfg).parameters())
+    return cfg, (train, data.eval_windows(val, size["eval_windows"], cfg.block)), n_params
+
+
+def lr_factor(step: int, steps: int) -> float:
+    """Linear warm-up over 5% of the steps, then cosine decay to 10% of the peak."""
+    warm = max(1, steps // 20)
+    if step < warm:
+        return (step + 1) / warm
+    t = (step - warm) / max(1, steps - warm)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t))
+
+
+def set_lr(opt, lr: float):
+    for g in opt.param_groups:
+        if isinstance(g["lr"], torch.Tensor):  # torchao keeps lr as a tensor
+            g["lr"].fill_(lr)
+        else:
+            g["lr"] = lr
+
+
+def train_lm(model, opt, train_ids, val_xy, *, lr, steps, batch, seed, eval_every, progress=False, desc=""):
+    """Train ``model`` (``model(x, y)`` returns the loss) with ``opt``; returns curves and timings.
+
+    Batches come from a generator seeded with ``seed``, so every optimizer of one seed sees the same
+    ones. Returns ``val`` and ``train`` as [(step, loss)], ``final`` (NaN if the loss diverged),
+    ``step_time`` (median seconds of ``opt.step()``) and ``wall`` (seconds of the whole run).
+    """
+    vx, vy = val_xy
+    block = vx.shape[1]
+    gen = torch.Generator().manual_seed(seed)
+    val_curve = [(0, evaluate(model, vx, vy))]
+    train_curve, window, step_times = [], [], []
+    diverged = False
+    start = time.perf_counter()
+    for step in tqdm(range(steps), desc=desc, leave=False, disable=not progress, mininterval=2.0):
+        set_lr(opt, lr * lr_factor(step, steps))
+        x, y = data.get_batch(train_ids, batch, block, gen)
+        loss = model(x, y)
+        if not torch.isfinite(loss):
+            diverged = True
+            break
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
+        t0 = time.perf_counter()
+        with contextlib.redirect_stdout(io.StringIO()) if step < 2 else contextlib.nullcontext():
+            opt.step()  # upstream gefen prints at its first steps
+        step_times.append(time.perf_counter() - t0)
+        window.append(loss.item())
+        if (step + 1) % eval_every == 0 or step + 1 == steps:
+            train_curve.append((step + 1, statistics.fmean(window)))
+            window = []
+            val_curve.append((step + 1, evaluate(model, vx, vy)))
+            if not math.isfinite(val_curve[-1][1]):
+                diverged = True
+                break
+    return dict(val=val_curve, train=train_curve, final=float("nan") if diverged else val_curve[-1][1],
+                step_time=statistics.median(step_times) if step_times else float("nan"),
+                wall=time.perf_counter() - start)
+
+
+def interleaved(fns: dict, repeats: int, *, shuffle: bool = False, before=None, progress=False, desc=""):
+    """Time each of ``fns`` (name -> zero-argument callable) once per repeat, in turn.
+
+    ``shuffle``: a different (seeded) order every repeat, so no candidate always follows the same
+    one. ``before(name)``, if given, runs untimed before each call. Returns
+    ``{name: {"wall": [seconds], "cpu": [seconds]}}``.
+    """
+    out = {name: {"wall": [], "cpu": []} for name in fns}
+    for rep in tqdm(range(repeats), desc=desc, leave=False, disable=not progress):
+        order = list(fns)
+        if shuffle:
+            random.Random(rep).shuffle(order)
+        for name in order:
+            if before is not None:
+                before(name)
+            w0, c0 = time.perf_counter(), time.process_time()
+            fns[name]()
+            out[name]["wall"].append(time.perf_counter() - w0)
+            out[name]["cpu"].append(time.process_time() - c0)
+    return out
+
+
+def median(times: dict, key: str = "wall") -> dict:
+    """{name: median seconds} of an ``interleaved`` result."""
+    return {name: statistics.median(t[key]) for name, t in times.items()}
