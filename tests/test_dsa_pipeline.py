@@ -1,9 +1,9 @@
 """The staging pipeline of Disk Sparse Adam (pipeline.py), run on CPU tensors.
 
 On CUDA every step goes through persistent pinned/device buffers and ``prefetch`` gathers announced
-rows on a background thread. ``opt._staging = True`` runs the same code on CPU weights (no
-streams: the "device" buffers are separate CPU tensors), so here it is compared with the direct path
-(``_step_rows``) and with ``torch.optim.SparseAdam`` on identical tables and batches. Both paths apply
+rows on a background thread. ``staging=True`` runs the same code on CPU weights (no streams: the
+"device" buffers are separate CPU tensors), so here it is compared with the direct path
+(``staging=False``) and with ``torch.optim.SparseAdam`` on identical tables and batches. Both paths apply
 the same operations to the same gathered values, so they must agree bitwise (atol 0); a prefetched
 buffer used stale would show up as a difference of the size of an update. Batches are drawn from
 small tables so that consecutive batches share many rows (the case where staleness could bite).
@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 
 from optim import DiskSparseAdam, DiskSparseRiemannianAdam
+from optim.disk_sparse import pipeline
 from tests.utils import assert_close
 
 ROWS, DIM, BATCH = 300, 9, 48
@@ -65,31 +66,29 @@ class LazyExecutor:
                 fn(*args, **kwargs)
                 self.done = True
 
-    _shutdown = False
-
     def submit(self, fn, *args, **kwargs):
         return self.Future(fn, args, kwargs)
 
     def shutdown(self, wait=True):
-        self._shutdown = True
+        pass
 
 
 def run(idx, *, staged, announce, cls=DiskSparseAdam, backend="torch", dtype=torch.float32, tmp=None,
-        scale=0.3, lazy=False, **kw):
-    """Train on ``idx``; ``announce(k)`` gives the rows to prefetch before batch k's forward (or None)."""
+        scale=0.3, lazy=False, monkeypatch=None, **kw):
+    """Train on ``idx``; ``announce(k)`` gives the rows to prefetch before batch k's forward (or None).
+    ``lazy`` (with ``monkeypatch``) runs the background gathers through ``LazyExecutor``."""
     emb = table(dtype=dtype, scale=scale)
-    opt = cls([emb.weight], lr=3e-2, backend=backend, state_dir=tmp, **kw)
-    opt._staging = staged
     if lazy:
-        opt._executor = LazyExecutor()
+        monkeypatch.setattr(pipeline, "make_executor", LazyExecutor)
+    opt = cls([emb.weight], lr=3e-2, backend=backend, state_dir=tmp, staging=staged, **kw)
     for k, b in enumerate(idx):
         rows = announce(k) if announce else None
         if rows is not None:
             opt.prefetch(rows)
         grad_step(emb, b, opt)
     out = snapshot(emb, opt)
-    stager = opt._stagers.get(emb.weight)
-    stats = (stager.hits, stager.misses, stager.patched_rows) if stager else None
+    stats = opt.staging_stats()
+    stats = (stats["hits"], stats["misses"], stats["patched_rows"]) if staged else None
     opt.close()
     return out, stats
 
@@ -133,7 +132,7 @@ def test_prefetch_of_wrong_rows_falls_back():
 
 
 @pytest.mark.parametrize("lazy", [False, True], ids=["thread", "gather_after_write"])
-def test_overlapping_announcement_sees_the_step_in_between(lazy):
+def test_overlapping_announcement_sees_the_step_in_between(lazy, monkeypatch):
     # Batch k+1 is announced before step k and contains all of batch k's rows plus others, so
     # every row step k writes must reach the announced buffer before step k+1 uses it, whether the
     # background gather ran before step k wrote its rows (the usual case) or after.
@@ -142,7 +141,7 @@ def test_overlapping_announcement_sees_the_step_in_between(lazy):
     idx = [base[0]] + [torch.cat([base[k - 1], base[k]]) for k in range(1, 12)]
     direct, _ = run(idx, staged=False, announce=None)
     staged, (hits, _, patched) = run(idx, staged=True, announce=lambda k: idx[k + 1] if k + 1 < 12 else None,
-                                     lazy=lazy)
+                                     lazy=lazy, monkeypatch=monkeypatch)
     assert_same(staged, direct, "overlapping announcements")
     assert hits == 11 and patched >= 11 * 15
 
@@ -152,8 +151,7 @@ def test_two_parameters_announced_separately():
     out = {}
     for staged in (False, True):
         ea, eb = table(seed=1), table(rows=200, seed=2)
-        opt = DiskSparseAdam([ea.weight, eb.weight], lr=3e-2, backend="torch")
-        opt._staging = staged
+        opt = DiskSparseAdam([ea.weight, eb.weight], lr=3e-2, backend="torch", staging=staged)
         for k in range(15):
             if k + 1 < 15:
                 opt.prefetch(idx_a[k + 1], param=ea.weight)
@@ -165,7 +163,7 @@ def test_two_parameters_announced_separately():
         out[staged] = [ea.weight.detach().clone(), eb.weight.detach().clone()] + \
             [sd[i][key].clone() for i in (0, 1) for key in ("exp_avg", "exp_avg_sq")]
         if staged:
-            assert [opt._stagers[p].hits for p in (ea.weight, eb.weight)] == [14, 14]
+            assert [opt.stager(p).hits for p in (ea.weight, eb.weight)] == [14, 14]
         opt.close()
     for k, (x, y) in enumerate(zip(out[True], out[False])):
         assert_close(x, y, atol=0.0, name=f"two parameters, tensor {k}")
@@ -174,20 +172,19 @@ def test_two_parameters_announced_separately():
 def test_staging_buffers_are_reused_and_bounded():
     idx = batches(60)
     emb = table()
-    opt = DiskSparseAdam([emb.weight], lr=3e-2, backend="triton")
-    opt._staging = True
+    opt = DiskSparseAdam([emb.weight], lr=3e-2, backend="triton", staging=True)
     big = torch.arange(BATCH)  # the largest batch of unique rows first: later ones fit
     grad_step(emb, big, opt)
     for k in range(3):
         opt.prefetch(idx[k + 1])
         grad_step(emb, idx[k], opt)
-    st = opt._stagers[emb.weight]
-    tensors = [b.tensor for b in st.host] + [st.dev_records.tensor, st.dev_weights.tensor]
+    tensors = opt.stager(emb.weight).buffers()
+    assert tensors[-2] is not None and tensors[-1] is not None  # device records and weight rows
     nbytes = (opt.device_staging_bytes(), opt.staging_stats()["pinned_bytes"])
     for k in range(3, 40):
         opt.prefetch(idx[k + 1])
         grad_step(emb, idx[k], opt)
-    after = [b.tensor for b in st.host] + [st.dev_records.tensor, st.dev_weights.tensor]
+    after = opt.stager(emb.weight).buffers()
     assert all(a is b for a, b in zip(tensors, after) if a is not None), "a staging buffer was reallocated"
     assert (opt.device_staging_bytes(), opt.staging_stats()["pinned_bytes"]) == nbytes
     # Bounded by the batch: records (2D) and weight rows (D) of at most max(2 x rows, 256) rows.
@@ -203,8 +200,7 @@ def test_state_dict_round_trip_mid_run(tmp_path):
     # A staged run checkpointed after 12 steps, with batch 12 already announced, resumed in a new
     # optimizer; and the original one rewound to an older checkpoint while an announcement is pending.
     emb = table()
-    opt = DiskSparseAdam([emb.weight], lr=3e-2, backend="torch", state_dir=tmp_path / "a")
-    opt._staging = True
+    opt = DiskSparseAdam([emb.weight], lr=3e-2, backend="torch", state_dir=tmp_path / "a", staging=True)
     ckpts = {}
     for k in range(12):
         opt.prefetch(idx[k + 1])
@@ -217,8 +213,7 @@ def test_state_dict_round_trip_mid_run(tmp_path):
     emb2 = table()
     with torch.no_grad():
         emb2.weight.copy_(ckpts[12][1])
-    opt2 = DiskSparseAdam([emb2.weight], lr=3e-2, backend="torch", state_dir=tmp_path / "b")
-    opt2._staging = True
+    opt2 = DiskSparseAdam([emb2.weight], lr=3e-2, backend="torch", state_dir=tmp_path / "b", staging=True)
     opt2.load_state_dict(torch.load(io.BytesIO(ckpts[12][0])))
     for k in range(12, 30):
         if k + 1 < 30:
@@ -240,14 +235,18 @@ def test_state_dict_round_trip_mid_run(tmp_path):
     opt.close()
 
 
-def test_close_with_pending_announcement(tmp_path):
+def test_close_with_pending_announcement(tmp_path, monkeypatch):
+    executors = []
+    monkeypatch.setattr(pipeline, "make_executor", lambda: executors.append(pipeline.ThreadPoolExecutor(1)) or
+                        executors[-1])
     emb = table()
-    opt = DiskSparseAdam([emb.weight], lr=3e-2, backend="torch", state_dir=tmp_path)
-    opt._staging = True
+    opt = DiskSparseAdam([emb.weight], lr=3e-2, backend="torch", state_dir=tmp_path, staging=True)
     grad_step(emb, torch.tensor([1, 2, 3]), opt)
     opt.prefetch(torch.arange(ROWS))
     opt.close()  # waits for the background gather before unmapping
-    assert opt._executor._shutdown
+    assert len(executors) == 1
+    with pytest.raises(RuntimeError, match="shutdown"):  # the background thread was shut down
+        executors[0].submit(int)
     with pytest.raises(RuntimeError, match="closed"):
         opt.prefetch(torch.tensor([1]))
 
@@ -273,3 +272,18 @@ def test_staged_triton_kernels_equal_direct_triton(cls, kw, dtype):
                             scale=scale, **kw)
         for x, y, name in zip(staged, torch_path, ("weights", "exp_avg", "exp_avg_sq")):
             assert_close(x, y, atol=2e-6, rtol=1e-5, name=f"{cls.__name__} staged Triton vs torch: {name}")
+
+
+@pytest.mark.parametrize("bitwise", [True, False], ids=["bitwise", "fused"])
+def test_staged_numba_equals_direct_numba(bitwise):
+    # The numba row kernels through the staged path (gathered rows) against the fused update straight
+    # from the uncoalesced gradient (direct path): the same operations on the same values; bitwise
+    # SparseAdam too where ``bitwise``.
+    idx = batches(20)
+    announce = lambda k: idx[k + 1] if k + 1 < len(idx) else None  # noqa: E731
+    direct, _ = run(idx, staged=False, announce=None, backend="numba", bitwise=bitwise)
+    staged, (hits, _, _) = run(idx, staged=True, announce=announce, backend="numba", bitwise=bitwise)
+    assert_same(staged, direct, "staged vs direct numba")
+    assert hits == len(idx) - 1
+    if bitwise:
+        assert_same(staged, sparse_adam_reference(idx[:20]), "staged numba vs torch.optim.SparseAdam")

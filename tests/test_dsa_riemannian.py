@@ -18,11 +18,7 @@ import torch.nn as nn
 import optim
 from tests.utils import assert_close
 
-try:
-    DiskSparseRiemannianAdam = optim.DiskSparseRiemannianAdam
-except (AttributeError, ImportError) as exc:  # pragma: no cover - until the class is wired in
-    pytestmark = pytest.mark.skip(reason=f"DiskSparseRiemannianAdam not available yet: {exc}")
-    DiskSparseRiemannianAdam = None
+from optim import DiskSparseRiemannianAdam
 
 CS = [pytest.param(1.0, id="c=1"), pytest.param(0.5, id="c=0.5")]
 
@@ -179,12 +175,12 @@ def train_both_ways(cls, w0, batches, loss_fn, kw, backend, tmp):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("which", ["adam", "ball"])
 def test_triton_backend_matches_torch_backend(n, d, batch, dtype, which, tmp_path, monkeypatch):
-    from optim.disk_sparse import kernels
+    from optim.disk_sparse import triton_ops
 
     calls = []
     for name in ("adam_rows_", "riemannian_adam_rows_"):  # count launches: no silent torch fallback
-        fn = getattr(kernels, name)
-        monkeypatch.setattr(kernels, name, lambda *a, _fn=fn, _n=name, **k: (calls.append(_n), _fn(*a, **k))[1])
+        fn = getattr(triton_ops, name)
+        monkeypatch.setattr(triton_ops, name, lambda *a, _fn=fn, _n=name, **k: (calls.append(_n), _fn(*a, **k))[1])
     gen = torch.Generator().manual_seed(n * 1000 + d)
     if which == "adam":
         cls, kw = optim.DiskSparseAdam, dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8)

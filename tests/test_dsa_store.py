@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from optim import DiskSparseAdam
+from optim import DiskSparseAdam, DiskSparseRiemannianAdam
 from optim.disk_sparse.store import HEADER_BYTES, RowStateFile, StateFileError
 
 
@@ -84,6 +84,18 @@ def test_bad_parameters(param, match):
 def test_bad_hyperparameters(kw, match):
     with pytest.raises(ValueError, match=match):
         DiskSparseAdam(_emb().parameters(), **kw)
+
+
+@pytest.mark.parametrize("cls,backend,dtype,match", [
+    pytest.param(DiskSparseAdam, "triton", torch.float64, "backend='triton' cannot update parameter 0", id="triton-f64"),
+    pytest.param(DiskSparseAdam, "numba", torch.bfloat16, "backend='numba' cannot update parameter 0", id="numba-bf16"),
+    pytest.param(DiskSparseRiemannianAdam, "numba", torch.float32, "no numba path", id="ball-numba"),
+])
+def test_backend_that_cannot_take_the_parameter_is_refused_at_construction(cls, backend, dtype, match, tmp_path):
+    with pytest.raises(ValueError, match=match):
+        cls(_emb(10, 4, dtype=dtype).parameters(), backend=backend, state_dir=tmp_path)
+    with cls(_emb(10, 4, dtype=dtype).parameters(), backend="auto", state_dir=tmp_path) as opt:  # "auto": torch
+        assert opt.state_file(opt.param_groups[0]["params"][0]).rows == 10
 
 
 def test_unusable_state_dir(tmp_path):
@@ -206,7 +218,7 @@ def test_huge_pages_change_nothing_but_the_mapping(tmp_path):
     emb_b.weight.data.copy_(emb_a.weight.data)
     opt_a = DiskSparseAdam(emb_a.parameters(), lr=1e-2, state_dir=tmp_path / "a", huge_pages=True)
     opt_b = DiskSparseAdam(emb_b.parameters(), lr=1e-2, state_dir=tmp_path / "b", huge_pages=False)
-    sa, sb = opt_a._stores[emb_a.weight], opt_b._stores[emb_b.weight]
+    sa, sb = opt_a.state_file(emb_a.weight), opt_b.state_file(emb_b.weight)
     assert sa.huge_pages == hasattr(__import__("mmap"), "MADV_HUGEPAGE") and not sb.huge_pages
     for _ in range(5):
         idx = torch.randint(0, 40_000, (3000,))
@@ -222,7 +234,7 @@ def test_huge_pages_change_nothing_but_the_mapping(tmp_path):
 
 
 def test_memory_limit_is_the_smaller_of_ram_and_the_cgroup_limit(tmp_path):
-    from optim.disk_sparse.base import memory_limit_bytes
+    from optim.disk_sparse.store import memory_limit_bytes
 
     phys = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     assert memory_limit_bytes(str(tmp_path)) == phys  # no cgroup files: physical RAM
@@ -237,15 +249,16 @@ def test_memory_limit_is_the_smaller_of_ram_and_the_cgroup_limit(tmp_path):
 
 
 def test_huge_pages_default_follows_the_size_rule(tmp_path, monkeypatch):
-    from optim.disk_sparse import base
+    from optim.disk_sparse import base, store
 
-    limit = base.memory_limit_bytes()
-    assert base.fits_in_page_cache(int(0.2 * limit)) and not base.fits_in_page_cache(int(0.3 * limit))
-    monkeypatch.setattr(base, "fits_in_page_cache", lambda nbytes: nbytes < 10_000)
+    limit = store.memory_limit_bytes()
+    assert store.fits_in_page_cache(int(0.2 * limit)) and not store.fits_in_page_cache(int(0.3 * limit))
+    monkeypatch.setattr(base, "fits_in_page_cache", lambda nbytes: nbytes < 10_000)  # where the optimizer calls it
     small, big = _emb(10, 6), _emb(1000, 6)  # state files of 480 and 48,000 bytes
     opt = DiskSparseAdam([small.weight, big.weight], state_dir=tmp_path)
-    assert opt._stores[small.weight].huge_pages == hasattr(__import__("mmap"), "MADV_HUGEPAGE")
-    assert not opt._stores[big.weight].huge_pages
+    assert opt.state_file(small.weight).huge_pages == hasattr(__import__("mmap"), "MADV_HUGEPAGE")
+    assert not opt.state_file(big.weight).huge_pages
+    assert opt.state_files() == [opt.state_file(small.weight), opt.state_file(big.weight)]
     opt.close()
     with pytest.raises(ValueError, match="huge_pages"):
         DiskSparseAdam(small.parameters(), huge_pages="yes")

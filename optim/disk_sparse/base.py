@@ -1,11 +1,12 @@
-"""The machinery shared by the Disk Sparse optimizers: state files, sparse gradients, checkpoints.
+"""The machinery shared by the Disk Sparse optimizers: state files, the step, checkpoints.
 
-:class:`DiskSparseOptimizer` owns one :class:`~optim.disk_sparse.store.RowStateFile` per parameter
-and runs the step: per parameter, the sparse gradient is coalesced into sorted unique rows
-(duplicates summed in the order ``torch.Tensor.coalesce`` sums them), those rows' records are
-gathered, updated together with the weight rows (on the weights' device) by the subclass's update,
-and scattered back. Untouched rows are never read. The optimizers themselves are in
-``optimizer.py``.
+:class:`DiskSparseOptimizer` owns one :class:`~optim.disk_sparse.store.RowStateFile` and one stager
+(``pipeline.py``) per parameter, and runs one step path: per parameter, the sparse gradient is
+coalesced into sorted unique rows (``torch_ops.coalesce_rows``), the stager brings those rows'
+records next to the weight rows, the backend's row update changes both in place, and the stager
+writes the records back. Untouched rows are never read. A backend with a fused update straight from
+the uncoalesced gradient (numba, for lazy Adam on CPU weights) takes the whole step instead. The
+optimizers themselves are in ``optimizer.py``.
 """
 
 from __future__ import annotations
@@ -18,101 +19,67 @@ import weakref
 
 import torch
 
-from .pipeline import RowStager, make_executor
-from .store import RowStateFile, StateFileError  # noqa: F401  (re-exported for users' except clauses)
+from ..backends import BACKENDS, resolve_backend
+from . import pipeline
+from .store import RowStateFile, StateFileError, fits_in_page_cache  # noqa: F401  (StateFileError re-exported)
+from .torch_ops import coalesce_rows
 
 # State-dict keys (the same as torch.optim.SparseAdam's, so its checkpoints load here and back).
 STEP, EXP_AVG, EXP_AVG_SQ = "step", "exp_avg", "exp_avg_sq"
-_BACKENDS = ("auto", "torch", "triton")
-
-
-def memory_limit_bytes(cgroup_root: str = "/sys/fs/cgroup") -> int | None:
-    """The memory this process may use: physical RAM, or a smaller cgroup v2 / v1 limit (the page
-    cache counts against it in a container). ``None`` if it cannot be told."""
-    limits = []
-    try:
-        limits.append(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
-    except (ValueError, OSError, AttributeError):
-        pass
-    for name in ("memory.max", "memory/memory.limit_in_bytes"):
-        try:
-            with open(os.path.join(cgroup_root, name)) as f:
-                text = f.read().strip()
-        except OSError:
-            continue
-        if text.isdigit():
-            limits.append(int(text))
-    return min(limits) if limits else None
-
-
-def fits_in_page_cache(nbytes: int, fraction: float = 0.25) -> bool:
-    """The ``huge_pages=None`` rule: a state file at most ``fraction`` of the memory limit (physical
-    RAM or the container's cgroup limit) is expected to stay in the page cache, so it is mapped with
-    huge pages (``store.py``); larger ones are not, since every page-cache miss would read 2 MiB."""
-    limit = memory_limit_bytes()
-    return limit is not None and nbytes <= fraction * limit
-
-
-def coalesce_rows(indices: torch.Tensor, values: torch.Tensor):
-    """Sorted unique rows of a row-sparse gradient and their summed values.
-
-    Duplicates are summed in the order ``torch.Tensor.coalesce`` sums them on CPU (the order of
-    ``indices.sort()``'s permutation), so the result is bitwise that of ``grad.coalesce()``; it avoids
-    building a sparse tensor and costs one sort plus one ``index_add_``.
-    """
-    s, perm = indices.sort()
-    n = s.numel()
-    new = torch.ones(n, dtype=torch.bool, device=s.device)
-    if n > 1:
-        torch.ne(s[1:], s[:-1], out=new[1:])
-    rows = s[new]
-    vals = values.index_select(0, perm)
-    if rows.numel() == n:
-        return rows, vals
-    inv = new.cumsum(0).sub_(1)
-    return rows, vals.new_zeros((rows.numel(),) + tuple(values.shape[1:])).index_add_(0, inv, vals)
 
 
 class DiskSparseOptimizer(torch.optim.Optimizer):
-    """Shared machinery: per-parameter state files, sparse-gradient handling, checkpoints.
+    """Shared machinery: per-parameter state files and stagers, the step, checkpoints.
 
-    Subclasses set ``_state_width(cols)``, ``_state_views(records, cols)`` (the state-dict tensors of
-    a record table) and ``_update_torch(p, rows, g, rec, step, group)`` (which updates ``rec`` in place
-    and writes the new weight rows), plus ``_kernel_name`` (the function in ``kernels.py``).
+    ``backend`` ("auto", "torch", "numba", "triton") is resolved per parameter when it is added, into
+    the subclass's functions of that backend (``_kernels``); ``staging`` chooses the stager (None:
+    the staged pipeline for CUDA weights, direct otherwise; True: staged for any weights).
     """
 
-    _kernel_name = ""
+    # -- the hooks every subclass implements -------------------------------------------------------
+    def _state_width(self, cols: int) -> int:
+        """Record width of a row of ``cols`` values."""
+        raise NotImplementedError
 
-    def __init__(self, params, defaults, state_dir=None, backend="auto", huge_pages=None):
-        if backend not in _BACKENDS:
-            raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+    def _state_views(self, records: torch.Tensor, cols: int) -> dict:
+        """The state-dict tensors (views side by side, in record order) of a record table."""
+        raise NotImplementedError
+
+    def _hyper(self, group: dict) -> dict:
+        """Keyword arguments of the row update for a parameter group."""
+        raise NotImplementedError
+
+    def _unsupported(self, backend: str, p: torch.Tensor) -> str | None:
+        """Why ``backend`` cannot update ``p`` (None if it can); "auto" then takes torch."""
+        raise NotImplementedError
+
+    def _kernels(self, backend: str):
+        """``(rows_fn, sparse_fn)`` of ``backend``: the row update ``rows_fn(w, g, state, step,
+        **hyper)`` and a fused update from the uncoalesced gradient ``sparse_fn(weight, indices,
+        values, records, step, **hyper)``, or None where the backend has none."""
+        raise NotImplementedError
+
+    def __init__(self, params, defaults, state_dir=None, backend="auto", huge_pages=None, staging=None):
+        if backend not in BACKENDS:
+            raise ValueError(f"{type(self).__name__}: backend must be one of {BACKENDS}, got {backend!r}")
         if huge_pages not in (None, True, False):
             raise ValueError(f"huge_pages must be None (decide by size), True or False, got {huge_pages!r}")
-        self.backend = backend
-        self.huge_pages = huge_pages
+        if staging not in (None, True, False):
+            raise ValueError(f"staging must be None (staged for CUDA weights), True or False, got {staging!r}")
+        self.backend, self.huge_pages, self.staging = backend, huge_pages, staging
         self._own_dir = state_dir is None
         if state_dir is None:
             state_dir = tempfile.mkdtemp(prefix="disk-sparse-adam-")
-            # Removed by close(), and at interpreter exit if close() never ran: at shutdown __del__
-            # may not run (e.g. a numpy view of the state in a global), which left the whole
-            # table-sized state file in /tmp. The finalizer holds the path only, not the optimizer.
+            # Removed by close(), and at interpreter exit if close() never ran (at shutdown __del__
+            # may not run, which would leave a table-sized file in /tmp). Holds the path only.
             self._remove_own_dir = weakref.finalize(self, shutil.rmtree, state_dir, ignore_errors=True)
         self.state_dir = os.fspath(state_dir)
-        self._stores: dict = {}
+        self._stores: dict = {}  # parameter -> RowStateFile
+        self._routes: dict = {}  # parameter -> (stager, rows_fn, sparse_fn)
         self._steps: dict = {}
+        self._executor = None  # the background gather thread of the staged pipeline
         self._closed = False
-        self._kernels = None
-        self._stagers: dict = {}  # parameter -> RowStager (weights on CUDA; see pipeline.py)
-        self._executor = None
-        # None: stage the weights on CUDA (pipeline.py); True/False: always/never (tests, benchmarks).
-        self._staging = None
-        try:
-            os.makedirs(self.state_dir, exist_ok=True)
-        except OSError as exc:
-            raise OSError(exc.errno, f"cannot create state_dir {self.state_dir}: {exc.strerror}; "
-                                     "give a writable directory") from None
-        if not os.access(self.state_dir, os.W_OK | os.X_OK):
-            raise PermissionError(f"state_dir {self.state_dir} is not writable; give a writable directory")
+        _make_writable_dir(self.state_dir)
         try:
             super().__init__(params, defaults)
         except BaseException:
@@ -123,34 +90,61 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
     def add_param_group(self, param_group):
         super().add_param_group(param_group)
         for p in self.param_groups[-1]["params"]:
-            self._open_store(p)
+            self._open(p)
 
-    def _open_store(self, p):
+    def _open(self, p):
         k = len(self._stores)
-        where = f"parameter {k} (shape {tuple(p.shape)}, dtype {p.dtype})"
-        if p.is_sparse or p.layout != torch.strided:
-            raise ValueError(f"{where}: the parameter must be a dense tensor (its gradient is sparse)")
-        if not p.is_floating_point():
-            raise ValueError(f"{where}: {type(self).__name__} needs a floating-point parameter")
-        if p.dim() != 2:
-            raise ValueError(f"{where}: {type(self).__name__} needs a 2-D (rows, dim) embedding table "
-                             "such as nn.Embedding(..., sparse=True).weight")
+        _check_param(p, k, type(self).__name__)
         sdtype = p.dtype if p.dtype in (torch.float32, torch.float64) else torch.float32
-        path = os.path.join(self.state_dir, f"param{k:04d}.dsa")
         width = self._state_width(p.shape[1])
         huge = self.huge_pages
         if huge is None:
             huge = fits_in_page_cache(p.shape[0] * width * torch.empty((), dtype=sdtype).element_size())
-        store = RowStateFile(path, p.shape[0], p.shape[1], width, sdtype, huge_pages=huge)
+        rows_fn, sparse_fn = self._kernels(self._backend_for(p, k))
+        store = RowStateFile(os.path.join(self.state_dir, f"param{k:04d}.dsa"), p.shape[0], p.shape[1],
+                             width, sdtype, huge_pages=huge)
         self._stores[p] = store
+        if p.is_cuda if self.staging is None else self.staging:
+            if self._executor is None:
+                self._executor = pipeline.make_executor()
+            stager, sparse_fn = pipeline.RowStager(store, p.device, self._executor), None
+        else:
+            stager = pipeline.DirectStager(store, p.device)
+        self._routes[p] = (stager, rows_fn, sparse_fn)
         self._steps[p] = store.step
         self.state[p] = self._state_entry(p)
 
+    def _backend_for(self, p, k):
+        owner = type(self).__name__
+        name = resolve_backend(self.backend, p.device, owner=owner)
+        why = self._unsupported(name, p)
+        if why is not None and self.backend == "auto":
+            name, why = "torch", self._unsupported("torch", p)
+        if why is not None:
+            raise ValueError(f"{owner}: backend={name!r} cannot update parameter {k} (shape "
+                             f"{tuple(p.shape)}, dtype {p.dtype}): {why}; use backend='torch'")
+        return name
+
     def _state_entry(self, p):
-        store = self._stores[p]
         entry = {STEP: torch.tensor(self._steps[p], dtype=torch.int64)}
-        entry.update(self._state_views(store.records, p.shape[1]))
+        entry.update(self._state_views(self._stores[p].records, p.shape[1]))
         return entry
+
+    def state_file(self, p) -> RowStateFile:
+        """The state file of parameter ``p``."""
+        if p not in self._stores:
+            raise ValueError("state_file: p is not one of this optimizer's parameters")
+        return self._stores[p]
+
+    def state_files(self) -> list:
+        """The state files of all parameters, in parameter order."""
+        return list(self._stores.values())
+
+    def stager(self, p):
+        """The stager of parameter ``p`` (``pipeline.DirectStager`` or ``pipeline.RowStager``)."""
+        if p not in self._routes:
+            raise ValueError("stager: p is not one of this optimizer's parameters")
+        return self._routes[p][0]
 
     # -- the step ----------------------------------------------------------------------------------
     @torch.no_grad()
@@ -162,78 +156,47 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
+            hyper = self._hyper(group)
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                g = p.grad
-                if not g.is_sparse:
-                    raise RuntimeError(
-                        f"parameter {self._index(p)} (shape {tuple(p.shape)}) got a dense gradient; "
-                        f"{type(self).__name__} needs sparse gradients: build the table with "
-                        "nn.Embedding(..., sparse=True) or nn.EmbeddingBag(..., sparse=True), or use "
-                        "torch.optim.Adam for dense parameters")
-                if g.sparse_dim() != 1:
-                    raise RuntimeError(f"parameter {self._index(p)}: the gradient must be row-sparse "
-                                       "(sparse_dim 1, as nn.Embedding(sparse=True) produces), got "
-                                       f"sparse_dim {g.sparse_dim()}")
+                g = self._row_sparse_grad(p)
                 self._steps[p] += 1  # like SparseAdam, a present gradient counts even when empty
-                if g._nnz() == 0:
-                    continue
-                staged = self._staged(p)
-                if not staged and self._fused_cpu(p, g, group, self._steps[p]):
-                    continue
-                if g.is_coalesced():
-                    rows, vals = g._indices()[0], g._values()
-                else:
-                    rows, vals = coalesce_rows(g._indices()[0], g._values())
-                step_rows = self._step_rows_staged if staged else self._step_rows
-                step_rows(p, rows, vals, group, self._steps[p])
+                if g._nnz():
+                    self._step_param(p, g, self._steps[p], hyper)
         return loss
 
-    def _step_rows(self, p, rows, vals, group, step):
-        store = self._stores[p]
-        rows_cpu = rows.cpu()
-        rec = store.gather(rows_cpu)
-        if p.device != rec.device:
-            rec = rec.pin_memory().to(p.device, non_blocking=True)
-        g = vals.to(rec.dtype)
-        if self._use_triton(p):
-            w = p.index_select(0, rows)
-            getattr(self._kernel_module(), self._kernel_name)(w, g.contiguous(), rec, step,
-                                                             **self._hyper(group))
-            p.index_copy_(0, rows, w)
+    def _step_param(self, p, g, step, hyper):
+        stager, rows_fn, sparse_fn = self._routes[p]
+        if sparse_fn is not None:
+            records = self._stores[p].writable()
+            sparse_fn(p, g._indices()[0], g._values().to(p.dtype), records, step, **hyper)
+            return
+        if g.is_coalesced():
+            rows, vals = g._indices()[0], g._values()
         else:
-            self._update_torch(p, rows, g, rec, step, group)
-        store.scatter(rows_cpu, rec.cpu())
-
-    def _staged(self, p):
-        return p.is_cuda if self._staging is None else bool(self._staging)
-
-    def _stager(self, p):
-        st = self._stagers.get(p)
-        if st is None:
-            if self._executor is None:
-                self._executor = make_executor()
-            st = self._stagers[p] = RowStager(self._stores[p], p.device, self._executor)
-        return st
-
-    def _step_rows_staged(self, p, rows, vals, group, step):
-        """``_step_rows`` through persistent pinned/device buffers and announced rows (pipeline.py)."""
-        st = self._stager(p)
+            rows, vals = coalesce_rows(g._indices()[0], g._values())
         rows_cpu = rows.cpu()
-        host = st.acquire(rows_cpu)
-        rec = st.to_device(host)
-        g = vals.to(rec.dtype)
-        if self._use_triton(p):
-            w = st.weight_rows(p, rows)
-            getattr(self._kernel_module(), self._kernel_name)(w, g.contiguous(), rec, step,
-                                                             **self._hyper(group))
-            p.index_copy_(0, rows, w)
-        else:
-            self._update_torch(p, rows, g, rec, step, group)
-        st.to_host(rec, host)
-        self._stores[p].scatter(rows_cpu, host)
-        st.written(rows_cpu, host)
+        host = stager.acquire(rows_cpu)
+        rec = stager.to_device(host)
+        w = stager.weight_rows(p, rows)
+        rows_fn(w, vals.to(rec.dtype).contiguous(), rec, step, **hyper)
+        p.index_copy_(0, rows, w)
+        stager.commit(rows_cpu, rec, host)
+
+    def _row_sparse_grad(self, p):
+        g = p.grad
+        if not g.is_sparse:
+            raise RuntimeError(
+                f"parameter {self._index(p)} (shape {tuple(p.shape)}) got a dense gradient; "
+                f"{type(self).__name__} needs sparse gradients: build the table with "
+                "nn.Embedding(..., sparse=True) or nn.EmbeddingBag(..., sparse=True), or use "
+                "torch.optim.Adam for dense parameters")
+        if g.sparse_dim() != 1:
+            raise RuntimeError(f"parameter {self._index(p)}: the gradient must be row-sparse "
+                               "(sparse_dim 1, as nn.Embedding(sparse=True) produces), got "
+                               f"sparse_dim {g.sparse_dim()}")
+        return g
 
     def device_staging_bytes(self):
         """Device memory held by the optimizer: its staging buffers (O(largest batch's unique rows)).
@@ -241,7 +204,7 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
         The moments live in the state files; per step, transient device tensors (the coalesced
         gradient and its sort) come and go through the caching allocator and are not counted.
         """
-        return sum(st.device_bytes() for st in self._stagers.values())
+        return sum(st.device_bytes() for st, _, _ in self._routes.values())
 
     def staging_stats(self):
         """Totals over parameters: staging bytes (device, pinned host) and announcement use.
@@ -249,34 +212,10 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
         ``hits``: steps that used announced records; ``misses``: steps that gathered from the file;
         ``patched_rows``: announced rows refreshed because a step in between wrote them.
         """
-        out = dict(device_bytes=self.device_staging_bytes(), hits=0, misses=0, patched_rows=0,
-                   pinned_bytes=sum(st.host_bytes() for st in self._stagers.values()))
-        for st in self._stagers.values():
-            out.update(hits=out["hits"] + st.hits, misses=out["misses"] + st.misses,
-                       patched_rows=out["patched_rows"] + st.patched_rows)
-        return out
-
-    def _fused_cpu(self, p, g, group, step):
-        """Subclass hook: update with a fused CPU kernel straight from the uncoalesced gradient."""
-        return False
-
-    def _use_triton(self, p):
-        if self.backend == "torch":
-            return False
-        ok = p.dtype in (torch.float32, torch.bfloat16)
-        if self.backend == "triton":
-            if not ok:
-                raise ValueError(f"parameter {self._index(p)}: backend='triton' handles float32 and "
-                                 f"bfloat16 weights, got {p.dtype}; use backend='torch'")
-            return True
-        return p.is_cuda and ok
-
-    def _kernel_module(self):
-        if self._kernels is None:
-            from . import kernels  # Triton is imported only when a kernel is used
-
-            self._kernels = kernels
-        return self._kernels
+        stagers = [st for st, _, _ in self._routes.values()]
+        return dict(device_bytes=self.device_staging_bytes(), pinned_bytes=sum(s.host_bytes() for s in stagers),
+                    hits=sum(s.hits for s in stagers), misses=sum(s.misses for s in stagers),
+                    patched_rows=sum(s.patched_rows for s in stagers))
 
     def prefetch(self, indices, param=None):
         """Announce rows the next step will touch, so their state pages are read meanwhile.
@@ -302,10 +241,7 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
         if rows.numel() and (rows[0] < 0 or rows[-1] >= param.shape[0]):
             raise IndexError(f"prefetch: indices must lie in [0, {param.shape[0]}) for parameter "
                              f"{self._index(param)}")
-        if self._staged(param):
-            self._stager(param).prefetch(rows)
-        else:
-            self._stores[param].prefetch(rows)
+        self._routes[param][0].prefetch(rows)
 
     # -- checkpoints -------------------------------------------------------------------------------
     def state_dict(self):
@@ -337,37 +273,31 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
         id_map = dict(zip(itertools.chain.from_iterable(g["params"] for g in saved_groups),
                           itertools.chain.from_iterable(g["params"] for g in self.param_groups)))
         saved_state = {id_map[k]: v for k, v in state_dict["state"].items()}
-        loaded = {}
-        for p, store in self._stores.items():  # check everything before writing anything
-            entry = saved_state.get(p)
-            views = self._state_views(store.records, p.shape[1])
-            if entry:
-                vals = {}
-                for key, view in views.items():
-                    if key not in entry:
-                        raise KeyError(f"state_dict's state of parameter {self._index(p)} lacks {key!r}")
-                    vals[key] = torch.as_tensor(entry[key])
-                    if vals[key].shape != view.shape:
-                        raise ValueError(f"state_dict's {key!r} of parameter {self._index(p)} has shape "
-                                         f"{tuple(vals[key].shape)}, expected {tuple(view.shape)}")
-                loaded[p] = (vals, int(entry[STEP]))
-        for st in self._stagers.values():  # announced records are about to be replaced
-            st.invalidate()
+        loaded = {p: self._loaded_columns(p, saved_state.get(p)) for p in self._stores}  # check all first
+        for stager, _, _ in self._routes.values():  # announced records are about to be replaced
+            stager.invalidate()
         for sg, g in zip(saved_groups, self.param_groups):
             g.update({k: v for k, v in sg.items() if k != "params"})
         for p, store in self._stores.items():
-            views = self._state_views(store.records, p.shape[1])
-            store.mark_dirty()
-            vals, step = loaded.get(p, (None, 0))
-            if vals is None:
-                store.records.zero_()
-            else:
-                for key, view in views.items():
-                    if vals[key].data_ptr() != view.data_ptr():
-                        view.copy_(vals[key])
-            store.flush(step)
+            columns, step = loaded[p]
+            store.write_all(columns, step)
             self._steps[p] = step
             self.state[p] = self._state_entry(p)
+
+    def _loaded_columns(self, p, entry):
+        """(the record columns of a saved state entry, its step), or (None, 0) for fresh state."""
+        if not entry:
+            return None, 0
+        columns = []
+        for key, view in self._state_views(self._stores[p].records, p.shape[1]).items():
+            if key not in entry:
+                raise KeyError(f"state_dict's state of parameter {self._index(p)} lacks {key!r}")
+            val = torch.as_tensor(entry[key])
+            if val.shape != view.shape:
+                raise ValueError(f"state_dict's {key!r} of parameter {self._index(p)} has shape "
+                                 f"{tuple(val.shape)}, expected {tuple(view.shape)}")
+            columns.append(val)
+        return columns, int(entry[STEP])
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def flush(self):
@@ -382,11 +312,11 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
             return
         self._closed = True
         try:
-            for st in self._stagers.values():  # no background gather may outlive the mappings
-                st.invalidate()
+            for stager, _, _ in self._routes.values():  # no background gather may outlive the mappings
+                stager.invalidate()
             if self._executor is not None:
                 self._executor.shutdown(wait=True)
-            self._stagers.clear()
+            self._routes.clear()
             for p, store in self._stores.items():
                 store.close(self._steps[p])
         finally:
@@ -422,3 +352,24 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
     def __getstate__(self):
         raise TypeError(f"{type(self).__name__} cannot be pickled: its state lives in files; "
                         "save opt.state_dict() instead")
+
+
+def _make_writable_dir(path):
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        raise OSError(exc.errno, f"cannot create state_dir {path}: {exc.strerror}; "
+                                 "give a writable directory") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise PermissionError(f"state_dir {path} is not writable; give a writable directory")
+
+
+def _check_param(p, k, owner):
+    where = f"parameter {k} (shape {tuple(p.shape)}, dtype {p.dtype})"
+    if p.is_sparse or p.layout != torch.strided:
+        raise ValueError(f"{where}: the parameter must be a dense tensor (its gradient is sparse)")
+    if not p.is_floating_point():
+        raise ValueError(f"{where}: {owner} needs a floating-point parameter")
+    if p.dim() != 2:
+        raise ValueError(f"{where}: {owner} needs a 2-D (rows, dim) embedding table "
+                         "such as nn.Embedding(..., sparse=True).weight")

@@ -1,39 +1,16 @@
 """Disk Sparse Adam optimizers: lazy Adam for sparse embedding tables, moments in memory-mapped files.
 
-The step, the state files and checkpoints are the shared machinery of ``base.py``; each optimizer
-here says what a row's record holds and how a row is updated: a pure function (``reference.py``,
-``poincare.py``), its in-place torch twin, a Triton kernel (``kernels.py``) or, for Adam on CPU,
-the fused Numba kernels (``cpu_kernels.py``).
+The step, the state files, staging and checkpoints are the shared machinery of ``base.py``; each
+optimizer here says what a row's record holds, which backends its row update has (``torch_ops``,
+``numba_ops``, ``triton_ops``; the pure rules are in ``reference.py``) and what they cannot take.
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from .base import EXP_AVG, EXP_AVG_SQ, STEP, DiskSparseOptimizer, coalesce_rows  # noqa: F401
+from .base import EXP_AVG, EXP_AVG_SQ, STEP, DiskSparseOptimizer  # noqa: F401
 from .store import StateFileError  # noqa: F401  (re-exported for users' except clauses)
-
-
-def adam_rows_torch_(w, g, state, step, *, lr, beta1, beta2, eps, maximize=False):
-    """In-place twin of ``reference.sparse_adam_rows`` on records ``state = [m | v]``.
-
-    Updates ``state`` in place and returns the weight increment (add it to the rows of ``w``); the
-    operations and their order are those of the reference, so results are bitwise equal.
-    ``w`` is unused (the increment is added by the caller with ``index_add_``, as SparseAdam does).
-    """
-    d = g.shape[1]
-    m, v = state[:, :d], state[:, d:]
-    if maximize:
-        g = -g
-    u_m = torch.sub(g, m).mul_(1 - beta1)
-    u_v = g.pow(2).sub_(v).mul_(1 - beta2)
-    m.add_(u_m)  # m + u_m == u_m + m_old: the numerator of the reference
-    v.add_(u_v)
-    denom = torch.sqrt(v, out=u_v).add_(eps)
-    step_size = lr * math.sqrt(1 - beta2 ** step) / (1 - beta1 ** step)
-    return torch.div(m, denom, out=u_m).mul_(-step_size)
 
 
 class DiskSparseAdam(DiskSparseOptimizer):
@@ -69,10 +46,11 @@ class DiskSparseAdam(DiskSparseOptimizer):
         state_dir (str or None): directory of the state files; an existing one is resumed if its files
             are clean and match; ``None`` makes a private temporary directory removed by ``close()``.
             (Default: None)
-        backend (str): ``"torch"`` (vectorised torch ops), ``"triton"`` (``optim.disk_sparse.kernels``)
-            or ``"auto"``: Triton when the weights are on CUDA; on CPU the fused Numba kernels of
-            ``optim.disk_sparse.cpu_kernels`` when Numba is installed (float32/float64), else torch.
-            All give SparseAdam's update; on CPU both are bitwise equal to it. (Default: "auto")
+        backend (str): ``"torch"`` (``torch_ops``, any device), ``"numba"`` (``numba_ops``: CPU,
+            float32/float64 weights), ``"triton"`` (``triton_ops``: float32/bfloat16 weights) or
+            ``"auto"``: Triton for CUDA weights, numba for CPU weights where it is installed, torch
+            otherwise (and for weights the chosen one cannot take). Resolved at construction. All
+            give SparseAdam's update; torch and numba bitwise. (Default: "auto")
         huge_pages (bool or None): map the state files with transparent huge pages (2 MiB), which
             makes warm steps faster (fewer TLB misses) where the kernel supports huge pages for file
             mappings, but makes every page-cache miss read 2 MiB: only for state that stays in RAM.
@@ -83,24 +61,27 @@ class DiskSparseAdam(DiskSparseOptimizer):
             torch's own (MKL's vector sqrt, not always correctly rounded; called on tiles of rows
             inside the kernel where torch's library exposes it, else ``Tensor.sqrt_`` in a separate
             pass), and rows that occur three times or more in a gradient are summed in
-            ``Tensor.sort``'s order, as ``coalesce`` sums them. ``False`` takes a correctly rounded
-            sqrt and a stable radix sort's order: training in ``experiments/dsa_throughput.py`` ran
-            11% (seed config) and 41% (KG config) more samples/s, and results differ from
+            ``Tensor.sort``'s order, as ``coalesce`` sums them. ``False`` (numba backend) takes a
+            correctly rounded sqrt and a stable radix sort's order, which is faster
+            (``experiments/dsa_throughput.py``, variant ``warm-fused``); results then differ from
             SparseAdam's only by the rounding of that sqrt and of those sums (within the 1e-6 of
             the trajectory tests). A param-group option.
             (Default: True)
+
+        staging (bool or None): stage each step's records through persistent pinned and device
+            buffers with background prefetch (``pipeline.py``); ``None``: for CUDA weights.
+            (Default: None)
 
     Use ``flush()`` for a clean on-disk point, ``close()`` (or ``with``) when done; checkpoints via
     ``state_dict()``/``load_state_dict()`` as with any optimizer.
     """
 
-    _kernel_name = "adam_rows_"
-
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, maximize=False, state_dir=None,
-                 backend="auto", huge_pages=None, bitwise=True):
+                 backend="auto", huge_pages=None, bitwise=True, staging=None):
         _check_hyper(lr, betas, eps)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, maximize=bool(maximize), bitwise=bool(bitwise))
-        super().__init__(params, defaults, state_dir=state_dir, backend=backend, huge_pages=huge_pages)
+        super().__init__(params, defaults, state_dir=state_dir, backend=backend, huge_pages=huge_pages,
+                         staging=staging)
 
     def _state_width(self, cols):
         return 2 * cols
@@ -111,27 +92,23 @@ class DiskSparseAdam(DiskSparseOptimizer):
     def _hyper(self, group):
         beta1, beta2 = group["betas"]
         return dict(lr=_scalar(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
-                    maximize=group["maximize"])
+                    maximize=group["maximize"], bitwise=group.get("bitwise", True))
 
-    def _fused_cpu(self, p, g, group, step):
-        if self.backend != "auto" or p.is_cuda or p.dtype not in (torch.float32, torch.float64):
-            return False
-        from . import cpu_kernels
+    def _unsupported(self, backend, p):
+        return _dtype_unsupported(backend, p)
 
-        if not cpu_kernels.AVAILABLE or g._values().dtype != p.dtype:
-            return False
-        store = self._stores[p]
-        store.mark_dirty()
-        cpu_kernels.adam_rows_cpu_(p, g._indices()[0], g._values(), store.records.numpy(), step,
-                                   bitwise=group.get("bitwise", True), **self._hyper(group))
-        return True
+    def _kernels(self, backend):
+        if backend == "numba":
+            from . import numba_ops
 
-    def _update_torch(self, p, rows, g, rec, step, group):
-        delta = adam_rows_torch_(None, g, rec, step, **self._hyper(group))
-        if p.dtype == rec.dtype:
-            p.index_add_(0, rows, delta)  # unique rows: w + delta, as SparseAdam's sparse add
-        else:
-            p.index_copy_(0, rows, p.index_select(0, rows).to(rec.dtype).add_(delta).to(p.dtype))
+            return numba_ops.adam_rows_, numba_ops.adam_sparse_
+        if backend == "triton":
+            from . import triton_ops  # Triton is imported only when its kernels are used
+
+            return triton_ops.adam_rows_, None
+        from . import torch_ops
+
+        return torch_ops.adam_rows_, None
 
 
 def _scalar(x):
@@ -176,19 +153,21 @@ class DiskSparseRiemannianAdam(DiskSparseOptimizer):
         c (float): the ball's curvature is ``-c``; its radius ``1/sqrt(c)``. (Default: 1.0)
         exact (bool): exponential map instead of the retraction. (Default: False)
         state_dir (str or None): as in :class:`DiskSparseAdam`. (Default: None)
-        backend (str): ``"torch"``, ``"triton"`` or ``"auto"``. (Default: "auto")
+        backend (str): ``"torch"``, ``"triton"`` (float32/bfloat16 weights, rows up to
+            ``triton_ops.MAX_BALL_D`` wide) or ``"auto"`` (Triton for CUDA weights it can take, torch
+            otherwise); ``"numba"`` is refused: this update has no numba path. (Default: "auto")
         huge_pages (bool or None): as in :class:`DiskSparseAdam`. (Default: None)
+        staging (bool or None): as in :class:`DiskSparseAdam`. (Default: None)
     """
 
-    _kernel_name = "riemannian_adam_rows_"
-
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, c=1.0, exact=False, state_dir=None,
-                 backend="auto", huge_pages=None):
+                 backend="auto", huge_pages=None, staging=None):
         _check_hyper(lr, betas, eps)
         if not float(c) > 0:
             raise ValueError(f"c (the ball's curvature is -c) must be > 0, got {c}")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, c=float(c), exact=bool(exact))
-        super().__init__(params, defaults, state_dir=state_dir, backend=backend, huge_pages=huge_pages)
+        super().__init__(params, defaults, state_dir=state_dir, backend=backend, huge_pages=huge_pages,
+                         staging=staging)
 
     def _state_width(self, cols):
         return cols + 1
@@ -201,19 +180,34 @@ class DiskSparseRiemannianAdam(DiskSparseOptimizer):
         return dict(lr=_scalar(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"], c=group["c"],
                     exact=group["exact"])
 
-    def _use_triton(self, p):
-        use = super()._use_triton(p)
-        if use and self.backend == "auto":  # rows wider than one kernel program: the torch path
-            limit = getattr(self._kernel_module(), "_MAX_BALL_D", None)
-            return limit is None or p.shape[1] <= limit
-        return use
+    def _unsupported(self, backend, p):
+        if backend == "numba":
+            return "the Riemannian update has no numba path"
+        if backend == "triton":
+            from .triton_ops import MAX_BALL_D
 
-    def _update_torch(self, p, rows, g, rec, step, group):
-        from .poincare import riemannian_adam_rows
+            if p.shape[1] > MAX_BALL_D:
+                return f"rows wider than {MAX_BALL_D} do not fit one Triton program"
+        return _dtype_unsupported(backend, p)
 
-        d = p.shape[1]
-        w = p.index_select(0, rows).to(rec.dtype)
-        w, m, v = riemannian_adam_rows(w, g, rec[:, :d], rec[:, d:], step, **self._hyper(group))
-        rec[:, :d] = m
-        rec[:, d:] = v
-        p.index_copy_(0, rows, w.to(p.dtype))
+    def _kernels(self, backend):
+        if backend == "triton":
+            from . import triton_ops
+
+            return triton_ops.riemannian_adam_rows_, None
+        from . import torch_ops
+
+        return torch_ops.riemannian_adam_rows_, None
+
+
+def _dtype_unsupported(backend, p):
+    """Why ``backend``'s kernels cannot take ``p``'s dtype (None if they can)."""
+    if backend == "numba":
+        from .numba_ops import WEIGHT_DTYPES
+    elif backend == "triton":
+        from .triton_ops import WEIGHT_DTYPES
+    else:
+        return None
+    if p.dtype not in WEIGHT_DTYPES:
+        return f"its kernels take {', '.join(str(d) for d in WEIGHT_DTYPES)} weights"
+    return None

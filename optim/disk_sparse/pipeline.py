@@ -1,6 +1,13 @@
 """Staging of Disk Sparse Adam state records between the state file and the weights' device.
 
-For weights on CUDA, one step of one parameter goes (``base.DiskSparseOptimizer._step_rows_staged``)::
+Two stagers with one interface serve ``base.DiskSparseOptimizer``'s step: ``DirectStager`` (the
+records are gathered from the file for each step; weights on CPU) and ``RowStager`` (the staged
+pipeline; weights on CUDA, or any weights with ``staging=True``). Per step of one parameter::
+
+    host = acquire(rows); rec = to_device(host); w = weight_rows(p, rows)
+    <row update of w, rec in place>; p[rows] = w; commit(rows, rec, host)
+
+For weights on CUDA, ``RowStager`` moves the records::
 
     file (mmap) --gather--> pinned host buffer --H2D, side stream--> device records
         --row update in place with the weight rows (index_select / index_copy_ on the device)-->
@@ -21,7 +28,7 @@ announcement then would waste it). Anything else that writes the file (``load_st
 ``close``) calls ``invalidate()``. At most ``depth`` announcements are kept; older ones are dropped.
 
 The same code runs with CPU "device" tensors (plain host buffers, no streams), which is how the tests
-check it against the direct path.
+check it against the direct path (``staging=True``).
 """
 
 from __future__ import annotations
@@ -63,6 +70,46 @@ class _Announced:
 
     def __init__(self, rows, buf, future):
         self.rows, self.buf, self.future = rows, buf, future
+
+
+class DirectStager:
+    """The unstaged path: each step gathers its rows' records from the file (and copies them to the
+    weights' device if that is not the CPU) and scatters them back; ``prefetch`` asks the kernel to
+    read the rows' pages ahead (``RowStateFile.prefetch``). Holds no buffers."""
+
+    hits = misses = patched_rows = 0
+
+    def __init__(self, store, device):
+        self.store, self.device = store, torch.device(device)
+
+    def acquire(self, rows: torch.Tensor) -> torch.Tensor:
+        return self.store.gather(rows)
+
+    def to_device(self, host: torch.Tensor) -> torch.Tensor:
+        if host.device == self.device:
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True)
+
+    def weight_rows(self, p: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        return p.index_select(0, rows)
+
+    def commit(self, rows: torch.Tensor, dev: torch.Tensor, host: torch.Tensor):
+        self.store.scatter(rows, dev.cpu())
+
+    def prefetch(self, rows: torch.Tensor):
+        self.store.prefetch(rows)
+
+    def invalidate(self):
+        pass
+
+    def buffers(self) -> list:
+        return []  # the records and weight rows of each step are fresh tensors
+
+    def device_bytes(self) -> int:
+        return 0
+
+    def host_bytes(self) -> int:
+        return 0
 
 
 class RowStager:
@@ -175,6 +222,19 @@ class RowStager:
             host.copy_(dev, non_blocking=True)
             self.event.record(self.stream)
         self.event.synchronize()
+
+    def commit(self, rows: torch.Tensor, dev: torch.Tensor, host: torch.Tensor):
+        """Write the step's updated device records ``dev`` of ``rows`` back to the file through ``host``
+        (the buffer ``acquire`` returned) and refresh pending announcements."""
+        self.to_host(dev, host)
+        self.store.scatter(rows, host)
+        self.written(rows, host)
+
+    def buffers(self) -> list:
+        """The persistent staging tensors: host buffers, device records, device weight rows (None where
+        not allocated yet)."""
+        weights = None if self.dev_weights is None else self.dev_weights.tensor
+        return [b.tensor for b in self.host] + [self.dev_records.tensor, weights]
 
     def device_bytes(self) -> int:
         return self.dev_records.nbytes + (0 if self.dev_weights is None else self.dev_weights.nbytes)

@@ -1,4 +1,5 @@
-"""Poincaré-ball math and the Riemannian Adam row update, as short pure functions.
+"""Poincaré-ball math as short pure functions (the Riemannian Adam row update that uses it is
+``reference.riemannian_adam_rows``).
 
 The ball of curvature -c (c > 0) is {x : c·|x|² < 1} with the conformal factor
 λ_x = 2 / (1 - c·|x|²). Every function works on rows (the last dimension) and returns new tensors.
@@ -13,7 +14,7 @@ operation, written with its sectional curvature k = -c, so that float64 trajecto
 
 References: Nickel & Kiela, "Poincaré Embeddings for Learning Hierarchical Representations" (2017);
 Ganea, Bécigneul & Hofmann, "Hyperbolic Neural Networks" (2018); Bécigneul & Ganea, "Riemannian
-Adaptive Optimization Methods" (2019), the update rule of ``riemannian_adam_rows``.
+Adaptive Optimization Methods" (2019).
 """
 
 from __future__ import annotations
@@ -125,32 +126,3 @@ def distance(x, y, *, c, keepdim=False):
     sqrt_c = c**0.5
     norm = mobius_add(-x, y, c=c).norm(dim=-1, p=2, keepdim=keepdim)
     return 2.0 * ((1 / sqrt_c) * _artanh(norm * sqrt_c))
-
-
-def riemannian_adam_rows(w, g, m, v, step, *, lr, beta1, beta2, eps, c, exact):
-    """One Riemannian Adam step (Bécigneul & Ganea 2019) on gathered rows of the ball.
-
-    w, g, m: (n, D); v: (n, 1) (the second moment of a row is one number, λ_x² |rgrad|²);
-    g holds coalesced unique rows; step = t >= 1 after incrementing. Returns new (w, m, v)::
-
-        x  = project(w)                      # a point nudged outside cannot become NaN
-        r  = g / λ_x²                        # Riemannian gradient
-        m  = β1 m + (1 - β1) r
-        v  = β2 v + (1 - β2) λ_x² |r|²
-        u  = -lr (m / (1 - β1^t)) / (sqrt(v / (1 - β2^t)) + eps)
-        w, m = retraction+transport (exact=False) or expmap+transport (exact=True) of x along u
-
-    the order of operations of ``geoopt.optim.SparseRiemannianAdam.step`` with
-    ``geoopt.PoincareBall(c)`` (exact=False) or ``geoopt.PoincareBallExact(c)`` (exact=True).
-    """
-    x = project(w, c=c)
-    r = egrad2rgrad(x, g, c=c)
-    m = m.mul(beta1).add_(r, alpha=1 - beta1)
-    v = v.mul(beta2).add_(component_inner(x, r, c=c), alpha=1 - beta2)
-    bias_correction1 = 1 - beta1**step
-    bias_correction2 = 1 - beta2**step
-    denom = v.div(bias_correction2).sqrt_().add_(eps)
-    direction = m.div(bias_correction1) / denom
-    move = transp_follow_expmap if exact else transp_follow_retraction
-    w, m = move(x, -lr * direction, m, c=c)
-    return w, m, v

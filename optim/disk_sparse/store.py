@@ -22,7 +22,8 @@ Page size: with ``huge_pages=True`` the mapping is also advised ``MADV_HUGEPAGE`
 and file system back file mappings with 2 MiB folios (Linux 6.x with large folios, e.g. ext4 from
 6.16, XFS), a warm step then takes one TLB entry per 2 MiB instead of per 4 KiB: on the seed
 configuration (1M x 128) the whole step was ~10% faster. But each page-cache miss then reads a
-2 MiB folio, so it is only for state that stays in the page cache. Elsewhere the advice is ignored.
+2 MiB folio, so it is only for state that stays in the page cache (``fits_in_page_cache``).
+Elsewhere the advice is ignored.
 """
 
 from __future__ import annotations
@@ -42,6 +43,33 @@ HEADER_BYTES = 4096
 _HEADER = struct.Struct("<8sIIQQQQI")  # magic, version, dtype, rows, cols, width, step, clean
 _DTYPES = {1: torch.float32, 2: torch.float64}
 _CODES = {v: k for k, v in _DTYPES.items()}
+
+
+def memory_limit_bytes(cgroup_root: str = "/sys/fs/cgroup") -> int | None:
+    """The memory this process may use: physical RAM, or a smaller cgroup v2 / v1 limit (the page
+    cache counts against it in a container). ``None`` if it cannot be told."""
+    limits = []
+    try:
+        limits.append(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):
+        pass
+    for name in ("memory.max", "memory/memory.limit_in_bytes"):
+        try:
+            with open(os.path.join(cgroup_root, name)) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            limits.append(int(text))
+    return min(limits) if limits else None
+
+
+def fits_in_page_cache(nbytes: int, fraction: float = 0.25) -> bool:
+    """The ``huge_pages=None`` rule: a state file at most ``fraction`` of the memory limit (physical
+    RAM or the container's cgroup limit) is expected to stay in the page cache, so it is mapped with
+    huge pages; larger ones are not, since every page-cache miss would read 2 MiB."""
+    limit = memory_limit_bytes()
+    return limit is not None and nbytes <= fraction * limit
 
 
 class StateFileError(RuntimeError):
@@ -171,6 +199,11 @@ class RowStateFile:
             self._write_header(self._step, clean=False)
             self._dirty = True
 
+    def writable(self) -> torch.Tensor:
+        """``records``, for a caller that writes them in place (a fused kernel): marks the file dirty."""
+        self.mark_dirty()
+        return self.records
+
     def gather(self, rows: torch.Tensor) -> torch.Tensor:
         """Records of ``rows`` (int64, CPU, sorted unique) as a new ``(n, width)`` tensor."""
         self._check_open()
@@ -181,10 +214,23 @@ class RowStateFile:
         self.mark_dirty()
         self.records.index_copy_(0, rows, records)
 
-    def write_all(self, records: torch.Tensor, step: int):
-        """Replace every record (e.g. from a checkpoint) and make the file clean at ``step``."""
+    def write_all(self, columns, step: int):
+        """Replace every record and make the file clean at ``step`` (loading a checkpoint).
+
+        ``columns``: tensors of ``rows`` rows whose widths add up to the record width, written side
+        by side (``[m | v]``), or None for zero records. A tensor that already is that memory (a
+        state dict of this very file) is left as it is.
+        """
         self.mark_dirty()
-        self.records.copy_(records)
+        if columns is None:
+            self.records.zero_()
+        else:
+            start = 0
+            for col in columns:
+                view = self.records[:, start:start + col.shape[1]]
+                if col.data_ptr() != view.data_ptr():
+                    view.copy_(col)
+                start += col.shape[1]
         self.flush(step)
 
     def flush(self, step: int | None = None):

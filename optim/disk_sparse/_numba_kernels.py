@@ -1,6 +1,6 @@
-"""Compiled (numba) kernels of the fused CPU Disk Sparse Adam step; see ``cpu_kernels.py``.
+"""Compiled (numba) kernels of the fused CPU Disk Sparse Adam step; see ``numba_ops.py``.
 
-Kept in its own module so that ``import optim.disk_sparse.cpu_kernels`` loads no kernel. The
+Kept in its own module so that ``import optim.disk_sparse.numba_ops`` loads no kernel. The
 kernels are compiled once and cached on disk (``cache=True``), serial and parallel variants of each:
 the parallel one splits the unique rows into ``n_chunks`` contiguous runs, one per thread, and every
 row is computed exactly as in the serial loop, so results do not depend on the thread count.
@@ -194,7 +194,7 @@ def _moments(sorted_idx, perm, starts, n_rows, values, records, weight, rows, mb
 
 def _weights(rows, n_rows, mbuf, sqrt_v, eps, weight, neg_step_size, n_chunks):
     """w += (m / (sqrt(v) + eps)) * (-step_size) for the updated rows (compact buffers, row views);
-    ``sqrt_v`` is torch's (see ``cpu_kernels.py``), the sum with eps is IEEE as torch's ``add_``."""
+    ``sqrt_v`` is torch's (see ``numba_ops.py``), the sum with eps is IEEE as torch's ``add_``."""
     for c in prange(n_chunks):
         u0 = c * n_rows // n_chunks
         u1 = (c + 1) * n_rows // n_chunks
@@ -209,7 +209,7 @@ def _weights(rows, n_rows, mbuf, sqrt_v, eps, weight, neg_step_size, n_chunks):
 def _fused(sorted_idx, perm, starts, n_rows, values, records, weight, c1, c2, eps, neg_step_size,
            maximize, n_chunks):
     """The whole row update in one pass (``bitwise=False``): m, v in place, then the weight row,
-    with numba's correctly rounded sqrt instead of torch's (see ``cpu_kernels.py``)."""
+    with numba's correctly rounded sqrt instead of torch's (see ``numba_ops.py``)."""
     d = values.shape[1]
     for c in prange(n_chunks):
         u0 = c * n_rows // n_chunks

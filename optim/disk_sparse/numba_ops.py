@@ -1,0 +1,141 @@
+"""Numba CPU path of the Disk Sparse Adam row update (lazy Adam; the ball has no numba path).
+
+``adam_sparse_`` is the fused table update for CPU weights: per unique row of the uncoalesced sparse
+gradient, sum the row's duplicate gradient rows, update its ``[m | v]`` record in place straight in
+the memory-mapped state file, then update the weight row in place, with no coalesce, gather or
+scatter. ``adam_rows_`` runs the same kernels on gathered unique rows, with the signature every
+backend shares (``torch_ops``, ``triton_ops``). The update is that of
+``reference.sparse_adam_rows``. The compiled kernels are in ``_numba_kernels.py`` (cached on disk);
+they run on ``torch.get_num_threads()`` threads (``optim/_threads.py``). The torch path makes about
+twelve passes over ``(n, D)`` temporaries; these kernels make one or two, prefetch the scattered
+rows ahead and reuse scratch buffers across steps (fresh ones cost a page fault per 4 KiB);
+``experiments/dsa_throughput.py`` times them against ``torch.optim.SparseAdam``.
+
+Bitwise agreement with ``torch.optim.SparseAdam`` (float32 and float64): the operations and their
+order are those of the reference, scalars are rounded to the state dtype as torch rounds a Python
+scalar, duplicates are summed in the order of ``indices.sort()``'s permutation (the order
+``Tensor.coalesce`` uses; torch's CPU sort is not stable, so a faster stable radix sort is used
+only where no row occurs three times or more, and the order of a sum of two does not matter), and
+Numba is run without fastmath, so no FMA contraction or reassociation. The square root must be
+torch's: torch's CPU sqrt (MKL's vector sqrt) is not always correctly rounded, so ``np.sqrt`` gives
+other bits for 1e-5 to 17% of inputs depending on the CPU. Where ``vml_sqrt`` finds that function in
+torch's library (and checks that it reproduces ``torch.sqrt``), the whole update is one pass over
+tiles of rows that calls it per tile (``tiled``); otherwise it is two passes around ``Tensor.sqrt_``
+on the ``(n, D)`` new v (``moments``, ``weights``), still a few times faster than the torch path.
+``bitwise=False`` uses a correctly rounded sqrt in one pass (``fused``) and never ``Tensor.sort``.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import numpy as np
+import torch
+
+from .._threads import numba_threads
+from . import vml_sqrt
+
+# Weight (and state) dtypes of the kernels.
+WEIGHT_DTYPES = (torch.float32, torch.float64)
+_PARALLEL_MIN_ROWS = 256  # below this a parallel launch costs more than it saves
+_TILE_ELEMENTS = 2048  # v values per sqrt call in the tiled kernel (8 KiB of float32: stays in L1)
+_local = threading.local()  # scratch buffers per thread: optimizers may step in several threads
+
+
+def _scratch(n, d, dtype):
+    """Reused per-(D, dtype) buffers: fresh 1 MiB arrays cost a page fault per 4 KiB every step."""
+    buffers = getattr(_local, "buffers", None)
+    if buffers is None:
+        buffers = _local.buffers = {}
+    bufs = buffers.get((d, dtype))
+    if bufs is None or bufs[0].shape[0] < n + 1:
+        n = max(n + 1, 2 * bufs[0].shape[0]) if bufs is not None else n + 1
+        bufs = (np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64),
+                torch.empty((n, d), dtype=dtype).numpy(), torch.empty((n, d), dtype=dtype),
+                np.empty((4, n), dtype=np.int64), np.empty(2048, dtype=np.int64))
+        buffers[(d, dtype)] = bufs
+    return bufs
+
+
+def _sorted_rows(K, indices: torch.Tensor, n_table_rows: int, sort_bufs, counts, starts, coalesce_order=True):
+    """(sorted indices, permutation, number of unique rows) as numpy, duplicates in coalesce's order.
+
+    A stable radix sort in numba when no row occurs three times or more (the order of a sum of two
+    is immaterial) or ``coalesce_order`` is False; otherwise ``Tensor.sort``, whose order
+    ``Tensor.coalesce`` (and so SparseAdam) uses, at a few times the radix sort's cost. Raises
+    ``IndexError`` for rows outside the table.
+    """
+    n = indices.shape[0]
+    keys, perm = sort_bufs[0, :n], sort_bufs[1, :n]
+    if not K.radix_sort(indices.numpy(), n_table_rows, keys, perm, sort_bufs[2, :n], sort_bufs[3, :n], counts):
+        raise IndexError(f"sparse gradient rows must lie in [0, {n_table_rows}), got "
+                         f"{int(indices.min())}..{int(indices.max())}")
+    n_rows, longest = K.segments(keys, n_table_rows, starts)
+    if coalesce_order and longest >= 3:
+        # The sorted keys and their runs stay; only the order of equal keys differs. Into the radix
+        # scratch rows (free again): fresh output tensors cost page faults every call.
+        perm = sort_bufs[3, :n]
+        torch.sort(indices, out=(torch.from_numpy(sort_bufs[2, :n]), torch.from_numpy(perm)))
+    return keys, perm, n_rows
+
+
+def adam_sparse_(weight: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, records: torch.Tensor,
+                 step: int, *, lr: float, beta1: float, beta2: float, eps: float, maximize: bool = False,
+                 bitwise: bool = True) -> None:
+    """Update ``weight`` (N, D) and ``records`` (N, 2D) in place from an uncoalesced sparse gradient.
+
+    ``indices`` (int64, may repeat) and ``values`` (nnz, D) are the gradient's; ``weight``,
+    ``values`` and ``records`` share one dtype (float32 or float64), all on CPU. ``bitwise=False``
+    runs the update as one fused pass with a correctly rounded sqrt and sums duplicate rows in the
+    order of the stable radix sort (the result differs from SparseAdam's by the rounding of sqrt
+    where torch's is not correctly rounded, and by the rounding of sums of three or more duplicates).
+    """
+    from . import _numba_kernels as K
+
+    bufs = _scratch(indices.shape[0], values.shape[1], weight.dtype)
+    starts, sort_bufs, counts = bufs[0], bufs[4], bufs[5]
+    keys, perm, n_rows = _sorted_rows(K, indices.contiguous(), weight.shape[0], sort_bufs, counts, starts,
+                                      coalesce_order=bitwise)
+    _launch(K, (keys, perm, starts, n_rows), values, records, weight, bufs, step,
+            lr=lr, beta1=beta1, beta2=beta2, eps=eps, maximize=maximize, bitwise=bitwise)
+
+
+def adam_rows_(w, g, state, step, *, lr, beta1, beta2, eps, maximize=False, bitwise=True) -> None:
+    """In-place lazy-Adam update of gathered unique rows (``torch_ops.adam_rows_``'s signature):
+    ``w`` (n, D), ``g`` (n, D) and records ``state = [m | v]`` (n, 2D), all of one dtype on CPU."""
+    from . import _numba_kernels as K
+
+    n = w.shape[0]
+    bufs = _scratch(n, w.shape[1], w.dtype)
+    ident = np.arange(n + 1, dtype=np.int64)  # row u is unique row u: no sort, no duplicates
+    _launch(K, (ident[:n], ident[:n], ident, n), g, state, w, bufs, step,
+            lr=lr, beta1=beta1, beta2=beta2, eps=eps, maximize=maximize, bitwise=bitwise)
+
+
+def _launch(K, sorted_rows, values, records, weight, bufs, step, *, lr, beta1, beta2, eps, maximize, bitwise):
+    """Run the kernel ``bitwise`` and the machine call for: ``tiled`` (torch's sqrt found),
+    ``moments`` + ``Tensor.sqrt_`` + ``weights`` (not found), or ``fused`` (``bitwise=False``)."""
+    keys, perm, starts, n_rows = sorted_rows
+    threads = numba_threads() if n_rows >= _PARALLEL_MIN_ROWS else 1
+    rec, w = records.detach().numpy(), weight.detach().numpy()
+    ty = rec.dtype.type
+    vals = values.contiguous().numpy()
+    neg_step = ty(-(lr * math.sqrt(1 - beta2 ** step) / (1 - beta1 ** step)))
+    c1, c2, eps, maximize = ty(1 - beta1), ty(1 - beta2), ty(eps), bool(maximize)
+    parallel = threads > 1
+    if not bitwise:
+        fused = K.fused_parallel if parallel else K.fused
+        fused(keys, perm, starts, n_rows, vals, rec, w, c1, c2, eps, neg_step, maximize, threads)
+        return
+    sqrt_fn = vml_sqrt.address(weight.dtype)
+    if sqrt_fn is not None:
+        tiled = K.tiled_parallel if parallel else K.tiled
+        tiled(keys, perm, starts, n_rows, vals, rec, w, c1, c2, eps, neg_step, maximize, threads,
+              max(1, _TILE_ELEMENTS // vals.shape[1]), sqrt_fn, vml_sqrt.MODE, vml_sqrt.threads_local_address())
+        return
+    rows, mbuf, vbuf = bufs[1], bufs[2], bufs[3]
+    moments, weights = (K.moments_parallel, K.weights_parallel) if parallel else (K.moments, K.weights)
+    moments(keys, perm, starts, n_rows, vals, rec, w, rows, mbuf, vbuf.numpy(), c1, c2, maximize, threads)
+    sqrt_v = vbuf[:n_rows].sqrt_()  # torch's sqrt: see the module docstring
+    weights(rows, n_rows, mbuf, sqrt_v.numpy(), eps, w, neg_step, threads)
