@@ -81,7 +81,7 @@ def main(argv=None):
         return train_lm(model, opt, corpus[0], corpus[1], lr=args.lr, steps=size["steps"], batch=size["batch"],
                         seed=seed, eval_every=size["steps"])["final"]
 
-    config = dict(vars(args), size=size_name, **size, variants=variants, seeds=seeds, model=vars(cfg),
+    config = dict(vars(args), size=size_name, **dict(size, seeds=seeds), variants=variants, model=vars(cfg),
                   params=n_params, patterns={v: VARIANTS[v] for v in variants})
     with Results("gefen_ablation", args, config=config) as res:
         base = [final_loss(lambda m: m.parameters(), "AdamW", s) for s in seeds]

@@ -27,9 +27,9 @@ from pathlib import Path
 
 from experiments.common import REPO_ROOT, figs_dir, results_dir
 
-# experiment script -> the analysis scripts that draw from its CSV
+# experiment script -> the analysis scripts that read its CSV
 EXPERIMENTS = {
-    "correctness": [],
+    "correctness": ["correctness"],
     "dsa_throughput": ["dsa_throughput"],
     "poincare": ["poincare"],
     "codebook_dp": ["codebook"],
@@ -38,7 +38,8 @@ EXPERIMENTS = {
     "hessian_alignment": ["hessian_alignment"],
     "convergence": ["convergence"],
 }
-FIGURE_OF = {"dsa_throughput": "dsa_throughput", "poincare": "poincare", "codebook": "codebook",
+# analysis script -> the figure it draws (None: a results/README.md section only)
+FIGURE_OF = {"correctness": None, "dsa_throughput": "dsa_throughput", "poincare": "poincare", "codebook": "codebook",
              "gefen_memory": "gefen_memory", "gefen_ablation": "gefen_ablation",
              "hessian_alignment": "hessian_alignment",
              "convergence": "convergence"}
@@ -88,8 +89,9 @@ def main(argv=None):
         _run(cmd, log, timeout)
     for name in names:
         for fig in EXPERIMENTS[name]:
-            cmd = [env_py, REPO_ROOT / "analysis" / f"{fig}.py", "--results-dir", results,
-                   "--out", figs / f"{FIGURE_OF[fig]}.png"]
+            cmd = [env_py, REPO_ROOT / "analysis" / f"{fig}.py", "--results-dir", results]
+            if FIGURE_OF[fig] is not None:
+                cmd += ["--out", figs / f"{FIGURE_OF[fig]}.png"]
             _run(cmd, log, timeout)
 
     print("\nstep                                             status          seconds")

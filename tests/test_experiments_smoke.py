@@ -38,6 +38,15 @@ def _main(module, argv, monkeypatch):
         torch.set_num_threads(threads)
 
 
+def _analysis(name, results, out):
+    """Run analysis/<name>.py by its command-line interface (the one reproduce.py uses)."""
+    import subprocess
+
+    proc = subprocess.run([sys.executable, str(REPO / "analysis" / f"{name}.py"), "--results-dir", str(results),
+                           "--out", str(out)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, f"analysis/{name}.py failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+
+
 def _rows(path, experiment):
     with open(path, newline="") as f:
         header = next(csv.reader(f))
@@ -147,7 +156,7 @@ def test_poincare_tiny_run_and_figure(tmp_path, monkeypatch):
             ref = _value(rows, "geoopt-SparseRiemannianAdam", metric, dim)
             assert ours == pytest.approx(ref, abs=0.05), (metric, dim, ours, ref)
     out = tmp_path / "figs" / "poincare.png"
-    _main("analysis.poincare", ["--results-dir", tmp_path, "--out", out], monkeypatch)
+    _analysis("poincare", tmp_path, out)
     _assert_png(out)
 
 
@@ -192,7 +201,7 @@ def test_gefen_memory_smallest_run(tmp_path, monkeypatch):
         assert _value(rows, "Gefen-8bit", "step_time_median", model) > 0
         assert _value(rows, "Gefen-8bit", "threads", model) >= 1
     out = tmp_path / "gefen_memory.png"
-    _main("analysis.gefen_memory", ["--results-dir", tmp_path, "--out", out], monkeypatch)
+    _analysis("gefen_memory", tmp_path, out)
     _assert_png(out)
 
 
@@ -295,7 +304,8 @@ def test_reproduce_full_run_defaults_and_timeout(tmp_path, monkeypatch, capsys):
     rc = reproduce.main(["--only", "correctness", "--results-dir", str(tmp_path), "--figs-dir", str(tmp_path)])
     assert rc == 1
     assert calls == [([sys.executable, str(REPO / "experiments/correctness.py"), "--results-dir", str(tmp_path)],
-                      None)]
+                      None),
+                     ([sys.executable, str(REPO / "analysis/correctness.py"), "--results-dir", str(tmp_path)], None)]
     assert "timeout" in capsys.readouterr().out
 
 
@@ -336,7 +346,7 @@ def test_gefen_ablation_tiny_run_and_figure(tmp_path, monkeypatch):
         assert _value(rows, v, "val_loss_vs_adamw_mean") == pytest.approx(sum(ratio.values()) / 2, rel=1e-12)
     assert _value(rows, "none", "delta_vs_shared_mean") == 0.0
     out = tmp_path / "gefen_ablation.png"
-    _main("analysis.gefen_ablation", ["--results-dir", tmp_path, "--out", out], monkeypatch)
+    _analysis("gefen_ablation", tmp_path, out)
     _assert_png(out)
 
 
@@ -355,7 +365,7 @@ def test_codebook_dp_tiny_run(tmp_path, monkeypatch):
             learned = _value(rows, f"learned/{bits}bit/{blocking}", "rel_mse")
             assert 0 < learned <= _value(rows, f"linear/{bits}bit/{blocking}", "rel_mse")
     out = tmp_path / "codebook.png"
-    _main("analysis.codebook", ["--results-dir", tmp_path, "--out", out], monkeypatch)
+    _analysis("codebook", tmp_path, out)
     _assert_png(out)
 
 
