@@ -1,4 +1,4 @@
-"""The DSA state file (layout, preallocation, lock, dirty flag) and every bad input of issue 2."""
+"""The DSA state file (layout, preallocation, lock, dirty flag) and every bad input of the optimizer."""
 
 import os
 import struct

@@ -154,10 +154,10 @@ def _prefetch_ahead(u, u1, sorted_idx, starts, records, weight):
     """Prefetch the record and weight rows of unique row ``u + PREFETCH_AHEAD`` (if below ``u1``).
 
     The kernels write their row prelude out (this, ``_sum_rows``, the row's index): one inline
-    helper doing all three and returning the row compiled ~25% slower in ``tiled`` and ~30% slower
-    in ``fused`` (2,048 random rows of a 1M x 128 table). The m and v loops of ``moments`` and
-    ``tiled`` are written out for the same reason: an inline ``_new_moments(rec, gsum, m_out,
-    v_out, c1, c2)`` shared by both made them 40-80% slower at widths 64 and 128."""
+    helper doing all three and returning the row compiled markedly slower in ``tiled`` and
+    ``fused`` on the seed configuration of ``experiments/dsa_throughput.py``. The m and v loops of
+    ``moments``, ``fused`` and ``tiled`` are written out for the same reason: an inline helper
+    shared by them compiled slower at widths 64 and 128."""
     if u + PREFETCH_AHEAD < u1:
         ahead = sorted_idx[starts[u + PREFETCH_AHEAD]]
         _prefetch_row(records, ahead)
@@ -209,7 +209,9 @@ def _weights(rows, n_rows, mbuf, sqrt_v, eps, weight, neg_step_size, n_chunks):
 def _fused(sorted_idx, perm, starts, n_rows, values, records, weight, c1, c2, eps, neg_step_size,
            maximize, n_chunks):
     """The whole row update in one pass (``bitwise=False``): m, v in place, then the weight row,
-    with numba's correctly rounded sqrt instead of torch's (see ``numba_ops.py``)."""
+    with numba's correctly rounded sqrt instead of torch's (see ``numba_ops.py``). The row prelude
+    and moment loops repeat ``_moments``' on purpose: shared inline helpers compile slower (see
+    ``_prefetch_ahead``)."""
     d = values.shape[1]
     for c in prange(n_chunks):
         u0 = c * n_rows // n_chunks

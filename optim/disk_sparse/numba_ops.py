@@ -18,7 +18,7 @@ scalar, duplicates are summed in the order of ``indices.sort()``'s permutation (
 only where no row occurs three times or more, and the order of a sum of two does not matter), and
 Numba is run without fastmath, so no FMA contraction or reassociation. The square root must be
 torch's: torch's CPU sqrt (MKL's vector sqrt) is not always correctly rounded, so ``np.sqrt`` gives
-other bits for 1e-5 to 17% of inputs depending on the CPU. Where ``vml_sqrt`` finds that function in
+other bits for some inputs, how many depending on the CPU. Where ``vml_sqrt`` finds that function in
 torch's library (and checks that it reproduces ``torch.sqrt``), the whole update is one pass over
 tiles of rows that calls it per tile (``tiled``); otherwise it is two passes around ``Tensor.sqrt_``
 on the ``(n, D)`` new v (``moments``, ``weights``), still a few times faster than the torch path.

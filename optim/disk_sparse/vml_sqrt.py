@@ -2,19 +2,18 @@
 
 Torch builds with MKL run float32/float64 ``Tensor.sqrt`` on contiguous CPU tensors through MKL's
 vector math library (``vmsSqrt``/``vmdSqrt`` with ``VML_HA | VML_FTZDAZ_OFF | VML_ERRMODE_IGNORE``,
-as in ATen's ``cpu/vml.h``). Its results are not always correctly rounded (on machines here 1e-5 to
-17% of float32 inputs, depending on the CPU and the range of inputs, differ from IEEE sqrt in the
-last bit), so a kernel that must match ``torch.optim.SparseAdam`` bit for bit has to call that very
-function. This module finds it in torch's own library and returns its address, after checking on
+as in ATen's ``cpu/vml.h``). Its results are not always correctly rounded (a share of inputs, which
+depends on the CPU and the range of inputs, differs from IEEE sqrt in the last bit), so a kernel
+that must match ``torch.optim.SparseAdam`` bit for bit has to call that very function. This module finds it in torch's own library and returns its address, after checking on
 fresh random inputs (every exponent range, zeros, subnormals, several alignments and lengths)
 that it reproduces ``torch.sqrt`` bitwise, per element and independently of the length of the call.
 Where torch has no MKL (ARM, macOS builds) or the check fails, ``address`` returns None and callers
 keep torch's own sqrt on a tensor.
 
-MKL threads a vector call over its OpenMP pool when the process allows more than one thread: on the
-small tiles of the kernel that costs more than the sqrt (a serial step on 2 threads took 0.66 ms
-instead of 0.53). ``threads_local_address`` gives ``MKL_Set_Num_Threads_Local`` so that the kernel
-can ask for one thread in the calling thread only, and put the previous setting back.
+MKL threads a vector call over its OpenMP pool when the process allows more than one thread,
+which on the small tiles of the kernel costs more than the sqrt. ``threads_local_address`` gives
+``MKL_Set_Num_Threads_Local`` so that the kernel can ask for one thread in the calling thread
+only, and put the previous setting back.
 """
 
 from __future__ import annotations
@@ -81,7 +80,7 @@ def threads_local_address() -> int:
 def address(dtype: torch.dtype) -> int | None:
     """Address of the C function ``void f(int n, const T *x, T *y, int64 mode)`` that computes
     torch's CPU sqrt for ``dtype`` (call it with ``MODE``), or None where there is none or it does
-    not reproduce ``torch.sqrt`` bitwise on this machine."""
+    not reproduce ``torch.sqrt`` bitwise on the CPU at hand."""
     lib = _library() if dtype in _SYMBOLS else None
     fn = getattr(lib, _SYMBOLS[dtype], None) if lib is not None else None
     if fn is None:
