@@ -1,46 +1,37 @@
 """Gefen's fused Triton step against fused AdamW and upstream gefen's CUDA kernels, on one GPU.
 
+    python experiments/bench_kernels.py                  # 125M and 1.5B, fp32 and bf16 -> results/gefen_kernels.csv
+    python experiments/bench_kernels.py --quick          # 10M elements, fp32 only -> results/quick/
+    python experiments/bench_kernels.py --skip-upstream  # without upstream gefen
+    python experiments/bench_kernels.py --cpu-smoke      # tiny CPU tensors under TRITON_INTERPRET=1
+
+Without CUDA (and without ``--cpu-smoke``) it prints a message and exits 0; it is not part of
+experiments/reproduce.py. Upstream ``gefen`` may be missing on a lent GPU machine: carry it, e.g.::
+
+    mkdir -p .carry && cp -r "$(python -c 'import gefen, os; print(os.path.dirname(gefen.__file__))')" .carry/
+    echo /.carry/ >> .git/info/exclude
+    # device run, carry [".carry"]:  PYTHONPATH=.carry python experiments/bench_kernels.py --wandb disabled
+
 Parameter sets shaped like GPT-2 small (124 M elements) and GPT-2 XL (1.56 B), fp32 and bf16,
 gradients with a different scale per matrix row (the structure Gefen's block rule finds; P = row
 length capped at 1024, P = 1 for vectors). For each optimizer, in one run, interleaved:
 
 * ``step_time`` (ms): median over ``--reps`` of CUDA-event timings of ``optimizer.step()``;
 * ``floor_bytes`` (B/param): the bytes a step must move at least: every parameter and state tensor
-  read and written once, every gradient read once (fp32: Gefen 8-bit ~14, AdamW 28);
-  ``floor_time`` (ms): those bytes at the measured device-to-device copy bandwidth, written beside
-  each time; ``bandwidth`` (GB/s) and ``frac_of_copy``: floor bytes / step time, and its ratio to
-  the copy's bandwidth (target >= 0.7);
+  read and written once, every gradient read once; ``floor_time`` (ms): those bytes at the measured
+  device-to-device copy bandwidth; ``bandwidth`` (GB/s) and ``frac_of_copy``: floor bytes / step
+  time, and its ratio to the copy's bandwidth (target >= 0.7);
 * ``state_bytes`` (B/param) and ``step_peak_memory`` (MiB allocated by a step beyond what was
   allocated before it);
-* ``speedup_vs_*``: the other optimizer's time / Gefen Triton's (target > 1 against both);
-* ``histogram-*``: the codebook's histogram of all gradients (first step only), Triton
-  ``kernels.histogram_`` against the torch ``cpu.histogram``, time and differing counts;
-* ``gefen-kernel-t{TILE}w{WARPS}``: the kernels at other tile sizes and warp counts (tuning);
+* ``speedup_vs_*``: the other optimizer's time / Gefen's (target > 1 against both);
 * ``agree_*``: Gefen(backend="triton") against Gefen(backend="torch") on the device over 5 steps
   (max |Δp|, relative RMS, fraction of equal codes).
 
-Variants: ``gefen-triton`` (``optim.Gefen(backend="triton")``, 8 bits), ``gefen-triton-4bit``,
-``gefen-kernel`` (``kernels.gefen_step_`` called on the same state without the optimizer's Python
-work: the kernels' own time), ``adamw-fused`` (``torch.optim.AdamW(fused=True)``) and
-``upstream-gefen`` (``gefen.Gefen(fused=True)``, its CUDA extension built with nvcc on first use).
-
-Commands (results appended to results/gefen_kernels.csv)::
-
-    python experiments/bench_kernels.py                  # 125M and 1.5B, fp32 and bf16
-    python experiments/bench_kernels.py --quick          # 10M elements, fp32 only: a smoke test
-    python experiments/bench_kernels.py --skip-upstream  # without upstream gefen
-
-Upstream ``gefen`` is not installed on the lent GPU machine: carry it from here, e.g.::
-
-    mkdir -p .carry && cp -r "$(python -c 'import gefen, os; print(os.path.dirname(gefen.__file__))')" .carry/
-    echo /.carry/ >> .git/info/exclude
-    # device run, carry [".carry"]:  PYTHONPATH=.carry python experiments/bench_kernels.py --wandb disabled
-
-Not yet run on a GPU. Estimated time on an H200: a few minutes, mostly one-off compilation
-(upstream's extension with nvcc, one Triton kernel per distinct block length and dtype); rows are
-written after each (size, dtype) set, so a run stopped by a time limit keeps what it measured.
-Without CUDA it prints a message and exits 0. ``--cpu-smoke`` runs the whole script on tiny CPU
-tensors under ``TRITON_INTERPRET=1`` (wall-clock timings, meaningless as numbers) to check it.
+Variants (experiments/registry.py's names): ``Gefen-8bit`` and ``Gefen-4bit`` (``backend="triton"``),
+``Gefen-8bit/kernel`` (``triton_ops.gefen_step_`` on the same state without the optimizer's Python
+work: the kernels' own time; ``/kernel-t{TILE}w{WARPS}`` at other tile sizes and warp counts),
+``AdamW`` (fused) and ``gefen-upstream`` (its CUDA extension, built with nvcc on first use). Rows
+are written after each (size, dtype) set, so a run stopped by a time limit keeps what it measured.
 """
 
 import argparse
@@ -48,11 +39,9 @@ import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from experiments.common import Results, add_common_args  # noqa: E402
+from experiments.common import Results, add_common_args
+from experiments.registry import make_optimizer
 
 SIZES = {"125M": (768, 12), "1.5B": (1600, 48)}  # GPT-2 small / XL: (d_model, layers)
 VOCAB, CTX = 50257, 1024
@@ -143,28 +132,17 @@ def state_tensors(opt):
     return out + ([cb] if torch.is_tensor(cb) else [])
 
 
-def build(name, params, bits=8):
-    import torch
-
-    if name.startswith("gefen"):
-        from optim import Gefen
-
-        return Gefen(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, bits=bits, backend="triton")
-    if name == "adamw-fused":
-        return torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, fused=True)
-    if name == "upstream-gefen":
-        import gefen
-
-        return gefen.Gefen(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, fused=True)
-    raise ValueError(name)
+def build(name, params):
+    options = {"backend": "triton"} if name.startswith("Gefen") else {}
+    return make_optimizer(name, params, LR, WD, betas=BETAS, eps=EPS, **options)
 
 
 def kernel_only_step(opt, tile=None, num_warps=None):
-    """A closure running kernels.gefen_step_ over opt's state, grouped as the optimizer groups it."""
+    """A closure running triton_ops.gefen_step_ over opt's state, grouped as the optimizer groups it."""
     from collections import defaultdict
 
-    from optim.gefen import kernels
     from optim.gefen import state as K
+    from optim.gefen import triton_ops
 
     groups = defaultdict(list)
     for p, st in opt.state.items():
@@ -175,46 +153,12 @@ def kernel_only_step(opt, tile=None, num_warps=None):
     def step():
         counter["t"] += 1
         for block, items in groups.items():
-            kernels.gefen_step_([p for p, _ in items], [p.grad for p, _ in items],
+            triton_ops.gefen_step_([p for p, _ in items], [p.grad for p, _ in items],
                                 [st[K.V] for _, st in items], [st[K.SCALES] for _, st in items],
                                 [st[K.CODES] for _, st in items], opt.codebook, step=counter["t"],
                                 lr=LR, beta1=BETAS[0], beta2=BETAS[1], eps=EPS, weight_decay=WD,
                                 block=block, bits=opt.bits, **knobs)
     return step
-
-
-def histogram_rows(res, opt, label, dname, n, timer, reps=5):
-    """The codebook's histogram (once, at the first step): kernels.histogram_ vs cpu.histogram."""
-    import torch
-    from collections import defaultdict
-
-    from optim.gefen import cpu, kernels
-    from optim.gefen import state as K
-
-    by_block = defaultdict(list)
-    for p, st in opt.state.items():
-        by_block[st[K.BLOCK]].append(p.grad)
-    dev = next(iter(opt.state)).device
-
-    def ours():
-        counts = torch.zeros(kernels.HIST_BINS, dtype=torch.int64, device=dev)
-        for block, gs in by_block.items():
-            kernels.histogram_(counts, gs, block=block)
-        return counts
-
-    def torch_path():
-        return sum(cpu.histogram(gs, block=block, bins=kernels.HIST_BINS).to(dev)
-                   for block, gs in by_block.items())
-
-    a, b = ours(), torch_path()
-    diff = int((a - b).abs().sum())
-    ta = statistics.median(timer.ms(timer.time(ours)) for _ in range(reps))
-    tb = statistics.median(timer.ms(timer.time(torch_path)) for _ in range(reps))
-    res.add(f"histogram-triton/{dname}", "time", "ms", ta, "params", n)
-    res.add(f"histogram-torch/{dname}", "time", "ms", tb, "params", n)
-    res.add(f"histogram-triton/{dname}", "counts_differing_from_torch", "count", diff, "params", n)
-    print(f"  {label} histogram: Triton {ta:.2f} ms, torch {tb:.2f} ms; counts differing {diff}",
-          flush=True)
 
 
 def agreement(shapes, dtype, device, seed, steps=5):
@@ -227,7 +171,7 @@ def agreement(shapes, dtype, device, seed, steps=5):
     ps, gs = make_set(shapes, dtype, device, seed)
     qs = [p.clone() for p in ps]
     a = Gefen(ps, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, backend="triton")
-    b = Gefen(qs, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, backend="torch", compile=False)
+    b = Gefen(qs, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, backend="torch")
     for t in range(steps):
         for p, q, g in zip(ps, qs, gs):
             p.grad = g * (1 + 0.1 * t)
@@ -252,9 +196,9 @@ def bench_set(res, label, shapes, dtype, device, args, copy_bw, timer):
     dname = {torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype]
     n = sum(torch.Size(s).numel() for s in shapes)
     _, grads = make_set(shapes, dtype, device, args.seed)
-    names = [v for v in args.variants.split(",") if v != "gefen-kernel"]
-    if args.skip_upstream and "upstream-gefen" in names:
-        names.remove("upstream-gefen")
+    names = args.variants.split(",")
+    if args.skip_upstream and "gefen-upstream" in names:
+        names.remove("gefen-upstream")
     opts, steps = {}, {}
     for name in names:
         params, _ = make_set(shapes, dtype, device, args.seed)
@@ -263,7 +207,7 @@ def bench_set(res, label, shapes, dtype, device, args, copy_bw, timer):
             p.grad = g
         try:
             t0 = time.perf_counter()
-            opt = build(name, params, bits=4 if name.endswith("4bit") else 8)
+            opt = build(name, params)
             for _ in range(args.warmup):
                 opt.step()
             if device.type == "cuda":
@@ -275,11 +219,11 @@ def bench_set(res, label, shapes, dtype, device, args, copy_bw, timer):
                   flush=True)
             continue
         opts[name], steps[name] = opt, opt.step
-        if name == "gefen-triton":
-            opts["gefen-kernel"], steps["gefen-kernel"] = opt, kernel_only_step(opt)
+        if name == "Gefen-8bit":
+            opts["Gefen-8bit/kernel"], steps["Gefen-8bit/kernel"] = opt, kernel_only_step(opt)
             for tw in filter(None, args.kernel_tiles.split(",")):
                 tile, warps = (int(x) for x in tw.split("x"))
-                key = f"gefen-kernel-t{tile}w{warps}"
+                key = f"Gefen-8bit/kernel-t{tile}w{warps}"
                 opts[key], steps[key] = opt, kernel_only_step(opt, tile, warps)
     # floor bytes and state bytes (per parameter)
     floor = {}
@@ -315,10 +259,8 @@ def bench_set(res, label, shapes, dtype, device, args, copy_bw, timer):
         print(f"  {label}/{dname} {name:24s} {t:8.3f} ms  floor {floor[name] / n:5.2f} B/param "
               f"= {floor[name] / copy_bw * 1e3:7.3f} ms at copy speed  {bw / 1e9:7.1f} GB/s "
               f"({bw / copy_bw:4.0%} of copy)", flush=True)
-    if "gefen-triton" in opts:
-        histogram_rows(res, opts["gefen-triton"], f"{label}/{dname}", dname, n, timer)
-    for ours in ("gefen-triton", "gefen-kernel"):
-        for other in ("adamw-fused", "upstream-gefen"):
+    for ours in ("Gefen-8bit", "Gefen-8bit/kernel"):
+        for other in ("AdamW", "gefen-upstream"):
             if ours in med and other in med:
                 res.add(f"{ours}/{dname}", f"speedup_vs_{other}", "x", med[other] / med[ours],
                         "params", n)
@@ -336,10 +278,10 @@ def main(argv=None):
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--skip-upstream", action="store_true")
-    parser.add_argument("--variants", default="gefen-triton,gefen-triton-4bit,adamw-fused,upstream-gefen",
-                        help="comma list; gefen-kernel is timed whenever gefen-triton is")
+    parser.add_argument("--variants", default="Gefen-8bit,Gefen-4bit,AdamW,gefen-upstream",
+                        help="comma list of registry names; Gefen-8bit/kernel is timed whenever Gefen-8bit is")
     parser.add_argument("--kernel-tiles", default="1024x4,4096x8,4096x16,8192x16",
-                        help="extra gefen-kernel timings at TILExNUM_WARPS (default tile: 2048x8)")
+                        help="extra Gefen-8bit/kernel timings at TILExNUM_WARPS")
     parser.add_argument("--cpu-smoke", action="store_true",
                         help="tiny CPU run under TRITON_INTERPRET=1, to check the script itself")
     args = parser.parse_args(argv)
