@@ -1,6 +1,6 @@
 """One table: how far each optimizer is from its independent reference.
 
-    python experiments/correctness.py --quick      # CPU, under a minute; rows into results/quick/
+    python experiments/correctness.py --quick      # fewer steps, smaller tables; rows into results/quick/
     python experiments/correctness.py              # more steps, larger tables; rows into results/
     python experiments/correctness.py --quick --no-triton                  # torch backends only
     python experiments/correctness.py --quick --checks DiskSparseAdam/triton  # one group

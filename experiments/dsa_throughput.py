@@ -25,8 +25,8 @@ the bound it implies for a cold step (one page read per touched row). Rows: samp
 per CPU second of the process, the latter robust to other jobs on the machine), ratios, process RSS
 (anonymous and file-backed) and bytes on disk. Before measuring, every state record is written once
 (the steady state of a long run: ext4 converts the preallocated extents at the first write of a
-page, a one-time cost that is not a step's). Torch runs single-threaded (--threads) because the
-machine's two cores are shared; with --threads N > 1 every variant gets N threads and the configs are
+page, a one-time cost that is not a step's). Torch runs single-threaded by default (--threads), so a
+step's time is the kernels' and not the thread pool's; with --threads N > 1 every variant gets N threads and the configs are
 tagged seed@Nt, kg@Nt.
 """
 

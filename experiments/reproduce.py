@@ -61,7 +61,7 @@ def _run(cmd, log, timeout):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="CPU-sized runs (minutes each)")
+    parser.add_argument("--quick", action="store_true", help="small sizes, into results/quick and paper_figs/quick")
     parser.add_argument("--only", nargs="+", choices=sorted(EXPERIMENTS), help="run just these experiments")
     parser.add_argument("--wandb", choices=["offline", "online", "disabled"], default=None)
     parser.add_argument("--results-dir", type=Path, default=None,

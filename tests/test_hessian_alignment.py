@@ -23,7 +23,7 @@ TINY_M = dict(context=2, hidden=4)
 
 @pytest.fixture(autouse=True)
 def _one_thread():
-    """Tiny models: one thread avoids the thread-pool overhead that dominates on a shared 2-core box."""
+    """Tiny models: one thread avoids thread-pool overhead that would dominate their ops."""
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
