@@ -223,11 +223,11 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
         ``indices``: any integer tensor of row indices (e.g. the next batch) of ``param`` (needed only
         when the optimizer has several parameters). For CPU weights the pages are requested with
         ``madvise(MADV_WILLNEED)``, which returns at once and reads in the background; on a warm page
-        cache it costs a few microseconds per row and gains nothing. For CUDA weights the rows'
+        cache it gains nothing. For staged weights (CUDA, or ``staging=True``) the rows'
         records are gathered into a pinned buffer on a background thread, and the step whose unique
         rows equal them uses it (steps in between keep it up to date, ``load_state_dict`` drops it;
         see ``pipeline.py``). Writing the state tensors by hand between ``prefetch`` and ``step`` is
-        not supported for CUDA weights: the announced copy would not see it.
+        not supported for staged weights: the announced copy would not see it.
         """
         self._check_open()
         if param is None:

@@ -5,8 +5,9 @@ coalesced gradient rows (duplicates already summed, one row per unique index) an
 parameter's step count after incrementing (``t >= 1``). Nothing is modified in place. The fast
 paths (``torch_ops``, ``numba_ops``, ``triton_ops``) are tested against these.
 
-``sparse_adam_rows``: ``v`` is ``(n, D)``; the operation order is the one of ``torch.optim.SparseAdam`` (``torch/optim/_functional.py``,
-``sparse_adam``), so in float32 it reproduces that optimizer to the last rounding:
+``sparse_adam_rows``: ``v`` is ``(n, D)``; the operation order is the one of
+``torch.optim.SparseAdam`` (``torch/optim/_functional.py``, ``sparse_adam``), so in float32 it
+reproduces that optimizer to the last rounding:
 
     u_m   = (g - m) * (1 - beta1);            m' = m + u_m
     u_v   = (g*g - v) * (1 - beta2);          v' = v + u_v

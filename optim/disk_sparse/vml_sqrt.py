@@ -4,8 +4,9 @@ Torch builds with MKL run float32/float64 ``Tensor.sqrt`` on contiguous CPU tens
 vector math library (``vmsSqrt``/``vmdSqrt`` with ``VML_HA | VML_FTZDAZ_OFF | VML_ERRMODE_IGNORE``,
 as in ATen's ``cpu/vml.h``). Its results are not always correctly rounded (a share of inputs, which
 depends on the CPU and the range of inputs, differs from IEEE sqrt in the last bit), so a kernel
-that must match ``torch.optim.SparseAdam`` bit for bit has to call that very function. This module finds it in torch's own library and returns its address, after checking on
-fresh random inputs (every exponent range, zeros, subnormals, several alignments and lengths)
+that must match ``torch.optim.SparseAdam`` bit for bit has to call that very function. This
+module finds it in torch's own library and returns its address, after checking on fresh random
+inputs (every exponent range, zeros, subnormals, several alignments and lengths)
 that it reproduces ``torch.sqrt`` bitwise, per element and independently of the length of the call.
 Where torch has no MKL (ARM, macOS builds) or the check fails, ``address`` returns None and callers
 keep torch's own sqrt on a tensor.
