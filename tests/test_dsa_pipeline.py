@@ -194,6 +194,14 @@ def test_staging_buffers_are_reused_and_bounded():
     opt.close()
 
 
+def train_announcing(emb, opt, idx, start):
+    """Steps ``start``.. of ``idx``, announcing each next batch before the step."""
+    for k in range(start, len(idx)):
+        if k + 1 < len(idx):
+            opt.prefetch(idx[k + 1])
+        grad_step(emb, idx[k], opt)
+
+
 def test_state_dict_round_trip_mid_run(tmp_path):
     idx = batches(30)
     direct, _ = run(idx, staged=False, announce=None)
@@ -215,10 +223,7 @@ def test_state_dict_round_trip_mid_run(tmp_path):
         emb2.weight.copy_(ckpts[12][1])
     opt2 = DiskSparseAdam([emb2.weight], lr=3e-2, backend="torch", state_dir=tmp_path / "b", staging=True)
     opt2.load_state_dict(torch.load(io.BytesIO(ckpts[12][0])))
-    for k in range(12, 30):
-        if k + 1 < 30:
-            opt2.prefetch(idx[k + 1])
-        grad_step(emb2, idx[k], opt2)
+    train_announcing(emb2, opt2, idx, start=12)
     assert_same(snapshot(emb2, opt2), direct, "resumed in a new optimizer")
     opt2.close()
     # Rewind the first optimizer to step 8 while batch 8 is announced with records gathered at step
@@ -227,10 +232,7 @@ def test_state_dict_round_trip_mid_run(tmp_path):
     with torch.no_grad():
         emb.weight.copy_(ckpts[8][1])
     opt.load_state_dict(torch.load(io.BytesIO(ckpts[8][0])))
-    for k in range(8, 30):
-        if k + 1 < 30:
-            opt.prefetch(idx[k + 1])
-        grad_step(emb, idx[k], opt)
+    train_announcing(emb, opt, idx, start=8)
     assert_same(snapshot(emb, opt), direct, "rewound with a pending announcement")
     opt.close()
 
