@@ -234,7 +234,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(parser)
     parser.add_argument("--configs", default="seed,kg", help="comma-separated: seed, kg")
-    parser.add_argument("--reps", type=int, default=None, help="repeats (default 7, --quick 3)")
+    parser.add_argument("--reps", type=int, default=None, help="repeats (default 11, --quick 3)")
     parser.add_argument("--steps", type=int, default=None,
                         help="steps per variant and repeat (default 40, --quick 10)")
     parser.add_argument("--cold-steps", type=int, default=None,
@@ -246,7 +246,7 @@ def main(argv=None):
                         help="torch (and so numba) threads for every variant; >1 tags the configs, e.g. seed@2t")
     parser.add_argument("--state-dir", default=None, help="where the state files go (default: a temp dir)")
     args = parser.parse_args(argv)
-    args.reps = args.reps or (3 if args.quick else 7)
+    args.reps = args.reps or (3 if args.quick else 11)
     args.steps = args.steps or (10 if args.quick else 40)
     args.cold_steps = args.cold_steps or (2 if args.quick else 5)
     torch.set_num_threads(args.threads)

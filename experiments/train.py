@@ -35,7 +35,7 @@ CHAR_LM = {
                  eval_windows=16, max_chars=60_000, lrs=[3e-3], seeds=1),
     "quick": dict(n_layer=2, n_head=2, n_embd=32, block=32, batch=16, steps=60, eval_every=20,
                   eval_windows=64, max_chars=200_000, lrs=[3e-3], seeds=1),
-    "full": dict(n_layer=2, n_head=4, n_embd=64, block=64, batch=16, steps=200, eval_every=20,
+    "full": dict(n_layer=2, n_head=4, n_embd=64, block=64, batch=16, steps=600, eval_every=30,
                  eval_windows=128, max_chars=1_000_000, lrs=[1e-3, 3e-3, 1e-2], seeds=3),
 }
 
