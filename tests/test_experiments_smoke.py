@@ -427,3 +427,16 @@ def test_experiments_do_not_import_each_other():
                 parts = n.split(".")
                 if parts[0] == "experiments" and len(parts) > 1 and parts[1] in scripts - {path.stem}:
                     assert parts[1].startswith("_") and path.stem == "hessian_alignment", (path.name, n)
+
+
+def test_interleaved_timer_runs_each_candidate_once_per_repeat():
+    from experiments.train import interleaved, median
+
+    calls = []
+    fns = {name: (lambda n=name: calls.append(n)) for name in "abc"}
+    times = interleaved(fns, 4, shuffle=True, before=lambda n: calls.append("before " + n))
+    assert len(calls) == 24 and all(calls[i] == "before " + calls[i + 1] for i in range(0, 24, 2))
+    rounds = [calls[1::2][3 * k:3 * k + 3] for k in range(4)]
+    assert all(sorted(r) == ["a", "b", "c"] for r in rounds) and len({tuple(r) for r in rounds}) > 1
+    assert all(len(t["wall"]) == len(t["cpu"]) == 4 for t in times.values())
+    assert set(median(times)) == {"a", "b", "c"}
