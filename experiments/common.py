@@ -125,7 +125,7 @@ class Results:
         self.torch_version = torch.__version__
         self.commit = git_commit()
         self.config = _jsonable(config or {})
-        self.command = " ".join(sys.argv)
+        self.command = _command()
         # One timestamp per run (its start): rows of one run carry the same one.
         self.timestamp = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
         self._start = time.perf_counter()
@@ -199,6 +199,14 @@ class Results:
         print(f"[{self.experiment}] {len(self.rows)} rows in {self.path}; wall time {self.wall_seconds:.1f} s",
               flush=True)
         return False
+
+
+def _command() -> str:
+    """``sys.argv`` joined, the script's path relative to the repository when it lies inside it."""
+    argv = list(sys.argv)
+    if argv and Path(argv[0]).is_absolute() and Path(argv[0]).is_relative_to(REPO_ROOT):
+        argv[0] = str(Path(argv[0]).relative_to(REPO_ROOT))
+    return " ".join(argv)
 
 
 def _jsonable(config: dict) -> dict:
