@@ -411,7 +411,7 @@ def test_experiment_rows_tiny(tmp_path):
     from experiments.common import Results, read_results
 
     exp = _experiment()
-    args = argparse.Namespace(quick=True, wandb="disabled", results_dir=tmp_path, seed=0)
+    args = argparse.Namespace(quick=True, wandb="disabled", results_dir=tmp_path, seed=0, repeats=None)
     g = [torch.randn(64, 32), torch.randn(32)]
     m = [0.1 * t + 0.01 * torch.randn_like(t) for t in g]
     with Results("codebook_dp", args, config={"tiny": True}) as res:
