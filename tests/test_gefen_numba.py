@@ -8,13 +8,11 @@ here), the nibble packing at odd starts and ends (against ``reference.pack_codes
 bit-pattern absmax (against ``max(abs(x))``), and the serial kernel against the parallel one.
 """
 
-import numba
 import numpy as np
 import pytest
 import torch
 
-from optim import Gefen
-from optim.gefen import _numba_kernels as C, reference as R, state as K
+from optim.gefen import _numba_kernels as C, reference as R
 from optim.gefen.codebook import code_table
 from optim.gefen.numba_ops import _luts
 
@@ -92,41 +90,6 @@ def test_absmax_bits_is_max_abs():
         assert got == np.abs(x).max()
     z = np.array([-0.0, 0.0, -0.0], np.float32)
     assert np.array([C._absmax_bits(z.view(np.int32), 3)], np.int32).view(np.float32)[0] == 0.0
-
-
-@pytest.mark.parametrize("bits", [8, 4])
-def test_serial_kernel_equals_parallel_kernel(bits, monkeypatch):
-    """One thread runs the serial kernel, two the prange one: the same bits."""
-    if numba.config.NUMBA_NUM_THREADS < 2:
-        pytest.skip("numba has a single thread here")
-    shapes = [(96, 1024), (33, 17), (4099,)]
-
-    def run(threads):
-        old = torch.get_num_threads()
-        torch.set_num_threads(threads)
-        try:
-            gen = torch.Generator().manual_seed(13)
-            params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
-            opt = Gefen(params, lr=1e-2, weight_decay=0.01, bits=bits, backend="numba")
-            for _ in range(3):
-                for p in params:
-                    scale = torch.rand(p.shape[0], *([1] * (p.dim() - 1)), generator=gen) + 0.1
-                    p.grad = torch.randn(p.shape, generator=gen) * scale
-                opt.step()
-            return params, opt
-        finally:
-            torch.set_num_threads(old)
-
-    used = []
-    real = C.kernel
-    monkeypatch.setattr(C, "kernel", lambda b, pe, parallel=True: used.append(parallel) or real(b, pe, parallel))
-    p1, o1 = run(1)
-    p2, o2 = run(2)
-    assert False in used and True in used
-    for a, b in zip(p1, p2):
-        assert torch.equal(a, b)
-        for key in (K.V, K.SCALES, K.CODES):
-            assert torch.equal(o1.state[a][key], o2.state[b][key]), key
 
 
 def test_one_thread_step_leaves_torch_at_one_thread():

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from optim import Gefen
-from optim.gefen import state as K
+from optim.gefen import _numba_kernels as C, state as K
 
 # numels: odd blocks (3 x 7 x 11 rows), a prime (per-element v, chunked scales), a large even tensor
 # so a group spans several ~32K-element jobs.
@@ -35,11 +35,16 @@ def _run(threads, bits, steps=3):
 
 
 @pytest.mark.parametrize("bits", [8, 4])
-def test_one_and_two_threads_agree_bitwise(bits):
+def test_one_and_two_threads_agree_bitwise(bits, monkeypatch):
+    """One thread runs the serial kernel, two the prange one: the same bits."""
     if numba.config.NUMBA_NUM_THREADS < 2:
         pytest.skip("numba has a single thread here")
+    used = []
+    real = C.kernel
+    monkeypatch.setattr(C, "kernel", lambda b, pe, parallel=True: used.append(parallel) or real(b, pe, parallel))
     p1, s1 = _run(1, bits)
     p2, s2 = _run(2, bits)
+    assert False in used and True in used
     for a, b in zip(p1, p2):
         assert torch.equal(a, b)
     blocks = []
