@@ -202,11 +202,12 @@ class Results:
 
 
 def _command() -> str:
-    """``sys.argv`` joined, the script's path relative to the repository when it lies inside it."""
-    argv = list(sys.argv)
-    if argv and Path(argv[0]).is_absolute() and Path(argv[0]).is_relative_to(REPO_ROOT):
-        argv[0] = str(Path(argv[0]).relative_to(REPO_ROOT))
-    return " ".join(argv)
+    """``sys.argv`` joined, with paths inside the repository made relative to it."""
+    def rel(arg):
+        p = Path(arg)
+        return str(p.relative_to(REPO_ROOT)) if p.is_absolute() and p.is_relative_to(REPO_ROOT) else arg
+
+    return " ".join(["python"] + [rel(a) for a in sys.argv])
 
 
 def _jsonable(config: dict) -> dict:

@@ -376,7 +376,10 @@ def test_results_replace_the_csv_and_write_the_run_config(tmp_path, monkeypatch)
 
     from experiments.common import Results, add_common_args
 
-    monkeypatch.setattr(sys, "argv", ["experiments/x.py", "--seed", "3"])
+    from experiments.common import REPO_ROOT
+
+    monkeypatch.setattr(sys, "argv", [str(REPO_ROOT / "experiments/x.py"), "--seed", "3", "--results-dir",
+                                      str(REPO_ROOT / "results/quick")])
     args = add_common_args(argparse.ArgumentParser()).parse_args(["--results-dir", str(tmp_path), "--seed", "3",
                                                                   "--wandb", "disabled"])
     for run in range(2):
@@ -387,7 +390,8 @@ def test_results_replace_the_csv_and_write_the_run_config(tmp_path, monkeypatch)
     meta = json.loads((tmp_path / "x.config.json").read_text())
     assert set(meta) == {"config", "git_commit", "device", "torch_version", "command", "wall_seconds", "timestamp"}
     assert meta["config"] == {"size": 1, "path": str(tmp_path)}
-    assert meta["command"] == "experiments/x.py --seed 3" and meta["wall_seconds"] >= 0
+    # a command that reruns the experiment from the repository root, whatever the absolute paths were
+    assert meta["command"] == "python experiments/x.py --seed 3 --results-dir results/quick" and meta["wall_seconds"] >= 0
     assert meta["timestamp"] == rows[0]["timestamp"] and meta["git_commit"] == rows[0]["git_commit"]
 
 
