@@ -115,7 +115,6 @@ def run_config(cfg, args, res, tmp):
     gen = torch.Generator().manual_seed(args.seed)
     model = SeedModel(cfg["rows"], cfg["dim"]) if cfg["name"] == "seed" else KGModel(cfg["rows"], cfg["dim"])
     batches = make_batches(cfg, 32, gen)
-    samples = cfg["batch"]
     # Runs on more than one torch thread are configs of their own ("seed@2t"): ceiling and optimizers
     # all get the threads, and the 1-thread rows stay comparable across commits.
     tag = cfg["name"] if args.threads == 1 else f"{cfg['name']}@{args.threads}t"
@@ -127,6 +126,46 @@ def run_config(cfg, args, res, tmp):
             p.grad = None
         model.loss(batches[k % len(batches)]).backward()
 
+    sparse_adam, dsa = _memory(res, tag, x, params, fwd_bwd, tmp)
+
+    def dsa_step(k, bitwise=True):
+        for group in dsa.param_groups:  # a param-group option, like lr: both variants share the state
+            group["bitwise"] = bitwise
+        fwd_bwd(k)
+        dsa.step()
+
+    def steps(fn, n):
+        return lambda: [fn(k) for k in range(n)]
+
+    variants = {
+        "ceiling": lambda k: fwd_bwd(k),
+        "SparseAdam": lambda k: (fwd_bwd(k), sparse_adam.step()),
+        "DiskSparseAdam/warm": dsa_step,
+        "DiskSparseAdam/warm-fused": lambda k: dsa_step(k, bitwise=False),
+    }
+    # interleaved, in a different order every repeat; each call is args.steps steps
+    times = interleaved({v: steps(fn, args.steps) for v, fn in variants.items()}, args.reps, shuffle=True,
+                        progress=True, desc=f"{tag} warm repeats")
+    samples = cfg["batch"] * args.steps
+    walls = {v: [samples / w for w in t["wall"]] for v, t in times.items()}
+    cpus = {v: [samples / c for c in t["cpu"]] for v, t in times.items()}
+    res.add(f"{tag}/DiskSparseAdam/warm", "huge_pages", "bool", float(dsa.state_files()[0].huge_pages), **x)
+    dsa.close()
+    # Cold cache last: dropping the pages also drops the mapping's page tables, which would cost
+    # the warm variant page faults if the two were interleaved. The cold optimizer reopens the same
+    # (clean) state files with 4 KiB pages: the default maps files that fit in RAM with huge pages,
+    # which a cold step would read 2 MiB at a time (the huge_pages=None rule never picks them for
+    # state that does not stay in the page cache, which is what the cold variant stands for).
+    dsa = make_optimizer("DiskSparseAdam", params, lr=1e-3, state_dir=os.path.join(tmp, tag), huge_pages=False)
+    walls["DiskSparseAdam/cold"], cpus["DiskSparseAdam/cold"], reads = _cold(args, cfg, dsa, dsa_step)
+    dsa.close()
+    rows_per_step = statistics.median(sum(int(torch.unique(t).numel()) for t in _tensors(b))
+                                      for b in batches[:8])
+    _report(res, tag, x, args, walls, cpus, reads, cfg["batch"], rows_per_step)
+
+
+def _memory(res, tag, x, params, fwd_bwd, tmp):
+    """Both optimizers after one step each, and what each added to the process's memory and disk."""
     mem0 = rss_mib()
     sparse_adam = make_optimizer("SparseAdam", params, lr=1e-3)
     fwd_bwd(0)
@@ -149,60 +188,40 @@ def run_config(cfg, args, res, tmp):
             sum(os.stat(st.path).st_blocks * 512 for st in stores), **x)
     res.add(f"{tag}/SparseAdam", "state_bytes_in_ram", "bytes",
             sum(2 * p.numel() * p.element_size() for p in params), **x)
+    return sparse_adam, dsa
+
+
+def _cold(args, cfg, dsa, dsa_step):
+    """Samples/s (wall and per CPU second) of steps that find no state page cached, and the disk's
+    4 KiB random-read rate measured after each repeat."""
+    stores = dsa.state_files()
 
     def drop(_name=None):
         for st in stores:
             st.drop_cache()
 
-    def dsa_step(k, bitwise=True):
-        for group in dsa.param_groups:  # a param-group option, like lr: both variants share the state
-            group["bitwise"] = bitwise
-        fwd_bwd(k)
-        dsa.step()
-
-    def steps(fn, n):
-        return lambda: [fn(k) for k in range(n)]
-
-    variants = {
-        "ceiling": lambda k: fwd_bwd(k),
-        "SparseAdam": lambda k: (fwd_bwd(k), sparse_adam.step()),
-        "DiskSparseAdam/warm": dsa_step,
-        "DiskSparseAdam/warm-fused": lambda k: dsa_step(k, bitwise=False),
-    }
-    # interleaved, in a different order every repeat; each call is args.steps steps
-    times = interleaved({v: steps(fn, args.steps) for v, fn in variants.items()}, args.reps, shuffle=True,
-                        progress=True, desc=f"{tag} warm repeats")
-    walls = {v: [samples * args.steps / w for w in t["wall"]] for v, t in times.items()}
-    cpus = {v: [samples * args.steps / c for c in t["cpu"]] for v, t in times.items()}
-    # Cold cache last: dropping the pages also drops the mapping's page tables, which would cost
-    # the warm variant page faults if the two were interleaved. The cold optimizer reopens the same
-    # (clean) state files with 4 KiB pages: the default maps files that fit in RAM with huge pages,
-    # which a cold step would read 2 MiB at a time (the huge_pages=None rule never picks them for
-    # state that does not stay in the page cache, which is what the cold variant stands for).
-    res.add(f"{tag}/DiskSparseAdam/warm", "huge_pages", "bool", float(stores[0].huge_pages), **x)
-    dsa.close()
-    dsa = make_optimizer("DiskSparseAdam", params, lr=1e-3, state_dir=os.path.join(tmp, tag), huge_pages=False)
-    stores = dsa.state_files()  # dsa_step and drop see the reopened optimizer and files
-    reads = []
-    walls["DiskSparseAdam/cold"], cpus["DiskSparseAdam/cold"] = [], []
+    walls, cpus, reads = [], [], []
+    samples = cfg["batch"] * args.cold_steps
     for rep in range(args.reps):
         # one step per call, every page dropped (untimed) before it
         batch_ids = iter(range(rep * args.cold_steps, (rep + 1) * args.cold_steps))
         t = interleaved({"cold": lambda: dsa_step(next(batch_ids))}, args.cold_steps, before=drop)["cold"]
-        walls["DiskSparseAdam/cold"].append(samples * args.cold_steps / sum(t["wall"]))
-        cpus["DiskSparseAdam/cold"].append(samples * args.cold_steps / sum(t["cpu"]))
+        walls.append(samples / sum(t["wall"]))
+        cpus.append(samples / sum(t["cpu"]))
         reads.append(disk_random_read_rate(stores[0].path, args.disk_reads, args.seed + rep))
-    variants = walls
-    med = {v: statistics.median(walls[v]) for v in variants}
-    med_cpu = {v: statistics.median(cpus[v]) for v in variants}
-    for v in variants:
+    return walls, cpus, reads
+
+
+def _report(res, tag, x, args, walls, cpus, reads, batch, rows_per_step):
+    """Medians, the cold bound (one page read per touched row: records are 1 KiB or less, rows
+    scattered) and the ratios, into the results and the log."""
+    med = {v: statistics.median(walls[v]) for v in walls}
+    med_cpu = {v: statistics.median(cpus[v]) for v in cpus}
+    for v in walls:
         res.add(f"{tag}/{v}", "throughput", "samples/s", med[v], **x)
         res.add(f"{tag}/{v}", "throughput_per_cpu_second", "samples/s", med_cpu[v], **x)
     read_rate = statistics.median(reads)
-    # A cold step reads one page per touched row (records are 1 KiB or less, rows scattered).
-    rows_per_step = statistics.median(sum(int(torch.unique(t).numel()) for t in _tensors(b))
-                                      for b in batches[:8])
-    bound = samples * read_rate / rows_per_step
+    bound = batch * read_rate / rows_per_step
     res.add(f"{tag}/disk", "random_read_4KiB", "reads/s", read_rate, **x)
     res.add(f"{tag}/disk", "cold_bound", "samples/s", bound, **x)
     ratios = {
@@ -217,11 +236,9 @@ def run_config(cfg, args, res, tmp):
     for name, r in ratios.items():
         res.add(f"{tag}/ratio", name, "x", r, **x)
     print(f"[{tag}] samples/s (wall, median of {args.reps}): "
-          + ", ".join(f"{v} {med[v]:,.0f}" for v in variants)
+          + ", ".join(f"{v} {med[v]:,.0f}" for v in walls)
           + f"; disk {read_rate:,.0f} reads/s -> cold bound {bound:,.0f}")
     print(f"[{tag}] ratios: " + ", ".join(f"{k} {r:.2f}" for k, r in ratios.items()))
-    dsa.close()
-    del sparse_adam
 
 
 def _tensors(b):
