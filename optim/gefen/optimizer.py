@@ -8,6 +8,7 @@ import torch
 
 from ..backends import resolve_backend
 from . import distributed as _dist, state as K
+from .checks import check_group, check_saved, state_dtype
 from .codebook import HIST_BINS, code_table
 from .partition import RULES, choose_block
 from .reference import num_code_bytes, num_scales
@@ -94,7 +95,7 @@ class Gefen(torch.optim.Optimizer):
 
     def add_param_group(self, param_group):
         super().add_param_group(param_group)
-        _check_group(self.param_groups[-1], len(self.param_groups) - 1)
+        check_group(self.param_groups[-1], len(self.param_groups) - 1)
         for p in self.param_groups[-1]["params"]:
             dev = _local(p).device
             if dev not in self._steps:
@@ -148,12 +149,13 @@ class Gefen(torch.optim.Optimizer):
         dev = g.device
         st[K.STEP] = 0
         st[K.BLOCK] = block
-        st[K.V] = torch.zeros(n // block, device=dev)
+        dtype = state_dtype(_local(p).dtype, group)
+        st[K.V] = torch.zeros(n // block, device=dev, dtype=dtype)
         if group["quantize_first_moment"]:
             st[K.SCALES] = torch.zeros(num_scales(n, block), device=dev)
             st[K.CODES] = torch.zeros(num_code_bytes(n, self.bits), dtype=torch.uint8, device=dev)
         else:
-            st[K.M] = torch.zeros(n, device=dev)
+            st[K.M] = torch.zeros(n, device=dev, dtype=dtype)
 
     def _gather(self):
         """[(group, [(p, grad)])] of parameters with gradients; checks them; creates state."""
@@ -207,16 +209,18 @@ class Gefen(torch.optim.Optimizer):
         for p, g in items:
             st = self.state[p]
             st[K.STEP] += 1
-            buckets[(st[K.BLOCK], st[K.STEP], _local(p).device)].append((p, g))
+            buckets[(st[K.BLOCK], st[K.STEP], _local(p).device, st[K.V].dtype)].append((p, g))
         beta1, beta2 = group["betas"]
-        for (block, step, dev), pg in buckets.items():
+        for (block, step, dev, vdtype), pg in buckets.items():
             sts = [self.state[p] for p, _ in pg]
             codebook, tables = None, None
             if quant:
                 if self.codebook.device != dev:
                     self.set_codebook(self.codebook.to(dev))
                 codebook, tables = self.codebook, self._nearest_tables()
-            self._steps[dev](
+            # float64 moments (see checks.state_dtype) run on the torch step, in float64
+            step_fn = _step_function("torch") if vdtype == torch.float64 else self._steps[dev]
+            step_fn(
                 [_local(p) for p, _ in pg], [_local(g) for _, g in pg], [s[K.V] for s in sts],
                 [s[K.SCALES] if quant else s[K.V].new_zeros(0) for s in sts],
                 [s[K.CODES] if quant else s[K.M] for s in sts], codebook, tables=tables,
@@ -237,22 +241,25 @@ class Gefen(torch.optim.Optimizer):
         if bits != self.bits:
             raise ValueError(f"Gefen.load_state_dict: the state dict was saved with bits={bits}, "
                              f"this optimizer has bits={self.bits}; construct it with bits={bits}")
-        saved = sd.get("state", {})
-        params = [p for g in self.param_groups for p in g["params"]]
+        saved = dict(sd.get("state", {}))
+        groups = [(p, g) for g in self.param_groups for p in g["params"]]
         ids = [i for g in sd["param_groups"] for i in g["params"]]
-        if len(ids) != len(params):
+        if len(ids) != len(groups):
             raise ValueError(f"Gefen.load_state_dict: the state dict has {len(ids)} parameters, "
-                             f"this optimizer {len(params)}; load it into the model it was saved from")
-        for k, (pid, p) in enumerate(zip(ids, params)):
-            if pid in saved:
-                _check_saved(saved[pid], _local(p).numel(), self.bits, k, tuple(p.shape))
+                             f"this optimizer {len(groups)}; load it into the model it was saved from")
+        for k, (pid, (p, group)) in enumerate(zip(ids, groups)):
+            if pid in saved:  # everything is checked before anything is written
+                saved[pid] = check_saved(saved[pid], _local(p), group, self.bits, k)
         super().load_state_dict(sd)
         # torch casts floating state to the parameter's dtype (bf16 would round v and scales,
-        # and uint8 codes would become floats): put back the saved tensors as they were.
-        for pid, p in zip(ids, params):
+        # and uint8 codes would become floats): put back the checked tensors as they were,
+        # as contiguous copies on the parameter's device.
+        for pid, (p, _) in zip(ids, groups):
             if pid in saved:
-                self.state[p] = {k: (v.detach().to(_local(p).device, copy=True)
+                dev = _local(p).device
+                self.state[p] = {k: (v.detach().to(dev).clone(memory_format=torch.contiguous_format)
                                      if torch.is_tensor(v) else v) for k, v in saved[pid].items()}
+        params = [p for p, _ in groups]
         if codebook is None:
             self.codebook, self._tables = None, None
         else:
@@ -262,38 +269,3 @@ class Gefen(torch.optim.Optimizer):
 def _local(t):
     """The local shard of a DTensor, the tensor itself otherwise (state lives with the shard)."""
     return t.to_local() if hasattr(t, "to_local") else t
-
-
-def _check_group(group, gi):
-    for pi, p in enumerate(group["params"]):
-        if p.is_complex():
-            raise ValueError(f"Gefen does not support complex parameters (group {gi}, parameter "
-                             f"{pi}); optimize torch.view_as_real(p) as a real parameter instead")
-        if not p.is_floating_point():
-            raise ValueError(f"Gefen: parameter {pi} of group {gi} has dtype {p.dtype}, "
-                             "expected a floating-point dtype")
-    lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-    if not 0.0 <= float(lr):
-        raise ValueError(f"Gefen: invalid lr {lr} in group {gi}")
-    if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
-        raise ValueError(f"Gefen: invalid betas {group['betas']} in group {gi}; need 0 <= beta < 1")
-    if not 0.0 <= eps or not 0.0 <= wd:
-        raise ValueError(f"Gefen: invalid eps {eps} or weight_decay {wd} in group {gi}")
-
-
-def _check_saved(st, n, bits, k, shape):
-    """Raise if a saved per-parameter state does not fit an n-element parameter."""
-    block = st.get(K.BLOCK)
-    ok = isinstance(block, int) and block >= 1 and n % block == 0
-    ok = ok and st[K.V].numel() == n // block
-    if ok and K.CODES in st:
-        ok = (st[K.CODES].numel() == num_code_bytes(n, bits)
-              and st[K.SCALES].numel() == num_scales(n, block))
-    if ok and K.M in st:
-        ok = st[K.M].numel() == n
-    if not ok:
-        raise ValueError(
-            f"Gefen.load_state_dict: the state of parameter {k} (block {block}, v of "
-            f"{st[K.V].numel() if K.V in st else '?'} entries) does not fit its shape {shape} "
-            f"({n} elements); the state dict comes from a model with other shapes")
-
