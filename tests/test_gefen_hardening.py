@@ -175,3 +175,161 @@ def test_state_changed_after_load_is_refused_before_launch(backend):
     r = _run_python(_MUTATED_SCRIPT.replace("BACKEND", repr(backend)))
     assert r.returncode == 0, f"crashed (rc {r.returncode}): {r.stderr[-2000:]}"
     assert "REFUSED" in r.stdout and "float32" in r.stdout, r.stdout + r.stderr[-2000:]
+
+
+# ----------------------------------------------------------------------------- AdamW reduction
+
+
+def test_float64_parameters_keep_float64_moments_and_reduce_to_adamw():
+    """Both switches off, float64: 30 steps within 1e-13 of AdamW in float64 (fp32 moments were
+    ~1e-7 away). Not bitwise: AdamW runs its foreach kernels, Gefen generic ops on padded rows."""
+    shapes = [(24, 48), (300,), (1,)]
+    ps = [torch.nn.Parameter(torch.randn(s, dtype=torch.float64)) for s in shapes]
+    qs = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+    ours = Gefen(ps, lr=1e-2, weight_decay=0.1, share_second_moment=False,
+                 quantize_first_moment=False)
+    ref = torch.optim.AdamW(qs, lr=1e-2, weight_decay=0.1)
+    for _ in range(30):
+        for p, q in zip(ps, qs):
+            p.grad = torch.randn(p.shape, dtype=torch.float64)
+            q.grad = p.grad.clone()
+        ours.step()
+        ref.step()
+    for p, q in zip(ps, qs):
+        assert ours.state[p][K.V].dtype == ours.state[p][K.M].dtype == torch.float64
+        assert_close(p.detach(), q.detach(), atol=1e-13, name="float64 p vs AdamW")
+        assert_close(ours.state[p][K.M], ref.state[q]["exp_avg"].reshape(-1), atol=1e-15, name="m")
+
+
+# ---------------------------------------------------------------------- first gradients
+
+
+@pytest.mark.parametrize("backend", ["torch", "numba"])
+def test_zero_first_gradients_match_adamw_and_blocks_come_from_first_nonzero(backend):
+    """Three all-zero gradients (a zero-initialised layer): no state but the step count, and the
+    parameters are AdamW's (weight decay only, bitwise). The first non-zero gradient then chooses
+    a block > 1: about one byte a parameter, not block 1's five."""
+    shape = (32, 256)
+    p = torch.nn.Parameter(torch.randn(shape))
+    q = torch.nn.Parameter(p.detach().clone())
+    ours = Gefen([p], lr=1e-2, weight_decay=0.1, backend=backend)
+    ref = torch.optim.AdamW([q], lr=1e-2, weight_decay=0.1)
+    for _ in range(3):
+        p.grad, q.grad = torch.zeros(shape), torch.zeros(shape)
+        ours.step()
+        ref.step()
+        assert torch.equal(p, q)
+        assert set(ours.state[p]) == {K.STEP} and ours.codebook is None
+    assert ours.state[p][K.STEP] == 3
+    p.grad = _structured_grad(shape)
+    ours.step()
+    st = ours.state[p]
+    per_param = sum(st[k].numel() * st[k].element_size() for k in (K.V, K.SCALES, K.CODES)) / p.numel()
+    assert st[K.BLOCK] >= 256 and per_param <= 1 + 8 / 256 and st[K.STEP] == 4
+
+
+def test_zero_first_gradients_then_adamw_trajectory_with_switches_off():
+    """Both switches off, zero gradients at steps 1-2: the whole trajectory is AdamW's, whose bias
+    corrections count the zero-gradient steps."""
+    p = torch.nn.Parameter(torch.randn(16, 96))
+    q = torch.nn.Parameter(p.detach().clone())
+    ours = Gefen([p], lr=1e-2, weight_decay=0.1, share_second_moment=False,
+                 quantize_first_moment=False)
+    ref = torch.optim.AdamW([q], lr=1e-2, weight_decay=0.1)
+    for t in range(10):
+        g = torch.zeros(16, 96) if t < 2 else torch.randn(16, 96)
+        p.grad, q.grad = g.clone(), g.clone()
+        ours.step()
+        ref.step()
+    assert_close(p.detach(), q.detach(), atol=1e-6, name="p vs AdamW")
+
+
+def test_zero_gradient_state_survives_state_dict_round_trip():
+    p = torch.nn.Parameter(torch.randn(16, 96))
+    opt = Gefen([p])
+    p.grad = torch.zeros(16, 96)
+    opt.step()
+    opt2 = Gefen([torch.nn.Parameter(p.detach().clone())])
+    opt2.load_state_dict(opt.state_dict())
+    assert dict(opt2.state[opt2.param_groups[0]["params"][0]]) == {K.STEP: 1}
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("late", [False, True], ids=["first_step", "late_parameter"])
+def test_non_finite_first_gradient_is_refused(bad, late):
+    """The block length and codebook come from the first gradient: a NaN is refused as an inf is,
+    also for a parameter whose first gradient comes after the codebook was learned."""
+    a, b = torch.nn.Parameter(torch.randn(16, 96)), torch.nn.Parameter(torch.randn(16, 96))
+    opt = Gefen([a, b])
+    if late:
+        a.grad = _structured_grad((16, 96))
+        opt.step()
+    b.grad = _structured_grad((16, 96))
+    b.grad[3, 5] = bad
+    with pytest.raises(ValueError, match=r"first gradient of parameter 1 .*NaN or inf"):
+        opt.step()
+    assert K.BLOCK not in opt.state[b]
+
+
+# ------------------------------------------------------------------------ torch protocol
+
+
+def test_deepcopy_is_independent_and_continues_like_the_original():
+    ps = [torch.nn.Parameter(torch.randn(s)) for s in [(16, 96), (300,)]]
+    opt = Gefen(ps, lr=1e-2, weight_decay=0.1)
+    for _ in range(2):
+        for p in ps:
+            p.grad = _structured_grad(p.shape) if p.dim() > 1 else torch.randn(p.shape)
+        opt.step()
+    opt2 = copy.deepcopy(opt)
+    ps2 = opt2.param_groups[0]["params"]
+    assert all(p2 is not p for p, p2 in zip(ps, ps2))
+    assert opt2.state[ps2[0]][K.CODES].data_ptr() != opt.state[ps[0]][K.CODES].data_ptr()
+    for p, p2 in zip(ps, ps2):
+        p2.grad = p.grad.clone()
+    opt.step()
+    opt2.step()
+    assert torch.equal(opt2.codebook, opt.codebook)
+    for p, p2 in zip(ps, ps2):
+        assert torch.equal(p, p2)
+        for k, v in opt.state[p].items():
+            assert torch.equal(v, opt2.state[p2][k]) if torch.is_tensor(v) else v == opt2.state[p2][k]
+
+
+def test_upstream_fused_and_verbose_keywords(capsys):
+    """``fused=False`` is the torch step; ``fused=True`` (upstream's default) the compiled one
+    where the device has it; ``verbose`` prints each tensor's block length when it is chosen."""
+    from optim.gefen import torch_ops, numba_ops
+
+    p = torch.nn.Parameter(torch.randn(32, 256))
+    assert Gefen([p], fused=False)._steps[p.device] is torch_ops.gefen_step_
+    assert Gefen([p], fused=True)._steps[p.device] is numba_ops.gefen_step_
+    with pytest.raises(ValueError, match="fused=False"):
+        Gefen([p], fused=False, backend="numba")
+    opt = Gefen([p], verbose=True)
+    p.grad = _structured_grad((32, 256))
+    opt.step()
+    out = capsys.readouterr().out
+    assert f"block {opt.state[p][K.BLOCK]}" in out and "(32, 256)" in out
+
+
+# ------------------------------------------------------------------------------ arguments
+
+
+@pytest.mark.parametrize("betas", [(0.9,), (0.9, 0.99, 0.999), 0.9], ids=["one", "three", "float"])
+def test_betas_must_be_a_pair(betas):
+    with pytest.raises(ValueError, match="betas must be a pair"):
+        Gefen([torch.nn.Parameter(torch.randn(4))], betas=betas)
+
+
+def test_triton_on_cpu_without_interpreter_says_what_to_do():
+    r = _run_python("""
+        import torch
+        from optim import Gefen
+        try:
+            Gefen([torch.nn.Parameter(torch.randn(4))], backend="triton")
+        except RuntimeError as e:
+            print("REFUSED", e)
+        """, env_drop=("TRITON_INTERPRET",))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "REFUSED" in r.stdout and "TRITON_INTERPRET=1" in r.stdout and "backend='torch'" in r.stdout
