@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 
 import torch
@@ -71,18 +72,28 @@ class Gefen(torch.optim.Optimizer):
             repeated or very close entries) to the torch step, which computes the same update.
             The codebook's histogram is computed with torch on every backend (once per model).
             (Default: "auto")
+        fused: upstream's keyword. False is ``backend="torch"``; True or None leave ``backend``
+            to choose (upstream's True also falls back to unfused code where its kernels cannot
+            run, as ``"auto"`` does). (Default: None)
+        verbose: print each tensor's block length when it is chosen (upstream's keyword).
+            (Default: False)
         block_rule: "adjacent_log" (upstream's current rule) or "variance_drop" (the paper-era
             rule); see ``partition.py``. (Default: "adjacent_log")
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, bits=8,
                  share_second_moment=True, quantize_first_moment=True, backend="auto",
-                 block_rule="adjacent_log"):
+                 block_rule="adjacent_log", *, fused=None, verbose=False):
         if bits not in (4, 8):
             raise ValueError(f"Gefen: bits must be 8 or 4, got {bits!r}")
         if block_rule not in RULES:
             raise ValueError(f"Gefen: block_rule must be one of {RULES}, got {block_rule!r}")
-        self.backend = backend
+        if fused is False and backend not in ("auto", "torch"):
+            raise ValueError(f"Gefen: fused=False asks for the torch step, backend={backend!r} "
+                             "for a compiled one; pass one of them")
+        self.backend = "torch" if fused is False else backend
+        self.fused = fused
+        self.verbose = verbose
         self._steps = {}  # device -> step function, filled by add_param_group
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                         share_second_moment=share_second_moment,
@@ -147,7 +158,7 @@ class Gefen(torch.optim.Optimizer):
         block = choose_block(g, self.block_rule) if group["share_second_moment"] else 1
         st = self.state[p]
         dev = g.device
-        st[K.STEP] = 0
+        st[K.STEP] = st.get(K.STEP, 0)  # steps with all-zero gradients before this one
         st[K.BLOCK] = block
         dtype = state_dtype(_local(p).dtype, group)
         st[K.V] = torch.zeros(n // block, device=dev, dtype=dtype)
@@ -156,6 +167,32 @@ class Gefen(torch.optim.Optimizer):
             st[K.CODES] = torch.zeros(num_code_bytes(n, self.bits), dtype=torch.uint8, device=dev)
         else:
             st[K.M] = torch.zeros(n, device=dev, dtype=dtype)
+
+    def _first_gradient(self, p, group, gi, pi) -> bool:
+        """Create ``p``'s state from its first non-zero gradient; True once it exists.
+
+        An all-zero gradient (a zero-initialised layer) says nothing about blocks: it only
+        counts the step and applies weight decay, which is AdamW's whole update at g = 0 with
+        m = v = 0, so the state created later is AdamW's after those steps. A gradient with NaN
+        or inf is refused: blocks and codebook would be chosen from it for good.
+        """
+        g = _local(p.grad)
+        amax = float(g.detach().abs().amax())
+        if not math.isfinite(amax):
+            raise ValueError(
+                f"Gefen: the first gradient of parameter {pi} of group {gi} (shape "
+                f"{tuple(p.shape)}) contains NaN or inf; its block length and the codebook are "
+                "chosen from it: skip this step (as torch.amp.GradScaler does) or fix the loss")
+        st = self.state[p]
+        if amax == 0.0:
+            st[K.STEP] = st.get(K.STEP, 0) + 1
+            _local(p).mul_(1 - float(group["lr"]) * group["weight_decay"])
+            return False
+        self._init_state(p, p.grad, group)
+        if self.verbose:
+            print(f"Gefen: parameter {pi} of group {gi}, shape {tuple(p.shape)}: "
+                  f"block {st[K.BLOCK]} ({g.numel() // st[K.BLOCK]} second moments)")
+        return True
 
     def _gather(self):
         """[(group, [(p, grad)])] of parameters with gradients; checks them; creates state."""
@@ -172,8 +209,8 @@ class Gefen(torch.optim.Optimizer):
                         "optim.DiskSparseAdam, or build the embedding with sparse=False")
                 if _local(p).numel() == 0:
                     continue
-                if K.BLOCK not in self.state[p]:
-                    self._init_state(p, p.grad, group)
+                if K.BLOCK not in self.state[p] and not self._first_gradient(p, group, gi, pi):
+                    continue
                 items.append((p, p.grad))
             out.append((group, items))
         return out
