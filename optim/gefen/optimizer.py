@@ -104,6 +104,23 @@ class Gefen(torch.optim.Optimizer):
         self.codebook = None
         self._tables = None
 
+    def __getstate__(self):
+        # torch's keeps only defaults, state and groups; the codebook and settings travel too
+        # (deepcopy, pickle). Step functions and lookup tables are rebuilt.
+        out = super().__getstate__()
+        out.update({k: self.__dict__[k] for k in _SETTINGS})
+        return out
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self.__dict__.setdefault("_tables", None)
+        if "_steps" not in self.__dict__:
+            self._steps = {}
+            for p in (p for g in self.param_groups for p in g["params"]):
+                dev = _local(p).device
+                if dev not in self._steps:
+                    self._steps[dev] = _step_function(resolve_backend(self.backend, dev, owner="Gefen"))
+
     def add_param_group(self, param_group):
         super().add_param_group(param_group)
         check_group(self.param_groups[-1], len(self.param_groups) - 1)
@@ -301,6 +318,9 @@ class Gefen(torch.optim.Optimizer):
             self.codebook, self._tables = None, None
         else:
             self.set_codebook(codebook.to(_local(params[0]).device) if params else codebook)
+
+
+_SETTINGS = ("backend", "fused", "verbose", "bits", "block_rule", "codebook")
 
 
 def _local(t):
