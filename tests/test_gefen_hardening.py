@@ -333,3 +333,24 @@ def test_triton_on_cpu_without_interpreter_says_what_to_do():
         """, env_drop=("TRITON_INTERPRET",))
     assert r.returncode == 0, r.stderr[-2000:]
     assert "REFUSED" in r.stdout and "TRITON_INTERPRET=1" in r.stdout and "backend='torch'" in r.stdout
+
+
+@pytest.mark.parametrize("alias", ["v_as_int32", "v_shorter", "codes_as_int8", "scales_strided"])
+def test_triton_launch_cache_checks_a_state_tensor_at_a_known_address(alias):
+    """A tensor at the address of one launched before (a view of it) is checked again, not taken
+    from the launch cache."""
+    from optim.gefen import reference as R, triton_ops
+    from optim.gefen.codebook import code_table
+
+    cb = torch.linspace(-1, 1, 256)
+    n, block = 4096, 64
+    p, g = torch.randn(n), torch.randn(n)
+    v, s, c = R.init_state(n, block=block, bits=8)
+    kw = dict(tables=code_table(cb), step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
+              weight_decay=0.0, block=block, bits=8)
+    triton_ops.gefen_step_([p], [g], [v], [s], [c], cb, **kw)
+    bad = {"v_as_int32": ([v.view(torch.int32)], [s], [c]), "v_shorter": ([v[:-1]], [s], [c]),
+           "codes_as_int8": ([v], [s], [c.view(torch.int8)]),
+           "scales_strided": ([v], [s.view(-1, 2)[:, 0]], [c])}[alias]
+    with pytest.raises(ValueError):
+        triton_ops.gefen_step_([p], [g], *bad, cb, **kw)
