@@ -32,7 +32,7 @@ class Gefen(torch.optim.Optimizer):
     PyPI package ``gefen``).
 
     Each tensor is flattened (under FSDP: its local shard) and split into blocks of a length P
-    chosen once from its first squared gradient (``partition.py``; no parameter names needed).
+    chosen once from its first non-zero squared gradient (``partition.py``; no parameter names needed).
     One second moment is kept per block and the first moment as ``bits``-bit codes into one
     model-wide codebook, learned at the first step as the exact optimal ``2**bits``-level
     quantiser (ends pinned at -1, +1) of a ``HIST_BINS`` = 4096-bin histogram of gradients divided by the
