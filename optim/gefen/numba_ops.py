@@ -17,6 +17,7 @@ import torch
 
 from .._threads import numba_threads
 from . import torch_ops
+from .checks import check_launch
 from .codebook import code_table
 from .reference import scale_block_length
 
@@ -53,8 +54,6 @@ def _meta(ps, gs, vs, scales, codes):
     """
     rows, keep, back = [], [], []
     for p, g, v, s, c in zip(ps, gs, vs, scales, codes):
-        if not (v.is_contiguous() and s.is_contiguous() and c.is_contiguous()):
-            raise ValueError("Gefen state tensors must be contiguous")
         pw, gw = p, g
         if not (p.dtype == torch.float32 and p.is_contiguous()):
             pw = p.detach().float().contiguous()
@@ -88,6 +87,7 @@ def gefen_step_(ps, gs, vs, scales, codes, codebook, *, step, lr, beta1, beta2, 
     S = scale_block_length(block)
     hyper = (f32(1 - beta1), f32(beta2), f32(1 - beta2), f32(1 - lr * weight_decay),
              f32(-lr / (1 - beta1**step)), f32((1 - beta2**step) ** 0.5), f32(eps))
+    check_launch(ps, gs, vs, scales, codes, block=block, bits=bits, quant=True)
     meta, keep, back = _meta(ps, gs, vs, scales, codes)
     jobs = _jobs(tuple(meta[:, 5].tolist()), S, bits)
     step_fn = kernel(bits, block == 1, parallel=numba_threads() > 1)

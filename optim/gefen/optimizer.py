@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 
 import torch
 
 from ..backends import resolve_backend
 from . import distributed as _dist, state as K
+from .checks import check_group, check_saved, state_dtype
 from .codebook import HIST_BINS, code_table
 from .partition import RULES, choose_block
 from .reference import num_code_bytes, num_scales
@@ -30,7 +32,7 @@ class Gefen(torch.optim.Optimizer):
     PyPI package ``gefen``).
 
     Each tensor is flattened (under FSDP: its local shard) and split into blocks of a length P
-    chosen once from its first squared gradient (``partition.py``; no parameter names needed).
+    chosen once from its first non-zero squared gradient (``partition.py``; no parameter names needed).
     One second moment is kept per block and the first moment as ``bits``-bit codes into one
     model-wide codebook, learned at the first step as the exact optimal ``2**bits``-level
     quantiser (ends pinned at -1, +1) of a ``HIST_BINS`` = 4096-bin histogram of gradients divided by the
@@ -70,18 +72,28 @@ class Gefen(torch.optim.Optimizer):
             repeated or very close entries) to the torch step, which computes the same update.
             The codebook's histogram is computed with torch on every backend (once per model).
             (Default: "auto")
+        fused: upstream's keyword. False is ``backend="torch"``; True or None leave ``backend``
+            to choose (upstream's True also falls back to unfused code where its kernels cannot
+            run, as ``"auto"`` does). (Default: None)
+        verbose: print each tensor's block length when it is chosen (upstream's keyword).
+            (Default: False)
         block_rule: "adjacent_log" (upstream's current rule) or "variance_drop" (the paper-era
             rule); see ``partition.py``. (Default: "adjacent_log")
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, bits=8,
                  share_second_moment=True, quantize_first_moment=True, backend="auto",
-                 block_rule="adjacent_log"):
+                 block_rule="adjacent_log", *, fused=None, verbose=False):
         if bits not in (4, 8):
             raise ValueError(f"Gefen: bits must be 8 or 4, got {bits!r}")
         if block_rule not in RULES:
             raise ValueError(f"Gefen: block_rule must be one of {RULES}, got {block_rule!r}")
-        self.backend = backend
+        if fused is False and backend not in ("auto", "torch"):
+            raise ValueError(f"Gefen: fused=False asks for the torch step, backend={backend!r} "
+                             "for a compiled one; pass one of them")
+        self.backend = "torch" if fused is False else backend
+        self.fused = fused
+        self.verbose = verbose
         self._steps = {}  # device -> step function, filled by add_param_group
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                         share_second_moment=share_second_moment,
@@ -92,9 +104,26 @@ class Gefen(torch.optim.Optimizer):
         self.codebook = None
         self._tables = None
 
+    def __getstate__(self):
+        # torch's keeps only defaults, state and groups; the codebook and settings travel too
+        # (deepcopy, pickle). Step functions and lookup tables are rebuilt.
+        out = super().__getstate__()
+        out.update({k: self.__dict__[k] for k in _SETTINGS})
+        return out
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self.__dict__.setdefault("_tables", None)
+        if "_steps" not in self.__dict__:
+            self._steps = {}
+            for p in (p for g in self.param_groups for p in g["params"]):
+                dev = _local(p).device
+                if dev not in self._steps:
+                    self._steps[dev] = _step_function(resolve_backend(self.backend, dev, owner="Gefen"))
+
     def add_param_group(self, param_group):
         super().add_param_group(param_group)
-        _check_group(self.param_groups[-1], len(self.param_groups) - 1)
+        check_group(self.param_groups[-1], len(self.param_groups) - 1)
         for p in self.param_groups[-1]["params"]:
             dev = _local(p).device
             if dev not in self._steps:
@@ -146,14 +175,41 @@ class Gefen(torch.optim.Optimizer):
         block = choose_block(g, self.block_rule) if group["share_second_moment"] else 1
         st = self.state[p]
         dev = g.device
-        st[K.STEP] = 0
+        st[K.STEP] = st.get(K.STEP, 0)  # steps with all-zero gradients before this one
         st[K.BLOCK] = block
-        st[K.V] = torch.zeros(n // block, device=dev)
+        dtype = state_dtype(_local(p).dtype, group)
+        st[K.V] = torch.zeros(n // block, device=dev, dtype=dtype)
         if group["quantize_first_moment"]:
             st[K.SCALES] = torch.zeros(num_scales(n, block), device=dev)
             st[K.CODES] = torch.zeros(num_code_bytes(n, self.bits), dtype=torch.uint8, device=dev)
         else:
-            st[K.M] = torch.zeros(n, device=dev)
+            st[K.M] = torch.zeros(n, device=dev, dtype=dtype)
+
+    def _first_gradient(self, p, group, gi, pi) -> bool:
+        """Create ``p``'s state from its first non-zero gradient; True once it exists.
+
+        An all-zero gradient (a zero-initialised layer) says nothing about blocks: it only
+        counts the step and applies weight decay, which is AdamW's whole update at g = 0 with
+        m = v = 0, so the state created later is AdamW's after those steps. A gradient with NaN
+        or inf is refused: blocks and codebook would be chosen from it for good.
+        """
+        g = _local(p.grad)
+        amax = float(g.detach().abs().amax())
+        if not math.isfinite(amax):
+            raise ValueError(
+                f"Gefen: the first gradient of parameter {pi} of group {gi} (shape "
+                f"{tuple(p.shape)}) contains NaN or inf; its block length and the codebook are "
+                "chosen from it: skip this step (as torch.amp.GradScaler does) or fix the loss")
+        st = self.state[p]
+        if amax == 0.0:
+            st[K.STEP] = st.get(K.STEP, 0) + 1
+            _local(p).mul_(1 - float(group["lr"]) * group["weight_decay"])
+            return False
+        self._init_state(p, p.grad, group)
+        if self.verbose:
+            print(f"Gefen: parameter {pi} of group {gi}, shape {tuple(p.shape)}: "
+                  f"block {st[K.BLOCK]} ({g.numel() // st[K.BLOCK]} second moments)")
+        return True
 
     def _gather(self):
         """[(group, [(p, grad)])] of parameters with gradients; checks them; creates state."""
@@ -170,8 +226,8 @@ class Gefen(torch.optim.Optimizer):
                         "optim.DiskSparseAdam, or build the embedding with sparse=False")
                 if _local(p).numel() == 0:
                     continue
-                if K.BLOCK not in self.state[p]:
-                    self._init_state(p, p.grad, group)
+                if K.BLOCK not in self.state[p] and not self._first_gradient(p, group, gi, pi):
+                    continue
                 items.append((p, p.grad))
             out.append((group, items))
         return out
@@ -207,16 +263,18 @@ class Gefen(torch.optim.Optimizer):
         for p, g in items:
             st = self.state[p]
             st[K.STEP] += 1
-            buckets[(st[K.BLOCK], st[K.STEP], _local(p).device)].append((p, g))
+            buckets[(st[K.BLOCK], st[K.STEP], _local(p).device, st[K.V].dtype)].append((p, g))
         beta1, beta2 = group["betas"]
-        for (block, step, dev), pg in buckets.items():
+        for (block, step, dev, vdtype), pg in buckets.items():
             sts = [self.state[p] for p, _ in pg]
             codebook, tables = None, None
             if quant:
                 if self.codebook.device != dev:
                     self.set_codebook(self.codebook.to(dev))
                 codebook, tables = self.codebook, self._nearest_tables()
-            self._steps[dev](
+            # float64 moments (see checks.state_dtype) run on the torch step, in float64
+            step_fn = _step_function("torch") if vdtype == torch.float64 else self._steps[dev]
+            step_fn(
                 [_local(p) for p, _ in pg], [_local(g) for _, g in pg], [s[K.V] for s in sts],
                 [s[K.SCALES] if quant else s[K.V].new_zeros(0) for s in sts],
                 [s[K.CODES] if quant else s[K.M] for s in sts], codebook, tables=tables,
@@ -237,63 +295,34 @@ class Gefen(torch.optim.Optimizer):
         if bits != self.bits:
             raise ValueError(f"Gefen.load_state_dict: the state dict was saved with bits={bits}, "
                              f"this optimizer has bits={self.bits}; construct it with bits={bits}")
-        saved = sd.get("state", {})
-        params = [p for g in self.param_groups for p in g["params"]]
+        saved = dict(sd.get("state", {}))
+        groups = [(p, g) for g in self.param_groups for p in g["params"]]
         ids = [i for g in sd["param_groups"] for i in g["params"]]
-        if len(ids) != len(params):
+        if len(ids) != len(groups):
             raise ValueError(f"Gefen.load_state_dict: the state dict has {len(ids)} parameters, "
-                             f"this optimizer {len(params)}; load it into the model it was saved from")
-        for k, (pid, p) in enumerate(zip(ids, params)):
-            if pid in saved:
-                _check_saved(saved[pid], _local(p).numel(), self.bits, k, tuple(p.shape))
+                             f"this optimizer {len(groups)}; load it into the model it was saved from")
+        for k, (pid, (p, group)) in enumerate(zip(ids, groups)):
+            if pid in saved:  # everything is checked before anything is written
+                saved[pid] = check_saved(saved[pid], _local(p), group, self.bits, k)
         super().load_state_dict(sd)
         # torch casts floating state to the parameter's dtype (bf16 would round v and scales,
-        # and uint8 codes would become floats): put back the saved tensors as they were.
-        for pid, p in zip(ids, params):
+        # and uint8 codes would become floats): put back the checked tensors as they were,
+        # as contiguous copies on the parameter's device.
+        for pid, (p, _) in zip(ids, groups):
             if pid in saved:
-                self.state[p] = {k: (v.detach().to(_local(p).device, copy=True)
+                dev = _local(p).device
+                self.state[p] = {k: (v.detach().to(dev).clone(memory_format=torch.contiguous_format)
                                      if torch.is_tensor(v) else v) for k, v in saved[pid].items()}
+        params = [p for p, _ in groups]
         if codebook is None:
             self.codebook, self._tables = None, None
         else:
             self.set_codebook(codebook.to(_local(params[0]).device) if params else codebook)
 
 
+_SETTINGS = ("backend", "fused", "verbose", "bits", "block_rule", "codebook")
+
+
 def _local(t):
     """The local shard of a DTensor, the tensor itself otherwise (state lives with the shard)."""
     return t.to_local() if hasattr(t, "to_local") else t
-
-
-def _check_group(group, gi):
-    for pi, p in enumerate(group["params"]):
-        if p.is_complex():
-            raise ValueError(f"Gefen does not support complex parameters (group {gi}, parameter "
-                             f"{pi}); optimize torch.view_as_real(p) as a real parameter instead")
-        if not p.is_floating_point():
-            raise ValueError(f"Gefen: parameter {pi} of group {gi} has dtype {p.dtype}, "
-                             "expected a floating-point dtype")
-    lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-    if not 0.0 <= float(lr):
-        raise ValueError(f"Gefen: invalid lr {lr} in group {gi}")
-    if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
-        raise ValueError(f"Gefen: invalid betas {group['betas']} in group {gi}; need 0 <= beta < 1")
-    if not 0.0 <= eps or not 0.0 <= wd:
-        raise ValueError(f"Gefen: invalid eps {eps} or weight_decay {wd} in group {gi}")
-
-
-def _check_saved(st, n, bits, k, shape):
-    """Raise if a saved per-parameter state does not fit an n-element parameter."""
-    block = st.get(K.BLOCK)
-    ok = isinstance(block, int) and block >= 1 and n % block == 0
-    ok = ok and st[K.V].numel() == n // block
-    if ok and K.CODES in st:
-        ok = (st[K.CODES].numel() == num_code_bytes(n, bits)
-              and st[K.SCALES].numel() == num_scales(n, block))
-    if ok and K.M in st:
-        ok = st[K.M].numel() == n
-    if not ok:
-        raise ValueError(
-            f"Gefen.load_state_dict: the state of parameter {k} (block {block}, v of "
-            f"{st[K.V].numel() if K.V in st else '?'} entries) does not fit its shape {shape} "
-            f"({n} elements); the state dict comes from a model with other shapes")
-

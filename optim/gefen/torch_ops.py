@@ -48,8 +48,11 @@ def gefen_step_(ps, gs, vs, scales, codes, codebook, *, step, lr, beta1, beta2, 
     S = scale_block_length(block)
     W = S // block  # v entries per row: 1 when block > 1, 256 when block == 1
     numels = [p.numel() for p in ps]
-    X = _rows([p.reshape(-1) for p in ps], S).float()
-    G = _rows([g.reshape(-1) for g in gs], S).float()
+    # float64 state (float64 parameters, AdamW's unquantised per-element moments) keeps the
+    # arithmetic in float64; everything else runs in fp32.
+    wdt = torch.float64 if vs and vs[0].dtype == torch.float64 else torch.float32
+    X = _rows([p.reshape(-1) for p in ps], S).to(wdt)
+    G = _rows([g.reshape(-1) for g in gs], S).to(wdt)
     R = G.shape[0]
     V = _rows(vs, W)
     V = beta2 * V + (1 - beta2) * (G * G).view(R, W, block).mean(dim=-1)

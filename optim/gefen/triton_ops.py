@@ -165,6 +165,10 @@ _NUMEL = torch.Tensor.numel
 _IS_CONTIGUOUS = torch.Tensor.is_contiguous
 
 
+def _state_key(t):
+    return (t.data_ptr(), t.numel(), t.dtype, t.device, _IS_CONTIGUOUS(t))
+
+
 def _as_list(x):
     return list(x) if isinstance(x, (list, tuple)) else [x]
 
@@ -206,9 +210,11 @@ def _validate(ps, gs, vs, ss, cs, *, block, bits, quant):
 def _plan(ps, gs, vs, ss, cs, *, block, bits, quant, tile, num_warps):
     """(cached or new ``_Plan``, contiguous copies of parameters to write back); (None, []) when
     every tensor is empty."""
+    # state tensors by address, size, dtype and layout: a view at a cached address (another
+    # dtype, a shorter slice) is validated again, never launched on a plan made for another
     key = (block, bits, quant, tile, num_warps, tuple(map(_DATA_PTR, ps)), tuple(map(_NUMEL, ps)),
-           tuple(p.dtype for p in ps), tuple(map(_DATA_PTR, vs)), tuple(map(_DATA_PTR, cs)),
-           tuple(map(_DATA_PTR, ss)) if quant else None)
+           tuple(p.dtype for p in ps), tuple(map(_state_key, vs)), tuple(map(_state_key, cs)),
+           tuple(map(_state_key, ss)) if quant else None)
     plan = _PLAN_CACHE.get(key)
     if plan is not None:
         gptrs = tuple(map(_DATA_PTR, gs))

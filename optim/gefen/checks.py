@@ -1,0 +1,112 @@
+"""Checks of Gefen's arguments and state: at construction, at ``load_state_dict`` and before a
+compiled kernel (numba, Triton) is launched on the state, which must never see a buffer of
+another dtype, size or device than the layout of ``state.py`` it was built for."""
+
+from __future__ import annotations
+
+import torch
+
+from . import state as K
+from .reference import num_code_bytes, num_scales
+
+
+def state_dtype(param_dtype: torch.dtype, group) -> torch.dtype:
+    """dtype of v and m: float64 for float64 parameters in a group that keeps AdamW's per-element,
+    unquantised moments (so it reduces to AdamW in float64); float32 otherwise."""
+    if (param_dtype == torch.float64 and not group["share_second_moment"]
+            and not group["quantize_first_moment"]):
+        return torch.float64
+    return torch.float32
+
+
+def expected_state(n: int, block: int, bits: int, quant: bool, dtype: torch.dtype) -> dict:
+    """{key: (dtype, numel)} of the per-parameter tensors of an n-element parameter."""
+    out = {K.V: (dtype, n // block)}
+    if quant:
+        out[K.SCALES] = (torch.float32, num_scales(n, block))
+        out[K.CODES] = (torch.uint8, num_code_bytes(n, bits))
+    else:
+        out[K.M] = (dtype, n)
+    return out
+
+
+def check_group(group, gi):
+    for pi, p in enumerate(group["params"]):
+        if p.is_complex():
+            raise ValueError(f"Gefen does not support complex parameters (group {gi}, parameter "
+                             f"{pi}); optimize torch.view_as_real(p) as a real parameter instead")
+        if not p.is_floating_point():
+            raise ValueError(f"Gefen: parameter {pi} of group {gi} has dtype {p.dtype}, "
+                             "expected a floating-point dtype")
+    lr, betas, eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+        raise ValueError(f"Gefen: betas must be a pair (beta1, beta2), got {betas!r} in group {gi}")
+    b1, b2 = betas
+    if not 0.0 <= float(lr):
+        raise ValueError(f"Gefen: invalid lr {lr} in group {gi}")
+    if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
+        raise ValueError(f"Gefen: invalid betas {betas} in group {gi}; need 0 <= beta < 1")
+    if not 0.0 <= eps or not 0.0 <= wd:
+        raise ValueError(f"Gefen: invalid eps {eps} or weight_decay {wd} in group {gi}")
+
+
+def check_saved(st, p, group, bits, k):
+    """Raise ``ValueError`` unless a saved per-parameter state fits parameter ``p`` of ``group``
+    exactly (keys, step, block, and each tensor's dtype and 1-D size); device and memory layout
+    are converted at load (a copy is exact). Returns the state with ``step`` as an int."""
+    n, shape = p.numel(), tuple(p.shape)
+    where = f"Gefen.load_state_dict: the state of parameter {k} (shape {shape})"
+    step, block = st.get(K.STEP), st.get(K.BLOCK)
+    if torch.is_tensor(step) and step.numel() == 1 and not step.is_floating_point():
+        step = int(step)
+    if not (isinstance(step, int) and 0 <= step < 2**62):
+        raise ValueError(f"{where} has step {step!r}; expected a non-negative int")
+    if K.BLOCK not in st:  # a tensor that has only seen zero gradients
+        if set(st) != {K.STEP}:
+            raise ValueError(f"{where} has keys {sorted(st)} but no {K.BLOCK!r}")
+        return {K.STEP: step}
+    if not (isinstance(block, int) and block >= 1 and n % block == 0):
+        raise ValueError(f"{where} has block {block!r}, which does not fit its shape ({n} elements); "
+                         "the state dict comes from a model with other shapes")
+    want = expected_state(n, block, bits, group["quantize_first_moment"],
+                          state_dtype(p.dtype, group))
+    if set(st) != set(want) | {K.STEP, K.BLOCK}:
+        raise ValueError(f"{where} has keys {sorted(st)}, expected "
+                         f"{sorted(set(want) | {K.STEP, K.BLOCK})} for this group's "
+                         "quantize_first_moment setting")
+    for key, (dtype, size) in want.items():
+        t = st[key]
+        if not torch.is_tensor(t) or t.dtype != dtype or t.dim() != 1 or t.numel() != size:
+            got = f"{t.dtype} {tuple(t.shape)}" if torch.is_tensor(t) else type(t).__name__
+            raise ValueError(f"{where}: {key!r} must be a 1-D {dtype} tensor of {size} elements "
+                             f"(block {block}), got {got}: it does not fit its shape or dtype; load the "
+                             "state dict as it was saved (no dtype casts), into the model it was "
+                             "saved from")
+    return dict(st, **{K.STEP: step})
+
+
+def check_launch(ps, gs, vs, scales, codes, *, block, bits, quant, device_type="cpu"):
+    """Raise ``ValueError`` unless every tensor of a kernel call has the layout the kernel reads:
+    parameters and gradients of equal size, v/scales fp32, codes uint8 (fp32 m when not
+    ``quant``), each contiguous, of the layout's size and on ``device_type``."""
+    if not len(ps) == len(gs) == len(vs) == len(scales) == len(codes):
+        raise ValueError("Gefen kernel: p, g, v, scales, codes must be lists of the same length")
+    for i, (p, g, v, s, c) in enumerate(zip(ps, gs, vs, scales, codes)):
+        n = p.numel()
+        if g.numel() != n or not p.is_floating_point() or not g.is_floating_point():
+            raise ValueError(f"Gefen kernel: p[{i}] ({p.dtype}, {n} elements) and g[{i}] "
+                             f"({g.dtype}, {g.numel()} elements) must be floating tensors of one size")
+        if n % block:
+            raise ValueError(f"Gefen kernel: block={block} does not divide p[{i}].numel()={n}")
+        want = expected_state(n, block, bits, quant, torch.float32)
+        got = {K.V: v, K.SCALES: s, K.CODES: c} if quant else {K.V: v, K.M: c}
+        for key, (dtype, size) in want.items():
+            t = got[key]
+            if t.dtype != dtype or t.numel() != size or not t.is_contiguous():
+                raise ValueError(f"Gefen kernel: {key}[{i}] must be a contiguous {dtype} tensor of "
+                                 f"{size} elements, got {t.dtype} {tuple(t.shape)} "
+                                 f"(contiguous: {t.is_contiguous()})")
+        for name, t in (("p", p), ("g", g), *got.items()):
+            if t.device.type != device_type:
+                raise ValueError(f"Gefen kernel: {name}[{i}] is on {t.device}, expected "
+                                 f"{device_type} tensors")

@@ -1,0 +1,356 @@
+"""Gefen against bad input and as a drop-in for ``torch.optim.AdamW``.
+
+Independent references: ``torch.optim.AdamW`` (zero-gradient steps, float64 reduction,
+deep copies, torch's optimizer protocol); the state layout of ``optim/gefen/state.py``. Anything
+that could crash the interpreter inside compiled code runs in a subprocess, so a crash is a
+failure of one test, not the end of the run.
+"""
+
+import copy
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from optim import Gefen
+from optim.gefen import state as K
+from tests.utils import assert_close
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run_python(code: str, env_drop=(), timeout=300) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in env_drop}
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _structured_grad(shape):
+    return torch.randn(shape) * torch.exp(torch.randn(shape[0], 1) * 2)
+
+
+# ------------------------------------------------------------------ state dicts and compiled code
+
+_CAST_SCRIPT = """
+import torch
+from optim import Gefen
+torch.manual_seed(0)
+m = torch.nn.Linear(512, 512); opt = Gefen(m.parameters(), backend="numba")
+m(torch.randn(8, 512)).sum().backward(); opt.step(); sd = opt.state_dict()
+CAST
+opt2 = Gefen(m.parameters(), backend="numba")
+try:
+    opt2.load_state_dict(sd)
+except ValueError as e:
+    print("REFUSED", e)
+else:
+    m.zero_grad(); m(torch.randn(8, 512)).sum().backward(); opt2.step()
+    print("STEPPED")
+"""
+
+_CASTS = {
+    "floats_to_bf16": """
+for st in sd["state"].values():
+    for k, v in st.items():
+        if torch.is_tensor(v) and v.is_floating_point(): st[k] = v.bfloat16()
+""",
+    "codes_to_float": """
+for st in sd["state"].values():
+    st["codes"] = st["codes"].float()
+""",
+    "codes_to_int64": """
+for st in sd["state"].values():
+    st["codes"] = st["codes"].long()
+""",
+    "v_to_float64": """
+for st in sd["state"].values():
+    st["v"] = st["v"].double()
+""",
+    "codes_truncated": """
+for st in sd["state"].values():
+    st["codes"] = st["codes"][:-1].clone()
+""",
+    "v_2d": """
+for st in sd["state"].values():
+    st["v"] = st["v"].view(1, -1)
+""",
+    "v_missing": """
+for st in sd["state"].values():
+    del st["v"]
+""",
+    "step_float": """
+for st in sd["state"].values():
+    st["step"] = 1.5
+""",
+}
+
+
+@pytest.mark.parametrize("cast", list(_CASTS), ids=list(_CASTS))
+def test_state_dict_of_other_dtype_or_shape_is_refused_at_load(cast):
+    """The issue's reproducer (Linear 512x512, numba step) with each kind of foreign state."""
+    r = _run_python(_CAST_SCRIPT.replace("CAST", _CASTS[cast]))
+    assert r.returncode == 0, f"crashed (rc {r.returncode}): {r.stderr[-2000:]}"
+    assert "REFUSED Gefen.load_state_dict" in r.stdout, r.stdout + r.stderr[-2000:]
+
+
+def test_state_dict_of_noncontiguous_tensors_is_loaded_contiguous():
+    """A strided copy of the right dtype and size is the same state: loaded as a contiguous copy."""
+    p = torch.nn.Parameter(torch.randn(16, 96))
+    opt = Gefen([p], backend="numba")
+    p.grad = _structured_grad((16, 96))
+    opt.step()
+    sd = opt.state_dict()
+    st = sd["state"][0]
+    for k in (K.V, K.SCALES, K.CODES):
+        st[k] = torch.stack([st[k], st[k]], dim=1)[:, 0]
+        assert not st[k].is_contiguous()
+    opt2 = Gefen([torch.nn.Parameter(p.detach().clone())], backend="numba")
+    opt2.load_state_dict(sd)
+    for k in (K.V, K.SCALES, K.CODES):
+        assert opt2.state[opt2.param_groups[0]["params"][0]][k].is_contiguous()
+
+
+_LAUNCH_SCRIPT = """
+import torch
+from optim.gefen import numba_ops, reference as R
+from optim.gefen.codebook import code_table
+cb = torch.linspace(-1, 1, 256)
+n, block = 4096, 64
+def state():
+    v, s, c = R.init_state(n, block=block, bits=8)
+    return v, s, c
+bad = {
+    "v_bf16": lambda v, s, c: (v.bfloat16(), s, c),
+    "v_short": lambda v, s, c: (v[:-1].clone(), s, c),
+    "scales_f64": lambda v, s, c: (v, s.double(), c),
+    "codes_float": lambda v, s, c: (v, s, c.float()),
+    "codes_short": lambda v, s, c: (v, s, c[:-1].clone()),
+    "v_strided": lambda v, s, c: (torch.zeros(2 * v.numel())[::2], s, c),
+}
+for name, f in bad.items():
+    v, s, c = f(*state())
+    p, g = torch.randn(n), torch.randn(n)
+    try:
+        numba_ops.gefen_step_([p], [g], [v], [s], [c], cb, tables=code_table(cb), step=1, lr=1e-3,
+                              beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, block=block, bits=8)
+    except ValueError as e:
+        print("REFUSED", name, e)
+    else:
+        print("LAUNCHED", name)
+p, g = torch.randn(n), torch.randn(n + 1)
+try:
+    numba_ops.gefen_step_([p], [g], *[[t] for t in state()], cb, tables=code_table(cb), step=1,
+                          lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, block=block, bits=8)
+except ValueError as e:
+    print("REFUSED", "g_long", e)
+"""
+
+
+def test_numba_step_checks_every_state_tensor_before_launch():
+    r = _run_python(_LAUNCH_SCRIPT)
+    assert r.returncode == 0, f"crashed (rc {r.returncode}): {r.stderr[-2000:]}"
+    for name in ("v_bf16", "v_short", "scales_f64", "codes_float", "codes_short", "v_strided", "g_long"):
+        assert f"REFUSED {name}" in r.stdout, r.stdout + r.stderr[-2000:]
+
+
+_MUTATED_SCRIPT = """
+import torch
+from optim import Gefen
+p = torch.nn.Parameter(torch.randn(256, 256)); opt = Gefen([p], backend=BACKEND)
+p.grad = torch.randn(256, 256); opt.step()
+opt.state[p]["v"] = opt.state[p]["v"].bfloat16()
+try:
+    opt.step()
+except ValueError as e:
+    print("REFUSED", e)
+"""
+
+
+@pytest.mark.parametrize("backend", ["numba", "triton"])
+def test_state_changed_after_load_is_refused_before_launch(backend):
+    r = _run_python(_MUTATED_SCRIPT.replace("BACKEND", repr(backend)))
+    assert r.returncode == 0, f"crashed (rc {r.returncode}): {r.stderr[-2000:]}"
+    assert "REFUSED" in r.stdout and "float32" in r.stdout, r.stdout + r.stderr[-2000:]
+
+
+# ----------------------------------------------------------------------------- AdamW reduction
+
+
+def test_float64_parameters_keep_float64_moments_and_reduce_to_adamw():
+    """Both switches off, float64: 30 steps within 1e-13 of AdamW in float64 (fp32 moments were
+    ~1e-7 away). Not bitwise: AdamW runs its foreach kernels, Gefen generic ops on padded rows."""
+    shapes = [(24, 48), (300,), (1,)]
+    ps = [torch.nn.Parameter(torch.randn(s, dtype=torch.float64)) for s in shapes]
+    qs = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+    ours = Gefen(ps, lr=1e-2, weight_decay=0.1, share_second_moment=False,
+                 quantize_first_moment=False)
+    ref = torch.optim.AdamW(qs, lr=1e-2, weight_decay=0.1)
+    for _ in range(30):
+        for p, q in zip(ps, qs):
+            p.grad = torch.randn(p.shape, dtype=torch.float64)
+            q.grad = p.grad.clone()
+        ours.step()
+        ref.step()
+    for p, q in zip(ps, qs):
+        assert ours.state[p][K.V].dtype == ours.state[p][K.M].dtype == torch.float64
+        assert_close(p.detach(), q.detach(), atol=1e-13, name="float64 p vs AdamW")
+        assert_close(ours.state[p][K.M], ref.state[q]["exp_avg"].reshape(-1), atol=1e-15, name="m")
+
+
+# ---------------------------------------------------------------------- first gradients
+
+
+@pytest.mark.parametrize("backend", ["torch", "numba"])
+def test_zero_first_gradients_match_adamw_and_blocks_come_from_first_nonzero(backend):
+    """Three all-zero gradients (a zero-initialised layer): no state but the step count, and the
+    parameters are AdamW's (weight decay only, bitwise). The first non-zero gradient then chooses
+    a block > 1: about one byte a parameter, not block 1's five."""
+    shape = (32, 256)
+    p = torch.nn.Parameter(torch.randn(shape))
+    q = torch.nn.Parameter(p.detach().clone())
+    ours = Gefen([p], lr=1e-2, weight_decay=0.1, backend=backend)
+    ref = torch.optim.AdamW([q], lr=1e-2, weight_decay=0.1)
+    for _ in range(3):
+        p.grad, q.grad = torch.zeros(shape), torch.zeros(shape)
+        ours.step()
+        ref.step()
+        assert torch.equal(p, q)
+        assert set(ours.state[p]) == {K.STEP} and ours.codebook is None
+    assert ours.state[p][K.STEP] == 3
+    p.grad = _structured_grad(shape)
+    ours.step()
+    st = ours.state[p]
+    per_param = sum(st[k].numel() * st[k].element_size() for k in (K.V, K.SCALES, K.CODES)) / p.numel()
+    assert st[K.BLOCK] >= 256 and per_param <= 1 + 8 / 256 and st[K.STEP] == 4
+
+
+def test_zero_first_gradients_then_adamw_trajectory_with_switches_off():
+    """Both switches off, zero gradients at steps 1-2: the whole trajectory is AdamW's, whose bias
+    corrections count the zero-gradient steps."""
+    p = torch.nn.Parameter(torch.randn(16, 96))
+    q = torch.nn.Parameter(p.detach().clone())
+    ours = Gefen([p], lr=1e-2, weight_decay=0.1, share_second_moment=False,
+                 quantize_first_moment=False)
+    ref = torch.optim.AdamW([q], lr=1e-2, weight_decay=0.1)
+    for t in range(10):
+        g = torch.zeros(16, 96) if t < 2 else torch.randn(16, 96)
+        p.grad, q.grad = g.clone(), g.clone()
+        ours.step()
+        ref.step()
+    assert_close(p.detach(), q.detach(), atol=1e-6, name="p vs AdamW")
+
+
+def test_zero_gradient_state_survives_state_dict_round_trip():
+    p = torch.nn.Parameter(torch.randn(16, 96))
+    opt = Gefen([p])
+    p.grad = torch.zeros(16, 96)
+    opt.step()
+    opt2 = Gefen([torch.nn.Parameter(p.detach().clone())])
+    opt2.load_state_dict(opt.state_dict())
+    assert dict(opt2.state[opt2.param_groups[0]["params"][0]]) == {K.STEP: 1}
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("late", [False, True], ids=["first_step", "late_parameter"])
+def test_non_finite_first_gradient_is_refused(bad, late):
+    """The block length and codebook come from the first gradient: a NaN is refused as an inf is,
+    also for a parameter whose first gradient comes after the codebook was learned."""
+    a, b = torch.nn.Parameter(torch.randn(16, 96)), torch.nn.Parameter(torch.randn(16, 96))
+    opt = Gefen([a, b])
+    if late:
+        a.grad = _structured_grad((16, 96))
+        opt.step()
+    b.grad = _structured_grad((16, 96))
+    b.grad[3, 5] = bad
+    with pytest.raises(ValueError, match=r"first gradient of parameter 1 .*NaN or inf"):
+        opt.step()
+    assert K.BLOCK not in opt.state[b]
+
+
+# ------------------------------------------------------------------------ torch protocol
+
+
+def test_deepcopy_is_independent_and_continues_like_the_original():
+    ps = [torch.nn.Parameter(torch.randn(s)) for s in [(16, 96), (300,)]]
+    opt = Gefen(ps, lr=1e-2, weight_decay=0.1)
+    for _ in range(2):
+        for p in ps:
+            p.grad = _structured_grad(p.shape) if p.dim() > 1 else torch.randn(p.shape)
+        opt.step()
+    opt2 = copy.deepcopy(opt)
+    ps2 = opt2.param_groups[0]["params"]
+    assert all(p2 is not p for p, p2 in zip(ps, ps2))
+    assert opt2.state[ps2[0]][K.CODES].data_ptr() != opt.state[ps[0]][K.CODES].data_ptr()
+    for p, p2 in zip(ps, ps2):
+        p2.grad = p.grad.clone()
+    opt.step()
+    opt2.step()
+    assert torch.equal(opt2.codebook, opt.codebook)
+    for p, p2 in zip(ps, ps2):
+        assert torch.equal(p, p2)
+        for k, v in opt.state[p].items():
+            assert torch.equal(v, opt2.state[p2][k]) if torch.is_tensor(v) else v == opt2.state[p2][k]
+
+
+def test_upstream_fused_and_verbose_keywords(capsys):
+    """``fused=False`` is the torch step; ``fused=True`` (upstream's default) the compiled one
+    where the device has it; ``verbose`` prints each tensor's block length when it is chosen."""
+    from optim.gefen import torch_ops, numba_ops
+
+    p = torch.nn.Parameter(torch.randn(32, 256))
+    assert Gefen([p], fused=False)._steps[p.device] is torch_ops.gefen_step_
+    assert Gefen([p], fused=True)._steps[p.device] is numba_ops.gefen_step_
+    with pytest.raises(ValueError, match="fused=False"):
+        Gefen([p], fused=False, backend="numba")
+    opt = Gefen([p], verbose=True)
+    p.grad = _structured_grad((32, 256))
+    opt.step()
+    out = capsys.readouterr().out
+    assert f"block {opt.state[p][K.BLOCK]}" in out and "(32, 256)" in out
+
+
+# ------------------------------------------------------------------------------ arguments
+
+
+@pytest.mark.parametrize("betas", [(0.9,), (0.9, 0.99, 0.999), 0.9], ids=["one", "three", "float"])
+def test_betas_must_be_a_pair(betas):
+    with pytest.raises(ValueError, match="betas must be a pair"):
+        Gefen([torch.nn.Parameter(torch.randn(4))], betas=betas)
+
+
+def test_triton_on_cpu_without_interpreter_says_what_to_do():
+    r = _run_python("""
+        import torch
+        from optim import Gefen
+        try:
+            Gefen([torch.nn.Parameter(torch.randn(4))], backend="triton")
+        except RuntimeError as e:
+            print("REFUSED", e)
+        """, env_drop=("TRITON_INTERPRET",))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "REFUSED" in r.stdout and "TRITON_INTERPRET=1" in r.stdout and "backend='torch'" in r.stdout
+
+
+@pytest.mark.parametrize("alias", ["v_as_int32", "v_shorter", "codes_as_int8", "scales_strided"])
+def test_triton_launch_cache_checks_a_state_tensor_at_a_known_address(alias):
+    """A tensor at the address of one launched before (a view of it) is checked again, not taken
+    from the launch cache."""
+    from optim.gefen import reference as R, triton_ops
+    from optim.gefen.codebook import code_table
+
+    cb = torch.linspace(-1, 1, 256)
+    n, block = 4096, 64
+    p, g = torch.randn(n), torch.randn(n)
+    v, s, c = R.init_state(n, block=block, bits=8)
+    kw = dict(tables=code_table(cb), step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
+              weight_decay=0.0, block=block, bits=8)
+    triton_ops.gefen_step_([p], [g], [v], [s], [c], cb, **kw)
+    bad = {"v_as_int32": ([v.view(torch.int32)], [s], [c]), "v_shorter": ([v[:-1]], [s], [c]),
+           "codes_as_int8": ([v], [s], [c.view(torch.int8)]),
+           "scales_strided": ([v], [s.view(-1, 2)[:, 0]], [c])}[alias]
+    with pytest.raises(ValueError):
+        triton_ops.gefen_step_([p], [g], *bad, cb, **kw)
