@@ -12,6 +12,7 @@ import torch.nn as nn
 
 from optim import DiskSparseAdam
 from optim.disk_sparse.store import StateFileError
+from tests.utils import assert_close
 
 N, DIM = 200, 8
 
@@ -254,3 +255,30 @@ def test_existing_state_dir_needs_resume(tmp_path):
         assert int(got["step"]) == 4
         for key in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(got[key], expected[key]), key
+
+
+# -- a state dict handed to another optimizer never writes into the files ------------------------------
+def test_sparse_adam_loaded_from_a_state_dict_never_writes_the_files(tmp_path):
+    emb = _emb()
+    ref = _emb()
+    dsa = DiskSparseAdam(emb.parameters(), lr=1e-2, state_dir=tmp_path, backend="torch")
+    ref_opt = torch.optim.SparseAdam(ref.parameters(), lr=1e-2)
+    for t in range(3):
+        _step(emb, dsa, t)
+        _step(ref, ref_opt, t)
+    sa = torch.optim.SparseAdam(emb.parameters(), lr=1e-2)
+    sa.load_state_dict(dsa.state_dict())
+    at_close = {k: v.clone() for k, v in dsa.state_dict()["state"][0].items()}
+    dsa.close()  # clean at step 3
+    for t in range(3, 6):  # SparseAdam goes on from the handed-over moments
+        _step(emb, sa, t)
+        _step(ref, ref_opt, t)
+    # The moments it got were the right ones. Not bitwise: SparseAdam takes the state dict's int64
+    # step tensor and then computes its bias correction in float32.
+    assert_close(emb.weight, ref.weight, atol=1e-6, rtol=1e-5, name="weight")
+    with DiskSparseAdam(_emb().parameters(), state_dir=tmp_path, resume=True) as again:
+        got = again.state_dict()["state"][0]
+        assert int(got["step"]) == 3
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(got[key], at_close[key]), key  # the file still holds step 3's moments
+

@@ -251,15 +251,20 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
 
     # -- checkpoints -------------------------------------------------------------------------------
     def state_dict(self):
-        """Step and moments of every parameter; the moments are tensors viewing the state files.
+        """Step and moments of every parameter; the moments are copy-on-write views of the files.
 
-        ``torch.save`` streams them from the files. Like other optimizers' state dicts, the tensors
-        are live: later steps change them, so save before stepping again.
+        ``torch.save`` streams them from the files without a copy in RAM. Until a later step
+        writes a row, the tensors show the file as it is (save before stepping again); what another
+        optimizer that loads them (``torch.optim.SparseAdam``) writes stays in its private pages and
+        never reaches the files (``RowStateFile.private_records``).
         """
         self._check_open()
         for p in self._stores:
             self.state[p][STEP] = torch.tensor(self._steps[p], dtype=torch.int64)
-        return super().state_dict()
+        sd = super().state_dict()
+        for k, (p, store) in enumerate(self._stores.items()):  # packed state is keyed by parameter order
+            sd["state"][k] = dict(sd["state"][k], **self._state_views(store.private_records(), p.shape[1]))
+        return sd
 
     def load_state_dict(self, state_dict):
         """Write a state dict's steps and moments into this optimizer's files (then mark them clean).

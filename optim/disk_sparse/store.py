@@ -194,6 +194,16 @@ class RowStateFile:
         arr = np.frombuffer(self._mm, dtype=np_dtype, count=self.rows * self.width, offset=HEADER_BYTES)
         self.records = torch.from_numpy(arr.reshape(self.rows, self.width))
 
+    def private_records(self) -> torch.Tensor:
+        """The records as a copy-on-write (``MAP_PRIVATE``) mapping of the file: it reads the page
+        cache without copying, and what a holder writes into it stays in private pages, never in
+        the file. The mapping lives as long as the tensor, also after ``close()``."""
+        self._check_open()
+        mm = mmap.mmap(self._fd, self.nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        np_dtype = np.float32 if self.dtype == torch.float32 else np.float64
+        arr = np.frombuffer(mm, dtype=np_dtype, count=self.rows * self.width, offset=HEADER_BYTES)
+        return torch.from_numpy(arr.reshape(self.rows, self.width))
+
     def _write_header(self, step, clean):
         os.pwrite(self._fd, _HEADER.pack(MAGIC, FORMAT_VERSION, _CODES[self.dtype], self.rows, self.cols,
                                          self.width, int(step), 1 if clean else 0), 0)
