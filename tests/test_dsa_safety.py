@@ -282,3 +282,43 @@ def test_sparse_adam_loaded_from_a_state_dict_never_writes_the_files(tmp_path):
         for key in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(got[key], at_close[key]), key  # the file still holds step 3's moments
 
+
+# -- odd arguments -------------------------------------------------------------------------------------
+def test_prefetch_of_an_empty_batch_does_nothing(tmp_path):
+    emb = _emb()
+    with DiskSparseAdam(emb.parameters(), state_dir=tmp_path, backend="torch") as opt:
+        opt.prefetch(torch.tensor([], dtype=torch.int64))
+        _step(emb, opt, 0)
+
+
+def test_add_param_group_after_close_is_refused(tmp_path):
+    opt = DiskSparseAdam(_emb().parameters(), state_dir=tmp_path / "a")
+    opt.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        opt.add_param_group({"params": [_emb(seed=1).weight]})
+    assert not (tmp_path / "a" / "param0001.dsa").exists()
+
+
+@pytest.mark.parametrize("kw, match", [
+    pytest.param(dict(maximize="no"), "maximize", id="maximize-string"),
+    pytest.param(dict(c=float("inf")), "c ", id="c-inf"),
+    pytest.param(dict(exact="yes"), "exact", id="exact-string"),
+])
+def test_odd_arguments_are_refused(kw, match):
+    from optim import DiskSparseRiemannianAdam
+
+    cls = DiskSparseAdam if "maximize" in kw else DiskSparseRiemannianAdam
+    with pytest.raises(ValueError, match=match):
+        cls(_emb().parameters(), **kw)
+
+
+def test_header_step_beyond_int64_is_refused_naming_the_file(tmp_path):
+    import struct
+
+    DiskSparseAdam(_emb().parameters(), state_dir=tmp_path).close()
+    path = tmp_path / "param0000.dsa"
+    with open(path, "r+b") as f:
+        f.seek(8 + 4 + 4 + 8 * 3)  # magic, version, dtype, rows, cols, width: then the step
+        f.write(struct.pack("<Q", 2**63))
+    with pytest.raises(StateFileError, match="param0000.dsa.*step"):
+        DiskSparseAdam(_emb().parameters(), state_dir=tmp_path, resume=True)

@@ -94,6 +94,7 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
 
     # -- parameters and their files ----------------------------------------------------------------
     def add_param_group(self, param_group):
+        self._check_open()
         super().add_param_group(param_group)
         for p in self.param_groups[-1]["params"]:
             self._open(p)
@@ -244,6 +245,8 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
         if param not in self._stores:
             raise ValueError("prefetch: param is not one of this optimizer's parameters")
         rows = torch.unique(indices.detach().reshape(-1).to("cpu", torch.int64))
+        if not rows.numel():
+            return
         if rows.numel() and (rows[0] < 0 or rows[-1] >= param.shape[0]):
             raise IndexError(f"prefetch: indices must lie in [0, {param.shape[0]}) for parameter "
                              f"{self._index(param)}")

@@ -7,6 +7,8 @@ optimizer here says what a row's record holds, which backends its row update has
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .base import EXP_AVG, EXP_AVG_SQ, STEP, DiskSparseOptimizer  # noqa: F401
@@ -83,6 +85,7 @@ class DiskSparseAdam(DiskSparseOptimizer):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, maximize=False, state_dir=None,
                  backend="auto", huge_pages=None, bitwise=True, staging=None, resume=False):
         _check_hyper(lr, betas, eps)
+        _check_flags(maximize=maximize, bitwise=bitwise)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, maximize=bool(maximize), bitwise=bool(bitwise))
         super().__init__(params, defaults, state_dir=state_dir, backend=backend, huge_pages=huge_pages,
                          staging=staging, resume=resume)
@@ -117,6 +120,12 @@ class DiskSparseAdam(DiskSparseOptimizer):
 
 def _scalar(x):
     return float(x.item()) if isinstance(x, torch.Tensor) else float(x)
+
+
+def _check_flags(**flags):
+    for name, value in flags.items():
+        if value not in (True, False):  # a string such as "no" would otherwise count as True
+            raise ValueError(f"{name} must be True or False, got {value!r}")
 
 
 def _check_hyper(lr, betas, eps):
@@ -168,8 +177,9 @@ class DiskSparseRiemannianAdam(DiskSparseOptimizer):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, c=1.0, exact=False, state_dir=None,
                  backend="auto", huge_pages=None, staging=None, resume=False):
         _check_hyper(lr, betas, eps)
-        if not float(c) > 0:
-            raise ValueError(f"c (the ball's curvature is -c) must be > 0, got {c}")
+        _check_flags(exact=exact)
+        if not (math.isfinite(float(c)) and float(c) > 0):
+            raise ValueError(f"c (the ball's curvature is -c) must be finite and > 0, got {c}")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, c=float(c), exact=bool(exact))
         super().__init__(params, defaults, state_dir=state_dir, backend=backend, huge_pages=huge_pages,
                          staging=staging, resume=resume)
