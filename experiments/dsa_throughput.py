@@ -156,7 +156,8 @@ def run_config(cfg, args, res, tmp):
     # (clean) state files with 4 KiB pages: the default maps files that fit in RAM with huge pages,
     # which a cold step would read 2 MiB at a time (the huge_pages=None rule never picks them for
     # state that does not stay in the page cache, which is what the cold variant stands for).
-    dsa = make_optimizer("DiskSparseAdam", params, lr=1e-3, state_dir=os.path.join(tmp, tag), huge_pages=False)
+    dsa = make_optimizer("DiskSparseAdam", params, lr=1e-3, state_dir=os.path.join(tmp, tag), huge_pages=False,
+                         resume=True)
     walls["DiskSparseAdam/cold"], cpus["DiskSparseAdam/cold"], reads = _cold(args, cfg, dsa, dsa_step)
     dsa.close()
     rows_per_step = statistics.median(sum(int(torch.unique(t).numel()) for t in _tensors(b))

@@ -80,14 +80,14 @@ def test_reopen_clean_state_dir_resumes(tmp_path):
         expected = {k: v.clone() for k, v in opt.state_dict()["state"][0].items()}
         opt.flush()
         _train_steps(emb_a, opt, 50, 70)
-    # Closing made the files clean at step 70; reopening resumes there.
+    # Closing made the files clean at step 70; reopening with resume=True continues there.
     emb_b = _model()
     with DiskSparseAdam(emb_b.parameters(), lr=1e-2, state_dir=tmp_path / "b") as opt_b:
         _train_steps(emb_b, opt_b, 0, 50)
         assert torch.equal(opt_b.state_dict()["state"][0]["exp_avg"], expected["exp_avg"])
     emb_b2 = _model()
     emb_b2.load_state_dict(emb_b.state_dict())
-    with DiskSparseAdam(emb_b2.parameters(), lr=1e-2, state_dir=tmp_path / "b") as opt_b2:
+    with DiskSparseAdam(emb_b2.parameters(), lr=1e-2, state_dir=tmp_path / "b", resume=True) as opt_b2:
         assert int(opt_b2.state_dict()["state"][0]["step"]) == 50
         _train_steps(emb_b2, opt_b2, 50, 70)
     assert torch.equal(emb_b2.weight, emb_a.weight)
@@ -215,7 +215,7 @@ def test_sigkill_restart_from_checkpoint_is_identical(tmp_path):
         assert reached >= target
         # The killed process's live state is dirty: reopening it must be refused, not used.
         with pytest.raises(StateFileError, match="dirty.*Restore the last checkpoint"):
-            DiskSparseAdam(_model().parameters(), state_dir=tmp_path / f"run{crash}")
+            DiskSparseAdam(_model().parameters(), state_dir=tmp_path / f"run{crash}", resume=True)
     pid, progress = _spawn(tmp_path / "final", ckpt)
     progress.read()
     progress.close()

@@ -122,20 +122,20 @@ def test_full_disk_fails_at_creation_naming_the_file(tmp_path):
 def test_state_file_of_other_shape_or_dtype_is_refused(tmp_path):
     DiskSparseAdam(_emb(40, 6).parameters(), state_dir=tmp_path).close()
     with pytest.raises(StateFileError, match=r"param0000.dsa.*shape \(40, 6\).*\(41, 6\)"):
-        DiskSparseAdam(_emb(41, 6).parameters(), state_dir=tmp_path)
+        DiskSparseAdam(_emb(41, 6).parameters(), state_dir=tmp_path, resume=True)
     with pytest.raises(StateFileError, match="param0000.dsa.*float64"):
-        DiskSparseAdam(_emb(40, 6, torch.float64).parameters(), state_dir=tmp_path)
+        DiskSparseAdam(_emb(40, 6, torch.float64).parameters(), state_dir=tmp_path, resume=True)
     (tmp_path / "param0000.dsa").write_bytes(b"not a state file" * 10)
     with pytest.raises(StateFileError, match="param0000.dsa.*not a Disk Sparse Adam state file"):
-        DiskSparseAdam(_emb(40, 6).parameters(), state_dir=tmp_path)
+        DiskSparseAdam(_emb(40, 6).parameters(), state_dir=tmp_path, resume=True)
 
 
 def test_state_dir_in_use_is_refused(tmp_path):
     opt = DiskSparseAdam(_emb().parameters(), state_dir=tmp_path)
     with pytest.raises(StateFileError, match="param0000.dsa is in use"):
-        DiskSparseAdam(_emb().parameters(), state_dir=tmp_path)
+        DiskSparseAdam(_emb().parameters(), state_dir=tmp_path, resume=True)
     opt.close()
-    DiskSparseAdam(_emb().parameters(), state_dir=tmp_path).close()  # free again after close
+    DiskSparseAdam(_emb().parameters(), state_dir=tmp_path, resume=True).close()  # free again after close
 
 
 def test_dirty_file_is_refused(tmp_path):
@@ -143,7 +143,7 @@ def test_dirty_file_is_refused(tmp_path):
     st.scatter(torch.tensor([1]), torch.ones(1, 12))
     st._release()  # stop without a clean point, as a killed process does
     with pytest.raises(StateFileError, match="dirty.*load_state_dict"):
-        DiskSparseAdam(_emb().parameters(), state_dir=tmp_path)
+        DiskSparseAdam(_emb().parameters(), state_dir=tmp_path, resume=True)
 
 
 def test_step_after_close_is_refused():

@@ -11,7 +11,6 @@ optimizers themselves are in ``optimizer.py``.
 
 from __future__ import annotations
 
-import itertools
 import os
 import shutil
 import tempfile
@@ -20,12 +19,11 @@ import weakref
 import torch
 
 from ..backends import BACKENDS, resolve_backend
-from . import pipeline
+from . import checkpoint, pipeline
 from .store import RowStateFile, StateFileError, fits_in_page_cache  # noqa: F401  (StateFileError re-exported)
 from .torch_ops import coalesce_rows
 
-# State-dict keys (the same as torch.optim.SparseAdam's, so its checkpoints load here and back).
-STEP, EXP_AVG, EXP_AVG_SQ = "step", "exp_avg", "exp_avg_sq"
+from .checkpoint import EXP_AVG, EXP_AVG_SQ, STEP  # noqa: F401  (re-exported)
 
 
 class DiskSparseOptimizer(torch.optim.Optimizer):
@@ -59,7 +57,8 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
         values, records, step, **hyper)``, or None where the backend has none."""
         raise NotImplementedError
 
-    def __init__(self, params, defaults, state_dir=None, backend="auto", huge_pages=None, staging=None):
+    def __init__(self, params, defaults, state_dir=None, backend="auto", huge_pages=None, staging=None,
+                 resume=False):
         if backend not in BACKENDS:
             raise ValueError(f"{type(self).__name__}: backend must be one of {BACKENDS}, got {backend!r}")
         if huge_pages not in (None, True, False):
@@ -72,14 +71,21 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
             state_dir = tempfile.mkdtemp(prefix="disk-sparse-adam-")
             # Removed by close(), and at interpreter exit if close() never ran (at shutdown __del__
             # may not run, which would leave a table-sized file in /tmp). Holds the path only.
-            self._remove_own_dir = weakref.finalize(self, shutil.rmtree, state_dir, ignore_errors=True)
+            self._remove_own_dir = weakref.finalize(self, _remove_dir_of, os.getpid(), state_dir)
         self.state_dir = os.fspath(state_dir)
+        self._owner = os.getpid()  # a forked child only drops its copies (see close)
         self._stores: dict = {}  # parameter -> RowStateFile
         self._routes: dict = {}  # parameter -> (stager, rows_fn, sparse_fn)
         self._steps: dict = {}
         self._executor = None  # the background gather thread of the staged pipeline
         self._closed = False
         _make_writable_dir(self.state_dir)
+        if not resume and not self._own_dir and _state_files_in(self.state_dir):
+            self._closed = True
+            raise StateFileError(
+                f"state_dir {self.state_dir} already holds state files ({_state_files_in(self.state_dir)[0]}, "
+                "...). Pass resume=True to continue from them (at the step their headers hold), or "
+                "restore a checkpoint: give a new (or emptied) state_dir and call load_state_dict")
         try:
             super().__init__(params, defaults)
         except BaseException:
@@ -88,6 +94,7 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
 
     # -- parameters and their files ----------------------------------------------------------------
     def add_param_group(self, param_group):
+        self._check_open()
         super().add_param_group(param_group)
         for p in self.param_groups[-1]["params"]:
             self._open(p)
@@ -238,6 +245,8 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
         if param not in self._stores:
             raise ValueError("prefetch: param is not one of this optimizer's parameters")
         rows = torch.unique(indices.detach().reshape(-1).to("cpu", torch.int64))
+        if not rows.numel():
+            return
         if rows.numel() and (rows[0] < 0 or rows[-1] >= param.shape[0]):
             raise IndexError(f"prefetch: indices must lie in [0, {param.shape[0]}) for parameter "
                              f"{self._index(param)}")
@@ -245,59 +254,30 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
 
     # -- checkpoints -------------------------------------------------------------------------------
     def state_dict(self):
-        """Step and moments of every parameter; the moments are tensors viewing the state files.
+        """Step and moments of every parameter; the moments are copy-on-write views of the files.
 
-        ``torch.save`` streams them from the files. Like other optimizers' state dicts, the tensors
-        are live: later steps change them, so save before stepping again.
+        ``torch.save`` streams them from the files without a copy in RAM. Until a later step
+        writes a row, the tensors show the file as it is (save before stepping again); what another
+        optimizer that loads them (``torch.optim.SparseAdam``) writes stays in its private pages and
+        never reaches the files (``RowStateFile.private_records``).
         """
         self._check_open()
         for p in self._stores:
             self.state[p][STEP] = torch.tensor(self._steps[p], dtype=torch.int64)
-        return super().state_dict()
+        sd = super().state_dict()
+        for k, (p, store) in enumerate(self._stores.items()):  # packed state is keyed by parameter order
+            sd["state"][k] = dict(sd["state"][k], **self._state_views(store.private_records(), p.shape[1]))
+        return sd
 
     def load_state_dict(self, state_dict):
         """Write a state dict's steps and moments into this optimizer's files (then mark them clean).
 
         Accepts state dicts of this class or of ``torch.optim.SparseAdam`` (same keys). Parameters
-        absent from ``state_dict['state']`` get fresh (zero) state.
+        absent from ``state_dict['state']`` get fresh (zero) state. The whole state dict is checked
+        before anything is written (``checkpoint.py``).
         """
         self._check_open()
-        saved_groups = state_dict["param_groups"]
-        if len(saved_groups) != len(self.param_groups):
-            raise ValueError(f"state_dict has {len(saved_groups)} parameter groups, this optimizer has "
-                             f"{len(self.param_groups)}")
-        for i, (sg, g) in enumerate(zip(saved_groups, self.param_groups)):
-            if len(sg["params"]) != len(g["params"]):
-                raise ValueError(f"state_dict's parameter group {i} has {len(sg['params'])} parameters, "
-                                 f"this optimizer's has {len(g['params'])}")
-        id_map = dict(zip(itertools.chain.from_iterable(g["params"] for g in saved_groups),
-                          itertools.chain.from_iterable(g["params"] for g in self.param_groups)))
-        saved_state = {id_map[k]: v for k, v in state_dict["state"].items()}
-        loaded = {p: self._loaded_columns(p, saved_state.get(p)) for p in self._stores}  # check all first
-        for stager, _, _ in self._routes.values():  # announced records are about to be replaced
-            stager.invalidate()
-        for sg, g in zip(saved_groups, self.param_groups):
-            g.update({k: v for k, v in sg.items() if k != "params"})
-        for p, store in self._stores.items():
-            columns, step = loaded[p]
-            store.write_all(columns, step)
-            self._steps[p] = step
-            self.state[p] = self._state_entry(p)
-
-    def _loaded_columns(self, p, entry):
-        """(the record columns of a saved state entry, its step), or (None, 0) for fresh state."""
-        if not entry:
-            return None, 0
-        columns = []
-        for key, view in self._state_views(self._stores[p].records, p.shape[1]).items():
-            if key not in entry:
-                raise KeyError(f"state_dict's state of parameter {self._index(p)} lacks {key!r}")
-            val = torch.as_tensor(entry[key])
-            if val.shape != view.shape:
-                raise ValueError(f"state_dict's {key!r} of parameter {self._index(p)} has shape "
-                                 f"{tuple(val.shape)}, expected {tuple(view.shape)}")
-            columns.append(val)
-        return columns, int(entry[STEP])
+        checkpoint.load_state_dict(self, state_dict)
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def flush(self):
@@ -311,6 +291,11 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
         if self._closed:
             return
         self._closed = True
+        if os.getpid() != self._owner:  # a forked child: the files, lock and directory are the parent's
+            for store in self._stores.values():
+                store.close()
+            self.state.clear()
+            return
         try:
             for stager, _, _ in self._routes.values():  # no background gather may outlive the mappings
                 stager.invalidate()
@@ -342,6 +327,9 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
         if self._closed:
             raise RuntimeError(f"{type(self).__name__} on state_dir {self.state_dir} is closed; "
                                "create a new optimizer (it can reopen the same state_dir)")
+        if os.getpid() != self._owner:
+            raise RuntimeError(f"{type(self).__name__} on state_dir {self.state_dir} belongs to process "
+                               f"{self._owner}; a forked child cannot use it: create one in the child")
 
     def _index(self, p):
         for k, q in enumerate(self._stores):
@@ -352,6 +340,16 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
     def __getstate__(self):
         raise TypeError(f"{type(self).__name__} cannot be pickled: its state lives in files; "
                         "save opt.state_dict() instead")
+
+
+def _state_files_in(path):
+    return sorted(f for f in os.listdir(path) if f.endswith(".dsa"))
+
+
+def _remove_dir_of(owner, path):
+    """Remove a private state_dir, in the process that made it only (not in a forked child)."""
+    if os.getpid() == owner:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _make_writable_dir(path):

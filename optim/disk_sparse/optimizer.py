@@ -7,6 +7,8 @@ optimizer here says what a row's record holds, which backends its row update has
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .base import EXP_AVG, EXP_AVG_SQ, STEP, DiskSparseOptimizer  # noqa: F401
@@ -43,9 +45,13 @@ class DiskSparseAdam(DiskSparseOptimizer):
         betas (Tuple[float, float]): decay rates of the first and second moments. (Default: (0.9, 0.999))
         eps (float): added to ``sqrt(v)`` in the denominator. (Default: 1e-8)
         maximize (bool): maximize the objective instead of minimizing. (Default: False)
-        state_dir (str or None): directory of the state files; an existing one is resumed if its files
-            are clean and match; ``None`` makes a private temporary directory removed by ``close()``.
-            (Default: None)
+        state_dir (str or None): directory of the state files; ``None`` makes a private temporary
+            directory removed by ``close()``. A directory that already holds state files is refused
+            unless ``resume=True``. (Default: None)
+        resume (bool): continue from the state files in ``state_dir`` (each must be clean and match
+            its parameter; its header holds the step it continues from; missing ones start fresh).
+            Without it an existing state_dir raises: a second run of a script must not silently
+            continue the first one's moments. (Default: False)
         backend (str): ``"torch"`` (``torch_ops``, any device), ``"numba"`` (``numba_ops``: CPU,
             float32/float64 weights), ``"triton"`` (``triton_ops``: float32/bfloat16 weights) or
             ``"auto"``: Triton for CUDA weights, numba for CPU weights where it is installed, torch
@@ -77,11 +83,12 @@ class DiskSparseAdam(DiskSparseOptimizer):
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, maximize=False, state_dir=None,
-                 backend="auto", huge_pages=None, bitwise=True, staging=None):
+                 backend="auto", huge_pages=None, bitwise=True, staging=None, resume=False):
         _check_hyper(lr, betas, eps)
+        _check_flags(maximize=maximize, bitwise=bitwise)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, maximize=bool(maximize), bitwise=bool(bitwise))
         super().__init__(params, defaults, state_dir=state_dir, backend=backend, huge_pages=huge_pages,
-                         staging=staging)
+                         staging=staging, resume=resume)
 
     def _state_width(self, cols):
         return 2 * cols
@@ -113,6 +120,12 @@ class DiskSparseAdam(DiskSparseOptimizer):
 
 def _scalar(x):
     return float(x.item()) if isinstance(x, torch.Tensor) else float(x)
+
+
+def _check_flags(**flags):
+    for name, value in flags.items():
+        if value not in (True, False):  # a string such as "no" would otherwise count as True
+            raise ValueError(f"{name} must be True or False, got {value!r}")
 
 
 def _check_hyper(lr, betas, eps):
@@ -153,6 +166,7 @@ class DiskSparseRiemannianAdam(DiskSparseOptimizer):
         c (float): the ball's curvature is ``-c``; its radius ``1/sqrt(c)``. (Default: 1.0)
         exact (bool): exponential map instead of the retraction. (Default: False)
         state_dir (str or None): as in :class:`DiskSparseAdam`. (Default: None)
+        resume (bool): as in :class:`DiskSparseAdam`. (Default: False)
         backend (str): ``"torch"``, ``"triton"`` (float32/bfloat16 weights, rows up to
             ``triton_ops.MAX_BALL_D`` wide) or ``"auto"`` (Triton for CUDA weights it can take, torch
             otherwise); ``"numba"`` is refused: this update has no numba path. (Default: "auto")
@@ -161,13 +175,14 @@ class DiskSparseRiemannianAdam(DiskSparseOptimizer):
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, c=1.0, exact=False, state_dir=None,
-                 backend="auto", huge_pages=None, staging=None):
+                 backend="auto", huge_pages=None, staging=None, resume=False):
         _check_hyper(lr, betas, eps)
-        if not float(c) > 0:
-            raise ValueError(f"c (the ball's curvature is -c) must be > 0, got {c}")
+        _check_flags(exact=exact)
+        if not (math.isfinite(float(c)) and float(c) > 0):
+            raise ValueError(f"c (the ball's curvature is -c) must be finite and > 0, got {c}")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, c=float(c), exact=bool(exact))
         super().__init__(params, defaults, state_dir=state_dir, backend=backend, huge_pages=huge_pages,
-                         staging=staging)
+                         staging=staging, resume=resume)
 
     def _state_width(self, cols):
         return cols + 1

@@ -9,13 +9,17 @@ Layout (little endian)::
 
 Safety:
 
-- The file is preallocated with ``posix_fallocate`` at creation, so a full disk fails there with an
-  error naming the file instead of a SIGBUS from the mapping in the middle of training.
+- The file is allocated with ``posix_fallocate`` at creation and again on reopening (a copy may be
+  sparse), so a full disk fails there with an error naming the file instead of a SIGBUS from the
+  mapping in the middle of training.
 - An exclusive ``flock`` is held while the file is open: a second optimizer (in this or another
   process) on the same file gets an error instead of silently sharing moments.
 - The header's clean flag is cleared (and synced) before the first record write after a clean point
   and set again by ``flush()``/``close()``. A process killed between the two leaves a dirty file, which
   is refused on reopening: its records may mix steps, so the last checkpoint must be restored.
+- A process that forks keeps ownership: in the child, ``close()`` (and so ``with``, garbage
+  collection and interpreter exit) only drops the child's copy of the mapping and descriptor. It never
+  writes the header, flushes or unlocks, since the parent's records may be in the middle of a step.
 - The mapping is advised ``MADV_RANDOM``: a step reads scattered rows, readahead would only evict.
 
 Page size: with ``huge_pages=True`` the mapping is also advised ``MADV_HUGEPAGE``. Where the kernel
@@ -41,6 +45,7 @@ MAGIC = b"DSAROWS\0"
 FORMAT_VERSION = 1
 HEADER_BYTES = 4096
 _HEADER = struct.Struct("<8sIIQQQQI")  # magic, version, dtype, rows, cols, width, step, clean
+MAX_STEP = 2**63 - 1  # the header's field is u64; steps are int64 tensors in state dicts
 _DTYPES = {1: torch.float32, 2: torch.float64}
 _CODES = {v: k for k, v in _DTYPES.items()}
 
@@ -97,6 +102,7 @@ class RowStateFile:
         self._mm = None
         self.records = None
         self.closed = False
+        self._owner = os.getpid()  # a forked child must not close the parent's file (see close)
         created = False
         try:
             try:
@@ -130,6 +136,11 @@ class RowStateFile:
                 "close that optimizer first or give this one another state_dir") from None
 
     def _create(self):
+        self._allocate()
+        self._write_header(step=0, clean=True)
+
+    def _allocate(self):
+        """Reserve every block of the file (a no-op where it has them), so a full disk fails here."""
         try:
             os.posix_fallocate(self._fd, 0, self.nbytes)
         except OSError as exc:
@@ -138,7 +149,6 @@ class RowStateFile:
                                          f"{self.nbytes / 2**20:.1f} MiB ({os.strerror(exc.errno)}); "
                                          "free space or choose another state_dir") from None
             raise
-        self._write_header(step=0, clean=True)
 
     def _check_existing(self):
         raw = os.pread(self._fd, _HEADER.size, 0)
@@ -165,6 +175,10 @@ class RowStateFile:
         if os.fstat(self._fd).st_size < self.nbytes:
             raise StateFileError(f"state file {self.path} is truncated ({os.fstat(self._fd).st_size} < "
                                  f"{self.nbytes} bytes); restore the last checkpoint into a new state_dir")
+        if step > MAX_STEP:
+            raise StateFileError(f"state file {self.path} has step {step}, more than {MAX_STEP}: the "
+                                 "header is damaged; restore the last checkpoint into a new state_dir")
+        self._allocate()  # a sparse copy (cp --sparse, truncate) would otherwise SIGBUS on a full disk
         self._step = step
 
     def _map(self):
@@ -179,6 +193,16 @@ class RowStateFile:
         np_dtype = np.float32 if self.dtype == torch.float32 else np.float64
         arr = np.frombuffer(self._mm, dtype=np_dtype, count=self.rows * self.width, offset=HEADER_BYTES)
         self.records = torch.from_numpy(arr.reshape(self.rows, self.width))
+
+    def private_records(self) -> torch.Tensor:
+        """The records as a copy-on-write (``MAP_PRIVATE``) mapping of the file: it reads the page
+        cache without copying, and what a holder writes into it stays in private pages, never in
+        the file. The mapping lives as long as the tensor, also after ``close()``."""
+        self._check_open()
+        mm = mmap.mmap(self._fd, self.nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        np_dtype = np.float32 if self.dtype == torch.float32 else np.float64
+        arr = np.frombuffer(mm, dtype=np_dtype, count=self.rows * self.width, offset=HEADER_BYTES)
+        return torch.from_numpy(arr.reshape(self.rows, self.width))
 
     def _write_header(self, step, clean):
         os.pwrite(self._fd, _HEADER.pack(MAGIC, FORMAT_VERSION, _CODES[self.dtype], self.rows, self.cols,
@@ -260,8 +284,11 @@ class RowStateFile:
             self._mm.madvise(mmap.MADV_WILLNEED, int(run[0]) * page, int(run[-1] - run[0] + 1) * page)
 
     def close(self, step: int | None = None):
-        """Flush, mark clean, unlock and unmap. Safe to call twice."""
+        """Flush, mark clean, unlock and unmap. Safe to call twice. In a forked child: unmap only."""
         if self.closed:
+            return
+        if not self.owned():
+            self._release(unlock=False)
             return
         try:
             if self._mm is not None and self._dirty:
@@ -271,7 +298,11 @@ class RowStateFile:
         finally:
             self._release()
 
-    def _release(self):
+    def owned(self) -> bool:
+        """Whether this process opened the file (not a child forked after the opening)."""
+        return os.getpid() == self._owner
+
+    def _release(self, unlock=True):
         self.closed = True
         self.records = None
         if self._mm is not None:
@@ -282,7 +313,8 @@ class RowStateFile:
             self._mm = None
         if self._fd is not None:
             try:
-                fcntl.flock(self._fd, fcntl.LOCK_UN)
+                if unlock:  # the lock belongs to the open file, which a forked child shares
+                    fcntl.flock(self._fd, fcntl.LOCK_UN)
             finally:
                 os.close(self._fd)
                 self._fd = None
@@ -290,6 +322,9 @@ class RowStateFile:
     def _check_open(self):
         if self.closed:
             raise StateFileError(f"state file {self.path} is closed; the optimizer was closed")
+        if not self.owned():
+            raise StateFileError(f"state file {self.path} belongs to process {self._owner}; a forked "
+                                 "child cannot use its parent's optimizer: create one in the child")
 
     def __repr__(self):
         return (f"RowStateFile({self.path!r}, rows={self.rows}, width={self.width}, dtype={self.dtype}, "

@@ -1,0 +1,87 @@
+"""Checkpoints of the Disk Sparse optimizers: ``state_dict`` out of the state files, ``load_state_dict``
+into them.
+
+A load checks the whole state dict (groups, parameters, keys, shapes, dtypes, steps) before it writes
+anything, so a bad one leaves every file as it was, and marks every table dirty before it writes
+any, so a load cut short leaves a directory that is refused on reopening, never one at mixed steps.
+"""
+
+from __future__ import annotations
+
+import itertools
+import numbers
+
+import torch
+
+from .store import MAX_STEP
+
+# State-dict keys (the same as torch.optim.SparseAdam's, so its checkpoints load here and back).
+STEP, EXP_AVG, EXP_AVG_SQ = "step", "exp_avg", "exp_avg_sq"
+
+
+def saved_state_by_param(opt, state_dict) -> dict:
+    """``state_dict['state']`` keyed by ``opt``'s parameters, after checking groups and their sizes."""
+    saved_groups = state_dict["param_groups"]
+    if len(saved_groups) != len(opt.param_groups):
+        raise ValueError(f"state_dict has {len(saved_groups)} parameter groups, this optimizer has "
+                         f"{len(opt.param_groups)}")
+    for i, (sg, g) in enumerate(zip(saved_groups, opt.param_groups)):
+        if len(sg["params"]) != len(g["params"]):
+            raise ValueError(f"state_dict's parameter group {i} has {len(sg['params'])} parameters, "
+                             f"this optimizer's has {len(g['params'])}")
+    id_map = dict(zip(itertools.chain.from_iterable(g["params"] for g in saved_groups),
+                      itertools.chain.from_iterable(g["params"] for g in opt.param_groups)))
+    return {id_map[k]: v for k, v in state_dict["state"].items()}
+
+
+def checked_step(value, where: str) -> int:
+    """A saved step as an int in ``[0, MAX_STEP]`` (Python int or one-element integer tensor)."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.is_floating_point() or value.is_complex():
+            raise ValueError(f"{where}: step must be an integer, got a tensor {value!r}")
+        value = int(value.item())
+    elif isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+        raise ValueError(f"{where}: step must be an integer, got {value!r}")
+    if not 0 <= int(value) <= MAX_STEP:
+        raise ValueError(f"{where}: step must lie in [0, {MAX_STEP}], got {value}")
+    return int(value)
+
+
+def loaded_columns(opt, p, entry):
+    """(the record columns of a saved state entry, its step), or (None, 0) for fresh state."""
+    if not entry:
+        return None, 0
+    where = f"state_dict's state of parameter {opt._index(p)}"
+    columns = []
+    for key, view in opt._state_views(opt._stores[p].records, p.shape[1]).items():
+        if key not in entry:
+            raise KeyError(f"{where} lacks {key!r}")
+        val = torch.as_tensor(entry[key])
+        if not val.is_floating_point():
+            raise TypeError(f"{where}: {key!r} has dtype {val.dtype}, expected a floating-point tensor "
+                            f"(the state files hold {view.dtype})")
+        if val.shape != view.shape:
+            raise ValueError(f"{where}: {key!r} has shape {tuple(val.shape)}, expected {tuple(view.shape)}")
+        columns.append(val)
+    if STEP not in entry:
+        raise KeyError(f"{where} lacks {STEP!r}")
+    return columns, checked_step(entry[STEP], where)
+
+
+def load_state_dict(opt, state_dict):
+    """Check all of ``state_dict`` against ``opt``, then write it into ``opt``'s state files."""
+    saved_state = saved_state_by_param(opt, state_dict)
+    loaded = {p: loaded_columns(opt, p, saved_state.get(p)) for p in opt._stores}
+    for stager, _, _ in opt._routes.values():  # announced records are about to be replaced
+        stager.invalidate()
+    for sg, g in zip(state_dict["param_groups"], opt.param_groups):
+        g.update({k: v for k, v in sg.items() if k != "params"})
+    for store in opt._stores.values():  # a kill during the writes below leaves every table dirty
+        store.mark_dirty()
+    for p, store in opt._stores.items():
+        columns, step = loaded[p]
+        store.write_all(columns, step)
+        opt._steps[p] = step
+        opt.state[p] = opt._state_entry(p)
