@@ -133,7 +133,7 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
         return name
 
     def _state_entry(self, p):
-        entry = {STEP: torch.tensor(self._steps[p], dtype=torch.int64)}
+        entry = {STEP: self._steps[p]}  # a Python int, as SparseAdam keeps it (its bias correction in float64)
         entry.update(self._state_views(self._stores[p].records, p.shape[1]))
         return entry
 
@@ -169,6 +169,7 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
                     continue
                 g = self._row_sparse_grad(p)
                 self._steps[p] += 1  # like SparseAdam, a present gradient counts even when empty
+                self.state[p][STEP] = self._steps[p]
                 if g._nnz():
                     self._step_param(p, g, self._steps[p], hyper)
         return loss
@@ -262,8 +263,6 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
         never reaches the files (``RowStateFile.private_records``).
         """
         self._check_open()
-        for p in self._stores:
-            self.state[p][STEP] = torch.tensor(self._steps[p], dtype=torch.int64)
         sd = super().state_dict()
         for k, (p, store) in enumerate(self._stores.items()):  # packed state is keyed by parameter order
             sd["state"][k] = dict(sd["state"][k], **self._state_views(store.private_records(), p.shape[1]))
@@ -294,7 +293,7 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
         if os.getpid() != self._owner:  # a forked child: the files, lock and directory are the parent's
             for store in self._stores.values():
                 store.close()
-            self.state.clear()
+            _clear_state(self)
             return
         try:
             for stager, _, _ in self._routes.values():  # no background gather may outlive the mappings
@@ -305,7 +304,7 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
             for p, store in self._stores.items():
                 store.close(self._steps[p])
         finally:
-            self.state.clear()
+            _clear_state(self)
             if self._own_dir:
                 self._remove_own_dir()
 
@@ -340,6 +339,13 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
     def __getstate__(self):
         raise TypeError(f"{type(self).__name__} cannot be pickled: its state lives in files; "
                         "save opt.state_dict() instead")
+
+
+def _clear_state(opt):
+    """Drop the state views (absent when Optimizer.__init__ refused the params before making it)."""
+    state = opt.__dict__.get("state")
+    if state is not None:
+        state.clear()
 
 
 def _state_files_in(path):

@@ -121,7 +121,7 @@ def _launch(K, sorted_rows, values, records, weight, bufs, step, *, lr, beta1, b
     rec, w = records.detach().numpy(), weight.detach().numpy()
     ty = rec.dtype.type
     vals = values.contiguous().numpy()
-    neg_step = ty(-(lr * math.sqrt(1 - beta2 ** step) / (1 - beta1 ** step)))
+    neg_step = ty(float(-(lr * math.sqrt(1 - beta2 ** step) / (1 - beta1 ** step))))  # a tensor lr: its dtype
     c1, c2, eps, maximize = ty(1 - beta1), ty(1 - beta2), ty(eps), bool(maximize)
     parallel = threads > 1
     if not bitwise:

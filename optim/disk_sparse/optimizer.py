@@ -98,7 +98,7 @@ class DiskSparseAdam(DiskSparseOptimizer):
 
     def _hyper(self, group):
         beta1, beta2 = group["betas"]
-        return dict(lr=_scalar(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
+        return dict(lr=_lr(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
                     maximize=group["maximize"], bitwise=group.get("bitwise", True))
 
     def _unsupported(self, backend, p):
@@ -116,6 +116,11 @@ class DiskSparseAdam(DiskSparseOptimizer):
         from . import torch_ops
 
         return torch_ops.adam_rows_, None
+
+
+def _lr(lr):
+    """A tensor lr stays a 0-dim tensor: SparseAdam then computes its step size in lr's dtype."""
+    return lr.detach().reshape(()).cpu() if isinstance(lr, torch.Tensor) else float(lr)
 
 
 def _scalar(x):

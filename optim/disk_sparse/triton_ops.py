@@ -79,7 +79,7 @@ def adam_rows_(w, g, state, step, *, lr, beta1, beta2, eps, maximize=False, bitw
     if w.numel() == 0:
         return
     step_size = lr * math.sqrt(1 - beta2**step) / (1 - beta1**step)
-    _adam_rows_launch(w, g, state, -step_size, beta1=beta1, beta2=beta2, eps=eps, maximize=maximize)
+    _adam_rows_launch(w, g, state, float(-step_size), beta1=beta1, beta2=beta2, eps=eps, maximize=maximize)
 
 
 def _riemannian_adam_rows_launch(w, g, state, *, lr, beta1, beta2, bias_correction1, bias_correction2,
