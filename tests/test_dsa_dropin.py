@@ -157,7 +157,6 @@ def _hook_log(opt, log):
     opt.register_state_dict_post_hook(post_save)
 
 
-@pytest.mark.xfail(strict=True, reason="not yet supported")
 def test_state_dict_hooks_run_as_in_sparseadam():
     p_ref, ref, p_dsa, dsa = _pair(lr=1e-2)
     _steps([(p_ref, ref), (p_dsa, dsa)], _row_grad, 0, 2)
@@ -174,7 +173,6 @@ def test_state_dict_hooks_run_as_in_sparseadam():
 
 
 # -- shapes SparseAdam takes ------------------------------------------------------------------------
-@pytest.mark.xfail(strict=True, reason="not yet supported")
 @pytest.mark.parametrize("backend", ["torch", "numba", "auto"])
 @pytest.mark.parametrize("shape,grad_fn", [
     pytest.param((N,), _row_grad, id="1d"),
@@ -195,7 +193,6 @@ def test_shapes_and_gradients_sparseadam_takes(shape, grad_fn, backend):
     dsa.close()
 
 
-@pytest.mark.xfail(strict=True, reason="not yet supported")
 def test_zero_column_table():
     p = torch.nn.Parameter(torch.zeros(N, 0))
     try:
@@ -209,7 +206,6 @@ def test_zero_column_table():
 
 
 # -- deepcopy ---------------------------------------------------------------------------------------
-@pytest.mark.xfail(strict=True, reason="not yet supported")
 def test_deepcopy_is_independent_and_continues_as_the_original():
     p_ref, ref, p_dsa, dsa = _pair(lr=1e-2)
     _steps([(p_ref, ref), (p_dsa, dsa)], _row_grad, 0, 4)
@@ -226,7 +222,6 @@ def test_deepcopy_is_independent_and_continues_as_the_original():
     twin.close()
 
 
-@pytest.mark.xfail(strict=True, reason="not yet supported")
 def test_deepcopy_with_fixed_state_dir_is_refused(tmp_path):
     p = torch.nn.Parameter(torch.zeros(N, DIM))
     opt = DiskSparseAdam([p], state_dir=tmp_path / "s")

@@ -68,7 +68,6 @@ def test_dense_gradient_is_refused():
 
 
 @pytest.mark.parametrize("param,match", [
-    pytest.param(nn.Parameter(torch.zeros(10)), "2-D", id="1-D"),
     pytest.param(nn.Parameter(torch.zeros(2, 3, 4)), "2-D", id="3-D"),
     pytest.param(nn.Parameter(torch.zeros(3, 4, dtype=torch.long), requires_grad=False), "floating", id="int"),
 ])

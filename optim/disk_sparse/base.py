@@ -11,8 +11,8 @@ optimizers themselves are in ``optimizer.py``.
 
 from __future__ import annotations
 
+import copy
 import os
-import shutil
 import tempfile
 import weakref
 
@@ -21,6 +21,8 @@ import torch
 from ..backends import BACKENDS, resolve_backend
 from . import checkpoint, pipeline
 from .store import RowStateFile, StateFileError, fits_in_page_cache  # noqa: F401  (StateFileError re-exported)
+from .params import (_check_param, _clear_state, _cols, _make_writable_dir, _remove_dir_of,  # noqa: F401
+                     _state_files_in)
 from .torch_ops import coalesce_rows
 
 from .checkpoint import EXP_AVG, EXP_AVG_SQ, STEP  # noqa: F401  (re-exported)
@@ -33,6 +35,9 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
     the subclass's functions of that backend (``_kernels``); ``staging`` chooses the stager (None:
     the staged pipeline for CUDA weights, direct otherwise; True: staged for any weights).
     """
+
+    _table_dims = (2,)  # the parameter dims a subclass takes
+    _element_sparse = False  # whether it takes element-sparse gradients of 2-D tables
 
     # -- the hooks every subclass implements -------------------------------------------------------
     def _state_width(self, cols: int) -> int:
@@ -101,14 +106,14 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
 
     def _open(self, p):
         k = len(self._stores)
-        _check_param(p, k, type(self).__name__)
+        _check_param(p, k, type(self).__name__, self._table_dims)
         sdtype = p.dtype if p.dtype in (torch.float32, torch.float64) else torch.float32
-        width = self._state_width(p.shape[1])
+        width = self._state_width(_cols(p))
         huge = self.huge_pages
         if huge is None:
             huge = fits_in_page_cache(p.shape[0] * width * torch.empty((), dtype=sdtype).element_size())
         rows_fn, sparse_fn = self._kernels(self._backend_for(p, k))
-        store = RowStateFile(os.path.join(self.state_dir, f"param{k:04d}.dsa"), p.shape[0], p.shape[1],
+        store = RowStateFile(os.path.join(self.state_dir, f"param{k:04d}.dsa"), p.shape[0], _cols(p),
                              width, sdtype, huge_pages=huge)
         self._stores[p] = store
         if p.is_cuda if self.staging is None else self.staging:
@@ -134,8 +139,13 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
 
     def _state_entry(self, p):
         entry = {STEP: self._steps[p]}  # a Python int, as SparseAdam keeps it (its bias correction in float64)
-        entry.update(self._state_views(self._stores[p].records, p.shape[1]))
+        entry.update(self._views(p, self._stores[p].records))
         return entry
+
+    def _views(self, p, records):
+        """The state-dict tensors of ``p`` (of ``p``'s shape: a 1-D table is kept as N x 1 records)."""
+        views = self._state_views(records, _cols(p))
+        return views if p.dim() == 2 else {k: v.squeeze(1) for k, v in views.items()}
 
     def state_file(self, p) -> RowStateFile:
         """The state file of parameter ``p``."""
@@ -167,32 +177,59 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                g = self._row_sparse_grad(p)
+                g = self._checked_grad(p)
                 self._steps[p] += 1  # like SparseAdam, a present gradient counts even when empty
                 self.state[p][STEP] = self._steps[p]
-                if g._nnz():
+                if not g._nnz():
+                    continue
+                if g.sparse_dim() == 2:
+                    self._step_elements(p, g, self._steps[p], hyper)
+                else:
                     self._step_param(p, g, self._steps[p], hyper)
         return loss
 
     def _step_param(self, p, g, step, hyper):
         stager, rows_fn, sparse_fn = self._routes[p]
+        vals = g._values().reshape(g._nnz(), _cols(p))  # a 1-D table is updated as N x 1
+        w_all = p if p.dim() == 2 else p.unsqueeze(1)
         if sparse_fn is not None:
-            records = self._stores[p].writable()
-            sparse_fn(p, g._indices()[0], g._values().to(p.dtype), records, step, **hyper)
+            sparse_fn(w_all, g._indices()[0], vals.to(p.dtype), self._stores[p].writable(), step, **hyper)
             return
-        if g.is_coalesced():
-            rows, vals = g._indices()[0], g._values()
-        else:
-            rows, vals = coalesce_rows(g._indices()[0], g._values())
+        rows = g._indices()[0]
+        if not g.is_coalesced():
+            rows, vals = coalesce_rows(rows, vals)
+        rows_cpu = rows.cpu()
+        host = stager.acquire(rows_cpu)
+        rec = stager.to_device(host)
+        w = stager.weight_rows(w_all, rows)
+        rows_fn(w, vals.to(rec.dtype).contiguous(), rec, step, **hyper)
+        w_all.index_copy_(0, rows, w)
+        stager.commit(rows_cpu, rec, host)
+
+    def _step_elements(self, p, g, step, hyper):
+        """An element-sparse gradient (``dense.to_sparse()``): its rows are updated whole, then
+        only the elements it holds keep the new weight and moments, as SparseAdam updates them."""
+        stager, rows_fn, _ = self._routes[p]
+        g = g.coalesce()
+        (r, c), vals = g._indices(), g._values()
+        rows, inv = torch.unique(r, return_inverse=True)
+        rec_dtype = self._stores[p].records.dtype
+        dense = torch.zeros(rows.numel(), p.shape[1], dtype=rec_dtype, device=vals.device)
+        dense[inv, c] = vals.to(rec_dtype)
+        mask = torch.zeros(dense.shape, dtype=torch.bool, device=vals.device)
+        mask[inv, c] = True
         rows_cpu = rows.cpu()
         host = stager.acquire(rows_cpu)
         rec = stager.to_device(host)
         w = stager.weight_rows(p, rows)
-        rows_fn(w, vals.to(rec.dtype).contiguous(), rec, step, **hyper)
-        p.index_copy_(0, rows, w)
+        w_old, rec_old = w.clone(), rec.clone()
+        rows_fn(w, dense, rec, step, **hyper)
+        p.index_copy_(0, rows, torch.where(mask, w, w_old))
+        rec_mask = mask.to(rec.device).repeat(1, rec.shape[1] // p.shape[1])
+        rec.copy_(torch.where(rec_mask, rec, rec_old))
         stager.commit(rows_cpu, rec, host)
 
-    def _row_sparse_grad(self, p):
+    def _checked_grad(self, p):
         g = p.grad
         if not g.is_sparse:
             raise RuntimeError(
@@ -200,10 +237,11 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
                 f"{type(self).__name__} needs sparse gradients: build the table with "
                 "nn.Embedding(..., sparse=True) or nn.EmbeddingBag(..., sparse=True), or use "
                 "torch.optim.Adam for dense parameters")
-        if g.sparse_dim() != 1:
-            raise RuntimeError(f"parameter {self._index(p)}: the gradient must be row-sparse "
-                               "(sparse_dim 1, as nn.Embedding(sparse=True) produces), got "
-                               f"sparse_dim {g.sparse_dim()}")
+        if not (g.sparse_dim() == 1 or (g.sparse_dim() == 2 == p.dim() and self._element_sparse)):
+            raise RuntimeError(f"parameter {self._index(p)}: {type(self).__name__} takes row-sparse gradients "
+                               "(sparse_dim 1, as nn.Embedding(sparse=True) produces)"
+                               f"{' or element-sparse ones (dense.to_sparse())' if self._element_sparse else ''}, "
+                               f"got sparse_dim {g.sparse_dim()}")
         return g
 
     def device_staging_bytes(self):
@@ -263,10 +301,13 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
         never reaches the files (``RowStateFile.private_records``).
         """
         self._check_open()
-        sd = super().state_dict()
-        for k, (p, store) in enumerate(self._stores.items()):  # packed state is keyed by parameter order
-            sd["state"][k] = dict(sd["state"][k], **self._state_views(store.private_records(), p.shape[1]))
-        return sd
+        live = {p: self.state[p] for p in self._stores}
+        try:  # torch packs (and its state-dict hooks see) these copy-on-write entries, not the live ones
+            for p, store in self._stores.items():
+                self.state[p] = dict(live[p], **self._views(p, store.private_records()))
+            return super().state_dict()
+        finally:
+            self.state.update(live)
 
     def load_state_dict(self, state_dict):
         """Write a state dict's steps and moments into this optimizer's files (then mark them clean).
@@ -276,7 +317,13 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
         before anything is written (``checkpoint.py``).
         """
         self._check_open()
+        state_dict = state_dict.copy()  # shallow, as torch's: a pre-hook may replace entries
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            hook_result = pre_hook(self, state_dict)
+            state_dict = state_dict if hook_result is None else hook_result
         checkpoint.load_state_dict(self, state_dict)
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def flush(self):
@@ -336,44 +383,25 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
                 return k
         return "?"
 
+    def __deepcopy__(self, memo):
+        """An independent optimizer over deep copies of the parameters, in a new private state_dir
+        holding a copy of this one's state. Refused for a fixed state_dir, which two optimizers
+        cannot share."""
+        self._check_open()
+        if not self._own_dir:
+            raise RuntimeError(f"cannot deepcopy {type(self).__name__} on the fixed state_dir {self.state_dir}: "
+                               "two optimizers cannot share it. Create one on another state_dir and "
+                               "load_state_dict(opt.state_dict()) into it")
+        groups = [{k: copy.deepcopy(v, memo) for k, v in g.items()} for g in self.param_groups]
+        twin = memo[id(self)] = type(self).__new__(type(self))
+        DiskSparseOptimizer.__init__(twin, groups, copy.deepcopy(self.defaults, memo), backend=self.backend,
+                                     huge_pages=self.huge_pages, staging=self.staging)
+        checkpoint.load_state_dict(twin, self.state_dict())
+        for name, hooks in vars(self).items():  # step and state-dict hooks, as deepcopy gives SparseAdam's
+            if name.startswith("_optimizer_") and name.endswith("_hooks"):
+                setattr(twin, name, copy.copy(hooks))
+        return twin
+
     def __getstate__(self):
         raise TypeError(f"{type(self).__name__} cannot be pickled: its state lives in files; "
                         "save opt.state_dict() instead")
-
-
-def _clear_state(opt):
-    """Drop the state views (absent when Optimizer.__init__ refused the params before making it)."""
-    state = opt.__dict__.get("state")
-    if state is not None:
-        state.clear()
-
-
-def _state_files_in(path):
-    return sorted(f for f in os.listdir(path) if f.endswith(".dsa"))
-
-
-def _remove_dir_of(owner, path):
-    """Remove a private state_dir, in the process that made it only (not in a forked child)."""
-    if os.getpid() == owner:
-        shutil.rmtree(path, ignore_errors=True)
-
-
-def _make_writable_dir(path):
-    try:
-        os.makedirs(path, exist_ok=True)
-    except OSError as exc:
-        raise OSError(exc.errno, f"cannot create state_dir {path}: {exc.strerror}; "
-                                 "give a writable directory") from None
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise PermissionError(f"state_dir {path} is not writable; give a writable directory")
-
-
-def _check_param(p, k, owner):
-    where = f"parameter {k} (shape {tuple(p.shape)}, dtype {p.dtype})"
-    if p.is_sparse or p.layout != torch.strided:
-        raise ValueError(f"{where}: the parameter must be a dense tensor (its gradient is sparse)")
-    if not p.is_floating_point():
-        raise ValueError(f"{where}: {owner} needs a floating-point parameter")
-    if p.dim() != 2:
-        raise ValueError(f"{where}: {owner} needs a 2-D (rows, dim) embedding table "
-                         "such as nn.Embedding(..., sparse=True).weight")

@@ -55,7 +55,7 @@ def loaded_columns(opt, p, entry):
         return None, 0
     where = f"state_dict's state of parameter {opt._index(p)}"
     columns = []
-    for key, view in opt._state_views(opt._stores[p].records, p.shape[1]).items():
+    for key, view in opt._views(p, opt._stores[p].records).items():
         if key not in entry:
             raise KeyError(f"{where} lacks {key!r}")
         val = torch.as_tensor(entry[key])
@@ -64,7 +64,7 @@ def loaded_columns(opt, p, entry):
                             f"(the state files hold {view.dtype})")
         if val.shape != view.shape:
             raise ValueError(f"{where}: {key!r} has shape {tuple(val.shape)}, expected {tuple(view.shape)}")
-        columns.append(val)
+        columns.append(val.reshape(p.shape[0], -1))  # a 1-D table's state as N x 1 records
     if STEP not in entry:
         raise KeyError(f"{where} lacks {STEP!r}")
     return columns, checked_step(entry[STEP], where)

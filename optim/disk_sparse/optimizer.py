@@ -82,6 +82,9 @@ class DiskSparseAdam(DiskSparseOptimizer):
     ``state_dict()``/``load_state_dict()`` as with any optimizer.
     """
 
+    _table_dims = (1, 2)  # as SparseAdam: a 1-D table is kept as N rows of one value
+    _element_sparse = True
+
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, maximize=False, state_dir=None,
                  backend="auto", huge_pages=None, bitwise=True, staging=None, resume=False):
         _check_hyper(lr, betas, eps)
