@@ -37,13 +37,14 @@ Why the kernel looks the way it does
   ones). For an odd block length a byte straddles two blocks, so a tile row then holds two blocks
   (2S elements) reduced separately.
 * Bias corrections, ``1 - lr*wd`` and ``1 - beta1`` are computed on the host in float64 and passed
-  as fp32 scalars; torch's ``lerp`` formula (two branches on the weight) and ``addcdiv`` order are
-  followed, and divisions and square roots are the IEEE-rounded ``tl.div_rn`` / ``tl.sqrt_rn``
-  (plain ``/`` and ``tl.sqrt`` compile to ``div.full``/``div.approx`` and ``sqrt.approx.ftz`` on
-  sm_90), and FMA contraction is off (``enable_fp_fusion=False``; torch rounds each operation), so
-  the kernel agrees with the torch reference to fp32 rounding and picks the same code except
-  within rounding of a midpoint; the kernel is memory-bound, so the extra arithmetic is hidden
-  behind its memory traffic.
+  as fp32 scalars; torch's ``lerp`` (two branches on the weight, each one FMA as torch evaluates
+  it on the CPU and CUDA) and ``addcdiv`` order are followed, and divisions and square roots are
+  the IEEE-rounded ``tl.div_rn`` / ``tl.sqrt_rn`` (plain ``/`` and ``tl.sqrt`` compile to
+  ``div.full``/``div.approx`` and ``sqrt.approx.ftz`` on sm_90). Other FMA contraction is off
+  (``enable_fp_fusion=False``; torch rounds each operation). So scales and codes equal the
+  reference's exactly (they depend only on g and the stored first moment), and p and v agree to
+  fp32 rounding (the block sum of g**2 is added in another order); the kernel is memory-bound,
+  so the extra arithmetic is hidden behind its memory traffic.
 """
 
 import torch
@@ -81,8 +82,13 @@ def _nearest(x, uniq_ptr, mid_ptr, lut_ptr, first_ptr, NLUT: tl.constexpr, NCMP:
 
 @triton.jit
 def _lerp(m, g, w):
-    """torch.lerp(m, g, w) with torch's two branches (exact agreement with the reference)."""
-    return tl.where(w < 0.5, m + w * (g - m), g - (g - m) * (1.0 - w))
+    """torch.lerp(m, g, w): torch's two branches, each one FMA as torch computes them (CPU:
+    vectorised ``fmadd``; CUDA: nvcc contracts the formula), so the first moment, and with it
+    the scales and codes, agree with the reference exactly. ``enable_fp_fusion=False`` would
+    leave an unfused ``m + w * (g - m)``, off by a rounding that can move a code across a
+    boundary."""
+    d = g - m
+    return tl.where(w < 0.5, tl.fma(w, d, m), tl.fma(w - 1.0, d, g))
 
 
 @triton.jit
