@@ -101,7 +101,6 @@ def copy_bandwidth(device, timer, nbytes, reps):
     for _ in range(2):
         dst.copy_(src)
     ts = [timer.ms(timer.time(lambda: dst.copy_(src))) for _ in range(reps)]
-    del src, dst
     return 2 * n * 4 / (statistics.median(ts) / 1e3)
 
 
@@ -163,7 +162,6 @@ def kernel_only_step(opt, tile=None, num_warps=None):
 
 def agreement(shapes, dtype, device, seed, steps=5):
     """Gefen(backend='triton') vs Gefen(backend='torch') on the device: max|Δp|, rel RMS, codes."""
-    import torch
 
     from optim import Gefen
     from optim.gefen import state as K

@@ -71,13 +71,6 @@ def model_loss(model, x):
     return out.pow(2).mean()
 
 
-def model_loss(model, x):
-    out = model(x)
-    if isinstance(model, Encoder):
-        return torch.nn.functional.cross_entropy(out[:, :-1].reshape(-1, out.shape[-1]), x[:, 1:].reshape(-1))
-    return out.pow(2).mean()
-
-
 def memory_and_time(res, model_name, names, repeats, seed):
     make_model, make_input, (dim, heads) = MODELS[model_name]
     torch.manual_seed(seed)

@@ -5,7 +5,6 @@ tensor (every backend's step lays tensors side by side: torch, numba, Triton int
 block by block in the test; ``torch.save``/``torch.load`` round trips.
 """
 
-import io
 
 import pytest
 import torch

@@ -40,7 +40,11 @@ class DiskSparseAdam(DiskSparseOptimizer):
 
     Args:
         params: iterable of 2-D floating-point parameters (``nn.Embedding(sparse=True).weight``,
-            ``nn.EmbeddingBag(sparse=True).weight``) or dicts defining parameter groups.
+            ``nn.EmbeddingBag(sparse=True).weight``), or 1-D ones as ``SparseAdam`` takes them (kept
+            as N x 1 tables), or dicts defining parameter groups. Gradients may be row-sparse or
+            element-sparse (``sparse_dim == 2``, as ``dense.to_sparse()`` gives); only the elements in
+            the gradient change, as in ``SparseAdam``. ``copy.deepcopy`` gives an independent
+            optimizer with a private copy of the state (refused for a fixed ``state_dir``).
         lr (float): learning rate. (Default: 1e-3)
         betas (Tuple[float, float]): decay rates of the first and second moments. (Default: (0.9, 0.999))
         eps (float): added to ``sqrt(v)`` in the denominator. (Default: 1e-8)
