@@ -30,6 +30,7 @@ from experiments.common import REPO_ROOT, figs_dir, results_dir
 # experiment script -> the analysis scripts that read its CSV
 EXPERIMENTS = {
     "correctness": ["correctness"],
+    "dsa_fault_injection": ["dsa_fault_injection"],
     "dsa_throughput": ["dsa_throughput"],
     "poincare": ["poincare"],
     "codebook_dp": ["codebook"],
@@ -39,7 +40,7 @@ EXPERIMENTS = {
     "convergence": ["convergence"],
 }
 # analysis script -> the figure it draws (None: a results/README.md section only)
-FIGURE_OF = {"correctness": None, "dsa_throughput": "dsa_throughput", "poincare": "poincare", "codebook": "codebook",
+FIGURE_OF = {"correctness": None, "dsa_fault_injection": None, "dsa_throughput": "dsa_throughput", "poincare": "poincare", "codebook": "codebook",
              "gefen_memory": "gefen_memory", "gefen_ablation": "gefen_ablation",
              "hessian_alignment": "hessian_alignment",
              "convergence": "convergence"}
