@@ -283,12 +283,46 @@ class Gefen(torch.optim.Optimizer):
 
     # --------------------------------------------------------------------------- state dict
     def state_dict(self):
-        sd = super().state_dict()
+        # torch's post-hooks run inside Optimizer.state_dict, before the codebook is added: run
+        # them here instead, on the complete dict (pre-hooks stay in torch's call).
+        post = self._optimizer_state_dict_post_hooks
+        self._optimizer_state_dict_post_hooks = type(post)()
+        try:
+            sd = super().state_dict()
+        finally:
+            self._optimizer_state_dict_post_hooks = post
         sd[K.CODEBOOK] = None if self.codebook is None else self.codebook.clone()
         sd[K.BITS] = self.bits
-        return _dist.to_distributed_state_dict(self, sd)  # [distributed] DCP-ready form
+        sd = _dist.to_distributed_state_dict(self, sd)  # [distributed] DCP-ready form
+        for hook in post.values():
+            out = hook(self, sd)
+            if out is not None:
+                sd = out
+        return sd
 
     def load_state_dict(self, state_dict):
+        # torch runs the load hooks inside Optimizer.load_state_dict, which here sits between
+        # the checks and the restoring of the checked state and codebook. Pre-hooks run first
+        # (a returned dict replaces the argument, so it is what is checked and loaded) and
+        # post-hooks last, on the complete state; torch's own call runs with none.
+        pre = self._optimizer_load_state_dict_pre_hooks
+        post = self._optimizer_load_state_dict_post_hooks
+        state_dict = state_dict.copy()  # shallow, as torch's
+        for hook in pre.values():
+            out = hook(self, state_dict)
+            if out is not None:
+                state_dict = out
+        self._optimizer_load_state_dict_pre_hooks = type(pre)()
+        self._optimizer_load_state_dict_post_hooks = type(post)()
+        try:
+            self._load_state_dict(state_dict)
+        finally:
+            self._optimizer_load_state_dict_pre_hooks = pre
+            self._optimizer_load_state_dict_post_hooks = post
+        for hook in post.values():
+            hook(self)
+
+    def _load_state_dict(self, state_dict):
         sd = dict(_dist.from_distributed_state_dict(self, state_dict))  # [distributed]
         codebook = sd.pop(K.CODEBOOK, None)
         bits = sd.pop(K.BITS, self.bits)
