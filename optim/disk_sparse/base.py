@@ -11,7 +11,6 @@ optimizers themselves are in ``optimizer.py``.
 
 from __future__ import annotations
 
-import copy
 import os
 import tempfile
 import weakref
@@ -385,22 +384,8 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
 
     def __deepcopy__(self, memo):
         """An independent optimizer over deep copies of the parameters, in a new private state_dir
-        holding a copy of this one's state. Refused for a fixed state_dir, which two optimizers
-        cannot share."""
-        self._check_open()
-        if not self._own_dir:
-            raise RuntimeError(f"cannot deepcopy {type(self).__name__} on the fixed state_dir {self.state_dir}: "
-                               "two optimizers cannot share it. Create one on another state_dir and "
-                               "load_state_dict(opt.state_dict()) into it")
-        groups = [{k: copy.deepcopy(v, memo) for k, v in g.items()} for g in self.param_groups]
-        twin = memo[id(self)] = type(self).__new__(type(self))
-        DiskSparseOptimizer.__init__(twin, groups, copy.deepcopy(self.defaults, memo), backend=self.backend,
-                                     huge_pages=self.huge_pages, staging=self.staging)
-        checkpoint.load_state_dict(twin, self.state_dict())
-        for name, hooks in vars(self).items():  # step and state-dict hooks, as deepcopy gives SparseAdam's
-            if name.startswith("_optimizer_") and name.endswith("_hooks"):
-                setattr(twin, name, copy.copy(hooks))
-        return twin
+        holding a copy of this one's state (``checkpoint.deep_copy``)."""
+        return checkpoint.deep_copy(self, memo)
 
     def __getstate__(self):
         raise TypeError(f"{type(self).__name__} cannot be pickled: its state lives in files; "

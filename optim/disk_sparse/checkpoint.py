@@ -8,6 +8,7 @@ any, so a load cut short leaves a directory that is refused on reopening, never 
 
 from __future__ import annotations
 
+import copy
 import itertools
 import numbers
 
@@ -85,3 +86,25 @@ def load_state_dict(opt, state_dict):
         store.write_all(columns, step)
         opt._steps[p] = step
         opt.state[p] = opt._state_entry(p)
+
+
+def deep_copy(opt, memo):
+    """``copy.deepcopy(opt)``: an independent optimizer over deep copies of the parameters, in a new
+    private state_dir holding a copy of ``opt``'s state, with its step and state-dict hooks (as
+    deepcopy gives SparseAdam's). Refused for a fixed state_dir, which two optimizers cannot share."""
+    opt._check_open()
+    if not opt._own_dir:
+        raise RuntimeError(f"cannot deepcopy {type(opt).__name__} on the fixed state_dir {opt.state_dir}: "
+                           "two optimizers cannot share it. Create one on another state_dir and "
+                           "load_state_dict(opt.state_dict()) into it")
+    from .base import DiskSparseOptimizer  # base imports this module
+
+    groups = [{k: copy.deepcopy(v, memo) for k, v in g.items()} for g in opt.param_groups]
+    twin = memo[id(opt)] = type(opt).__new__(type(opt))
+    DiskSparseOptimizer.__init__(twin, groups, copy.deepcopy(opt.defaults, memo), backend=opt.backend,
+                                 huge_pages=opt.huge_pages, staging=opt.staging)
+    load_state_dict(twin, opt.state_dict())
+    for name, hooks in vars(opt).items():
+        if name.startswith("_optimizer_") and name.endswith("_hooks"):
+            setattr(twin, name, copy.copy(hooks))
+    return twin
