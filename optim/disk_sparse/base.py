@@ -188,7 +188,7 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
         return loss
 
     def _step_param(self, p, g, step, hyper):
-        stager, rows_fn, sparse_fn = self._routes[p]
+        _, _, sparse_fn = self._routes[p]
         vals = g._values().reshape(g._nnz(), _cols(p))  # a 1-D table is updated as N x 1
         w_all = p if p.dim() == 2 else p.unsqueeze(1)
         if sparse_fn is not None:
@@ -197,35 +197,36 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
         rows = g._indices()[0]
         if not g.is_coalesced():
             rows, vals = coalesce_rows(rows, vals)
-        rows_cpu = rows.cpu()
-        host = stager.acquire(rows_cpu)
-        rec = stager.to_device(host)
-        w = stager.weight_rows(w_all, rows)
-        rows_fn(w, vals.to(rec.dtype).contiguous(), rec, step, **hyper)
-        w_all.index_copy_(0, rows, w)
-        stager.commit(rows_cpu, rec, host)
+        self._update_rows(p, w_all, rows, vals, step, hyper)
 
     def _step_elements(self, p, g, step, hyper):
         """An element-sparse gradient (``dense.to_sparse()``): its rows are updated whole, then
         only the elements it holds keep the new weight and moments, as SparseAdam updates them."""
-        stager, rows_fn, _ = self._routes[p]
         g = g.coalesce()
         (r, c), vals = g._indices(), g._values()
         rows, inv = torch.unique(r, return_inverse=True)
-        rec_dtype = self._stores[p].records.dtype
-        dense = torch.zeros(rows.numel(), p.shape[1], dtype=rec_dtype, device=vals.device)
-        dense[inv, c] = vals.to(rec_dtype)
+        dense = torch.zeros(rows.numel(), p.shape[1], dtype=self._stores[p].records.dtype, device=vals.device)
+        dense[inv, c] = vals.to(dense.dtype)
         mask = torch.zeros(dense.shape, dtype=torch.bool, device=vals.device)
         mask[inv, c] = True
+        self._update_rows(p, p, rows, dense, step, hyper, mask=mask)
+
+    def _update_rows(self, p, w_all, rows, vals, step, hyper, mask=None):
+        """Stage the records of sorted unique ``rows``, update them and their weight rows with the
+        backend's row rule, write both back; with ``mask``, only its elements keep the update."""
+        stager, rows_fn, _ = self._routes[p]
         rows_cpu = rows.cpu()
         host = stager.acquire(rows_cpu)
         rec = stager.to_device(host)
-        w = stager.weight_rows(p, rows)
-        w_old, rec_old = w.clone(), rec.clone()
-        rows_fn(w, dense, rec, step, **hyper)
-        p.index_copy_(0, rows, torch.where(mask, w, w_old))
-        rec_mask = mask.to(rec.device).repeat(1, rec.shape[1] // p.shape[1])
-        rec.copy_(torch.where(rec_mask, rec, rec_old))
+        w = stager.weight_rows(w_all, rows)
+        if mask is not None:
+            w_old, rec_old = w.clone(), rec.clone()
+        rows_fn(w, vals.to(rec.dtype).contiguous(), rec, step, **hyper)
+        if mask is not None:
+            w = torch.where(mask, w, w_old)
+            rec_mask = mask.to(rec.device).repeat(1, rec.shape[1] // mask.shape[1])
+            rec.copy_(torch.where(rec_mask, rec, rec_old))
+        w_all.index_copy_(0, rows, w)
         stager.commit(rows_cpu, rec, host)
 
     def _checked_grad(self, p):
