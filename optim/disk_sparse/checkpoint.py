@@ -78,7 +78,11 @@ def load_state_dict(opt, state_dict):
     for stager, _, _ in opt._routes.values():  # announced records are about to be replaced
         stager.invalidate()
     for sg, g in zip(state_dict["param_groups"], opt.param_groups):
+        # a dict saved before ``maximize`` existed was minimizing (SparseAdam reads a missing key as
+        # False); options SparseAdam does not have (``bitwise``, ...) keep this optimizer's value
         g.update({k: v for k, v in sg.items() if k != "params"})
+        if "maximize" in g and "maximize" not in sg:
+            g["maximize"] = False
     for store in opt._stores.values():  # a kill during the writes below leaves every table dirty
         store.mark_dirty()
     for p, store in opt._stores.items():

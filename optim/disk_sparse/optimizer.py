@@ -141,14 +141,18 @@ def _check_flags(**flags):
 
 
 def _check_hyper(lr, betas, eps):
+    """SparseAdam's checks with its messages (PyTorch's tests match them), then what to do."""
     if isinstance(lr, torch.Tensor) and lr.numel() != 1:
-        raise ValueError("lr: a tensor learning rate must have one element")
+        raise ValueError("Tensor lr must be 1-element: give a scalar tensor or a float")
     if not _scalar(lr) > 0.0:
-        raise ValueError(f"lr must be > 0, got {lr}")
+        raise ValueError(f"Invalid learning rate: {lr} (must be > 0)")
     if not eps > 0.0:
-        raise ValueError(f"eps must be > 0, got {eps}")
-    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
-        raise ValueError(f"betas must be two numbers in [0, 1), got {betas}")
+        raise ValueError(f"Invalid epsilon value: {eps} (must be > 0)")
+    if len(betas) != 2:
+        raise ValueError(f"betas must be two numbers (beta1, beta2), got {betas}")
+    for k, b in enumerate(betas):
+        if not 0.0 <= b < 1.0:
+            raise ValueError(f"Invalid beta parameter at index {k}: {b} (must be in [0, 1))")
 
 
 class DiskSparseRiemannianAdam(DiskSparseOptimizer):

@@ -38,7 +38,11 @@ def _make_writable_dir(path):
 def _check_param(p, k, owner, dims):
     where = f"parameter {k} (shape {tuple(p.shape)}, dtype {p.dtype})"
     if p.is_sparse or p.layout != torch.strided:
-        raise ValueError(f"{where}: the parameter must be a dense tensor (its gradient is sparse)")
+        raise ValueError(f"{owner} requires dense parameter tensors; {where} is sparse "
+                         "(the gradient is what is sparse: pass the dense weight)")
+    if p.is_complex():
+        raise ValueError(f"{owner} does not support complex parameters; {where}: "
+                         "optimize torch.view_as_real(p) instead")
     if not p.is_floating_point():
         raise ValueError(f"{where}: {owner} needs a floating-point parameter")
     if p.dim() not in dims:
