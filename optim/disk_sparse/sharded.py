@@ -230,11 +230,15 @@ def dcp_state_dict(model: nn.Module, opt) -> dict:
     [...]}}`` for ``dcp.save``, and as the target of ``dcp.load`` (then :func:`load_dcp_state_dict`).
 
     Per-row state tensors become DTensors over the whole table; the step is a 0-dim int64 tensor, the
-    same on every rank. The weights and moments are views (the moments copy-on-write views of the
+    same on every rank. For a table sharded over a subgroup, give ``dcp.save``/``dcp.load`` that
+    ``process_group``. The weights and moments are views (the moments copy-on-write views of the
     state files, ``DiskSparseOptimizer.state_dict``): save before stepping again.
     """
     tables = _tables(model)
     index = _param_index(opt)
+    if {id(p) for p in index} != {id(t.weight) for t in tables.values()}:
+        raise ValueError("dcp_state_dict: the optimizer must hold exactly the weights of the model's "
+                         "ShardedEmbedding tables (open_optimizer(model, ...) gives such an optimizer)")
     mesh = _mesh(next(iter(tables.values())).group)
     sd = opt.state_dict()
     weights, state = {}, {}
