@@ -77,8 +77,9 @@ def body(rows, config):
         (f"Measured: table {m.get('rows', '?'):,} × {m.get('dim', '?')} fp32, {m.get('batch', '?')} uniform "
          f"indices per rank and step, loss mean(x²), DiskSparseAdam (backend "
          f"`{config.get('config', {}).get('backend', '?')}`) on every rank with its own state directory, "
-         f"one torch thread per rank, gloo on 127.0.0.1; median of {m.get('steps', '?')} steps after "
-         f"{m.get('warmup', '?')} warm-up steps, the setups interleaved step by step. Samples/s count all "
+         f"one torch thread per rank, gloo on 127.0.0.1; median step of {m.get('reps', '?')} repeats of "
+         f"{m.get('steps', '?')} steps per setup (in a shuffled order per repeat) after {m.get('warmup', '?')} "
+         "warm-up steps. Samples/s count all "
          "ranks' samples (weak scaling). **The machine has 2 cores, shared with other jobs during the run**: "
          "2 ranks compete for them, so the 2-rank rows show what the exchange costs, not how it scales."),
         md_table(["ranks", "setup", "samples/s", "samples per CPU s (all ranks)", "step (ms)",

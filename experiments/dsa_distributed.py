@@ -7,7 +7,8 @@
 The Disk Sparse Adam seed's setup (``nn.Embedding(1_000_000, 128)``, fp32, batches of 2048 uniform
 indices per rank, loss ``mean(x**2)``, lr 1e-3) on 1 and 2 gloo ranks on 127.0.0.1, each rank a
 process with one torch thread and its own state directory (every record written once before
-measuring, as in ``dsa_throughput.py``). Setups, timed interleaved step by step in one launch:
+measuring, as in ``dsa_throughput.py``). Setups, timed in one launch, interleaved in runs of steps
+(repeats in a shuffled order):
 
 - ``single`` (1 rank only): plain ``nn.Embedding(sparse=True)`` and ``DiskSparseAdam``, no process group;
 - ``sharded``: ``ShardedEmbedding``, rows split over the ranks, ``all_to_all`` lookups;
@@ -104,8 +105,9 @@ def _setups(cfg, rank, world, state_root, backend):
 
 
 def worker(cfg, out_path, backend):
-    """One rank: warm-up steps, then ``steps`` steps of every setup interleaved; per step and setup
-    the wall and CPU seconds (wall: the slowest rank's) and the bytes sent."""
+    """One rank: warm-up steps, then ``reps`` repeats of ``steps`` steps of every setup, in a shuffled
+    order per repeat; per step and setup the wall and CPU seconds (wall: the slowest rank's) and the
+    bytes sent."""
     import random
 
     import torch.distributed as dist
@@ -119,11 +121,15 @@ def worker(cfg, out_path, backend):
     with tempfile.TemporaryDirectory(prefix="dsa-dist-", dir=cfg["state_dir"]) as root:
         setups = _setups(cfg, rank, world, root, backend)
         times = {name: {"wall": [], "cpu": [], "bytes": [], "rows": []} for name in setups}
-        for k in range(cfg["warmup"] + cfg["steps"]):
+        for k in range(cfg["warmup"]):
+            for name in setups:
+                _timed_step(setups[name], batches[k % len(batches)], times[name], keep=False)
+        for rep in range(cfg["reps"]):
             order = list(setups)
-            random.Random(k).shuffle(order)  # the same order on every rank
-            for name in order:
-                _timed_step(setups[name], batches[k % len(batches)], times[name], k >= cfg["warmup"])
+            random.Random(rep).shuffle(order)  # the same order on every rank
+            for name in order:  # a run of steps per setup: three tables at once would share the caches
+                for k in range(cfg["steps"]):
+                    _timed_step(setups[name], batches[(rep * cfg["steps"] + k) % len(batches)], times[name], True)
         for _, opt, _ in setups.values():
             opt.close()
     for t in times.values():  # the slowest rank's wall time per step
@@ -208,7 +214,8 @@ def main(argv=None):
     parser.add_argument("--rows", type=int, default=None, help="table rows (default 1M, --quick 20k)")
     parser.add_argument("--dim", type=int, default=None, help="row width (default 128, --quick 32)")
     parser.add_argument("--batch", type=int, default=None, help="indices per rank and step (default 2048, --quick 256)")
-    parser.add_argument("--steps", type=int, default=None, help="measured steps (default 60, --quick 5)")
+    parser.add_argument("--steps", type=int, default=None, help="steps per setup and repeat (default 12, --quick 3)")
+    parser.add_argument("--reps", type=int, default=None, help="repeats (default 5, --quick 2)")
     parser.add_argument("--warmup", type=int, default=None, help="unmeasured first steps (default 5, --quick 1)")
     parser.add_argument("--ranks", default="1,2", help="comma-separated numbers of ranks to launch")
     parser.add_argument("--backend", default="auto", help="DiskSparseAdam backend (auto: numba on CPU)")
@@ -221,7 +228,8 @@ def main(argv=None):
         return worker(json.loads(cfg), out, backend)
     q = args.quick
     cfg = dict(rows=args.rows or (20_000 if q else 1_000_000), dim=args.dim or (32 if q else 128),
-               batch=args.batch or (256 if q else 2048), steps=args.steps or (5 if q else 60),
+               batch=args.batch or (256 if q else 2048), steps=args.steps or (3 if q else 12),
+               reps=args.reps or (2 if q else 5),
                warmup=args.warmup or (1 if q else 5), seed=args.seed, state_dir=args.state_dir)
     seed_cfg = dict(rows=1_000_000, dim=128, batch=2048)
     with Results("dsa_distributed", args, config={**vars(args), "measured": cfg, "paper": seed_cfg}) as res, \

@@ -187,7 +187,7 @@ def test_dsa_throughput_smallest_run(tmp_path, monkeypatch):
 @pytest.mark.timeout(180)
 def test_dsa_distributed_smallest_run(tmp_path, monkeypatch):
     _main("experiments.dsa_distributed", ["--quick", "--rows", 2000, "--dim", 8, "--batch", 64, "--steps", 2,
-                                          "--warmup", 1, "--backend", "torch", "--results-dir", tmp_path,
+                                          "--reps", 1, "--warmup", 1, "--backend", "torch", "--results-dir", tmp_path,
                                           "--state-dir", tmp_path, "--timeout", 150], monkeypatch)
     rows = _rows(tmp_path / "dsa_distributed.csv", "dsa_distributed")
     for variant, ranks in (("single", 1), ("sharded", 1), ("ddp", 1), ("sharded", 2), ("ddp", 2)):
