@@ -33,7 +33,8 @@ def draw(rows, out, config):
     ax.set_xticks(range(len(measured)), [f"{w} rank{'s' * (w > 1)}" for w in measured])
     ax.set_ylabel("samples / s (all ranks, median step)")
     ax.set_title("measured on this machine (2 shared cores)")
-    ax.legend(fontsize=8)
+    ax.set_ylim(top=ax.get_ylim()[1] * 1.3)  # room for the legend above the bars
+    ax.legend(fontsize=8, loc="upper right")
     step = value(rows, "step_time", "paper")
     for i, name in enumerate(("sharded", "ddp")):
         ws = _ranks(rows, f"paper/{name}", "bytes_per_step")
