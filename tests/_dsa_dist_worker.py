@@ -137,22 +137,24 @@ def scenario_train(arg, rank, world, out):
 
 def scenario_dcp(arg, rank, world, out):
     """K1 steps, ``dcp.save``, K2 more (uninterrupted); a fresh table and optimizer load it and take
-    the same K2 steps (resumed)."""
+    the same K2 steps (resumed). ``arg``: the table's rows (default ROWS)."""
     from optim.disk_sparse.sharded import open_optimizer
 
-    emb = _sharded_table()
-    with open_optimizer(emb, out / f"state-dcp-{world}", lr=LR, backend=BACKEND) as opt:
-        _train(emb, opt, 0, K1, rank, world)
+    rows = int(arg or ROWS)
+    ckpt, state = out / f"ckpt{world}-{rows}", out / f"state-dcp-{world}-{rows}"
+    emb = _sharded_table(rows)
+    with open_optimizer(emb, state, lr=LR, backend=BACKEND) as opt:
+        _train(emb, opt, 0, K1, rank, world, rows)
         saved = _local_state(emb, opt)
-        _save(emb, opt, out / f"ckpt{world}")
-        _train(emb, opt, K1, K2, rank, world)
+        _save(emb, opt, ckpt)
+        _train(emb, opt, K1, K2, rank, world, rows)
         uninterrupted = _local_state(emb, opt)
     torch.manual_seed(1000 + rank)
-    emb2 = _sharded_table(init=False)  # other weights: the checkpoint must bring them
-    with open_optimizer(emb2, out / f"state-dcp-resumed-{world}", lr=LR / 3, backend=BACKEND) as opt2:
-        _load(emb2, opt2, out / f"ckpt{world}")
+    emb2 = _sharded_table(rows, init=False)  # other weights: the checkpoint must bring them
+    with open_optimizer(emb2, f"{state}-resumed", lr=LR / 3, backend=BACKEND) as opt2:
+        _load(emb2, opt2, ckpt)
         loaded = _local_state(emb2, opt2)
-        _train(emb2, opt2, K1, K2, rank, world)
+        _train(emb2, opt2, K1, K2, rank, world, rows)
         resumed = _local_state(emb2, opt2)
     return {"saved": saved, "loaded": loaded, "uninterrupted": uninterrupted, "resumed": resumed}
 
@@ -163,7 +165,7 @@ def scenario_reshard(arg, rank, world, out):
 
     emb = _sharded_table(init=False)
     with open_optimizer(emb, out / f"state-reshard-{arg}-{world}", lr=LR, backend=BACKEND) as opt:
-        _load(emb, opt, out / f"ckpt{arg}")
+        _load(emb, opt, out / f"ckpt{arg}-{ROWS}")
         loaded = _local_state(emb, opt)
         _train(emb, opt, K1, K2, rank, world)
         return {"loaded": loaded, "resumed": _local_state(emb, opt)}
@@ -208,6 +210,25 @@ def scenario_ddp(arg, rank, world, out):
 def _moments(opt, p):
     st = opt.state[p]
     return {"exp_avg": st["exp_avg"].clone(), "exp_avg_sq": st["exp_avg_sq"].clone(), "step": int(st["step"])}
+
+
+def scenario_steps_differ(arg, rank, world, out):
+    """Every rank trains 2 steps and closes cleanly; rank 0 alone then takes one more step (a
+    gradient of no rows, outside any collective). Reopening with resume=True must refuse on every rank."""
+    from optim.disk_sparse.sharded import open_optimizer
+
+    emb = _sharded_table()
+    with open_optimizer(emb, out / "differ", lr=LR, backend=BACKEND) as opt:
+        _train(emb, opt, 0, 2, rank, world)
+        if rank == 0:
+            emb.weight.grad = torch.sparse_coo_tensor(torch.zeros(1, 0, dtype=torch.int64), torch.zeros(0, DIM),
+                                                      tuple(emb.weight.shape))
+            opt.step()
+    try:
+        with open_optimizer(emb, out / "differ", resume=True, lr=LR, backend=BACKEND):
+            return {"message": "opened"}
+    except Exception as exc:
+        return {"message": f"{type(exc).__name__}: {exc}"}
 
 
 def scenario_bad_input(arg, rank, world, out):
@@ -257,7 +278,7 @@ def scenario_restart(arg, rank, world, out):
         return {"message": f"{type(exc).__name__}: {exc}"}
 
 
-SCENARIOS = {"train": scenario_train, "dcp": scenario_dcp, "reshard": scenario_reshard, "ddp": scenario_ddp,
+SCENARIOS = {"train": scenario_train, "dcp": scenario_dcp, "steps_differ": scenario_steps_differ, "reshard": scenario_reshard, "ddp": scenario_ddp,
              "bad_input": scenario_bad_input, "crash": scenario_crash, "restart": scenario_restart}
 
 

@@ -28,8 +28,8 @@ from tests.utils import assert_close
 HERE = Path(__file__).resolve().parent
 TIMEOUT_S = 60  # one launch, with room for a loaded machine
 TOL = 1e-6
-FIRST = ["train:37-float32", "train:37-float64", "dcp", "ddp", "bad_input", "crash"]  # crash last: a rank dies
-SECOND = ["train:37-float32", "train:4-float32", "reshard:2", "restart:2"]
+FIRST = ["train:37-float32", "train:37-float64", "dcp", "ddp", "steps_differ", "bad_input", "crash"]  # crash last: a rank dies
+SECOND = ["train:37-float32", "train:4-float32", "reshard:2", "dcp:4", "restart:2"]
 
 
 def _free_port() -> int:
@@ -138,15 +138,26 @@ def test_exchanged_bytes_are_what_the_batches_need(runs, world, spec):
             assert int(res["sent"][step]) == expected, (step, r, int(res["sent"][step]), expected)
 
 
-def test_dcp_round_trip_continues_identically(runs):
-    """Save at step 20 on 2 ranks, train 10 more; fresh tables (other weights) and optimizers (other
-    lr, restored from the checkpoint's param groups) load it and train the same 10 steps: bit for
-    bit, and the loaded state is the saved one."""
-    for rank in result(runs, "dcp", 2):
+@pytest.mark.parametrize("world,spec,rows", [pytest.param(2, "dcp", W.ROWS, id="2ranks"),
+                                             pytest.param(3, "dcp:4", 4, id="3ranks-one-empty-shard")])
+def test_dcp_round_trip_continues_identically(runs, world, spec, rows):
+    """Save at step 20, train 10 more; fresh tables (other weights) and optimizers (other lr,
+    restored from the checkpoint's param groups) load it and train the same 10 steps: bit for bit,
+    and the loaded state is the saved one. Also with a rank that owns no rows."""
+    ranks = result(runs, spec, world)
+    for rank in ranks:
         _assert_state_close(rank["loaded"], rank["saved"], 0.0, "loaded")
         _assert_state_close(rank["resumed"], rank["uninterrupted"], 0.0, "resumed")
-    ranks = result(runs, "dcp", 2)
-    _assert_state_close(_whole([r["uninterrupted"] for r in ranks]), W.reference(W.K1 + W.K2), TOL, "vs SparseAdam")
+    assert ranks[-1]["saved"]["rows"][0] == ranks[-1]["saved"]["rows"][1] or rows == W.ROWS
+    _assert_state_close(_whole([r["uninterrupted"] for r in ranks]), W.reference(W.K1 + W.K2, rows), TOL,
+                        "vs SparseAdam")
+
+
+def test_ranks_at_different_steps_are_refused_together(runs):
+    """Both ranks' files are clean, but rank 0's stand one step further: resume=True refuses on both."""
+    for res in result(runs, "steps_differ", 2):
+        m = res["message"]
+        assert m.startswith("StateFileError") and "different steps {0: [3], 1: [2]}" in m, m
 
 
 def test_dcp_two_ranks_load_onto_three(runs):
@@ -195,3 +206,28 @@ def test_ddp_with_disk_sparse_adam_equals_sparse_adam(runs):
         assert torch.equal(r["final"]["weight"], ranks[0]["final"]["weight"])
         _assert_state_close(r["final"], ref, TOL, "DDP")
         assert torch.equal(r["resumed"], r["final"]["weight"])
+
+
+@pytest.mark.parametrize("shape", [pytest.param((0, 6), id="2d"), pytest.param((0,), id="1d")])
+def test_table_without_rows_round_trips_state_dicts(tmp_path, shape):
+    """The shard of a rank that owns no rows: its state dict (and SparseAdam's of such a table)
+    loads, and steps on empty gradients keep counting as SparseAdam's do."""
+    from optim import DiskSparseAdam
+
+    def empty_grad(p):
+        values = torch.zeros(0, *p.shape[1:])
+        return torch.sparse_coo_tensor(torch.zeros(1, 0, dtype=torch.int64), values, p.shape, check_invariants=True)
+
+    p, q = torch.nn.Parameter(torch.zeros(shape)), torch.nn.Parameter(torch.zeros(shape))
+    ref = torch.optim.SparseAdam([q])
+    with DiskSparseAdam([p], state_dir=tmp_path / "a") as opt:
+        for _ in range(3):
+            p.grad, q.grad = empty_grad(p), empty_grad(q)
+            opt.step()
+            ref.step()
+        saved = opt.state_dict()
+        for sd in (saved, ref.state_dict()):
+            with DiskSparseAdam([torch.nn.Parameter(torch.zeros(shape))], state_dir=tmp_path / str(id(sd))) as fresh:
+                fresh.load_state_dict(sd)
+                assert int(fresh.state_dict()["state"][0]["step"]) == 3
+                assert fresh.state_dict()["state"][0]["exp_avg"].shape == shape

@@ -194,8 +194,7 @@ def open_optimizer(model: nn.Module, state_dir, *, resume: bool = False, **kwarg
     except (StateFileError, OSError, ValueError) as exc:
         error = f"{type(exc).__name__}: {exc}"
     steps = None if opt is None else [opt.state[p]["step"] for g in opt.param_groups for p in g["params"]]
-    everyone = [None] * world
-    dist.all_gather_object(everyone, (error, steps), group=group)
+    everyone = _everyone(group, (error, steps))
     failed = {r: e for r, (e, _) in enumerate(everyone) if e is not None}
     at = {r: s for r, (_, s) in enumerate(everyone) if s is not None}
     if not failed and len({tuple(s) for s in at.values()}) <= 1:
@@ -257,8 +256,20 @@ def dcp_state_dict(model: nn.Module, opt) -> dict:
 def load_dcp_state_dict(model: nn.Module, opt, state_dict: dict):
     """Put a state dict of :func:`dcp_state_dict`'s form (filled by ``dcp.load``) into the weight
     shards and the optimizer's files (``opt.load_state_dict``: checked, then written behind a dirty
-    flag). The saved step must be the same for every row, which it is for a checkpoint of this form."""
+    flag). Collective: if it fails on any rank, every rank raises ``ValueError`` naming the ranks
+    (restore again; a rank's files are then unchanged or dirty, never silently mixed)."""
     tables = _tables(model)
+    error = None
+    try:
+        _load_local(tables, opt, state_dict)
+    except (KeyError, ValueError, TypeError, RuntimeError) as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    failed = {r: e for r, e in enumerate(_everyone(next(iter(tables.values())).group, error)) if e is not None}
+    if failed:
+        raise ValueError("load_dcp_state_dict failed on " + "; ".join(f"rank {r}: {e}" for r, e in failed.items()))
+
+
+def _load_local(tables: dict, opt, state_dict: dict):
     index = _param_index(opt)
     state = {}
     for name, t in tables.items():
@@ -271,6 +282,13 @@ def load_dcp_state_dict(model: nn.Module, opt, state_dict: dict):
     by_name = {(f"{n}.weight" if n else "weight"): index[t.weight] for n, t in tables.items()}
     groups = [dict(g, params=[by_name[k] for k in g["params"]]) for g in state_dict["optim"]["param_groups"]]
     opt.load_state_dict({"state": state, "param_groups": groups})
+
+
+def _everyone(group, obj) -> list:
+    """``obj`` of every rank of ``group``, in rank order."""
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
 
 
 def _local(t):
