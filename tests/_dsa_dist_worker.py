@@ -212,6 +212,33 @@ def _moments(opt, p):
     return {"exp_avg": st["exp_avg"].clone(), "exp_avg_sq": st["exp_avg_sq"].clone(), "step": int(st["step"])}
 
 
+def scenario_weight_file(arg, rank, world, out):
+    """Weights in files: train K1 steps, close; a new table reopens the weight files and the
+    optimizer resumes from its clean state files; K2 more steps."""
+    from optim.disk_sparse.sharded import ShardedEmbedding, open_optimizer
+
+    emb = ShardedEmbedding(ROWS, DIM, weight_dir=out / "weights")
+    with torch.no_grad():
+        emb.weight.copy_(full_table()[emb.row_start:emb.row_end])
+    with open_optimizer(emb, out / "wstate", lr=LR, backend=BACKEND) as opt:
+        _train(emb, opt, 0, K1, rank, world)
+    saved = emb.weight.detach().clone()
+    del emb, opt
+    emb = ShardedEmbedding(ROWS, DIM, weight_dir=out / "weights")
+    reopened = emb.weight.detach().clone()
+    with open_optimizer(emb, out / "wstate", resume=True, lr=LR, backend=BACKEND) as opt:
+        _train(emb, opt, K1, K2, rank, world)
+        final = _local_state(emb, opt)
+    try:
+        ShardedEmbedding(ROWS, DIM, dtype=torch.float64, weight_dir=out / "weights")
+        ShardedEmbedding(ROWS + 4, DIM, weight_dir=out / "weights")
+        message = "no error"
+    except ValueError as exc:
+        message = str(exc)
+    return {"saved": saved, "reopened": reopened, "final": final, "file": str(emb.weight_file),
+            "message": message}
+
+
 def scenario_steps_differ(arg, rank, world, out):
     """Every rank trains 2 steps and closes cleanly; rank 0 alone then takes one more step (a
     gradient of no rows, outside any collective). Reopening with resume=True must refuse on every rank."""
@@ -278,7 +305,8 @@ def scenario_restart(arg, rank, world, out):
         return {"message": f"{type(exc).__name__}: {exc}"}
 
 
-SCENARIOS = {"train": scenario_train, "dcp": scenario_dcp, "steps_differ": scenario_steps_differ, "reshard": scenario_reshard, "ddp": scenario_ddp,
+SCENARIOS = {"train": scenario_train, "dcp": scenario_dcp, "steps_differ": scenario_steps_differ,
+             "weight_file": scenario_weight_file, "reshard": scenario_reshard, "ddp": scenario_ddp,
              "bad_input": scenario_bad_input, "crash": scenario_crash, "restart": scenario_restart}
 
 

@@ -28,7 +28,7 @@ from tests.utils import assert_close
 HERE = Path(__file__).resolve().parent
 TIMEOUT_S = 60  # one launch, with room for a loaded machine
 TOL = 1e-6
-FIRST = ["train:37-float32", "train:37-float64", "dcp", "ddp", "steps_differ", "bad_input", "crash"]  # crash last: a rank dies
+FIRST = ["train:37-float32", "train:37-float64", "dcp", "ddp", "steps_differ", "weight_file", "bad_input", "crash"]  # crash last: a rank dies
 SECOND = ["train:37-float32", "train:4-float32", "reshard:2", "dcp:4", "restart:2"]
 
 
@@ -151,6 +151,18 @@ def test_dcp_round_trip_continues_identically(runs, world, spec, rows):
     assert ranks[-1]["saved"]["rows"][0] == ranks[-1]["saved"]["rows"][1] or rows == W.ROWS
     _assert_state_close(_whole([r["uninterrupted"] for r in ranks]), W.reference(W.K1 + W.K2, rows), TOL,
                         "vs SparseAdam")
+
+
+def test_weights_in_files_resume_with_the_state(runs):
+    """Shards kept in weight files: closed after 20 steps, reopened (weights from the files, state
+    with resume=True), 10 more steps: bit for bit the uninterrupted run's. A file of another dtype
+    gets another name; one of another size is refused."""
+    uninterrupted = result(runs, "dcp", 2)
+    for rank, (res, ref) in enumerate(zip(result(runs, "weight_file", 2), uninterrupted)):
+        assert res["file"].endswith(f"rank{rank}-of-2.float32.weight"), res["file"]
+        assert torch.equal(res["reopened"], res["saved"]) and torch.equal(res["saved"], ref["saved"]["weight"])
+        _assert_state_close(res["final"], ref["uninterrupted"], 0.0, "resumed from weight files")
+        assert "weight file" in res["message"] and "bytes" in res["message"], res["message"]
 
 
 def test_ranks_at_different_steps_are_refused_together(runs):

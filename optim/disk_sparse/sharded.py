@@ -133,12 +133,18 @@ class ShardedEmbedding(nn.Module):
         dim (int): values per row.
         process_group: the group the table is sharded over. (Default: the default group)
         dtype: dtype of the weights. (Default: ``torch.get_default_dtype()``)
+        weight_dir (str or None): keep this rank's shard in the file
+            ``weight_dir/rank{r}-of-{W}.{dtype}.weight`` (raw values, memory-mapped, shared), so the
+            weights cost page cache instead of RAM; an existing file of the right size is reopened
+            with its weights. The file has no header or dirty flag of its own: trust it only
+            together with a clean optimizer state (``open_optimizer(..., resume=True)`` refuses a
+            killed rank's) and restore a checkpoint otherwise. (Default: None, weights in RAM)
 
     ``exchanged_bytes`` counts the payload this rank has sent to other ranks (ids, rows, gradients),
     for measurements; ``reset_exchanged_bytes()`` sets it to zero.
     """
 
-    def __init__(self, num_rows: int, dim: int, process_group=None, dtype=None):
+    def __init__(self, num_rows: int, dim: int, process_group=None, dtype=None, weight_dir=None):
         super().__init__()
         if num_rows < 1 or dim < 1:
             raise ValueError(f"ShardedEmbedding needs num_rows >= 1 and dim >= 1, got {num_rows} x {dim}")
@@ -146,8 +152,17 @@ class ShardedEmbedding(nn.Module):
         self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
         self.num_rows, self.dim, self.chunk = int(num_rows), int(dim), math.ceil(num_rows / self.world)
         self.row_start, self.row_end = row_range(self.num_rows, self.world, self.rank)
-        self.weight = nn.Parameter(torch.empty(self.row_end - self.row_start, self.dim, dtype=dtype))
-        nn.init.normal_(self.weight)
+        shape, dtype = (self.row_end - self.row_start, self.dim), dtype or torch.get_default_dtype()
+        self.weight_file = None
+        if weight_dir is None:
+            weight, fresh = torch.empty(shape, dtype=dtype), True
+        else:
+            self.weight_file = os.path.join(os.fspath(weight_dir), f"rank{self.rank}-of-{self.world}."
+                                            f"{str(dtype).removeprefix('torch.')}.weight")
+            weight, fresh = _mapped(self.weight_file, shape, dtype)
+        if fresh:
+            nn.init.normal_(weight)
+        self.weight = nn.Parameter(weight)
         self.exchanged_bytes = 0
 
     def forward(self, indices: torch.Tensor) -> torch.Tensor:
@@ -163,6 +178,17 @@ class ShardedEmbedding(nn.Module):
     def extra_repr(self):
         return (f"{self.num_rows}, {self.dim}, rows {self.row_start}:{self.row_end} on rank {self.rank} "
                 f"of {self.world}")
+
+
+def _mapped(path: str, shape: tuple, dtype) -> tuple:
+    """A tensor of ``shape`` mapped (shared) from ``path``, and whether the file was new."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    fresh = not os.path.exists(path)
+    if not fresh and os.path.getsize(path) != nbytes:
+        raise ValueError(f"ShardedEmbedding: weight file {path} has {os.path.getsize(path)} bytes, this "
+                         f"shard needs {nbytes} ({shape[0]} rows x {shape[1]} {dtype}); another table's file?")
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    return torch.from_file(path, shared=True, size=math.prod(shape), dtype=dtype).view(shape), fresh
 
 
 # ----------------------------------------------------------------------------------- optimizer state
