@@ -32,6 +32,7 @@ EXPERIMENTS = {
     "correctness": ["correctness"],
     "dsa_fault_injection": ["dsa_fault_injection"],
     "dsa_throughput": ["dsa_throughput"],
+    "dsa_distributed": ["dsa_distributed"],
     "poincare": ["poincare"],
     "codebook_dp": ["codebook"],
     "gefen_memory": ["gefen_memory"],
@@ -41,6 +42,7 @@ EXPERIMENTS = {
 }
 # analysis script -> the figure it draws (None: a results/README.md section only)
 FIGURE_OF = {"correctness": None, "dsa_fault_injection": None, "dsa_throughput": "dsa_throughput", "poincare": "poincare", "codebook": "codebook",
+             "dsa_distributed": "dsa_distributed",
              "gefen_memory": "gefen_memory", "gefen_ablation": "gefen_ablation",
              "hessian_alignment": "hessian_alignment",
              "convergence": "convergence"}

@@ -183,6 +183,31 @@ def test_dsa_throughput_smallest_run(tmp_path, monkeypatch):
     assert not list(tmp_path.glob("dsa-bench-*")), "the state files' temporary directory was left behind"
 
 
+# ---------------------------------------------------------------------------- dsa_distributed
+@pytest.mark.timeout(180)
+def test_dsa_distributed_smallest_run(tmp_path, monkeypatch):
+    _main("experiments.dsa_distributed", ["--quick", "--rows", 2000, "--dim", 8, "--batch", 64, "--steps", 2,
+                                          "--reps", 1, "--warmup", 1, "--backend", "torch", "--results-dir", tmp_path,
+                                          "--state-dir", tmp_path, "--timeout", 150], monkeypatch)
+    rows = _rows(tmp_path / "dsa_distributed.csv", "dsa_distributed")
+    for variant, ranks in (("single", 1), ("sharded", 1), ("ddp", 1), ("sharded", 2), ("ddp", 2)):
+        assert _value(rows, variant, "throughput", ranks) > 0
+    assert _value(rows, "sharded", "bytes_per_step", 1) == 0 and _value(rows, "ddp", "bytes_per_step", 1) == 0
+    # 2 ranks, 64 of 2000 rows each: about half of a rank's ~63 unique rows live on the other rank,
+    # each costing an 8-byte id, a 32-byte gradient row and (served the other way) a 32-byte row
+    assert 16 + 20 * 72 < _value(rows, "sharded", "bytes_per_step", 2) < 16 + 45 * 72
+    # on paper, 512 ranks of the seed setup: unique rows of 2048 uniform draws from 1M, counted here
+    gen = torch.Generator().manual_seed(0)
+    uniq = sum(torch.unique(torch.randint(0, 10**6, (2048,), generator=gen)).numel() for _ in range(50)) / 50
+    paper = _value(rows, "paper/sharded", "bytes_per_step", 512)
+    assert paper == pytest.approx(16 * 511 + uniq * 511 / 512 * (8 + 2 * 128 * 4), rel=2e-3)
+    assert _value(rows, "paper/ddp", "bytes_per_step", 512) == pytest.approx(511 * uniq * (8 + 128 * 4), rel=2e-3)
+    assert not list(tmp_path.glob("dsa-dist-*")), "the state files' temporary directory was left behind"
+    out = tmp_path / "dsa_distributed.png"
+    _analysis("dsa_distributed", tmp_path, out)
+    _assert_png(out)
+
+
 # ------------------------------------------------------------------------------ gefen_memory
 @pytest.mark.timeout(180)
 def test_gefen_memory_smallest_run(tmp_path, monkeypatch):

@@ -65,7 +65,7 @@ def loaded_columns(opt, p, entry):
                             f"(the state files hold {view.dtype})")
         if val.shape != view.shape:
             raise ValueError(f"{where}: {key!r} has shape {tuple(val.shape)}, expected {tuple(view.shape)}")
-        columns.append(val.reshape(p.shape[0], -1))  # a 1-D table's state as N x 1 records
+        columns.append(val if val.dim() == 2 else val.reshape(-1, 1))  # a 1-D table's state as N x 1 records
     if STEP not in entry:
         raise KeyError(f"{where} lacks {STEP!r}")
     return columns, checked_step(entry[STEP], where)
