@@ -215,3 +215,45 @@ def kernel_names() -> set:
 
     return {name for mod in KERNEL_MODULES for name, obj in vars(importlib.import_module(mod)).items()
             if name.endswith("_kernel") and hasattr(obj, "fn")}
+
+
+def _cover(name):
+    from ._triton_common import axis_each, axis_pairs, axis_product
+
+    return {"each": axis_each, "pairs": axis_pairs, "all": axis_product}[name]
+
+
+def reports(plan: dict, workers: int = 2, timeout: float = 3600) -> dict:
+    """Compile in a subprocess without ``TRITON_INTERPRET``; ``plan``: {capability: (cover, stride)},
+    cover one of "each" / "pairs" / "all" (``_triton_common.axis_*``), every ``stride``-th launch.
+    Capabilities this Triton cannot target are left out. Returns {caps, kernels, rows}."""
+    import json
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9's default, stated (silences its warning)
+    arg = json.dumps({"plan": {str(k): list(v) for k, v in plan.items()}, "workers": workers})
+    out = subprocess.run([sys.executable, "-m", "optim._triton_aot", arg], env=env, capture_output=True,
+                         text=True, timeout=timeout)
+    if out.returncode:
+        raise RuntimeError(f"ahead-of-time compilation failed:\n{out.stderr[-4000:]}")
+    return json.loads(out.stdout)
+
+
+def _main(arg: str) -> dict:
+    import json
+
+    spec = json.loads(arg)
+    caps = [c for c in map(int, spec["plan"]) if c in supported_archs()]
+    rows = []
+    for cap in caps:
+        cover, stride = spec["plan"][str(cap)]
+        rows += report_all(all_launches(_cover(cover))[::stride], [cap], workers=spec["workers"])
+    return dict(caps=caps, kernels=sorted(kernel_names()), rows=rows)
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    json.dump(_main(sys.argv[1]), sys.stdout)

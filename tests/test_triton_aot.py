@@ -1,13 +1,14 @@
 """Every Triton kernel compiled ahead of time for NVIDIA GPUs, on this CPU-only machine.
 
 The interpreter (TRITON_INTERPRET=1) checks the kernels' arithmetic, not what the compiler sees:
-compiled-mode typing, register spills, shared memory, occupancy. Here each launcher's own planning
-code enumerates the configurations it can choose (``launch_configs`` in each ``triton_ops.py``;
-every value of every axis: tile shapes, dtypes of weights, gradients and state, bits, flags), and a
-subprocess without the interpreter compiles each one for sm_80 and sm_90, and every fourth for
-sm_100 (where this Triton ships the Blackwell ptxas; experiments/kernel_resources.py compiles them
-all), exactly as ``kernel[grid](...)`` would specialise it, then reads
-``ptxas -v`` and the cubin (``optim/_triton_aot.py``).
+compiled-mode typing, register spills, shared memory, occupancy. Each launcher's planning code lists
+what it can choose as axes (``PLAN_AXES`` and ``launch_configs`` in each ``triton_ops.py``: tile
+shapes, dtypes of weights, gradients and state, bits, flags); their product is the configuration
+space (hundreds to thousands of kernels), too many to compile here, so a subprocess without the
+interpreter compiles a covering set in which every value of every axis occurs (``axis_each``) for
+sm_80 and sm_90, and every fourth of it for sm_100 (where this Triton ships the Blackwell ptxas),
+each specialised exactly as ``kernel[grid](...)`` would be, then reads ``ptxas -v`` and the cubin
+(``optim/_triton_aot.py``). ``experiments/kernel_resources.py`` compiles every pair of axis values.
 
 Asserted: every configuration compiles for every target; no register spills and shared memory
 within the target's limit; the memory-bound kernels (DSA's Adam rows, Gefen's step) keep at least
@@ -16,37 +17,19 @@ modules is among the compiled ones; and a real (interpreted) launch of each laun
 constexprs that its enumeration lists, so the enumeration cannot drift from the launchers.
 """
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
+from optim._triton_aot import reports
 from optim._triton_common import axis_product
 
-_COMPILE = """
-import json, sys
-from optim._triton_aot import all_launches, kernel_names, report_all, supported_archs
-caps = supported_archs()
-launches = all_launches()
-# sm_80 and sm_90 every configuration; sm_100 every fourth (each kernel): the test's time budget
-rows = report_all(launches, [c for c in caps if c != 100], workers=2)
-rows += report_all(launches[::4], [c for c in caps if c == 100], workers=2)
-json.dump(dict(caps=caps, kernels=sorted(kernel_names()), rows=rows), sys.stdout)
-"""
 MEMORY_BOUND = {"_adam_rows_kernel", "_gefen_step_kernel", "_gefen_step4_kernel"}
 
 
 @pytest.fixture(scope="module")
 def compiled():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"  # Triton 3.9's default, stated (silences its warning)
-    out = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True,
-                         timeout=900)
-    assert out.returncode == 0, out.stderr[-4000:]
-    return json.loads(out.stdout)
+    # sm_80 and sm_90: every configuration; sm_100 every fourth (each kernel), for the time budget
+    return reports({80: ("each", 1), 90: ("each", 1), 100: ("each", 4)}, workers=2, timeout=900)
 
 
 def test_every_configuration_compiles_for_every_target(compiled):
