@@ -41,20 +41,11 @@ import sys
 import time
 
 from experiments.common import Results, add_common_args
+from experiments.models import GPT2_SIZES, gpt2_shapes
 from experiments.registry import make_optimizer
 
-SIZES = {"125M": (768, 12), "1.5B": (1600, 48)}  # GPT-2 small / XL: (d_model, layers)
-VOCAB, CTX = 50257, 1024
+SIZES = GPT2_SIZES
 LR, BETAS, EPS, WD = 1e-3, (0.9, 0.999), 1e-8, 0.01
-
-
-def gpt2_shapes(d, layers, vocab=VOCAB, ctx=CTX):
-    """Parameter shapes of a GPT-2 with tied embeddings (the layout of HF's GPT2LMHeadModel)."""
-    shapes = [(vocab, d), (ctx, d)]
-    for _ in range(layers):
-        shapes += [(d,), (d,), (d, 3 * d), (3 * d,), (d, d), (d,), (d,), (d,), (d, 4 * d), (4 * d,),
-                   (4 * d, d), (d,)]
-    return shapes + [(d,), (d,)]
 
 
 def quick_shapes(total):
