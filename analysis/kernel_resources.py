@@ -98,7 +98,7 @@ def coverage(cfg):
     words = {"each": "every axis value", "pairs": "every pair of axis values", "all": "every combination"}
     plan = cfg.get("plan", {})
     return "; ".join(f"{words[cover]}{'' if stride == 1 else f' (every {stride}th)'} for sm_{cap}"
-                     for cap, (cover, stride) in sorted(plan.items()))
+                     for cap, (cover, stride) in sorted(plan.items(), key=lambda kv: int(kv[0])))
 
 
 def body(rows, config):
