@@ -64,3 +64,29 @@ def test_bench_kernels_dry_run(tmp_path):
         _get(rows, f"Gefen-8bit/{dtype}", "speedup_vs_AdamW")
         assert _get(rows, f"triton-vs-torch/{dtype}", "agree_codes_equal") == 1
         assert _get(rows, f"triton-vs-torch/{dtype}", "agree_rel_rms_p") <= 1e-6
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_traffic_model_counts_the_state_gefen_keeps(bits):
+    """kernel_resources' Gefen bytes restated from a real optimizer: on gradients whose scale
+    differs per row (as bench_kernels makes them) Gefen chooses the block lengths the model assumes,
+    and the state it keeps (v, scales, codes) is the model's state traffic each way."""
+    import torch
+
+    from experiments.kernel_resources import gefen_block, gefen_traffic
+    from optim import Gefen
+    from optim.gefen import state as K
+
+    shapes = [(64, 96), (96,), (96, 288), (384, 96), (2304, 2048)]
+    params = [torch.nn.Parameter(torch.randn(sh) * 0.02) for sh in shapes]
+    for p in params:
+        g = torch.randn(p.shape)
+        p.grad = g * torch.randn(p.shape[0], 1).mul(0.7).exp() if p.dim() == 2 else g
+    opt = Gefen(params, lr=1e-3, bits=bits, backend="torch")
+    opt.step()
+    assert [opt.state[p][K.BLOCK] for p in params] == [gefen_block(sh) for sh in shapes]
+    state = sum(opt.state[p][k].numel() * opt.state[p][k].element_size()
+                for p in params for k in (K.V, K.SCALES, K.CODES))
+    n = sum(p.numel() for p in params)
+    model = gefen_traffic(shapes, 4, bits)
+    assert model["written"] == 4 * n + state and model["read"] == 8 * n + state
