@@ -5,11 +5,12 @@ stand-ins for the tensors: their dtypes and 16-byte alignment are what the compi
 constexprs and options. ``compile_launch`` specialises it exactly as ``kernel[grid](...)`` would (the
 JIT's own binder: pointer types, integer arguments equal to 1 or divisible by 16, alignment) and
 compiles it for a given ``GPUTarget``; ``resources`` reads registers, spills and shared memory from
-``ptxas -v`` and the cubin (``cuobjdump --dump-resource-usage``; both ship with Triton). ``occupancy`` turns them into
-the resident warps per SM of the target.
+``ptxas -v`` and the cubin (``cuobjdump --dump-resource-usage``; both ship with Triton);
+``occupancy`` turns them into the resident warps per SM of the target.
 
-Kernels are ``JITFunction`` objects only when ``TRITON_INTERPRET`` is unset, so callers run this in
-a process without it (``tests/test_triton_aot.py``, ``experiments/kernel_resources.py``).
+Kernels are ``JITFunction`` objects only when ``TRITON_INTERPRET`` is unset, so ``reports`` compiles
+in a subprocess without it (used by ``tests/test_triton_aot.py`` and
+``experiments/kernel_resources.py``).
 """
 
 from __future__ import annotations
@@ -230,11 +231,13 @@ def reports(plan: dict, workers: int = 2, timeout: float = 3600) -> dict:
     import json
     import sys
 
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # this checkout's optim
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9's default, stated (silences its warning)
     arg = json.dumps({"plan": {str(k): list(v) for k, v in plan.items()}, "workers": workers})
-    out = subprocess.run([sys.executable, "-m", "optim._triton_aot", arg], env=env, capture_output=True,
-                         text=True, timeout=timeout)
+    out = subprocess.run([sys.executable, "-m", "optim._triton_aot", arg], env=env, cwd=root,
+                         capture_output=True, text=True, timeout=timeout)
     if out.returncode:
         raise RuntimeError(f"ahead-of-time compilation failed:\n{out.stderr[-4000:]}")
     return json.loads(out.stdout)
