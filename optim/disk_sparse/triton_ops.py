@@ -23,18 +23,19 @@ from .._triton_aot import KernelLaunch
 from .._triton_common import axis_pairs, next_pow2, spec_widths
 from ._triton_kernels import _adam_rows_kernel, _riemannian_adam_rows_kernel
 
-# Elements per program: 4 warps x 32 lanes x 4 values, one 128-bit access per lane and array.
+# Elements per program: 16 warps x 32 lanes x 4 values, one 128-bit access per lane and array.
 # Compiled for sm_90 (experiments/kernel_resources.py), 4 values a thread keep the Adam kernel under
 # 64 registers (>= 50% occupancy, to hide HBM latency in this gather-bound update); 16 a thread
-# needed over 100 and 32 spilled. Rows wider than MAX_BLOCK_D are split over a second grid axis.
-_TILE = 512
-_WARPS = 4
+# needed over 100 and 32 spilled. Large programs also keep the interpreter's tests fast (one Python
+# iteration a program). Rows wider than MAX_BLOCK_D are split over a second grid axis.
+_TILE = 2048
+_WARPS = 16
 MAX_BLOCK_D = 128
 # Widest row of the ball's update: it needs whole-row norms and dot products (projection, conformal
 # factor, transport), so a program holds whole rows, with up to _BALL_MAX_WARPS warps; at 16384 a
 # row's 16 values a thread spilled registers.
 MAX_BALL_D = 8192
-_BALL_MAX_WARPS = 32
+_BALL_TILE, _BALL_MIN_WARPS, _BALL_MAX_WARPS = 512, 4, 32  # its update keeps more values live than Adam's
 # Weight dtypes of the kernels (the rounding on store is exact for these; see _triton_common).
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -98,10 +99,10 @@ def adam_rows_(w, g, state, step, *, lr, beta1, beta2, eps, maximize=False, bitw
 
 def riemannian_adam_rows_plan(d: int, w_dtype, *, exact: bool) -> dict:
     """Constexprs and warps of the ball's kernel for rows of width ``d``: whole rows per program,
-    _TILE values or one row, 4 values a thread (up to _BALL_MAX_WARPS warps, then more)."""
+    _BALL_TILE values or one row, 4 values a thread (up to _BALL_MAX_WARPS warps, then more)."""
     block_d = next_pow2(d)
-    block_r = max(1, _TILE // block_d)
-    warps = min(_BALL_MAX_WARPS, max(_WARPS, block_r * block_d // (32 * 4)))
+    block_r = max(1, _BALL_TILE // block_d)
+    warps = min(_BALL_MAX_WARPS, max(_BALL_MIN_WARPS, block_r * block_d // (32 * 4)))
     plan = dict(EXACT=bool(exact), IS_BF16=w_dtype == torch.bfloat16, BLOCK_R=block_r,
                 BLOCK_D=block_d, num_warps=warps)
     if warps == 32:  # 1024 threads: allow the 64 registers each the SM holds (ptxas chose 32 and spilled)
