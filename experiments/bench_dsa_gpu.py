@@ -4,9 +4,11 @@
     python experiments/bench_dsa_gpu.py --quick    # 100k rows, fewer steps -> results/quick/
     # on a lent machine whose files come back through $OUT:
     python experiments/bench_dsa_gpu.py --results-dir "$OUT" --wandb disabled
+    # every code path on CPU at tiny sizes, Triton under TRITON_INTERPRET=1 (checks the script):
+    python experiments/bench_dsa_gpu.py --dry-run --results-dir /tmp/dry
 
-A GPU is needed; without CUDA the script says so and exits with status 0. Not part of
-experiments/reproduce.py.
+A GPU is needed; without CUDA (and without ``--dry-run``) the script says so and exits with status
+0. Not part of experiments/reproduce.py.
 
 The seed's configuration: an nn.Embedding(1,000,000 x 128, sparse=True) on the GPU, batches of 2048
 uniform random rows, loss mean(x^2), lr 1e-3. Measured side by side in one run, interleaved,
@@ -34,6 +36,7 @@ the published DSA claims 134,212 samples/s on a Kaggle GPU.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
@@ -46,6 +49,29 @@ from experiments.common import Results, add_common_args
 from experiments.registry import make_optimizer
 
 MiB = 2**20
+DRY_RUN = dict(rows=400, dim=8, batch=64, steps=2, repeats=2, warmup=2, check_steps=2)
+
+
+def sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def allocated(dev, peak=False):
+    """Bytes of device memory allocated now (or at the peak since ``reset_peak``); 0 on the CPU."""
+    if dev.type != "cuda":
+        return 0
+    return torch.cuda.max_memory_allocated(dev) if peak else torch.cuda.memory_allocated(dev)
+
+
+def reset_peak(dev):
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+
+
+def free(dev):
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def make_table(rows, dim, dtype, device, seed, scale):
@@ -74,69 +100,111 @@ def train_steps(emb, opt, idx_list):
 
 def optimizers(args, tmp):
     """variant -> constructor(params) (None: the no-optimizer ceiling); names as experiments/registry.py."""
-    def dsa(name, **kw):
-        return lambda p: make_optimizer(name, p, args.lr, state_dir=tempfile.mkdtemp(dir=tmp), **kw)
+    def dsa(name, **kw):  # Triton and staging: what "auto" and None choose for CUDA weights
+        return lambda p: make_optimizer(name, p, args.lr, state_dir=tempfile.mkdtemp(dir=tmp),
+                                        backend="triton", **kw)
 
     return {"ceiling": None,
             "SparseAdam": lambda p: make_optimizer("SparseAdam", p, args.lr),
-            "DiskSparseAdam": dsa("DiskSparseAdam"),
+            "DiskSparseAdam": dsa("DiskSparseAdam", staging=True),
             "DiskSparseAdam/direct": dsa("DiskSparseAdam", staging=False),
-            "DiskSparseRiemannianAdam": dsa("DiskSparseRiemannianAdam", c=1.0)}
+            "DiskSparseRiemannianAdam": dsa("DiskSparseRiemannianAdam", c=1.0, staging=True)}
 
 
-def measure(args, res, dev, tmp):
+def memory(args, res, dev, tmp):
+    """Per variant, the peak device memory its optimizer's warm-up steps add above what was allocated
+    before it was built; returns the tables and optimizers, warmed up."""
     variants = optimizers(args, tmp)
-    names = list(variants)
     embs, opts = {}, {}
     warm = batches(args.rows, args.batch, args.warmup, dev, args.seed + 1)
-    # Memory: per variant, the peak the optimizer's steps add above what was allocated before it.
-    for name in names:
+    for name, make in variants.items():
         embs[name] = make_table(args.rows, args.dim, torch.float32, dev, args.seed,
                                 1e-3 if "Riemannian" in name else 1.0)
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated(dev)
-        torch.cuda.reset_peak_memory_stats(dev)
-        opts[name] = variants[name]([embs[name].weight]) if variants[name] else None
+        sync(dev)
+        base = allocated(dev)
+        reset_peak(dev)
+        opts[name] = make([embs[name].weight]) if make else None
         train_steps(embs[name], opts[name], warm)
-        torch.cuda.synchronize()
-        extra = (torch.cuda.max_memory_allocated(dev) - base) / MiB
+        sync(dev)
+        extra = (allocated(dev, peak=True) - base) / MiB
         res.add(name, "device_memory_over_weights", "MiB", extra, "rows", args.rows)
         print(f"{name:28s} peak device memory above the weights: {extra:9.1f} MiB")
         if hasattr(opts[name], "staging_stats"):
-            st = opts[name].staging_stats()
-            res.add(name, "device_staging_buffers", "MiB", st["device_bytes"] / MiB, "batch", args.batch)
-            res.add(name, "pinned_staging_buffers", "MiB", st["pinned_bytes"] / MiB, "batch", args.batch)
-            res.add(name, "prefetch_hit_rate", "fraction", st["hits"] / max(1, st["hits"] + st["misses"]),
-                    "steps", args.warmup)
-            print(f"{name:28s} staging buffers: device {st['device_bytes'] / MiB:.1f} MiB, pinned "
-                  f"{st['pinned_bytes'] / MiB:.1f} MiB; announced rows used in {st['hits']} of "
-                  f"{st['hits'] + st['misses']} steps ({st['patched_rows']} rows refreshed)")
-    # Throughput: interleaved repeats, medians.
-    times = {n: [] for n in names}
+            staging_rows(args, res, name, opts[name].staging_stats())
+    return embs, opts
+
+
+def staging_rows(args, res, name, st):
+    res.add(name, "device_staging_buffers", "MiB", st["device_bytes"] / MiB, "batch", args.batch)
+    res.add(name, "pinned_staging_buffers", "MiB", st["pinned_bytes"] / MiB, "batch", args.batch)
+    res.add(name, "prefetch_hit_rate", "fraction", st["hits"] / max(1, st["hits"] + st["misses"]),
+            "steps", args.warmup)
+    print(f"{name:28s} staging buffers: device {st['device_bytes'] / MiB:.1f} MiB, pinned "
+          f"{st['pinned_bytes'] / MiB:.1f} MiB; announced rows used in {st['hits']} of "
+          f"{st['hits'] + st['misses']} steps ({st['patched_rows']} rows refreshed)")
+
+
+def throughput(args, res, dev, embs, opts):
+    """Samples/s per variant: interleaved repeats, medians."""
+    times = {n: [] for n in embs}
     for r in range(args.repeats):
         idx = batches(args.rows, args.batch, args.steps, dev, args.seed + 100 + r)
-        for name in names:
-            torch.cuda.synchronize()
+        for name in embs:
+            sync(dev)
             t0 = time.perf_counter()
             train_steps(embs[name], opts[name], idx)
-            torch.cuda.synchronize()
+            sync(dev)
             times[name].append(time.perf_counter() - t0)
     sps = {n: args.batch * args.steps / statistics.median(t) for n, t in times.items()}
-    for name in names:
+    for name in embs:
         res.add(name, "throughput", "samples/s", sps[name], "batch", args.batch)
         res.add(name, "throughput_vs_SparseAdam", "ratio", sps[name] / sps["SparseAdam"], "batch", args.batch)
         print(f"{name:28s} {sps[name]:12,.0f} samples/s  ({sps[name] / sps['SparseAdam']:.2f}x SparseAdam)")
-    for name in names:
-        if hasattr(opts[name], "close"):
-            opts[name].close()
+
+
+def measure(args, res, dev, tmp):
+    embs, opts = memory(args, res, dev, tmp)
+    throughput(args, res, dev, embs, opts)
+    for opt in opts.values():
+        if hasattr(opt, "close"):
+            opt.close()
     del embs, opts
-    torch.cuda.empty_cache()
+    free(dev)
 
 
 def final_state(opt):
     st = opt.state_dict()["state"][0]
     return torch.cat([st["exp_avg"].reshape(st["exp_avg"].shape[0], -1).float().cpu(),
                       st["exp_avg_sq"].reshape(st["exp_avg_sq"].shape[0], -1).float().cpu()], dim=1)
+
+
+def max_diffs(a, b):
+    """max |Δ| of weights and of state records between two (weights, state) pairs."""
+    return float((a[0] - b[0]).abs().max()), float((a[1] - b[1]).abs().max())
+
+
+def run_paths(args, dev, tmp, name, extra, dtype, rows, scale, idx):
+    """{path: (weights, state)} after the same steps through the torch path, the staged Triton path
+    and the direct Triton path, from identical tables."""
+    out = {}
+    for path in ("torch", "triton", "triton-direct"):
+        emb = make_table(rows, args.dim, dtype, dev, args.seed, scale / args.dim**0.5)
+        opt = make_optimizer(name, [emb.weight], args.lr * 10, backend=path.split("-")[0],
+                             staging=not path.endswith("direct"), state_dir=tempfile.mkdtemp(dir=tmp), **extra)
+        train_steps(emb, opt, idx)
+        out[path] = (emb.weight.detach().float().cpu(), final_state(opt))
+        opt.close()
+    return out
+
+
+def versus_sparse_adam(args, dev, rows, dtype, idx, triton_out):
+    """max |Δ| of the Triton path's weights and state against torch.optim.SparseAdam's."""
+    emb = make_table(rows, args.dim, dtype, dev, args.seed, 1.0 / args.dim**0.5)
+    ref = make_optimizer("SparseAdam", [emb.weight], args.lr * 10)
+    train_steps(emb, ref, idx)
+    st = ref.state[emb.weight]
+    ref_state = torch.cat([st["exp_avg"], st["exp_avg_sq"]], dim=1).cpu()
+    return max_diffs(triton_out, (emb.weight.detach().float().cpu(), ref_state))
 
 
 def agreement(args, res, dev, tmp):
@@ -146,44 +214,23 @@ def agreement(args, res, dev, tmp):
         idx = batches(rows, args.batch, args.check_steps, dev, args.seed + 7)
         tname = str(dtype).replace("torch.", "")
         for name, (extra, scale) in classes.items():
-            out = {}
-            for backend in ("torch", "triton", "triton-direct"):
-                emb = make_table(rows, args.dim, dtype, dev, args.seed, scale / args.dim**0.5)
-                opt = make_optimizer(name, [emb.weight], args.lr * 10, backend=backend.split("-")[0],
-                                     staging=not backend.endswith("direct"), state_dir=tempfile.mkdtemp(dir=tmp),
-                                     **extra)
-                train_steps(emb, opt, idx)
-                out[backend] = (emb.weight.detach().float().cpu(), final_state(opt))
-                opt.close()
-            dw = float((out["triton"][0] - out["triton-direct"][0]).abs().max())
-            ds = float((out["triton"][1] - out["triton-direct"][1]).abs().max())
-            for what, val in (("weights", dw), ("state", ds)):
-                res.add(f"{name}/{tname}", f"max_abs_diff_{what}_staged_vs_direct", "abs", val,
-                        "steps", args.check_steps)
-            print(f"{name}/{tname:8s} staged vs direct Triton (expected 0): max|Δw| {dw:.3e}  "
-                  f"max|Δstate| {ds:.3e}")
-            dw = float((out["triton"][0] - out["torch"][0]).abs().max())
-            ds = float((out["triton"][1] - out["torch"][1]).abs().max())
-            res.add(f"{name}/{tname}", "max_abs_diff_weights_triton_vs_torch", "abs", dw, "steps", args.check_steps)
-            res.add(f"{name}/{tname}", "max_abs_diff_state_triton_vs_torch", "abs", ds, "steps", args.check_steps)
-            print(f"{name}/{tname:8s} Triton vs torch after {args.check_steps} steps: max|Δw| {dw:.3e}  max|Δstate| {ds:.3e}")
+            out = run_paths(args, dev, tmp, name, extra, dtype, rows, scale, idx)
+            pairs = [("staged_vs_direct", "triton-direct", "staged vs direct Triton (expected 0)"),
+                     ("triton_vs_torch", "torch", f"Triton vs torch after {args.check_steps} steps")]
+            for key, other, label in pairs:
+                dw, ds = max_diffs(out["triton"], out[other])
+                res.add(f"{name}/{tname}", f"max_abs_diff_weights_{key}", "abs", dw, "steps", args.check_steps)
+                res.add(f"{name}/{tname}", f"max_abs_diff_state_{key}", "abs", ds, "steps", args.check_steps)
+                print(f"{name}/{tname:8s} {label}: max|Δw| {dw:.3e}  max|Δstate| {ds:.3e}")
             if name == "DiskSparseAdam" and dtype == torch.float32:
-                emb = make_table(rows, args.dim, dtype, dev, args.seed, scale / args.dim**0.5)
-                ref = make_optimizer("SparseAdam", [emb.weight], args.lr * 10)
-                train_steps(emb, ref, idx)
-                st = ref.state[emb.weight]
-                ref_state = torch.cat([st["exp_avg"], st["exp_avg_sq"]], dim=1).cpu()
-                dw = float((out["triton"][0] - emb.weight.detach().cpu()).abs().max())
-                ds = float((out["triton"][1] - ref_state).abs().max())
+                dw, ds = versus_sparse_adam(args, dev, rows, dtype, idx, out["triton"])
                 res.add(f"{name}/{tname}", "max_abs_diff_weights_triton_vs_SparseAdam", "abs", dw, "steps", args.check_steps)
                 res.add(f"{name}/{tname}", "max_abs_diff_state_triton_vs_SparseAdam", "abs", ds, "steps", args.check_steps)
                 print(f"{name}/{tname:8s} Triton vs torch.optim.SparseAdam: max|Δw| {dw:.3e}  max|Δstate| {ds:.3e}")
-                del ref, st, ref_state
-            del emb
-            torch.cuda.empty_cache()
+            free(dev)
 
 
-def main():
+def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(parser)
     parser.add_argument("--rows", type=int, default=None, help="(Default: 1,000,000; 100,000 with --quick)")
@@ -194,17 +241,36 @@ def main():
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--check-steps", type=int, default=10)
-    args = parser.parse_args()
+    parser.add_argument("--dry-run", action="store_true",
+                        help="tiny sizes on the CPU, Triton under TRITON_INTERPRET=1: runs every code path of "
+                             "the script and writes its CSV (no measurement)")
+    args = parser.parse_args(argv)
+    if args.dry_run:
+        vars(args).update(DRY_RUN)
     args.rows = args.rows or (100_000 if args.quick else 1_000_000)
     args.steps = args.steps or (30 if args.quick else 100)
-    if not torch.cuda.is_available():
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.dry_run:
+        os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are first imported
+        from optim.disk_sparse import _triton_kernels
+
+        if hasattr(_triton_kernels._adam_rows_kernel, "params"):  # a JITFunction: compiled, not interpreted
+            raise SystemExit("--dry-run: the Triton kernels were imported before TRITON_INTERPRET=1 was set")
+        dev = torch.device("cpu")
+    elif not torch.cuda.is_available():
         print("[bench_dsa_gpu] no CUDA device: this is the GPU check, nothing to measure here; exiting.")
         return 0
-    dev = torch.device("cuda")
+    else:
+        dev = torch.device("cuda")
     torch.manual_seed(args.seed)
     with tempfile.TemporaryDirectory(prefix="dsa-gpu-") as tmp, \
             Results("dsa_gpu", args, config=vars(args), device=dev) as res:
-        print(f"[bench_dsa_gpu] {torch.cuda.get_device_name(dev)}, {args.rows:,} x {args.dim}, batch {args.batch}")
+        name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU dry run"
+        print(f"[bench_dsa_gpu] {name}, {args.rows:,} x {args.dim}, batch {args.batch}")
         measure(args, res, dev, tmp)
         agreement(args, res, dev, tmp)
     return 0

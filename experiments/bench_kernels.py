@@ -3,9 +3,9 @@
     python experiments/bench_kernels.py                  # 125M and 1.5B, fp32 and bf16 -> results/gefen_kernels.csv
     python experiments/bench_kernels.py --quick          # 10M elements, fp32 only -> results/quick/
     python experiments/bench_kernels.py --skip-upstream  # without upstream gefen
-    python experiments/bench_kernels.py --cpu-smoke      # tiny CPU tensors under TRITON_INTERPRET=1
+    python experiments/bench_kernels.py --dry-run        # tiny CPU tensors under TRITON_INTERPRET=1
 
-Without CUDA (and without ``--cpu-smoke``) it prints a message and exits 0; it is not part of
+Without CUDA (and without ``--dry-run``) it prints a message and exits 0; it is not part of
 experiments/reproduce.py. Upstream ``gefen`` may be missing on a lent GPU machine: carry it, e.g.::
 
     mkdir -p .carry && cp -r "$(python -c 'import gefen, os; print(os.path.dirname(gefen.__file__))')" .carry/
@@ -41,20 +41,11 @@ import sys
 import time
 
 from experiments.common import Results, add_common_args
+from experiments.models import GPT2_SIZES, gpt2_shapes
 from experiments.registry import make_optimizer
 
-SIZES = {"125M": (768, 12), "1.5B": (1600, 48)}  # GPT-2 small / XL: (d_model, layers)
-VOCAB, CTX = 50257, 1024
+SIZES = GPT2_SIZES
 LR, BETAS, EPS, WD = 1e-3, (0.9, 0.999), 1e-8, 0.01
-
-
-def gpt2_shapes(d, layers, vocab=VOCAB, ctx=CTX):
-    """Parameter shapes of a GPT-2 with tied embeddings (the layout of HF's GPT2LMHeadModel)."""
-    shapes = [(vocab, d), (ctx, d)]
-    for _ in range(layers):
-        shapes += [(d,), (d,), (d, 3 * d), (3 * d,), (d, d), (d,), (d,), (d,), (d, 4 * d), (4 * d,),
-                   (4 * d, d), (d,)]
-    return shapes + [(d,), (d,)]
 
 
 def quick_shapes(total):
@@ -188,19 +179,17 @@ def agreement(shapes, dtype, device, seed, steps=5):
     return maxd, (num / max(den, 1e-300)) ** 0.5, eq / tot
 
 
-def bench_set(res, label, shapes, dtype, device, args, copy_bw, timer):
+def build_variants(label, dname, shapes, dtype, device, args, grads):
+    """{variant: (optimizer, step function)}: each optimizer built on a fresh parameter set holding
+    ``grads`` and warmed up; Gefen-8bit also as its kernels alone at each ``--kernel-tiles``."""
     import torch
 
-    dname = {torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype]
-    n = sum(torch.Size(s).numel() for s in shapes)
-    _, grads = make_set(shapes, dtype, device, args.seed)
     names = args.variants.split(",")
     if args.skip_upstream and "gefen-upstream" in names:
         names.remove("gefen-upstream")
-    opts, steps = {}, {}
+    out = {}
     for name in names:
-        params, _ = make_set(shapes, dtype, device, args.seed)
-        params = [torch.nn.Parameter(p) for p in params]
+        params = [torch.nn.Parameter(p) for p in make_set(shapes, dtype, device, args.seed)[0]]
         for p, g in zip(params, grads):
             p.grad = g
         try:
@@ -216,36 +205,50 @@ def bench_set(res, label, shapes, dtype, device, args, copy_bw, timer):
             print(f"  {label}/{dname} {name}: unavailable ({type(exc).__name__}: {str(exc)[:300]})",
                   flush=True)
             continue
-        opts[name], steps[name] = opt, opt.step
+        out[name] = (opt, opt.step)
         if name == "Gefen-8bit":
-            opts["Gefen-8bit/kernel"], steps["Gefen-8bit/kernel"] = opt, kernel_only_step(opt)
+            out["Gefen-8bit/kernel"] = (opt, kernel_only_step(opt))
             for tw in filter(None, args.kernel_tiles.split(",")):
                 tile, warps = (int(x) for x in tw.split("x"))
-                key = f"Gefen-8bit/kernel-t{tile}w{warps}"
-                opts[key], steps[key] = opt, kernel_only_step(opt, tile, warps)
-    # floor bytes and state bytes (per parameter)
+                out[f"Gefen-8bit/kernel-t{tile}w{warps}"] = (opt, kernel_only_step(opt, tile, warps))
+    return out
+
+
+def floor_rows(res, dname, variants, grads, n, copy_bw):
+    """State bytes and floor bytes (every parameter and state tensor read and written once, every
+    gradient read once) per parameter, and the floor's time at copy speed; returns {variant: bytes}."""
     floor = {}
-    for name, opt in opts.items():
+    for name, (opt, _) in variants.items():
         params = [p for g in opt.param_groups for p in g["params"]]
         st = state_tensors(opt)
         floor[name] = 2 * tensor_bytes(params) + tensor_bytes(grads) + 2 * tensor_bytes(st)
         res.add(f"{name}/{dname}", "state_bytes", "B/param", tensor_bytes(st) / n, "params", n)
         res.add(f"{name}/{dname}", "floor_bytes", "B/param", floor[name] / n, "params", n)
         res.add(f"{name}/{dname}", "floor_time", "ms", floor[name] / copy_bw * 1e3, "params", n)
-    # peak memory of one step, each alone
-    for name in opts:
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-            steps[name]()
-            torch.cuda.synchronize()
-            res.add(f"{name}/{dname}", "step_peak_memory", "MiB",
-                    (torch.cuda.max_memory_allocated() - base) / 2**20, "params", n)
-    # interleaved timing
-    times = {name: [] for name in opts}
+    return floor
+
+
+def peak_memory_rows(res, dname, variants, n, device):
+    """Device memory one step allocates beyond what was allocated before it (each alone; CUDA only)."""
+    import torch
+
+    if device.type != "cuda":
+        return
+    for name, (_, step) in variants.items():
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        step()
+        torch.cuda.synchronize()
+        res.add(f"{name}/{dname}", "step_peak_memory", "MiB",
+                (torch.cuda.max_memory_allocated() - base) / 2**20, "params", n)
+
+
+def timing_rows(res, label, dname, variants, floor, n, args, copy_bw, timer):
+    """Interleaved timings, medians: step time, bandwidth of the floor bytes; returns {variant: ms}."""
+    times = {name: [] for name in variants}
     for _ in range(args.reps):
-        handles = {name: timer.time(steps[name]) for name in opts}
+        handles = {name: timer.time(step) for name, (_, step) in variants.items()}
         for name, h in handles.items():
             times[name].append(timer.ms(h))
     med = {name: statistics.median(ts) for name, ts in times.items()}
@@ -257,13 +260,26 @@ def bench_set(res, label, shapes, dtype, device, args, copy_bw, timer):
         print(f"  {label}/{dname} {name:24s} {t:8.3f} ms  floor {floor[name] / n:5.2f} B/param "
               f"= {floor[name] / copy_bw * 1e3:7.3f} ms at copy speed  {bw / 1e9:7.1f} GB/s "
               f"({bw / copy_bw:4.0%} of copy)", flush=True)
+    return med
+
+
+def bench_set(res, label, shapes, dtype, device, args, copy_bw, timer):
+    import torch
+
+    dname = {torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype]
+    n = sum(torch.Size(s).numel() for s in shapes)
+    _, grads = make_set(shapes, dtype, device, args.seed)
+    variants = build_variants(label, dname, shapes, dtype, device, args, grads)
+    floor = floor_rows(res, dname, variants, grads, n, copy_bw)
+    peak_memory_rows(res, dname, variants, n, device)
+    med = timing_rows(res, label, dname, variants, floor, n, args, copy_bw, timer)
     for ours in ("Gefen-8bit", "Gefen-8bit/kernel"):
         for other in ("AdamW", "gefen-upstream"):
             if ours in med and other in med:
                 res.add(f"{ours}/{dname}", f"speedup_vs_{other}", "x", med[other] / med[ours],
                         "params", n)
                 print(f"  {label}/{dname} {ours} is {med[other] / med[ours]:.2f}x faster than {other}")
-    del opts, steps
+    del variants
     if device.type == "cuda":
         torch.cuda.empty_cache()
 
@@ -280,30 +296,31 @@ def main(argv=None):
                         help="comma list of registry names; Gefen-8bit/kernel is timed whenever Gefen-8bit is")
     parser.add_argument("--kernel-tiles", default="1024x4,4096x8,4096x16,8192x16",
                         help="extra Gefen-8bit/kernel timings at TILExNUM_WARPS")
-    parser.add_argument("--cpu-smoke", action="store_true",
-                        help="tiny CPU run under TRITON_INTERPRET=1, to check the script itself")
+    parser.add_argument("--dry-run", "--cpu-smoke", dest="dry_run", action="store_true",
+                        help="tiny CPU run under TRITON_INTERPRET=1: every code path of the script and its "
+                             "CSV (no measurement)")
     args = parser.parse_args(argv)
 
-    if args.cpu_smoke:
+    if args.dry_run:
         os.environ["TRITON_INTERPRET"] = "1"
     import torch
 
-    if not torch.cuda.is_available() and not args.cpu_smoke:
+    if not torch.cuda.is_available() and not args.dry_run:
         print("bench_kernels: no CUDA device; this benchmark needs a GPU (nothing measured).")
         return 0
-    device = torch.device("cuda" if not args.cpu_smoke else "cpu")
+    device = torch.device("cuda" if not args.dry_run else "cpu")
     timer = Timer(device)
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
-    if args.cpu_smoke:
-        sets = {"smoke": quick_shapes(2**15)}
-        args.dtypes, args.reps, args.warmup, args.kernel_tiles = "fp32,bf16", 2, 1, "4096x8"
+    if args.dry_run:
+        sets = {"smoke": quick_shapes(2**12)}
+        args.dtypes, args.reps, args.warmup, args.kernel_tiles = "fp32,bf16", 1, 1, "4096x8"
         args.skip_upstream = True
     elif args.quick:
         sets = {"10M": quick_shapes(10_000_000)}
         args.dtypes = "fp32"
     else:
         sets = {s: gpt2_shapes(*SIZES[s]) for s in args.sizes.split(",")}
-    copy_bytes = 2**20 if args.cpu_smoke else 2**31
+    copy_bytes = 2**20 if args.dry_run else 2**31
     with Results("gefen_kernels", args, config=vars(args), device=device) as res:
         copy_bw = copy_bandwidth(device, timer, copy_bytes, 10)
         res.add("copy", "bandwidth", "GB/s", copy_bw / 1e9, "bytes", copy_bytes)

@@ -115,3 +115,17 @@ def evaluate(model: GPT, x: torch.Tensor, y: torch.Tensor, batch: int = 64) -> f
         total += float(model(x[i:i + batch], y[i:i + batch])) * x[i:i + batch].shape[0]
     model.train(was_training)
     return total / x.shape[0]
+
+
+# GPT-2 small (124 M parameters) and XL (1.56 B): (d_model, layers), for benchmarks and traffic models
+GPT2_SIZES = {"125M": (768, 12), "1.5B": (1600, 48)}
+GPT2_VOCAB, GPT2_CTX = 50257, 1024
+
+
+def gpt2_shapes(d, layers, vocab=GPT2_VOCAB, ctx=GPT2_CTX):
+    """Parameter shapes of a GPT-2 with tied embeddings (the layout of HF's GPT2LMHeadModel)."""
+    shapes = [(vocab, d), (ctx, d)]
+    for _ in range(layers):
+        shapes += [(d,), (d,), (d, 3 * d), (3 * d,), (d, d), (d,), (d,), (d,), (d, 4 * d), (4 * d,),
+                   (4 * d, d), (d,)]
+    return shapes + [(d,), (d,)]

@@ -39,13 +39,14 @@ EXPERIMENTS = {
     "gefen_ablation": ["gefen_ablation"],
     "hessian_alignment": ["hessian_alignment"],
     "convergence": ["convergence"],
+    "kernel_resources": ["kernel_resources"],
 }
 # analysis script -> the figure it draws (None: a results/README.md section only)
 FIGURE_OF = {"correctness": None, "dsa_fault_injection": None, "dsa_throughput": "dsa_throughput", "poincare": "poincare", "codebook": "codebook",
              "dsa_distributed": "dsa_distributed",
              "gefen_memory": "gefen_memory", "gefen_ablation": "gefen_ablation",
              "hessian_alignment": "hessian_alignment",
-             "convergence": "convergence"}
+             "convergence": "convergence", "kernel_resources": None}
 
 
 def _run(cmd, log, timeout):

@@ -1,4 +1,7 @@
-"""Pieces both Triton kernel families use: launch sizes and bf16 rounding."""
+"""Pieces both Triton kernel families use: launch sizes, bf16 rounding, and the helpers their
+planners enumerate configurations with."""
+
+import itertools
 
 import triton
 import triton.language as tl
@@ -25,3 +28,52 @@ def round_bf16(x):
     b = x.to(tl.int32, bitcast=True)
     r = (b + 0x7FFF + ((b >> 16) & 1)) & -65536
     return tl.where(x == x, r.to(tl.float32, bitcast=True), x)
+
+
+def spec_widths(max_width: int) -> list:
+    """Row widths that reach every tile width up to ``max_width`` under both of Triton's integer
+    specialisations: each power of two (a multiple of 16 from 16 up: 128-bit accesses) and, from
+    16 up, one less (odd: scalar accesses)."""
+    out = []
+    w = 1
+    while w <= max_width:
+        out += [w] + ([w - 1] if w >= 16 else [])
+        w *= 2
+    return out
+
+
+def axis_product(axes: dict) -> list:
+    """Every combination of one value per axis, as dicts (the full configuration space)."""
+    keys = list(axes)
+    return [dict(zip(keys, vals)) for vals in itertools.product(*axes.values())]
+
+
+def axis_pairs(axes: dict) -> list:
+    """A small set of combinations in which every pair of values of two different axes occurs
+    (a greedy all-pairs covering array; every value of every axis occurs). Deterministic."""
+    keys = list(axes)
+    sizes = [len(axes[k]) for k in keys]
+    uncovered = {(i, a, j, b) for i in range(len(keys)) for j in range(i + 1, len(keys))
+                 for a in range(sizes[i]) for b in range(sizes[j])}
+    order = sorted(range(len(keys)), key=lambda i: -sizes[i])
+    rows = []
+    while uncovered or not rows:
+        row = {}
+        if uncovered:
+            i, a, j, b = min(uncovered)
+            row = {i: a, j: b}
+        for k in order:
+            if k not in row:
+                row[k] = max(range(sizes[k]), key=lambda v: sum(
+                    (min(k, m), v if k < m else row[m], max(k, m), row[m] if k < m else v) in uncovered
+                    for m in row))
+        uncovered -= {(i, row[i], j, row[j]) for i in row for j in row if i < j}
+        rows.append({keys[k]: axes[keys[k]][row[k]] for k in range(len(keys))})
+    return rows
+
+
+def axis_each(axes: dict) -> list:
+    """As many combinations as the longest axis has values, axis values taken in turn: every value
+    of every axis occurs (the smallest covering set)."""
+    n = max(len(v) for v in axes.values())
+    return [{k: v[r % len(v)] for k, v in axes.items()} for r in range(n)]

@@ -14,7 +14,7 @@ from .._triton_common import round_bf16
 # ---------------------------------------------------------------------------------------------------
 # Euclidean lazy Adam (torch.optim.SparseAdam's operation order; reference.sparse_adam_rows)
 # ---------------------------------------------------------------------------------------------------
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])  # one compiled kernel for any number of rows
 def _adam_rows_kernel(w_ptr, g_ptr, s_ptr, n_rows, D, stride_w, stride_g, stride_s,
                       one_minus_beta1, one_minus_beta2, neg_step_size, eps,
                       MAXIMIZE: tl.constexpr, IS_BF16: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -75,7 +75,7 @@ def _tanh_nonneg(a):
     return tl.where(a < 0.1, series, (1 - e) / (1 + e))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])
 def _riemannian_adam_rows_kernel(w_ptr, g_ptr, s_ptr, n_rows, D, stride_w, stride_g, stride_s,
                                  lr, beta1, beta2, bias_correction1, bias_correction2, eps,
                                  c, sqrt_c, maxnorm,

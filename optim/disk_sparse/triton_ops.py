@@ -19,16 +19,23 @@ import math
 import torch
 import triton
 
-from .._triton_common import next_pow2
+from .._triton_aot import KernelLaunch
+from .._triton_common import axis_pairs, next_pow2, spec_widths
 from ._triton_kernels import _adam_rows_kernel, _riemannian_adam_rows_kernel
 
-# Elements per program. A tile of BLOCK_R x BLOCK_D = 2048 fp32 values gives four warps 16 values
-# per thread. Fewer, larger programs also matter for the interpreter, which runs one Python
-# iteration per program.
+# Elements per program: 16 warps x 32 lanes x 4 values, one 128-bit access per lane and array.
+# Compiled for sm_90 (experiments/kernel_resources.py), 4 values a thread keep the Adam kernel under
+# 64 registers (>= 50% occupancy, to hide HBM latency in this gather-bound update); 16 a thread
+# needed over 100 and 32 spilled. Large programs also keep the interpreter's tests fast (one Python
+# iteration a program). Rows wider than MAX_BLOCK_D are split over a second grid axis.
 _TILE = 2048
+_WARPS = 16
+MAX_BLOCK_D = 128
 # Widest row of the ball's update: it needs whole-row norms and dot products (projection, conformal
-# factor, transport), so a program holds whole rows; beyond this width they no longer fit in registers.
-MAX_BALL_D = 16384
+# factor, transport), so a program holds whole rows, with up to _BALL_MAX_WARPS warps; at 16384 a
+# row's 16 values a thread spilled registers.
+MAX_BALL_D = 8192
+_BALL_TILE, _BALL_MIN_WARPS, _BALL_MAX_WARPS = 512, 4, 32  # its update keeps more values live than Adam's
 # Weight dtypes of the kernels (the rounding on store is exact for these; see _triton_common).
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -54,15 +61,21 @@ def _check_rows(name, w, g, state, width):
         raise ValueError(f"{name}: state records must be contiguous; pass state.contiguous()")
 
 
-def _adam_rows_launch(w, g, state, neg_step_size, *, beta1, beta2, eps, maximize):
+def adam_rows_plan(d: int, w_dtype, *, maximize: bool) -> dict:
+    """Constexprs and warps of the Adam kernel for rows of width ``d`` (the launcher's only choice)."""
+    block_d = min(next_pow2(d), MAX_BLOCK_D)
+    return dict(MAXIMIZE=bool(maximize), IS_BF16=w_dtype == torch.bfloat16,
+                BLOCK_R=max(1, _TILE // block_d), BLOCK_D=block_d, num_warps=_WARPS)
+
+
+def _adam_rows_args(w, g, state, neg_step_size, *, beta1, beta2, eps, maximize):
+    """(grid, args, kwargs) of one Adam launch."""
     n, d = w.shape
-    block_d = min(next_pow2(d), 1024)
-    block_r = max(1, _TILE // block_d)
-    grid = (triton.cdiv(n, block_r), triton.cdiv(d, block_d))
-    _adam_rows_kernel[grid](w, g, state, n, d, w.stride(0), g.stride(0), state.stride(0),
-                            1 - beta1, 1 - beta2, neg_step_size, eps,
-                            MAXIMIZE=bool(maximize), IS_BF16=w.dtype == torch.bfloat16, BLOCK_R=block_r, BLOCK_D=block_d,
-                            num_warps=4, enable_fp_fusion=False)
+    plan = adam_rows_plan(d, w.dtype, maximize=maximize)
+    grid = (triton.cdiv(n, plan["BLOCK_R"]), triton.cdiv(d, plan["BLOCK_D"]))
+    args = (w, g, state, n, d, w.stride(0), g.stride(0), state.stride(0), 1 - beta1, 1 - beta2,
+            neg_step_size, eps)
+    return grid, args, dict(plan, enable_fp_fusion=False)
 
 
 def adam_rows_(w, g, state, step, *, lr, beta1, beta2, eps, maximize=False, bitwise=True) -> None:
@@ -79,21 +92,34 @@ def adam_rows_(w, g, state, step, *, lr, beta1, beta2, eps, maximize=False, bitw
     if w.numel() == 0:
         return
     step_size = lr * math.sqrt(1 - beta2**step) / (1 - beta1**step)
-    _adam_rows_launch(w, g, state, float(-step_size), beta1=beta1, beta2=beta2, eps=eps, maximize=maximize)
+    grid, args, kwargs = _adam_rows_args(w, g, state, float(-step_size), beta1=beta1, beta2=beta2, eps=eps,
+                                         maximize=maximize)
+    _adam_rows_kernel[grid](*args, **kwargs)
 
 
-def _riemannian_adam_rows_launch(w, g, state, *, lr, beta1, beta2, bias_correction1, bias_correction2,
-                                 eps, c, exact):
-    n, d = w.shape
+def riemannian_adam_rows_plan(d: int, w_dtype, *, exact: bool) -> dict:
+    """Constexprs and warps of the ball's kernel for rows of width ``d``: whole rows per program,
+    _BALL_TILE values or one row, 4 values a thread (up to _BALL_MAX_WARPS warps, then more)."""
     block_d = next_pow2(d)
-    block_r = max(1, _TILE // block_d)
+    block_r = max(1, _BALL_TILE // block_d)
+    warps = min(_BALL_MAX_WARPS, max(_BALL_MIN_WARPS, block_r * block_d // (32 * 4)))
+    plan = dict(EXACT=bool(exact), IS_BF16=w_dtype == torch.bfloat16, BLOCK_R=block_r,
+                BLOCK_D=block_d, num_warps=warps)
+    if warps == 32:  # 1024 threads: allow the 64 registers each the SM holds (ptxas chose 32 and spilled)
+        plan["maxnreg"] = 64
+    return plan
+
+
+def _riemannian_adam_rows_args(w, g, state, *, lr, beta1, beta2, bias_correction1, bias_correction2,
+                               eps, c, exact):
+    """(grid, args, kwargs) of one Riemannian Adam launch."""
+    n, d = w.shape
+    plan = riemannian_adam_rows_plan(d, w.dtype, exact=exact)
     maxnorm = (1 - 4e-3) / math.sqrt(c)  # geoopt's float32 margin (poincare.max_norm)
-    grid = (triton.cdiv(n, block_r),)
-    _riemannian_adam_rows_kernel[grid](w, g, state, n, d, w.stride(0), g.stride(0), state.stride(0),
-                                       lr, beta1, beta2, bias_correction1, bias_correction2, eps,
-                                       c, math.sqrt(c), maxnorm,
-                                       EXACT=bool(exact), IS_BF16=w.dtype == torch.bfloat16, BLOCK_R=block_r, BLOCK_D=block_d,
-                                       num_warps=4 if block_d <= 2048 else 8)
+    grid = (triton.cdiv(n, plan["BLOCK_R"]),)
+    args = (w, g, state, n, d, w.stride(0), g.stride(0), state.stride(0), lr, beta1, beta2,
+            bias_correction1, bias_correction2, eps, c, math.sqrt(c), maxnorm)
+    return grid, args, plan
 
 
 def riemannian_adam_rows_(w, g, state, step, *, lr, beta1, beta2, eps, c, exact) -> None:
@@ -113,6 +139,46 @@ def riemannian_adam_rows_(w, g, state, step, *, lr, beta1, beta2, eps, c, exact)
                          f"use backend='torch' (got D={w.shape[1]})")
     if w.numel() == 0:
         return
-    _riemannian_adam_rows_launch(w, g, state, lr=lr, beta1=beta1, beta2=beta2,
-                                 bias_correction1=1 - beta1**step, bias_correction2=1 - beta2**step,
-                                 eps=eps, c=float(c), exact=exact)
+    grid, args, kwargs = _riemannian_adam_rows_args(
+        w, g, state, lr=lr, beta1=beta1, beta2=beta2, bias_correction1=1 - beta1**step,
+        bias_correction2=1 - beta2**step, eps=eps, c=float(c), exact=exact)
+    _riemannian_adam_rows_kernel[grid](*args, **kwargs)
+
+
+# Every configuration the planners above can choose, one list of values per axis; one value of each
+# is one compiled kernel. A new constexpr of a kernel is one more line here (and its keyword in the
+# plan). Widths: every tile shape, under Triton's both integer specialisations (spec_widths).
+_ROW_DTYPES = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32)]
+PLAN_AXES = {
+    "adam_rows": dict(d=spec_widths(MAX_BLOCK_D), dtypes=_ROW_DTYPES, maximize=[False, True]),
+    "riemannian_adam_rows": dict(d=spec_widths(MAX_BALL_D), dtypes=_ROW_DTYPES, exact=[False, True]),
+}
+
+
+def _stand_ins(d, w_dtype, g_dtype, width):
+    """Two rows of weights, gradients and records on the CPU: what the compiler sees of a launch."""
+    return torch.zeros(2, d, dtype=w_dtype), torch.zeros(2, d, dtype=g_dtype), torch.zeros(2, width)
+
+
+def _config_name(kernel, c):
+    return kernel + "/" + ",".join(
+        f"{k}={'+'.join(str(x).replace('torch.', '') for x in v) if isinstance(v, tuple) else v}"
+        for k, v in c.items())
+
+
+def launch_configs(cover=axis_pairs) -> list:
+    """``KernelLaunch`` of the configurations in ``cover(PLAN_AXES[kernel])`` (``axis_pairs``: every
+    pair of axis values; ``_triton_common.axis_product``: all), built by the launchers' own code."""
+    out = []
+    for c in cover(PLAN_AXES["adam_rows"]):
+        w, g, s = _stand_ins(c["d"], *c["dtypes"], 2 * c["d"])
+        _, args, kw = _adam_rows_args(w, g, s, -1e-3, beta1=0.9, beta2=0.999, eps=1e-8, maximize=c["maximize"])
+        out.append(KernelLaunch(_config_name("adam_rows", c), _adam_rows_kernel, args, kw))
+    for c in cover(PLAN_AXES["riemannian_adam_rows"]):
+        w, g, s = _stand_ins(c["d"], *c["dtypes"], c["d"] + 1)
+        _, args, kw = _riemannian_adam_rows_args(w, g, s, lr=1e-3, beta1=0.9, beta2=0.999,
+                                                 bias_correction1=0.1, bias_correction2=1e-3, eps=1e-8,
+                                                 c=1.0, exact=c["exact"])
+        out.append(KernelLaunch(_config_name("riemannian_adam_rows", c), _riemannian_adam_rows_kernel,
+                                args, kw))
+    return out

@@ -11,10 +11,11 @@ Why the kernel looks the way it does
   kernels (two more reads of g and a read+write of p) and launches one CUDA block of >= 32
   threads per Gefen block, so a block length of 8 leaves 3/4 of its threads idle.
 * Tile = R whole blocks x next_pow2(S) columns, R*next_pow2(S) ~ ``TILE`` = 2048 elements, with
-  ``ELEMS_PER_THREAD`` = 8 elements a thread (8 warps). Lanes past S (non-power-of-two S) are
-  masked: they cost registers, not memory traffic. Compiled offline for sm_90 (H200; Triton 3.6
-  and 3.9) and read with ``cuobjdump --dump-resource-usage`` and the PTX: 32-62 registers at 8
-  elements a thread, 56-106 at 16, no spills. Pointers read from the pointer table carry no
+  ``ELEMS_PER_THREAD`` = 4 elements a thread (16 warps). Lanes past S (non-power-of-two S) are
+  masked: they cost registers, not memory traffic. Every configuration the launcher chooses is
+  compiled for sm_80/90/100 by tests/test_triton_aot.py; at 4 elements a thread it stays within 64
+  registers (>= 50% occupancy on sm_90, to hide HBM latency), where 8 needed up to 128
+  (experiments/kernel_resources.py reports each). Pointers read from the pointer table carry no
   alignment the compiler can see, and a mask ``offs < n`` with n read from memory is not constant
   over 4 lanes: either alone made every access scalar (0 of 66 global loads vectorised). So a
   launch whose tensors are all 16-byte aligned says so (``tl.multiple_of``, ALIGN) and one whose
@@ -54,7 +55,7 @@ import triton.language as tl
 from .._triton_common import round_bf16
 
 TILE = 2048  # elements per program (R blocks x next_pow2(S) lanes); see module docstring
-ELEMS_PER_THREAD = 8  # sets num_warps (see module docstring)
+ELEMS_PER_THREAD = 4  # sets num_warps (see module docstring)
 MAX_TILE_WIDTH = 16384  # largest next_pow2(S) kept in one program; partition.py caps S at 1024
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}

@@ -36,7 +36,8 @@ import math
 import torch
 import triton.language as tl
 
-from .._triton_common import next_pow2, prev_pow2
+from .._triton_aot import KernelLaunch
+from .._triton_common import axis_pairs, next_pow2, prev_pow2
 from ..backends import triton_interpreted
 from ._triton_kernels import (ELEMS_PER_THREAD, MAX_TILE_WIDTH, TILE, _TL_DTYPES,
                               _gefen_step4_kernel, _gefen_step_kernel)
@@ -95,6 +96,32 @@ def _device_tables(tables, device, bits: int):
 _PLAN_CACHE: dict = {}
 
 
+def step_plan(*, block, bits, quant, p_dtype, g_dtype, align, exact, tile=TILE, num_warps=None):
+    """(kernel, constexprs and warps, live lanes of a tile row) of one launch: the launcher's only
+    choice. A tile is R whole tile rows of WIDTH = next_pow2(lanes) lanes, R*WIDTH ~ ``tile``
+    elements (bytes for packed 4-bit codes), ELEMS_PER_THREAD elements a thread."""
+    s_len = scale_block_length(block)
+    four = quant and bits == 4
+    group = 2 if four and s_len % 2 else 1
+    lanes = group * s_len // 2 if four else s_len  # live lanes of a tile row: bytes or elements
+    width = next_pow2(lanes)
+    if width > MAX_TILE_WIDTH:
+        raise ValueError(f"block={block} is longer than one Triton program holds "
+                         f"({MAX_TILE_WIDTH}); use backend='torch' for it")
+    # Scalar accesses (misaligned or ragged tensors) hold a 64-bit address per element: half the
+    # elements a thread, so they too stay within 64 registers without spilling.
+    fast = align and exact
+    per_thread = ELEMS_PER_THREAD if fast else ELEMS_PER_THREAD // 2
+    tile = tile if fast else tile // 2
+    rr = prev_pow2(max(1, (tile // 2 if four else tile) // width))  # tl.arange needs 2**k
+    warps = num_warps or max(1, min(16, rr * width * (2 if four else 1) // (32 * per_thread)))
+    const = dict(P_DT=_TL_DTYPES[p_dtype], G_DT=_TL_DTYPES[g_dtype], C_DT=tl.uint8 if quant else tl.float32,
+                 S=s_len, BLOCK_V=1 if block == 1 else s_len, R=rr, WIDTH=width, ALIGN=align,
+                 EXACT=exact, num_warps=warps)
+    const.update({"GROUP": group} if four else {"QUANT": quant})
+    return (_gefen_step4_kernel if four else _gefen_step_kernel), const, lanes
+
+
 def _launch_plan(rows, *, block, bits, quant, tile, num_warps):
     """Launches for `rows` = [(index, p, g, v, scales, codes)] (flat, contiguous, validated).
 
@@ -105,40 +132,40 @@ def _launch_plan(rows, *, block, bits, quant, tile, num_warps):
     """
     s_len = scale_block_length(block)
     four = quant and bits == 4
-    group = 2 if four and s_len % 2 else 1
-    lanes = group * s_len // 2 if four else s_len  # live lanes of a tile row: bytes or elements
-    width = next_pow2(lanes)
-    if width > MAX_TILE_WIDTH:
-        raise ValueError(f"block={block} is longer than one Triton program holds "
-                         f"({MAX_TILE_WIDTH}); use backend='torch' for it")
     # One launch per (dtypes, alignment, exactness): a misaligned tensor or one whose size is not a
     # whole number of tile rows only de-vectorises its own launch.
     by_kind: dict = {}
     for r in rows:
         align = all(t.data_ptr() % 16 == 0 for t in r[1:])
-        exact = r[1].numel() % (group * s_len) == 0
+        exact = r[1].numel() % ((2 if four and s_len % 2 else 1) * s_len) == 0
         by_kind.setdefault((r[1].device, r[1].dtype, r[2].dtype, align, exact), []).append(r)
     launches = []
     for (device, pdt, gdt, align, exact), rs in by_kind.items():
+        kernel, const, lanes = step_plan(block=block, bits=bits, quant=quant, p_dtype=pdt, g_dtype=gdt,
+                                         align=align, exact=exact, tile=tile, num_warps=num_warps)
         numels = [r[1].numel() for r in rs]
         trows = [-(-(num_code_bytes(n, 4) if four else n) // lanes) for n in numels]
-        per_tile = tile // 2 if four else tile
-        rr = min(prev_pow2(per_tile // width), next_pow2(max(trows)))  # tl.arange needs 2**k
-        ntiles = [-(-t // rr) for t in trows]
+        ntiles = [-(-t // const["R"]) for t in trows]
         tid = torch.repeat_interleave(torch.arange(len(ntiles)), torch.tensor(ntiles))
-        start = torch.cat([torch.arange(k) * rr for k in ntiles])
+        start = torch.cat([torch.arange(k) * const["R"] for k in ntiles])
         tiles = torch.stack([tid, start], dim=1).contiguous().to(device)
         ptrs = torch.tensor([[t.data_ptr() for t in r[1:]] for r in rs], dtype=torch.int64).to(device)
         numel_tab = torch.tensor(numels, dtype=torch.int64).to(device)
-        warps = num_warps or max(1, min(16, rr * width * (2 if four else 1) // (32 * ELEMS_PER_THREAD)))
-        const = dict(P_DT=_TL_DTYPES[pdt], G_DT=_TL_DTYPES[gdt], C_DT=tl.uint8 if quant else tl.float32,
-                     S=s_len, BLOCK_V=1 if block == 1 else s_len, R=rr, WIDTH=width, ALIGN=align,
-                     EXACT=exact, num_warps=warps)
-        const.update({"GROUP": group} if four else {"QUANT": quant})
-        kernel = _gefen_step4_kernel if four else _gefen_step_kernel
         launches.append([kernel, tiles, ptrs, numel_tab, (int(tiles.shape[0]),), const,
                          [r[0] for r in rs]])
     return launches
+
+
+def _kernel_args(tiles, ptrs, numel_tab, tabs, *, step, lr, beta1, beta2, eps, weight_decay):
+    """(args, table constexprs) of one launch; ``tabs``: ``_device_tables``' tuple, None unquantised."""
+    if tabs is None:
+        cb = uniq = mid = lut = first = numel_tab  # unused pointers
+        ncmp, has_dup, nlut = 0, False, 1
+    else:
+        cb, uniq, mid, lut, first, ncmp, has_dup, nlut = tabs
+    args = (tiles, ptrs, numel_tab, cb, uniq, mid, lut, first, 1 - beta1, beta2, 1 - beta2, eps,
+            1 - lr * weight_decay, -lr / (1 - beta1**step), math.sqrt(1 - beta2**step))
+    return args, dict(NLUT=nlut, NCMP=ncmp, HAS_DUP=has_dup, enable_fp_fusion=False)
 
 
 class _Plan:
@@ -277,19 +304,54 @@ def gefen_step_(ps, gs, vs, scales, codes, codebook, *, step, lr, beta1, beta2, 
     launches = plan.launches
     if not launches:
         return
-    bc1 = 1 - beta1**step
-    bc2 = 1 - beta2**step
     for kernel, tiles, ptrs, numel_tab, grid, const, _ in launches:
         device = tiles.device
-        if quant:
-            cb, uniq, mid, lut, first, ncmp, has_dup, nlut = _device_tables(tables, device, bits)
-        else:
-            cb = uniq = mid = lut = first = numel_tab  # unused pointers
-            ncmp, has_dup, nlut = 0, False, 1
+        tabs = _device_tables(tables, device, bits) if quant else None
+        args, table_const = _kernel_args(tiles, ptrs, numel_tab, tabs, step=step, lr=lr, beta1=beta1,
+                                         beta2=beta2, eps=eps, weight_decay=weight_decay)
         with torch.cuda.device(device) if device.type == "cuda" else _NO_GUARD:
-            kernel[grid](tiles, ptrs, numel_tab, cb, uniq, mid, lut, first,
-                         1 - beta1, beta2, 1 - beta2, eps, 1 - lr * weight_decay, -lr / bc1,
-                         math.sqrt(bc2), NLUT=nlut, NCMP=ncmp, HAS_DUP=has_dup,
-                         enable_fp_fusion=False, **const)
+            kernel[grid](*args, **table_const, **const)
     for pi, pw in copies:
         pi.copy_(pw.view_as(pi))
+
+
+# Every configuration step_plan can choose, one list of values per axis; one value of each is one
+# compiled kernel. A new constexpr is one more line here (and its keyword in step_plan). Blocks: every
+# tile width from 2 to MAX_BLOCK lanes, as a power of two (aligned, no masked lanes) and as an odd
+# length (scalar accesses, masked lanes; 4-bit: two blocks a tile row), and block 1 (per-element v,
+# chunks of CHUNK). Tables: codebook tables as code_table builds them (comparisons a bin, repeated
+# entries, bins).
+_BLOCKS = [1] + [b for k in range(1, 11) for b in ((1 << k), (1 << k) - 1) if b > 1]
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+_TABLES = [(1, False, 4096), (1, True, 1024), (2, True, 65536), (3, False, 65536)]  # (ncmp, has_dup, nlut)
+_COMMON = dict(block=_BLOCKS, p_dtype=_DTYPES, g_dtype=_DTYPES, align=[True, False], exact=[True, False])
+PLAN_AXES = {
+    "8bit": dict(_COMMON, bits=[8], quant=[True], table=_TABLES),
+    "4bit": dict(_COMMON, bits=[4], quant=[True], table=_TABLES),
+    "fp32_m": dict(_COMMON, bits=[8], quant=[False]),
+}
+
+
+def _stand_in_tables(bits, ncmp, has_dup, nlut):
+    """``_device_tables``' tuple on the CPU: what the compiler sees of a codebook table."""
+    n = 2**bits
+    return (torch.zeros(n), torch.zeros(n), torch.zeros(n), torch.zeros(nlut, dtype=torch.uint8),
+            torch.zeros(2 * n, dtype=torch.uint8), ncmp, has_dup, nlut)
+
+
+def launch_configs(cover=axis_pairs) -> list:
+    """``KernelLaunch`` of the configurations in ``cover(PLAN_AXES[mode])`` (``axis_pairs``: every
+    pair of axis values; ``_triton_common.axis_product``: all), built by the launcher's own code."""
+    out = []
+    tile_tabs = torch.zeros(1, 2, dtype=torch.int64), torch.zeros(1, 5, dtype=torch.int64), torch.ones(1, dtype=torch.int64)
+    for mode, axes in PLAN_AXES.items():
+        for c in cover(axes):
+            plan = {k: v for k, v in c.items() if k != "table"}
+            kernel, const, _ = step_plan(**plan)
+            tabs = _stand_in_tables(c["bits"], *c["table"]) if c["quant"] else None
+            args, table_const = _kernel_args(*tile_tabs, tabs, step=1, lr=1e-3, beta1=0.9, beta2=0.999,
+                                             eps=1e-8, weight_decay=0.0)
+            name = f"gefen_{mode}/" + ",".join(f"{k}={str(v).replace('torch.', '')}" for k, v in c.items()
+                                              if len(axes[k]) > 1)
+            out.append(KernelLaunch(name, kernel, args, dict(const, **table_const)))
+    return out

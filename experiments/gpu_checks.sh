@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Every GPU check in one command, each step time-limited (under 10 minutes in all on one H200).
+# Run from the repository root on a CUDA machine:
+#
+#     bash experiments/gpu_checks.sh [RESULTS_DIR]      # Default: results/gpu ("$OUT" on a lent machine)
+#
+# Steps (each runs even if an earlier one failed; the summary lists every status):
+#   1. the Triton kernel tests without the interpreter: tests/test_dsa_kernels.py and
+#      tests/test_gefen_kernels.py with the kernels compiled and run on the GPU
+#      (tests/_device_launchers.py) -> kernel_tests.xml
+#   2. experiments/bench_dsa_gpu.py at the seed's configuration -> dsa_gpu.csv
+#   3. experiments/bench_kernels.py at 125M and 1.5B, fp32 and bf16, with the device's copy
+#      bandwidth -> gefen_kernels.csv (upstream gefen left out: it needs nvcc and its own build)
+#   4. experiments/kernel_resources.py with predicted times at that measured copy bandwidth, and its
+#      README section -> kernel_resources.csv, README.md
+# plus gpu_checks.log (everything printed) and environment.txt (nvidia-smi, versions).
+set -u
+cd "$(dirname "$0")/.."
+R="${1:-results/gpu}"
+mkdir -p "$R"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" WANDB_MODE=disabled PYTHONUNBUFFERED=1
+exec > >(tee "$R/gpu_checks.log") 2>&1
+{ nvidia-smi; python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } \
+    > "$R/environment.txt" 2>&1
+declare -a SUMMARY
+step() {  # step NAME SECONDS COMMAND...
+    local name=$1 limit=$2 start=$SECONDS
+    shift 2
+    echo "=== $name (limit ${limit}s): $*"
+    timeout "$limit" "$@"
+    local rc=$?
+    SUMMARY+=("$(printf '%-22s exit %-4s %5ss' "$name" "$rc" "$((SECONDS - start))")")
+}
+step kernel-tests 120 env TRITON_INTERPRET=0 python -m pytest -q -p no:cacheprovider -p tests._device_launchers \
+    tests/test_dsa_kernels.py tests/test_gefen_kernels.py \
+    -k "(triton or gefen_kernels) and not bad_inputs and not optimizer" --junitxml="$R/kernel_tests.xml"
+step bench_dsa_gpu 180 python experiments/bench_dsa_gpu.py --results-dir "$R" --repeats 3 --steps 50
+step bench_kernels 210 python experiments/bench_kernels.py --results-dir "$R" --skip-upstream --reps 10 \
+    --kernel-tiles 1024x4,4096x16
+step kernel_resources 60 python experiments/kernel_resources.py --results-dir "$R" --workers 12 \
+    --bandwidth-from "$R/gefen_kernels.csv"
+step analysis 30 python analysis/kernel_resources.py --results-dir "$R"
+echo "=== summary (results in $R)"
+printf '%s\n' "${SUMMARY[@]}"
