@@ -115,12 +115,12 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
         store = RowStateFile(os.path.join(self.state_dir, f"param{k:04d}.dsa"), p.shape[0], _cols(p),
                              width, sdtype, huge_pages=huge)
         self._stores[p] = store
+        if self._executor is None:  # its thread starts at the first prefetch
+            self._executor = pipeline.make_executor()
         if p.is_cuda if self.staging is None else self.staging:
-            if self._executor is None:
-                self._executor = pipeline.make_executor()
             stager, sparse_fn = pipeline.RowStager(store, p.device, self._executor), None
         else:
-            stager = pipeline.DirectStager(store, p.device)
+            stager = pipeline.DirectStager(store, p.device, self._executor)
         self._routes[p] = (stager, rows_fn, sparse_fn)
         self._steps[p] = store.step
         self.state[p] = self._state_entry(p)
@@ -188,10 +188,11 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
         return loss
 
     def _step_param(self, p, g, step, hyper):
-        _, _, sparse_fn = self._routes[p]
+        stager, _, sparse_fn = self._routes[p]
         vals = g._values().reshape(g._nnz(), _cols(p))  # a 1-D table is updated as N x 1
         w_all = p if p.dim() == 2 else p.unsqueeze(1)
         if sparse_fn is not None:
+            stager.fetch(g._indices()[0].cpu())
             sparse_fn(w_all, g._indices()[0], vals.to(p.dtype), self._stores[p].writable(), step, **hyper)
             return
         rows = g._indices()[0]
@@ -267,9 +268,10 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
         """Announce rows the next step will touch, so their state pages are read meanwhile.
 
         ``indices``: any integer tensor of row indices (e.g. the next batch) of ``param`` (needed only
-        when the optimizer has several parameters). For CPU weights the pages are requested with
-        ``madvise(MADV_WILLNEED)``, which returns at once and reads in the background; on a warm page
-        cache it gains nothing. For staged weights (CUDA, or ``staging=True``) the rows'
+        when the optimizer has several parameters). For CPU weights a background thread queues
+        reads of the rows' pages (``posix_fadvise(WILLNEED)``, all in flight together) and the next
+        step waits until they are queued; the step itself reads the file, so results do not depend
+        on announcements. On a warm page cache it gains nothing. For staged weights (CUDA, or ``staging=True``) the rows'
         records are gathered into a pinned buffer on a background thread, and the step whose unique
         rows equal them uses it (steps in between keep it up to date, ``load_state_dict`` drops it;
         see ``pipeline.py``). Writing the state tensors by hand between ``prefetch`` and ``step`` is
