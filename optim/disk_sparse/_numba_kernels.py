@@ -275,6 +275,48 @@ def _tiled(sorted_idx, perm, starts, n_rows, values, records, weight, c1, c2, ep
             _call_int(threads_fn, mkl_threads)
 
 
+def _compact(sorted_idx, perm, starts, n_rows, values, codes, floats, weight, c1, c2, eps, neg_step_size,
+             maximize, n_chunks):
+    """``reference.compact_adam_rows`` per unique row, in place on compact records (``compact.py``):
+    ``codes`` and ``floats`` are int8 and float32 views of the same records (s = floats[r, 0],
+    v = floats[r, 1], q = codes[r, 8:8 + D]). Same operations and order as the reference; the row
+    mean of g² is summed in float64 (its order differs from torch's, its rounding almost never)."""
+    d = values.shape[1]
+    q0 = 8
+    for c in prange(n_chunks):
+        u0 = c * n_rows // n_chunks
+        u1 = (c + 1) * n_rows // n_chunks
+        gsum = np.empty(d, dtype=np.float32)
+        for u in range(u0, u1):
+            if u + PREFETCH_AHEAD < u1:
+                ahead = sorted_idx[starts[u + PREFETCH_AHEAD]]
+                _prefetch_row(codes, ahead)
+                _prefetch_row(weight, ahead)
+            _sum_rows(values, perm, starts[u], starts[u + 1], maximize, gsum)
+            r = sorted_idx[starts[u]]
+            sq = 0.0
+            for k in range(d):
+                sq += np.float64(gsum[k]) * np.float64(gsum[k])
+            g2 = np.float32(sq / d)
+            v = floats[r, 1]
+            v = v + (g2 - v) * c2
+            floats[r, 1] = v
+            denom = np.sqrt(v) + eps
+            dec = floats[r, 0] / np.float32(127.0)
+            amax = np.float32(0.0)
+            wr, qr = weight[r], codes[r]
+            for k in range(d):
+                m = np.float32(qr[q0 + k]) * dec
+                m = m + (gsum[k] - m) * c1
+                gsum[k] = m
+                amax = max(amax, abs(m))
+                wr[k] = wr[k] + (m / denom) * neg_step_size
+            inv = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
+            for k in range(d):
+                qr[q0 + k] = np.int8(min(max(np.rint(gsum[k] * inv), -127.0), 127.0))
+            floats[r, 0] = amax
+
+
 def _named(fn, name):
     """A copy of ``fn`` under another name: numba's disk cache keys kernels by name, so the serial and
     parallel compilations of one body need two."""
@@ -291,3 +333,5 @@ fused = njit(**_opts)(_named(_fused, "fused"))
 fused_parallel = njit(parallel=True, **_opts)(_named(_fused, "fused_parallel"))
 tiled = njit(**_opts)(_named(_tiled, "tiled"))
 tiled_parallel = njit(parallel=True, **_opts)(_named(_tiled, "tiled_parallel"))
+compact = njit(**_opts)(_named(_compact, "compact"))
+compact_parallel = njit(parallel=True, **_opts)(_named(_compact, "compact_parallel"))

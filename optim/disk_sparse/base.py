@@ -19,7 +19,7 @@ import torch
 
 from ..backends import BACKENDS, resolve_backend
 from . import checkpoint, pipeline
-from .store import RowStateFile, StateFileError, fits_in_page_cache  # noqa: F401  (StateFileError re-exported)
+from .store import STATE_FORMATS, RowStateFile, StateFileError, fits_in_page_cache  # noqa: F401
 from .params import (_check_param, _clear_state, _cols, _make_writable_dir, _remove_dir_of,  # noqa: F401
                      _state_files_in)
 from .torch_ops import coalesce_rows
@@ -62,7 +62,11 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
         raise NotImplementedError
 
     def __init__(self, params, defaults, state_dir=None, backend="auto", huge_pages=None, staging=None,
-                 resume=False):
+                 resume=False, state_format="exact"):
+        if state_format not in STATE_FORMATS:
+            raise ValueError(f"{type(self).__name__}: state_format must be one of {STATE_FORMATS}, "
+                             f"got {state_format!r}")
+        self.state_format = state_format
         if backend not in BACKENDS:
             raise ValueError(f"{type(self).__name__}: backend must be one of {BACKENDS}, got {backend!r}")
         if huge_pages not in (None, True, False):
@@ -107,13 +111,15 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
         k = len(self._stores)
         _check_param(p, k, type(self).__name__, self._table_dims)
         sdtype = p.dtype if p.dtype in (torch.float32, torch.float64) else torch.float32
+        if self.state_format == "compact":
+            sdtype = torch.uint8  # byte records (compact.py)
         width = self._state_width(_cols(p))
         huge = self.huge_pages
         if huge is None:
             huge = fits_in_page_cache(p.shape[0] * width * torch.empty((), dtype=sdtype).element_size())
         rows_fn, sparse_fn = self._kernels(self._backend_for(p, k))
         store = RowStateFile(os.path.join(self.state_dir, f"param{k:04d}.dsa"), p.shape[0], _cols(p),
-                             width, sdtype, huge_pages=huge)
+                             width, sdtype, huge_pages=huge, state_format=self.state_format)
         self._stores[p] = store
         if self._executor is None:  # its thread starts at the first prefetch
             self._executor = pipeline.make_executor()
@@ -206,7 +212,7 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
         g = g.coalesce()
         (r, c), vals = g._indices(), g._values()
         rows, inv = torch.unique(r, return_inverse=True)
-        dense = torch.zeros(rows.numel(), p.shape[1], dtype=self._stores[p].records.dtype, device=vals.device)
+        dense = torch.zeros(rows.numel(), p.shape[1], dtype=self._compute_dtype(p), device=vals.device)
         dense[inv, c] = vals.to(dense.dtype)
         mask = torch.zeros(dense.shape, dtype=torch.bool, device=vals.device)
         mask[inv, c] = True
@@ -222,13 +228,18 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
         w = stager.weight_rows(w_all, rows)
         if mask is not None:
             w_old, rec_old = w.clone(), rec.clone()
-        rows_fn(w, vals.to(rec.dtype).contiguous(), rec, step, **hyper)
+        rows_fn(w, vals.to(self._compute_dtype(p)).contiguous(), rec, step, **hyper)
         if mask is not None:
             w = torch.where(mask, w, w_old)
             rec_mask = mask.to(rec.device).repeat(1, rec.shape[1] // mask.shape[1])
             rec.copy_(torch.where(rec_mask, rec, rec_old))
         w_all.index_copy_(0, rows, w)
         stager.commit(rows_cpu, rec, host)
+
+    def _compute_dtype(self, p):
+        """The dtype of the row update: the state's, float32 for compact (byte) records."""
+        dtype = self._stores[p].dtype
+        return dtype if dtype.is_floating_point else torch.float32
 
     def _checked_grad(self, p):
         g = p.grad
@@ -238,6 +249,10 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
                 f"{type(self).__name__} needs sparse gradients: build the table with "
                 "nn.Embedding(..., sparse=True) or nn.EmbeddingBag(..., sparse=True), or use "
                 "torch.optim.Adam for dense parameters")
+        if g.sparse_dim() == 2 and self.state_format == "compact":
+            raise RuntimeError(f"parameter {self._index(p)}: state_format='compact' takes row-sparse gradients "
+                               "(nn.Embedding(sparse=True)); an element-sparse gradient would change part of a "
+                               "row's coded first moment. Use state_format='exact'")
         if not (g.sparse_dim() == 1 or (g.sparse_dim() == 2 == p.dim() and self._element_sparse)):
             raise RuntimeError(f"parameter {self._index(p)}: {type(self).__name__} takes row-sparse gradients "
                                "(sparse_dim 1, as nn.Embedding(sparse=True) produces)"
@@ -295,7 +310,8 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
 
     # -- checkpoints -------------------------------------------------------------------------------
     def state_dict(self):
-        """Step and moments of every parameter; the moments are copy-on-write views of the files.
+        """Step and moments of every parameter; the moments are copy-on-write views of the files
+        (in the compact format, copies: its codes, scales and v share each record's bytes).
 
         ``torch.save`` streams them from the files without a copy in RAM. Until a later step
         writes a row, the tensors show the file as it is (save before stepping again); what another
@@ -306,7 +322,10 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
         live = {p: self.state[p] for p in self._stores}
         try:  # torch packs (and its state-dict hooks see) these copy-on-write entries, not the live ones
             for p, store in self._stores.items():
-                self.state[p] = dict(live[p], **self._views(p, store.private_records()))
+                views = self._views(p, store.private_records())
+                if self.state_format == "compact":  # torch.save cannot save one storage as several dtypes
+                    views = {k: v.clone() for k, v in views.items()}
+                self.state[p] = dict(live[p], **views)
             return super().state_dict()
         finally:
             self.state.update(live)
