@@ -23,6 +23,7 @@ from .store import STATE_FORMATS, RowStateFile, StateFileError, fits_in_page_cac
 from .params import (_check_param, _clear_state, _cols, _make_writable_dir, _remove_dir_of,  # noqa: F401
                      _state_files_in)
 from .torch_ops import coalesce_rows
+from .weights import weight_file
 
 from .checkpoint import EXP_AVG, EXP_AVG_SQ, STEP  # noqa: F401  (re-exported)
 
@@ -83,6 +84,7 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
         self.state_dir = os.fspath(state_dir)
         self._owner = os.getpid()  # a forked child only drops its copies (see close)
         self._stores: dict = {}  # parameter -> RowStateFile
+        self._weight_files: dict = {}  # parameter -> weights.WeightFile, for weights in a file
         self._routes: dict = {}  # parameter -> (stager, rows_fn, sparse_fn)
         self._steps: dict = {}
         self._executor = None  # the background gather thread of the staged pipeline
@@ -118,15 +120,26 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
         if huge is None:
             huge = fits_in_page_cache(p.shape[0] * width * torch.empty((), dtype=sdtype).element_size())
         rows_fn, sparse_fn = self._kernels(self._backend_for(p, k))
-        store = RowStateFile(os.path.join(self.state_dir, f"param{k:04d}.dsa"), p.shape[0], _cols(p),
-                             width, sdtype, huge_pages=huge, state_format=self.state_format)
+        path = os.path.join(self.state_dir, f"param{k:04d}.dsa")
+        resume_step = 0 if os.path.exists(path) else None  # an existing state file is resumed
+        store = RowStateFile(path, p.shape[0], _cols(p), width, sdtype, huge_pages=huge,
+                             state_format=self.state_format)
+        wf = weight_file(p)
+        if wf is not None and resume_step is not None and wf.step != store.step:
+            store.close()
+            raise StateFileError(
+                f"weight file {wf.path} is at step {wf.step} but state file {store.path} at step "
+                f"{store.step}: they were not flushed together; restore both from one checkpoint")
         self._stores[p] = store
+        if wf is not None:
+            self._weight_files[p] = wf
         if self._executor is None:  # its thread starts at the first prefetch
             self._executor = pipeline.make_executor()
         if p.is_cuda if self.staging is None else self.staging:
             stager, sparse_fn = pipeline.RowStager(store, p.device, self._executor), None
         else:
             stager = pipeline.DirectStager(store, p.device, self._executor)
+        stager.weight_file = wf
         self._routes[p] = (stager, rows_fn, sparse_fn)
         self._steps[p] = store.step
         self.state[p] = self._state_entry(p)
@@ -183,6 +196,8 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
                 if p.grad is None:
                     continue
                 g = self._checked_grad(p)
+                if p in self._weight_files:
+                    self._weight_files[p].mark_dirty()
                 self._steps[p] += 1  # like SparseAdam, a present gradient counts even when empty
                 self.state[p][STEP] = self._steps[p]
                 if not g._nnz():
@@ -348,9 +363,12 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def flush(self):
-        """Write every state file to disk and mark it clean at the current step."""
+        """Write every state file (and weight file, ``weights.py``) to disk and mark it clean at the
+        current step."""
         self._check_open()
         for p, store in self._stores.items():
+            if p in self._weight_files:  # the weights first: a clean state file implies clean weights
+                self._weight_files[p].flush(self._steps[p])
             store.flush(self._steps[p])
 
     def close(self):
@@ -370,7 +388,11 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
                 self._executor.shutdown(wait=True)
             self._routes.clear()
             for p, store in self._stores.items():
+                wf = self._weight_files.get(p)
+                if wf is not None and not wf.closed:  # flushed, left open: the module owns it
+                    wf.flush(self._steps[p])
                 store.close(self._steps[p])
+            self._weight_files.clear()
         finally:
             _clear_state(self)
             if self._own_dir:

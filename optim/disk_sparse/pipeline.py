@@ -81,15 +81,20 @@ class DirectStager:
     step reads the file itself), so they can never be stale. Holds no buffers."""
 
     hits = misses = patched_rows = 0
+    weight_file = None  # the weights' file (``weights.py``), read ahead with the records
 
     def __init__(self, store, device, executor=None):
         self.store, self.device, self.executor = store, torch.device(device), executor
         self.pending: deque = deque()
 
+    def _files(self):
+        return (self.store,) if self.weight_file is None else (self.store, self.weight_file)
+
     def fetch(self, rows: torch.Tensor):
         """Make the pages of ``rows`` (CPU int64, any order) arrive together before a step reads them."""
         self.invalidate()  # announced reads are queued (a step could otherwise queue them twice)
-        self.store.fetch(rows)
+        for f in self._files():
+            f.fetch(rows)
 
     def acquire(self, rows: torch.Tensor) -> torch.Tensor:
         self.fetch(rows)
@@ -107,10 +112,11 @@ class DirectStager:
         self.store.scatter(rows, dev.cpu())
 
     def prefetch(self, rows: torch.Tensor):
-        if self.executor is None:
-            self.store.read_ahead(rows)
-        else:
-            self.pending.append(self.executor.submit(self.store.read_ahead, rows))
+        for f in self._files():
+            if self.executor is None:
+                f.read_ahead(rows)
+            else:
+                self.pending.append(self.executor.submit(f.read_ahead, rows))
 
     def invalidate(self):
         """Wait for the queued read-aheads (their failures do not matter: the step reads the file)."""
@@ -139,6 +145,8 @@ class RowStager:
     three one that looks two batches ahead); when one more arrives, the oldest is dropped.
     """
 
+    weight_file = None  # CPU weights in a file (``weights.py``): read ahead with announced records
+
     def __init__(self, store, device, executor, depth: int = 3):
         self.store, self.device, self.executor, self.depth = store, torch.device(device), executor, depth
         self.cuda = self.device.type == "cuda"
@@ -161,6 +169,8 @@ class RowStager:
         """Start gathering the records of ``rows`` (CPU int64, sorted unique) in the background."""
         while len(self.pending) >= self.depth:
             self._drop(self.pending.popleft())
+        if self.weight_file is not None:
+            self.weight_file.read_ahead(rows)
         buf = self._free_buffer()
         out = buf.view(rows.numel(), self.store.width)
         fut = self.executor.submit(self._gather, rows, out, True)

@@ -64,6 +64,7 @@ _DTYPES = {1: torch.float32, 2: torch.float64, 3: torch.uint8}
 _CODES = {v: k for k, v in _DTYPES.items()}
 _NP_DTYPES = {torch.float32: np.float32, torch.float64: np.float64, torch.uint8: np.uint8}
 STATE_FORMATS = ("exact", "compact")
+_FILE_FORMATS = STATE_FORMATS + ("weights",)  # the header's format field; "weights": weights.py's files
 SAMPLE_PAGES = 16  # pages fetch() checks for residency before asking for all of a step's pages
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
@@ -114,7 +115,7 @@ class RowStateFile:
                  state_format: str = "exact"):
         if dtype not in _CODES:
             raise TypeError(f"state file {path}: state dtype must be float32, float64 or uint8, got {dtype}")
-        if state_format not in STATE_FORMATS:
+        if state_format not in _FILE_FORMATS:
             raise ValueError(f"state file {path}: state_format must be one of {STATE_FORMATS}, got {state_format!r}")
         self.state_format = state_format
         self.path = os.fspath(path)
@@ -182,8 +183,8 @@ class RowStateFile:
         if version != FORMAT_VERSION:
             raise StateFileError(f"state file {self.path} has format version {version}, this code reads "
                                  f"{FORMAT_VERSION}; restore a checkpoint into a fresh state_dir")
-        if fmt >= len(STATE_FORMATS) or STATE_FORMATS[fmt] != self.state_format:
-            have = STATE_FORMATS[fmt] if fmt < len(STATE_FORMATS) else f"unknown format {fmt}"
+        if fmt >= len(_FILE_FORMATS) or _FILE_FORMATS[fmt] != self.state_format:
+            have = _FILE_FORMATS[fmt] if fmt < len(_FILE_FORMATS) else f"unknown format {fmt}"
             raise StateFileError(
                 f"state file {self.path} holds state_format={have!r} state, but the optimizer uses "
                 f"state_format={self.state_format!r}; create the optimizer with state_format={have!r} "
@@ -234,7 +235,7 @@ class RowStateFile:
     def _write_header(self, step, clean):
         os.pwrite(self._fd, _HEADER.pack(MAGIC, FORMAT_VERSION, _CODES[self.dtype], self.rows, self.cols,
                                          self.width, int(step), 1 if clean else 0,
-                                         STATE_FORMATS.index(self.state_format)), 0)
+                                         _FILE_FORMATS.index(self.state_format)), 0)
         os.fdatasync(self._fd)
         self._step = int(step)
 
