@@ -275,12 +275,42 @@ def _tiled(sorted_idx, perm, starts, n_rows, values, records, weight, c1, c2, ep
             _call_int(threads_fn, mkl_threads)
 
 
+@njit(nogil=True, fastmath={"nnan", "ninf", "nsz"}, cache=True)
+def _absmax(a):
+    """max |a| (0 for zeros); a reduction that vectorises only without NaN semantics (max is exact
+    in any order, so the value is that of a sequential loop for finite input)."""
+    amax = np.float32(0.0)
+    for k in range(a.shape[0]):
+        amax = max(amax, abs(a[k]))
+    return amax
+
+
+@njit(inline="always", cache=True)
+def _sum_squares(g):
+    """sum of g² in float64 over four interleaved partial sums (a sequential sum does not vectorise)."""
+    d = g.shape[0]
+    s0 = s1 = s2 = s3 = 0.0
+    k = 0
+    while k + 4 <= d:
+        s0 += np.float64(g[k]) * np.float64(g[k])
+        s1 += np.float64(g[k + 1]) * np.float64(g[k + 1])
+        s2 += np.float64(g[k + 2]) * np.float64(g[k + 2])
+        s3 += np.float64(g[k + 3]) * np.float64(g[k + 3])
+        k += 4
+    while k < d:
+        s0 += np.float64(g[k]) * np.float64(g[k])
+        k += 1
+    return (s0 + s1) + (s2 + s3)
+
+
 def _compact(sorted_idx, perm, starts, n_rows, values, codes, floats, weight, c1, c2, eps, neg_step_size,
              maximize, n_chunks):
     """``reference.compact_adam_rows`` per unique row, in place on compact records (``compact.py``):
     ``codes`` and ``floats`` are int8 and float32 views of the same records (s = floats[r, 0],
-    v = floats[r, 1], q = codes[r, 8:8 + D]). Same operations and order as the reference; the row
-    mean of g² is summed in float64 (its order differs from torch's, its rounding almost never)."""
+    v = floats[r, 1], q = codes[r, 8:8 + D]). Same float32 operations and order as the reference
+    except the row sum of g² (float64, in another order: its float32 rounding almost never differs)
+    and sqrt (correctly rounded here). Codes need no clamp: |m| <= s, so |m * (127 / s)| rounds to
+    at most 127."""
     d = values.shape[1]
     q0 = 8
     for c in prange(n_chunks):
@@ -294,26 +324,22 @@ def _compact(sorted_idx, perm, starts, n_rows, values, codes, floats, weight, c1
                 _prefetch_row(weight, ahead)
             _sum_rows(values, perm, starts[u], starts[u + 1], maximize, gsum)
             r = sorted_idx[starts[u]]
-            sq = 0.0
-            for k in range(d):
-                sq += np.float64(gsum[k]) * np.float64(gsum[k])
-            g2 = np.float32(sq / d)
+            g2 = np.float32(_sum_squares(gsum) / d)
             v = floats[r, 1]
             v = v + (g2 - v) * c2
             floats[r, 1] = v
             denom = np.sqrt(v) + eps
             dec = floats[r, 0] / np.float32(127.0)
-            amax = np.float32(0.0)
-            wr, qr = weight[r], codes[r]
+            wr, qr = weight[r], codes[r, q0:q0 + d]
             for k in range(d):
-                m = np.float32(qr[q0 + k]) * dec
-                m = m + (gsum[k] - m) * c1
-                gsum[k] = m
-                amax = max(amax, abs(m))
-                wr[k] = wr[k] + (m / denom) * neg_step_size
+                m = np.float32(qr[k]) * dec
+                gsum[k] = m + (gsum[k] - m) * c1
+            for k in range(d):
+                wr[k] = wr[k] + (gsum[k] / denom) * neg_step_size
+            amax = _absmax(gsum)
             inv = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
             for k in range(d):
-                qr[q0 + k] = np.int8(min(max(np.rint(gsum[k] * inv), -127.0), 127.0))
+                qr[k] = np.int8(np.rint(gsum[k] * inv))
             floats[r, 0] = amax
 
 
