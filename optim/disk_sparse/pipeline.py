@@ -77,8 +77,8 @@ class DirectStager:
     weights' device if that is not the CPU) and scatters them back. Before a step reads the file,
     ``fetch`` queues reads of its rows' pages if they are not cached (``RowStateFile.fetch``);
     ``prefetch`` queues them for announced rows on ``executor``'s background thread
-    (``RowStateFile.read_ahead``), which the next step waits for. Announcements carry no data (the
-    step reads the file itself), so they can never be stale. Holds no buffers."""
+    (``RowStateFile.read_ahead``). Announcements carry no data (the step reads the file itself), so
+    they can never be stale. Holds no buffers."""
 
     hits = misses = patched_rows = 0
     weight_file = None  # the weights' file (``weights.py``), read ahead with the records
@@ -91,8 +91,12 @@ class DirectStager:
         return (self.store,) if self.weight_file is None else (self.store, self.weight_file)
 
     def fetch(self, rows: torch.Tensor):
-        """Make the pages of ``rows`` (CPU int64, any order) arrive together before a step reads them."""
-        self.invalidate()  # announced reads are queued (a step could otherwise queue them twice)
+        """Make the pages of ``rows`` (CPU int64, any order) arrive together before a step reads them.
+
+        Does not wait for announced read-aheads: they may be batches ahead of this step, and pages
+        whose reads are in flight count as present (``mincore``), so none is asked for twice."""
+        while self.pending and self.pending[0].done():
+            self.pending.popleft()
         for f in self._files():
             f.fetch(rows)
 

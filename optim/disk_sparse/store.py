@@ -55,6 +55,8 @@ import struct
 import numpy as np
 import torch
 
+from . import _readahead
+
 MAGIC = b"DSAROWS\0"
 FORMAT_VERSION = 1
 HEADER_BYTES = 4096
@@ -65,7 +67,7 @@ _CODES = {v: k for k, v in _DTYPES.items()}
 _NP_DTYPES = {torch.float32: np.float32, torch.float64: np.float64, torch.uint8: np.uint8}
 STATE_FORMATS = ("exact", "compact")
 _FILE_FORMATS = STATE_FORMATS + ("weights",)  # the header's format field; "weights": weights.py's files
-SAMPLE_PAGES = 16  # pages fetch() checks for residency before asking for all of a step's pages
+SAMPLE_PAGES = 16  # pages fetch() checks for residency before asking for all of a step's pages (0: never)
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
 
@@ -320,32 +322,34 @@ class RowStateFile:
     def read_ahead(self, rows: torch.Tensor):
         """Ask the kernel to read the pages of ``rows`` (any int64 CPU row indices, in the table)
         with ``posix_fadvise(WILLNEED)``: the reads are queued together and run in the background;
-        cached pages cost a lookup. Releases the GIL in every call, so it can run on a thread."""
+        cached pages cost a lookup. The calls run without the GIL (``_readahead.py``), so a
+        background thread issues them while the training loop runs Python."""
         self._check_open()
         first, counts = self._page_runs(rows.numpy())
-        page, fd = mmap.PAGESIZE, self._fd
-        for f, c in zip(first.tolist(), counts.tolist()):
-            os.posix_fadvise(fd, f * page, c * page, os.POSIX_FADV_WILLNEED)
+        _readahead.advise(self._fd, first, counts, mmap.PAGESIZE)
 
     prefetch = read_ahead  # the name stagers call
 
-    def missing_pages(self, rows: torch.Tensor, sample: int = SAMPLE_PAGES) -> int:
-        """How many of the first ``sample`` of ``rows``' record pages are not in the page cache
-        (``mincore`` on the mapping); a step's rows are in random order, so they are a sample."""
+    def missing_pages(self, rows: torch.Tensor, sample: int | None = None) -> int:
+        """How many of ``sample`` of ``rows``' record pages (evenly strided over ``rows``, which may
+        be sorted) are not in the page cache (``mincore`` on the mapping)."""
         self._check_open()
         rec = self.records.element_size() * self.width
         page = mmap.PAGESIZE
         base = self.records.data_ptr() - HEADER_BYTES  # the mapping's start, page-aligned
         vec = ctypes.c_ubyte()
         missing = 0
-        for r in rows[:sample].tolist():
+        sample = SAMPLE_PAGES if sample is None else sample
+        if sample <= 0:
+            return 0
+        for r in rows[::max(1, rows.numel() // sample)][:sample].tolist():
             off = (HEADER_BYTES + r * rec) // page * page
             if _libc.mincore(base + off, page, ctypes.byref(vec)) != 0:
                 return 0  # cannot tell (not expected for a live mapping): let the faults read
             missing += not (vec.value & 1)
         return missing
 
-    def fetch(self, rows: torch.Tensor, sample: int = SAMPLE_PAGES):
+    def fetch(self, rows: torch.Tensor, sample: int | None = None):
         """Before a step on ``rows`` (int64 CPU indices in the table, any order, duplicates allowed):
         if any of a sample of their pages is not cached, queue reads of all of them (``read_ahead``),
         so the step's page faults wait on parallel reads instead of reading one page at a time."""
