@@ -194,6 +194,7 @@ def _child_main(spec):
     gen = torch.Generator().manual_seed(1)
     nxt = torch.randint(0, rows, (batch,), generator=gen)
     times = []
+    t0 = os.times()
     t_end = time.perf_counter() + spec["seconds"]
     while len(times) < spec["steps"] and time.perf_counter() < t_end:
         idx, nxt = nxt, torch.randint(0, rows, (batch,), generator=gen)
@@ -203,7 +204,10 @@ def _child_main(spec):
     if hasattr(opt, "close"):
         opt.close()
     steady = times[spec["warmup"]:] or times
-    print(json.dumps(dict(steps=len(times), samples_per_s=batch * len(steady) / sum(steady))), flush=True)
+    t1 = os.times()
+    print(json.dumps(dict(steps=len(times), samples_per_s=batch * len(steady) / sum(steady),
+                          user_s_per_step=(t1.user - t0.user) / len(times), sys_s_per_step=(t1.system - t0.system) / len(times),
+                          wall_s_per_step=sum(times) / len(times))), flush=True)
 
 
 def _run_limited(spec, limit_bytes, timeout):

@@ -6,6 +6,7 @@ page cache dropped between steps must equal a run without any, and both must equ
 ``torch.optim.SparseAdam`` bitwise (atol 0), as the trajectory tests require of the direct path.
 """
 
+import os
 import time
 
 import pytest
@@ -93,3 +94,22 @@ def test_prefetch_checks_indices():
         with pytest.raises(IndexError):
             opt.prefetch(torch.tensor([3, 10]))
         opt.prefetch(torch.tensor([], dtype=torch.int64))  # nothing to read
+
+
+def test_memory_limit_reads_the_process_own_cgroup(tmp_path):
+    from optim.disk_sparse.store import memory_limit_bytes
+
+    phys = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    (tmp_path / "memory" / "a" / "b").mkdir(parents=True)
+    (tmp_path / "memory" / "a" / "memory.limit_in_bytes").write_text(f"{phys // 2}\n")
+    (tmp_path / "memory" / "a" / "b" / "memory.limit_in_bytes").write_text(f"{phys // 4}\n")
+    proc = tmp_path / "cgroup"
+    proc.write_text("5:cpu,memory:/a/b\n0::/x\n")
+    assert memory_limit_bytes(str(tmp_path), str(proc)) == phys // 4
+    proc.write_text("5:memory:/a\n")
+    assert memory_limit_bytes(str(tmp_path), str(proc)) == phys // 2  # the child's limit does not apply
+    (tmp_path / "x").mkdir()
+    (tmp_path / "x" / "memory.max").write_text(f"{phys // 3}\n")
+    proc.write_text("0::/x\n")
+    assert memory_limit_bytes(str(tmp_path), str(proc)) == phys // 3
+    assert memory_limit_bytes(str(tmp_path), str(tmp_path / "missing")) == phys

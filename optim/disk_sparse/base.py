@@ -117,8 +117,9 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
             sdtype = torch.uint8  # byte records (compact.py)
         width = self._state_width(_cols(p))
         huge = self.huge_pages
+        nbytes = p.shape[0] * width * torch.empty((), dtype=sdtype).element_size()
         if huge is None:
-            huge = fits_in_page_cache(p.shape[0] * width * torch.empty((), dtype=sdtype).element_size())
+            huge = fits_in_page_cache(nbytes)
         rows_fn, sparse_fn = self._kernels(self._backend_for(p, k))
         path = os.path.join(self.state_dir, f"param{k:04d}.dsa")
         resume_step = 0 if os.path.exists(path) else None  # an existing state file is resumed

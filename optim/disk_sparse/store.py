@@ -72,17 +72,40 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
 
 
-def memory_limit_bytes(cgroup_root: str = "/sys/fs/cgroup") -> int | None:
+def _own_cgroups(proc_cgroup: str):
+    """This process's cgroup paths, ``{"v1": path of the memory controller, "v2": unified path}``."""
+    paths = {}
+    try:
+        with open(proc_cgroup) as f:
+            for line in f:
+                _, controllers, path = line.rstrip("\n").split(":", 2)
+                if controllers == "":
+                    paths["v2"] = path
+                elif "memory" in controllers.split(","):
+                    paths["v1"] = path
+    except (OSError, ValueError):
+        pass
+    return paths
+
+
+def memory_limit_bytes(cgroup_root: str = "/sys/fs/cgroup", proc_cgroup: str = "/proc/self/cgroup") -> int | None:
     """The memory this process may use: physical RAM, or a smaller cgroup v2 / v1 limit (the page
-    cache counts against it in a container). ``None`` if it cannot be told."""
+    cache counts against it) of the root or of this process's own cgroup and its ancestors (as
+    ``/proc/self/cgroup`` names them). ``None`` if it cannot be told."""
     limits = []
     try:
         limits.append(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
     except (ValueError, OSError, AttributeError):
         pass
-    for name in ("memory.max", "memory/memory.limit_in_bytes"):
+    own = _own_cgroups(proc_cgroup)
+    candidates = []
+    for version, root, name in (("v2", cgroup_root, "memory.max"),
+                                ("v1", os.path.join(cgroup_root, "memory"), "memory.limit_in_bytes")):
+        parts = [q for q in own.get(version, "").split("/") if q]
+        candidates += [os.path.join(root, *parts[:k], name) for k in range(len(parts) + 1)]
+    for path in candidates:
         try:
-            with open(os.path.join(cgroup_root, name)) as f:
+            with open(path) as f:
                 text = f.read().strip()
         except OSError:
             continue
