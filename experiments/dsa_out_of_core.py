@@ -13,10 +13,10 @@ Parts (``--parts``; each writes its own rows):
   repeat an earlier step's rarely). Variants, interleaved in a shuffled order per repeat: exact DSA
   reading its pages one fault at a time (``store.SAMPLE_PAGES = 0``: no parallel reads), with the
   step's pages read in parallel (the default), with the next batch announced (``prefetch``) before
-  each step's forward pass, and the compact format with prefetch. In the same repeats the disk's
+  each step's forward pass, and the compact format likewise. In the same repeats the disk's
   4 KiB random-read rate on the dropped state file: one ``pread`` at a time (queue depth 1) and 32
   threads doing ``pread`` (queue depth 32). Bound of a cold step: one page read per touched record
-  page at that rate.
+  page at that rate. Then warm steps of both formats (state files read into the cache), interleaved.
 - ``limits``: a 2M x 128 table (1 GiB of float32 weights in RAM; --quick 500k x 64), batch 2048
   uniform rows, under memory cgroup (v1) limits: each run is a child process in a fresh cgroup
   (removed afterwards) that reads the state file once (keeping what the limit allows), then steps
@@ -119,6 +119,7 @@ def run_cold(args, res, tmp):
                 "exact/prefetch": ("exact", True, sample_pages), "compact/parallel": ("compact", False, sample_pages),
                 "compact/prefetch": ("compact", True, sample_pages)}
     speed = {v: [] for v in variants}
+    cpu = {v: [] for v in variants}  # samples per CPU second of the process (user + system)
     reads = {1: [], 32: []}
     pages_per_step = {"exact": [], "compact": []}
     for rep in range(args.reps):
@@ -131,15 +132,18 @@ def run_cold(args, res, tmp):
             store_mod.SAMPLE_PAGES = sample
             st = opt.state_files()[0]
             st.drop_cache()
-            t = time.perf_counter()
+            t, c = time.perf_counter(), os.times()
             for k in range(args.cold_steps):
                 _seed_step(emb, opt, batches[k], batches[k + 1] if announce else None)
             speed[name].append(batch * args.cold_steps / (time.perf_counter() - t))
+            c1 = os.times()
+            cpu[name].append(batch * args.cold_steps / (c1.user + c1.system - c.user - c.system))
             store_mod.SAMPLE_PAGES = sample_pages
             pages_per_step[fmt] += [int(st._page_runs(torch.unique(b).numpy())[1].sum()) for b in batches[:2]]
         path = opts["exact"].state_files()[0].path
         for qd in reads:
             reads[qd].append(read_rate(path, args.disk_reads, qd, args.seed + rep))
+    _warm(args, res, x, embs, opts, gen, rows, batch)
     for opt in opts.values():
         opt.close()
     # pages a step's rows lie on (of the first step after a drop: later steps of a compact table
@@ -155,11 +159,36 @@ def run_cold(args, res, tmp):
         res.add(f"disk/{fmt}", "pages_per_step", "pages", n, **x)
     for v, s in med.items():
         res.add(f"DiskSparseAdam/{v}", "cold_throughput", "samples/s", s, **x)
+        res.add(f"DiskSparseAdam/{v}", "cold_throughput_per_cpu_second", "samples/s", statistics.median(cpu[v]), **x)
         for qd, r in rate.items():
             res.add(f"DiskSparseAdam/{v}", f"cold_over_QD{qd}_bound", "x", s / (batch * r / pages[variants[v][0]]), **x)
     print(f"[cold] disk QD1 {rate[1]:,.0f} reads/s, QD32 {rate[32]:,.0f} reads/s, pages/step {pages}; "
           + ", ".join(f"{v} {s:,.0f} samples/s ({s / (batch * rate[32] / pages[variants[v][0]]):.2f} of QD32 bound)"
                       for v, s in med.items()))
+
+
+def _warm(args, res, x, embs, opts, gen, rows, batch):
+    """Warm steps (both state files read into the page cache first), the formats interleaved."""
+    for opt in opts.values():
+        with open(opt.state_files()[0].path, "rb", buffering=0) as f:
+            while f.read(8 << 20):
+                pass
+    speed = {fmt: [] for fmt in opts}
+    for rep in range(args.reps):
+        order = list(opts)
+        random.Random(100 + rep).shuffle(order)
+        for fmt in order:
+            batches = [torch.randint(0, rows, (batch,), generator=gen) for _ in range(args.warm_steps)]
+            t = time.perf_counter()
+            for idx in batches:
+                _seed_step(embs[fmt], opts[fmt], idx)
+            speed[fmt].append(batch * len(batches) / (time.perf_counter() - t))
+    med = {fmt: statistics.median(v) for fmt, v in speed.items()}
+    for fmt, v in med.items():
+        res.add(f"DiskSparseAdam/{fmt}/warm", "warm_throughput", "samples/s", v, **x)
+    res.add("ratio", "compact_over_exact_warm", "x", med["compact"] / med["exact"], **x)
+    print(f"[warm] exact {med['exact']:,.0f}, compact {med['compact']:,.0f} samples/s "
+          f"(compact / exact {med['compact'] / med['exact']:.2f})")
 
 
 # -- memory limits ---------------------------------------------------------------------------------
@@ -286,11 +315,15 @@ def run_limits(args, res, tmp):
             print(f"[limits] {variant} @ {xv} GiB: " + (f"{out['samples_per_s']:,.0f} samples/s over {out['steps']} steps"
                                                        if done else f"not completed ({rc})")
                   + f", peak {peak / 2**30:.2f} GiB")
-    res.add("table", "weights_bytes", "bytes", rows * dim * 4, x_name="config", x_value=f"{rows}x{dim}")
-    res.add("table", "exact_state_bytes", "bytes", rows * dim * 8, x_name="config", x_value=f"{rows}x{dim}")
     from optim.disk_sparse import compact
-    res.add("table", "compact_state_bytes", "bytes", rows * compact.record_bytes(dim), x_name="config",
-            x_value=f"{rows}x{dim}")
+
+    table = dict(x_name="config", x_value=f"{rows}x{dim}")
+    res.add("table", "rows", "rows", rows, **table)
+    res.add("table", "dim", "values", dim, **table)
+    res.add("table", "weights_bytes", "bytes", rows * dim * 4, **table)
+    res.add("table", "exact_state_bytes", "bytes", rows * dim * 8, **table)
+    res.add("table", "compact_state_bytes", "bytes", rows * compact.record_bytes(dim), **table)
+    res.add("table", "compact_bytes_per_row", "bytes", compact.record_bytes(dim), **table)
 
 
 def _drop_file_cache(state_dir):
@@ -414,18 +447,19 @@ def main(argv=None):
     add_common_args(parser)
     parser.add_argument("--parts", default="cold,limits,quality", help="comma-separated: cold, limits, quality")
     parser.add_argument("--reps", type=int, default=None, help="cold repeats (default 5, --quick 2)")
-    parser.add_argument("--cold-steps", type=int, default=None, help="steps per cold repeat (default 10, --quick 4)")
+    parser.add_argument("--cold-steps", type=int, default=None, help="steps per cold repeat (default 16, --quick 4)")
+    parser.add_argument("--warm-steps", type=int, default=20, help="steps per warm repeat")
     parser.add_argument("--disk-reads", type=int, default=4000)
     parser.add_argument("--limits", default=None,
-                        help="memory limits in GiB (default 1.5,2,2.5,3,4; --quick 0.75,1,1.5); no limit is always run")
-    parser.add_argument("--limit-seconds", type=float, default=None, help="seconds per limited run (default 30, --quick 10)")
+                        help="memory limits in GiB (default 1.75,2,2.5,3,4; --quick 0.75,1,1.5); no limit is always run")
+    parser.add_argument("--limit-seconds", type=float, default=None, help="seconds per limited run (default 25, --quick 10)")
     parser.add_argument("--limit-steps", type=int, default=400, help="at most this many steps per limited run")
     parser.add_argument("--state-dir", default=None, help="where the state files go (default: a temp dir)")
     args = parser.parse_args(argv)
     args.reps = args.reps or (2 if args.quick else 5)
-    args.cold_steps = args.cold_steps or (4 if args.quick else 10)
-    args.limits = args.limits or ("0.75,1,1.5" if args.quick else "1.5,2,2.5,3,4")
-    args.limit_seconds = args.limit_seconds or (10.0 if args.quick else 30.0)
+    args.cold_steps = args.cold_steps or (4 if args.quick else 16)
+    args.limits = args.limits or ("0.75,1,1.5" if args.quick else "1.75,2,2.5,3,4")
+    args.limit_seconds = args.limit_seconds or (10.0 if args.quick else 25.0)
     torch.set_num_threads(1)
     parts = args.parts.split(",")
     with Results("dsa_out_of_core", args, config=vars(args)) as res, \

@@ -32,6 +32,7 @@ EXPERIMENTS = {
     "correctness": ["correctness"],
     "dsa_fault_injection": ["dsa_fault_injection"],
     "dsa_throughput": ["dsa_throughput"],
+    "dsa_out_of_core": ["dsa_out_of_core"],
     "poincare": ["poincare"],
     "codebook_dp": ["codebook"],
     "gefen_memory": ["gefen_memory"],
@@ -40,7 +41,7 @@ EXPERIMENTS = {
     "convergence": ["convergence"],
 }
 # analysis script -> the figure it draws (None: a results/README.md section only)
-FIGURE_OF = {"correctness": None, "dsa_fault_injection": None, "dsa_throughput": "dsa_throughput", "poincare": "poincare", "codebook": "codebook",
+FIGURE_OF = {"correctness": None, "dsa_fault_injection": None, "dsa_throughput": "dsa_throughput", "dsa_out_of_core": "dsa_out_of_core", "poincare": "poincare", "codebook": "codebook",
              "gefen_memory": "gefen_memory", "gefen_ablation": "gefen_ablation",
              "hessian_alignment": "hessian_alignment",
              "convergence": "convergence"}
