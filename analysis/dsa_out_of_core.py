@@ -153,7 +153,7 @@ def body(rows, config):
         lin = [r["value"] for r in select(rows, "m_rel_rms_error", "code/linear-int8")]
         book = [r["value"] for r in select(rows, "m_rel_rms_error", "code/codebook-256")]
         ratio = value(rows, "compact_over_exact_val_loss", "ratio")
-        text.append(f"KG task (DistMult, planted clusters), {len(ex)} seeds: final validation loss exact "
+        text.append(f"KG task (DistMult on triples of a planted DistMult teacher), {len(ex)} seeds: final validation loss exact "
                     f"{', '.join(fmt(v, 4) for v in ex)}; compact {', '.join(fmt(v, 4) for v in co)} (mean ratio "
                     f"{fmt(ratio, 4)}). First-moment reconstruction error (relative RMS, exact run's final m): "
                     f"linear int8 {fmt(sum(lin) / len(lin))}, 256-level learned codebook {fmt(sum(book) / len(book))}.")

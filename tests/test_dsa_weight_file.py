@@ -135,3 +135,21 @@ def test_sigkill_after_flush_resumes_both_files(tmp_path):
     with pytest.raises(StateFileError, match="step 0 but state file"):
         DiskSparseAdam(emb.parameters(), lr=0.01, state_dir=tmp_path / "s", resume=True)
     close_mapped(emb)
+
+
+@pytest.mark.parametrize("staging", [False, True], ids=["direct", "staged"])
+def test_mapped_table_with_announcements_equals_sparse_adam(tmp_path, staging):
+    emb = mapped_embedding(tmp_path / "w", ROWS, DIM, seed=7)
+    ram = nn.Embedding(ROWS, DIM, sparse=True)
+    ram.weight.data.copy_(emb.weight)
+    batches = _batches(8, seed=4)
+    with DiskSparseAdam(emb.parameters(), lr=0.01, state_dir=tmp_path / "s", staging=staging) as opt:
+        for k, idx in enumerate(batches):
+            if k + 1 < len(batches):
+                opt.prefetch(batches[k + 1])
+            opt.state_files()[0].drop_cache()
+            _steps(emb, opt, [idx])
+    ref = torch.optim.SparseAdam(list(ram.parameters()), lr=0.01)
+    _steps(ram, ref, batches)
+    assert torch.equal(emb.weight, ram.weight)
+    close_mapped(emb)

@@ -300,10 +300,10 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
 
         ``indices``: any integer tensor of row indices (e.g. the next batch) of ``param`` (needed only
         when the optimizer has several parameters). For CPU weights a background thread queues
-        reads of the rows' pages (``posix_fadvise(WILLNEED)``, all in flight together) and the next
-        step waits until they are queued; the step itself reads the file, so results do not depend
-        on announcements. On a warm page cache it gains nothing. For staged weights (CUDA, or ``staging=True``) the rows'
-        records are gathered into a pinned buffer on a background thread, and the step whose unique
+        reads of the rows' record pages (and of their weight rows for a ``mapped_embedding``), all
+        in flight together (``posix_fadvise(WILLNEED)``); the step itself reads the file, so results
+        do not depend on announcements. On a warm page cache it gains nothing. For staged weights
+        (CUDA, or ``staging=True``) the rows' records are gathered into a pinned buffer on a background thread, and the step whose unique
         rows equal them uses it (steps in between keep it up to date, ``load_state_dict`` drops it;
         see ``pipeline.py``). Writing the state tensors by hand between ``prefetch`` and ``step`` is
         not supported for staged weights: the announced copy would not see it.

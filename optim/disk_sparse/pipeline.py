@@ -173,8 +173,6 @@ class RowStager:
         """Start gathering the records of ``rows`` (CPU int64, sorted unique) in the background."""
         while len(self.pending) >= self.depth:
             self._drop(self.pending.popleft())
-        if self.weight_file is not None:
-            self.weight_file.read_ahead(rows)
         buf = self._free_buffer()
         out = buf.view(rows.numel(), self.store.width)
         fut = self.executor.submit(self._gather, rows, out, True)
@@ -184,6 +182,8 @@ class RowStager:
         """Gather the records of ``rows`` into ``out``, their pages read in parallel first where
         missing (``read_ahead``: all of them asked for, as for an announcement)."""
         if read_ahead:
+            if self.weight_file is not None:
+                self.weight_file.read_ahead(rows)
             self.store.read_ahead(rows)
         else:
             self.store.fetch(rows)
