@@ -334,7 +334,7 @@ class RowStateFile:
         rows = rows.astype(np.int64, copy=False)
         starts = (HEADER_BYTES + rows * rec) // mmap.PAGESIZE
         ends = (HEADER_BYTES + (rows + 1) * rec - 1) // mmap.PAGESIZE
-        pages = np.unique(np.concatenate([starts, ends])) if rec > 1 else np.unique(starts)
+        pages = np.unique(np.concatenate([starts, ends]))
         if pages.size == 0:
             return pages, pages
         breaks = np.flatnonzero(np.diff(pages) != 1) + 1
@@ -424,5 +424,5 @@ class RowStateFile:
 
     def __repr__(self):
         return (f"RowStateFile({self.path!r}, rows={self.rows}, width={self.width}, dtype={self.dtype}, "
-                f"huge_pages={self.huge_pages}, "
+                f"huge_pages={self.huge_pages}, state_format={self.state_format!r}, "
                 f"step={self._step})")
