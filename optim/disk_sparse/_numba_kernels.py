@@ -275,6 +275,74 @@ def _tiled(sorted_idx, perm, starts, n_rows, values, records, weight, c1, c2, ep
             _call_int(threads_fn, mkl_threads)
 
 
+@njit(nogil=True, fastmath={"nnan", "ninf", "nsz"}, cache=True)
+def _absmax(a):
+    """max |a| (0 for zeros); a reduction that vectorises only without NaN semantics (max is exact
+    in any order, so the value is that of a sequential loop for finite input)."""
+    amax = np.float32(0.0)
+    for k in range(a.shape[0]):
+        amax = max(amax, abs(a[k]))
+    return amax
+
+
+@njit(inline="always", cache=True)
+def _sum_squares(g):
+    """sum of g² in float64 over four interleaved partial sums (a sequential sum does not vectorise)."""
+    d = g.shape[0]
+    s0 = s1 = s2 = s3 = 0.0
+    k = 0
+    while k + 4 <= d:
+        s0 += np.float64(g[k]) * np.float64(g[k])
+        s1 += np.float64(g[k + 1]) * np.float64(g[k + 1])
+        s2 += np.float64(g[k + 2]) * np.float64(g[k + 2])
+        s3 += np.float64(g[k + 3]) * np.float64(g[k + 3])
+        k += 4
+    while k < d:
+        s0 += np.float64(g[k]) * np.float64(g[k])
+        k += 1
+    return (s0 + s1) + (s2 + s3)
+
+
+def _compact(sorted_idx, perm, starts, n_rows, values, codes, floats, weight, c1, c2, eps, neg_step_size,
+             maximize, n_chunks):
+    """``reference.compact_adam_rows`` per unique row, in place on compact records (``compact.py``):
+    ``codes`` and ``floats`` are int8 and float32 views of the same records (s = floats[r, 0],
+    v = floats[r, 1], q = codes[r, 8:8 + D]). Same float32 operations and order as the reference
+    except the row sum of g² (float64, in another order: its float32 rounding almost never differs)
+    and sqrt (correctly rounded here). Codes need no clamp: |m| <= s, so |m * (127 / s)| rounds to
+    at most 127."""
+    d = values.shape[1]
+    q0 = 8
+    for c in prange(n_chunks):
+        u0 = c * n_rows // n_chunks
+        u1 = (c + 1) * n_rows // n_chunks
+        gsum = np.empty(d, dtype=np.float32)
+        for u in range(u0, u1):
+            if u + PREFETCH_AHEAD < u1:
+                ahead = sorted_idx[starts[u + PREFETCH_AHEAD]]
+                _prefetch_row(codes, ahead)
+                _prefetch_row(weight, ahead)
+            _sum_rows(values, perm, starts[u], starts[u + 1], maximize, gsum)
+            r = sorted_idx[starts[u]]
+            g2 = np.float32(_sum_squares(gsum) / d)
+            v = floats[r, 1]
+            v = v + (g2 - v) * c2
+            floats[r, 1] = v
+            denom = np.sqrt(v) + eps
+            dec = floats[r, 0] / np.float32(127.0)
+            wr, qr = weight[r], codes[r, q0:q0 + d]
+            for k in range(d):
+                m = np.float32(qr[k]) * dec
+                gsum[k] = m + (gsum[k] - m) * c1
+            for k in range(d):
+                wr[k] = wr[k] + (gsum[k] / denom) * neg_step_size
+            amax = _absmax(gsum)
+            inv = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
+            for k in range(d):
+                qr[k] = np.int8(np.rint(gsum[k] * inv))
+            floats[r, 0] = amax
+
+
 def _named(fn, name):
     """A copy of ``fn`` under another name: numba's disk cache keys kernels by name, so the serial and
     parallel compilations of one body need two."""
@@ -291,3 +359,5 @@ fused = njit(**_opts)(_named(_fused, "fused"))
 fused_parallel = njit(parallel=True, **_opts)(_named(_fused, "fused_parallel"))
 tiled = njit(**_opts)(_named(_tiled, "tiled"))
 tiled_parallel = njit(parallel=True, **_opts)(_named(_tiled, "tiled_parallel"))
+compact = njit(**_opts)(_named(_compact, "compact"))
+compact_parallel = njit(parallel=True, **_opts)(_named(_compact, "compact_parallel"))

@@ -19,10 +19,11 @@ import torch
 
 from ..backends import BACKENDS, resolve_backend
 from . import checkpoint, pipeline
-from .store import RowStateFile, StateFileError, fits_in_page_cache  # noqa: F401  (StateFileError re-exported)
+from .store import STATE_FORMATS, RowStateFile, StateFileError, fits_in_page_cache  # noqa: F401
 from .params import (_check_param, _clear_state, _cols, _make_writable_dir, _remove_dir_of,  # noqa: F401
                      _state_files_in)
 from .torch_ops import coalesce_rows
+from .weights import weight_file
 
 from .checkpoint import EXP_AVG, EXP_AVG_SQ, STEP  # noqa: F401  (re-exported)
 
@@ -62,7 +63,11 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
         raise NotImplementedError
 
     def __init__(self, params, defaults, state_dir=None, backend="auto", huge_pages=None, staging=None,
-                 resume=False):
+                 resume=False, state_format="exact"):
+        if state_format not in STATE_FORMATS:
+            raise ValueError(f"{type(self).__name__}: state_format must be one of {STATE_FORMATS}, "
+                             f"got {state_format!r}")
+        self.state_format = state_format
         if backend not in BACKENDS:
             raise ValueError(f"{type(self).__name__}: backend must be one of {BACKENDS}, got {backend!r}")
         if huge_pages not in (None, True, False):
@@ -79,6 +84,7 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
         self.state_dir = os.fspath(state_dir)
         self._owner = os.getpid()  # a forked child only drops its copies (see close)
         self._stores: dict = {}  # parameter -> RowStateFile
+        self._weight_files: dict = {}  # parameter -> weights.WeightFile, for weights in a file
         self._routes: dict = {}  # parameter -> (stager, rows_fn, sparse_fn)
         self._steps: dict = {}
         self._executor = None  # the background gather thread of the staged pipeline
@@ -107,20 +113,34 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
         k = len(self._stores)
         _check_param(p, k, type(self).__name__, self._table_dims)
         sdtype = p.dtype if p.dtype in (torch.float32, torch.float64) else torch.float32
+        if self.state_format == "compact":
+            sdtype = torch.uint8  # byte records (compact.py)
         width = self._state_width(_cols(p))
         huge = self.huge_pages
+        nbytes = p.shape[0] * width * torch.empty((), dtype=sdtype).element_size()
         if huge is None:
-            huge = fits_in_page_cache(p.shape[0] * width * torch.empty((), dtype=sdtype).element_size())
+            huge = fits_in_page_cache(nbytes)
         rows_fn, sparse_fn = self._kernels(self._backend_for(p, k))
-        store = RowStateFile(os.path.join(self.state_dir, f"param{k:04d}.dsa"), p.shape[0], _cols(p),
-                             width, sdtype, huge_pages=huge)
+        path = os.path.join(self.state_dir, f"param{k:04d}.dsa")
+        resume_step = 0 if os.path.exists(path) else None  # an existing state file is resumed
+        store = RowStateFile(path, p.shape[0], _cols(p), width, sdtype, huge_pages=huge,
+                             state_format=self.state_format)
+        wf = weight_file(p)
+        if wf is not None and resume_step is not None and wf.step != store.step:
+            store.close()
+            raise StateFileError(
+                f"weight file {wf.path} is at step {wf.step} but state file {store.path} at step "
+                f"{store.step}: they were not flushed together; restore both from one checkpoint")
         self._stores[p] = store
+        if wf is not None:
+            self._weight_files[p] = wf
+        if self._executor is None:  # its thread starts at the first prefetch
+            self._executor = pipeline.make_executor()
         if p.is_cuda if self.staging is None else self.staging:
-            if self._executor is None:
-                self._executor = pipeline.make_executor()
             stager, sparse_fn = pipeline.RowStager(store, p.device, self._executor), None
         else:
-            stager = pipeline.DirectStager(store, p.device)
+            stager = pipeline.DirectStager(store, p.device, self._executor)
+        stager.weight_file = wf
         self._routes[p] = (stager, rows_fn, sparse_fn)
         self._steps[p] = store.step
         self.state[p] = self._state_entry(p)
@@ -177,6 +197,8 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
                 if p.grad is None:
                     continue
                 g = self._checked_grad(p)
+                if p in self._weight_files:
+                    self._weight_files[p].mark_dirty()
                 self._steps[p] += 1  # like SparseAdam, a present gradient counts even when empty
                 self.state[p][STEP] = self._steps[p]
                 if not g._nnz():
@@ -188,10 +210,11 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
         return loss
 
     def _step_param(self, p, g, step, hyper):
-        _, _, sparse_fn = self._routes[p]
+        stager, _, sparse_fn = self._routes[p]
         vals = g._values().reshape(g._nnz(), _cols(p))  # a 1-D table is updated as N x 1
         w_all = p if p.dim() == 2 else p.unsqueeze(1)
         if sparse_fn is not None:
+            stager.fetch(g._indices()[0].cpu())
             sparse_fn(w_all, g._indices()[0], vals.to(p.dtype), self._stores[p].writable(), step, **hyper)
             return
         rows = g._indices()[0]
@@ -205,7 +228,7 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
         g = g.coalesce()
         (r, c), vals = g._indices(), g._values()
         rows, inv = torch.unique(r, return_inverse=True)
-        dense = torch.zeros(rows.numel(), p.shape[1], dtype=self._stores[p].records.dtype, device=vals.device)
+        dense = torch.zeros(rows.numel(), p.shape[1], dtype=self._compute_dtype(p), device=vals.device)
         dense[inv, c] = vals.to(dense.dtype)
         mask = torch.zeros(dense.shape, dtype=torch.bool, device=vals.device)
         mask[inv, c] = True
@@ -221,13 +244,18 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
         w = stager.weight_rows(w_all, rows)
         if mask is not None:
             w_old, rec_old = w.clone(), rec.clone()
-        rows_fn(w, vals.to(rec.dtype).contiguous(), rec, step, **hyper)
+        rows_fn(w, vals.to(self._compute_dtype(p)).contiguous(), rec, step, **hyper)
         if mask is not None:
             w = torch.where(mask, w, w_old)
             rec_mask = mask.to(rec.device).repeat(1, rec.shape[1] // mask.shape[1])
             rec.copy_(torch.where(rec_mask, rec, rec_old))
         w_all.index_copy_(0, rows, w)
         stager.commit(rows_cpu, rec, host)
+
+    def _compute_dtype(self, p):
+        """The dtype of the row update: the state's, float32 for compact (byte) records."""
+        dtype = self._stores[p].dtype
+        return dtype if dtype.is_floating_point else torch.float32
 
     def _checked_grad(self, p):
         g = p.grad
@@ -237,6 +265,10 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
                 f"{type(self).__name__} needs sparse gradients: build the table with "
                 "nn.Embedding(..., sparse=True) or nn.EmbeddingBag(..., sparse=True), or use "
                 "torch.optim.Adam for dense parameters")
+        if g.sparse_dim() == 2 and self.state_format == "compact":
+            raise RuntimeError(f"parameter {self._index(p)}: state_format='compact' takes row-sparse gradients "
+                               "(nn.Embedding(sparse=True)); an element-sparse gradient would change part of a "
+                               "row's coded first moment. Use state_format='exact'")
         if not (g.sparse_dim() == 1 or (g.sparse_dim() == 2 == p.dim() and self._element_sparse)):
             raise RuntimeError(f"parameter {self._index(p)}: {type(self).__name__} takes row-sparse gradients "
                                "(sparse_dim 1, as nn.Embedding(sparse=True) produces)"
@@ -267,10 +299,11 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
         """Announce rows the next step will touch, so their state pages are read meanwhile.
 
         ``indices``: any integer tensor of row indices (e.g. the next batch) of ``param`` (needed only
-        when the optimizer has several parameters). For CPU weights the pages are requested with
-        ``madvise(MADV_WILLNEED)``, which returns at once and reads in the background; on a warm page
-        cache it gains nothing. For staged weights (CUDA, or ``staging=True``) the rows'
-        records are gathered into a pinned buffer on a background thread, and the step whose unique
+        when the optimizer has several parameters). For CPU weights a background thread queues
+        reads of the rows' record pages (and of their weight rows for a ``mapped_embedding``), all
+        in flight together (``posix_fadvise(WILLNEED)``); the step itself reads the file, so results
+        do not depend on announcements. On a warm page cache it gains nothing. For staged weights
+        (CUDA, or ``staging=True``) the rows' records are gathered into a pinned buffer on a background thread, and the step whose unique
         rows equal them uses it (steps in between keep it up to date, ``load_state_dict`` drops it;
         see ``pipeline.py``). Writing the state tensors by hand between ``prefetch`` and ``step`` is
         not supported for staged weights: the announced copy would not see it.
@@ -293,7 +326,8 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
 
     # -- checkpoints -------------------------------------------------------------------------------
     def state_dict(self):
-        """Step and moments of every parameter; the moments are copy-on-write views of the files.
+        """Step and moments of every parameter; the moments are copy-on-write views of the files
+        (in the compact format, copies: its codes, scales and v share each record's bytes).
 
         ``torch.save`` streams them from the files without a copy in RAM. Until a later step
         writes a row, the tensors show the file as it is (save before stepping again); what another
@@ -304,7 +338,10 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
         live = {p: self.state[p] for p in self._stores}
         try:  # torch packs (and its state-dict hooks see) these copy-on-write entries, not the live ones
             for p, store in self._stores.items():
-                self.state[p] = dict(live[p], **self._views(p, store.private_records()))
+                views = self._views(p, store.private_records())
+                if self.state_format == "compact":  # torch.save cannot save one storage as several dtypes
+                    views = {k: v.clone() for k, v in views.items()}
+                self.state[p] = dict(live[p], **views)
             return super().state_dict()
         finally:
             self.state.update(live)
@@ -327,9 +364,12 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def flush(self):
-        """Write every state file to disk and mark it clean at the current step."""
+        """Write every state file (and weight file, ``weights.py``) to disk and mark it clean at the
+        current step."""
         self._check_open()
         for p, store in self._stores.items():
+            if p in self._weight_files:  # the weights first: a clean state file implies clean weights
+                self._weight_files[p].flush(self._steps[p])
             store.flush(self._steps[p])
 
     def close(self):
@@ -349,7 +389,11 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
                 self._executor.shutdown(wait=True)
             self._routes.clear()
             for p, store in self._stores.items():
+                wf = self._weight_files.get(p)
+                if wf is not None and not wf.closed:  # flushed, left open: the module owns it
+                    wf.flush(self._steps[p])
                 store.close(self._steps[p])
+            self._weight_files.clear()
         finally:
             _clear_state(self)
             if self._own_dir:

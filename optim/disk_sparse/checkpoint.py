@@ -18,6 +18,8 @@ from .store import MAX_STEP
 
 # State-dict keys (the same as torch.optim.SparseAdam's, so its checkpoints load here and back).
 STEP, EXP_AVG, EXP_AVG_SQ = "step", "exp_avg", "exp_avg_sq"
+# The compact format's (``compact.py``): m's row scales and int8 codes; EXP_AVG_SQ is then one per row.
+EXP_AVG_SCALE, EXP_AVG_CODES = "exp_avg_scale", "exp_avg_codes"
 
 
 def saved_state_by_param(opt, state_dict) -> dict:
@@ -56,15 +58,25 @@ def loaded_columns(opt, p, entry):
         return None, 0
     where = f"state_dict's state of parameter {opt._index(p)}"
     columns = []
-    for key, view in opt._views(p, opt._stores[p].records).items():
+    views = opt._views(p, opt._stores[p].records)
+    for key, view in views.items():
         if key not in entry:
-            raise KeyError(f"{where} lacks {key!r}")
+            raise KeyError(f"{where} lacks {key!r} (state_format={opt.state_format!r} keeps "
+                           f"{', '.join(views)}; a state dict of the other format cannot load here)")
         val = torch.as_tensor(entry[key])
-        if not val.is_floating_point():
+        if view.is_floating_point() and not val.is_floating_point():
             raise TypeError(f"{where}: {key!r} has dtype {val.dtype}, expected a floating-point tensor "
                             f"(the state files hold {view.dtype})")
+        if not view.is_floating_point() and val.dtype != view.dtype:
+            raise TypeError(f"{where}: {key!r} has dtype {val.dtype}, expected {view.dtype}")
         if val.shape != view.shape:
             raise ValueError(f"{where}: {key!r} has shape {tuple(val.shape)}, expected {tuple(view.shape)}")
+        if opt.state_format == "compact":
+            val = val.to(view.dtype)  # written as bytes: float32 scales and moments
+            ok = (val >= -127).all() if key == EXP_AVG_CODES else (torch.isfinite(val) & (val >= 0)).all()
+            if not bool(ok):
+                raise ValueError(f"{where}: {key!r} must hold "
+                                 f"{'codes in [-127, 127]' if key == EXP_AVG_CODES else 'finite values >= 0'}")
         columns.append(val if val.dim() == 2 else val.reshape(-1, 1))  # a 1-D table's state as N x 1 records
     if STEP not in entry:
         raise KeyError(f"{where} lacks {STEP!r}")
@@ -106,7 +118,7 @@ def deep_copy(opt, memo):
     groups = [{k: copy.deepcopy(v, memo) for k, v in g.items()} for g in opt.param_groups]
     twin = memo[id(opt)] = type(opt).__new__(type(opt))
     DiskSparseOptimizer.__init__(twin, groups, copy.deepcopy(opt.defaults, memo), backend=opt.backend,
-                                 huge_pages=opt.huge_pages, staging=opt.staging)
+                                 huge_pages=opt.huge_pages, staging=opt.staging, state_format=opt.state_format)
     load_state_dict(twin, opt.state_dict())
     for name, hooks in vars(opt).items():
         if name.startswith("_optimizer_") and name.endswith("_hooks"):

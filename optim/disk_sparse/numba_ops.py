@@ -139,3 +139,52 @@ def _launch(K, sorted_rows, values, records, weight, bufs, step, *, lr, beta1, b
     moments(keys, perm, starts, n_rows, vals, rec, w, rows, mbuf, vbuf.numpy(), c1, c2, maximize, threads)
     sqrt_v = vbuf[:n_rows].sqrt_()  # torch's sqrt: see the module docstring
     weights(rows, n_rows, mbuf, sqrt_v.numpy(), eps, w, neg_step, threads)
+
+
+# -- the compact state format (``compact.py``): float32 weights, one fused pass per row
+def compact_adam_sparse_(weight, indices, values, records, step, *, lr, beta1, beta2, eps, maximize=False,
+                         bitwise=True) -> None:
+    """``adam_sparse_`` for compact records (uint8 ``(N, compact.record_bytes(D))``): the update of
+    ``reference.compact_adam_rows`` per unique row of the uncoalesced gradient, in place; duplicates
+    summed in the stable radix sort's order. ``bitwise`` is accepted for the shared signature."""
+    from . import _numba_kernels as K
+
+    bufs = _scratch(indices.shape[0], values.shape[1], torch.float32)
+    starts, sort_bufs, counts = bufs[0], bufs[4], bufs[5]
+    keys, perm, n_rows = _sorted_rows(K, indices.contiguous(), weight.shape[0], sort_bufs, counts, starts,
+                                      coalesce_order=False)
+    _launch_compact(K, (keys, perm, starts, n_rows), values, records, weight, step, lr=lr, beta1=beta1,
+                    beta2=beta2, eps=eps, maximize=maximize)
+
+
+def compact_adam_rows_(w, g, state, step, *, lr, beta1, beta2, eps, maximize=False, bitwise=True) -> None:
+    """``torch_ops.compact_adam_rows_`` (gathered unique rows, float32 ``w`` and ``g``) in numba."""
+    from . import _numba_kernels as K
+
+    n = w.shape[0]
+    ident = np.arange(n + 1, dtype=np.int64)
+    _launch_compact(K, (ident[:n], ident[:n], ident, n), g, state, w, step, lr=lr, beta1=beta1, beta2=beta2,
+                    eps=eps, maximize=maximize)
+
+
+def _launch_compact(K, sorted_rows, values, records, weight, step, *, lr, beta1, beta2, eps, maximize):
+    from . import compact
+
+    keys, perm, starts, n_rows = sorted_rows
+    d = values.shape[1]
+    if weight.dtype != torch.float32 or records.dtype != torch.uint8 or records.shape[1] != compact.record_bytes(d):
+        raise TypeError(f"compact numba kernels take float32 weights and uint8 records of width "
+                        f"{compact.record_bytes(d)}, got {weight.dtype} and {records.dtype} {tuple(records.shape)}")
+    if not records.is_contiguous():
+        raise ValueError("compact numba kernels need contiguous records")
+    if records.shape[0] != weight.shape[0] or weight.shape[1] != d or values.shape[0] != perm.shape[0]:
+        raise ValueError(f"compact numba kernels: weight {tuple(weight.shape)}, records {tuple(records.shape)} "
+                         f"and {perm.shape[0]} gradient rows of {tuple(values.shape)} do not match")
+    threads = numba_threads() if n_rows >= _PARALLEL_MIN_ROWS else 1
+    raw = records.detach().numpy()
+    codes, floats = raw.view(np.int8), raw.view(np.float32)
+    ty = np.float32
+    neg_step = ty(float(-(lr * math.sqrt(1 - beta2 ** step) / (1 - beta1 ** step))))
+    kernel = K.compact_parallel if threads > 1 else K.compact
+    kernel(keys, perm, starts, n_rows, values.contiguous().to(torch.float32).numpy(), codes, floats,
+           weight.detach().numpy(), ty(1 - beta1), ty(1 - beta2), ty(eps), neg_step, bool(maximize), threads)

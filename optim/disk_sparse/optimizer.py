@@ -11,7 +11,9 @@ import math
 
 import torch
 
+from . import compact
 from .base import EXP_AVG, EXP_AVG_SQ, STEP, DiskSparseOptimizer  # noqa: F401
+from .checkpoint import EXP_AVG_CODES, EXP_AVG_SCALE
 from .store import StateFileError  # noqa: F401  (re-exported for users' except clauses)
 
 
@@ -81,6 +83,14 @@ class DiskSparseAdam(DiskSparseOptimizer):
         staging (bool or None): stage each step's records through persistent pinned and device
             buffers with background prefetch (``pipeline.py``); ``None``: for CUDA weights.
             (Default: None)
+        state_format (str): ``"exact"``: record ``[m | v]`` in the state dtype, SparseAdam's update
+            and state dicts. ``"compact"``: record of ``D + 8`` to ``D + 11`` bytes per row
+            (``compact.py``): m as int8 codes with one scale per row, one v per row (the mean of g²
+            over the row, FBGEMM's row-wise Adam); the update of ``reference.compact_adam_rows``, in
+            float32, for float32/bfloat16/float16 weights and row-sparse gradients; backends
+            torch and numba (float32 weights); state dicts hold ``exp_avg_scale``, ``exp_avg_sq``
+            (N x 1) and ``exp_avg_codes`` (int8, N x D). A state file remembers its format; one of
+            the other format is refused. (Default: "exact")
 
     Use ``flush()`` for a clean on-disk point, ``close()`` (or ``with``) when done; checkpoints via
     ``state_dict()``/``load_state_dict()`` as with any optimizer.
@@ -90,17 +100,19 @@ class DiskSparseAdam(DiskSparseOptimizer):
     _element_sparse = True
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, maximize=False, state_dir=None,
-                 backend="auto", huge_pages=None, bitwise=True, staging=None, resume=False):
+                 backend="auto", huge_pages=None, bitwise=True, staging=None, resume=False, state_format="exact"):
         _check_hyper(lr, betas, eps)
         _check_flags(maximize=maximize, bitwise=bitwise)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, maximize=bool(maximize), bitwise=bool(bitwise))
         super().__init__(params, defaults, state_dir=state_dir, backend=backend, huge_pages=huge_pages,
-                         staging=staging, resume=resume)
+                         staging=staging, resume=resume, state_format=state_format)
 
     def _state_width(self, cols):
-        return 2 * cols
+        return compact.record_bytes(cols) if self.state_format == "compact" else 2 * cols
 
     def _state_views(self, records, cols):
+        if self.state_format == "compact":
+            return _compact_views(records, cols)
         return {EXP_AVG: records[:, :cols], EXP_AVG_SQ: records[:, cols:]}
 
     def _hyper(self, group):
@@ -109,9 +121,17 @@ class DiskSparseAdam(DiskSparseOptimizer):
                     maximize=group["maximize"], bitwise=group.get("bitwise", True))
 
     def _unsupported(self, backend, p):
+        if self.state_format == "compact":
+            return _compact_unsupported(backend, p, numba=True)
         return _dtype_unsupported(backend, p)
 
     def _kernels(self, backend):
+        if self.state_format == "compact":
+            from . import numba_ops, torch_ops
+
+            if backend == "numba":
+                return numba_ops.compact_adam_rows_, numba_ops.compact_adam_sparse_
+            return torch_ops.compact_adam_rows_, None
         if backend == "numba":
             from . import numba_ops
 
@@ -123,6 +143,24 @@ class DiskSparseAdam(DiskSparseOptimizer):
         from . import torch_ops
 
         return torch_ops.adam_rows_, None
+
+
+def _compact_views(records, cols):
+    """State-dict tensors of compact records, in record order (``compact.py``)."""
+    s, v, q = compact.views(records, cols)
+    return {EXP_AVG_SCALE: s, EXP_AVG_SQ: v, EXP_AVG_CODES: q}
+
+
+def _compact_unsupported(backend, p, numba):
+    """Why ``backend`` cannot update ``p`` in the compact format (None if it can)."""
+    if p.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return ("the compact format updates in float32 (its scales and v are float32); use "
+                "state_format='exact' for float64 tables")
+    if backend == "triton":
+        return "the compact format has no Triton path"
+    if backend == "numba" and (not numba or p.dtype != torch.float32):
+        return "the compact format's numba path takes float32 weights of DiskSparseAdam"
+    return None
 
 
 def _lr(lr):
@@ -188,22 +226,27 @@ class DiskSparseRiemannianAdam(DiskSparseOptimizer):
             otherwise); ``"numba"`` is refused: this update has no numba path. (Default: "auto")
         huge_pages (bool or None): as in :class:`DiskSparseAdam`. (Default: None)
         staging (bool or None): as in :class:`DiskSparseAdam`. (Default: None)
+        state_format (str): ``"exact"`` (record ``[m | v]``, D + 1 values) or ``"compact"``: m as
+            int8 codes with one scale per row, v as it is (``compact.py``, update
+            ``reference.compact_riemannian_adam_rows``, torch backend). (Default: "exact")
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, c=1.0, exact=False, state_dir=None,
-                 backend="auto", huge_pages=None, staging=None, resume=False):
+                 backend="auto", huge_pages=None, staging=None, resume=False, state_format="exact"):
         _check_hyper(lr, betas, eps)
         _check_flags(exact=exact)
         if not (math.isfinite(float(c)) and float(c) > 0):
             raise ValueError(f"c (the ball's curvature is -c) must be finite and > 0, got {c}")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, c=float(c), exact=bool(exact))
         super().__init__(params, defaults, state_dir=state_dir, backend=backend, huge_pages=huge_pages,
-                         staging=staging, resume=resume)
+                         staging=staging, resume=resume, state_format=state_format)
 
     def _state_width(self, cols):
-        return cols + 1
+        return compact.record_bytes(cols) if self.state_format == "compact" else cols + 1
 
     def _state_views(self, records, cols):
+        if self.state_format == "compact":
+            return _compact_views(records, cols)
         return {EXP_AVG: records[:, :cols], EXP_AVG_SQ: records[:, cols:]}
 
     def _hyper(self, group):
@@ -214,6 +257,8 @@ class DiskSparseRiemannianAdam(DiskSparseOptimizer):
     def _unsupported(self, backend, p):
         if backend == "numba":
             return "the Riemannian update has no numba path"
+        if self.state_format == "compact":
+            return _compact_unsupported(backend, p, numba=False)
         if backend == "triton":
             from .triton_ops import MAX_BALL_D
 
@@ -222,6 +267,10 @@ class DiskSparseRiemannianAdam(DiskSparseOptimizer):
         return _dtype_unsupported(backend, p)
 
     def _kernels(self, backend):
+        if self.state_format == "compact":
+            from . import torch_ops
+
+            return torch_ops.compact_riemannian_adam_rows_, None
         if backend == "triton":
             from . import triton_ops
 

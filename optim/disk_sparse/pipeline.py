@@ -74,15 +74,34 @@ class _Announced:
 
 class DirectStager:
     """The unstaged path: each step gathers its rows' records from the file (and copies them to the
-    weights' device if that is not the CPU) and scatters them back; ``prefetch`` asks the kernel to
-    read the rows' pages ahead (``RowStateFile.prefetch``). Holds no buffers."""
+    weights' device if that is not the CPU) and scatters them back. Before a step reads the file,
+    ``fetch`` queues reads of its rows' pages if they are not cached (``RowStateFile.fetch``);
+    ``prefetch`` queues them for announced rows on ``executor``'s background thread
+    (``RowStateFile.read_ahead``). Announcements carry no data (the step reads the file itself), so
+    they can never be stale. Holds no buffers."""
 
     hits = misses = patched_rows = 0
+    weight_file = None  # the weights' file (``weights.py``), read ahead with the records
 
-    def __init__(self, store, device):
-        self.store, self.device = store, torch.device(device)
+    def __init__(self, store, device, executor=None):
+        self.store, self.device, self.executor = store, torch.device(device), executor
+        self.pending: deque = deque()
+
+    def _files(self):
+        return (self.store,) if self.weight_file is None else (self.store, self.weight_file)
+
+    def fetch(self, rows: torch.Tensor):
+        """Make the pages of ``rows`` (CPU int64, any order) arrive together before a step reads them.
+
+        Does not wait for announced read-aheads: they may be batches ahead of this step, and pages
+        whose reads are in flight count as present (``mincore``), so none is asked for twice."""
+        while self.pending and self.pending[0].done():
+            self.pending.popleft()
+        for f in self._files():
+            f.fetch(rows)
 
     def acquire(self, rows: torch.Tensor) -> torch.Tensor:
+        self.fetch(rows)
         return self.store.gather(rows)
 
     def to_device(self, host: torch.Tensor) -> torch.Tensor:
@@ -97,10 +116,19 @@ class DirectStager:
         self.store.scatter(rows, dev.cpu())
 
     def prefetch(self, rows: torch.Tensor):
-        self.store.prefetch(rows)
+        for f in self._files():
+            if self.executor is None:
+                f.read_ahead(rows)
+            else:
+                self.pending.append(self.executor.submit(f.read_ahead, rows))
 
     def invalidate(self):
-        pass
+        """Wait for the queued read-aheads (their failures do not matter: the step reads the file)."""
+        while self.pending:
+            try:
+                self.pending.popleft().result()
+            except Exception:
+                pass
 
     def buffers(self) -> list:
         return []  # the records and weight rows of each step are fresh tensors
@@ -120,6 +148,8 @@ class RowStager:
     many announcements are kept (two cover a loop that announces batch k+1 before stepping batch k,
     three one that looks two batches ahead); when one more arrives, the oldest is dropped.
     """
+
+    weight_file = None  # CPU weights in a file (``weights.py``): read ahead with announced records
 
     def __init__(self, store, device, executor, depth: int = 3):
         self.store, self.device, self.executor, self.depth = store, torch.device(device), executor, depth
@@ -145,8 +175,19 @@ class RowStager:
             self._drop(self.pending.popleft())
         buf = self._free_buffer()
         out = buf.view(rows.numel(), self.store.width)
-        fut = self.executor.submit(torch.index_select, self.store.records, 0, rows, out=out)
+        fut = self.executor.submit(self._gather, rows, out, True)
         self.pending.append(_Announced(rows, buf, fut))
+
+    def _gather(self, rows, out, read_ahead=False):
+        """Gather the records of ``rows`` into ``out``, their pages read in parallel first where
+        missing (``read_ahead``: all of them asked for, as for an announcement)."""
+        if read_ahead:
+            if self.weight_file is not None:
+                self.weight_file.read_ahead(rows)
+            self.store.read_ahead(rows)
+        else:
+            self.store.fetch(rows)
+        return torch.index_select(self.store.records, 0, rows, out=out)
 
     def acquire(self, rows: torch.Tensor) -> torch.Tensor:
         """Host records of ``rows`` (CPU int64, sorted unique): a prefetched buffer or a fresh gather.
@@ -164,8 +205,7 @@ class RowStager:
                 return a.buf.view(n, self.store.width)
         self.misses += 1
         out = self._free_buffer().view(n, self.store.width)
-        torch.index_select(self.store.records, 0, rows, out=out)
-        return out
+        return self._gather(rows, out)
 
     def written(self, rows: torch.Tensor, records: torch.Tensor):
         """After ``records`` of ``rows`` were scattered to the file: refresh pending announcements."""
@@ -244,5 +284,6 @@ class RowStager:
 
 
 def make_executor() -> ThreadPoolExecutor:
-    """The one background thread that gathers announced rows (shared by an optimizer's parameters)."""
+    """The one background thread that gathers (or reads ahead) announced rows, shared by an
+    optimizer's parameters."""
     return ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsa-prefetch")

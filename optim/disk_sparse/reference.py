@@ -18,6 +18,10 @@ reproduces that optimizer to the last rounding:
 moments decay): like SparseAdam, every row present in the sparse gradient counts as touched.
 
 ``riemannian_adam_rows``: the rows lie in the Poincaré ball (``poincare.py``), ``v`` is ``(n, 1)``.
+
+``compact_adam_rows``, ``compact_riemannian_adam_rows``: the same rules on the compact state
+(``compact.py``): m as linear int8 codes ``q`` with one scale ``s`` per row (``encode_rows``,
+``decode_rows``), v one number per row.
 """
 
 from __future__ import annotations
@@ -73,3 +77,55 @@ def riemannian_adam_rows(w, g, m, v, step, *, lr, beta1, beta2, eps, c, exact):
     move = transp_follow_expmap if exact else transp_follow_retraction
     w, m = move(x, -lr * direction, m, c=c)
     return w, m, v
+
+
+# -- the compact state format (``compact.py``): m as 8-bit codes with one scale per row, one v per row
+CODE_MAX = 127  # symmetric int8 codes in [-127, 127]
+
+
+def decode_rows(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """First moments of codes ``q`` (int8, (n, D)) with row scales ``s`` ((n, 1)): q * (s / 127)."""
+    return q.to(s.dtype) * (s / CODE_MAX)
+
+
+def encode_rows(m: torch.Tensor):
+    """Linear 8-bit codes of ``m`` ((n, D)): ``(q, s)`` with s = max |m| of the row and
+    q = round(m * (127 / s)) (half to even), 0 for a row of zeros."""
+    s = m.abs().amax(1, keepdim=True)
+    inv = torch.where(s > 0, CODE_MAX / s, torch.zeros_like(s))
+    q = torch.round(m * inv).clamp_(-CODE_MAX, CODE_MAX).to(torch.int8)
+    return q, s
+
+
+def compact_adam_rows(w, g, q, s, v, step, *, lr, beta1, beta2, eps, maximize=False):
+    """Lazy Adam with a compact state, on gathered rows; returns new ``(w, q, s, v)``.
+
+    w, g: (n, D) float32; q: (n, D) int8 codes of m with row scales s: (n, 1); v: (n, 1), one second
+    moment per row (the mean of g² over the row, as FBGEMM's row-wise Adam keeps it)::
+
+        m   = decode(q, s);    m' = m + (g - m)(1 - beta1)
+        v'  = v + (mean_j g_j² - v)(1 - beta2)              (the mean summed in float64)
+        w'  = w + (m' / (sqrt(v') + eps)) * (-lr sqrt(1 - beta2^t) / (1 - beta1^t))
+        q', s' = encode(m')
+
+    The weights move with the unquantized m'; only what is stored is coded.
+    """
+    if maximize:
+        g = -g
+    m = decode_rows(q, s)
+    m = m + (g - m) * (1 - beta1)
+    g2 = g.double().pow(2).mean(1, keepdim=True).to(v.dtype)
+    v = v + (g2 - v) * (1 - beta2)
+    step_size = lr * math.sqrt(1 - beta2 ** step) / (1 - beta1 ** step)
+    w = w + (m / (v.sqrt() + eps)) * (-step_size)
+    q, s = encode_rows(m)
+    return w, q, s, v
+
+
+def compact_riemannian_adam_rows(w, g, q, s, v, step, *, lr, beta1, beta2, eps, c, exact):
+    """``riemannian_adam_rows`` with m kept as codes: decode m, step, encode the transported m.
+    v is (n, 1) as in the exact format (the ball's second moment is already one per row)."""
+    w, m, v = riemannian_adam_rows(w, g, decode_rows(q, s), v, step, lr=lr, beta1=beta1, beta2=beta2,
+                                   eps=eps, c=c, exact=exact)
+    q, s = encode_rows(m)
+    return w, q, s, v

@@ -4,8 +4,14 @@ Layout (little endian)::
 
     offset 0     header, HEADER_BYTES long (one page, so records start page-aligned):
                  magic b"DSAROWS\\0", format version u32, dtype code u32, rows u64, cols u64,
-                 record width u64, step u64, clean flag u32
+                 record width u64, step u64, clean flag u32, state format u32
     HEADER_BYTES rows x width values of the state dtype; row i's record is contiguous
+
+The state format names what a record holds: 0 ``exact`` (float32/float64 moments, the layout of
+the optimizer's exact format) or 1 ``compact`` (bytes: 8-bit codes of the first moment, its
+scale, one second moment per row; see ``compact.py``). Files written before the field existed
+hold 0 there (the header page is zeroed), so they read as ``exact``. A file of another format than
+the optimizer's is refused with an error naming both.
 
 Safety:
 
@@ -22,6 +28,13 @@ Safety:
   writes the header, flushes or unlocks, since the parent's records may be in the middle of a step.
 - The mapping is advised ``MADV_RANDOM``: a step reads scattered rows, readahead would only evict.
 
+Cold rows: a step that would fault its rows' pages in one at a time waits on the disk at queue
+depth 1. ``fetch(rows)`` checks a sample of the rows' pages (``mincore``) and, if any is missing,
+asks for all of them with ``posix_fadvise(WILLNEED)``, one call per run of pages: each call queues
+the reads and returns, so the step's page faults then wait on reads that are all in flight at once
+(the disk's parallel rate; ``experiments/dsa_out_of_core.py`` compares it with worker threads
+doing ``pread``). ``read_ahead(rows)`` asks without the check (announced rows, on a background thread).
+
 Page size: with ``huge_pages=True`` the mapping is also advised ``MADV_HUGEPAGE``. Where the kernel
 and file system back file mappings with 2 MiB folios (Linux 6.x with large folios, e.g. ext4 from
 6.16, XFS), a warm step then takes one TLB entry per 2 MiB instead of per 4 KiB, which makes
@@ -32,6 +45,7 @@ Elsewhere the advice is ignored.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
 import mmap
@@ -41,26 +55,57 @@ import struct
 import numpy as np
 import torch
 
+from . import _readahead
+
 MAGIC = b"DSAROWS\0"
 FORMAT_VERSION = 1
 HEADER_BYTES = 4096
-_HEADER = struct.Struct("<8sIIQQQQI")  # magic, version, dtype, rows, cols, width, step, clean
+_HEADER = struct.Struct("<8sIIQQQQII")  # magic, version, dtype, rows, cols, width, step, clean, format
 MAX_STEP = 2**63 - 1  # the header's field is u64; steps are int64 tensors in state dicts
-_DTYPES = {1: torch.float32, 2: torch.float64}
+_DTYPES = {1: torch.float32, 2: torch.float64, 3: torch.uint8}
 _CODES = {v: k for k, v in _DTYPES.items()}
+_NP_DTYPES = {torch.float32: np.float32, torch.float64: np.float64, torch.uint8: np.uint8}
+STATE_FORMATS = ("exact", "compact")
+_FILE_FORMATS = STATE_FORMATS + ("weights",)  # the header's format field; "weights": weights.py's files
+SAMPLE_PAGES = 16  # pages fetch() checks for residency before asking for all of a step's pages (0: never)
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
 
 
-def memory_limit_bytes(cgroup_root: str = "/sys/fs/cgroup") -> int | None:
+def _own_cgroups(proc_cgroup: str):
+    """This process's cgroup paths, ``{"v1": path of the memory controller, "v2": unified path}``."""
+    paths = {}
+    try:
+        with open(proc_cgroup) as f:
+            for line in f:
+                _, controllers, path = line.rstrip("\n").split(":", 2)
+                if controllers == "":
+                    paths["v2"] = path
+                elif "memory" in controllers.split(","):
+                    paths["v1"] = path
+    except (OSError, ValueError):
+        pass
+    return paths
+
+
+def memory_limit_bytes(cgroup_root: str = "/sys/fs/cgroup", proc_cgroup: str = "/proc/self/cgroup") -> int | None:
     """The memory this process may use: physical RAM, or a smaller cgroup v2 / v1 limit (the page
-    cache counts against it in a container). ``None`` if it cannot be told."""
+    cache counts against it) of the root or of this process's own cgroup and its ancestors (as
+    ``/proc/self/cgroup`` names them). ``None`` if it cannot be told."""
     limits = []
     try:
         limits.append(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
     except (ValueError, OSError, AttributeError):
         pass
-    for name in ("memory.max", "memory/memory.limit_in_bytes"):
+    own = _own_cgroups(proc_cgroup)
+    candidates = []
+    for version, root, name in (("v2", cgroup_root, "memory.max"),
+                                ("v1", os.path.join(cgroup_root, "memory"), "memory.limit_in_bytes")):
+        parts = [q for q in own.get(version, "").split("/") if q]
+        candidates += [os.path.join(root, *parts[:k], name) for k in range(len(parts) + 1)]
+    for path in candidates:
         try:
-            with open(os.path.join(cgroup_root, name)) as f:
+            with open(path) as f:
                 text = f.read().strip()
         except OSError:
             continue
@@ -91,9 +136,13 @@ class RowStateFile:
     sorted unique rows.
     """
 
-    def __init__(self, path, rows: int, cols: int, width: int, dtype: torch.dtype, huge_pages: bool = False):
+    def __init__(self, path, rows: int, cols: int, width: int, dtype: torch.dtype, huge_pages: bool = False,
+                 state_format: str = "exact"):
         if dtype not in _CODES:
-            raise TypeError(f"state file {path}: state dtype must be float32 or float64, got {dtype}")
+            raise TypeError(f"state file {path}: state dtype must be float32, float64 or uint8, got {dtype}")
+        if state_format not in _FILE_FORMATS:
+            raise ValueError(f"state file {path}: state_format must be one of {STATE_FORMATS}, got {state_format!r}")
+        self.state_format = state_format
         self.path = os.fspath(path)
         self.rows, self.cols, self.width, self.dtype = int(rows), int(cols), int(width), dtype
         self.nbytes = HEADER_BYTES + self.rows * self.width * torch.empty((), dtype=dtype).element_size()
@@ -155,10 +204,16 @@ class RowStateFile:
         if len(raw) < _HEADER.size or raw[:8] != MAGIC:
             raise StateFileError(f"{self.path} is not a Disk Sparse Adam state file (bad magic); "
                                  "remove it or choose another state_dir")
-        magic, version, code, rows, cols, width, step, clean = _HEADER.unpack(raw)
+        magic, version, code, rows, cols, width, step, clean, fmt = _HEADER.unpack(raw)
         if version != FORMAT_VERSION:
             raise StateFileError(f"state file {self.path} has format version {version}, this code reads "
                                  f"{FORMAT_VERSION}; restore a checkpoint into a fresh state_dir")
+        if fmt >= len(_FILE_FORMATS) or _FILE_FORMATS[fmt] != self.state_format:
+            have = _FILE_FORMATS[fmt] if fmt < len(_FILE_FORMATS) else f"unknown format {fmt}"
+            raise StateFileError(
+                f"state file {self.path} holds state_format={have!r} state, but the optimizer uses "
+                f"state_format={self.state_format!r}; create the optimizer with state_format={have!r} "
+                "to resume it, or use another state_dir")
         got = (rows, cols, width, _DTYPES.get(code, f"code {code}"))
         want = (self.rows, self.cols, self.width, self.dtype)
         if got != want:
@@ -190,8 +245,7 @@ class RowStateFile:
                 self._mm.madvise(mmap.MADV_HUGEPAGE)
             except OSError:  # kernels without transparent huge pages: 4 KiB pages, as without the advice
                 self.huge_pages = False
-        np_dtype = np.float32 if self.dtype == torch.float32 else np.float64
-        arr = np.frombuffer(self._mm, dtype=np_dtype, count=self.rows * self.width, offset=HEADER_BYTES)
+        arr = np.frombuffer(self._mm, dtype=_NP_DTYPES[self.dtype], count=self.rows * self.width, offset=HEADER_BYTES)
         self.records = torch.from_numpy(arr.reshape(self.rows, self.width))
 
     def private_records(self) -> torch.Tensor:
@@ -200,13 +254,13 @@ class RowStateFile:
         the file. The mapping lives as long as the tensor, also after ``close()``."""
         self._check_open()
         mm = mmap.mmap(self._fd, self.nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        np_dtype = np.float32 if self.dtype == torch.float32 else np.float64
-        arr = np.frombuffer(mm, dtype=np_dtype, count=self.rows * self.width, offset=HEADER_BYTES)
+        arr = np.frombuffer(mm, dtype=_NP_DTYPES[self.dtype], count=self.rows * self.width, offset=HEADER_BYTES)
         return torch.from_numpy(arr.reshape(self.rows, self.width))
 
     def _write_header(self, step, clean):
         os.pwrite(self._fd, _HEADER.pack(MAGIC, FORMAT_VERSION, _CODES[self.dtype], self.rows, self.cols,
-                                         self.width, int(step), 1 if clean else 0), 0)
+                                         self.width, int(step), 1 if clean else 0,
+                                         _FILE_FORMATS.index(self.state_format)), 0)
         os.fdatasync(self._fd)
         self._step = int(step)
 
@@ -242,8 +296,10 @@ class RowStateFile:
         """Replace every record and make the file clean at ``step`` (loading a checkpoint).
 
         ``columns``: tensors of ``rows`` rows whose widths add up to the record width, written side
-        by side (``[m | v]``), or None for zero records. A tensor that already is that memory (a
-        state dict of this very file) is left as it is.
+        by side (``[m | v]``), or None for zero records. Columns of the state dtype are written as
+        values (other floating dtypes are converted to it); columns of another dtype in a byte
+        record (a compact record's codes, scale, v) are written as their bytes. A tensor that already
+        is that memory (a state dict of this very file) is left as it is.
         """
         self.mark_dirty()
         if columns is None:
@@ -251,6 +307,8 @@ class RowStateFile:
         else:
             start = 0
             for col in columns:
+                if self.dtype == torch.uint8 and col.dtype != torch.uint8:
+                    col = col.contiguous().view(torch.uint8).reshape(self.rows, -1)
                 view = self.records[:, start:start + col.shape[1]]
                 if col.data_ptr() != view.data_ptr():
                     view.copy_(col)
@@ -270,18 +328,56 @@ class RowStateFile:
         self._mm.madvise(mmap.MADV_DONTNEED)
         os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
-    def prefetch(self, rows: torch.Tensor):
-        """Ask the kernel to read the pages of ``rows`` ahead (``MADV_WILLNEED``) without blocking."""
+    def _page_runs(self, rows: np.ndarray):
+        """(first page, page count) of each run of consecutive pages holding the records of ``rows``."""
+        rec = self.records.element_size() * self.width
+        rows = rows.astype(np.int64, copy=False)
+        starts = (HEADER_BYTES + rows * rec) // mmap.PAGESIZE
+        ends = (HEADER_BYTES + (rows + 1) * rec - 1) // mmap.PAGESIZE
+        pages = np.unique(np.concatenate([starts, ends]))
+        if pages.size == 0:
+            return pages, pages
+        breaks = np.flatnonzero(np.diff(pages) != 1) + 1
+        first = np.concatenate([pages[:1], pages[breaks]])
+        counts = np.diff(np.concatenate([[0], breaks, [pages.size]]))
+        return first, counts
+
+    def read_ahead(self, rows: torch.Tensor):
+        """Ask the kernel to read the pages of ``rows`` (any int64 CPU row indices, in the table)
+        with ``posix_fadvise(WILLNEED)``: the reads are queued together and run in the background;
+        cached pages cost a lookup. The calls run without the GIL (``_readahead.py``), so a
+        background thread issues them while the training loop runs Python."""
+        self._check_open()
+        first, counts = self._page_runs(rows.numpy())
+        _readahead.advise(self._fd, first, counts, mmap.PAGESIZE)
+
+    prefetch = read_ahead  # the name stagers call
+
+    def missing_pages(self, rows: torch.Tensor, sample: int | None = None) -> int:
+        """How many of ``sample`` of ``rows``' record pages (evenly strided over ``rows``, which may
+        be sorted) are not in the page cache (``mincore`` on the mapping)."""
         self._check_open()
         rec = self.records.element_size() * self.width
         page = mmap.PAGESIZE
-        starts = (HEADER_BYTES + rows.numpy().astype(np.int64) * rec) // page
-        ends = (HEADER_BYTES + (rows.numpy().astype(np.int64) + 1) * rec - 1) // page
-        pages = np.unique(np.concatenate([starts, ends]))
-        # Merge consecutive pages into ranges: one madvise call per run of pages.
-        breaks = np.flatnonzero(np.diff(pages) != 1) + 1
-        for run in np.split(pages, breaks):
-            self._mm.madvise(mmap.MADV_WILLNEED, int(run[0]) * page, int(run[-1] - run[0] + 1) * page)
+        base = self.records.data_ptr() - HEADER_BYTES  # the mapping's start, page-aligned
+        vec = ctypes.c_ubyte()
+        missing = 0
+        sample = SAMPLE_PAGES if sample is None else sample
+        if sample <= 0:
+            return 0
+        for r in rows[::max(1, rows.numel() // sample)][:sample].tolist():
+            off = (HEADER_BYTES + r * rec) // page * page
+            if _libc.mincore(base + off, page, ctypes.byref(vec)) != 0:
+                return 0  # cannot tell (not expected for a live mapping): let the faults read
+            missing += not (vec.value & 1)
+        return missing
+
+    def fetch(self, rows: torch.Tensor, sample: int | None = None):
+        """Before a step on ``rows`` (int64 CPU indices in the table, any order, duplicates allowed):
+        if any of a sample of their pages is not cached, queue reads of all of them (``read_ahead``),
+        so the step's page faults wait on parallel reads instead of reading one page at a time."""
+        if rows.numel() and self.missing_pages(rows, sample):
+            self.read_ahead(rows)
 
     def close(self, step: int | None = None):
         """Flush, mark clean, unlock and unmap. Safe to call twice. In a forked child: unmap only."""
@@ -328,5 +424,5 @@ class RowStateFile:
 
     def __repr__(self):
         return (f"RowStateFile({self.path!r}, rows={self.rows}, width={self.width}, dtype={self.dtype}, "
-                f"huge_pages={self.huge_pages}, "
+                f"huge_pages={self.huge_pages}, state_format={self.state_format!r}, "
                 f"step={self._step})")

@@ -6,7 +6,8 @@ The launchers take the signature every backend shares (``numba_ops``, ``triton_o
 
 ``w``: ``(n, D)`` gathered weight rows, updated in place (any floating dtype); ``g``: ``(n, D)``
 coalesced gradient rows in the state dtype; ``state``: ``(n, W)`` records of those rows, updated in
-place: ``[m (D) | v (D)]`` for Adam, ``[m (D) | v (1)]`` for the ball. Weights of another dtype than
+place: ``[m (D) | v (D)]`` for Adam, ``[m (D) | v (1)]`` for the ball, or bytes of the compact
+format (``compact.py``) for the ``compact_*`` functions. Weights of another dtype than
 the state are updated in the state dtype and rounded back. ``coalesce_rows`` turns a sparse
 gradient into those unique rows.
 """
@@ -17,7 +18,8 @@ import math
 
 import torch
 
-from .reference import riemannian_adam_rows
+from . import compact
+from .reference import compact_adam_rows, compact_riemannian_adam_rows, riemannian_adam_rows
 
 
 def coalesce_rows(indices: torch.Tensor, values: torch.Tensor):
@@ -72,3 +74,28 @@ def riemannian_adam_rows_(w, g, state, step, *, lr, beta1, beta2, eps, c, exact)
     state[:, :d] = m
     state[:, d:] = v
     w.copy_(x)
+
+
+def compact_adam_rows_(w, g, state, step, *, lr, beta1, beta2, eps, maximize=False, bitwise=True) -> None:
+    """In-place ``reference.compact_adam_rows`` on compact records ``state`` (uint8, ``compact.py``);
+    ``bitwise`` is accepted for the shared signature. The update runs in float32."""
+    d = w.shape[1]
+    s, v, q = compact.views(state, d)
+    w_new, q_new, s_new, v_new = compact_adam_rows(w.float(), g.float(), q, s, v, step, lr=lr, beta1=beta1,
+                                                   beta2=beta2, eps=eps, maximize=maximize)
+    q.copy_(q_new)
+    s.copy_(s_new)
+    v.copy_(v_new)
+    w.copy_(w_new)
+
+
+def compact_riemannian_adam_rows_(w, g, state, step, *, lr, beta1, beta2, eps, c, exact) -> None:
+    """In-place ``reference.compact_riemannian_adam_rows`` on compact records ``state``."""
+    d = w.shape[1]
+    s, v, q = compact.views(state, d)
+    w_new, q_new, s_new, v_new = compact_riemannian_adam_rows(w.float(), g.float(), q, s, v, step, lr=lr,
+                                                              beta1=beta1, beta2=beta2, eps=eps, c=c, exact=exact)
+    q.copy_(q_new)
+    s.copy_(s_new)
+    v.copy_(v_new)
+    w.copy_(w_new)

@@ -1,0 +1,109 @@
+"""Embedding tables whose weights live in a memory-mapped file, for tables larger than RAM.
+
+    emb = mapped_embedding("run/emb.weights", 50_000_000, 128)          # nn.Embedding(sparse=True)
+    bag = mapped_embedding("run/bag.weights", 50_000_000, 128, bag=True, mode="sum")
+    opt = DiskSparseAdam(emb.parameters(), state_dir="run/state")
+
+The weight is a ``(rows, dim)`` float32/float64 view of a file laid out as the state files are
+(``store.py``: one header page, then the rows; header format ``weights``), so it costs no RAM beyond
+the page cache. A Disk Sparse optimizer over such a weight treats the file as part of its state:
+
+- before its first weight write after a clean point it marks the file dirty (as its state files);
+- ``flush()`` and ``close()`` write the weight rows to disk (``msync``, ``fdatasync``) and mark the
+  file clean at the optimizer's step, before doing the same for the state files;
+- ``prefetch(indices)`` and cold steps read the weight rows' pages in parallel as the records';
+- with ``resume=True`` a weight file whose step differs from its state file's is refused.
+
+So after a kill the weight file and the state directory are both refused (dirty), and a run
+restarts from its last clean point: a copy of the weight file and state directory taken after
+``flush()`` (or ``torch.save`` of the module's and optimizer's state dicts). Reopening a clean file
+continues from its weights; a dirty one raises ``StateFileError``. Writes made without the
+optimizer (``with torch.no_grad(): emb.weight[...] = ...``) do not mark the file dirty.
+The file stays open (and locked) while the module lives; ``close_mapped(module)`` releases it
+earlier, leaving it dirty if the weights changed after the last flush.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import weakref
+
+import torch
+import torch.nn as nn
+
+from .store import RowStateFile
+
+ATTR = "_dsa_weight_file"  # the Parameter attribute naming its file
+
+
+class WeightFile(RowStateFile):
+    """A :class:`RowStateFile` of weights. ``close()`` without a step leaves a changed file dirty
+    (only the optimizer knows the step its weights belong to)."""
+
+    def __init__(self, path, rows, cols, dtype):
+        super().__init__(path, rows, cols, cols, dtype, huge_pages=False, state_format="weights")
+
+    def close(self, step=None):
+        if step is None and self._dirty and not self.closed and self.owned():
+            self._mm.flush()
+            self._release()
+            return
+        super().close(step)
+
+
+def mapped_embedding(path, num_embeddings: int, embedding_dim: int, *, bag: bool = False, mode: str = "mean",
+                     dtype: torch.dtype = torch.float32, init_std: float = 1.0, seed: int = 0, **kwargs):
+    """An ``nn.Embedding`` (or ``nn.EmbeddingBag`` with ``bag=True``) with ``sparse=True`` whose
+    weight is the memory-mapped file ``path`` (see the module docstring).
+
+    A new file is filled with N(0, ``init_std``²) values (``nn.Embedding``'s initialisation), drawn
+    chunk by chunk from ``seed``, and flushed; an existing one must be clean and of this shape and
+    dtype, and its weights are used as they are. ``kwargs`` go to the module (``padding_idx``,
+    ``max_norm`` are refused: they write the weight outside the optimizer)."""
+    for bad in ("padding_idx", "max_norm", "sparse", "_weight"):
+        if kwargs.get(bad) is not None:
+            raise ValueError(f"mapped_embedding: {bad}= is not supported (the weight is the file's; "
+                             "sparse gradients are always on)")
+    existed = os.path.exists(path)
+    wf = WeightFile(path, num_embeddings, embedding_dim, dtype)
+    try:
+        if not existed:
+            _fill_normal(wf.records, init_std, seed)
+            wf.flush(0)
+        cls = nn.EmbeddingBag if bag else nn.Embedding
+        extra = dict(mode=mode) if bag else {}
+        module = cls(num_embeddings, embedding_dim, sparse=True, _weight=wf.records, dtype=dtype, **extra, **kwargs)
+        if module.weight.data_ptr() != wf.records.data_ptr():
+            raise RuntimeError("mapped_embedding: the module copied its weight instead of using the file")
+        setattr(module.weight, ATTR, wf)
+    except BaseException:
+        wf.close()
+        if not existed:
+            os.unlink(path)
+        raise
+    weakref.finalize(module, wf.close)
+    return module
+
+
+def weight_file(p) -> WeightFile | None:
+    """The weight file of parameter ``p`` (None for an ordinary parameter)."""
+    return getattr(p, ATTR, None)
+
+
+def close_mapped(module):
+    """Release the weight file of a module made by ``mapped_embedding`` (dirty if changed since the
+    last flush); the module's weight is unusable afterwards."""
+    wf = weight_file(module.weight)
+    if wf is not None:
+        wf.close()
+
+
+def _fill_normal(records, std, seed, chunk_rows=1 << 16):
+    if not math.isfinite(std):
+        raise ValueError(f"init_std must be finite, got {std}")
+    gen = torch.Generator().manual_seed(seed)
+    wf_dtype = records.dtype
+    for start in range(0, records.shape[0], chunk_rows):
+        block = records[start:start + chunk_rows]
+        block.copy_(torch.randn(block.shape, generator=gen, dtype=torch.float64).mul_(std).to(wf_dtype))
