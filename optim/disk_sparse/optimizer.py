@@ -183,14 +183,14 @@ def _check_hyper(lr, betas, eps):
     if isinstance(lr, torch.Tensor) and lr.numel() != 1:
         raise ValueError("Tensor lr must be 1-element: give a scalar tensor or a float")
     if not _scalar(lr) > 0.0:
-        raise ValueError(f"Invalid learning rate: {lr} (must be > 0)")
+        raise ValueError(f"Invalid learning rate: {lr} (lr must be > 0)")
     if not eps > 0.0:
-        raise ValueError(f"Invalid epsilon value: {eps} (must be > 0)")
+        raise ValueError(f"Invalid epsilon value: {eps} (eps must be > 0)")
     if len(betas) != 2:
         raise ValueError(f"betas must be two numbers (beta1, beta2), got {betas}")
     for k, b in enumerate(betas):
         if not 0.0 <= b < 1.0:
-            raise ValueError(f"Invalid beta parameter at index {k}: {b} (must be in [0, 1))")
+            raise ValueError(f"Invalid beta parameter at index {k}: {b} (betas must be in [0, 1))")
 
 
 class DiskSparseRiemannianAdam(DiskSparseOptimizer):
