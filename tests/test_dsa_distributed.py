@@ -13,17 +13,13 @@ after 50 steps the weights and moments stay within 1e-6. Same ranks, same order:
 
 import os
 import shutil
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests import _dsa_dist_worker as W
-from tests.utils import assert_close
+from tests.utils import assert_close, run_gloo_ranks
 
 HERE = Path(__file__).resolve().parent
 TIMEOUT_S = 60  # one launch, with room for a loaded machine
@@ -32,35 +28,14 @@ FIRST = ["train:37-float32", "train:37-float64", "dcp", "ddp", "steps_differ", "
 SECOND = ["train:37-float32", "train:4-float32", "reshard:2", "dcp:4", "restart:2"]
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(world: int, specs: list, out_dir: Path, timeout: float = TIMEOUT_S) -> str:
-    """Run the worker on ``world`` gloo ranks on 127.0.0.1, killing them all after ``timeout``;
-    returns the logs' tails of ranks that failed or timed out ("" if none)."""
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(world),
-               OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", PYTHONPATH=str(HERE.parent))
+    """Run the worker on ``world`` gloo ranks, killing them all after ``timeout``; returns the logs'
+    tails of ranks that failed or timed out ("" if none)."""
     logs = [out_dir / f"log.{world}.rank{r}.txt" for r in range(world)]
-    procs = [subprocess.Popen([sys.executable, str(HERE / "_dsa_dist_worker.py"), str(out_dir), *specs],
-                              env=dict(env, RANK=str(r)), stdout=log.open("w"), stderr=subprocess.STDOUT)
-             for r, log in enumerate(logs)]
-    deadline = time.monotonic() + timeout
-    try:
-        for p in procs:
-            p.wait(timeout=max(deadline - time.monotonic(), 0.1))
-    except subprocess.TimeoutExpired:
-        pass
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    codes = run_gloo_ranks(world, HERE / "_dsa_dist_worker.py", [out_dir, *specs], logs, timeout)
     crashed_on_purpose = {world - 1} if specs[-1] == "crash" else set()
-    bad = [r for r, p in enumerate(procs) if p.returncode != 0 and r not in crashed_on_purpose]
-    return "\n".join(f"rank {r} (code {procs[r].returncode}): {logs[r].read_text()[-3000:]}" for r in bad)
+    bad = [r for r, c in enumerate(codes) if c != 0 and r not in crashed_on_purpose]
+    return "\n".join(f"rank {r} (code {codes[r]}): {logs[r].read_text()[-3000:]}" for r in bad)
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,11 @@
-"""Tolerance helpers used by every test: one place, one message format."""
+"""Helpers used by the tests: tolerances with one message format, gloo launches on 127.0.0.1."""
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import torch
 
@@ -36,3 +43,33 @@ def assert_close(actual, expected, *, atol=0.0, rtol=0.0, rel_rms_tol=None, name
     if msgs:
         maxabs = float(diff.nan_to_num().max()) if diff.numel() else 0.0
         raise AssertionError(f"{name}: max|Δ|={maxabs:.3e}, rel RMS={rr:.3e}; " + "; ".join(msgs))
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_gloo_ranks(world: int, script: Path, args: list, logs: list, timeout: float) -> list:
+    """Run ``script args`` as ``world`` gloo ranks on 127.0.0.1 (rank r's output in ``logs[r]``),
+    kill every rank still running after ``timeout`` seconds, and return the ranks' exit codes."""
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world),
+               OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    procs = []
+    for rank, log in enumerate(logs):
+        with open(log, "w") as out:
+            procs.append(subprocess.Popen([sys.executable, str(script), *map(str, args)],
+                                          env=dict(env, RANK=str(rank)), stdout=out, stderr=subprocess.STDOUT))
+    deadline = time.monotonic() + timeout
+    try:
+        for p in procs:
+            p.wait(timeout=max(deadline - time.monotonic(), 0.1))
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return [p.returncode for p in procs]
