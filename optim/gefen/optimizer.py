@@ -125,6 +125,8 @@ class Gefen(torch.optim.Optimizer):
     def __setstate__(self, state):
         super().__setstate__(state)
         self.__dict__.setdefault("_tables", None)
+        for group in self.param_groups:  # pickled before the keyword existed: the published rule
+            group.setdefault("factor_second_moment", False)
         if "_steps" not in self.__dict__:
             self._steps = {}
             for p in (p for g in self.param_groups for p in g["params"]):
@@ -344,6 +346,9 @@ class Gefen(torch.optim.Optimizer):
         if bits != self.bits:
             raise ValueError(f"Gefen.load_state_dict: the state dict was saved with bits={bits}, "
                              f"this optimizer has bits={self.bits}; construct it with bits={bits}")
+        # saved before the keyword existed: the published rule
+        sd["param_groups"] = [g if "factor_second_moment" in g else dict(g, factor_second_moment=False)
+                              for g in sd["param_groups"]]
         saved = dict(sd.get("state", {}))
         groups = [(p, g) for g in self.param_groups for p in g["params"]]
         ids = [i for g in sd["param_groups"] for i in g["params"]]

@@ -40,6 +40,8 @@ from .._triton_common import next_pow2, prev_pow2
 from ..backends import triton_interpreted
 from ._triton_kernels import (ELEMS_PER_THREAD, MAX_TILE_WIDTH, TILE, _TL_DTYPES,
                               _gefen_step4_kernel, _gefen_step_kernel)
+from . import torch_ops
+from .checks import check_factors
 from .codebook import code_table
 from .reference import num_code_bytes, num_scales, scale_block_length
 
@@ -95,13 +97,14 @@ def _device_tables(tables, device, bits: int):
 _PLAN_CACHE: dict = {}
 
 
-def _launch_plan(rows, *, block, bits, quant, tile, num_warps):
+def _launch_plan(rows, *, block, bits, quant, tile, num_warps, ws=None):
     """Launches for `rows` = [(index, p, g, v, scales, codes)] (flat, contiguous, validated).
 
     One launch per kind of tensor (below): [kernel, tile table [n_tiles, 2] int64 of (tensor, first
     tile row), pointer table [n, 5] int64 (p, g, v, scales, codes), numel table, grid,
-    constexprs, indices of its tensors in the call]. Tables are built on the host and copied to
-    the device once per set of tensors (see `gefen_step_`'s plan cache).
+    constexprs, indices of its tensors in the call, factor pointer table [n] int64 (the numel
+    table when ``ws`` is None: unused)]. Tables are built on the host and copied to the device
+    once per set of tensors (see `gefen_step_`'s plan cache).
     """
     s_len = scale_block_length(block)
     four = quant and bits == 4
@@ -130,14 +133,16 @@ def _launch_plan(rows, *, block, bits, quant, tile, num_warps):
         tiles = torch.stack([tid, start], dim=1).contiguous().to(device)
         ptrs = torch.tensor([[t.data_ptr() for t in r[1:]] for r in rs], dtype=torch.int64).to(device)
         numel_tab = torch.tensor(numels, dtype=torch.int64).to(device)
+        w_tab = numel_tab if ws is None else torch.tensor(
+            [ws[r[0]].data_ptr() for r in rs], dtype=torch.int64).to(device)
         warps = num_warps or max(1, min(16, rr * width * (2 if four else 1) // (32 * ELEMS_PER_THREAD)))
         const = dict(P_DT=_TL_DTYPES[pdt], G_DT=_TL_DTYPES[gdt], C_DT=tl.uint8 if quant else tl.float32,
                      S=s_len, BLOCK_V=1 if block == 1 else s_len, R=rr, WIDTH=width, ALIGN=align,
-                     EXACT=exact, num_warps=warps)
+                     EXACT=exact, FACTOR=ws is not None, num_warps=warps)
         const.update({"GROUP": group} if four else {"QUANT": quant})
         kernel = _gefen_step4_kernel if four else _gefen_step_kernel
         launches.append([kernel, tiles, ptrs, numel_tab, (int(tiles.shape[0]),), const,
-                         [r[0] for r in rs]])
+                         [r[0] for r in rs], w_tab])
     return launches
 
 
@@ -218,14 +223,15 @@ def _validate(ps, gs, vs, ss, cs, *, block, bits, quant):
     return rows, copies
 
 
-def _plan(ps, gs, vs, ss, cs, *, block, bits, quant, tile, num_warps):
+def _plan(ps, gs, vs, ss, cs, *, block, bits, quant, tile, num_warps, ws=None):
     """(cached or new ``_Plan``, contiguous copies of parameters to write back); (None, []) when
     every tensor is empty."""
     # state tensors by address, size, dtype and layout: a view at a cached address (another
     # dtype, a shorter slice) is validated again, never launched on a plan made for another
     key = (block, bits, quant, tile, num_warps, tuple(map(_DATA_PTR, ps)), tuple(map(_NUMEL, ps)),
            tuple(p.dtype for p in ps), tuple(map(_state_key, vs)), tuple(map(_state_key, cs)),
-           tuple(map(_state_key, ss)) if quant else None)
+           tuple(map(_state_key, ss)) if quant else None,
+           tuple(map(_state_key, ws)) if ws is not None else None)
     plan = _PLAN_CACHE.get(key)
     if plan is not None:
         gptrs = tuple(map(_DATA_PTR, gs))
@@ -235,7 +241,7 @@ def _plan(ps, gs, vs, ss, cs, *, block, bits, quant, tile, num_warps):
     if not rows:
         return None, []
     plan = _Plan(_launch_plan(rows, block=block, bits=bits, quant=quant, tile=tile,
-                              num_warps=num_warps), gs)
+                              num_warps=num_warps, ws=ws), gs)
     if not copies:  # a temporary contiguous copy has a new address each call
         if len(_PLAN_CACHE) > 64:
             _PLAN_CACHE.clear()
@@ -244,7 +250,7 @@ def _plan(ps, gs, vs, ss, cs, *, block, bits, quant, tile, num_warps):
 
 
 def gefen_step_(ps, gs, vs, scales, codes, codebook, *, step, lr, beta1, beta2, eps, weight_decay,
-                block, bits, tables=None, tile=TILE, num_warps=None):
+                block, bits, tables=None, tile=TILE, num_warps=None, ws=None):
     """One Gefen step in place: the rule and state layout of :func:`optim.gefen.reference.gefen_step`.
 
     ``ps, gs, vs, scales, codes`` are tensors of one parameter, or equal-length lists of them (a
@@ -253,7 +259,10 @@ def gefen_step_(ps, gs, vs, scales, codes, codebook, *, step, lr, beta1, beta2, 
     ``v`` (fp32), ``scales`` (fp32) and ``codes`` (uint8; the fp32 first moment when
     ``codebook is None``, ``scales`` then unused), which must be contiguous. ``step`` is t, counted
     from 1. ``tables``: ``code_table(codebook)`` (built and cached here when not given). ``tile``
-    and ``num_warps`` are tuning knobs for benchmarks. Returns None.
+    and ``num_warps`` are tuning knobs for benchmarks. ``ws``: per-offset factors of a factored
+    second moment (contiguous fp32, ``block`` floats each), updated in place by a torch pass over
+    the gradients before the launch (a reduction over every block of a tensor), then read by the
+    kernel (``FACTOR``). Returns None.
 
     Host cost: the first call with a set of tensors validates them and builds the launch tables;
     later calls with the same p, v, scales, codes (same addresses, sizes, dtypes) go straight to
@@ -270,8 +279,14 @@ def gefen_step_(ps, gs, vs, scales, codes, codebook, *, step, lr, beta1, beta2, 
     quant = codebook is not None
     if quant and tables is None:
         tables = _table_of(codebook)
+    if ws is not None:
+        ws = _as_list(ws)
+        check_factors(ps, ws, block=block, device_type=ps[0].device.type if ps else "cpu")
+        torch_ops.factor_update_(ws, gs, block=block, beta2=beta2)
+        if block == 1:  # r == 1: only w moves
+            ws = None
     plan, copies = _plan(ps, gs, vs, ss, cs, block=block, bits=bits, quant=quant, tile=tile,
-                         num_warps=num_warps)
+                         num_warps=num_warps, ws=ws)
     if plan is None:
         return
     launches = plan.launches
@@ -279,7 +294,7 @@ def gefen_step_(ps, gs, vs, scales, codes, codebook, *, step, lr, beta1, beta2, 
         return
     bc1 = 1 - beta1**step
     bc2 = 1 - beta2**step
-    for kernel, tiles, ptrs, numel_tab, grid, const, _ in launches:
+    for kernel, tiles, ptrs, numel_tab, grid, const, _, w_tab in launches:
         device = tiles.device
         if quant:
             cb, uniq, mid, lut, first, ncmp, has_dup, nlut = _device_tables(tables, device, bits)
@@ -287,7 +302,7 @@ def gefen_step_(ps, gs, vs, scales, codes, codebook, *, step, lr, beta1, beta2, 
             cb = uniq = mid = lut = first = numel_tab  # unused pointers
             ncmp, has_dup, nlut = 0, False, 1
         with torch.cuda.device(device) if device.type == "cuda" else _NO_GUARD:
-            kernel[grid](tiles, ptrs, numel_tab, cb, uniq, mid, lut, first,
+            kernel[grid](tiles, ptrs, numel_tab, cb, uniq, mid, lut, first, w_tab,
                          1 - beta1, beta2, 1 - beta2, eps, 1 - lr * weight_decay, -lr / bc1,
                          math.sqrt(bc2), NLUT=nlut, NCMP=ncmp, HAS_DUP=has_dup,
                          enable_fp_fusion=False, **const)
