@@ -78,7 +78,8 @@ def kernel(bits: int, per_element_v: bool, parallel: bool = True, factored: bool
     ``parallel=False``: the same jobs run in order on the calling thread, without starting
     numba's OpenMP pool (at one thread its barrier would only add waiting).
 
-    ``factored``: the second moment of element j of a block is ``v_b * ratio[t, j]`` (block > 1).
+    ``factored``: the second moment of element j of a block is ``v_b * r_j`` (block > 1), with
+    ``ratio[t, j] = sqrt(r_j)``.
 
     ``kernel(...)(meta, jobs, ratio, cb, bounds, lut_code, lut_bound, lut_values, lut_scale, block,
     S, w1, beta2, one_minus_beta2, decay, neg_step, bc2_sqrt, eps)``: ``meta`` int64 (tensors, 9) =
@@ -96,11 +97,12 @@ def kernel(bits: int, per_element_v: bool, parallel: bool = True, factored: bool
 
 
 def factor_kernel(parallel: bool = True):
-    """The factored second moment's first pass: ``(meta, jobs, wptrs, block, beta2,
+    """The factored second moment's first pass: ``(meta, jobs, wptrs, block, S, beta2,
     one_minus_beta2, partial, ratio)`` updates each tensor's ``w`` (address ``wptrs[t]``, fp32
     ``block`` floats) with the mean over its blocks of g**2 per offset and writes ``ratio[t] =
     w / mean(w)`` (ones where the mean is 0). Column sums run per job into ``partial`` (jobs,
-    block) and are added per tensor in job order, so the result does not depend on the threads."""
+    block) and are added per tensor in job order, so the result does not depend on the threads.
+    ``ratio`` holds sqrt(r), what the step multiplies by."""
     return _factor_parallel if parallel else _factor_serial
 
 
@@ -283,12 +285,13 @@ def _update_per_element(p, value, amax, v, decay, neg_step, bc2_sqrt, eps):
 
 
 @njit(nogil=True, error_model="numpy", cache=True)  # no contract: see _step_serial
-def _update_factored(p, value, amax, vb, r, decay, neg_step, bc2_sqrt, eps):
-    """Block > 1, factored: denominator sqrt(v_b * r_j) per element (the reference's order)."""
+def _update_factored(p, value, amax, sv, sr, decay, neg_step, eps):
+    """Block > 1, factored: denominator sqrt(v_b / bc2) * sqrt(r_j) + eps, with sqrt(r_j) from
+    ``factor_kernel`` (one multiply a element where the reference takes a square root of v_b r_j:
+    equal to fp32 rounding)."""
     for i in range(p.size):
         m_hat = value[i] * amax
-        denom = np.float32(np.sqrt(vb * r[i]) / bc2_sqrt) + eps
-        p[i] = p[i] * decay + (neg_step * m_hat) / denom
+        p[i] = p[i] * decay + (neg_step * m_hat) / (sv * sr[i] + eps)
 
 
 @njit(nogil=True, error_model="numpy", cache=True)
@@ -318,27 +321,32 @@ def _factor_reduce(meta, jobs, wptrs, block, beta2, one_minus_beta2, partial, ra
             s += w[j]
         mean = s / np.float32(block)
         for j in range(block):
-            ratio[t, j] = w[j] / mean if mean > np.float32(0.0) else np.float32(1.0)
+            ratio[t, j] = np.sqrt(w[j] / mean) if mean > np.float32(0.0) else np.float32(1.0)
 
 
 @njit(nogil=True, error_model="numpy", cache=True)
-def _factor_job(meta, jobs, k, block, partial):
+def _factor_job(meta, jobs, k, block, S, partial):
     t = jobs[k, 0]
-    g = carray(_f32_ptr(meta[t, 1]), (meta[t, 5],))
-    _colsum_sq(g[jobs[k, 1] * block:jobs[k, 2] * block], block, partial[k])
+    n = meta[t, 5]
+    g = carray(_f32_ptr(meta[t, 1]), (n,))
+    gk = g[jobs[k, 1] * S:min(jobs[k, 2] * S, n)]
+    if block == 1:  # one column: the 8-lane sum (a single accumulator would be latency-bound)
+        partial[k, 0] = _sum_sq(gk, np.empty(8, dtype=np.float32))
+    else:
+        _colsum_sq(gk, block, partial[k])
 
 
 @njit(nogil=True, error_model="numpy", parallel=True, cache=True)
-def _factor_parallel(meta, jobs, wptrs, block, beta2, one_minus_beta2, partial, ratio):
+def _factor_parallel(meta, jobs, wptrs, block, S, beta2, one_minus_beta2, partial, ratio):
     for k in prange(jobs.shape[0]):
-        _factor_job(meta, jobs, k, block, partial)
+        _factor_job(meta, jobs, k, block, S, partial)
     _factor_reduce(meta, jobs, wptrs, block, beta2, one_minus_beta2, partial, ratio)
 
 
 @njit(nogil=True, error_model="numpy", cache=True)
-def _factor_serial(meta, jobs, wptrs, block, beta2, one_minus_beta2, partial, ratio):
+def _factor_serial(meta, jobs, wptrs, block, S, beta2, one_minus_beta2, partial, ratio):
     for k in range(jobs.shape[0]):
-        _factor_job(meta, jobs, k, block, partial)
+        _factor_job(meta, jobs, k, block, S, partial)
     _factor_reduce(meta, jobs, wptrs, block, beta2, one_minus_beta2, partial, ratio)
 
 
@@ -391,7 +399,8 @@ def _blocks(bits4, per_element, factored, p, g, v, scales, codes, r, j0, j1, cb,
             vb = beta2 * v[j] + one_minus_beta2 * (_sum_sq(gj, acc8) / np.float32(block))
             v[j] = vb
             if factored:
-                _update_factored(p[start:stop], mj, amax, vb, r, decay, neg_step, bc2_sqrt, eps)
+                sv = np.float32(np.sqrt(vb) / bc2_sqrt)
+                _update_factored(p[start:stop], mj, amax, sv, r, decay, neg_step, eps)
             else:
                 denom = np.float32(np.sqrt(vb) / bc2_sqrt) + eps
                 _update_shared(p[start:stop], mj, amax, decay, neg_step / denom)

@@ -95,13 +95,10 @@ def gefen_step_(ps, gs, vs, scales, codes, codebook, *, step, lr, beta1, beta2, 
     ratio = _NO_RATIO
     if ws is not None:
         check_factors(ps, ws, block=block)
-        if block == 1:  # r == 1: only w moves
-            torch_ops.factor_update_(ws, gs, block=block, beta2=beta2)
-        else:
-            wptrs = np.array([w.data_ptr() for w in ws], dtype=np.int64)
-            partial = np.empty((jobs.shape[0], block), dtype=np.float32)
-            ratio = np.empty((len(ws), block), dtype=np.float32)
-            factor_kernel(parallel)(meta, jobs, wptrs, block, f32(beta2), f32(1 - beta2), partial, ratio)
+        wptrs = np.array([w.data_ptr() for w in ws], dtype=np.int64)
+        partial = np.empty((jobs.shape[0], block), dtype=np.float32)
+        ratio = np.empty((len(ws), block), dtype=np.float32)
+        factor_kernel(parallel)(meta, jobs, wptrs, block, S, f32(beta2), f32(1 - beta2), partial, ratio)
     step_fn = kernel(bits, block == 1, parallel=parallel, factored=ws is not None)
     step_fn(meta, jobs, ratio, *_luts(tables), f32(tables.scale), block, S, *hyper)
     del keep
