@@ -85,9 +85,12 @@ def _job(name, lr, seed, size, progress):
     cfg, corpus, _ = _PROBLEMS[key]
     try:
         build(name, GPT(cfg), 1e-3, cfg)
-        return train_one(name, lr, seed, size, cfg, corpus, progress)
+        out = train_one(name, lr, seed, size, cfg, corpus, progress)
     except Exception as exc:  # a peer that cannot run here is skipped, not fatal
         return {"error": f"{type(exc).__name__}: {exc}"}
+    print(f"[convergence] {cfg.n_embd}d {name} lr={lr:g} seed={seed}: final val loss {out['final']:.4f} "
+          f"({out['wall']:.0f} s)", flush=True)
+    return out
 
 
 def run_all(names, size, lrs, seeds, jobs, progress):
