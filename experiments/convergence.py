@@ -187,6 +187,8 @@ def parse_args(argv=None):
     parser.add_argument("--seeds", type=int, default=None, help="seeds at the best lr (default per size)")
     parser.add_argument("--steps", type=int, default=None, help="training steps (default per size)")
     parser.add_argument("--no-progress", action="store_true", help="no tqdm bars")
+    parser.add_argument("--size", default=None, choices=list(CHAR_LM),
+                        help="the main configuration's CHAR_LM size (default: tiny/quick/full by the flags)")
     parser.add_argument("--large", default=None, choices=[*CHAR_LM, "none"],
                         help="the second, larger configuration (default: large for the full run, none "
                              "otherwise)")
@@ -230,7 +232,7 @@ def main(argv=None):
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     size_name = "tiny" if args.tiny else "quick" if args.quick else "full"
-    size = dict(CHAR_LM[size_name])
+    size = dict(CHAR_LM[args.size or size_name])
     if args.steps is not None:
         size["steps"] = args.steps
     lrs = args.lrs or size["lrs"]
