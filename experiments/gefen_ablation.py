@@ -65,7 +65,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(parser)
     parser.add_argument("--tiny", action="store_true", help="test size (seconds)")
-    parser.add_argument("--variants", nargs="+", default=None, choices=[*VARIANTS, FACTORED],
+    parser.add_argument("--variants", nargs="+", default=None,
+                        choices=[*VARIANTS, FACTORED, *(f"{FACTORED}+{v}" for v in VARIANTS if v != "none")],
                         help="default: all (--quick: " + ", ".join(QUICK_VARIANTS) + ")")
     parser.add_argument("--seeds", type=int, default=None, help="default: the size's seeds (3 full, 1 quick)")
     parser.add_argument("--steps", type=int, default=None, help="default: the size's steps")
@@ -82,7 +83,7 @@ def main(argv=None):
     if "none" not in variants:
         variants = ["none"] + variants
     if args.on_factored:
-        variants += [f"{FACTORED}+{v}" for v in variants if v not in (FACTORED, "none")]
+        variants += [f"{FACTORED}+{v}" for v in variants if v not in (FACTORED, "none") and "+" not in v]
     seeds = list(range(args.seed, args.seed + (args.seeds or size["seeds"])))
     cfg, corpus, n_params = char_lm_problem(size)
     x = dict(x_name="steps", x_value=size["steps"])
