@@ -17,8 +17,9 @@ import numpy as np
 
 from analysis.common import OPTIMIZERS, Report, fixed, fmt, main, md_table, save_figure, select, value, variants
 
-TARGET_BPP = {"Gefen-8bit": 1.05, "Gefen-4bit": 0.55}
+TARGET_BPP = {"Gefen-8bit": 1.05, "Gefen-4bit": 0.55, "Gefen-8bit-factored": 1.06, "Gefen-4bit-factored": 0.56}
 TARGET_STEP = 4.0  # Gefen's step at most this many times AdamW's
+TARGET_FACTORED_STEP = 1.15  # the factored second moment: step time over the unfactored Gefen's
 
 
 def models(rows):
@@ -84,6 +85,12 @@ def body(rows, config):
                 verdicts.append(f"- {n} on {m}: {fixed(bpp, 3)} B/param (target ≤ {target}: "
                                 f"{'met' if bpp <= target else 'missed'}); step {fmt(ratio)}× AdamW's (target ≤ "
                                 f"{TARGET_STEP:g}×: {'met' if ratio <= TARGET_STEP else 'missed'}).")
+        for n in [n for n in optimizers(rows) if n.endswith("-factored")]:
+            r = value(rows, "step_time_vs_unfactored", n, x_value=m)
+            if math.isfinite(r):
+                verdicts.append(f"- {n} on {m}: step {fixed(r, 3)}× {n.removesuffix('-factored')}'s, interleaved "
+                                f"(target ≤ {TARGET_FACTORED_STEP:g}×: "
+                                f"{'met' if r <= TARGET_FACTORED_STEP else 'missed'}).")
     adamw = value(rows, "state_bytes_per_param", "AdamW", x_value=models(rows)[0])
     ours = value(rows, "state_bytes_per_param", "Gefen-8bit", x_value=models(rows)[0])
     if math.isfinite(adamw) and math.isfinite(ours):

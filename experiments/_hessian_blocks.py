@@ -18,6 +18,10 @@ cross tensors. Schemes:
   ``feed_forward linear mlp``) -> one block per row (per token or output neuron); anything else
   (norms, nanoGPT's ``wpe``) -> the whole tensor.
 - ``per_tensor``: one block per tensor.
+- ``gefen_factored``: Gefen's blocks with the factored second moment of
+  ``Gefen(factor_second_moment=True)``: v of entry j of block b is ``v_b * w_j / mean(w)``, w the
+  per-tensor EMA of the mean over blocks of g**2 at offset j (:func:`factor_ids`,
+  ``SharedVAdam(factors=...)``; ``optim/gefen/reference.py`` states the estimator).
 """
 
 from __future__ import annotations
@@ -57,7 +61,7 @@ def scheme_ids(scheme: str, slices, *, first_grad=None, n_heads=1, d_model=1, se
         return torch.arange(slices[-1][2].stop)
     if scheme == "per_tensor":
         return _ids_from_lengths(slices, [sl.stop - sl.start for _, _, sl in slices])
-    if scheme in ("gefen", "gefen_var", "random_gefen", "random_gefen_var"):
+    if scheme in ("gefen", "gefen_var", "random_gefen", "random_gefen_var", "gefen_factored"):
         if first_grad is None:
             raise ValueError(f"scheme {scheme!r} needs first_grad (the first gradient, flat)")
         rule = "variance_drop" if scheme.endswith("_var") else "adjacent_log"
@@ -74,6 +78,25 @@ def scheme_ids(scheme: str, slices, *, first_grad=None, n_heads=1, d_model=1, se
 
 
 SCHEMES = ("per_element", "gefen", "gefen_var", "random_gefen", "random_gefen_var", "adam_mini", "per_tensor")
+FACTORED = ("gefen_factored",)  # schemes with a per-offset factor; their blocks are "gefen"'s
+
+
+def factor_ids(scheme: str, slices, *, first_grad=None):
+    """(factor id per flat entry, tensor of each factor id) for ``SharedVAdam(factors=...)``.
+
+    ``gefen_factored``: one factor per (tensor, offset in Gefen's block). Any other scheme: one
+    factor per tensor, whose ratio w / mean(w) is exactly 1 (the scheme's own rule unchanged).
+    """
+    lengths = (gefen_lengths(slices, first_grad, "adjacent_log") if scheme in FACTORED
+               else [sl.stop - sl.start for _, _, sl in slices])
+    fids, tens, nxt = [], [], 0
+    for t, ((_, _, sl), p) in enumerate(zip(slices, lengths)):
+        n = sl.stop - sl.start
+        width = p if scheme in FACTORED else 1
+        fids.append(nxt + torch.arange(n) % width)
+        tens.append(torch.full((width,), t))
+        nxt += width
+    return torch.cat(fids), torch.cat(tens)
 
 
 def adam_mini_ids(slices, *, n_heads: int, d_model: int) -> torch.Tensor:
@@ -138,10 +161,17 @@ class SharedVAdam:
 
     m <- b1*m + (1-b1)*g;  v_b <- b2*v_b + (1-b2)*mean_{i in b} g_i**2;  p <- p*(1 - lr*wd);
     p <- p - lr * (m/(1-b1**t)) / (sqrt(v_{b(i)}/(1-b2**t)) + eps).  With one block per entry this is
-    ``torch.optim.AdamW``.
+    ``torch.optim.AdamW``. ``factors=(fids, ftensor)`` (:func:`factor_ids`) scales v_b per entry by
+    r = w_f / mean of w over f's tensor, w_f <- b2*w_f + (1-b2)*mean_{i in f} g_i**2.
     """
 
-    def __init__(self, ids: torch.Tensor, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0):
+    def __init__(self, ids: torch.Tensor, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+                 factors=None):
+        self.factors = None
+        if factors is not None:
+            fids, ftensor = factors[0].long(), factors[1].long()
+            self.factors = (fids, ftensor, torch.bincount(fids).float(), torch.bincount(ftensor).float())
+            self.w = torch.zeros(ftensor.numel())
         self.ids = ids.long()
         self.nb = int(self.ids.max()) + 1
         self.size = torch.bincount(self.ids, minlength=self.nb).float()
@@ -160,5 +190,12 @@ class SharedVAdam:
         gb = torch.zeros(self.nb, dtype=g.dtype).index_add_(0, self.ids, g * g) / self.size
         self.v.mul_(b2).add_(gb, alpha=1 - b2)
         p.mul_(1 - self.lr * self.wd)
-        denom = (self.v[self.ids] / (1 - b2 ** self.t)).sqrt_().add_(self.eps)
+        v = self.v[self.ids]
+        if self.factors is not None:
+            fids, ftensor, fsize, tsize = self.factors
+            self.w.mul_(b2).add_(torch.zeros_like(self.w).index_add_(0, fids, g * g) / fsize, alpha=1 - b2)
+            mean = (torch.zeros_like(tsize).index_add_(0, ftensor, self.w) / tsize)[ftensor]
+            r = torch.where(mean > 0, self.w / mean.clamp_min(1e-38), torch.ones_like(mean))
+            v = v * r[fids]
+        denom = (v / (1 - b2 ** self.t)).sqrt_().add_(self.eps)
         p.addcdiv_(self.m, denom, value=-self.lr / (1 - b1 ** self.t))

@@ -4,12 +4,20 @@
     python experiments/convergence.py --quick      # smaller model, fewer steps -> results/quick/
     python analysis/convergence.py                 # paper_figs/convergence.png
     python experiments/convergence.py --optimizers AdamW Gefen-8bit --lrs 1e-3 3e-3 --seeds 1
+    python experiments/convergence.py --large none   # the full run without the larger model
 
 Does Gefen reach AdamW's validation loss with about one byte of optimizer state per parameter?
 This is the one experiment that answers it: one Gefen-vs-AdamW number per model. A nanoGPT-style
 character model (experiments/models.py) learns Python's documentation topics plus standard-library
 sources (experiments/data.py; 90/10 train/validation split by chunks). Optimizers (registry names):
-AdamW, Adam-mini, torchao-AdamW8bit, torchao-AdamW4bit, gefen-upstream, Gefen-8bit, Gefen-4bit.
+AdamW, Adam-mini, torchao-AdamW8bit, torchao-AdamW4bit, gefen-upstream, Gefen-8bit, Gefen-4bit,
+Gefen-8bit-factored, Gefen-4bit-factored (``factor_second_moment=True``).
+
+The full run also trains a larger configuration (``CHAR_LM["large"]``: about 11x the parameters,
+1,000 steps, its own lr grid) with the optimizers of ``LARGE`` (one quantised torchao peer, the
+slowest on CPU, is enough there); its rows carry the variant ``<model label>/<optimizer>``. Runs
+are single-threaded; ``--jobs 2`` (the full run's default) trains two at a time, each in its own
+process (results do not depend on it: every run is seeded and deterministic).
 
 Protocol (experiments/train.py): the same initialisation and batches per seed for every optimizer,
 linear warm-up over 5% of the steps then cosine decay to 10%, gradient clipping at 1.0, decoupled
@@ -24,13 +32,16 @@ Rows (variant = the optimizer's registry name):
   ``final_val_loss``, ``state_bytes``, ``state_bytes_per_param``, ``params``, ``step_time`` (median
   ``optimizer.step()``, ms) and ``wall_time`` against ``lr``;
 - ``val_loss_vs_adamw`` per seed (final validation loss / AdamW's of the same seed) and its
-  ``_mean`` and ``_std`` over seeds, against ``model``.
+  ``_mean``, ``_median`` and ``_std`` over seeds, against ``model`` (variant = the optimizer's
+  name for both configurations).
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures as futures
 import math
+import multiprocessing
 import statistics
 import sys
 
@@ -43,6 +54,8 @@ from experiments.registry import DENSE, make_optimizer, state_bytes
 from experiments.train import CHAR_LM, WEIGHT_DECAY, char_lm_problem, train_lm
 
 EXPERIMENT = "convergence"
+LARGE = ["AdamW", "Adam-mini", "torchao-AdamW8bit", "gefen-upstream", "Gefen-8bit", "Gefen-4bit",
+         "Gefen-8bit-factored", "Gefen-4bit-factored"]
 
 
 def build(name, model, lr, cfg):
@@ -61,17 +74,69 @@ def train_one(name, lr, seed, size, cfg, corpus, progress):
     return out
 
 
-def run_optimizer(name, size, lrs, seeds, cfg, corpus, progress):
-    """LR sweep on the first seed, then the best LR on the other seeds: (sweep, best, {seed: run})."""
-    sweep, runs = {}, {}
-    for lr in lrs:
-        runs[lr] = train_one(name, lr, seeds[0], size, cfg, corpus, progress)
-        sweep[lr] = runs[lr]["final"]
-    best = min(lrs, key=lambda lr: sweep[lr] if math.isfinite(sweep[lr]) else math.inf)
-    chosen = {seeds[0]: runs[best]}
-    for s in seeds[1:]:
-        chosen[s] = train_one(name, best, s, size, cfg, corpus, progress)
-    return sweep, best, chosen
+_PROBLEMS = {}
+
+
+def _job(name, lr, seed, size, progress):
+    """One training run; the problem is built once per process."""
+    key = repr(sorted(size.items()))
+    if key not in _PROBLEMS:
+        _PROBLEMS[key] = char_lm_problem(size)
+    cfg, corpus, _ = _PROBLEMS[key]
+    try:
+        build(name, GPT(cfg), 1e-3, cfg)
+        out = train_one(name, lr, seed, size, cfg, corpus, progress)
+    except Exception as exc:  # a peer that cannot run here is skipped, not fatal
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    print(f"[convergence] {cfg.n_embd}d {name} lr={lr:g} seed={seed}: final val loss {out['final']:.4f} "
+          f"({out['wall']:.0f} s)", flush=True)
+    return out
+
+
+def run_all(names, size, lrs, seeds, jobs, progress):
+    """Every optimizer's lr sweep on the first seed, then its best lr on the other seeds, ``jobs``
+    runs at a time: ({name: (sweep, best, {seed: run})}, {name: reason skipped})."""
+    pool = (futures.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"),
+                                        initializer=torch.set_num_threads, initargs=(1,))
+            if jobs > 1 else None)
+
+    def submit(*a):
+        return pool.submit(_job, *a, size, progress) if pool else _Done(_job(*a, size, progress))
+
+    try:
+        first = {(n, lr): submit(n, lr, seeds[0]) for n in names for lr in lrs}
+        done, skipped, later = {}, {}, {}
+        for n in names:
+            runs = {lr: first[(n, lr)].result() for lr in lrs}
+            err = next((r["error"] for r in runs.values() if "error" in r), None)
+            if err:
+                skipped[n] = err
+                print(f"[convergence] skipping {n}: {err}", flush=True)
+                continue
+            sweep = {lr: r["final"] for lr, r in runs.items()}
+            best = min(lrs, key=lambda lr: sweep[lr] if math.isfinite(sweep[lr]) else math.inf)
+            done[n] = (sweep, best, {seeds[0]: runs[best]})
+            later[n] = {s: submit(n, best, s) for s in seeds[1:]}
+        for n, fs in later.items():
+            for s, f in fs.items():
+                r = f.result()
+                if "error" in r:
+                    skipped[n] = r["error"]
+                    done.pop(n, None)
+                    break
+                done[n][2][s] = r
+    finally:
+        if pool:
+            pool.shutdown(cancel_futures=True)
+    return done, skipped
+
+
+class _Done:
+    def __init__(self, value):
+        self.value = value
+
+    def result(self):
+        return self.value
 
 
 def add_rows(res, name, sweep, best, chosen, first_seed):
@@ -93,7 +158,7 @@ def add_rows(res, name, sweep, best, chosen, first_seed):
 
 
 def add_ratio_rows(res, finals, model_label):
-    """Final validation loss / AdamW's, paired by seed: per seed, mean and std."""
+    """Final validation loss / AdamW's, paired by seed: per seed, mean, median and std."""
     base = finals.get("AdamW")
     if base is None:
         return {}
@@ -106,6 +171,7 @@ def add_ratio_rows(res, finals, model_label):
         vals = list(ratios.values())
         mean, std = statistics.fmean(vals), statistics.stdev(vals) if len(vals) > 1 else 0.0
         res.add(name, "val_loss_vs_adamw_mean", "ratio", mean, **x)
+        res.add(name, "val_loss_vs_adamw_median", "ratio", statistics.median(vals), **x)
         res.add(name, "val_loss_vs_adamw_std", "ratio", std, **x)
         out[name] = (mean, std)
     return out
@@ -121,6 +187,14 @@ def parse_args(argv=None):
     parser.add_argument("--seeds", type=int, default=None, help="seeds at the best lr (default per size)")
     parser.add_argument("--steps", type=int, default=None, help="training steps (default per size)")
     parser.add_argument("--no-progress", action="store_true", help="no tqdm bars")
+    parser.add_argument("--size", default=None, choices=list(CHAR_LM),
+                        help="the main configuration's CHAR_LM size (default: tiny/quick/full by the flags)")
+    parser.add_argument("--large", default=None, choices=[*CHAR_LM, "none"],
+                        help="the second, larger configuration (default: large for the full run, none "
+                             "otherwise)")
+    parser.add_argument("--jobs", type=int, default=None,
+                        help="single-threaded runs at a time, each in its own process (default: 2 for the "
+                             "full run, 1 otherwise)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch intra-op threads (default 1: a model this small gives a second thread "
                              "little work to share)")
@@ -131,48 +205,73 @@ def parse_args(argv=None):
     return args
 
 
+def run_config(res, names, size, lrs, seeds, jobs, progress, prefix=""):
+    """Train and write one configuration's rows; returns (summary, skipped, ratios)."""
+    summary, finals = [], {}
+    done, skipped = run_all(names, size, lrs, seeds, jobs, progress)
+    _, _, n_params = char_lm_problem(size)
+    for name in names:
+        if name not in done:
+            continue
+        sweep, best, chosen = done[name]
+        add_rows(res, prefix + name, sweep, best, chosen, seeds[0])
+        finals[name] = {s: out["final"] for s, out in chosen.items()}
+        bpp = statistics.fmean(o["state_bytes"] / o["params"] for o in chosen.values())
+        summary.append((prefix + name, best, list(finals[name].values()), bpp,
+                        statistics.fmean(o["step_time"] for o in chosen.values())))
+    ratios = add_ratio_rows(res, finals, model_label_of(n_params))
+    res.flush()
+    return summary, skipped, {prefix + k: v for k, v in ratios.items()}
+
+
+def model_label_of(n_params: int) -> str:
+    return f"char-gpt-{n_params // 1000}k"
+
+
 def main(argv=None):
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     size_name = "tiny" if args.tiny else "quick" if args.quick else "full"
-    size = dict(CHAR_LM[size_name])
+    size = dict(CHAR_LM[args.size or size_name])
     if args.steps is not None:
         size["steps"] = args.steps
     lrs = args.lrs or size["lrs"]
     seeds = [args.seed + i for i in range(args.seeds or size["seeds"])]
     cfg, corpus, n_params = char_lm_problem(size)
-    model_label = f"char-gpt-{n_params // 1000}k"
-
+    model_label = model_label_of(n_params)
+    large_name = args.large or ("large" if size_name == "full" else "none")
+    jobs = args.jobs or (2 if size_name == "full" else 1)
+    large = None if large_name == "none" else dict(CHAR_LM[large_name])
     config = dict(vars(args), size=size_name, **dict(size, lrs=lrs, seeds=seeds), model=vars(cfg),
                   model_label=model_label, weight_decay=WEIGHT_DECAY, schedule="5% linear warm-up, cosine to 10%",
                   lr_selection="best final val loss of the first seed; best lr rerun on the other seeds",
                   train_tokens=corpus[0].numel(), val_windows=len(corpus[1][0]), python=sys.version.split()[0],
-                  stdlib_files=len(data.stdlib_sources()), threads=torch.get_num_threads())
+                  stdlib_files=len(data.stdlib_sources()), threads=torch.get_num_threads(), jobs=jobs)
+    if large is not None:
+        lcfg, _, l_params = char_lm_problem(large)
+        config["large"] = dict(large, size=large_name, model=vars(lcfg), model_label=model_label_of(l_params),
+                               seeds=[args.seed + i for i in range(large["seeds"])],
+                               optimizers=[n for n in LARGE if n in args.optimizers])
     print(f"[convergence] {model_label} size={size_name} model={vars(cfg)} steps={size['steps']} "
-          f"batch={size['batch']} lrs={lrs} seeds={seeds}", flush=True)
-    summary, skipped, finals = [], {}, {}
+          f"batch={size['batch']} lrs={lrs} seeds={seeds} jobs={jobs}", flush=True)
+    progress = not args.no_progress and jobs == 1
     with Results(EXPERIMENT, args, config=config) as res:
-        for name in args.optimizers:
-            try:
-                build(name, GPT(cfg), 1e-3, cfg)
-                sweep, best, chosen = run_optimizer(name, size, lrs, seeds, cfg, corpus, not args.no_progress)
-            except Exception as exc:  # a peer that cannot run here is skipped, not fatal
-                skipped[name] = f"{type(exc).__name__}: {exc}"
-                print(f"[convergence] skipping {name}: {skipped[name]}", flush=True)
-                continue
-            add_rows(res, name, sweep, best, chosen, seeds[0])
-            res.flush()  # keep what is measured if a later optimizer takes the process down
-            finals[name] = {s: out["final"] for s, out in chosen.items()}
-            bpp = statistics.fmean(o["state_bytes"] / o["params"] for o in chosen.values())
-            summary.append((name, best, list(finals[name].values()), bpp,
-                            statistics.fmean(o["step_time"] for o in chosen.values())))
-        ratios = add_ratio_rows(res, finals, model_label)
+        summary, skipped, ratios = run_config(res, args.optimizers, size, lrs, seeds, jobs, progress)
+        if large is not None:
+            lc = config["large"]
+            print(f"[convergence] larger configuration {lc['model_label']} model={lc['model']} "
+                  f"steps={large['steps']} batch={large['batch']} lrs={large['lrs']}", flush=True)
+            s2, k2, r2 = run_config(res, lc["optimizers"], large, large["lrs"], lc["seeds"], jobs, progress,
+                                    prefix=lc["model_label"] + "/")
+            summary += s2
+            skipped.update({lc["model_label"] + "/" + k: v for k, v in k2.items()})
+            ratios.update(r2)
         res.config.update(optimizers_run=[s[0] for s in summary], optimizers_skipped=skipped)
-    print(f"\n{'optimizer':<20} {'best lr':>8} {'final val loss':>18} {'vs AdamW':>16} {'B/param':>8} {'step ms':>8}")
+    print(f"\n{'optimizer':<36} {'best lr':>8} {'final val loss':>18} {'vs AdamW':>16} {'B/param':>8} {'step ms':>8}")
     for name, best, fin, bpp, st in summary:
         sd = statistics.stdev(fin) if len(fin) > 1 else 0.0
         rm, rs = ratios.get(name, (math.nan, math.nan))
-        print(f"{name:<20} {best:>8g} {statistics.fmean(fin):>10.4f} ± {sd:.4f} {rm:>8.4f} ± {rs:.4f} "
+        print(f"{name:<36} {best:>8g} {statistics.fmean(fin):>10.4f} ± {sd:.4f} {rm:>8.4f} ± {rs:.4f} "
               f"{bpp:>8.3f} {1e3 * st:>8.2f}")
     for name, reason in skipped.items():
         print(f"skipped {name}: {reason}")

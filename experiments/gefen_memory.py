@@ -13,11 +13,13 @@ divided by the parameter count. Time: median over repeats of one ``step()`` on f
 every optimizer stepped once per repeat in turn (experiments/train.py's ``interleaved``), all on
 ``--threads`` torch threads (ours runs its numba kernels on as many); rows carry the time and its
 ratio to AdamW's median from the same run. Optimizers (registry names): AdamW (fused), Adam-mini,
-torchao-AdamW8bit, torchao-AdamW4bit, gefen-upstream, Gefen-8bit, Gefen-4bit.
+torchao-AdamW8bit, torchao-AdamW4bit, gefen-upstream, Gefen-8bit, Gefen-4bit, and both with the
+factored second moment (Gefen-8bit-factored, Gefen-4bit-factored), whose step time is also given as a
+ratio to the unfactored Gefen's of the same bits, timed in the same interleaved run.
 
 Rows (variant = optimizer, x = model): ``state_bytes_per_param``, ``first_step_time`` (s: blocks,
 codebook, compilation where there is any), ``step_time_median`` (s), ``step_time_vs_adamw`` (ratio),
-``threads``.
+``step_time_vs_unfactored`` (ratio, factored variants), ``threads``.
 """
 
 import argparse
@@ -103,6 +105,10 @@ def memory_and_time(res, model_name, names, repeats, seed):
         res.add(name, "step_time_vs_adamw", "ratio", t / base, **x_)
         res.add(name, "threads", "count", torch.get_num_threads(), **x_)
         print(f"[{model_name}] {name}: median step {t * 1e3:.1f} ms = {t / base:.2f}x AdamW")
+        plain = name.removesuffix("-factored")
+        if plain != name and plain in med:
+            res.add(name, "step_time_vs_unfactored", "ratio", t / med[plain], **x_)
+            print(f"[{model_name}] {name}: {t / med[plain]:.3f}x {plain}")
 
 
 def main(argv=None):

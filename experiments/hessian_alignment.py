@@ -22,6 +22,7 @@ each):
    Adam-mini's name-based blocks and one block per tensor (``experiments/_hessian_blocks.py``).
 3. loss: each block scheme trained with a shared, unquantised second moment (``SharedVAdam``) against
    ``torch.optim.AdamW``, same steps, lr and batches, several seeds; validation loss at the end.
+   ``gefen_factored`` adds Gefen's factored second moment (per-offset factor inside the blocks).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import torch
 from torch.func import grad_and_value, vmap
 from tqdm import tqdm
 
-from experiments._hessian_blocks import SCHEMES, SharedVAdam, block_stats, scheme_ids
+from experiments._hessian_blocks import FACTORED, SCHEMES, SharedVAdam, block_stats, factor_ids, scheme_ids
 from experiments._hessian_models import (
     FlatModel, build_model, hessian, load_text_ids, minibatch_grads, sample_batch,
 )
@@ -41,6 +42,7 @@ from experiments.common import Results, add_common_args
 
 NAME = "hessian_alignment"
 BLOCK_SCHEMES = tuple(s for s in SCHEMES if s != "per_element")
+LOSS_SCHEMES = BLOCK_SCHEMES + FACTORED  # trained in section 3; FACTORED shares "gefen"'s block statistics
 # d_model=16 and hidden=32 are the smallest widths at which Gefen's rules can pick a row (p > 8)
 # as a block; the models then have about 3,000 parameters each.
 FULL = dict(vocab=16, ctx=16, d_model=16, n_heads=2, d_ff=32, context=3, hidden=32, batch=16,
@@ -184,10 +186,10 @@ def run_model(kind, cfg, data, res, seeds, bar, with_losses=True):
     each seed's first gradient (its first training minibatch at initialisation), as Gefen does.
     """
     train, val = data
-    names = ("adamw",) + (BLOCK_SCHEMES if with_losses else ())
+    names = ("adamw",) + (LOSS_SCHEMES if with_losses else ())
     seeds = seeds if with_losses else seeds[:1]
     vx, vy = batches(val, cfg, kind, 16, 30_000)
-    flats, ids, xs, ys, members, first = [], [], [], [], [], None
+    flats, ids, fids, xs, ys, members, first = [], [], [], [], [], [], None
     for seed in seeds:
         fm = FlatModel(build_model(kind, cfg["vocab"], model_size(cfg, kind), seed))
         tx, ty = batches(train, cfg, kind, cfg["steps"], seed + 20_000)
@@ -198,7 +200,9 @@ def run_model(kind, cfg, data, res, seeds, bar, with_losses=True):
         for s in names:
             members.append((seed, s))
             flats.append(init)
-            ids.append(torch.arange(fm.n) if s == "adamw" else schemes[s])
+            ids.append(torch.arange(fm.n) if s == "adamw" else
+                       scheme_ids(s, fm.tensor_slices(), first_grad=first_grad) if s in FACTORED else schemes[s])
+            fids.append(factor_ids(s, fm.tensor_slices(), first_grad=first_grad))
             xs.append(tx)
             ys.append(ty)
     res.add(kind, "n_params", "count", fm.n)
@@ -212,13 +216,17 @@ def run_model(kind, cfg, data, res, seeds, bar, with_losses=True):
     probe = batches(train, cfg, kind, cfg["probe_batches"], seeds[0] + 10_000)
     marks = sorted({round(i * cfg["steps"] / (cfg["checkpoints"] - 1)) for i in range(cfg["checkpoints"])})
 
-    offs = 0
+    offs = foffs = toffs = 0
     for k, b_ids in enumerate(ids):
         ids[k] = b_ids + offs
         offs = int(ids[k].max()) + 1
+        f, ft = fids[k]
+        fids[k] = (f + foffs, ft + toffs)
+        foffs, toffs = foffs + ft.numel(), toffs + int(ft.max()) + 1
     W = torch.stack(flats)
     X, Y = torch.stack(xs, 1), torch.stack(ys, 1)  # [steps, members, batch, length]
-    opt = SharedVAdam(torch.cat(ids), lr=cfg["lr"], weight_decay=0.01)
+    opt = SharedVAdam(torch.cat(ids), lr=cfg["lr"], weight_decay=0.01,
+                      factors=(torch.cat([f for f, _ in fids]), torch.cat([t for _, t in fids])))
     grads_and_losses = vmap(grad_and_value(fm.loss), in_dims=(0, 0, 0))
     every = max(1, cfg["steps"] // 10)
     run = torch.zeros(len(members))

@@ -6,7 +6,7 @@
 ``model_or_params`` is an ``nn.Module`` or what ``torch.optim`` accepts (tensors or param-group
 dicts); optimizers that need parameter names (Adam-mini) need a module. Keyword options go to the
 constructor. Dense peers: AdamW (torch, fused), Adam-mini, torchao's AdamW8bit / AdamW4bit,
-upstream ``gefen``, ours at 8 and 4 bits. Sparse: torch's SparseAdam, ours on disk (Euclidean and
+upstream ``gefen``, ours at 8 and 4 bits (and with the factored second moment). Sparse: torch's SparseAdam, ours on disk (Euclidean and
 Poincaré ball), geoopt's SparseRiemannianAdam (its parameter must be a ``geoopt.ManifoldParameter``).
 
 State bytes (``state_bytes``) are the tensor bytes of ``optimizer.state_dict()``, tensor subclasses
@@ -50,10 +50,11 @@ def _gefen_upstream(params, named, lr, weight_decay, **kw):
     return gefen.Gefen(named if named is not None else params, lr=lr, weight_decay=weight_decay, fused=fused, **kw)
 
 
-def _gefen(bits):
+def _gefen(bits, factored=False):
     def make(params, named, lr, weight_decay, **kw):
         from optim import Gefen
 
+        kw.setdefault("factor_second_moment", factored)
         return Gefen(params, lr=lr, weight_decay=weight_decay, bits=bits, **kw)
     return make
 
@@ -88,13 +89,15 @@ OPTIMIZERS = {
     "gefen-upstream": _gefen_upstream,
     "Gefen-8bit": _gefen(8),
     "Gefen-4bit": _gefen(4),
+    "Gefen-8bit-factored": _gefen(8, factored=True),
+    "Gefen-4bit-factored": _gefen(4, factored=True),
     "SparseAdam": _sparse_adam,
     "DiskSparseAdam": _dsa,
     "DiskSparseRiemannianAdam": _dsa_riemannian,
     "geoopt-SparseRiemannianAdam": _geoopt,
 }
 DENSE = ["AdamW", "Adam-mini", "torchao-AdamW8bit", "torchao-AdamW4bit", "gefen-upstream", "Gefen-8bit",
-         "Gefen-4bit"]
+         "Gefen-4bit", "Gefen-8bit-factored", "Gefen-4bit-factored"]
 
 
 def _tensors(params):

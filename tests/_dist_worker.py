@@ -53,6 +53,9 @@ def make_optimizer(name: str, params):
                      share_second_moment=False, quantize_first_moment=False, backend="torch")
     if name == "gefen":
         return Gefen(params, lr=LR, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1, backend="torch")
+    if name == "gefenf":  # factored second moment
+        return Gefen(params, lr=LR, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1,
+                     factor_second_moment=True, backend="torch")
     if name == "gefen4":
         return Gefen(params, lr=LR, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1, bits=4,
                      backend="torch")
@@ -189,6 +192,8 @@ def local_states(model, opt) -> dict:
             continue
         n = p.to_local().numel() if hasattr(p, "to_local") else p.numel()
         d = {"block": st["block"], "v": st["v"].clone()}
+        if "w" in st:
+            d["w"] = st["w"].clone()
         if "codes" in st:
             d["codes"] = unpack_codes(st["codes"], n, opt.bits).clone()
             d["scales"] = st["scales"].clone()

@@ -161,3 +161,36 @@ def test_analysis_draws_from_a_tiny_run(tmp_path):
                            "--out", str(out)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+
+
+def test_larger_configuration_rows_two_jobs_equal_one_and_figure(tmp_path):
+    """The second configuration (here the tiny size again) writes ``<label>/<optimizer>`` rows and its
+    own paired ratios; two runs at a time in worker processes give the very rows of one at a time
+    (every run is seeded); the figure draws both configurations."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    argv = TINY + ["--optimizers", "AdamW", "Gefen-8bit-factored", "--seeds", "2"]
+    conv.main(argv + ["--results-dir", str(tmp_path / "one"), "--jobs", "1", "--large", "tiny"])
+    conv.main(argv + ["--results-dir", str(tmp_path / "two"), "--jobs", "2", "--large", "none"])
+    one, two = read_results("convergence", tmp_path / "one"), read_results("convergence", tmp_path / "two")
+
+    def key(rows):
+        return sorted((r["variant"], r["metric"], r["x_value"], r["seed"], r["value"]) for r in rows
+                      if r["metric"] not in ("step_time", "wall_time") and "/" not in r["variant"]
+                      and not r["metric"].startswith("val_loss_vs_adamw"))  # "one" has both configurations' ratios
+
+    assert key(one) == key(two)
+    label = conv.model_label_of(sum(p.numel() for p in models.GPT(models.GPTConfig(
+        block=CHAR_LM["tiny"]["block"], n_layer=1, n_head=2, n_embd=16)).parameters()))
+    assert {r["variant"] for r in one} == {"AdamW", "Gefen-8bit-factored", f"{label}/AdamW",
+                                           f"{label}/Gefen-8bit-factored"}
+    ratio = [r for r in one if r["metric"] == "val_loss_vs_adamw_median" and r["variant"] == "Gefen-8bit-factored"]
+    assert len(ratio) == 2  # one per configuration (both labelled alike here: the same tiny model)
+    out = tmp_path / "fig.png"
+    repo = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, str(repo / "analysis" / "convergence.py"), "--results-dir",
+                           str(tmp_path / "one"), "--out", str(out)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

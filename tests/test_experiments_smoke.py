@@ -355,16 +355,19 @@ def test_gefen_ablation_groups_give_per_element_v_only_to_the_named_tensors():
         elif n == "lm_head.weight":  # a large matrix: the rule shares v
             assert st["block"] > 1 and st["v"].numel() == p.numel() // st["block"], n
     assert all(g["weight_decay"] == 0.1 for g in opt.param_groups)
+    groups = per_element_v_groups(model, VARIANTS["attn_qkv"], factored=True)
+    assert groups[0]["factor_second_moment"] is True and "factor_second_moment" not in groups[1]
 
 
 @pytest.mark.timeout(300)
 def test_gefen_ablation_tiny_run_and_figure(tmp_path, monkeypatch):
-    _main("experiments.gefen_ablation", ["--tiny", "--variants", "attn_qkv", "--seeds", 2,
-                                         "--results-dir", tmp_path, "--wandb", "disabled"], monkeypatch)
+    _main("experiments.gefen_ablation", ["--tiny", "--variants", "attn_qkv", "factored", "--on-factored",
+                                         "--seeds", 2, "--results-dir", tmp_path, "--wandb", "disabled"], monkeypatch)
     rows = _rows(tmp_path / "gefen_ablation.csv", "gefen_ablation")
     base = {r["seed"]: r["value"] for r in rows if r["variant"] == "AdamW" and r["metric"] == "val_loss"}
     assert sorted(base) == ["0", "1"]
-    for v in ("none", "attn_qkv"):
+    assert {r["variant"] for r in rows} == {"AdamW", "none", "attn_qkv", "factored", "factored+attn_qkv"}
+    for v in ("none", "attn_qkv", "factored", "factored+attn_qkv"):
         loss = {r["seed"]: r["value"] for r in rows if r["variant"] == v and r["metric"] == "val_loss"}
         ratio = {r["seed"]: r["value"] for r in rows if r["variant"] == v and r["metric"] == "val_loss_vs_adamw"}
         assert ratio == pytest.approx({s: loss[s] / base[s] for s in base}, rel=1e-12)
@@ -435,7 +438,7 @@ def test_registry_names_are_the_canonical_ones():
     from experiments.registry import DENSE, OPTIMIZERS
 
     assert DENSE == ["AdamW", "Adam-mini", "torchao-AdamW8bit", "torchao-AdamW4bit", "gefen-upstream",
-                     "Gefen-8bit", "Gefen-4bit"]
+                     "Gefen-8bit", "Gefen-4bit", "Gefen-8bit-factored", "Gefen-4bit-factored"]
     assert set(OPTIMIZERS) == set(DENSE) | {"SparseAdam", "DiskSparseAdam", "DiskSparseRiemannianAdam",
                                             "geoopt-SparseRiemannianAdam"}
 

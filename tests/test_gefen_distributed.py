@@ -93,10 +93,10 @@ def runs(tmp_path_factory):
     specs += [f"{s}:{o}" for o in OPTS for s in ("ddp", "fsdp", "dcp") if f"{s}:{o}" != "fsdp:gefen"]
     specs += ["train:gefen", "dcp_aligned:gefen", "dcp_mismatch:gefen", "hist:", "dcp:gefen4",
               "dcp_ddp:gefen", "dcp_flat:gefen", "dcp_fresh:gefen", "hsdp:gefen", "full_sd:gefen",
-              "ddp_to_fsdp:gefen"]
+              "ddp_to_fsdp:gefen", "ref:gefenf@1", "ddp:gefenf", "dcp:gefenf", "dcp_aligned:gefenf"]
     # 2-rank checkpoints onto 1 rank; full Gefen only from the "aligned" one (blocks agree)
     specs += [f"reshard:{o}@1" for o in OPTS if o != "gefen"]
-    specs += ["reshard_aligned:gefen@1", "reshard_mismatch:gefen@1"]
+    specs += ["reshard_aligned:gefen@1", "reshard_mismatch:gefen@1", "reshard_aligned:gefenf@1"]
     launch(2, specs, out)
     yield out
     shutil.rmtree(out, ignore_errors=True)  # checkpoints and logs
@@ -105,7 +105,7 @@ def runs(tmp_path_factory):
 @pytest.fixture(scope="module")
 def references(runs):
     """Single process, same global batches, gradients accumulated over the 2 ranks' halves."""
-    return {o: result(runs, f"ref:{o}") for o in OPTS}
+    return {o: result(runs, f"ref:{o}") for o in OPTS + ["gefenf"]}
 
 
 def _assert_params_close(actual: dict, expected: dict, **tol):
@@ -114,10 +114,11 @@ def _assert_params_close(actual: dict, expected: dict, **tol):
         assert_close(actual[k], expected[k], name=k, **tol)
 
 
-@pytest.mark.parametrize("opt", OPTS)
+@pytest.mark.parametrize("opt", OPTS + ["gefenf"])
 def test_ddp_equals_single_process(runs, references, opt):
     """DDP averages the two half-batch gradients exactly as the reference accumulates them, so
-    every optimizer, full Gefen included (same blocks, same codebook), must match bit for bit."""
+    every optimizer, full Gefen included (same blocks, same codebook; factored: same w), must
+    match bit for bit."""
     res = result(runs, f"ddp:{opt}")
     _assert_params_close(res["params"], references[opt]["params"], atol=0.0)
 
@@ -163,10 +164,11 @@ def test_histogram_summed_over_shards_counted_once_for_replicas(runs):
         assert torch.equal(res["counts"][r], expected), (r, res["counts"][r], expected)
 
 
-@pytest.mark.parametrize("spec", [f"dcp:{o}" for o in OPTS] + ["dcp:gefen4", "dcp_ddp:gefen"])
+@pytest.mark.parametrize("spec", [f"dcp:{o}" for o in OPTS] + ["dcp:gefen4", "dcp_ddp:gefen", "dcp:gefenf"])
 def test_dcp_round_trip_continues_identically(runs, spec):
     """Save, train on; a fresh model and optimizer load and train the same steps: bit for bit.
-    FSDP2 (blocks chosen per rank, both ranks' shards differ), 4-bit codes, and DDP."""
+    FSDP2 (blocks chosen per rank, both ranks' shards differ), 4-bit codes, DDP, and the
+    factored second moment (w per local shard)."""
     res = result(runs, spec)
     _assert_params_close(res["resumed"], res["uninterrupted"], atol=0.0)
     assert_close(res["resumed_losses"], res["uninterrupted_losses"], atol=0.0, name="losses")
@@ -210,6 +212,26 @@ def test_dcp_two_ranks_to_one_rank_full_gefen(runs):
             assert bool(((one["m"] - m).abs() <= half_gap * scale * (1 + 1e-6)).all()), name
             assert float(one["scales"][0]) == float(m.abs().max())
     _assert_resumed(res["resumed"], ref["uninterrupted"])
+
+
+def test_dcp_two_ranks_to_one_rank_factored_w_is_the_block_weighted_mean(runs):
+    """Factored Gefen, 2 ranks -> 1: v, codes and scales of the weights load as the two ranks'
+    states end to end (as unfactored), and the one rank's w of each weight is the mean of the
+    two shards' w weighted by their numbers of blocks (recomputed here in float64): the w one
+    process computes from the same gradients, since w is a mean over blocks."""
+    ref = result(runs, "dcp_aligned:gefenf")
+    res = result(runs, "reshard_aligned:gefenf")
+    (saved, _), (loaded, _) = ref["saved"], res["loaded"]
+    for name in W.ALIGNED_BLOCKS:
+        ranks = [r for r in saved[name] if r is not None]
+        (one,) = loaded[name]
+        assert torch.equal(one["v"], torch.cat([r["v"] for r in ranks])), f"{name}: v"
+        assert torch.equal(one["codes"], torch.cat([r["codes"] for r in ranks])), f"{name}: codes"
+        blocks = torch.tensor([float(r["v"].numel()) for r in ranks], dtype=torch.float64)
+        want = (torch.stack([r["w"].double() for r in ranks]) * blocks[:, None]).sum(0) / blocks.sum()
+        assert not torch.equal(ranks[0]["w"], ranks[1]["w"])  # the shards' w differ
+        assert_close(one["w"], want.float(), rtol=1e-6, name=f"{name}: w")
+    assert all(bool(torch.isfinite(t).all()) for t in res["resumed"].values())
 
 
 def _assert_resumed(actual: dict, expected: dict):

@@ -16,13 +16,14 @@ from optim.gefen import _numba_kernels as C, state as K
 SHAPES = [(231, 3), (7, 11, 5), (4099,), (96, 1024), (33, 17)]
 
 
-def _run(threads, bits, steps=3):
+def _run(threads, bits, steps=3, factored=False):
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         gen = torch.Generator().manual_seed(11)
         params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in SHAPES]
-        opt = Gefen(params, lr=1e-2, weight_decay=0.01, bits=bits, backend="numba")
+        opt = Gefen(params, lr=1e-2, weight_decay=0.01, bits=bits, backend="numba",
+                    factor_second_moment=factored)
         for _ in range(steps):
             for p in params:
                 # row-structured gradient magnitudes so the block rule finds blocks > 1
@@ -34,16 +35,18 @@ def _run(threads, bits, steps=3):
         torch.set_num_threads(old)
 
 
-@pytest.mark.parametrize("bits", [8, 4])
-def test_one_and_two_threads_agree_bitwise(bits, monkeypatch):
-    """One thread runs the serial kernel, two the prange one: the same bits."""
+@pytest.mark.parametrize("bits,factored", [(8, False), (4, False), (8, True)])
+def test_one_and_two_threads_agree_bitwise(bits, factored, monkeypatch):
+    """One thread runs the serial kernel, two the prange one: the same bits (factored: w too, whose
+    column sums are added per job in job order)."""
     if numba.config.NUMBA_NUM_THREADS < 2:
         pytest.skip("numba has a single thread here")
     used = []
     real = C.kernel
-    monkeypatch.setattr(C, "kernel", lambda b, pe, parallel=True: used.append(parallel) or real(b, pe, parallel))
-    p1, s1 = _run(1, bits)
-    p2, s2 = _run(2, bits)
+    monkeypatch.setattr(C, "kernel", lambda b, pe, parallel=True, **kw: used.append(parallel) or
+                        real(b, pe, parallel, **kw))
+    p1, s1 = _run(1, bits, factored=factored)
+    p2, s2 = _run(2, bits, factored=factored)
     assert False in used and True in used
     for a, b in zip(p1, p2):
         assert torch.equal(a, b)

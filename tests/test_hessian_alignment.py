@@ -165,6 +165,42 @@ def test_shared_v_blocks_against_restatement():
     assert_close(ours, torch.tensor(ref), atol=1e-6, rtol=1e-6, name="shared v vs restatement")
 
 
+def test_factored_shared_v_equals_gefen_reference_unquantised():
+    """SharedVAdam with ``factor_ids("gefen_factored")`` on a two-tensor vector equals Gefen's
+    reference step with the factor and an unquantised first moment, tensor by tensor, on the
+    blocks Gefen's rule picks from the first gradient."""
+    from experiments._hessian_blocks import factor_ids, gefen_lengths
+    from optim.gefen import reference as R
+
+    slices = [("a", (16, 32), slice(0, 512)), ("b", (12, 24), slice(512, 800))]
+    gen = torch.Generator().manual_seed(3)
+    # magnitudes that change row by row, nearly constant along a row: the rule picks rows
+    first = torch.cat([(10 ** (torch.rand(s[0], 1, generator=gen) * 4 - 2)
+                        * (1 + 0.1 * torch.randn(s, generator=gen))).reshape(-1) for _, s, _ in slices])
+    lengths = gefen_lengths(slices, first, "adjacent_log")
+    assert all(p > 1 for p in lengths), lengths
+    fids, ftensor = factor_ids("gefen_factored", slices, first_grad=first)
+    ids = scheme_ids("gefen_factored", slices, first_grad=first)
+    base = 0
+    for (_, _, sl), P in zip(slices, lengths):  # one factor per (tensor, offset in the block)
+        assert torch.equal(fids[sl], base + torch.arange(sl.stop - sl.start) % P)
+        base += P
+    p = torch.randn(800)
+    opt = SharedVAdam(ids, lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1, factors=(fids, ftensor))
+    ours, refs = p.clone(), {}
+    for t in range(1, 6):
+        g = torch.randn(800, generator=gen) * torch.rand(800, generator=gen)
+        opt.step(ours, g)
+        for (name, _, sl), P in zip(slices, lengths):
+            n = sl.stop - sl.start
+            x, v, w, m = refs.get(name, (p[sl], torch.zeros(n // P), torch.zeros(P), torch.zeros(n)))
+            x, v, _, m, w = R.gefen_step(x, g[sl], v, torch.zeros(0), m, None, step=t, lr=1e-2, beta1=0.9,
+                                         beta2=0.99, eps=1e-8, weight_decay=0.1, block=P, bits=8, w=w)
+            refs[name] = (x, v, w, m)
+    want = torch.cat([refs["a"][0], refs["b"][0]])
+    assert_close(ours, want, atol=1e-6, rtol=1e-5, name="factored SharedVAdam vs Gefen reference")
+
+
 def test_adam_mini_blocks_reproduce_adam_mini_package():
     from adam_mini import Adam_mini
 
@@ -237,7 +273,7 @@ def test_quick_entry_writes_well_formed_rows(tmp_path):
     for kind in ("transformer", "mlp"):
         assert (kind, "spearman_spread") in metrics
         assert (f"{kind}/step4", "spread_median") in metrics
-        for s in ("adamw",) + ha.BLOCK_SCHEMES:
+        for s in ("adamw",) + ha.LOSS_SCHEMES:
             assert (f"{kind}/{s}", "val_loss") in metrics
         for s in ha.BLOCK_SCHEMES:
             assert (f"{kind}/{s}", "dispersion") in metrics

@@ -72,23 +72,38 @@ def _u8_ptr(typingctx, addr):
     return sig, codegen
 
 
-def kernel(bits: int, per_element_v: bool, parallel: bool = True):
+def kernel(bits: int, per_element_v: bool, parallel: bool = True, factored: bool = False):
     """The compiled step for 8- or 4-bit codes and block == 1 (per-element v) or block > 1.
 
     ``parallel=False``: the same jobs run in order on the calling thread, without starting
     numba's OpenMP pool (at one thread its barrier would only add waiting).
 
-    ``kernel(...)(meta, jobs, cb, bounds, lut_code, lut_bound, lut_values, lut_scale, block, S,
-    w1, beta2, one_minus_beta2, decay, neg_step, bc2_sqrt, eps)``: ``meta`` int64 (tensors, 9) =
+    ``factored``: the second moment of element j of a block is ``v_b * r_j`` (block > 1), with
+    ``ratio[t, j] = sqrt(r_j)``.
+
+    ``kernel(...)(meta, jobs, ratio, cb, bounds, lut_code, lut_bound, lut_values, lut_scale, block,
+    S, w1, beta2, one_minus_beta2, decay, neg_step, bc2_sqrt, eps)``: ``meta`` int64 (tensors, 9) =
     addresses of p, g, v, scales, codes (contiguous fp32, fp32, fp32, fp32, uint8) and their
     element counts; ``jobs`` int64 (jobs, 3) = tensor row, first scale block, end scale block;
     ``bounds`` the fp32 decision boundaries (``CodeTable.boundaries``, levels - 1 and a trailing
-    +inf; used at 4 bits).
+    +inf; used at 4 bits); ``ratio`` fp32 (tensors, block), ``factor_kernel``'s output (read only
+    when ``factored``).
     """
-    key = (bits, per_element_v, parallel)
+    key = (bits, per_element_v, parallel, factored)
     if key not in _KERNELS:
-        _KERNELS[key] = partial(_step_parallel if parallel else _step_serial, bits == 4, per_element_v)
+        _KERNELS[key] = partial(_step_parallel if parallel else _step_serial, bits == 4, per_element_v,
+                                factored and not per_element_v)
     return _KERNELS[key]
+
+
+def factor_kernel(parallel: bool = True):
+    """The factored second moment's first pass: ``(meta, jobs, wptrs, block, S, beta2,
+    one_minus_beta2, partial, ratio)`` updates each tensor's ``w`` (address ``wptrs[t]``, fp32
+    ``block`` floats) with the mean over its blocks of g**2 per offset and writes ``ratio[t] =
+    w / mean(w)`` (ones where the mean is 0). Column sums run per job into ``partial`` (jobs,
+    block) and are added per tensor in job order, so the result does not depend on the threads.
+    ``ratio`` holds sqrt(r), what the step multiplies by."""
+    return _factor_parallel if parallel else _factor_serial
 
 
 # ------------------------------------------------------------------------------ passes
@@ -269,8 +284,74 @@ def _update_per_element(p, value, amax, v, decay, neg_step, bc2_sqrt, eps):
         p[i] = p[i] * decay + (neg_step * m_hat) / denom
 
 
+@njit(nogil=True, error_model="numpy", cache=True)  # no contract: see _step_serial
+def _update_factored(p, value, amax, sv, sr, decay, neg_step, eps):
+    """Block > 1, factored: denominator sqrt(v_b / bc2) * sqrt(r_j) + eps, with sqrt(r_j) from
+    ``factor_kernel`` (one multiply a element where the reference takes a square root of v_b r_j:
+    equal to fp32 rounding)."""
+    for i in range(p.size):
+        m_hat = value[i] * amax
+        p[i] = p[i] * decay + (neg_step * m_hat) / (sv * sr[i] + eps)
+
+
 @njit(nogil=True, error_model="numpy", cache=True)
-def _blocks(bits4, per_element, p, g, v, scales, codes, j0, j1, cb, bounds, lut_code, lut_bound,
+def _colsum_sq(g, block, acc):
+    """acc[j] = sum over the blocks of g (a whole number of them) of g[b, j]**2."""
+    for j in range(block):
+        acc[j] = np.float32(0.0)
+    for b in range(g.size // block):
+        gb = g[b * block:(b + 1) * block]
+        for j in range(block):
+            acc[j] += gb[j] * gb[j]
+
+
+@njit(nogil=True, error_model="numpy", cache=True)
+def _factor_reduce(meta, jobs, wptrs, block, beta2, one_minus_beta2, partial, ratio):
+    total = np.zeros((meta.shape[0], block), dtype=np.float32)
+    for k in range(jobs.shape[0]):
+        t = jobs[k, 0]
+        for j in range(block):
+            total[t, j] += partial[k, j]
+    for t in range(meta.shape[0]):
+        w = carray(_f32_ptr(wptrs[t]), (block,))
+        nb = np.float32(meta[t, 5] // block)
+        s = np.float32(0.0)
+        for j in range(block):
+            w[j] = beta2 * w[j] + one_minus_beta2 * (total[t, j] / nb)
+            s += w[j]
+        mean = s / np.float32(block)
+        for j in range(block):
+            ratio[t, j] = np.sqrt(w[j] / mean) if mean > np.float32(0.0) else np.float32(1.0)
+
+
+@njit(nogil=True, error_model="numpy", cache=True)
+def _factor_job(meta, jobs, k, block, S, partial):
+    t = jobs[k, 0]
+    n = meta[t, 5]
+    g = carray(_f32_ptr(meta[t, 1]), (n,))
+    gk = g[jobs[k, 1] * S:min(jobs[k, 2] * S, n)]
+    if block == 1:  # one column: the 8-lane sum (a single accumulator would be latency-bound)
+        partial[k, 0] = _sum_sq(gk, np.empty(8, dtype=np.float32))
+    else:
+        _colsum_sq(gk, block, partial[k])
+
+
+@njit(nogil=True, error_model="numpy", parallel=True, cache=True)
+def _factor_parallel(meta, jobs, wptrs, block, S, beta2, one_minus_beta2, partial, ratio):
+    for k in prange(jobs.shape[0]):
+        _factor_job(meta, jobs, k, block, S, partial)
+    _factor_reduce(meta, jobs, wptrs, block, beta2, one_minus_beta2, partial, ratio)
+
+
+@njit(nogil=True, error_model="numpy", cache=True)
+def _factor_serial(meta, jobs, wptrs, block, S, beta2, one_minus_beta2, partial, ratio):
+    for k in range(jobs.shape[0]):
+        _factor_job(meta, jobs, k, block, S, partial)
+    _factor_reduce(meta, jobs, wptrs, block, beta2, one_minus_beta2, partial, ratio)
+
+
+@njit(nogil=True, error_model="numpy", cache=True)
+def _blocks(bits4, per_element, factored, p, g, v, scales, codes, r, j0, j1, cb, bounds, lut_code, lut_bound,
             lut_values, lut_scale, block, S, w1, beta2, one_minus_beta2, decay, neg_step, bc2_sqrt,
             eps):
     """Scale blocks j0..j1-1 of one tensor, pass by pass (see the module docstring)."""
@@ -317,12 +398,16 @@ def _blocks(bits4, per_element, p, g, v, scales, codes, j0, j1, cb, bounds, lut_
         else:  # S == block: one v per scale block, one division per block
             vb = beta2 * v[j] + one_minus_beta2 * (_sum_sq(gj, acc8) / np.float32(block))
             v[j] = vb
-            denom = np.float32(np.sqrt(vb) / bc2_sqrt) + eps
-            _update_shared(p[start:stop], mj, amax, decay, neg_step / denom)
+            if factored:
+                sv = np.float32(np.sqrt(vb) / bc2_sqrt)
+                _update_factored(p[start:stop], mj, amax, sv, r, decay, neg_step, eps)
+            else:
+                denom = np.float32(np.sqrt(vb) / bc2_sqrt) + eps
+                _update_shared(p[start:stop], mj, amax, decay, neg_step / denom)
 
 
 @njit(nogil=True, error_model="numpy", cache=True)
-def _job(bits4, per_element, meta, jobs, k, cb, bounds, lut_code, lut_bound, lut_values, lut_scale,
+def _job(bits4, per_element, factored, meta, jobs, k, ratio, cb, bounds, lut_code, lut_bound, lut_values, lut_scale,
          block, S, w1, beta2, one_minus_beta2, decay, neg_step, bc2_sqrt, eps):
     t = jobs[k, 0]
     p = carray(_f32_ptr(meta[t, 0]), (meta[t, 5],))
@@ -330,24 +415,25 @@ def _job(bits4, per_element, meta, jobs, k, cb, bounds, lut_code, lut_bound, lut
     v = carray(_f32_ptr(meta[t, 2]), (meta[t, 6],))
     scales = carray(_f32_ptr(meta[t, 3]), (meta[t, 7],))
     codes = carray(_u8_ptr(meta[t, 4]), (meta[t, 8],))
-    _blocks(bits4, per_element, p, g, v, scales, codes, jobs[k, 1], jobs[k, 2], cb, bounds,
+    _blocks(bits4, per_element, factored, p, g, v, scales, codes, ratio[t if factored else 0],
+            jobs[k, 1], jobs[k, 2], cb, bounds,
             lut_code, lut_bound, lut_values, lut_scale, block, S, w1, beta2, one_minus_beta2,
             decay, neg_step, bc2_sqrt, eps)
 
 
 @njit(nogil=True, error_model="numpy", parallel=True, cache=True)
-def _step_parallel(bits4, per_element, meta, jobs, cb, bounds, lut_code, lut_bound, lut_values,
+def _step_parallel(bits4, per_element, factored, meta, jobs, ratio, cb, bounds, lut_code, lut_bound, lut_values,
                    lut_scale, block, S, w1, beta2, one_minus_beta2, decay, neg_step, bc2_sqrt, eps):
     for k in prange(jobs.shape[0]):
-        _job(bits4, per_element, meta, jobs, k, cb, bounds, lut_code, lut_bound, lut_values,
+        _job(bits4, per_element, factored, meta, jobs, k, ratio, cb, bounds, lut_code, lut_bound, lut_values,
              lut_scale, block, S, w1, beta2, one_minus_beta2, decay, neg_step, bc2_sqrt, eps)
 
 
 @njit(nogil=True, error_model="numpy", cache=True)
-def _step_serial(bits4, per_element, meta, jobs, cb, bounds, lut_code, lut_bound, lut_values,
+def _step_serial(bits4, per_element, factored, meta, jobs, ratio, cb, bounds, lut_code, lut_bound, lut_values,
                  lut_scale, block, S, w1, beta2, one_minus_beta2, decay, neg_step, bc2_sqrt, eps):
     # the same passes compiled again: every pass is written so that its rounding cannot depend on
     # the copy (no multiply-add with two products to choose from, no reassoc)
     for k in range(jobs.shape[0]):
-        _job(bits4, per_element, meta, jobs, k, cb, bounds, lut_code, lut_bound, lut_values,
+        _job(bits4, per_element, factored, meta, jobs, k, ratio, cb, bounds, lut_code, lut_bound, lut_values,
              lut_scale, block, S, w1, beta2, one_minus_beta2, decay, neg_step, bc2_sqrt, eps)

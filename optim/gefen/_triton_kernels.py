@@ -119,6 +119,17 @@ def _tensor_ptrs(ptr_tab, t, P_DT: tl.constexpr, G_DT: tl.constexpr, C_DT: tl.co
 
 
 @triton.jit
+def _factor_ratio(w_tab, t, offs, mask, S: tl.constexpr, WIDTH: tl.constexpr):
+    """r_j = w_j / mean(w) at block offsets ``offs`` (1 where mean(w) == 0): the factored second
+    moment's per-offset scale of v (``reference.factor_ratio``; w is already updated this step)."""
+    w_ptr = tl.load(w_tab + t).to(tl.pointer_type(tl.float32))
+    j = tl.arange(0, WIDTH)
+    mean = tl.div_rn(tl.sum(tl.load(w_ptr + j, mask=j < S, other=0.0), axis=0), S * 1.0)
+    wj = tl.load(w_ptr + offs, mask=mask, other=0.0)
+    return tl.where(mean > 0, tl.div_rn(wj, tl.where(mean > 0, mean, 1.0)), 1.0)
+
+
+@triton.jit
 def _apply(p_ptr, offs, mask, m_hat, denom, decay, neg_step):
     """p <- p * (1 - lr*wd); p <- p + (-lr/bc1) * m^ / denom (reference order), stored in p's dtype."""
     p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32) * decay
@@ -130,17 +141,18 @@ def _apply(p_ptr, offs, mask, m_hat, denom, decay, neg_step):
 
 @triton.jit
 def _gefen_step_kernel(
-    tile_ptr, ptr_tab, numel_tab, cb_ptr, uniq_ptr, mid_ptr, lut_ptr, first_ptr,
+    tile_ptr, ptr_tab, numel_tab, cb_ptr, uniq_ptr, mid_ptr, lut_ptr, first_ptr, w_tab,
     w, beta2, omb2, eps, decay, neg_step, sqrt_bc2,
     P_DT: tl.constexpr, G_DT: tl.constexpr, C_DT: tl.constexpr,
     S: tl.constexpr, BLOCK_V: tl.constexpr, QUANT: tl.constexpr, R: tl.constexpr,
     WIDTH: tl.constexpr, NLUT: tl.constexpr, NCMP: tl.constexpr, HAS_DUP: tl.constexpr,
-    ALIGN: tl.constexpr, EXACT: tl.constexpr,
+    ALIGN: tl.constexpr, EXACT: tl.constexpr, FACTOR: tl.constexpr,
 ):
     """8-bit codes or unquantised m: a tile of R scale blocks x WIDTH (>= S) element lanes.
 
     BLOCK_V == S: one v per scale block; BLOCK_V == 1: per-element v (then S == CHUNK and the
-    last scale block of a tensor may be partial).
+    last scale block of a tensor may be partial). FACTOR (BLOCK_V == S only): v of element j of
+    a block is scaled by r_j of the tensor's factor w (``w_tab``: one fp32 pointer a tensor).
     """
     pid = tl.program_id(0)
     t = tl.load(tile_ptr + 2 * pid)
@@ -166,6 +178,8 @@ def _gefen_step_kernel(
         v = tl.load(v_ptr + rows, mask=rmask, other=0.0)
         v = beta2 * v + omb2 * tl.div_rn(tl.sum(g * g, axis=1)[:, None], S * 1.0)
         tl.store(v_ptr + rows, v, mask=rmask)
+        if FACTOR:
+            v = v * _factor_ratio(w_tab, t, cols, cols < S, S, WIDTH)
     denom = tl.div_rn(tl.sqrt_rn(v), sqrt_bc2) + eps
 
     if QUANT:
@@ -214,12 +228,12 @@ def _half_rows(a0, a1, sub0, sub1, IS_MAX: tl.constexpr):
 # either with the same arguments and constexprs; GROUP replaces QUANT for packed 4-bit codes.
 @triton.jit
 def _gefen_step4_kernel(
-    tile_ptr, ptr_tab, numel_tab, cb_ptr, uniq_ptr, mid_ptr, lut_ptr, first_ptr,
+    tile_ptr, ptr_tab, numel_tab, cb_ptr, uniq_ptr, mid_ptr, lut_ptr, first_ptr, w_tab,
     w, beta2, omb2, eps, decay, neg_step, sqrt_bc2,
     P_DT: tl.constexpr, G_DT: tl.constexpr, C_DT: tl.constexpr,
     S: tl.constexpr, BLOCK_V: tl.constexpr, GROUP: tl.constexpr, R: tl.constexpr,
     WIDTH: tl.constexpr, NLUT: tl.constexpr, NCMP: tl.constexpr, HAS_DUP: tl.constexpr,
-    ALIGN: tl.constexpr, EXACT: tl.constexpr,
+    ALIGN: tl.constexpr, EXACT: tl.constexpr, FACTOR: tl.constexpr,
 ):
     """Packed 4-bit codes: a tile of R rows x WIDTH byte lanes, each byte = elements (2k, 2k+1).
 
@@ -278,6 +292,9 @@ def _gefen_step4_kernel(
         tl.store(v_ptr + ba + 1, vb, mask=mb)
         v0 = tl.where(sub0, vb, va)
         v1 = tl.where(sub1, vb, va)
+        if FACTOR:  # offset of each element in its block: 2k (+1), less S in a row's second block
+            v0 = v0 * _factor_ratio(w_tab, t, 2 * k - S * sub0.to(tl.int32), k < H, S, 2 * WIDTH)
+            v1 = v1 * _factor_ratio(w_tab, t, 2 * k + 1 - S * sub1.to(tl.int32), k < H, S, 2 * WIDTH)
     d0 = tl.div_rn(tl.sqrt_rn(v0), sqrt_bc2) + eps
     d1 = tl.div_rn(tl.sqrt_rn(v1), sqrt_bc2) + eps
 

@@ -19,9 +19,12 @@ def state_dtype(param_dtype: torch.dtype, group) -> torch.dtype:
     return torch.float32
 
 
-def expected_state(n: int, block: int, bits: int, quant: bool, dtype: torch.dtype) -> dict:
+def expected_state(n: int, block: int, bits: int, quant: bool, dtype: torch.dtype,
+                   factored: bool = False) -> dict:
     """{key: (dtype, numel)} of the per-parameter tensors of an n-element parameter."""
     out = {K.V: (dtype, n // block)}
+    if factored:
+        out[K.W] = (torch.float32, block)
     if quant:
         out[K.SCALES] = (torch.float32, num_scales(n, block))
         out[K.CODES] = (torch.uint8, num_code_bytes(n, bits))
@@ -69,11 +72,11 @@ def check_saved(st, p, group, bits, k):
         raise ValueError(f"{where} has block {block!r}, which does not fit its shape ({n} elements); "
                          "the state dict comes from a model with other shapes")
     want = expected_state(n, block, bits, group["quantize_first_moment"],
-                          state_dtype(p.dtype, group))
+                          state_dtype(p.dtype, group), group["factor_second_moment"])
     if set(st) != set(want) | {K.STEP, K.BLOCK}:
         raise ValueError(f"{where} has keys {sorted(st)}, expected "
                          f"{sorted(set(want) | {K.STEP, K.BLOCK})} for this group's "
-                         "quantize_first_moment setting")
+                         "quantize_first_moment and factor_second_moment settings")
     for key, (dtype, size) in want.items():
         t = st[key]
         if not torch.is_tensor(t) or t.dtype != dtype or t.dim() != 1 or t.numel() != size:
@@ -83,6 +86,18 @@ def check_saved(st, p, group, bits, k):
                              "state dict as it was saved (no dtype casts), into the model it was "
                              "saved from")
     return dict(st, **{K.STEP: step})
+
+
+def check_factors(ps, ws, *, block, device_type="cpu"):
+    """Raise ``ValueError`` unless ``ws`` holds one contiguous fp32 factor of ``block`` floats per
+    parameter, on ``device_type`` (the kernels read ``w`` through its address)."""
+    if len(ws) != len(ps):
+        raise ValueError(f"Gefen kernel: {len(ws)} factors w for {len(ps)} parameters")
+    for i, w in enumerate(ws):
+        if (w.dtype != torch.float32 or w.numel() != block or not w.is_contiguous()
+                or w.device.type != device_type):
+            raise ValueError(f"Gefen kernel: w[{i}] must be a contiguous float32 {device_type} tensor "
+                             f"of {block} elements, got {w.dtype} {tuple(w.shape)} on {w.device}")
 
 
 def check_launch(ps, gs, vs, scales, codes, *, block, bits, quant, device_type="cpu"):

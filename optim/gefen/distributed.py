@@ -23,6 +23,8 @@ the group:
       scales  fp32 ``shape``: scale of the element's scale block   (quantised groups)
       codes   uint8 ``shape``: the element's code (4-bit codes one a byte)   (quantised groups)
       m       fp32 ``shape``: the first moment   (groups with quantize_first_moment=False)
+      w       fp32 ``shape``: the factor w of the element's offset in its block, from its
+              shard's w   (groups with factor_second_moment=True)
       layout  int64 (rows, 4), the same on every rank: per row of dim 0, the saved block length
               P, the row's first element's position in its v-block and in its scale block, and
               the step count
@@ -30,8 +32,9 @@ the group:
               (``get_optimizer_state_dict`` keeps only per-parameter state, so the model-wide
               codebook travels with each parameter of a quantised group)
 
-  That is 9 bytes per element in the checkpoint (8 with an unquantised first moment) against
-  about 1 in memory: the price of a checkpoint that reshards freely.
+  That is 9 bytes per element in the checkpoint (8 with an unquantised first moment; 4 more with
+  a factored second moment) against about 1 in memory: the price of a checkpoint that reshards
+  freely.
 
 Loading (:func:`from_distributed`) cuts each rank's local rows back into Gefen's compact state.
 Onto another number of ranks this is exact where every new local shard starts and ends on a
@@ -39,6 +42,10 @@ saved block boundary and sees one block length; otherwise it raises a ``ValueErr
 the parameter and says what to do. Tensors saved with P = 1 (per-element v) on every rank always
 fit; where their 256-element scale chunks moved, their first moment is requantised once with the
 codebook (one more rounding of m, at most half a codebook gap times the scale; v untouched).
+A factored second moment's w is per local shard (the mean over its blocks): a loaded shard's w
+is the mean of the saved w over its elements at each offset, i.e. the saved shard's w where the
+sharding is unchanged (exactly), the block-weighted mean of the saved shards' w where shards merge
+(the w one process would hold up to rounding), the saved shard's w where a shard splits.
 
 Not supported: ``StateDictOptions(flatten_optimizer_state_dict=True)`` (loading raises, saying so).
 Supported placements: ``Shard(0)`` on at most one mesh dimension and ``Replicate`` elsewhere
@@ -188,26 +195,28 @@ def _dtensor_like_rows(p, local_rows, rows):
                               shape=(rows, 4), stride=(4, 1))
 
 
-def to_distributed(state: dict, params, ids, quantized, *, codebook, bits: int) -> None:
+def to_distributed(state: dict, params, ids, quantized, *, codebook, bits: int, factored=None) -> None:
     """Rewrite ``state`` (``Optimizer.state_dict()['state']``) in place into the distributed form.
 
-    ``quantized[i]`` is the ``quantize_first_moment`` flag of the group of ``params[i]``. Every
+    ``quantized[i]`` is the ``quantize_first_moment`` flag of the group of ``params[i]``,
+    ``factored[i]`` its ``factor_second_moment`` flag (None: all False). Every
     parameter gets the sharding- and block-independent form of the module docstring (plain
     parameters, as under DDP, as one shard of all their rows: a fresh optimizer's blocks differ
     from the saved ones, so DCP needs shapes that do not depend on them), with a copy of the
     codebook. Collective over the sharded parameters' meshes: every rank must call it with the
     same parameters (``get_optimizer_state_dict`` does).
     """
-    for pid, p, quant in zip(ids, params, quantized):
+    factored = factored or [False] * len(params)
+    for pid, p, quant, fac in zip(ids, params, quantized, factored):
         if not p.requires_grad:
             continue
-        st = _to_distributed_one(p, state.get(pid), quantized=quant, bits=bits)
+        st = _to_distributed_one(p, state.get(pid), quantized=quant, bits=bits, factored=fac)
         if quant:  # all zeros before the first step (a learned codebook ends at -1 and +1)
             st[K.CODEBOOK] = torch.zeros(2**bits) if codebook is None else codebook.detach().clone()
         state[pid] = st
 
 
-def _to_distributed_one(p, st, *, quantized, bits):
+def _to_distributed_one(p, st, *, quantized, bits, factored=False):
     r0, r1, rows, row_len = shard_rows(p)
     layout = _full_layout(p, _local_layout(st, r0, r1, row_len))
     n = local_shard(p).numel()
@@ -222,10 +231,14 @@ def _to_distributed_one(p, st, *, quantized, bits):
             st[K.CODES] = torch.zeros(num_code_bytes(n, bits), dtype=torch.uint8)
         else:
             st[K.M] = torch.zeros(n)
+        if factored:
+            st[K.W] = torch.zeros(1)
     block = int(st[K.BLOCK])
     dev = local_shard(p).device
     like = (lambda t: _dtensor_like(p, t)) if is_sharded(p) else (lambda t: t.reshape(p.shape))
     out[K.V] = like(st[K.V].to(dev).float().repeat_interleave(block))
+    if K.W in st:
+        out[K.W] = like(st[K.W].to(dev).float().repeat(n // block))
     if K.M in st:
         out[K.M] = like(st[K.M].to(dev).float())
     else:
@@ -342,6 +355,9 @@ def _from_distributed_one(p, st, *, codebook, bits, name):
     n = local_shard(p).numel()
     out = {K.STEP: int(st[K.STEP]), K.BLOCK: block}
     out[K.V] = _local_rows_of(st[K.V], p, r0, r1)[::block].float().to(dev).clone()
+    if K.W in st:  # mean over the blocks in float64: exact where all blocks hold the same w
+        w = _local_rows_of(st[K.W], p, r0, r1).double().view(-1, block).mean(dim=0)
+        out[K.W] = w.float().to(dev)
     if not quantized:
         out[K.M] = _local_rows_of(st[K.M], p, r0, r1).float().to(dev).clone()
         return out
@@ -374,6 +390,10 @@ def _params_and_ids(opt, sd):
     return params, ids, quantized
 
 
+def _factored(opt):
+    return [bool(g["factor_second_moment"]) for g in opt.param_groups for _ in g["params"]]
+
+
 def to_distributed_state_dict(opt, sd: dict) -> dict:
     """``Gefen.state_dict()`` hook: the distributed form where torch.distributed is in use (a
     DTensor parameter, or an initialised process group), ``sd`` unchanged otherwise. With
@@ -382,7 +402,8 @@ def to_distributed_state_dict(opt, sd: dict) -> dict:
     params, ids, quantized = _params_and_ids(opt, sd)
     if _uses_distributed_form(params):
         sd["state"] = dict(sd["state"])
-        to_distributed(sd["state"], params, ids, quantized, codebook=opt.codebook, bits=opt.bits)
+        to_distributed(sd["state"], params, ids, quantized, codebook=opt.codebook, bits=opt.bits,
+                       factored=_factored(opt))
     return sd
 
 

@@ -17,7 +17,7 @@ import torch
 
 from .._threads import numba_threads
 from . import torch_ops
-from .checks import check_launch
+from .checks import check_factors, check_launch
 from .codebook import code_table
 from .reference import scale_block_length
 
@@ -69,19 +69,20 @@ def _meta(ps, gs, vs, scales, codes):
 
 @torch.no_grad()
 def gefen_step_(ps, gs, vs, scales, codes, codebook, *, step, lr, beta1, beta2, eps,
-                weight_decay, block, bits, tables=None):
+                weight_decay, block, bits, tables=None, ws=None):
     """:func:`optim.gefen.torch_ops.gefen_step_` compiled for CPU tensors (see module doc).
 
     One kernel call for the whole list, runs of scale blocks in parallel on
-    ``torch.get_num_threads()`` numba threads (the same results at any thread count).
+    ``torch.get_num_threads()`` numba threads (the same results at any thread count). A factored
+    second moment (``ws``) adds one pass over the gradients before it (``factor_kernel``).
     """
     if codebook is not None and tables is None:
         tables = code_table(codebook)
     if codebook is None or tables.ncmp > 1 or tables.has_repeats:
         return torch_ops.gefen_step_(ps, gs, vs, scales, codes, codebook, step=step, lr=lr,
                                      beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
-                                     block=block, bits=bits, tables=tables)
-    from ._numba_kernels import kernel
+                                     block=block, bits=bits, tables=tables, ws=ws)
+    from ._numba_kernels import factor_kernel, kernel
 
     f32 = np.float32
     S = scale_block_length(block)
@@ -90,14 +91,23 @@ def gefen_step_(ps, gs, vs, scales, codes, codebook, *, step, lr, beta1, beta2, 
     check_launch(ps, gs, vs, scales, codes, block=block, bits=bits, quant=True)
     meta, keep, back = _meta(ps, gs, vs, scales, codes)
     jobs = _jobs(tuple(meta[:, 5].tolist()), S, bits)
-    step_fn = kernel(bits, block == 1, parallel=numba_threads() > 1)
-    step_fn(meta, jobs, *_luts(tables), f32(tables.scale), block, S, *hyper)
+    parallel = numba_threads() > 1
+    ratio = _NO_RATIO
+    if ws is not None:
+        check_factors(ps, ws, block=block)
+        wptrs = np.array([w.data_ptr() for w in ws], dtype=np.int64)
+        partial = np.empty((jobs.shape[0], block), dtype=np.float32)
+        ratio = np.empty((len(ws), block), dtype=np.float32)
+        factor_kernel(parallel)(meta, jobs, wptrs, block, S, f32(beta2), f32(1 - beta2), partial, ratio)
+    step_fn = kernel(bits, block == 1, parallel=parallel, factored=ws is not None)
+    step_fn(meta, jobs, ratio, *_luts(tables), f32(tables.scale), block, S, *hyper)
     del keep
     for p, pw in back:
         p.copy_(pw.view_as(p))
 
 
 _LUTS = {}
+_NO_RATIO = np.ones((1, 1), dtype=np.float32)
 
 
 def _luts(tables):

@@ -48,12 +48,19 @@ class Gefen(torch.optim.Optimizer):
     State: 1 byte (8 bits) or 0.5 byte (4 bits) per element plus 8 bytes per block of P (P = 1:
     4 bytes per element for v and 4 per 256 elements for the scale). With
     ``share_second_moment=False, quantize_first_moment=False`` it is ``torch.optim.AdamW``.
+
+    ``factor_second_moment=True`` (not in the paper) scales each block's ``v_b`` per offset j inside
+    the block, Adafactor's row-by-column estimate on Gefen's blocks: ``w_j`` is an EMA (beta2) of
+    the squared gradient at offset j averaged over the tensor's blocks, and the denominator is
+    ``sqrt(v_b w_j / mean(w) / (1 - beta2^t)) + eps``. It costs 4 P bytes per tensor and helps
+    where squared gradients vary along a block (matrix columns); with P = 1 it changes nothing.
     Not for sparse gradients (``nn.Embedding(sparse=True)``: use ``DiskSparseAdam``) nor complex
     parameters. The exact state layout is in ``optim/gefen/reference.py``.
 
     Args:
         params: parameters or param groups (dicts); groups may set ``lr``, ``betas``, ``eps``,
-            ``weight_decay``, ``share_second_moment``, ``quantize_first_moment``.
+            ``weight_decay``, ``share_second_moment``, ``quantize_first_moment``,
+            ``factor_second_moment``.
         lr: learning rate. (Default: 1e-3)
         betas: coefficients of the first and second moment averages. (Default: (0.9, 0.999))
         eps: added to the denominator. (Default: 1e-8)
@@ -79,11 +86,14 @@ class Gefen(torch.optim.Optimizer):
             (Default: False)
         block_rule: "adjacent_log" (upstream's current rule) or "variance_drop" (the paper-era
             rule); see ``partition.py``. (Default: "adjacent_log")
+        factor_second_moment: scale each block's second moment per offset inside the block
+            (above; ``reference.py``). False is the published algorithm. (Default: False)
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, bits=8,
                  share_second_moment=True, quantize_first_moment=True, backend="auto",
-                 block_rule="adjacent_log", *, fused=None, verbose=False):
+                 block_rule="adjacent_log", *, factor_second_moment=False, fused=None,
+                 verbose=False):
         if bits not in (4, 8):
             raise ValueError(f"Gefen: bits must be 8 or 4, got {bits!r}")
         if block_rule not in RULES:
@@ -97,7 +107,8 @@ class Gefen(torch.optim.Optimizer):
         self._steps = {}  # device -> step function, filled by add_param_group
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                         share_second_moment=share_second_moment,
-                        quantize_first_moment=quantize_first_moment)
+                        quantize_first_moment=quantize_first_moment,
+                        factor_second_moment=factor_second_moment)
         super().__init__(params, defaults)
         self.bits = bits
         self.block_rule = block_rule
@@ -114,6 +125,8 @@ class Gefen(torch.optim.Optimizer):
     def __setstate__(self, state):
         super().__setstate__(state)
         self.__dict__.setdefault("_tables", None)
+        for group in self.param_groups:  # pickled before the keyword existed: the published rule
+            group.setdefault("factor_second_moment", False)
         if "_steps" not in self.__dict__:
             self._steps = {}
             for p in (p for g in self.param_groups for p in g["params"]):
@@ -184,6 +197,8 @@ class Gefen(torch.optim.Optimizer):
             st[K.CODES] = torch.zeros(num_code_bytes(n, self.bits), dtype=torch.uint8, device=dev)
         else:
             st[K.M] = torch.zeros(n, device=dev, dtype=dtype)
+        if group["factor_second_moment"]:
+            st[K.W] = torch.zeros(block, device=dev)
 
     def _first_gradient(self, p, group, gi, pi) -> bool:
         """Create ``p``'s state from its first non-zero gradient; True once it exists.
@@ -259,6 +274,7 @@ class Gefen(torch.optim.Optimizer):
 
     def _step_group(self, group, items):
         quant = group["quantize_first_moment"]
+        factored = group["factor_second_moment"]
         buckets = defaultdict(list)
         for p, g in items:
             st = self.state[p]
@@ -279,7 +295,8 @@ class Gefen(torch.optim.Optimizer):
                 [s[K.SCALES] if quant else s[K.V].new_zeros(0) for s in sts],
                 [s[K.CODES] if quant else s[K.M] for s in sts], codebook, tables=tables,
                 step=step, lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
-                weight_decay=group["weight_decay"], block=block, bits=self.bits)
+                weight_decay=group["weight_decay"], block=block, bits=self.bits,
+                ws=[s[K.W] for s in sts] if factored else None)
 
     # --------------------------------------------------------------------------- state dict
     def state_dict(self):
@@ -329,6 +346,9 @@ class Gefen(torch.optim.Optimizer):
         if bits != self.bits:
             raise ValueError(f"Gefen.load_state_dict: the state dict was saved with bits={bits}, "
                              f"this optimizer has bits={self.bits}; construct it with bits={bits}")
+        # saved before the keyword existed: the published rule
+        sd["param_groups"] = [g if "factor_second_moment" in g else dict(g, factor_second_moment=False)
+                              for g in sd["param_groups"]]
         saved = dict(sd.get("state", {}))
         groups = [(p, g) for g in self.param_groups for p in g["params"]]
         ids = [i for g in sd["param_groups"] for i in g["params"]]

@@ -28,6 +28,10 @@ scale blocks (length S)
     (padding, never read).
     The first moment is ``m_i = codebook[code_i] * scales[i // S]``. Fresh state: codes 0 and
     scales 0, i.e. m = 0.
+``w`` (fp32, shape ``(P,)``; only with ``factor_second_moment=True``)
+    Per-offset factor of the second moment: ``w_j`` is an EMA (same beta2) of the squared
+    gradient at offset j inside a block, averaged over all blocks of the tensor. See
+    "Factored second moment" below. Fresh state: zeros.
 ``codebook`` (fp32, shape ``(2**bits,)``, sorted ascending; learned with its ends pinned at -1, +1)
     One per model (all parameters, all groups), learned at the first optimizer step.
     ``codebook=None`` means the first moment is not quantised: ``codes`` is then the fp32 first
@@ -48,6 +52,24 @@ The step (``step`` is t, counted from 1 for a tensor's first update)
 torch's: ``m + w * (g - m)`` for ``w < 0.5``, else ``g - (g - m) * (1 - w)``. The last line is
 written as ``p.addcdiv(m^, denom, value=-lr / bc1)``, the same arithmetic as
 ``torch.optim.AdamW``, so with P == 1 and ``codebook=None`` this is AdamW to rounding.
+
+Factored second moment (``factor_second_moment=True``)
+-----------------------------------------------------
+A shared ``v_b`` is one number for a block whose elements can have squared gradients of very
+different size (a block of a matrix row spans columns; columns differ). The factored estimate
+of element ``(b, j)`` (block b, offset j in the block) is the rank-one product of the block's
+mean and the offset's mean, normalised by the overall mean::
+
+    w_j   <- beta2 * w_j + (1 - beta2) * mean_b(g[b, j]**2)      # P floats per tensor
+    r_j   =  w_j / mean(w)          (r = 1 where mean(w) == 0)
+    denom =  sqrt(v_b * r_j) / sqrt(1 - beta2**t) + eps
+
+This is Adafactor's row-by-column estimate ``V ~ R C / sum(R)`` (Shazeer & Stern, 2018) with
+Gefen's blocks as rows and offsets inside a block as columns: ``v_b`` is the row mean,
+``w_j`` the column mean, ``mean(w)`` the overall mean (the bias corrections of ``w`` cancel
+in ``r``). It costs P floats per tensor. With P == 1 (per-element v) ``r == 1`` exactly, so the
+factor changes nothing and the reduction to AdamW holds. Blocks must be whole rows of
+the same offsets: every block of a tensor has the same length P, so they are.
 """
 
 import math
@@ -123,15 +145,36 @@ def dequantize(scales, codes, codebook, *, numel: int, block: int, bits: int) ->
     return codebook[unpack_codes(codes, numel, bits)] * s
 
 
+def factor_update(w, g, *, block, beta2):
+    """New per-offset factor ``w`` (P floats) from gradient ``g``: EMA of ``mean_b(g[b, j]**2)``.
+
+    The first thing a factored step does (before ``v``, which it does not depend on)."""
+    g = g.float().reshape(-1)
+    return beta2 * w + (1 - beta2) * (g * g).view(-1, block).mean(dim=0)
+
+
+def factor_ratio(w):
+    """``r_j = w_j / mean(w)`` (all ones where ``mean(w) == 0``): the per-offset scale of v."""
+    mean = w.mean()
+    return w / mean if float(mean) > 0 else torch.ones_like(w)
+
+
 def gefen_step(p, g, v, scales, codes, codebook, *, step, lr, beta1, beta2, eps, weight_decay,
-               block, bits):
-    """One Gefen step on one flat tensor (see the module docstring). Returns new (p, v, scales, codes).
+               block, bits, w=None):
+    """One Gefen step on one flat tensor (see the module docstring). Returns new (p, v, scales, codes),
+    and the new ``w`` last when ``w`` is given.
 
     ``p`` and ``g`` may be any float dtype; the math and the returned ``p`` are fp32.
+    ``w``: the per-offset factor of the factored second moment (P floats), or None for the
+    published, unfactored rule.
     """
     p = p.float().reshape(-1)
     g = g.float().reshape(-1)
     n = p.numel()
+    ratio = None
+    if w is not None:
+        w = factor_update(w, g, block=block, beta2=beta2)
+        ratio = factor_ratio(w)
     v = beta2 * v + (1 - beta2) * (g * g).view(-1, block).mean(dim=1)
     p = p * (1 - lr * weight_decay)
     if codebook is None:
@@ -144,9 +187,13 @@ def gefen_step(p, g, v, scales, codes, codebook, *, step, lr, beta1, beta2, eps,
         m_hat = dequantize(scales, codes, codebook, numel=n, block=block, bits=bits)
     bias_correction1 = 1 - beta1**step
     bias_correction2 = 1 - beta2**step
-    denom = (v.sqrt() / math.sqrt(bias_correction2)).add(eps).repeat_interleave(block)
+    if ratio is None:
+        denom = (v.sqrt() / math.sqrt(bias_correction2)).add(eps).repeat_interleave(block)
+    else:
+        vr = (v.view(-1, 1) * ratio.view(1, -1)).reshape(-1)
+        denom = (vr.sqrt() / math.sqrt(bias_correction2)).add(eps)
     p = p.addcdiv(m_hat, denom, value=-lr / bias_correction1)
-    return p, v, scales, codes
+    return (p, v, scales, codes) if w is None else (p, v, scales, codes, w)
 
 
 def init_state(numel: int, *, block: int, bits: int, quantized: bool = True):

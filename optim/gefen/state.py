@@ -8,6 +8,7 @@ Per parameter (``optimizer.state[p]``; layout and shapes in ``reference.py``'s d
     SCALES  fp32 (ceil(numel / S),), first-moment scale per scale block (quantised groups)
     CODES   uint8 (numel,) at 8 bits, (ceil(numel / 2),) at 4 bits (quantised groups)
     M       fp32 (numel,), the unquantised first moment (groups with quantize_first_moment=False)
+    W       fp32 (P,), per-offset factor of the second moment (groups with factor_second_moment=True)
 
 Optimizer-wide (top-level keys of ``Gefen.state_dict()``)::
 
@@ -21,8 +22,9 @@ V = "v"
 SCALES = "scales"
 CODES = "codes"
 M = "m"
+W = "w"
 
 CODEBOOK = "codebook"
 BITS = "bits"
 
-PER_PARAM_TENSORS = (V, SCALES, CODES, M)
+PER_PARAM_TENSORS = (V, SCALES, CODES, M, W)

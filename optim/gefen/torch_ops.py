@@ -15,7 +15,7 @@ an element) instead of a binary search over the boundaries.
 import torch
 
 from .codebook import HIST_BINS, code_table, histogram as _histogram, nearest_code
-from .reference import pack_codes, scale_block_length, unpack_codes
+from .reference import factor_ratio, pack_codes, scale_block_length, unpack_codes
 
 
 def _rows(flats, width: int) -> torch.Tensor:
@@ -38,12 +38,26 @@ def _unrows(x: torch.Tensor, numels, width: int):
 
 
 @torch.no_grad()
+def factor_update_(ws, gs, *, block, beta2):
+    """``reference.factor_update`` in place on each (w, g): the factored steps' first pass."""
+    for w, g in zip(ws, gs):
+        gf = g.detach().reshape(-1).float()
+        w.copy_(beta2 * w + (1 - beta2) * (gf * gf).view(-1, block).mean(dim=0))
+
+
+def _ratio_rows(ws, numels, block: int) -> torch.Tensor:
+    """``factor_ratio(w)`` of each tensor repeated over its blocks, as ``_rows(.., block)``."""
+    return _rows([factor_ratio(w).repeat(n // block) for w, n in zip(ws, numels)], block)
+
+
+@torch.no_grad()
 def gefen_step_(ps, gs, vs, scales, codes, codebook, *, step, lr, beta1, beta2, eps,
-                weight_decay, block, bits, tables=None):
+                weight_decay, block, bits, tables=None, ws=None):
     """In-place Gefen step on lists of tensors sharing ``block`` and ``step`` (see module doc).
 
     ``tables``: ``code_table(codebook)``, built here when not given (pass it to avoid rebuilding
-    it every step).
+    it every step). ``ws``: the per-offset factors of a factored second moment (fp32, ``block``
+    floats each), updated in place, or None (see ``reference.py``).
     """
     S = scale_block_length(block)
     W = S // block  # v entries per row: 1 when block > 1, 256 when block == 1
@@ -54,6 +68,8 @@ def gefen_step_(ps, gs, vs, scales, codes, codebook, *, step, lr, beta1, beta2, 
     X = _rows([p.reshape(-1) for p in ps], S).to(wdt)
     G = _rows([g.reshape(-1) for g in gs], S).to(wdt)
     R = G.shape[0]
+    if ws is not None:
+        factor_update_(ws, gs, block=block, beta2=beta2)
     V = _rows(vs, W)
     V = beta2 * V + (1 - beta2) * (G * G).view(R, W, block).mean(dim=-1)
     X = X * (1 - lr * weight_decay)
@@ -74,8 +90,12 @@ def gefen_step_(ps, gs, vs, scales, codes, codebook, *, step, lr, beta1, beta2, 
         m_hat = codebook[idx] * s_new
     bias_correction1 = 1 - beta1**step
     bias_correction2 = 1 - beta2**step
-    denom = (V.sqrt() / bias_correction2**0.5).add(eps)
-    X = X.view(R, W, block).addcdiv(m_hat.view(R, W, block), denom.unsqueeze(-1),
+    if ws is not None and block > 1:  # r == 1 exactly at block 1: nothing to scale
+        denom = ((V * _ratio_rows(ws, numels, block).to(wdt)).sqrt() / bias_correction2**0.5).add(eps)
+        denom = denom.view(R, W, block)
+    else:
+        denom = (V.sqrt() / bias_correction2**0.5).add(eps).unsqueeze(-1)
+    X = X.view(R, W, block).addcdiv(m_hat.view(R, W, block), denom,
                                     value=-lr / bias_correction1).view(R, S)
     for p, x in zip(ps, _unrows(X, numels, S)):
         p.copy_(x.view_as(p))

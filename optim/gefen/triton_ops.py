@@ -41,6 +41,8 @@ from .._triton_common import axis_pairs, next_pow2, prev_pow2
 from ..backends import triton_interpreted
 from ._triton_kernels import (ELEMS_PER_THREAD, MAX_TILE_WIDTH, TILE, _TL_DTYPES,
                               _gefen_step4_kernel, _gefen_step_kernel)
+from . import torch_ops
+from .checks import check_factors
 from .codebook import code_table
 from .reference import num_code_bytes, num_scales, scale_block_length
 
@@ -96,7 +98,8 @@ def _device_tables(tables, device, bits: int):
 _PLAN_CACHE: dict = {}
 
 
-def step_plan(*, block, bits, quant, p_dtype, g_dtype, align, exact, tile=TILE, num_warps=None):
+def step_plan(*, block, bits, quant, p_dtype, g_dtype, align, exact, factor=False, tile=TILE,
+              num_warps=None):
     """(kernel, constexprs and warps, live lanes of a tile row) of one launch: the launcher's only
     choice. A tile is R whole tile rows of WIDTH = next_pow2(lanes) lanes, R*WIDTH ~ ``tile``
     elements (bytes for packed 4-bit codes), ELEMS_PER_THREAD elements a thread."""
@@ -114,21 +117,27 @@ def step_plan(*, block, bits, quant, p_dtype, g_dtype, align, exact, tile=TILE, 
     per_thread = ELEMS_PER_THREAD if fast else ELEMS_PER_THREAD // 2
     tile = tile if fast else tile // 2
     rr = prev_pow2(max(1, (tile // 2 if four else tile) // width))  # tl.arange needs 2**k
-    warps = num_warps or max(1, min(16, rr * width * (2 if four else 1) // (32 * per_thread)))
+    # The factored scalar path holds one more pointer an element: its widest rows take up to 32
+    # warps (64 registers each, as ptxas is told) rather than doubling the elements a thread.
+    most = 32 if factor and not fast else 16
+    warps = num_warps or max(1, min(most, rr * width * (2 if four else 1) // (32 * per_thread)))
     const = dict(P_DT=_TL_DTYPES[p_dtype], G_DT=_TL_DTYPES[g_dtype], C_DT=tl.uint8 if quant else tl.float32,
                  S=s_len, BLOCK_V=1 if block == 1 else s_len, R=rr, WIDTH=width, ALIGN=align,
-                 EXACT=exact, num_warps=warps)
+                 EXACT=exact, FACTOR=factor, num_warps=warps)
+    if warps > 16:
+        const["maxnreg"] = 64
     const.update({"GROUP": group} if four else {"QUANT": quant})
     return (_gefen_step4_kernel if four else _gefen_step_kernel), const, lanes
 
 
-def _launch_plan(rows, *, block, bits, quant, tile, num_warps):
+def _launch_plan(rows, *, block, bits, quant, tile, num_warps, ws=None):
     """Launches for `rows` = [(index, p, g, v, scales, codes)] (flat, contiguous, validated).
 
     One launch per kind of tensor (below): [kernel, tile table [n_tiles, 2] int64 of (tensor, first
     tile row), pointer table [n, 5] int64 (p, g, v, scales, codes), numel table, grid,
-    constexprs, indices of its tensors in the call]. Tables are built on the host and copied to
-    the device once per set of tensors (see `gefen_step_`'s plan cache).
+    constexprs, indices of its tensors in the call, factor pointer table [n] int64 (the numel
+    table when ``ws`` is None: unused)]. Tables are built on the host and copied to the device
+    once per set of tensors (see `gefen_step_`'s plan cache).
     """
     s_len = scale_block_length(block)
     four = quant and bits == 4
@@ -142,7 +151,8 @@ def _launch_plan(rows, *, block, bits, quant, tile, num_warps):
     launches = []
     for (device, pdt, gdt, align, exact), rs in by_kind.items():
         kernel, const, lanes = step_plan(block=block, bits=bits, quant=quant, p_dtype=pdt, g_dtype=gdt,
-                                         align=align, exact=exact, tile=tile, num_warps=num_warps)
+                                         align=align, exact=exact, factor=ws is not None, tile=tile,
+                                         num_warps=num_warps)
         numels = [r[1].numel() for r in rs]
         trows = [-(-(num_code_bytes(n, 4) if four else n) // lanes) for n in numels]
         ntiles = [-(-t // const["R"]) for t in trows]
@@ -151,19 +161,22 @@ def _launch_plan(rows, *, block, bits, quant, tile, num_warps):
         tiles = torch.stack([tid, start], dim=1).contiguous().to(device)
         ptrs = torch.tensor([[t.data_ptr() for t in r[1:]] for r in rs], dtype=torch.int64).to(device)
         numel_tab = torch.tensor(numels, dtype=torch.int64).to(device)
+        w_tab = numel_tab if ws is None else torch.tensor(
+            [ws[r[0]].data_ptr() for r in rs], dtype=torch.int64).to(device)
         launches.append([kernel, tiles, ptrs, numel_tab, (int(tiles.shape[0]),), const,
-                         [r[0] for r in rs]])
+                         [r[0] for r in rs], w_tab])
     return launches
 
 
-def _kernel_args(tiles, ptrs, numel_tab, tabs, *, step, lr, beta1, beta2, eps, weight_decay):
-    """(args, table constexprs) of one launch; ``tabs``: ``_device_tables``' tuple, None unquantised."""
+def _kernel_args(tiles, ptrs, numel_tab, tabs, w_tab, *, step, lr, beta1, beta2, eps, weight_decay):
+    """(args, table constexprs) of one launch; ``tabs``: ``_device_tables``' tuple, None unquantised;
+    ``w_tab``: the factor pointer table (any int64 tensor when FACTOR is off: unused)."""
     if tabs is None:
         cb = uniq = mid = lut = first = numel_tab  # unused pointers
         ncmp, has_dup, nlut = 0, False, 1
     else:
         cb, uniq, mid, lut, first, ncmp, has_dup, nlut = tabs
-    args = (tiles, ptrs, numel_tab, cb, uniq, mid, lut, first, 1 - beta1, beta2, 1 - beta2, eps,
+    args = (tiles, ptrs, numel_tab, cb, uniq, mid, lut, first, w_tab, 1 - beta1, beta2, 1 - beta2, eps,
             1 - lr * weight_decay, -lr / (1 - beta1**step), math.sqrt(1 - beta2**step))
     return args, dict(NLUT=nlut, NCMP=ncmp, HAS_DUP=has_dup, enable_fp_fusion=False)
 
@@ -245,14 +258,15 @@ def _validate(ps, gs, vs, ss, cs, *, block, bits, quant):
     return rows, copies
 
 
-def _plan(ps, gs, vs, ss, cs, *, block, bits, quant, tile, num_warps):
+def _plan(ps, gs, vs, ss, cs, *, block, bits, quant, tile, num_warps, ws=None):
     """(cached or new ``_Plan``, contiguous copies of parameters to write back); (None, []) when
     every tensor is empty."""
     # state tensors by address, size, dtype and layout: a view at a cached address (another
     # dtype, a shorter slice) is validated again, never launched on a plan made for another
     key = (block, bits, quant, tile, num_warps, tuple(map(_DATA_PTR, ps)), tuple(map(_NUMEL, ps)),
            tuple(p.dtype for p in ps), tuple(map(_state_key, vs)), tuple(map(_state_key, cs)),
-           tuple(map(_state_key, ss)) if quant else None)
+           tuple(map(_state_key, ss)) if quant else None,
+           tuple(map(_state_key, ws)) if ws is not None else None)
     plan = _PLAN_CACHE.get(key)
     if plan is not None:
         gptrs = tuple(map(_DATA_PTR, gs))
@@ -262,7 +276,7 @@ def _plan(ps, gs, vs, ss, cs, *, block, bits, quant, tile, num_warps):
     if not rows:
         return None, []
     plan = _Plan(_launch_plan(rows, block=block, bits=bits, quant=quant, tile=tile,
-                              num_warps=num_warps), gs)
+                              num_warps=num_warps, ws=ws), gs)
     if not copies:  # a temporary contiguous copy has a new address each call
         if len(_PLAN_CACHE) > 64:
             _PLAN_CACHE.clear()
@@ -271,7 +285,7 @@ def _plan(ps, gs, vs, ss, cs, *, block, bits, quant, tile, num_warps):
 
 
 def gefen_step_(ps, gs, vs, scales, codes, codebook, *, step, lr, beta1, beta2, eps, weight_decay,
-                block, bits, tables=None, tile=TILE, num_warps=None):
+                block, bits, tables=None, tile=TILE, num_warps=None, ws=None):
     """One Gefen step in place: the rule and state layout of :func:`optim.gefen.reference.gefen_step`.
 
     ``ps, gs, vs, scales, codes`` are tensors of one parameter, or equal-length lists of them (a
@@ -280,7 +294,10 @@ def gefen_step_(ps, gs, vs, scales, codes, codebook, *, step, lr, beta1, beta2, 
     ``v`` (fp32), ``scales`` (fp32) and ``codes`` (uint8; the fp32 first moment when
     ``codebook is None``, ``scales`` then unused), which must be contiguous. ``step`` is t, counted
     from 1. ``tables``: ``code_table(codebook)`` (built and cached here when not given). ``tile``
-    and ``num_warps`` are tuning knobs for benchmarks. Returns None.
+    and ``num_warps`` are tuning knobs for benchmarks. ``ws``: per-offset factors of a factored
+    second moment (contiguous fp32, ``block`` floats each), updated in place by a torch pass over
+    the gradients before the launch (a reduction over every block of a tensor), then read by the
+    kernel (``FACTOR``). Returns None.
 
     Host cost: the first call with a set of tensors validates them and builds the launch tables;
     later calls with the same p, v, scales, codes (same addresses, sizes, dtypes) go straight to
@@ -297,17 +314,23 @@ def gefen_step_(ps, gs, vs, scales, codes, codebook, *, step, lr, beta1, beta2, 
     quant = codebook is not None
     if quant and tables is None:
         tables = _table_of(codebook)
+    if ws is not None:
+        ws = _as_list(ws)
+        check_factors(ps, ws, block=block, device_type=ps[0].device.type if ps else "cpu")
+        torch_ops.factor_update_(ws, gs, block=block, beta2=beta2)
+        if block == 1:  # r == 1: only w moves
+            ws = None
     plan, copies = _plan(ps, gs, vs, ss, cs, block=block, bits=bits, quant=quant, tile=tile,
-                         num_warps=num_warps)
+                         num_warps=num_warps, ws=ws)
     if plan is None:
         return
     launches = plan.launches
     if not launches:
         return
-    for kernel, tiles, ptrs, numel_tab, grid, const, _ in launches:
+    for kernel, tiles, ptrs, numel_tab, grid, const, _, w_tab in launches:
         device = tiles.device
         tabs = _device_tables(tables, device, bits) if quant else None
-        args, table_const = _kernel_args(tiles, ptrs, numel_tab, tabs, step=step, lr=lr, beta1=beta1,
+        args, table_const = _kernel_args(tiles, ptrs, numel_tab, tabs, w_tab, step=step, lr=lr, beta1=beta1,
                                          beta2=beta2, eps=eps, weight_decay=weight_decay)
         with torch.cuda.device(device) if device.type == "cuda" else _NO_GUARD:
             kernel[grid](*args, **table_const, **const)
@@ -324,7 +347,8 @@ def gefen_step_(ps, gs, vs, scales, codes, codebook, *, step, lr, beta1, beta2, 
 _BLOCKS = [1] + [b for k in range(1, 11) for b in ((1 << k), (1 << k) - 1) if b > 1]
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 _TABLES = [(1, False, 4096), (1, True, 1024), (2, True, 65536), (3, False, 65536)]  # (ncmp, has_dup, nlut)
-_COMMON = dict(block=_BLOCKS, p_dtype=_DTYPES, g_dtype=_DTYPES, align=[True, False], exact=[True, False])
+_COMMON = dict(block=_BLOCKS, p_dtype=_DTYPES, g_dtype=_DTYPES, align=[True, False], exact=[True, False],
+               factor=[False, True])
 PLAN_AXES = {
     "8bit": dict(_COMMON, bits=[8], quant=[True], table=_TABLES),
     "4bit": dict(_COMMON, bits=[4], quant=[True], table=_TABLES),
@@ -349,7 +373,7 @@ def launch_configs(cover=axis_pairs) -> list:
             plan = {k: v for k, v in c.items() if k != "table"}
             kernel, const, _ = step_plan(**plan)
             tabs = _stand_in_tables(c["bits"], *c["table"]) if c["quant"] else None
-            args, table_const = _kernel_args(*tile_tabs, tabs, step=1, lr=1e-3, beta1=0.9, beta2=0.999,
+            args, table_const = _kernel_args(*tile_tabs, tabs, tile_tabs[2], step=1, lr=1e-3, beta1=0.9, beta2=0.999,
                                              eps=1e-8, weight_decay=0.0)
             name = f"gefen_{mode}/" + ",".join(f"{k}={str(v).replace('torch.', '')}" for k, v in c.items()
                                               if len(axes[k]) > 1)
