@@ -12,57 +12,27 @@ each times 1/2 (a power of two, exact), which is what DDP's all-reduce and FSDP2
 compute on 2 ranks; a full-batch gradient would differ by ~1 ulp, enough to flip a Gefen code.
 """
 
-import os
 import shutil
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests import _dist_worker as W
-from tests.utils import assert_close
+from tests.utils import assert_close, run_gloo_ranks
 
 HERE = Path(__file__).resolve().parent
 TIMEOUT_S = 120  # the whole launch, with room for a loaded machine
 OPTS = ["adamw", "gefen_reduction", "gefen"]
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(world: int, specs: list, out_dir: Path, timeout: float = TIMEOUT_S) -> None:
     """Run ``_dist_worker.py`` on ``world`` gloo ranks on 127.0.0.1; kill them all after ``timeout``."""
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(world),
-               OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", PYTHONPATH=str(HERE.parent))
-    procs, logs = [], []
-    for rank in range(world):
-        log = open(out_dir / f"log.{'-'.join(s.split(':')[0] for s in specs[:1])}.rank{rank}.txt", "w")
-        logs.append(log)
-        procs.append(subprocess.Popen([sys.executable, str(HERE / "_dist_worker.py"), str(out_dir), *specs],
-                                      env=dict(env, RANK=str(rank)), stdout=log, stderr=subprocess.STDOUT))
-    deadline = time.monotonic() + timeout
-    try:
-        for p in procs:
-            p.wait(timeout=max(deadline - time.monotonic(), 0.1))
-    except subprocess.TimeoutExpired:
-        pass
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        for log in logs:
-            log.close()
-    bad = [(r, p.returncode) for r, p in enumerate(procs) if p.returncode != 0]
+    logs = [out_dir / f"log.{'-'.join(s.split(':')[0] for s in specs[:1])}.rank{r}.txt" for r in range(world)]
+    codes = run_gloo_ranks(world, HERE / "_dist_worker.py", [out_dir, *specs], logs, timeout)
+    bad = [(r, c) for r, c in enumerate(codes) if c != 0]
     if bad:  # the tests whose scenarios produced no result report this, the others still run
-        tails = "\n".join(Path(log.name).read_text()[-3000:] for log in logs)
+        tails = "\n".join(log.read_text()[-3000:] for log in logs)
         with (out_dir / "launch_failures.txt").open("a") as f:
             f.write(f"workers {specs} failed or timed out after {timeout}s (rank, code): {bad}\n{tails}\n")
 

@@ -11,7 +11,7 @@ import torch
 
 from optim import Gefen
 from optim.gefen import reference as R, state as K
-from tests.utils import assert_close
+from tests.utils import assert_close, assert_same_state, checkpoint_and_continue, set_grads
 
 LR, WD, B1, B2 = 1e-2, 0.1, 0.9, 0.999
 SHAPES = [(24, 48), (30, 7), (1009,), (16, 96), (300,), (10, 14)]
@@ -24,10 +24,6 @@ def _grad(shape):
         return g
     return g * torch.exp(torch.randn(shape[0], 1) * 2) * torch.exp(torch.randn(1, shape[1]))
 
-
-def _set_grads(params, grads):
-    for p, g in zip(params, grads):
-        p.grad = g.clone().to(p.dtype)
 
 
 def test_estimator_written_out_element_by_element():
@@ -68,8 +64,8 @@ def test_block_1_keeps_per_element_v_and_reduces_to_adamw(backend):
                             lr=LR, weight_decay=WD)
     for _ in range(25):
         grads = [_grad(s) for s in SHAPES]
-        _set_grads(params, grads)
-        _set_grads(twins, grads)
+        set_grads(params, grads)
+        set_grads(twins, grads)
         ours.step()
         ref.step()
     for p, q in zip(params, twins):
@@ -129,7 +125,7 @@ def test_every_backend_matches_the_reference(bits, backend):
     opt = Gefen(params, lr=LR, weight_decay=WD, bits=bits, factor_second_moment=True, backend=backend)
     steps = [[_grad(s) for s in SHAPES] for _ in range(8)]
     for gs in steps:
-        _set_grads(params, gs)
+        set_grads(params, gs)
         opt.step()
     blocks = [opt.state[p][K.BLOCK] for p in params]
     assert min(blocks) == 1 and any(b > 1 and b % 2 for b in blocks) and any(b > 1 and not b % 2 for b in blocks), blocks
@@ -153,35 +149,14 @@ def test_per_param_group_and_state_dict_round_trip(tmp_path):
                          weight_decay=WD, backend="numba")
 
     steps = [[_grad(s) for s in SHAPES] for _ in range(5)]
-    params, opt = make()
-    for gs in steps[:3]:
-        _set_grads(params, gs)
-        opt.step()
+    path = tmp_path / "opt.pt"
+    params, opt, params2, opt2, saved = checkpoint_and_continue(make, steps, path)
     for k, p in enumerate(params):
         st = opt.state[p]
         assert (K.W in st) == (k < 3)
         if k < 3:
             assert st[K.W].dtype == torch.float32 and st[K.W].numel() == st[K.BLOCK]
-    path = tmp_path / "opt.pt"
-    torch.save({"opt": opt.state_dict(), "params": [p.detach().clone() for p in params]}, path)
-    for gs in steps[3:]:
-        _set_grads(params, gs)
-        opt.step()
-
-    saved = torch.load(path, map_location="cpu")
-    params2, opt2 = make()
-    with torch.no_grad():
-        for p, q in zip(params2, saved["params"]):
-            p.copy_(q)
-    opt2.load_state_dict(saved["opt"])
-    for gs in steps[3:]:
-        _set_grads(params2, gs)
-        opt2.step()
-    for p, q in zip(params, params2):
-        assert torch.equal(p, q)
-        for key, val in opt.state[p].items():
-            other = opt2.state[q][key]
-            assert (torch.equal(val, other) and val.dtype == other.dtype) if torch.is_tensor(val) else val == other
+    assert_same_state(opt, opt2, params, params2)
 
     big = next(i for i in range(3) if saved["opt"]["state"][i][K.BLOCK] > 1)
     for bad, match in ((saved["opt"]["state"][big][K.W][:-1], "'w' must be a 1-D torch.float32"),

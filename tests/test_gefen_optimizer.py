@@ -12,7 +12,7 @@ import torch
 from optim import Gefen
 from optim.gefen import reference as R, state as K
 from optim.gefen.codebook import histogram, optimal_codebook
-from tests.utils import assert_close
+from tests.utils import assert_close, assert_same_state, checkpoint_and_continue, set_grads
 
 LR, WD = 1e-2, 0.1
 SHAPES = [(24, 48), (7, 13), (1009,), (16, 96), (300,), (1,)]
@@ -23,10 +23,6 @@ def _grad(shape):
     g = torch.randn(shape)
     return g * torch.exp(torch.randn(shape[0], *([1] * (len(shape) - 1))) * 2) if len(shape) > 1 else g
 
-
-def _set_grads(params, grads):
-    for p, g in zip(params, grads):
-        p.grad = g.clone().to(p.dtype)
 
 
 def test_reduces_to_adamw_two_groups():
@@ -46,8 +42,8 @@ def test_reduces_to_adamw_two_groups():
     ref = torch.optim.AdamW(groups(twins), lr=LR, weight_decay=WD)
     for _ in range(50):
         grads = [torch.randn(s) for s in SHAPES]
-        _set_grads(params, grads)
-        _set_grads(twins, grads)
+        set_grads(params, grads)
+        set_grads(twins, grads)
         ours.step()
         ref.step()
     for p, q in zip(params, twins):
@@ -73,7 +69,7 @@ def test_fast_path_matches_reference_20_steps(bits, backend):
     opt = Gefen(params, lr=LR, weight_decay=WD, bits=bits, backend=backend)
     steps = [[_grad(s) for s in SHAPES] for _ in range(20)]
     for gs in steps:
-        _set_grads(params, gs)
+        set_grads(params, gs)
         opt.step()
     blocks = [opt.state[p][K.BLOCK] for p in params]
     assert max(blocks) > 1 and min(blocks) == 1  # both layouts are exercised
@@ -91,7 +87,7 @@ def test_codebook_is_optimal_for_a_brute_force_histogram():
     params = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
     grads = [_grad(s) for s in shapes]
     opt = Gefen(params, bits=4)
-    _set_grads(params, grads)
+    set_grads(params, grads)
     opt.step()
     normalised = []
     for p, g in zip(params, grads):
@@ -159,32 +155,10 @@ def test_state_dict_round_trip_is_exact(bits, tmp_path):
                          weight_decay=WD)
 
     steps = [[_grad(s) for s in SHAPES] for _ in range(5)]
-    params, opt = make()
-    for gs in steps[:3]:
-        _set_grads(params, gs)
-        opt.step()
-    path = tmp_path / "opt.pt"
-    torch.save({"opt": opt.state_dict(), "params": [p.detach().clone() for p in params]}, path)
-    for gs in steps[3:]:
-        _set_grads(params, gs)
-        opt.step()
-
-    saved = torch.load(path, map_location="cpu")
-    params2, opt2 = make()
-    with torch.no_grad():
-        for p, q in zip(params2, saved["params"]):
-            p.copy_(q)
-    opt2.load_state_dict(saved["opt"])
+    params, opt, params2, opt2, _ = checkpoint_and_continue(make, steps, tmp_path / "opt.pt")
     assert opt2.state[params2[0]][K.CODES].dtype == torch.uint8
-    for gs in steps[3:]:
-        _set_grads(params2, gs)
-        opt2.step()
     assert torch.equal(opt2.codebook, opt.codebook)
-    for p, q in zip(params, params2):
-        assert torch.equal(p, q)
-        for key, val in opt.state[p].items():
-            other = opt2.state[q][key]
-            assert (torch.equal(val, other) and val.dtype == other.dtype) if torch.is_tensor(val) else val == other
+    assert_same_state(opt, opt2, params, params2)
 
 
 def test_bf16_params_follow_the_reference_rounded_to_bf16():
@@ -195,7 +169,7 @@ def test_bf16_params_follow_the_reference_rounded_to_bf16():
     states = None
     for t in range(1, 6):
         gs = [_grad(s).bfloat16() for s in shapes]
-        _set_grads(params, gs)
+        set_grads(params, gs)
         opt.step()
         if states is None:
             states = [R.init_state(p.numel(), block=opt.state[p][K.BLOCK], bits=8) for p in params]
@@ -268,8 +242,8 @@ def test_triton_backend_dispatch_matches_torch():
     tri, ref = Gefen(ps, lr=LR, weight_decay=WD, backend="triton"), Gefen(qs, lr=LR, weight_decay=WD, backend="torch")
     for _ in range(2):
         gs = [_grad(s) for s in shapes]
-        _set_grads(ps, gs)
-        _set_grads(qs, gs)
+        set_grads(ps, gs)
+        set_grads(qs, gs)
         tri.step()
         ref.step()
     for p, q in zip(ps, qs):

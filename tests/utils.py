@@ -73,3 +73,41 @@ def run_gloo_ranks(world: int, script: Path, args: list, logs: list, timeout: fl
                 p.kill()
                 p.wait()
     return [p.returncode for p in procs]
+
+
+def set_grads(params, grads):
+    for p, g in zip(params, grads):
+        p.grad = g.clone().to(p.dtype)
+
+
+def checkpoint_and_continue(make, grad_steps, path, split=3):
+    """Step ``make()``'s optimizer through ``grad_steps[:split]``, save its state dict and weights to
+    ``path``, step on; then rebuild with ``make()``, load the checkpoint and take the same remaining
+    steps. Returns (params, opt, params2, opt2, saved) for the caller to compare."""
+    params, opt = make()
+    for gs in grad_steps[:split]:
+        set_grads(params, gs)
+        opt.step()
+    torch.save({"opt": opt.state_dict(), "params": [p.detach().clone() for p in params]}, path)
+    for gs in grad_steps[split:]:
+        set_grads(params, gs)
+        opt.step()
+    saved = torch.load(path, map_location="cpu")
+    params2, opt2 = make()
+    with torch.no_grad():
+        for p, q in zip(params2, saved["params"]):
+            p.copy_(q)
+    opt2.load_state_dict(saved["opt"])
+    for gs in grad_steps[split:]:
+        set_grads(params2, gs)
+        opt2.step()
+    return params, opt, params2, opt2, saved
+
+
+def assert_same_state(opt, opt2, params, params2):
+    """Same weights and the same state, value and dtype, for every parameter."""
+    for p, q in zip(params, params2):
+        assert torch.equal(p, q)
+        for key, val in opt.state[p].items():
+            other = opt2.state[q][key]
+            assert (torch.equal(val, other) and val.dtype == other.dtype) if torch.is_tensor(val) else val == other
