@@ -32,7 +32,7 @@ def draw(rows, out, config):
         ax.bar(xs, [value(rows, "throughput", name, x_value=w) for w in measured], width, label=label)
     ax.set_xticks(range(len(measured)), [f"{w} rank{'s' * (w > 1)}" for w in measured])
     ax.set_ylabel("samples / s (all ranks, median step)")
-    ax.set_title("measured on this machine (2 shared cores)")
+    ax.set_title("measured: the ranks share one machine's cores")
     ax.set_ylim(top=ax.get_ylim()[1] * 1.3)  # room for the legend above the bars
     ax.legend(fontsize=8, loc="upper right")
     step = value(rows, "step_time", "paper")

@@ -1,4 +1,4 @@
-"""Every Triton kernel compiled ahead of time for NVIDIA GPUs, on this CPU-only machine.
+"""Every Triton kernel compiled ahead of time for NVIDIA GPUs, without a GPU.
 
 The interpreter (TRITON_INTERPRET=1) checks the kernels' arithmetic, not what the compiler sees:
 compiled-mode typing, register spills, shared memory, occupancy. Each launcher's planning code lists
