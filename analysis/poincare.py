@@ -12,11 +12,14 @@ from __future__ import annotations
 from analysis.common import Report, colour, fmt, main, md_table, save_figure, select, variants
 
 RIEMANNIAN, GEOOPT = "DiskSparseRiemannianAdam", "geoopt-SparseRiemannianAdam"
+FP32 = "DiskSparseRiemannianAdam-fp32"
 LABELS = {
     RIEMANNIAN: RIEMANNIAN,
     GEOOPT: "geoopt `SparseRiemannianAdam`",
     "DiskSparseAdam+clip": "DiskSparseAdam + clip into the ball (the published \"Riemannian\" mode)",
     "DiskSparseAdam-euclidean": "DiskSparseAdam, Euclidean distance",
+    FP32: "DiskSparseRiemannianAdam, float32 weights, exact state",
+    FP32 + "-compact": "DiskSparseRiemannianAdam, float32 weights, compact state (8-bit m)",
 }
 MARKERS = {RIEMANNIAN: "o-", GEOOPT: "x--", "DiskSparseAdam+clip": "s:", "DiskSparseAdam-euclidean": "^-."}
 
@@ -62,12 +65,17 @@ def body(rows, config):
             f"classes, {fmt(c.get('pairs'))} pairs from {fmt(c.get('modules'))} modules). Method: Nickel & "
             f"Kiela 2017 reconstruction with c = {c.get('c', '?')}, lr {c.get('lr', '?')}, batch "
             f"{c.get('batch', '?')}, {c.get('negatives', '?')} negatives, {c.get('burnin', '?')} burn-in "
-            f"epochs at lr/10, {c.get('epochs', '?')} epochs; float64.")
+            f"epochs at lr/10, {c.get('epochs', '?')} epochs; float64 unless named float32.")
     text = [data, table]
     if RIEMANNIAN in maps and GEOOPT in maps:
         gap = max(abs(a - b) for (_, a), (_, b) in zip(maps[RIEMANNIAN], maps[GEOOPT]))
         text.append(f"Largest MAP difference between DiskSparseRiemannianAdam and geoopt over the "
                     f"dimensions: {fmt(gap)}. Ours follows geoopt's trajectory with the moments on disk.")
+    if FP32 in maps and FP32 + "-compact" in maps:
+        gap = max(abs(a - b) for (_, a), (_, b) in zip(maps[FP32], maps[FP32 + "-compact"]))
+        text.append(f"Compact state (the first moment as 8-bit codes, one scale a row) against the exact "
+                    f"one, float32 weights: largest MAP difference over the dimensions {fmt(gap)}; "
+                    f"target within 0.01: **{'met' if gap <= 0.01 else 'missed'}**.")
     if "DiskSparseAdam+clip" in maps:
         best = max(v for _, v in maps["DiskSparseAdam+clip"])
         text.append(f"Euclidean Adam plus clipping into the ball, what the published code does, reaches "

@@ -117,6 +117,11 @@ def make_variant(name, weight0, args):
     p = nn.Parameter(weight0.clone())
     if name == "DiskSparseRiemannianAdam":
         return p, make_optimizer(name, [p], args.lr, **kw, c=args.c, exact=False, backend="torch"), None
+    if name.startswith(FP32):  # float32 weights, the state formats side by side
+        p = nn.Parameter(weight0.float())
+        fmt = "compact" if name.endswith("-compact") else "exact"
+        return p, make_optimizer("DiskSparseRiemannianAdam", [p], args.lr, **kw, c=args.c, exact=False,
+                                 backend="torch", state_format=fmt), None
     opt = make_optimizer("DiskSparseAdam", [p], args.lr, **kw, backend="torch")
     if name == "DiskSparseAdam+clip":
         def clip(rows):
@@ -169,8 +174,9 @@ def train(name, dim, names, edges, rel, args, pbar):
                 max_norm=float(w.norm(dim=-1).max()))
 
 
+FP32 = "DiskSparseRiemannianAdam-fp32"
 VARIANTS = ["DiskSparseRiemannianAdam", "geoopt-SparseRiemannianAdam", "DiskSparseAdam+clip",
-            "DiskSparseAdam-euclidean"]
+            "DiskSparseAdam-euclidean", FP32, FP32 + "-compact"]
 
 
 def main(argv=None):
