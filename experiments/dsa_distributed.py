@@ -132,10 +132,12 @@ def worker(cfg, out_path, backend):
                     _timed_step(setups[name], batches[(rep * cfg["steps"] + k) % len(batches)], times[name], True)
         for _, opt, _ in setups.values():
             opt.close()
+        del setups  # the DDP reducer and the sharded module go while their process group lives
     for t in times.values():  # the slowest rank's wall time per step
         wall = torch.tensor(t["wall"], dtype=torch.float64)
         dist.all_reduce(wall, op=dist.ReduceOp.MAX)
         t["wall"] = wall.tolist()
+    dist.barrier()  # no rank tears its connections down while another still uses them
     dist.destroy_process_group()
     Path(out_path).write_text(json.dumps(times))
 
