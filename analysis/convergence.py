@@ -8,7 +8,7 @@ Reads ``convergence.csv`` (variant = optimizer): ``lr_sweep_val_loss`` against `
 ``state_bytes_per_param``, ``step_time``; ``val_loss_vs_adamw`` per seed against ``model``.
 Left panel: validation loss against steps, mean over seeds with a min-max band. Right panel: final
 validation loss (mean ± std over seeds) against state bytes per parameter (log scale). A second row
-draws the larger configuration (variants ``<model label>/<optimizer>``) where the run has one.
+draws each extra configuration (variants ``<model label>/<optimizer>``) where the run has them.
 """
 
 from __future__ import annotations
@@ -24,10 +24,12 @@ TARGET = 0.03  # Gefen's claim: final loss within 3% of AdamW's
 # the factored second moment's targets (median over seeds, paired): loss within this of AdamW's
 FACTORED_TARGET = {"Gefen-8bit-factored": 0.003, "Gefen-4bit-factored": 0.006}
 GEFEN = ("Gefen-8bit", "Gefen-4bit", *FACTORED_TARGET)
+CORPUS_TEXT = {"docs+code": "`pydoc_data.topics` plus standard-library sources",
+               "docstrings": "the docstrings of the standard library's packages (English prose)"}
 
 
 def configurations(rows):
-    """Variant prefixes of the run's configurations: "" (the main model) and "<label>/" for each larger one."""
+    """Variant prefixes of the run's configurations: "" (the main model) and "<label>/" for each extra one."""
     prefixes = {v.rpartition("/")[0] + "/" for v in variants(rows, "final_val_loss") if "/" in v}
     return [""] + sorted(prefixes)
 
@@ -155,14 +157,15 @@ def body(rows, config):
     c = config.get("config", {})
     rel = ratios(rows)
     text = []
-    large = c.get("large") or {}
+    extra = c.get("extra") or {}
     for prefix in configurations(rows):
-        cc = large if prefix else c
+        cc = (extra.get(prefix.rstrip("/")) or c.get("large") or {}) if prefix else c
         model = ", ".join(f"{k}={v}" for k, v in cc.get("model", {}).items()) if isinstance(cc.get("model"), dict) else ""
         summary = summarise(rows, prefix)
         label = prefix.rstrip("/") or _main_label(rows)
         text.append(f"**{label}**: character GPT ({model}; {fmt(value(rows, 'params', prefix + 'AdamW'))} "
-                    f"parameters) on `pydoc_data.topics` plus standard-library sources, {cc.get('steps', '?')} steps, "
+                    f"parameters) on {CORPUS_TEXT.get(cc.get('corpus', 'docs+code'), cc.get('corpus'))}, "
+                    f"{cc.get('steps', '?')} steps, "
                     f"batch {cc.get('batch', '?')}. Warm-up then cosine decay, clipping 1.0, weight decay 0.1. Each "
                     "optimizer's lr is the best of the grid by the first seed's final validation loss; that lr is "
                     "rerun on the other seeds.")

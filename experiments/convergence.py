@@ -4,7 +4,7 @@
     python experiments/convergence.py --quick      # smaller model, fewer steps -> results/quick/
     python analysis/convergence.py                 # paper_figs/convergence.png
     python experiments/convergence.py --optimizers AdamW Gefen-8bit --lrs 1e-3 3e-3 --seeds 1
-    python experiments/convergence.py --large none   # the full run without the larger model
+    python experiments/convergence.py --extra none   # the full run without the extra configurations
 
 Does Gefen reach AdamW's validation loss with about one byte of optimizer state per parameter?
 This is the one experiment that answers it: one Gefen-vs-AdamW number per model. A nanoGPT-style
@@ -13,10 +13,12 @@ sources (experiments/data.py; 90/10 train/validation split by chunks). Optimizer
 AdamW, Adam-mini, torchao-AdamW8bit, torchao-AdamW4bit, gefen-upstream, Gefen-8bit, Gefen-4bit,
 Gefen-8bit-factored, Gefen-4bit-factored (``factor_second_moment=True``).
 
-The full run also trains a larger configuration (``CHAR_LM["large"]``: about 11x the parameters,
-1,000 steps, its own lr grid) with the optimizers of ``LARGE`` (one quantised torchao peer, the
-slowest on CPU, is enough there); its rows carry the variant ``<model label>/<optimizer>``. Runs
-are single-threaded; ``--jobs 2`` (the full run's default) trains two at a time, each in its own
+The full run also trains two extra configurations, each with its own lr grid, whose rows carry the
+variant ``<model label>/<optimizer>``: a larger one (``CHAR_LM["large"]``: about 11x the
+parameters, 1,000 steps) with the optimizers of ``LARGE`` (one quantised torchao peer, the slowest
+on CPU, is enough there), and one on another corpus and shape (``CHAR_LM["docstrings"]``: English
+prose only, the standard library's docstrings; a 429k-parameter model, 1,000 steps) with AdamW,
+Adam-mini and the Gefen variants. Runs are single-threaded; ``--jobs 2`` (the full run's default) trains two at a time, each in its own
 process (results do not depend on it: every run is seeded and deterministic).
 
 Protocol (experiments/train.py): the same initialisation and batches per seed for every optimizer,
@@ -56,6 +58,11 @@ from experiments.train import CHAR_LM, WEIGHT_DECAY, char_lm_problem, train_lm
 EXPERIMENT = "convergence"
 LARGE = ["AdamW", "Adam-mini", "torchao-AdamW8bit", "gefen-upstream", "Gefen-8bit", "Gefen-4bit",
          "Gefen-8bit-factored", "Gefen-4bit-factored"]
+# the optimizers of each extra configuration (LARGE for a size not named here): on the second
+# corpus the question is Gefen's against AdamW's and Adam-mini's, so the slow CPU peers stay out
+EXTRA_OPTIMIZERS = {"docstrings": ["AdamW", "Adam-mini", "Gefen-8bit", "Gefen-4bit", "Gefen-8bit-factored",
+                                   "Gefen-4bit-factored"]}
+FULL_EXTRA = ["large", "docstrings"]
 
 
 def build(name, model, lr, cfg):
@@ -189,9 +196,9 @@ def parse_args(argv=None):
     parser.add_argument("--no-progress", action="store_true", help="no tqdm bars")
     parser.add_argument("--size", default=None, choices=list(CHAR_LM),
                         help="the main configuration's CHAR_LM size (default: tiny/quick/full by the flags)")
-    parser.add_argument("--large", default=None, choices=[*CHAR_LM, "none"],
-                        help="the second, larger configuration (default: large for the full run, none "
-                             "otherwise)")
+    parser.add_argument("--extra", "--large", nargs="+", default=None, choices=[*CHAR_LM, "none"],
+                        help=f"extra configurations, CHAR_LM sizes (default: {' '.join(FULL_EXTRA)} for the "
+                             "full run, none otherwise)")
     parser.add_argument("--jobs", type=int, default=None,
                         help="single-threaded runs at a time, each in its own process (default: 2 for the "
                              "full run, 1 otherwise)")
@@ -219,13 +226,14 @@ def run_config(res, names, size, lrs, seeds, jobs, progress, prefix=""):
         bpp = statistics.fmean(o["state_bytes"] / o["params"] for o in chosen.values())
         summary.append((prefix + name, best, list(finals[name].values()), bpp,
                         statistics.fmean(o["step_time"] for o in chosen.values())))
-    ratios = add_ratio_rows(res, finals, model_label_of(n_params))
+    ratios = add_ratio_rows(res, finals, model_label_of(n_params, size.get("corpus", "docs+code")))
     res.flush()
     return summary, skipped, {prefix + k: v for k, v in ratios.items()}
 
 
-def model_label_of(n_params: int) -> str:
-    return f"char-gpt-{n_params // 1000}k"
+def model_label_of(n_params: int, corpus: str = "docs+code") -> str:
+    """``char-gpt-<thousands of params>k``, with ``-<corpus>`` for a corpus other than the default."""
+    return f"char-gpt-{n_params // 1000}k" + ("" if corpus == "docs+code" else f"-{corpus}")
 
 
 def main(argv=None):
@@ -238,33 +246,35 @@ def main(argv=None):
     lrs = args.lrs or size["lrs"]
     seeds = [args.seed + i for i in range(args.seeds or size["seeds"])]
     cfg, corpus, n_params = char_lm_problem(size)
-    model_label = model_label_of(n_params)
-    large_name = args.large or ("large" if size_name == "full" else "none")
+    model_label = model_label_of(n_params, size.get("corpus", "docs+code"))
+    extra_names = [n for n in args.extra or (FULL_EXTRA if size_name == "full" else []) if n != "none"]
     jobs = args.jobs or (2 if size_name == "full" else 1)
-    large = None if large_name == "none" else dict(CHAR_LM[large_name])
     config = dict(vars(args), size=size_name, **dict(size, lrs=lrs, seeds=seeds), model=vars(cfg),
                   model_label=model_label, weight_decay=WEIGHT_DECAY, schedule="5% linear warm-up, cosine to 10%",
                   lr_selection="best final val loss of the first seed; best lr rerun on the other seeds",
                   train_tokens=corpus[0].numel(), val_windows=len(corpus[1][0]), python=sys.version.split()[0],
                   stdlib_files=len(data.stdlib_sources()), threads=torch.get_num_threads(), jobs=jobs)
-    if large is not None:
-        lcfg, _, l_params = char_lm_problem(large)
-        config["large"] = dict(large, size=large_name, model=vars(lcfg), model_label=model_label_of(l_params),
-                               seeds=[args.seed + i for i in range(large["seeds"])],
-                               optimizers=[n for n in LARGE if n in args.optimizers])
+    extras = []
+    for name in extra_names:
+        extra = dict(CHAR_LM[name])
+        ecfg, _, e_params = char_lm_problem(extra)
+        label = model_label_of(e_params, extra.get("corpus", "docs+code"))
+        extras.append((extra, dict(extra, size=name, model=vars(ecfg), model_label=label,
+                                   seeds=[args.seed + i for i in range(extra["seeds"])],
+                                   optimizers=[n for n in EXTRA_OPTIMIZERS.get(name, LARGE) if n in args.optimizers])))
+    config["extra"] = {ec["model_label"]: ec for _, ec in extras}
     print(f"[convergence] {model_label} size={size_name} model={vars(cfg)} steps={size['steps']} "
           f"batch={size['batch']} lrs={lrs} seeds={seeds} jobs={jobs}", flush=True)
     progress = not args.no_progress and jobs == 1
     with Results(EXPERIMENT, args, config=config) as res:
         summary, skipped, ratios = run_config(res, args.optimizers, size, lrs, seeds, jobs, progress)
-        if large is not None:
-            lc = config["large"]
-            print(f"[convergence] larger configuration {lc['model_label']} model={lc['model']} "
-                  f"steps={large['steps']} batch={large['batch']} lrs={large['lrs']}", flush=True)
-            s2, k2, r2 = run_config(res, lc["optimizers"], large, large["lrs"], lc["seeds"], jobs, progress,
-                                    prefix=lc["model_label"] + "/")
+        for extra, ec in extras:
+            print(f"[convergence] extra configuration {ec['model_label']} model={ec['model']} "
+                  f"steps={extra['steps']} batch={extra['batch']} lrs={extra['lrs']}", flush=True)
+            s2, k2, r2 = run_config(res, ec["optimizers"], extra, extra["lrs"], ec["seeds"], jobs, progress,
+                                    prefix=ec["model_label"] + "/")
             summary += s2
-            skipped.update({lc["model_label"] + "/" + k: v for k, v in k2.items()})
+            skipped.update({ec["model_label"] + "/" + k: v for k, v in k2.items()})
             ratios.update(r2)
         res.config.update(optimizers_run=[s[0] for s in summary], optimizers_skipped=skipped)
     print(f"\n{'optimizer':<36} {'best lr':>8} {'final val loss':>18} {'vs AdamW':>16} {'B/param':>8} {'step ms':>8}")

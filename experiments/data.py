@@ -1,11 +1,12 @@
 """The data every experiment trains on, all of it shipped with Python (nothing is downloaded).
 
-Text: Python's documentation topics (``pydoc_data.topics.topics``, about 0.46 M characters)
-followed by the standard library's top-level ``.py`` sources, in sorted order, cut at
-``max_chars`` (``load_text``). The vocabulary is fixed (tab, newline, printable ASCII, one "other"
-token), so token ids do not depend on the corpus. The train/validation split is by contiguous
-chunks (every ``val_every``-th chunk of ``chunk_chars`` characters is validation), so both halves
-mix documentation and code. ``frequent_char_ids`` re-encodes the text into a small vocabulary of
+Text (``load_text``), two corpora cut at ``max_chars``: ``docs+code``, Python's documentation
+topics (``pydoc_data.topics.topics``, about 0.46 M characters) followed by the standard library's
+top-level ``.py`` sources in sorted order; ``docstrings``, English prose only (about 0.6 M
+characters): the docstrings of the standard library's package sources. The vocabulary is fixed
+(tab, newline, printable ASCII, one "other" token), so token ids do not depend on the corpus. The
+train/validation split is by contiguous chunks (every ``val_every``-th chunk of ``chunk_chars``
+characters is validation), so both halves mix documentation and code in ``docs+code``. ``frequent_char_ids`` re-encodes the text into a small vocabulary of
 its most frequent characters, for models whose full Hessian must fit in memory.
 
 Hierarchy: every class reachable by importing the standard library's modules, with the is-a
@@ -14,6 +15,7 @@ relation closed through ``__mro__`` (``stdlib_hierarchy``), for Poincaré embedd
 
 from __future__ import annotations
 
+import ast
 import json
 import subprocess
 import sys
@@ -46,12 +48,54 @@ def documentation_text() -> str:
     return "".join(topics[k] for k in sorted(topics))
 
 
-def load_text(max_chars: int) -> str:
-    """Documentation topics (sorted by key), then stdlib sources (sorted by name), cut at ``max_chars``."""
+# package folders left out of the docstring corpus: tests, and tools rather than library code
+_DOCSTRING_SKIP = {"test", "tests", "idlelib", "lib2to3", "turtledemo", "ensurepip", "pydoc_data", "site-packages"}
+
+
+def package_sources() -> list[Path]:
+    """The standard library's ``.py`` files inside its packages (not the top-level modules, which the
+    default corpus reads), without tests and tools, sorted by path."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = []
+    for p in root.glob("*/**/*.py"):
+        parts = p.relative_to(root).parts
+        if not (set(parts[:-1]) & _DOCSTRING_SKIP or any(x.startswith("test") for x in parts)):
+            files.append(p)
+    return sorted(files)
+
+
+def docstrings(path: Path) -> list[str]:
+    """Module, class and function docstrings of one source file in the order ``ast.walk`` visits them
+    (breadth first); none for a file that does not parse."""
+    try:
+        tree = ast.parse(path.read_text(encoding="utf-8", errors="replace"))
+    except (SyntaxError, ValueError):
+        return []
+    kinds = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+    return [d for n in ast.walk(tree) if isinstance(n, kinds) and (d := ast.get_docstring(n))]
+
+
+CORPORA = ("docs+code", "docstrings")
+
+
+def load_text(max_chars: int, corpus: str = "docs+code") -> str:
+    """``max_chars`` characters of one corpus.
+
+    ``docs+code``: documentation topics (sorted by key), then the top-level stdlib sources (sorted
+    by name). ``docstrings``: English prose only, the docstrings of the stdlib's package sources
+    (``package_sources``), separated by blank lines: no code and no text shared with ``docs+code``.
+    """
     if max_chars <= 0:
         raise ValueError(f"max_chars must be positive, got {max_chars}")
+    if corpus not in CORPORA:
+        raise ValueError(f"unknown corpus {corpus!r}; choose from {CORPORA}")
 
     def documents():
+        if corpus == "docstrings":
+            for path in package_sources():
+                for doc in docstrings(path):
+                    yield doc + "\n\n"
+            return
         yield documentation_text()
         for path in stdlib_sources():
             yield path.read_text(encoding="utf-8", errors="replace")
@@ -89,8 +133,8 @@ def split(ids: torch.Tensor, chunk_chars: int = 4096, val_every: int = 10):
     return torch.cat(train), torch.cat(val)
 
 
-def load_splits(max_chars: int, chunk_chars: int = 4096, val_every: int = 10):
-    return split(encode(load_text(max_chars)), chunk_chars, val_every)
+def load_splits(max_chars: int, chunk_chars: int = 4096, val_every: int = 10, corpus: str = "docs+code"):
+    return split(encode(load_text(max_chars, corpus)), chunk_chars, val_every)
 
 
 def get_batch(data: torch.Tensor, batch: int, block: int, generator: torch.Generator):

@@ -29,7 +29,8 @@ GRAD_CLIP = 1.0
 WEIGHT_DECAY = 0.1
 # The character GPT's sizes and schedule (experiments/models.py), shared by the experiments that
 # train it so that their numbers compare: "tiny" for tests, "quick" for --quick, "full" for the run
-# whose results are committed. lrs: the peak learning-rate grid; seeds: runs at the chosen rate.
+# whose results are committed. lrs: the peak learning-rate grid; seeds: runs at the chosen rate;
+# corpus: data.load_text's (default "docs+code").
 CHAR_LM = {
     "tiny": dict(n_layer=1, n_head=2, n_embd=16, block=16, batch=8, steps=6, eval_every=3,
                  eval_windows=16, max_chars=60_000, lrs=[3e-3], seeds=1),
@@ -40,13 +41,17 @@ CHAR_LM = {
     # ~11x full's parameters, 1,000 steps; a small batch keeps a single-threaded run near a minute
     "large": dict(n_layer=2, n_head=4, n_embd=224, block=64, batch=4, steps=1000, eval_every=100,
                   eval_windows=64, max_chars=1_000_000, lrs=[1e-3, 3e-3], seeds=3),
+    # another corpus (English prose only) and another shape: wider than "full", narrower than "large"
+    "docstrings": dict(n_layer=2, n_head=4, n_embd=128, block=64, batch=8, steps=1000, eval_every=100,
+                       eval_windows=64, max_chars=1_000_000, lrs=[1e-3, 3e-3, 1e-2], seeds=3,
+                       corpus="docstrings"),
 }
 
 
 def char_lm_problem(size: dict):
     """(GPTConfig, (training ids, fixed validation windows (x, y)), n_params) of one ``CHAR_LM`` size."""
     cfg = GPTConfig(block=size["block"], n_layer=size["n_layer"], n_head=size["n_head"], n_embd=size["n_embd"])
-    train, val = data.load_splits(size["max_chars"])
+    train, val = data.load_splits(size["max_chars"], corpus=size.get("corpus", "docs+code"))
     n_params = sum(p.numel() for p in GPT(cfg).parameters())
     return cfg, (train, data.eval_windows(val, size["eval_windows"], cfg.block)), n_params
 

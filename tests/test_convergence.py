@@ -32,6 +32,24 @@ def test_corpus_is_capped_and_starts_with_the_documentation():
     assert big[doc_chars:doc_chars + 200] == stdlib_first[:200]
 
 
+def test_docstring_corpus_is_prose_from_package_sources_and_shares_nothing_with_the_default():
+    import ast
+
+    text = charlm.load_text(300_000, "docstrings")
+    assert len(text) == 300_000 and charlm.load_text(300_000, "docstrings") == text
+    files = charlm.package_sources()
+    assert files and all(f.parent.name not in ("test", "tests", "idlelib") for f in files)
+    # brute force on the first package file that has a module docstring: it opens the corpus in order
+    first = next(f for f in files if ast.get_docstring(ast.parse(f.read_text(encoding="utf-8", errors="replace"))))
+    assert text.startswith(ast.get_docstring(ast.parse(first.read_text(encoding="utf-8", errors="replace"))))
+    assert "\ndef " not in text and "\nimport " not in text  # no code lines
+    default = charlm.load_text(1_000_000)
+    probe = text[100_000:100_200]  # a stretch from the middle is nowhere in the default corpus
+    assert probe not in default
+    with pytest.raises(ValueError, match="unknown corpus"):
+        charlm.load_text(100, "wikipedia")
+
+
 def test_encode_decode_and_split_are_consistent():
     text = "def f(x):\n\treturn x + 1  # é\n"
     ids = charlm.encode(text)
@@ -161,6 +179,26 @@ def test_analysis_draws_from_a_tiny_run(tmp_path):
                            "--out", str(out)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+
+
+def test_extra_configuration_on_the_docstring_corpus_is_labelled_by_it_and_trained_on_it(tmp_path, monkeypatch):
+    """An extra configuration with ``corpus="docstrings"`` carries the corpus in its label and its
+    config, and its losses are the docstring corpus's: they differ from the same model's on the
+    default corpus."""
+    monkeypatch.setitem(CHAR_LM, "tiny-docstrings", dict(CHAR_LM["tiny"], corpus="docstrings"))
+    conv.main(TINY + ["--optimizers", "AdamW", "--seeds", "1", "--results-dir", str(tmp_path), "--jobs", "1",
+                      "--extra", "tiny", "tiny-docstrings"])
+    rows = read_results("convergence", tmp_path)
+    final = {r["variant"]: r["value"] for r in rows if r["metric"] == "final_val_loss"}
+    label = conv.model_label_of(sum(p.numel() for p in models.GPT(models.GPTConfig(
+        block=CHAR_LM["tiny"]["block"], n_layer=1, n_head=2, n_embd=16)).parameters()))
+    assert set(final) == {"AdamW", f"{label}/AdamW", f"{label}-docstrings/AdamW"}
+    assert final["AdamW"] == final[f"{label}/AdamW"]  # the same size on the same corpus: the same run
+    assert final[f"{label}-docstrings/AdamW"] != final["AdamW"]
+    import json
+
+    config = json.loads((tmp_path / "convergence.config.json").read_text())["config"]
+    assert config["extra"][f"{label}-docstrings"]["corpus"] == "docstrings"
 
 
 def test_larger_configuration_rows_two_jobs_equal_one_and_figure(tmp_path):
