@@ -91,6 +91,18 @@ def variants(rows, metric=None):
     return list(dict.fromkeys(r["variant"] for r in rows if metric is None or r["metric"] == metric))
 
 
+def configurations(rows, metric):
+    """Variant prefixes of a run's configurations: "" (the first, unprefixed) and "<label>/" for each
+    further one (variants ``<label>/<name>``), from the variants that have ``metric``."""
+    prefixes = {v.rpartition("/")[0] + "/" for v in variants(rows, metric) if "/" in v}
+    return [""] + sorted(prefixes)
+
+
+def in_configuration(name: str, prefix: str) -> bool:
+    """Whether variant ``name`` belongs to the configuration of ``prefix`` (see ``configurations``)."""
+    return name.startswith(prefix) if prefix else "/" not in name
+
+
 def mean_std(vals):
     vals = [v for v in vals if math.isfinite(v)]
     if not vals:

@@ -17,8 +17,8 @@ import math
 import statistics
 from collections import defaultdict
 
-from analysis.common import (OPTIMIZERS, Report, colour, fixed, fmt, main, md_table, mean_std, pm, save_figure,
-                             select, value, variants)
+from analysis.common import (OPTIMIZERS, Report, colour, configurations, fixed, fmt, in_configuration, main,
+                             md_table, mean_std, pm, save_figure, select, value, variants)
 
 TARGET = 0.03  # Gefen's claim: final loss within 3% of AdamW's
 # the factored second moment's targets (median over seeds, paired): loss within this of AdamW's
@@ -28,18 +28,11 @@ CORPUS_TEXT = {"docs+code": "`pydoc_data.topics` plus standard-library sources",
                "docstrings": "the docstrings of the standard library's packages (English prose)"}
 
 
-def configurations(rows):
-    """Variant prefixes of the run's configurations: "" (the main model) and "<label>/" for each extra one."""
-    prefixes = {v.rpartition("/")[0] + "/" for v in variants(rows, "final_val_loss") if "/" in v}
-    return [""] + sorted(prefixes)
-
-
 def summarise(rows, prefix=""):
     """{optimizer: dict(lr, curves {seed: [(step, loss)]}, finals, bpp, step_ms, grid {lr: loss})} of the
     configuration whose variants start with ``prefix`` (names without it)."""
     out = {}
-    names = [v.removeprefix(prefix) for v in variants(rows, "final_val_loss")
-             if (v.startswith(prefix) if prefix else "/" not in v)]
+    names = [v.removeprefix(prefix) for v in variants(rows, "final_val_loss") if in_configuration(v, prefix)]
     for short in sorted(names, key=lambda n: OPTIMIZERS.index(n) if n in OPTIMIZERS else len(OPTIMIZERS)):
         name = prefix + short
         curves = defaultdict(list)
@@ -67,7 +60,7 @@ def ratios(rows):
 def draw(rows, out, config):
     import matplotlib.pyplot as plt
 
-    prefixes = configurations(rows)
+    prefixes = configurations(rows, "final_val_loss")
     fig, axes = plt.subplots(len(prefixes), 2, figsize=(12, 4.6 * len(prefixes)), squeeze=False)
     for (ax1, ax2), prefix in zip(axes, prefixes):
         _draw_one(plt, ax1, ax2, summarise(rows, prefix), prefix.rstrip("/") or _main_label(rows))
@@ -158,9 +151,10 @@ def body(rows, config):
     rel = ratios(rows)
     text = []
     extra = c.get("extra") or {}
-    for prefix in configurations(rows):
+    for prefix in configurations(rows, "final_val_loss"):
         cc = (extra.get(prefix.rstrip("/")) or c.get("large") or {}) if prefix else c
-        model = ", ".join(f"{k}={v}" for k, v in cc.get("model", {}).items()) if isinstance(cc.get("model"), dict) else ""
+        spec = cc.get("model")
+        model = ", ".join(f"{k}={v}" for k, v in spec.items()) if isinstance(spec, dict) else ""
         summary = summarise(rows, prefix)
         label = prefix.rstrip("/") or _main_label(rows)
         text.append(f"**{label}**: character GPT ({model}; {fmt(value(rows, 'params', prefix + 'AdamW'))} "
@@ -172,7 +166,7 @@ def body(rows, config):
         text.append(_table(rows, summary, prefix, {label: rel.get(label, {})}))
 
     def bpp_of(model, name):
-        prefix = next((p for p in configurations(rows) if p.rstrip("/") == model), "")
+        prefix = next((p for p in configurations(rows, "final_val_loss") if p.rstrip("/") == model), "")
         return summarise(rows, prefix).get(name, {}).get("bpp", math.nan)
 
     verdicts = _verdicts(rel, bpp_of)

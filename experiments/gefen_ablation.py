@@ -1,10 +1,10 @@
 """Where Gefen's loss gap to AdamW comes from: a per-element second moment on one kind of tensor.
 
-    python experiments/gefen_ablation.py            # every tensor group, 3 seeds -> results/gefen_ablation.csv
-    python experiments/gefen_ablation.py --quick    # 4 groups, 1 seed, the quick model -> results/quick/
+    python experiments/gefen_ablation.py            # two models and corpora, 3 seeds -> results/gefen_ablation.csv
+    python experiments/gefen_ablation.py --quick    # 5 variants, 1 seed, the quick model -> results/quick/
     python analysis/gefen_ablation.py
     # which tensors carry the gap left by the factored second moment, on the larger model
-    python experiments/gefen_ablation.py --size large --on-factored --variants none attn_qkv mlp_in
+    python experiments/gefen_ablation.py --sizes large --on-factored --variants none attn_qkv mlp_in
 
 Each variant is 8-bit Gefen (registry name Gefen-8bit) with ``share_second_moment=False`` (a
 per-element v, as block length 1) on the named group of tensors only, through a second parameter
@@ -14,7 +14,14 @@ model, data, schedule and sizes are experiments/convergence.py's (experiments/tr
 initialisation and batches per seed for every variant and for AdamW. ``factored`` is Gefen with
 ``factor_second_moment=True`` on every tensor (registry name Gefen-8bit-factored); with
 ``--on-factored`` every variant also runs on top of it (variant ``factored+<name>``: the named
-tensors per element, the rest factored).
+tensors per element, the rest factored). Vectors (norm gains, biases) are no variant: Gefen's block
+rule already gives each of them block length 1 in these models.
+
+The full run ablates two configurations (``--sizes``, ``CHAR_LM`` names): ``full`` (convergence.py's
+116k model on documentation plus code, every variant) and ``docstrings`` (a 429k model on English
+prose, 1,000 steps, every variant and every variant on top of the factored second moment). Rows of
+the first configuration carry the variant name, those of the others ``<model label>/<variant>``
+(convergence.py's labels). ``--jobs`` runs that many single-threaded runs at a time.
 
 Rows: ``val_loss`` per variant (and AdamW) and seed, ``val_loss_vs_adamw`` (paired by seed), its
 ``_mean`` and ``_std``, and ``delta_vs_shared`` (the paired difference of ratios against ``none``),
@@ -31,6 +38,7 @@ import torch
 
 from experiments.common import Results, add_common_args
 from experiments.models import GPT
+from experiments.pool import RunPool
 from experiments.registry import make_optimizer
 from experiments.train import CHAR_LM, WEIGHT_DECAY, char_lm_problem, train_lm
 
@@ -49,6 +57,8 @@ VARIANTS = {
 }
 FACTORED = "factored"  # every tensor shared and factored, none per element
 QUICK_VARIANTS = ["none", "all", "attn_qkv", "embedding", FACTORED]
+FULL_SIZES = ["full", "docstrings"]
+ON_FACTORED = {"docstrings"}  # sizes whose full run also ablates on top of the factored second moment
 
 
 def per_element_v_groups(model, pattern, factored=False):
@@ -61,7 +71,43 @@ def per_element_v_groups(model, pattern, factored=False):
                         {"params": own, "share_second_moment": False}) if g["params"]]
 
 
+_PROBLEMS = {}
+
+
+def final_loss(size: dict, variant: str | None, seed: int, lr: float) -> float:
+    """Final validation loss of one run: AdamW (``variant`` None) or 8-bit Gefen with the variant's
+    tensors per element (and the rest factored for ``factored...``). The problem is built once per
+    process."""
+    key = repr(sorted(size.items()))
+    if key not in _PROBLEMS:
+        _PROBLEMS[key] = char_lm_problem(size)
+    cfg, corpus, _ = _PROBLEMS[key]
+    torch.manual_seed(seed)
+    model = GPT(cfg)
+    if variant is None:
+        opt = make_optimizer("AdamW", model.parameters(), lr, WEIGHT_DECAY)
+    else:
+        pattern = VARIANTS.get(variant.removeprefix(f"{FACTORED}+"))
+        opt = make_optimizer("Gefen-8bit", per_element_v_groups(model, pattern, variant.startswith(FACTORED)), lr,
+                             WEIGHT_DECAY)
+    return train_lm(model, opt, corpus[0], corpus[1], lr=lr, steps=size["steps"], batch=size["batch"], seed=seed,
+                    eval_every=size["steps"])["final"]
+
+
+def variants_of(size_name: str, args) -> list[str]:
+    """The variants one configuration runs: ``none`` first; with ``--on-factored`` (or a size of
+    ``ON_FACTORED`` in the full run) every per-element variant again on top of the factor."""
+    names = list(args.variants or (QUICK_VARIANTS if args.quick else [*VARIANTS, FACTORED]))
+    if "none" not in names:
+        names = ["none"] + names
+    if args.on_factored or (args.variants is None and not args.quick and size_name in ON_FACTORED):
+        names += [f"{FACTORED}+{v}" for v in names if v not in (FACTORED, "none", "all") and "+" not in v]
+    return names
+
+
 def main(argv=None):
+    from experiments.convergence import model_label_of
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(parser)
     parser.add_argument("--tiny", action="store_true", help="test size (seconds)")
@@ -71,55 +117,57 @@ def main(argv=None):
     parser.add_argument("--seeds", type=int, default=None, help="default: the size's seeds (3 full, 1 quick)")
     parser.add_argument("--steps", type=int, default=None, help="default: the size's steps")
     parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate of every run")
-    parser.add_argument("--size", default=None, choices=list(CHAR_LM), help="a CHAR_LM size other than the run's")
+    parser.add_argument("--sizes", "--size", nargs="+", default=None, choices=list(CHAR_LM),
+                        help=f"CHAR_LM sizes to ablate (default: {' '.join(FULL_SIZES)}; --quick: quick)")
     parser.add_argument("--on-factored", action="store_true",
-                        help="also run every variant on top of the factored second moment")
+                        help="also run every variant on top of the factored second moment (the full run "
+                             f"does so on {', '.join(sorted(ON_FACTORED))})")
+    parser.add_argument("--jobs", type=int, default=None,
+                        help="single-threaded runs at a time (default: 2 for the full run, 1 otherwise)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    size_name = args.size or ("tiny" if args.tiny else "quick" if args.quick else "full")
-    size = dict(CHAR_LM[size_name])
-    size["steps"] = args.steps or size["steps"]
-    variants = args.variants or (QUICK_VARIANTS if args.quick else [*VARIANTS, FACTORED])
-    if "none" not in variants:
-        variants = ["none"] + variants
-    if args.on_factored:
-        variants += [f"{FACTORED}+{v}" for v in variants if v not in (FACTORED, "none") and "+" not in v]
-    seeds = list(range(args.seed, args.seed + (args.seeds or size["seeds"])))
-    cfg, corpus, n_params = char_lm_problem(size)
-    x = dict(x_name="steps", x_value=size["steps"])
+    full = not (args.tiny or args.quick)
+    size_names = args.sizes or (FULL_SIZES if full else ["tiny" if args.tiny else "quick"])
+    jobs = args.jobs or (2 if full else 1)
+    configs = []
+    for k, name in enumerate(size_names):
+        size = dict(CHAR_LM[name])
+        size["steps"] = args.steps or size["steps"]
+        cfg, corpus, n_params = char_lm_problem(size)
+        label = model_label_of(n_params, size.get("corpus", "docs+code"))
+        seeds = list(range(args.seed, args.seed + (args.seeds or size["seeds"])))
+        variants = variants_of(name, args)
+        configs.append((size, dict(size, size=name, label=label, prefix="" if k == 0 else label + "/", seeds=seeds,
+                                   variants=variants, model=vars(cfg), params=n_params,
+                                   patterns={v: VARIANTS.get(v.removeprefix(f"{FACTORED}+")) for v in variants})))
+    config = dict(vars(args), jobs=jobs, **configs[0][1], extra={c["label"]: c for _, c in configs[1:]})
+    with Results("gefen_ablation", args, config=config) as res, RunPool(jobs) as pool:
+        runs = [(c, {v: [pool.submit(final_loss, size, None if v == "AdamW" else v, s, args.lr) for s in c["seeds"]]
+                     for v in ["AdamW", *c["variants"]]}) for size, c in configs]
+        for c, futs in runs:
+            add_rows(res, c, {v: [f.result() for f in fs] for v, fs in futs.items()})
 
-    def final_loss(make_params, name, seed):
-        torch.manual_seed(seed)
-        model = GPT(cfg)
-        opt = make_optimizer(name, make_params(model), args.lr, WEIGHT_DECAY)
-        return train_lm(model, opt, corpus[0], corpus[1], lr=args.lr, steps=size["steps"], batch=size["batch"],
-                        seed=seed, eval_every=size["steps"])["final"]
 
-    config = dict(vars(args), size=size_name, **dict(size, seeds=seeds), variants=variants, model=vars(cfg),
-                  params=n_params, patterns={v: VARIANTS.get(v.removeprefix(f"{FACTORED}+")) for v in variants})
-    with Results("gefen_ablation", args, config=config) as res:
-        base = [final_loss(lambda m: m.parameters(), "AdamW", s) for s in seeds]
-        for s, v in zip(seeds, base):
-            res.add("AdamW", "val_loss", "nats/char", v, seed=s, **x)
-        ratios = {}
-        for name in variants:
-            factored = name.startswith(FACTORED)
-            pattern = VARIANTS.get(name.removeprefix(f"{FACTORED}+"))
-            vals = [final_loss(lambda m: per_element_v_groups(m, pattern, factored), "Gefen-8bit", s)
-                    for s in seeds]
-            ratios[name] = [v / b for v, b in zip(vals, base)]
-            for s, v, r in zip(seeds, vals, ratios[name]):
-                res.add(name, "val_loss", "nats/char", v, seed=s, **x)
-                res.add(name, "val_loss_vs_adamw", "ratio", r, seed=s, **x)
-            res.add(name, "val_loss_vs_adamw_mean", "ratio", statistics.fmean(ratios[name]), **x)
-            res.add(name, "val_loss_vs_adamw_std", "ratio", _std(ratios[name]), **x)
-            res.flush()
-            print(f"[gefen_ablation] per-element v on {name}: {statistics.fmean(ratios[name]):.4f} "
-                  f"+- {_std(ratios[name]):.4f} x AdamW over {len(seeds)} seeds", flush=True)
-        for name in variants:
-            deltas = [r - r0 for r, r0 in zip(ratios[name], ratios["none"])]
-            res.add(name, "delta_vs_shared_mean", "ratio", statistics.fmean(deltas), **x)
-            res.add(name, "delta_vs_shared_std", "ratio", _std(deltas), **x)
+def add_rows(res, c, losses):
+    """One configuration's rows from {variant or "AdamW": [final loss per seed]}."""
+    x = dict(x_name="steps", x_value=c["steps"])
+    base, p, ratios = losses["AdamW"], c["prefix"], {}
+    for s, v in zip(c["seeds"], base):
+        res.add(p + "AdamW", "val_loss", "nats/char", v, seed=s, **x)
+    for name in c["variants"]:
+        ratios[name] = [v / b for v, b in zip(losses[name], base)]
+        for s, v, r in zip(c["seeds"], losses[name], ratios[name]):
+            res.add(p + name, "val_loss", "nats/char", v, seed=s, **x)
+            res.add(p + name, "val_loss_vs_adamw", "ratio", r, seed=s, **x)
+        res.add(p + name, "val_loss_vs_adamw_mean", "ratio", statistics.fmean(ratios[name]), **x)
+        res.add(p + name, "val_loss_vs_adamw_std", "ratio", _std(ratios[name]), **x)
+        print(f"[gefen_ablation] {c['label']}: per-element v on {name}: {statistics.fmean(ratios[name]):.4f} "
+              f"+- {_std(ratios[name]):.4f} x AdamW over {len(c['seeds'])} seeds", flush=True)
+    for name in c["variants"]:
+        deltas = [r - r0 for r, r0 in zip(ratios[name], ratios["none"])]
+        res.add(p + name, "delta_vs_shared_mean", "ratio", statistics.fmean(deltas), **x)
+        res.add(p + name, "delta_vs_shared_std", "ratio", _std(deltas), **x)
+    res.flush()
 
 
 def _std(xs):

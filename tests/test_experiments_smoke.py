@@ -355,6 +355,11 @@ def test_gefen_ablation_groups_give_per_element_v_only_to_the_named_tensors():
         elif n == "lm_head.weight":  # a large matrix: the rule shares v
             assert st["block"] > 1 and st["v"].numel() == p.numel() // st["block"], n
     assert all(g["weight_decay"] == 0.1 for g in opt.param_groups)
+    published = make_optimizer("Gefen-8bit", model.parameters(), 1e-3, 0.1)
+    model.zero_grad()
+    model(x, x).backward()
+    published.step()  # vectors are no variant: Gefen's rule already keeps their v per element
+    assert all(published.state[p]["block"] == 1 for p in model.parameters() if p.dim() == 1)
     groups = per_element_v_groups(model, VARIANTS["attn_qkv"], factored=True)
     assert groups[0]["factor_second_moment"] is True and "factor_second_moment" not in groups[1]
 
@@ -376,6 +381,32 @@ def test_gefen_ablation_tiny_run_and_figure(tmp_path, monkeypatch):
     out = tmp_path / "gefen_ablation.png"
     _analysis("gefen_ablation", tmp_path, out)
     _assert_png(out)
+
+
+@pytest.mark.timeout(300)
+def test_gefen_ablation_two_configurations_two_jobs_equal_one(tmp_path, monkeypatch):
+    """A second configuration (the tiny model on the docstring corpus) writes ``<label>/<variant>`` rows
+    and its own AdamW baseline; runs in two worker processes give the rows of one process."""
+    from experiments.convergence import model_label_of
+    from experiments.train import CHAR_LM
+
+    monkeypatch.setitem(CHAR_LM, "tiny-docstrings", dict(CHAR_LM["tiny"], corpus="docstrings"))
+    argv = ["--tiny", "--sizes", "tiny", "tiny-docstrings", "--variants", "factored", "--seeds", 1,
+            "--wandb", "disabled"]
+    _main("experiments.gefen_ablation", argv + ["--jobs", 1, "--results-dir", tmp_path / "one"], monkeypatch)
+    _main("experiments.gefen_ablation", argv + ["--jobs", 2, "--results-dir", tmp_path / "two"], monkeypatch)
+    one, two = (_rows(tmp_path / d / "gefen_ablation.csv", "gefen_ablation") for d in ("one", "two"))
+    assert sorted((r["variant"], r["metric"], r["value"]) for r in one) == \
+        sorted((r["variant"], r["metric"], r["value"]) for r in two)
+    tiny = {r["variant"]: r["value"] for r in one if r["metric"] == "val_loss"}
+    from experiments.models import GPT, GPTConfig
+
+    t = CHAR_LM["tiny"]
+    label = model_label_of(sum(p.numel() for p in GPT(GPTConfig(block=t["block"], n_layer=t["n_layer"],
+                                                                 n_head=t["n_head"], n_embd=t["n_embd"])).parameters()),
+                           "docstrings")
+    assert set(tiny) == {"AdamW", "none", "factored", f"{label}/AdamW", f"{label}/none", f"{label}/factored"}
+    assert tiny["AdamW"] != tiny[f"{label}/AdamW"]  # another corpus: another loss
 
 
 # ------------------------------------------------------------------------------- codebook_dp
