@@ -18,8 +18,9 @@ variant ``<model label>/<optimizer>``: a larger one (``CHAR_LM["large"]``: about
 parameters, 1,000 steps) with the optimizers of ``LARGE`` (one quantised torchao peer, the slowest
 on CPU, is enough there), and one on another corpus and shape (``CHAR_LM["docstrings"]``: English
 prose only, the standard library's docstrings; a 429k-parameter model, 1,000 steps) with AdamW,
-Adam-mini and the Gefen variants. Runs are single-threaded; ``--jobs 2`` (the full run's default) trains two at a time, each in its own
-process (results do not depend on it: every run is seeded and deterministic).
+Adam-mini and the Gefen variants. Runs are single-threaded; ``--jobs 2`` (the full run's default)
+trains two at a time, each in its own process (results do not depend on it: every run is seeded
+and deterministic).
 
 Protocol (experiments/train.py): the same initialisation and batches per seed for every optimizer,
 linear warm-up over 5% of the steps then cosine decay to 10%, gradient clipping at 1.0, decoupled
@@ -41,9 +42,7 @@ Rows (variant = the optimizer's registry name):
 from __future__ import annotations
 
 import argparse
-import concurrent.futures as futures
 import math
-import multiprocessing
 import statistics
 import sys
 
@@ -52,6 +51,7 @@ import torch
 from experiments import data
 from experiments.common import Results, add_common_args
 from experiments.models import GPT
+from experiments.pool import RunPool
 from experiments.registry import DENSE, make_optimizer, state_bytes
 from experiments.train import CHAR_LM, WEIGHT_DECAY, char_lm_problem, train_lm
 
@@ -103,15 +103,8 @@ def _job(name, lr, seed, size, progress):
 def run_all(names, size, lrs, seeds, jobs, progress):
     """Every optimizer's lr sweep on the first seed, then its best lr on the other seeds, ``jobs``
     runs at a time: ({name: (sweep, best, {seed: run})}, {name: reason skipped})."""
-    pool = (futures.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"),
-                                        initializer=torch.set_num_threads, initargs=(1,))
-            if jobs > 1 else None)
-
-    def submit(*a):
-        return pool.submit(_job, *a, size, progress) if pool else _Done(_job(*a, size, progress))
-
-    try:
-        first = {(n, lr): submit(n, lr, seeds[0]) for n in names for lr in lrs}
+    with RunPool(jobs) as pool:
+        first = {(n, lr): pool.submit(_job, n, lr, seeds[0], size, progress) for n in names for lr in lrs}
         done, skipped, later = {}, {}, {}
         for n in names:
             runs = {lr: first[(n, lr)].result() for lr in lrs}
@@ -123,7 +116,7 @@ def run_all(names, size, lrs, seeds, jobs, progress):
             sweep = {lr: r["final"] for lr, r in runs.items()}
             best = min(lrs, key=lambda lr: sweep[lr] if math.isfinite(sweep[lr]) else math.inf)
             done[n] = (sweep, best, {seeds[0]: runs[best]})
-            later[n] = {s: submit(n, best, s) for s in seeds[1:]}
+            later[n] = {s: pool.submit(_job, n, best, s, size, progress) for s in seeds[1:]}
         for n, fs in later.items():
             for s, f in fs.items():
                 r = f.result()
@@ -132,18 +125,7 @@ def run_all(names, size, lrs, seeds, jobs, progress):
                     done.pop(n, None)
                     break
                 done[n][2][s] = r
-    finally:
-        if pool:
-            pool.shutdown(cancel_futures=True)
     return done, skipped
-
-
-class _Done:
-    def __init__(self, value):
-        self.value = value
-
-    def result(self):
-        return self.value
 
 
 def add_rows(res, name, sweep, best, chosen, first_seed):

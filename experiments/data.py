@@ -2,12 +2,13 @@
 
 Text (``load_text``), two corpora cut at ``max_chars``: ``docs+code``, Python's documentation
 topics (``pydoc_data.topics.topics``, about 0.46 M characters) followed by the standard library's
-top-level ``.py`` sources in sorted order; ``docstrings``, English prose only (about 0.6 M
-characters): the docstrings of the standard library's package sources. The vocabulary is fixed
-(tab, newline, printable ASCII, one "other" token), so token ids do not depend on the corpus. The
-train/validation split is by contiguous chunks (every ``val_every``-th chunk of ``chunk_chars``
-characters is validation), so both halves mix documentation and code in ``docs+code``. ``frequent_char_ids`` re-encodes the text into a small vocabulary of
-its most frequent characters, for models whose full Hessian must fit in memory.
+top-level ``.py`` sources in sorted order; ``docstrings``, English prose only (about 0.73 M
+characters): the docstrings of the standard library's package sources. The
+vocabulary is fixed (tab, newline, printable ASCII, one "other" token), so token ids do not depend
+on the corpus. The train/validation split is by contiguous chunks (every ``val_every``-th chunk of
+``chunk_chars`` characters is validation), so both halves mix documentation and code in
+``docs+code``. ``frequent_char_ids`` re-encodes the text into a small vocabulary of its most
+frequent characters, for models whose full Hessian must fit in memory.
 
 Hierarchy: every class reachable by importing the standard library's modules, with the is-a
 relation closed through ``__mro__`` (``stdlib_hierarchy``), for Poincaré embeddings.

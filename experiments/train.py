@@ -38,9 +38,10 @@ CHAR_LM = {
                   eval_windows=64, max_chars=200_000, lrs=[3e-3], seeds=1),
     "full": dict(n_layer=2, n_head=4, n_embd=64, block=64, batch=16, steps=600, eval_every=30,
                  eval_windows=128, max_chars=1_000_000, lrs=[1e-3, 3e-3, 1e-2], seeds=3),
-    # ~11x full's parameters, 1,000 steps; a small batch keeps a single-threaded run near a minute
+    # ~11x full's parameters, 1,000 steps; a small batch keeps a single-threaded run near a minute (and
+    # wants a lower lr: the grid straddles AdamW's best)
     "large": dict(n_layer=2, n_head=4, n_embd=224, block=64, batch=4, steps=1000, eval_every=100,
-                  eval_windows=64, max_chars=1_000_000, lrs=[1e-3, 3e-3], seeds=3),
+                  eval_windows=64, max_chars=1_000_000, lrs=[5e-4, 1e-3, 2e-3], seeds=3),
     # another corpus (English prose only) and another shape: wider than "full", narrower than "large"
     "docstrings": dict(n_layer=2, n_head=4, n_embd=128, block=64, batch=8, steps=1000, eval_every=100,
                        eval_windows=64, max_chars=1_000_000, lrs=[1e-3, 3e-3, 1e-2], seeds=3,
