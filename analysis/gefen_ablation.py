@@ -12,6 +12,8 @@ deviations.
 
 from __future__ import annotations
 
+import statistics
+
 from analysis.common import (Report, configurations, fmt, in_configuration, main, md_table, mean_std, pm, save_figure,
                              select, variants)
 from analysis.convergence import CORPUS_TEXT
@@ -92,8 +94,8 @@ def body(rows, config):
                     f"{fmt(cc.get('params'))} parameters (n_embd {cc.get('model', {}).get('n_embd', '?')}) on "
                     f"{CORPUS_TEXT.get(corpus, corpus)}, {cc.get('steps', '?')} steps, lr {c.get('lr', '?')}, "
                     f"{n_seeds} seed(s).")
-        text.append(md_table(["v per element on", "loss / AdamW (mean ± std, paired by seed)"],
-                             [[_label(v), pm(m, s, 3)] for v, (m, s, _) in data.items()]))
+        text.append(md_table(["v per element on", "loss / AdamW (mean ± std, paired by seed)", "median"],
+                             [[_label(v), pm(m, s, 3), f"{statistics.median(x):.3f}"] for v, (m, s, x) in data.items()]))
         text.append(_finding(data))
     return "\n\n".join(t for t in text if t)
 
@@ -103,7 +105,7 @@ def _finding(data):
     if "none" not in data or "all" not in data:
         return ""
     gap = data["none"][0] - 1
-    closes = [v for v, d in data.items() if v not in ("none", "all") and "+" not in v and d[0] - 1 < gap / 2]
+    closes = [v for v, d in data.items() if v not in ("none", "all", "factored") and "+" not in v and d[0] - 1 < gap / 2]
     out = f"Gefen as published ends at {data['none'][0]:.3f} of AdamW's loss, and {data['all'][0]:.3f} with v per " \
           "element everywhere. "
     if gap <= 0:
