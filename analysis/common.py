@@ -91,6 +91,11 @@ def variants(rows, metric=None):
     return list(dict.fromkeys(r["variant"] for r in rows if metric is None or r["metric"] == metric))
 
 
+# experiments/data.py's corpora, as the sections name them
+CORPUS_TEXT = {"docs+code": "`pydoc_data.topics` plus standard-library sources",
+               "docstrings": "the docstrings of the standard library's packages (English prose)"}
+
+
 def configurations(rows, metric):
     """Variant prefixes of a run's configurations: "" (the first, unprefixed) and "<label>/" for each
     further one (variants ``<label>/<name>``), from the variants that have ``metric``."""

@@ -17,15 +17,13 @@ import math
 import statistics
 from collections import defaultdict
 
-from analysis.common import (OPTIMIZERS, Report, colour, configurations, fixed, fmt, in_configuration, main,
+from analysis.common import (CORPUS_TEXT, OPTIMIZERS, Report, colour, configurations, fixed, fmt, in_configuration, main,
                              md_table, mean_std, pm, save_figure, select, value, variants)
 
 TARGET = 0.03  # Gefen's claim: final loss within 3% of AdamW's
 # the factored second moment's targets (median over seeds, paired): loss within this of AdamW's
 FACTORED_TARGET = {"Gefen-8bit-factored": 0.003, "Gefen-4bit-factored": 0.006}
 GEFEN = ("Gefen-8bit", "Gefen-4bit", *FACTORED_TARGET)
-CORPUS_TEXT = {"docs+code": "`pydoc_data.topics` plus standard-library sources",
-               "docstrings": "the docstrings of the standard library's packages (English prose)"}
 
 
 def summarise(rows, prefix=""):

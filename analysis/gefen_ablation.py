@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import statistics
 
-from analysis.common import (Report, configurations, fmt, in_configuration, main, md_table, mean_std, pm, save_figure,
+from analysis.common import (CORPUS_TEXT, Report, configurations, fmt, in_configuration, main, md_table, mean_std, pm, save_figure,
                              select, variants)
-from analysis.convergence import CORPUS_TEXT
 
 LABELS = {"none": "nothing (Gefen as published)", "all": "every tensor", "embedding": "the embeddings",
           "factored": "nothing, the second moment factored"}

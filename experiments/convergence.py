@@ -53,7 +53,7 @@ from experiments.common import Results, add_common_args
 from experiments.models import GPT
 from experiments.pool import RunPool
 from experiments.registry import DENSE, make_optimizer, state_bytes
-from experiments.train import CHAR_LM, WEIGHT_DECAY, char_lm_problem, train_lm
+from experiments.train import CHAR_LM, WEIGHT_DECAY, char_lm_problem, model_label_of, train_lm
 
 EXPERIMENT = "convergence"
 LARGE = ["AdamW", "Adam-mini", "torchao-AdamW8bit", "gefen-upstream", "Gefen-8bit", "Gefen-4bit",
@@ -211,11 +211,6 @@ def run_config(res, names, size, lrs, seeds, jobs, progress, prefix=""):
     ratios = add_ratio_rows(res, finals, model_label_of(n_params, size.get("corpus", "docs+code")))
     res.flush()
     return summary, skipped, {prefix + k: v for k, v in ratios.items()}
-
-
-def model_label_of(n_params: int, corpus: str = "docs+code") -> str:
-    """``char-gpt-<thousands of params>k``, with ``-<corpus>`` for a corpus other than the default."""
-    return f"char-gpt-{n_params // 1000}k" + ("" if corpus == "docs+code" else f"-{corpus}")
 
 
 def main(argv=None):

@@ -40,7 +40,7 @@ from experiments.common import Results, add_common_args
 from experiments.models import GPT
 from experiments.pool import RunPool
 from experiments.registry import make_optimizer
-from experiments.train import CHAR_LM, WEIGHT_DECAY, char_lm_problem, train_lm
+from experiments.train import CHAR_LM, WEIGHT_DECAY, char_lm_problem, model_label_of, train_lm
 
 # variant -> regular expression of the parameter names (of experiments/models.py's GPT) that get a
 # per-element v (None: no tensor). Names select the tensors of the ablation only; the optimizer
@@ -106,8 +106,6 @@ def variants_of(size_name: str, args) -> list[str]:
 
 
 def main(argv=None):
-    from experiments.convergence import model_label_of
-
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(parser)
     parser.add_argument("--tiny", action="store_true", help="test size (seconds)")

@@ -57,6 +57,11 @@ def char_lm_problem(size: dict):
     return cfg, (train, data.eval_windows(val, size["eval_windows"], cfg.block)), n_params
 
 
+def model_label_of(n_params: int, corpus: str = "docs+code") -> str:
+    """``char-gpt-<thousands of params>k``, with ``-<corpus>`` for a corpus other than the default."""
+    return f"char-gpt-{n_params // 1000}k" + ("" if corpus == "docs+code" else f"-{corpus}")
+
+
 def lr_factor(step: int, steps: int) -> float:
     """Linear warm-up over 5% of the steps, then cosine decay to 10% of the peak."""
     warm = max(1, steps // 20)

@@ -387,8 +387,7 @@ def test_gefen_ablation_tiny_run_and_figure(tmp_path, monkeypatch):
 def test_gefen_ablation_two_configurations_two_jobs_equal_one(tmp_path, monkeypatch):
     """A second configuration (the tiny model on the docstring corpus) writes ``<label>/<variant>`` rows
     and its own AdamW baseline; runs in two worker processes give the rows of one process."""
-    from experiments.convergence import model_label_of
-    from experiments.train import CHAR_LM
+    from experiments.train import CHAR_LM, model_label_of
 
     monkeypatch.setitem(CHAR_LM, "tiny-docstrings", dict(CHAR_LM["tiny"], corpus="docstrings"))
     argv = ["--tiny", "--sizes", "tiny", "tiny-docstrings", "--variants", "factored", "--seeds", 1,
@@ -477,7 +476,7 @@ def test_registry_names_are_the_canonical_ones():
 def test_experiments_do_not_import_each_other():
     import ast
 
-    harness = {"common", "data", "models", "registry", "train"}
+    harness = {"common", "data", "models", "registry", "train", "pool"}
     scripts = {p.stem for p in (REPO / "experiments").glob("*.py")} - harness - {"__init__"}
     for path in (REPO / "experiments").glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
