@@ -53,7 +53,7 @@ from experiments.common import Results, add_common_args
 from experiments.models import GPT
 from experiments.pool import RunPool
 from experiments.registry import DENSE, make_optimizer, state_bytes
-from experiments.train import CHAR_LM, WEIGHT_DECAY, char_lm_problem, model_label_of, train_lm
+from experiments.train import CHAR_LM, WEIGHT_DECAY, char_lm_label, char_lm_problem, train_lm
 
 EXPERIMENT = "convergence"
 LARGE = ["AdamW", "Adam-mini", "torchao-AdamW8bit", "gefen-upstream", "Gefen-8bit", "Gefen-4bit",
@@ -81,15 +81,9 @@ def train_one(name, lr, seed, size, cfg, corpus, progress):
     return out
 
 
-_PROBLEMS = {}
-
-
 def _job(name, lr, seed, size, progress):
     """One training run; the problem is built once per process."""
-    key = repr(sorted(size.items()))
-    if key not in _PROBLEMS:
-        _PROBLEMS[key] = char_lm_problem(size)
-    cfg, corpus, _ = _PROBLEMS[key]
+    cfg, corpus, _ = char_lm_problem(size)
     try:
         build(name, GPT(cfg), 1e-3, cfg)
         out = train_one(name, lr, seed, size, cfg, corpus, progress)
@@ -198,7 +192,6 @@ def run_config(res, names, size, lrs, seeds, jobs, progress, prefix=""):
     """Train and write one configuration's rows; returns (summary, skipped, ratios)."""
     summary, finals = [], {}
     done, skipped = run_all(names, size, lrs, seeds, jobs, progress)
-    _, _, n_params = char_lm_problem(size)
     for name in names:
         if name not in done:
             continue
@@ -208,7 +201,7 @@ def run_config(res, names, size, lrs, seeds, jobs, progress, prefix=""):
         bpp = statistics.fmean(o["state_bytes"] / o["params"] for o in chosen.values())
         summary.append((prefix + name, best, list(finals[name].values()), bpp,
                         statistics.fmean(o["step_time"] for o in chosen.values())))
-    ratios = add_ratio_rows(res, finals, model_label_of(n_params, size.get("corpus", "docs+code")))
+    ratios = add_ratio_rows(res, finals, char_lm_label(size))
     res.flush()
     return summary, skipped, {prefix + k: v for k, v in ratios.items()}
 
@@ -223,7 +216,7 @@ def main(argv=None):
     lrs = args.lrs or size["lrs"]
     seeds = [args.seed + i for i in range(args.seeds or size["seeds"])]
     cfg, corpus, n_params = char_lm_problem(size)
-    model_label = model_label_of(n_params, size.get("corpus", "docs+code"))
+    model_label = char_lm_label(size)
     extra_names = [n for n in args.extra or (FULL_EXTRA if size_name == "full" else []) if n != "none"]
     jobs = args.jobs or (2 if size_name == "full" else 1)
     config = dict(vars(args), size=size_name, **dict(size, lrs=lrs, seeds=seeds), model=vars(cfg),
@@ -234,8 +227,8 @@ def main(argv=None):
     extras = []
     for name in extra_names:
         extra = dict(CHAR_LM[name])
-        ecfg, _, e_params = char_lm_problem(extra)
-        label = model_label_of(e_params, extra.get("corpus", "docs+code"))
+        ecfg, _, _ = char_lm_problem(extra)
+        label = char_lm_label(extra)
         extras.append((extra, dict(extra, size=name, model=vars(ecfg), model_label=label,
                                    seeds=[args.seed + i for i in range(extra["seeds"])],
                                    optimizers=[n for n in EXTRA_OPTIMIZERS.get(name, LARGE) if n in args.optimizers])))

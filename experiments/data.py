@@ -76,10 +76,11 @@ def docstrings(path: Path) -> list[str]:
     return [d for n in ast.walk(tree) if isinstance(n, kinds) and (d := ast.get_docstring(n))]
 
 
-CORPORA = ("docs+code", "docstrings")
+DEFAULT_CORPUS = "docs+code"
+CORPORA = (DEFAULT_CORPUS, "docstrings")
 
 
-def load_text(max_chars: int, corpus: str = "docs+code") -> str:
+def load_text(max_chars: int, corpus: str = DEFAULT_CORPUS) -> str:
     """``max_chars`` characters of one corpus.
 
     ``docs+code``: documentation topics (sorted by key), then the top-level stdlib sources (sorted
@@ -134,7 +135,7 @@ def split(ids: torch.Tensor, chunk_chars: int = 4096, val_every: int = 10):
     return torch.cat(train), torch.cat(val)
 
 
-def load_splits(max_chars: int, chunk_chars: int = 4096, val_every: int = 10, corpus: str = "docs+code"):
+def load_splits(max_chars: int, chunk_chars: int = 4096, val_every: int = 10, corpus: str = DEFAULT_CORPUS):
     return split(encode(load_text(max_chars, corpus)), chunk_chars, val_every)
 
 

@@ -40,7 +40,7 @@ from experiments.common import Results, add_common_args
 from experiments.models import GPT
 from experiments.pool import RunPool
 from experiments.registry import make_optimizer
-from experiments.train import CHAR_LM, WEIGHT_DECAY, char_lm_problem, model_label_of, train_lm
+from experiments.train import CHAR_LM, WEIGHT_DECAY, char_lm_label, char_lm_problem, train_lm
 
 # variant -> regular expression of the parameter names (of experiments/models.py's GPT) that get a
 # per-element v (None: no tensor). Names select the tensors of the ablation only; the optimizer
@@ -71,17 +71,11 @@ def per_element_v_groups(model, pattern, factored=False):
                         {"params": own, "share_second_moment": False}) if g["params"]]
 
 
-_PROBLEMS = {}
-
-
 def final_loss(size: dict, variant: str | None, seed: int, lr: float) -> float:
     """Final validation loss of one run: AdamW (``variant`` None) or 8-bit Gefen with the variant's
     tensors per element (and the rest factored for ``factored...``). The problem is built once per
     process."""
-    key = repr(sorted(size.items()))
-    if key not in _PROBLEMS:
-        _PROBLEMS[key] = char_lm_problem(size)
-    cfg, corpus, _ = _PROBLEMS[key]
+    cfg, corpus, _ = char_lm_problem(size)
     torch.manual_seed(seed)
     model = GPT(cfg)
     if variant is None:
@@ -132,7 +126,7 @@ def main(argv=None):
         size = dict(CHAR_LM[name])
         size["steps"] = args.steps or size["steps"]
         cfg, corpus, n_params = char_lm_problem(size)
-        label = model_label_of(n_params, size.get("corpus", "docs+code"))
+        label = char_lm_label(size)
         seeds = list(range(args.seed, args.seed + (args.seeds or size["seeds"])))
         variants = variants_of(name, args)
         configs.append((size, dict(size, size=name, label=label, prefix="" if k == 0 else label + "/", seeds=seeds,

@@ -49,17 +49,29 @@ CHAR_LM = {
 }
 
 
+_PROBLEMS = {}
+
+
 def char_lm_problem(size: dict):
-    """(GPTConfig, (training ids, fixed validation windows (x, y)), n_params) of one ``CHAR_LM`` size."""
-    cfg = GPTConfig(block=size["block"], n_layer=size["n_layer"], n_head=size["n_head"], n_embd=size["n_embd"])
-    train, val = data.load_splits(size["max_chars"], corpus=size.get("corpus", "docs+code"))
-    n_params = sum(p.numel() for p in GPT(cfg).parameters())
-    return cfg, (train, data.eval_windows(val, size["eval_windows"], cfg.block)), n_params
+    """(GPTConfig, (training ids, fixed validation windows (x, y)), n_params) of one ``CHAR_LM`` size,
+    built once per process (the tensors are shared: read them, do not write them)."""
+    key = repr(sorted(size.items()))
+    if key not in _PROBLEMS:
+        cfg = GPTConfig(block=size["block"], n_layer=size["n_layer"], n_head=size["n_head"], n_embd=size["n_embd"])
+        train, val = data.load_splits(size["max_chars"], corpus=size.get("corpus", data.DEFAULT_CORPUS))
+        n_params = sum(p.numel() for p in GPT(cfg).parameters())
+        _PROBLEMS[key] = cfg, (train, data.eval_windows(val, size["eval_windows"], cfg.block)), n_params
+    return _PROBLEMS[key]
 
 
-def model_label_of(n_params: int, corpus: str = "docs+code") -> str:
+def model_label_of(n_params: int, corpus: str = data.DEFAULT_CORPUS) -> str:
     """``char-gpt-<thousands of params>k``, with ``-<corpus>`` for a corpus other than the default."""
-    return f"char-gpt-{n_params // 1000}k" + ("" if corpus == "docs+code" else f"-{corpus}")
+    return f"char-gpt-{n_params // 1000}k" + ("" if corpus == data.DEFAULT_CORPUS else f"-{corpus}")
+
+
+def char_lm_label(size: dict) -> str:
+    """``model_label_of`` one ``CHAR_LM`` size."""
+    return model_label_of(char_lm_problem(size)[2], size.get("corpus", data.DEFAULT_CORPUS))
 
 
 def lr_factor(step: int, steps: int) -> float:

@@ -11,7 +11,7 @@ from experiments import convergence as conv
 from experiments import data as charlm
 from experiments import models, registry
 from experiments.common import read_results
-from experiments.train import CHAR_LM
+from experiments.train import CHAR_LM, model_label_of
 
 TINY = ["--tiny", "--wandb", "disabled", "--no-progress"]
 
@@ -190,7 +190,7 @@ def test_extra_configuration_on_the_docstring_corpus_is_labelled_by_it_and_train
                       "--extra", "tiny", "tiny-docstrings"])
     rows = read_results("convergence", tmp_path)
     final = {r["variant"]: r["value"] for r in rows if r["metric"] == "final_val_loss"}
-    label = conv.model_label_of(sum(p.numel() for p in models.GPT(models.GPTConfig(
+    label = model_label_of(sum(p.numel() for p in models.GPT(models.GPTConfig(
         block=CHAR_LM["tiny"]["block"], n_layer=1, n_head=2, n_embd=16)).parameters()))
     assert set(final) == {"AdamW", f"{label}/AdamW", f"{label}-docstrings/AdamW"}
     assert final["AdamW"] == final[f"{label}/AdamW"]  # the same size on the same corpus: the same run
@@ -220,7 +220,7 @@ def test_larger_configuration_rows_two_jobs_equal_one_and_figure(tmp_path):
                       and not r["metric"].startswith("val_loss_vs_adamw"))  # "one" has both configurations' ratios
 
     assert key(one) == key(two)
-    label = conv.model_label_of(sum(p.numel() for p in models.GPT(models.GPTConfig(
+    label = model_label_of(sum(p.numel() for p in models.GPT(models.GPTConfig(
         block=CHAR_LM["tiny"]["block"], n_layer=1, n_head=2, n_embd=16)).parameters()))
     assert {r["variant"] for r in one} == {"AdamW", "Gefen-8bit-factored", f"{label}/AdamW",
                                            f"{label}/Gefen-8bit-factored"}
