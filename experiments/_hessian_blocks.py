@@ -18,7 +18,8 @@ cross tensors. Schemes:
   ``feed_forward linear mlp``) -> one block per row (per token or output neuron); anything else
   (norms, nanoGPT's ``wpe``) -> the whole tensor.
 - ``per_tensor``: one block per tensor.
-- ``gefen_factored``: Gefen's blocks with the factored second moment of
+- ``gefen_factored``: Gefen's blocks, kept inside matrix rows as the optimizer keeps them
+  (``partition.factored_block``), with the factored second moment of
   ``Gefen(factor_second_moment=True)``: v of entry j of block b is ``v_b * w_j / mean(w)``, w the
   per-tensor EMA of the mean over blocks of g**2 at offset j (:func:`factor_ids`,
   ``SharedVAdam(factors=...)``; ``optim/gefen/reference.py`` states the estimator).
@@ -48,11 +49,16 @@ def _ids_from_lengths(slices, lengths) -> torch.Tensor:
     return torch.cat(parts)
 
 
-def gefen_lengths(slices, first_grad: torch.Tensor, rule: str) -> list[int]:
-    """Gefen's block length per tensor from the first gradient (flat vector)."""
-    from optim.gefen.partition import choose_block
+def gefen_lengths(slices, first_grad: torch.Tensor, rule: str, *, factored: bool = False) -> list[int]:
+    """Gefen's block length per tensor from the first gradient (flat vector); ``factored``: as the
+    factored second moment keeps them (inside matrix rows)."""
+    from optim.gefen.partition import choose_block, factored_block
 
-    return [int(choose_block(first_grad[sl].view(shape), rule=rule)) for _, shape, sl in slices]
+    out = []
+    for _, shape, sl in slices:
+        p = int(choose_block(first_grad[sl].view(shape), rule=rule))
+        out.append(factored_block(p, shape) if factored else p)
+    return out
 
 
 def scheme_ids(scheme: str, slices, *, first_grad=None, n_heads=1, d_model=1, seed=0) -> torch.Tensor:
@@ -65,7 +71,7 @@ def scheme_ids(scheme: str, slices, *, first_grad=None, n_heads=1, d_model=1, se
         if first_grad is None:
             raise ValueError(f"scheme {scheme!r} needs first_grad (the first gradient, flat)")
         rule = "variance_drop" if scheme.endswith("_var") else "adjacent_log"
-        ids = _ids_from_lengths(slices, gefen_lengths(slices, first_grad, rule))
+        ids = _ids_from_lengths(slices, gefen_lengths(slices, first_grad, rule, factored=scheme in FACTORED))
         if scheme.startswith("random_"):
             gen = torch.Generator().manual_seed(seed)
             for _, _, sl in slices:  # shuffle memberships inside each tensor, sizes kept
@@ -78,7 +84,7 @@ def scheme_ids(scheme: str, slices, *, first_grad=None, n_heads=1, d_model=1, se
 
 
 SCHEMES = ("per_element", "gefen", "gefen_var", "random_gefen", "random_gefen_var", "adam_mini", "per_tensor")
-FACTORED = ("gefen_factored",)  # schemes with a per-offset factor; their blocks are "gefen"'s
+FACTORED = ("gefen_factored",)  # schemes with a per-offset factor; blocks: "gefen"'s inside rows
 
 
 def factor_ids(scheme: str, slices, *, first_grad=None):
@@ -87,7 +93,7 @@ def factor_ids(scheme: str, slices, *, first_grad=None):
     ``gefen_factored``: one factor per (tensor, offset in Gefen's block). Any other scheme: one
     factor per tensor, whose ratio w / mean(w) is exactly 1 (the scheme's own rule unchanged).
     """
-    lengths = (gefen_lengths(slices, first_grad, "adjacent_log") if scheme in FACTORED
+    lengths = (gefen_lengths(slices, first_grad, "adjacent_log", factored=True) if scheme in FACTORED
                else [sl.stop - sl.start for _, _, sl in slices])
     fids, tens, nxt = [], [], 0
     for t, ((_, _, sl), p) in enumerate(zip(slices, lengths)):

@@ -42,9 +42,11 @@ CHAR_LM = {
     # wants a lower lr: the grid straddles AdamW's best)
     "large": dict(n_layer=2, n_head=4, n_embd=224, block=64, batch=4, steps=1000, eval_every=100,
                   eval_windows=64, max_chars=1_000_000, lrs=[5e-4, 1e-3, 2e-3], seeds=3),
-    # another corpus (English prose only) and another shape: wider than "full", narrower than "large"
+    # another corpus (English prose only) and another shape: wider than "full", narrower than "large";
+    # six seeds: every optimizer leaves a loss plateau between steps 500 and 700 at a seed-dependent
+    # step, which moves the final loss by a few percent from seed to seed
     "docstrings": dict(n_layer=2, n_head=4, n_embd=128, block=64, batch=8, steps=1000, eval_every=100,
-                       eval_windows=64, max_chars=1_000_000, lrs=[1e-3, 3e-3, 1e-2], seeds=3,
+                       eval_windows=64, max_chars=1_000_000, lrs=[1e-3, 3e-3, 1e-2], seeds=6,
                        corpus="docstrings"),
 }
 

@@ -11,6 +11,7 @@ import torch
 
 from optim import Gefen
 from optim.gefen import reference as R, state as K
+from optim.gefen.partition import choose_block
 from tests.utils import assert_close, assert_same_state, checkpoint_and_continue, set_grads
 
 LR, WD, B1, B2 = 1e-2, 0.1, 0.9, 0.999
@@ -182,3 +183,52 @@ def test_kernels_refuse_a_factor_of_the_wrong_layout():
         with pytest.raises(ValueError, match=why):
             numba_ops.gefen_step_([p], [g], [v], [s], [c], cb, step=1, lr=LR, beta1=B1, beta2=B2,
                                   eps=1e-8, weight_decay=0.0, block=16, bits=8, ws=[w])
+
+
+def _adafactor_adam(start, grads, *, lr, wd, eps=1e-8):
+    """AdamW whose second moment is Adafactor's row x column estimate (Shazeer & Stern, 2018),
+    written out on the matrix: R, C are EMAs of the row and column means of g**2 and
+    v_ij = R_i C_j / mean(C), bias-corrected as AdamW's v (no update clipping, no relative step)."""
+    p, m = start.clone().double(), torch.zeros_like(start, dtype=torch.float64)
+    r, c = torch.zeros(start.shape[0], dtype=torch.float64), torch.zeros(start.shape[1], dtype=torch.float64)
+    for t, g in enumerate(grads, 1):
+        g = g.double()
+        r = B2 * r + (1 - B2) * (g * g).mean(dim=1)
+        c = B2 * c + (1 - B2) * (g * g).mean(dim=0)
+        m = B1 * m + (1 - B1) * g
+        v = r[:, None] * c[None, :] / c.mean()
+        p = p * (1 - lr * wd) - lr / (1 - B1**t) * m / ((v / (1 - B2**t)).sqrt() + eps)
+    return p
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_block_of_whole_rows_becomes_one_row_and_is_adafactor(backend):
+    """An embedding-like table whose first gradient has rows in runs of 4 alike (Gefen's rule picks
+    4-row blocks): with the factor on its block is one row, and with quantisation off 30 steps
+    follow AdamW with Adafactor's second moment written out on the matrix (1e-5 at lr 1e-2). The
+    4-row block with the same per-offset factor (the reference step, not cut) is off by > 1e-3:
+    rows of different scale shared one v."""
+    rows, cols = 32, 16
+    gen = torch.Generator().manual_seed(3)
+    runs = torch.exp(3 * torch.tensor([(-1.0) ** (r // 4) for r in range(rows)]))[:, None]
+    grads = [torch.randn(rows, cols, generator=gen) * runs]
+    for _ in range(29):  # later rows differ inside a run of 4 and columns differ
+        grads.append(torch.randn(rows, cols, generator=gen) * torch.exp(torch.randn(rows, 1, generator=gen))
+                     * torch.exp(torch.randn(1, cols, generator=gen)))
+    start = torch.randn(rows, cols, generator=gen)
+    assert choose_block(grads[0]) == 4 * cols
+    p = torch.nn.Parameter(start.clone())
+    opt = Gefen([p], lr=LR, weight_decay=WD, quantize_first_moment=False, factor_second_moment=True,
+                backend=backend)
+    for g in grads:
+        p.grad = g.clone()
+        opt.step()
+    assert opt.state[p][K.BLOCK] == cols and opt.state[p][K.V].numel() == rows
+    want = _adafactor_adam(start, grads, lr=LR, wd=WD)
+    assert_close(p.detach().double(), want, atol=1e-5, name="factored vs Adafactor's estimate")
+
+    x, v, w, m = start.reshape(-1).clone(), torch.zeros(rows // 4), torch.zeros(4 * cols), torch.zeros(rows * cols)
+    for t, g in enumerate(grads, 1):
+        x, v, _, m, w = R.gefen_step(x, g.reshape(-1), v, torch.zeros(0), m, None, step=t, lr=LR, beta1=B1,
+                                     beta2=B2, eps=1e-8, weight_decay=WD, block=4 * cols, bits=8, w=w)
+    assert float((x.double() - want.reshape(-1)).abs().max()) > 1e-3

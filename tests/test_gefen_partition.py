@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from optim.gefen.partition import MAX_BLOCK, choose_block
+from optim.gefen.partition import MAX_BLOCK, choose_block, factored_block
 
 
 def _divs(n):
@@ -115,3 +115,21 @@ def test_cap_is_a_divisor_at_most_1024():
 def test_unknown_rule_is_a_clear_error():
     with pytest.raises(ValueError, match="block rule"):
         choose_block(torch.randn(64), "by_name")
+
+
+@pytest.mark.parametrize("shape", [(24, 48), (30, 7), (8, 3, 5, 5), (1000,), (0, 16), (64, 224)])
+def test_factored_block_is_the_longest_block_inside_one_row(shape):
+    """Brute force: the largest d dividing P whose blocks of d consecutive entries never cross a row
+    of the matrix view (shape[0], numel / shape[0]), checked block by block; 1-D tensors and empty
+    shards keep P."""
+    n = int(np.prod(shape))
+    for p in ([d for d in _divs(n) if d <= MAX_BLOCK] if n else [1, 16]):
+        got = factored_block(p, shape)
+        if len(shape) < 2 or n == 0:
+            assert got == p
+            continue
+        row = n // shape[0]
+        fits = [d for d in _divs(p)
+                if all((b * d) // row == (b * d + d - 1) // row for b in range(n // d))]
+        assert got == max(fits), (shape, p, got)
+        assert p % got == 0 and n % got == 0

@@ -11,7 +11,7 @@ from ..backends import resolve_backend
 from . import distributed as _dist, state as K
 from .checks import check_group, check_saved, state_dtype
 from .codebook import HIST_BINS, code_table
-from .partition import RULES, choose_block
+from .partition import RULES, choose_block, factored_block
 from .reference import num_code_bytes, num_scales
 from .torch_ops import histogram
 
@@ -52,8 +52,12 @@ class Gefen(torch.optim.Optimizer):
     ``factor_second_moment=True`` (not in the paper) scales each block's ``v_b`` per offset j inside
     the block, Adafactor's row-by-column estimate on Gefen's blocks: ``w_j`` is an EMA (beta2) of
     the squared gradient at offset j averaged over the tensor's blocks, and the denominator is
-    ``sqrt(v_b w_j / mean(w) / (1 - beta2^t)) + eps``. It costs 4 P bytes per tensor and helps
-    where squared gradients vary along a block (matrix columns); with P = 1 it changes nothing.
+    ``sqrt(v_b w_j / mean(w) / (1 - beta2^t)) + eps``. A tensor of two or more dimensions keeps
+    its blocks inside the rows of its matrix view (shape[0], numel / shape[0]): P becomes
+    gcd(P, row length) (``partition.factored_block``), so a block of whole rows is one row and the
+    estimate is Adafactor's row-by-column one. It costs 4 P bytes per tensor (plus 8 bytes per block
+    a cut block adds) and helps where squared gradients vary along a block (matrix columns) or
+    between the rows a block spanned (embedding rows); with P = 1 it changes nothing.
     Not for sparse gradients (``nn.Embedding(sparse=True)``: use ``DiskSparseAdam``) nor complex
     parameters. The exact state layout is in ``optim/gefen/reference.py``.
 
@@ -86,8 +90,9 @@ class Gefen(torch.optim.Optimizer):
             (Default: False)
         block_rule: "adjacent_log" (upstream's current rule) or "variance_drop" (the paper-era
             rule); see ``partition.py``. (Default: "adjacent_log")
-        factor_second_moment: scale each block's second moment per offset inside the block
-            (above; ``reference.py``). False is the published algorithm. (Default: False)
+        factor_second_moment: scale each block's second moment per offset inside the block,
+            blocks kept inside matrix rows (above; ``reference.py``). False is the published
+            algorithm. (Default: False)
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, bits=8,
@@ -186,6 +191,8 @@ class Gefen(torch.optim.Optimizer):
         g = _local(grad)
         n = g.numel()
         block = choose_block(g, self.block_rule) if group["share_second_moment"] else 1
+        if group["factor_second_moment"]:
+            block = factored_block(block, g.shape)
         st = self.state[p]
         dev = g.device
         st[K.STEP] = st.get(K.STEP, 0)  # steps with all-zero gradients before this one

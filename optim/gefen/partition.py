@@ -25,12 +25,22 @@ Triton program). Tensors with fewer than 2 * MIN_BLOCKS elements, and primes, ge
 v, first-moment scales over chunks of 256 (``reference.CHUNK``), so they never cost more than
 AdamW's per-element second moment plus one byte.
 
+With the factored second moment (``Gefen(factor_second_moment=True)``) a tensor of two or more
+dimensions, seen as the matrix (shape[0], row) with row = numel / shape[0] (a Linear weight, an
+embedding table, a conv weight by fan-in), takes ``factored_block(P, shape) = gcd(P, row)``: each
+block then lies inside one row and offset j of every block covers the same columns, so the
+per-offset factor is a column factor. Where P spans several whole rows (an embedding whose rows,
+tokens of different frequency, share one v) it becomes one row, and the factored estimate is
+Adafactor's row-by-column one exactly.
+
 Limit of any block rule: blocks are contiguous in the flattened (row-major) tensor, so at P >= 2
 they group a weight matrix's neighbouring columns, never one column across rows. On
 experiments/gefen_memory.py's character model the second moment of the attention and first
 feed-forward matrices varies mostly by column (input feature), not in runs of neighbouring columns,
 and sharing v there is what costs loss against AdamW (see the README's Gefen loss check).
 """
+
+import math
 
 import torch
 
@@ -129,3 +139,12 @@ def choose_block(grad: torch.Tensor, rule: str = "adjacent_log") -> int:
     else:
         raise ValueError(f"Gefen: unknown block rule {rule!r}; choose one of {RULES}")
     return cap_block(p)
+
+
+def factored_block(p: int, shape) -> int:
+    """Block length with the factored second moment: ``gcd(p, numel / shape[0])`` for a tensor of two
+    or more dimensions (blocks inside one row of its matrix view), ``p`` otherwise."""
+    shape = tuple(shape)
+    if len(shape) < 2 or shape[0] == 0:
+        return p
+    return math.gcd(p, math.prod(shape) // shape[0])
