@@ -23,6 +23,8 @@ from analysis.common import (CORPUS_TEXT, OPTIMIZERS, Report, colour, configurat
 TARGET = 0.03  # Gefen's claim: final loss within 3% of AdamW's
 # the factored second moment's targets (median over seeds, paired): loss within this of AdamW's
 FACTORED_TARGET = {"Gefen-8bit-factored": 0.003, "Gefen-4bit-factored": 0.006}
+# ... and state bytes per parameter at most this (the published Gefen of the same bits beside it)
+FACTORED_BYTES = {"Gefen-8bit-factored": (1.06, "Gefen-8bit"), "Gefen-4bit-factored": (0.56, "Gefen-4bit")}
 GEFEN = ("Gefen-8bit", "Gefen-4bit", *FACTORED_TARGET)
 
 
@@ -132,11 +134,13 @@ def _verdicts(rel, bpp_of):
             med = statistics.median(seeds)
             worse = sum(1 for v in seeds if v > 1)
             if name in FACTORED_TARGET:
-                t = FACTORED_TARGET[name]
-                lines.append(f"- {name} on {m}: median {(med - 1):+.2%} (mean {(mean - 1):+.2%}) against AdamW, "
-                             f"{fmt(bpp_of(m, name), 4)} B/param; target within {t:+.1%}: "
-                             f"{'**met**' if med - 1 <= t else '**not met**'}; worse than AdamW on {worse} of "
-                             f"{len(seeds)} seeds.")
+                t, (cap, published) = FACTORED_TARGET[name], FACTORED_BYTES[name]
+                bpp = bpp_of(m, name)
+                lines.append(f"- {name} on {m}: median {(med - 1):+.2%} (mean {(mean - 1):+.2%}) against AdamW; "
+                             f"target within {t:+.1%}: {'**met**' if med - 1 <= t else '**not met**'}; worse than "
+                             f"AdamW on {worse} of {len(seeds)} seeds. {fmt(bpp, 4)} B/param; target at most "
+                             f"{cap:g}: {'**met**' if bpp <= cap else '**not met**'} ({published}: "
+                             f"{fmt(bpp_of(m, published), 4)}).")
             else:
                 within = sum(1 for v in seeds if v - 1 <= TARGET)
                 lines.append(f"- {name} on {m}: {(mean - 1):+.2%} against AdamW (mean over seeds); within "
@@ -171,7 +175,9 @@ def body(rows, config):
     if verdicts:
         text.append(f"Claims: Gefen's loss stays within {TARGET:.0%} of AdamW's; the factored second moment "
                     "(`factor_second_moment=True`) within +0.3% (8 bits) and +0.6% (4 bits), median over seeds "
-                    "paired by seed.\n\n" + "\n".join(verdicts))
+                    "paired by seed, at most 1.06 and 0.56 B/param. On a small model the vectors (per-element v "
+                    "at block length 1) are a large share of the parameters, so the published Gefen itself can "
+                    "exceed those bytes there.\n\n" + "\n".join(verdicts))
     return "\n\n".join(text)
 
 
