@@ -116,7 +116,7 @@ def main(argv=None):
     add_common_args(parser)
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads for every optimizer (ours: as many numba threads)")
-    parser.add_argument("--repeats", type=int, default=None, help="timed steps per optimizer (default 21, quick 7)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed steps per optimizer (default 61, quick 7)")
     parser.add_argument("--optimizers", nargs="+", default=None, choices=DENSE,
                         help="default: all; with --quick all but torchao's (they compile on first use)")
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
@@ -124,7 +124,7 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     if args.optimizers is None:
         args.optimizers = [n for n in DENSE if not (args.quick and n.startswith("torchao"))]
-    repeats = args.repeats or (7 if args.quick else 21)
+    repeats = args.repeats or (7 if args.quick else 61)  # millisecond steps: many, to resolve a 15% ratio
     config = dict(vars(args), repeats=repeats, threads=torch.get_num_threads())
     with Results("gefen_memory", args, config=config) as res:
         for model_name in args.models:
