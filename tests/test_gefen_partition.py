@@ -117,11 +117,13 @@ def test_unknown_rule_is_a_clear_error():
         choose_block(torch.randn(64), "by_name")
 
 
-@pytest.mark.parametrize("shape", [(24, 48), (30, 7), (8, 3, 5, 5), (1000,), (0, 16), (64, 224)])
+@pytest.mark.parametrize("shape", [(24, 48), (30, 7), (8, 3, 5, 5), (1000,), (0, 16), (16, 0), (64, 224),
+                                   (1024, 784), (12, 1000)])
 def test_factored_block_is_the_longest_block_inside_one_row(shape):
-    """Brute force: the largest d dividing P whose blocks of d consecutive entries never cross a row
-    of the matrix view (shape[0], numel / shape[0]), checked block by block; 1-D tensors and empty
-    shards keep P."""
+    """Brute force: the largest d <= P that splits the tensor into equal blocks none of which crosses
+    a row of the matrix view (shape[0], numel / shape[0]), checked block by block; 1-D tensors and
+    empty shards keep P. Includes P that neither divides a row nor is a multiple of one (784 and
+    1000 long rows): the block stays long instead of falling to gcd(P, row)."""
     n = int(np.prod(shape))
     for p in ([d for d in _divs(n) if d <= MAX_BLOCK] if n else [1, 16]):
         got = factored_block(p, shape)
@@ -129,7 +131,7 @@ def test_factored_block_is_the_longest_block_inside_one_row(shape):
             assert got == p
             continue
         row = n // shape[0]
-        fits = [d for d in _divs(p)
-                if all((b * d) // row == (b * d + d - 1) // row for b in range(n // d))]
+        fits = [d for d in range(1, p + 1) if n % d == 0
+                and all((b * d) // row == (b * d + d - 1) // row for b in range(0, n // d, max(1, n // d // 4096)))]
         assert got == max(fits), (shape, p, got)
-        assert p % got == 0 and n % got == 0
+        assert n % got == 0 and row % got == 0

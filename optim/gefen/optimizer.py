@@ -53,9 +53,9 @@ class Gefen(torch.optim.Optimizer):
     the block, Adafactor's row-by-column estimate on Gefen's blocks: ``w_j`` is an EMA (beta2) of
     the squared gradient at offset j averaged over the tensor's blocks, and the denominator is
     ``sqrt(v_b w_j / mean(w) / (1 - beta2^t)) + eps``. A tensor of two or more dimensions keeps
-    its blocks inside the rows of its matrix view (shape[0], numel / shape[0]): P becomes
-    gcd(P, row length) (``partition.factored_block``), so a block of whole rows is one row and the
-    estimate is Adafactor's row-by-column one. It costs 4 P bytes per tensor (plus 8 bytes per block
+    its blocks inside the rows of its matrix view (shape[0], numel / shape[0]): P becomes the
+    largest divisor of the row length <= P (``partition.factored_block``), so a block of whole
+    rows is one row and the estimate is Adafactor's row-by-column one. It costs 4 P bytes per tensor (plus 8 bytes per block
     a cut block adds) and helps where squared gradients vary along a block (matrix columns) or
     between the rows a block spanned (embedding rows); with P = 1 it changes nothing.
     Not for sparse gradients (``nn.Embedding(sparse=True)``: use ``DiskSparseAdam``) nor complex

@@ -27,8 +27,9 @@ AdamW's per-element second moment plus one byte.
 
 With the factored second moment (``Gefen(factor_second_moment=True)``) a tensor of two or more
 dimensions, seen as the matrix (shape[0], row) with row = numel / shape[0] (a Linear weight, an
-embedding table, a conv weight by fan-in), takes ``factored_block(P, shape) = gcd(P, row)``: each
-block then lies inside one row and offset j of every block covers the same columns, so the
+embedding table, a conv weight by fan-in), takes ``factored_block(P, shape)``, the largest divisor of
+row that is <= P (P itself when P divides row, row when P is a multiple of it): each block then
+lies inside one row and offset j of every block covers the same columns, so the
 per-offset factor is a column factor. Where P spans several whole rows (an embedding whose rows,
 tokens of different frequency, share one v) it becomes one row, and the factored estimate is
 Adafactor's row-by-column one exactly.
@@ -142,9 +143,10 @@ def choose_block(grad: torch.Tensor, rule: str = "adjacent_log") -> int:
 
 
 def factored_block(p: int, shape) -> int:
-    """Block length with the factored second moment: ``gcd(p, numel / shape[0])`` for a tensor of two
-    or more dimensions (blocks inside one row of its matrix view), ``p`` otherwise."""
+    """Block length with the factored second moment: for a tensor of two or more dimensions the
+    largest divisor of its row length ``numel / shape[0]`` that is <= ``p`` (the longest blocks inside
+    one row of its matrix view), ``p`` otherwise."""
     shape = tuple(shape)
-    if len(shape) < 2 or shape[0] == 0:
+    if len(shape) < 2 or math.prod(shape) == 0:
         return p
-    return math.gcd(p, math.prod(shape) // shape[0])
+    return cap_block(math.prod(shape) // shape[0], cap=p)

@@ -70,8 +70,8 @@ Gefen's blocks as rows and offsets inside a block as columns: ``v_b`` is the row
 in ``r``). It costs P floats per tensor. With P == 1 (per-element v) ``r == 1`` exactly, so the
 factor changes nothing and the reduction to AdamW holds. Blocks must be whole rows of
 the same offsets: every block of a tensor has the same length P, so they are. The optimizer
-also keeps a matrix's blocks inside its rows (``partition.factored_block``: P -> gcd(P, row
-length)), so that offsets are columns and a block of whole rows becomes one row: then ``v_b`` is
+also keeps a matrix's blocks inside its rows (``partition.factored_block``: P -> the largest divisor of the row
+length that is <= P), so that offsets are columns and a block of whole rows becomes one row: then ``v_b`` is
 Adafactor's row factor and ``w`` its column factor.
 """
 
