@@ -91,6 +91,10 @@ def variants(rows, metric=None):
     return list(dict.fromkeys(r["variant"] for r in rows if metric is None or r["metric"] == metric))
 
 
+# state bytes per parameter each Gefen variant must stay within (gefen_memory's and convergence's claims)
+GEFEN_TARGET_BPP = {"Gefen-8bit": 1.05, "Gefen-4bit": 0.55, "Gefen-8bit-factored": 1.06, "Gefen-4bit-factored": 0.56}
+
+
 # experiments/data.py's corpora, as the sections name them
 CORPUS_TEXT = {"docs+code": "`pydoc_data.topics` plus standard-library sources",
                "docstrings": "the docstrings of the standard library's packages (English prose)"}

@@ -15,9 +15,8 @@ import math
 
 import numpy as np
 
-from analysis.common import OPTIMIZERS, Report, fixed, fmt, main, md_table, save_figure, select, value, variants
-
-TARGET_BPP = {"Gefen-8bit": 1.05, "Gefen-4bit": 0.55, "Gefen-8bit-factored": 1.06, "Gefen-4bit-factored": 0.56}
+from analysis.common import (GEFEN_TARGET_BPP as TARGET_BPP, OPTIMIZERS, Report, fixed, fmt, main, md_table, save_figure,
+                             select, value, variants)
 TARGET_STEP = 4.0  # Gefen's step at most this many times AdamW's
 TARGET_FACTORED_STEP = 1.15  # the factored second moment: step time over the unfactored Gefen's
 
