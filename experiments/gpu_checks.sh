@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every GPU check in one command, each step time-limited (under 10 minutes in all on one H200).
+# Every GPU check in one command, each step time-limited (under 8 minutes in all on one H200).
 # Run from the repository root on a CUDA machine:
 #
 #     bash experiments/gpu_checks.sh [RESULTS_DIR]      # Default: results/gpu ("$OUT" on a lent machine)
@@ -18,9 +18,11 @@ set -u
 cd "$(dirname "$0")/.."
 R="${1:-results/gpu}"
 mkdir -p "$R"
+# A lent machine may have python3 only; PYTHON overrides.
+PY="${PYTHON:-$(command -v python3 || command -v python)}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" WANDB_MODE=disabled PYTHONUNBUFFERED=1
 exec > >(tee "$R/gpu_checks.log") 2>&1
-{ nvidia-smi; python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } \
+{ nvidia-smi; "$PY" -c "import sys, torch, triton; print('python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__)"; "$PY" -m pip list 2>/dev/null | grep -iE '^(numba|numpy|geoopt|gefen|torchao|wandb|matplotlib|pytest) '; } \
     > "$R/environment.txt" 2>&1
 declare -a SUMMARY
 step() {  # step NAME SECONDS COMMAND...
@@ -31,14 +33,14 @@ step() {  # step NAME SECONDS COMMAND...
     local rc=$?
     SUMMARY+=("$(printf '%-22s exit %-4s %5ss' "$name" "$rc" "$((SECONDS - start))")")
 }
-step kernel-tests 120 env TRITON_INTERPRET=0 python -m pytest -q -p no:cacheprovider -p tests._device_launchers \
+step kernel-tests 100 env TRITON_INTERPRET=0 "$PY" -m pytest -q -p no:cacheprovider -p tests._device_launchers \
     tests/test_dsa_kernels.py tests/test_gefen_kernels.py \
     -k "(triton or gefen_kernels) and not bad_inputs and not optimizer" --junitxml="$R/kernel_tests.xml"
-step bench_dsa_gpu 180 python experiments/bench_dsa_gpu.py --results-dir "$R" --repeats 3 --steps 50
-step bench_kernels 210 python experiments/bench_kernels.py --results-dir "$R" --skip-upstream --reps 10 \
+step bench_dsa_gpu 120 "$PY" experiments/bench_dsa_gpu.py --results-dir "$R" --repeats 3 --steps 50
+step bench_kernels 150 "$PY" experiments/bench_kernels.py --results-dir "$R" --skip-upstream --reps 10 \
     --kernel-tiles 1024x4,4096x16
-step kernel_resources 60 python experiments/kernel_resources.py --results-dir "$R" --workers 12 \
+step kernel_resources 50 "$PY" experiments/kernel_resources.py --results-dir "$R" --workers 12 \
     --bandwidth-from "$R/gefen_kernels.csv"
-step analysis 30 python analysis/kernel_resources.py --results-dir "$R"
+step analysis 20 "$PY" analysis/kernel_resources.py --results-dir "$R"
 echo "=== summary (results in $R)"
 printf '%s\n' "${SUMMARY[@]}"
