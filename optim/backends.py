@@ -8,13 +8,17 @@
   set before Triton was imported (how the tests run the kernels).
 * ``"auto"``: Triton for CUDA tensors, numba for CPU tensors where numba is installed, torch otherwise.
 
-An optimizer resolves its backend once, at construction, with :func:`resolve_backend`; a choice that
-cannot run on the given tensors raises there, not at the first step.
+An optimizer resolves each parameter's backend when the parameter is added (at construction, or
+``add_param_group``), with :func:`choose_backend`: the device decides what is available
+(:func:`resolve_backend`), the optimizer says what the chosen path cannot take, ``"auto"`` then falls
+back to torch, and a backend asked for by name is refused with the reason instead. A choice that cannot
+run raises there, not at the first step. ``opt.backend_of(p)`` tells which path updates ``p``.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import Callable
 import importlib.util
 import os
 
@@ -75,3 +79,22 @@ def resolve_backend(backend: str, device: torch.device | str, *, owner: str = "o
                else f"tensors on {device} need CUDA, or TRITON_INTERPRET=1 set before Triton is imported")
         raise RuntimeError(f"{owner}: backend='triton' cannot run here: {why}; use backend='torch'")
     return backend
+
+
+def choose_backend(backend: str, device: torch.device | str, why_not: Callable[[str], str | None], *,
+                   owner: str, what: str) -> str:
+    """The backend that updates one parameter (or group) on ``device``.
+
+    ``why_not(name)`` says why the concrete backend ``name`` cannot update it (None if it can); ``what``
+    names it in the error ("parameter 3 (shape (10, 4), dtype torch.float64)"). Under ``"auto"`` a
+    refusal falls back to ``"torch"``; a backend asked for by name is never swapped for another:
+    ``ValueError`` with the reason.
+    """
+    name = resolve_backend(backend, device, owner=owner)
+    why = why_not(name)
+    if why is not None and backend == "auto" and name != "torch":
+        name, why = "torch", why_not("torch")
+    if why is not None:
+        advice = "" if name == "torch" else "; use backend='torch' (or 'auto')"
+        raise ValueError(f"{owner}: backend={name!r} cannot update {what}: {why}{advice}")
+    return name
