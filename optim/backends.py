@@ -95,6 +95,6 @@ def choose_backend(backend: str, device: torch.device | str, why_not: Callable[[
     if why is not None and backend == "auto" and name != "torch":
         name, why = "torch", why_not("torch")
     if why is not None:
-        advice = "" if name == "torch" else "; use backend='torch' (or 'auto')"
+        advice = "" if name == "torch" or why_not("torch") is not None else "; use backend='torch' (or 'auto')"
         raise ValueError(f"{owner}: backend={name!r} cannot update {what}: {why}{advice}")
     return name

@@ -1,99 +1,82 @@
-"""The machinery shared by the Disk Sparse optimizers: state files, the step, checkpoints.
+"""The machinery both Disk Sparse optimizers share: state files, the step, checkpoints.
 
-:class:`DiskSparseOptimizer` owns one :class:`~optim.disk_sparse.store.RowStateFile` and one stager
-(``pipeline.py``) per parameter, and runs one step path: per parameter, the sparse gradient is
-coalesced into sorted unique rows (``torch_ops.coalesce_rows``), the stager brings those rows'
-records next to the weight rows, the backend's row update changes both in place, and the stager
-writes the records back. Untouched rows are never read. A backend with a fused update straight from
-the uncoalesced gradient (numba, for lazy Adam on CPU weights) takes the whole step instead. The
-optimizers themselves are in ``optimizer.py``.
+Each optimizer (``optimizer.py``) is a constructor plus a choice of update rule (``rules.py``: the
+record a row keeps, the rule's backends and what they refuse). :class:`DiskSparseOptimizer` owns one :class:`~optim.disk_sparse.store.RowStateFile` and one stager (``pipeline.py``)
+per parameter and runs one step path: per parameter, the sparse gradient is coalesced into sorted
+unique rows (``torch_ops.coalesce_rows``), the stager brings those rows' records next to the weight
+rows, the backend's row update changes both in place, and the stager writes the records back.
+Untouched rows are never read. A backend with a fused update straight from the uncoalesced gradient
+(numba, for CPU weights) takes the whole step instead.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 import tempfile
 import weakref
+from typing import NamedTuple
 
 import torch
 
-from ..backends import BACKENDS, resolve_backend
-from . import checkpoint, pipeline
-from .store import STATE_FORMATS, RowStateFile, StateFileError, fits_in_page_cache  # noqa: F401
-from .params import (_check_param, _clear_state, _cols, _make_writable_dir, _remove_dir_of,  # noqa: F401
-                     _state_files_in)
+from ..backends import BACKENDS, choose_backend
+from . import pipeline
+from .checks import check_grad, check_option, check_param, loaded_columns, saved_state_by_param
+from .state import STEP
+from .store import (RowStateFile, StateFileError, fits_in_page_cache, make_state_dir, remove_dir_of,
+                    state_files_in)
 from .torch_ops import coalesce_rows
 from .weights import weight_file
 
-from .checkpoint import EXP_AVG, EXP_AVG_SQ, STEP  # noqa: F401  (re-exported)
+class Route(NamedTuple):
+    """How one parameter is stepped: its stager, the backend's name and its functions."""
+
+    stager: object  # pipeline.DirectStager or pipeline.RowStager
+    backend: str
+    rows_fn: object  # rows_fn(w, g, state, step, **hyper)
+    sparse_fn: object  # sparse_fn(weight, indices, values, records, step, **hyper), or None
+
+
+def _cols(p):
+    """Values per row: a 1-D table is kept as N rows of one value."""
+    return p.shape[1] if p.dim() == 2 else 1
 
 
 class DiskSparseOptimizer(torch.optim.Optimizer):
     """Shared machinery: per-parameter state files and stagers, the step, checkpoints.
 
-    ``backend`` ("auto", "torch", "numba", "triton") is resolved per parameter when it is added, into
-    the subclass's functions of that backend (``_kernels``); ``staging`` chooses the stager (None:
+    ``rule`` (``rules.Rule``) is the update rule; ``backend`` ("auto", "torch", "numba", "triton") is
+    resolved per parameter when it is added (``backend_of``); ``staging`` chooses the stager (None:
     the staged pipeline for CUDA weights, direct otherwise; True: staged for any weights).
     """
 
-    _table_dims = (2,)  # the parameter dims a subclass takes
-    _element_sparse = False  # whether it takes element-sparse gradients of 2-D tables
-
-    # -- the hooks every subclass implements -------------------------------------------------------
-    def _state_width(self, cols: int) -> int:
-        """Record width of a row of ``cols`` values."""
-        raise NotImplementedError
-
-    def _state_views(self, records: torch.Tensor, cols: int) -> dict:
-        """The state-dict tensors (views side by side, in record order) of a record table."""
-        raise NotImplementedError
-
-    def _hyper(self, group: dict) -> dict:
-        """Keyword arguments of the row update for a parameter group."""
-        raise NotImplementedError
-
-    def _unsupported(self, backend: str, p: torch.Tensor) -> str | None:
-        """Why ``backend`` cannot update ``p`` (None if it can); "auto" then takes torch."""
-        raise NotImplementedError
-
-    def _kernels(self, backend: str):
-        """``(rows_fn, sparse_fn)`` of ``backend``: the row update ``rows_fn(w, g, state, step,
-        **hyper)`` and a fused update from the uncoalesced gradient ``sparse_fn(weight, indices,
-        values, records, step, **hyper)``, or None where the backend has none."""
-        raise NotImplementedError
-
-    def __init__(self, params, defaults, state_dir=None, backend="auto", huge_pages=None, staging=None,
-                 resume=False, state_format="exact"):
-        if state_format not in STATE_FORMATS:
-            raise ValueError(f"{type(self).__name__}: state_format must be one of {STATE_FORMATS}, "
-                             f"got {state_format!r}")
-        self.state_format = state_format
-        if backend not in BACKENDS:
-            raise ValueError(f"{type(self).__name__}: backend must be one of {BACKENDS}, got {backend!r}")
-        if huge_pages not in (None, True, False):
-            raise ValueError(f"huge_pages must be None (decide by size), True or False, got {huge_pages!r}")
-        if staging not in (None, True, False):
-            raise ValueError(f"staging must be None (staged for CUDA weights), True or False, got {staging!r}")
+    def __init__(self, params, defaults, rule, state_dir=None, backend="auto", huge_pages=None,
+                 staging=None, resume=False):
+        check_option("backend", backend, BACKENDS, f"one of {BACKENDS}")
+        check_option("huge_pages", huge_pages, (None, True, False), "None (decide by size), True or False")
+        check_option("staging", staging, (None, True, False), "None (staged for CUDA weights), True or False")
+        self.rule = rule
+        self.state_format = rule.state_format
         self.backend, self.huge_pages, self.staging = backend, huge_pages, staging
         self._own_dir = state_dir is None
         if state_dir is None:
             state_dir = tempfile.mkdtemp(prefix="disk-sparse-adam-")
             # Removed by close(), and at interpreter exit if close() never ran (at shutdown __del__
             # may not run, which would leave a table-sized file in /tmp). Holds the path only.
-            self._remove_own_dir = weakref.finalize(self, _remove_dir_of, os.getpid(), state_dir)
+            self._remove_own_dir = weakref.finalize(self, remove_dir_of, os.getpid(), state_dir)
         self.state_dir = os.fspath(state_dir)
         self._owner = os.getpid()  # a forked child only drops its copies (see close)
         self._stores: dict = {}  # parameter -> RowStateFile
         self._weight_files: dict = {}  # parameter -> weights.WeightFile, for weights in a file
-        self._routes: dict = {}  # parameter -> (stager, rows_fn, sparse_fn)
-        self._steps: dict = {}
+        self._routes: dict = {}  # parameter -> Route
+        self._step_counts: dict = {}  # parameter -> int
         self._executor = None  # the background gather thread of the staged pipeline
         self._closed = False
-        _make_writable_dir(self.state_dir)
-        if not resume and not self._own_dir and _state_files_in(self.state_dir):
+        make_state_dir(self.state_dir)
+        if not resume and not self._own_dir and state_files_in(self.state_dir):
             self._closed = True
             raise StateFileError(
-                f"state_dir {self.state_dir} already holds state files ({_state_files_in(self.state_dir)[0]}, "
+                f"state_dir {self.state_dir} already holds state files ({state_files_in(self.state_dir)[0]}, "
                 "...). Pass resume=True to continue from them (at the step their headers hold), or "
                 "restore a checkpoint: give a new (or emptied) state_dir and call load_state_dict")
         try:
@@ -110,17 +93,16 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
             self._open(p)
 
     def _open(self, p):
-        k = len(self._stores)
-        _check_param(p, k, type(self).__name__, self._table_dims)
-        sdtype = p.dtype if p.dtype in (torch.float32, torch.float64) else torch.float32
-        if self.state_format == "compact":
-            sdtype = torch.uint8  # byte records (compact.py)
-        width = self._state_width(_cols(p))
+        k, owner = len(self._stores), type(self).__name__
+        check_param(p, k, owner, self.rule.table_dims)
+        sdtype = self.rule.record_dtype(p.dtype)
+        width = self.rule.width(_cols(p))
         huge = self.huge_pages
-        nbytes = p.shape[0] * width * torch.empty((), dtype=sdtype).element_size()
         if huge is None:
-            huge = fits_in_page_cache(nbytes)
-        rows_fn, sparse_fn = self._kernels(self._backend_for(p, k))
+            huge = fits_in_page_cache(p.shape[0] * width * torch.empty((), dtype=sdtype).element_size())
+        backend = choose_backend(self.backend, p.device, lambda name: self.rule.refuses(name, p), owner=owner,
+                                 what=f"parameter {k} (shape {tuple(p.shape)}, dtype {p.dtype})")
+        rows_fn, sparse_fn = self.rule.kernels(backend)
         path = os.path.join(self.state_dir, f"param{k:04d}.dsa")
         resume_step = 0 if os.path.exists(path) else None  # an existing state file is resumed
         store = RowStateFile(path, p.shape[0], _cols(p), width, sdtype, huge_pages=huge,
@@ -141,35 +123,28 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
         else:
             stager = pipeline.DirectStager(store, p.device, self._executor)
         stager.weight_file = wf
-        self._routes[p] = (stager, rows_fn, sparse_fn)
-        self._steps[p] = store.step
-        self.state[p] = self._state_entry(p)
+        self._routes[p] = Route(stager, backend, rows_fn, sparse_fn)
+        self._step_counts[p] = store.step
+        self.state[p] = self._state_entry(p, store.records)
 
-    def _backend_for(self, p, k):
-        owner = type(self).__name__
-        name = resolve_backend(self.backend, p.device, owner=owner)
-        why = self._unsupported(name, p)
-        if why is not None and self.backend == "auto":
-            name, why = "torch", self._unsupported("torch", p)
-        if why is not None:
-            raise ValueError(f"{owner}: backend={name!r} cannot update parameter {k} (shape "
-                             f"{tuple(p.shape)}, dtype {p.dtype}): {why}; use backend='torch'")
-        return name
-
-    def _state_entry(self, p):
-        entry = {STEP: self._steps[p]}  # a Python int, as SparseAdam keeps it (its bias correction in float64)
-        entry.update(self._views(p, self._stores[p].records))
-        return entry
+    def _state_entry(self, p, records):
+        """``p``'s state: its step (a Python int, as SparseAdam keeps it; its bias correction is in
+        float64) and the views of ``records``."""
+        return {STEP: self._step_counts[p], **self._views(p, records)}
 
     def _views(self, p, records):
-        """The state-dict tensors of ``p`` (of ``p``'s shape: a 1-D table is kept as N x 1 records)."""
-        views = self._state_views(records, _cols(p))
+        """The rule's state-dict views of ``p``'s ``records``, of ``p``'s shape (a 1-D table is kept
+        as N x 1 records)."""
+        views = self.rule.views(records, _cols(p))
         return views if p.dim() == 2 else {k: v.squeeze(1) for k, v in views.items()}
+
+    def backend_of(self, p) -> str:
+        """Which path updates ``p``: "torch", "numba" or "triton" (resolved when ``p`` was added)."""
+        return self._route(p, "backend_of").backend
 
     def state_file(self, p) -> RowStateFile:
         """The state file of parameter ``p``."""
-        if p not in self._stores:
-            raise ValueError("state_file: p is not one of this optimizer's parameters")
+        self._route(p, "state_file")
         return self._stores[p]
 
     def state_files(self) -> list:
@@ -178,9 +153,12 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
 
     def stager(self, p):
         """The stager of parameter ``p`` (``pipeline.DirectStager`` or ``pipeline.RowStager``)."""
+        return self._route(p, "stager").stager
+
+    def _route(self, p, caller):
         if p not in self._routes:
-            raise ValueError("stager: p is not one of this optimizer's parameters")
-        return self._routes[p][0]
+            raise ValueError(f"{caller}: p is not one of this optimizer's parameters")
+        return self._routes[p]
 
     # -- the step ----------------------------------------------------------------------------------
     @torch.no_grad()
@@ -192,30 +170,30 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            hyper = self._hyper(group)
+            hyper = self.rule.hyper(group)
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                g = self._checked_grad(p)
+                g = check_grad(p, self._index(p), type(self).__name__, self.rule)
                 if p in self._weight_files:
                     self._weight_files[p].mark_dirty()
-                self._steps[p] += 1  # like SparseAdam, a present gradient counts even when empty
-                self.state[p][STEP] = self._steps[p]
+                self._step_counts[p] += 1  # like SparseAdam, a present gradient counts even when empty
+                self.state[p][STEP] = step = self._step_counts[p]
                 if not g._nnz():
                     continue
                 if g.sparse_dim() == 2:
-                    self._step_elements(p, g, self._steps[p], hyper)
+                    self._step_elements(p, g, step, hyper)
                 else:
-                    self._step_param(p, g, self._steps[p], hyper)
+                    self._step_rows(p, g, step, hyper)
         return loss
 
-    def _step_param(self, p, g, step, hyper):
-        stager, _, sparse_fn = self._routes[p]
+    def _step_rows(self, p, g, step, hyper):
+        route = self._routes[p]
         vals = g._values().reshape(g._nnz(), _cols(p))  # a 1-D table is updated as N x 1
         w_all = p if p.dim() == 2 else p.unsqueeze(1)
-        if sparse_fn is not None:
-            stager.fetch(g._indices()[0].cpu())
-            sparse_fn(w_all, g._indices()[0], vals.to(p.dtype), self._stores[p].writable(), step, **hyper)
+        if route.sparse_fn is not None:
+            route.stager.fetch(g._indices()[0].cpu())
+            route.sparse_fn(w_all, g._indices()[0], vals.to(p.dtype), self._stores[p].writable(), step, **hyper)
             return
         rows = g._indices()[0]
         if not g.is_coalesced():
@@ -237,7 +215,7 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
     def _update_rows(self, p, w_all, rows, vals, step, hyper, mask=None):
         """Stage the records of sorted unique ``rows``, update them and their weight rows with the
         backend's row rule, write both back; with ``mask``, only its elements keep the update."""
-        stager, rows_fn, _ = self._routes[p]
+        stager, rows_fn = self._routes[p].stager, self._routes[p].rows_fn
         rows_cpu = rows.cpu()
         host = stager.acquire(rows_cpu)
         rec = stager.to_device(host)
@@ -253,28 +231,9 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
         stager.commit(rows_cpu, rec, host)
 
     def _compute_dtype(self, p):
-        """The dtype of the row update: the state's, float32 for compact (byte) records."""
+        """The dtype of the row update: the state's, float32 for byte records."""
         dtype = self._stores[p].dtype
         return dtype if dtype.is_floating_point else torch.float32
-
-    def _checked_grad(self, p):
-        g = p.grad
-        if not g.is_sparse:
-            raise RuntimeError(
-                f"parameter {self._index(p)} (shape {tuple(p.shape)}) got a dense gradient; "
-                f"{type(self).__name__} needs sparse gradients: build the table with "
-                "nn.Embedding(..., sparse=True) or nn.EmbeddingBag(..., sparse=True), or use "
-                "torch.optim.Adam for dense parameters")
-        if g.sparse_dim() == 2 and self.state_format == "compact":
-            raise RuntimeError(f"parameter {self._index(p)}: state_format='compact' takes row-sparse gradients "
-                               "(nn.Embedding(sparse=True)); an element-sparse gradient would change part of a "
-                               "row's coded first moment. Use state_format='exact'")
-        if not (g.sparse_dim() == 1 or (g.sparse_dim() == 2 == p.dim() and self._element_sparse)):
-            raise RuntimeError(f"parameter {self._index(p)}: {type(self).__name__} takes row-sparse gradients "
-                               "(sparse_dim 1, as nn.Embedding(sparse=True) produces)"
-                               f"{' or element-sparse ones (dense.to_sparse())' if self._element_sparse else ''}, "
-                               f"got sparse_dim {g.sparse_dim()}")
-        return g
 
     def device_staging_bytes(self):
         """Device memory held by the optimizer: its staging buffers (O(largest batch's unique rows)).
@@ -282,7 +241,7 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
         The moments live in the state files; per step, transient device tensors (the coalesced
         gradient and its sort) come and go through the caching allocator and are not counted.
         """
-        return sum(st.device_bytes() for st, _, _ in self._routes.values())
+        return sum(r.stager.device_bytes() for r in self._routes.values())
 
     def staging_stats(self):
         """Totals over parameters: staging bytes (device, pinned host) and announcement use.
@@ -290,7 +249,7 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
         ``hits``: steps that used announced records; ``misses``: steps that gathered from the file;
         ``patched_rows``: announced rows refreshed because a step in between wrote them.
         """
-        stagers = [st for st, _, _ in self._routes.values()]
+        stagers = [r.stager for r in self._routes.values()]
         return dict(device_bytes=self.device_staging_bytes(), pinned_bytes=sum(s.host_bytes() for s in stagers),
                     hits=sum(s.hits for s in stagers), misses=sum(s.misses for s in stagers),
                     patched_rows=sum(s.patched_rows for s in stagers))
@@ -303,10 +262,11 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
         reads of the rows' record pages (and of their weight rows for a ``mapped_embedding``), all
         in flight together (``posix_fadvise(WILLNEED)``); the step itself reads the file, so results
         do not depend on announcements. On a warm page cache it gains nothing. For staged weights
-        (CUDA, or ``staging=True``) the rows' records are gathered into a pinned buffer on a background thread, and the step whose unique
-        rows equal them uses it (steps in between keep it up to date, ``load_state_dict`` drops it;
-        see ``pipeline.py``). Writing the state tensors by hand between ``prefetch`` and ``step`` is
-        not supported for staged weights: the announced copy would not see it.
+        (CUDA, or ``staging=True``) the rows' records are gathered into a pinned buffer on a
+        background thread, and the step whose unique rows equal them uses it (steps in between keep
+        it up to date, ``load_state_dict`` drops it; see ``pipeline.py``). Writing the state tensors
+        by hand between ``prefetch`` and ``step`` is not supported for staged weights: the announced
+        copy would not see it.
         """
         self._check_open()
         if param is None:
@@ -314,20 +274,20 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"prefetch: this optimizer has {len(self._stores)} parameters; say which "
                                  "one the indices belong to with param=")
             param = next(iter(self._stores))
-        if param not in self._stores:
-            raise ValueError("prefetch: param is not one of this optimizer's parameters")
+        stager = self._route(param, "prefetch").stager
         rows = torch.unique(indices.detach().reshape(-1).to("cpu", torch.int64))
         if not rows.numel():
             return
-        if rows.numel() and (rows[0] < 0 or rows[-1] >= param.shape[0]):
+        if rows[0] < 0 or rows[-1] >= param.shape[0]:
             raise IndexError(f"prefetch: indices must lie in [0, {param.shape[0]}) for parameter "
                              f"{self._index(param)}")
-        self._routes[param][0].prefetch(rows)
+        stager.prefetch(rows)
 
     # -- checkpoints -------------------------------------------------------------------------------
     def state_dict(self):
         """Step and moments of every parameter; the moments are copy-on-write views of the files
-        (in the compact format, copies: its codes, scales and v share each record's bytes).
+        (copies where the rule views one record's bytes as several dtypes, as the compact format
+        does: ``torch.save`` cannot save one storage as several dtypes).
 
         ``torch.save`` streams them from the files without a copy in RAM. Until a later step
         writes a row, the tensors show the file as it is (save before stepping again); what another
@@ -338,10 +298,11 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
         live = {p: self.state[p] for p in self._stores}
         try:  # torch packs (and its state-dict hooks see) these copy-on-write entries, not the live ones
             for p, store in self._stores.items():
-                views = self._views(p, store.private_records())
-                if self.state_format == "compact":  # torch.save cannot save one storage as several dtypes
-                    views = {k: v.clone() for k, v in views.items()}
-                self.state[p] = dict(live[p], **views)
+                records = store.private_records()
+                entry = self._state_entry(p, records)
+                if any(torch.is_tensor(v) and v.dtype != records.dtype for v in entry.values()):
+                    entry = {k: v.clone() if torch.is_tensor(v) else v for k, v in entry.items()}
+                self.state[p] = entry
             return super().state_dict()
         finally:
             self.state.update(live)
@@ -351,16 +312,62 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
 
         Accepts state dicts of this class or of ``torch.optim.SparseAdam`` (same keys). Parameters
         absent from ``state_dict['state']`` get fresh (zero) state. The whole state dict is checked
-        before anything is written (``checkpoint.py``).
+        (groups, parameters, keys, shapes, dtypes, steps) before anything is written, so a bad one
+        leaves every file as it was, and every table is marked dirty before any is written, so a
+        load cut short leaves a directory that is refused on reopening, never one at mixed steps.
         """
         self._check_open()
         state_dict = state_dict.copy()  # shallow, as torch's: a pre-hook may replace entries
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             hook_result = pre_hook(self, state_dict)
             state_dict = state_dict if hook_result is None else hook_result
-        checkpoint.load_state_dict(self, state_dict)
+        saved = saved_state_by_param(self.param_groups, state_dict)
+        loaded = {p: loaded_columns(self._views(p, store.records), saved.get(p),
+                                    f"state_dict's state of parameter {k}", self.rule)
+                  for k, (p, store) in enumerate(self._stores.items())}
+        for route in self._routes.values():  # announced records are about to be replaced
+            route.stager.invalidate()
+        for sg, g in zip(state_dict["param_groups"], self.param_groups):
+            # a dict saved before ``maximize`` existed was minimizing (SparseAdam reads a missing key as
+            # False); options SparseAdam does not have (``bitwise``, ...) keep this optimizer's value
+            g.update({k: v for k, v in sg.items() if k != "params"})
+            if "maximize" in g and "maximize" not in sg:
+                g["maximize"] = False
+        for store in self._stores.values():  # a kill during the writes below leaves every table dirty
+            store.mark_dirty()
+        for p, store in self._stores.items():
+            columns, step = loaded[p]
+            store.write_all(columns, step)
+            self._step_counts[p] = step
+            self.state[p] = self._state_entry(p, store.records)
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
+
+    def __deepcopy__(self, memo):
+        """An independent optimizer over deep copies of the parameters, in a new private state_dir
+        holding a copy of this one's state, with its step and state-dict hooks (as deepcopy gives
+        SparseAdam's). Refused for a fixed state_dir, which two optimizers cannot share."""
+        self._check_open()
+        if not self._own_dir:
+            raise RuntimeError(f"cannot deepcopy {type(self).__name__} on the fixed state_dir {self.state_dir}: "
+                               "two optimizers cannot share it. Create one on another state_dir and "
+                               "load_state_dict(opt.state_dict()) into it")
+        groups = [{k: copy.deepcopy(v, memo) for k, v in g.items()} for g in self.param_groups]
+        twin = memo[id(self)] = type(self)(groups, **copy.deepcopy(self.defaults, memo), **self._options())
+        twin.load_state_dict(self.state_dict())
+        for name, hooks in vars(self).items():
+            if name.startswith("_optimizer_") and name.endswith("_hooks"):
+                setattr(twin, name, copy.copy(hooks))
+        return twin
+
+    def _options(self) -> dict:
+        """The constructor's options that are not hyper-parameters, for a private state_dir."""
+        return dict(backend=self.backend, huge_pages=self.huge_pages, staging=self.staging,
+                    state_format=self.state_format)
+
+    def __getstate__(self):
+        raise TypeError(f"{type(self).__name__} cannot be pickled: its state lives in files; "
+                        "save opt.state_dict() instead")
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def flush(self):
@@ -369,8 +376,8 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
         self._check_open()
         for p, store in self._stores.items():
             if p in self._weight_files:  # the weights first: a clean state file implies clean weights
-                self._weight_files[p].flush(self._steps[p])
-            store.flush(self._steps[p])
+                self._weight_files[p].flush(self._step_counts[p])
+            store.flush(self._step_counts[p])
 
     def close(self):
         """Flush and release the state files (and remove the private state_dir). Safe to call twice."""
@@ -380,24 +387,29 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
         if os.getpid() != self._owner:  # a forked child: the files, lock and directory are the parent's
             for store in self._stores.values():
                 store.close()
-            _clear_state(self)
+            self._clear_state()
             return
         try:
-            for stager, _, _ in self._routes.values():  # no background gather may outlive the mappings
-                stager.invalidate()
+            for route in self._routes.values():  # no background gather may outlive the mappings
+                route.stager.invalidate()
             if self._executor is not None:
                 self._executor.shutdown(wait=True)
             self._routes.clear()
             for p, store in self._stores.items():
                 wf = self._weight_files.get(p)
                 if wf is not None and not wf.closed:  # flushed, left open: the module owns it
-                    wf.flush(self._steps[p])
-                store.close(self._steps[p])
+                    wf.flush(self._step_counts[p])
+                store.close(self._step_counts[p])
             self._weight_files.clear()
         finally:
-            _clear_state(self)
+            self._clear_state()
             if self._own_dir:
                 self._remove_own_dir()
+
+    def _clear_state(self):
+        state = self.__dict__.get("state")  # absent when Optimizer.__init__ refused the params
+        if state is not None:
+            state.clear()
 
     def __enter__(self):
         return self
@@ -407,8 +419,10 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
         return False
 
     def __del__(self):
+        # Only this object's own attributes: a wrapper that delegates attribute reads to the
+        # optimizer it wraps (Lightning's LightningOptimizer) must never close that optimizer.
         try:
-            if not getattr(self, "_closed", True):
+            if self.__dict__.get("_closed", True) is False:
                 self.close()
         except Exception:
             pass
@@ -426,12 +440,3 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
             if q is p:
                 return k
         return "?"
-
-    def __deepcopy__(self, memo):
-        """An independent optimizer over deep copies of the parameters, in a new private state_dir
-        holding a copy of this one's state (``checkpoint.deep_copy``)."""
-        return checkpoint.deep_copy(self, memo)
-
-    def __getstate__(self):
-        raise TypeError(f"{type(self).__name__} cannot be pickled: its state lives in files; "
-                        "save opt.state_dict() instead")

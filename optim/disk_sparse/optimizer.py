@@ -1,19 +1,17 @@
 """Disk Sparse Adam optimizers: lazy Adam for sparse embedding tables, moments in memory-mapped files.
 
-The step, the state files, staging and checkpoints are the shared machinery of ``base.py``; each
-optimizer here says what a row's record holds, which backends its row update has (``torch_ops``,
-``numba_ops``, ``triton_ops``; the pure rules are in ``reference.py``) and what they cannot take.
+Each is its constructor plus a choice of update rule (``rules.py``); the step, the state files,
+staging and checkpoints are the shared machinery of ``base.py``. The pure rules are in
+``reference.py``.
 """
 
 from __future__ import annotations
 
 import math
 
-import torch
-
-from . import compact
-from .base import EXP_AVG, EXP_AVG_SQ, STEP, DiskSparseOptimizer  # noqa: F401
-from .checkpoint import EXP_AVG_CODES, EXP_AVG_SCALE
+from . import rules
+from .base import DiskSparseOptimizer
+from .checks import check_flags, check_hyper
 from .store import StateFileError  # noqa: F401  (re-exported for users' except clauses)
 
 
@@ -96,101 +94,14 @@ class DiskSparseAdam(DiskSparseOptimizer):
     ``state_dict()``/``load_state_dict()`` as with any optimizer.
     """
 
-    _table_dims = (1, 2)  # as SparseAdam: a 1-D table is kept as N rows of one value
-    _element_sparse = True
-
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, maximize=False, state_dir=None,
                  backend="auto", huge_pages=None, bitwise=True, staging=None, resume=False, state_format="exact"):
-        _check_hyper(lr, betas, eps)
-        _check_flags(maximize=maximize, bitwise=bitwise)
+        check_hyper(lr, betas, eps)
+        check_flags(maximize=maximize, bitwise=bitwise)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, maximize=bool(maximize), bitwise=bool(bitwise))
-        super().__init__(params, defaults, state_dir=state_dir, backend=backend, huge_pages=huge_pages,
-                         staging=staging, resume=resume, state_format=state_format)
-
-    def _state_width(self, cols):
-        return compact.record_bytes(cols) if self.state_format == "compact" else 2 * cols
-
-    def _state_views(self, records, cols):
-        if self.state_format == "compact":
-            return _compact_views(records, cols)
-        return {EXP_AVG: records[:, :cols], EXP_AVG_SQ: records[:, cols:]}
-
-    def _hyper(self, group):
-        beta1, beta2 = group["betas"]
-        return dict(lr=_lr(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
-                    maximize=group["maximize"], bitwise=group.get("bitwise", True))
-
-    def _unsupported(self, backend, p):
-        if self.state_format == "compact":
-            return _compact_unsupported(backend, p, numba=True)
-        return _dtype_unsupported(backend, p)
-
-    def _kernels(self, backend):
-        if self.state_format == "compact":
-            from . import numba_ops, torch_ops
-
-            if backend == "numba":
-                return numba_ops.compact_adam_rows_, numba_ops.compact_adam_sparse_
-            return torch_ops.compact_adam_rows_, None
-        if backend == "numba":
-            from . import numba_ops
-
-            return numba_ops.adam_rows_, numba_ops.adam_sparse_
-        if backend == "triton":
-            from . import triton_ops  # Triton is imported only when its kernels are used
-
-            return triton_ops.adam_rows_, None
-        from . import torch_ops
-
-        return torch_ops.adam_rows_, None
-
-
-def _compact_views(records, cols):
-    """State-dict tensors of compact records, in record order (``compact.py``)."""
-    s, v, q = compact.views(records, cols)
-    return {EXP_AVG_SCALE: s, EXP_AVG_SQ: v, EXP_AVG_CODES: q}
-
-
-def _compact_unsupported(backend, p, numba):
-    """Why ``backend`` cannot update ``p`` in the compact format (None if it can)."""
-    if p.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        return ("the compact format updates in float32 (its scales and v are float32); use "
-                "state_format='exact' for float64 tables")
-    if backend == "triton":
-        return "the compact format has no Triton path"
-    if backend == "numba" and (not numba or p.dtype != torch.float32):
-        return "the compact format's numba path takes float32 weights of DiskSparseAdam"
-    return None
-
-
-def _lr(lr):
-    """A tensor lr stays a 0-dim tensor: SparseAdam then computes its step size in lr's dtype."""
-    return lr.detach().reshape(()).cpu() if isinstance(lr, torch.Tensor) else float(lr)
-
-
-def _scalar(x):
-    return float(x.item()) if isinstance(x, torch.Tensor) else float(x)
-
-
-def _check_flags(**flags):
-    for name, value in flags.items():
-        if value not in (True, False):  # a string such as "no" would otherwise count as True
-            raise ValueError(f"{name} must be True or False, got {value!r}")
-
-
-def _check_hyper(lr, betas, eps):
-    """SparseAdam's checks with its messages (PyTorch's tests match them), then what to do."""
-    if isinstance(lr, torch.Tensor) and lr.numel() != 1:
-        raise ValueError("Tensor lr must be 1-element: give a scalar tensor or a float")
-    if not _scalar(lr) > 0.0:
-        raise ValueError(f"Invalid learning rate: {lr} (lr must be > 0)")
-    if not eps > 0.0:
-        raise ValueError(f"Invalid epsilon value: {eps} (eps must be > 0)")
-    if len(betas) != 2:
-        raise ValueError(f"betas must be two numbers (beta1, beta2), got {betas}")
-    for k, b in enumerate(betas):
-        if not 0.0 <= b < 1.0:
-            raise ValueError(f"Invalid beta parameter at index {k}: {b} (betas must be in [0, 1))")
+        super().__init__(params, defaults, rules.rule("adam", state_format, type(self).__name__),
+                         state_dir=state_dir, backend=backend, huge_pages=huge_pages, staging=staging,
+                         resume=resume)
 
 
 class DiskSparseRiemannianAdam(DiskSparseOptimizer):
@@ -233,61 +144,11 @@ class DiskSparseRiemannianAdam(DiskSparseOptimizer):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, c=1.0, exact=False, state_dir=None,
                  backend="auto", huge_pages=None, staging=None, resume=False, state_format="exact"):
-        _check_hyper(lr, betas, eps)
-        _check_flags(exact=exact)
+        check_hyper(lr, betas, eps)
+        check_flags(exact=exact)
         if not (math.isfinite(float(c)) and float(c) > 0):
             raise ValueError(f"c (the ball's curvature is -c) must be finite and > 0, got {c}")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, c=float(c), exact=bool(exact))
-        super().__init__(params, defaults, state_dir=state_dir, backend=backend, huge_pages=huge_pages,
-                         staging=staging, resume=resume, state_format=state_format)
-
-    def _state_width(self, cols):
-        return compact.record_bytes(cols) if self.state_format == "compact" else cols + 1
-
-    def _state_views(self, records, cols):
-        if self.state_format == "compact":
-            return _compact_views(records, cols)
-        return {EXP_AVG: records[:, :cols], EXP_AVG_SQ: records[:, cols:]}
-
-    def _hyper(self, group):
-        beta1, beta2 = group["betas"]
-        return dict(lr=_scalar(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"], c=group["c"],
-                    exact=group["exact"])
-
-    def _unsupported(self, backend, p):
-        if backend == "numba":
-            return "the Riemannian update has no numba path"
-        if self.state_format == "compact":
-            return _compact_unsupported(backend, p, numba=False)
-        if backend == "triton":
-            from .triton_ops import MAX_BALL_D
-
-            if p.shape[1] > MAX_BALL_D:
-                return f"rows wider than {MAX_BALL_D} do not fit one Triton program"
-        return _dtype_unsupported(backend, p)
-
-    def _kernels(self, backend):
-        if self.state_format == "compact":
-            from . import torch_ops
-
-            return torch_ops.compact_riemannian_adam_rows_, None
-        if backend == "triton":
-            from . import triton_ops
-
-            return triton_ops.riemannian_adam_rows_, None
-        from . import torch_ops
-
-        return torch_ops.riemannian_adam_rows_, None
-
-
-def _dtype_unsupported(backend, p):
-    """Why ``backend``'s kernels cannot take ``p``'s dtype (None if they can)."""
-    if backend == "numba":
-        from .numba_ops import WEIGHT_DTYPES
-    elif backend == "triton":
-        from .triton_ops import WEIGHT_DTYPES
-    else:
-        return None
-    if p.dtype not in WEIGHT_DTYPES:
-        return f"its kernels take {', '.join(str(d) for d in WEIGHT_DTYPES)} weights"
-    return None
+        super().__init__(params, defaults, rules.rule("ball", state_format, type(self).__name__),
+                         state_dir=state_dir, backend=backend, huge_pages=huge_pages, staging=staging,
+                         resume=resume)

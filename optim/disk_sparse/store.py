@@ -50,6 +50,7 @@ import errno
 import fcntl
 import mmap
 import os
+import shutil
 import struct
 
 import numpy as np
@@ -120,6 +121,28 @@ def fits_in_page_cache(nbytes: int, fraction: float = 0.25) -> bool:
     huge pages; larger ones are not, since every page-cache miss would read 2 MiB."""
     limit = memory_limit_bytes()
     return limit is not None and nbytes <= fraction * limit
+
+
+def state_files_in(path) -> list:
+    """The state files (``*.dsa``) in directory ``path``, sorted."""
+    return sorted(f for f in os.listdir(path) if f.endswith(".dsa"))
+
+
+def make_state_dir(path):
+    """Create ``path`` if needed and check that it is a writable directory."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        raise OSError(exc.errno, f"cannot create state_dir {path}: {exc.strerror}; "
+                                 "give a writable directory") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise PermissionError(f"state_dir {path} is not writable; give a writable directory")
+
+
+def remove_dir_of(owner: int, path):
+    """Remove a private state_dir, in the process that made it only (not in a forked child)."""
+    if os.getpid() == owner:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 class StateFileError(RuntimeError):

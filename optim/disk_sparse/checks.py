@@ -1,0 +1,146 @@
+"""The checks of the Disk Sparse optimizers: parameters, hyper-parameters, gradients, loaded state.
+
+Each raises with what is wrong and what to do. The messages of the checks SparseAdam also makes keep
+SparseAdam's sentence, so PyTorch's optimizer tests (which match them) pass here too.
+"""
+
+from __future__ import annotations
+
+import itertools
+import numbers
+
+import torch
+
+from .state import STEP
+from .store import MAX_STEP
+
+
+def scalar(x) -> float:
+    """A float of a Python number or a one-element tensor."""
+    return float(x.item()) if isinstance(x, torch.Tensor) else float(x)
+
+
+def check_flags(**flags):
+    """Each flag is True or False (a string such as "no" would otherwise count as True)."""
+    for name, value in flags.items():
+        if value not in (True, False):
+            raise ValueError(f"{name} must be True or False, got {value!r}")
+
+
+def check_hyper(lr, betas, eps):
+    """SparseAdam's checks with its messages (PyTorch's tests match them), then what to do."""
+    if isinstance(lr, torch.Tensor) and lr.numel() != 1:
+        raise ValueError("Tensor lr must be 1-element: give a scalar tensor or a float")
+    if not scalar(lr) > 0.0:
+        raise ValueError(f"Invalid learning rate: {lr} (lr must be > 0)")
+    if not eps > 0.0:
+        raise ValueError(f"Invalid epsilon value: {eps} (eps must be > 0)")
+    if len(betas) != 2:
+        raise ValueError(f"betas must be two numbers (beta1, beta2), got {betas}")
+    for k, b in enumerate(betas):
+        if not 0.0 <= b < 1.0:
+            raise ValueError(f"Invalid beta parameter at index {k}: {b} (betas must be in [0, 1))")
+
+
+def check_option(name, value, allowed, meaning):
+    """``value`` is one of ``allowed``; ``meaning`` says what the option does."""
+    if value not in allowed:
+        raise ValueError(f"{name} must be {meaning}, got {value!r}")
+
+
+def check_param(p, k, owner, dims):
+    """``p`` (parameter ``k`` of optimizer ``owner``) is a dense real floating table of ``dims`` dims."""
+    where = f"parameter {k} (shape {tuple(p.shape)}, dtype {p.dtype})"
+    if p.is_sparse or p.layout != torch.strided:
+        raise ValueError(f"{owner} requires dense parameter tensors; {where} is sparse "
+                         "(the gradient is what is sparse: pass the dense weight)")
+    if p.is_complex():
+        raise ValueError(f"{owner} does not support complex parameters; {where}: "
+                         "optimize torch.view_as_real(p) instead")
+    if not p.is_floating_point():
+        raise ValueError(f"{where}: {owner} needs a floating-point parameter")
+    if p.dim() not in dims:
+        raise ValueError(f"{where}: {owner} needs a {' or '.join(f'{d}-D' for d in dims)} table "
+                         "such as nn.Embedding(..., sparse=True).weight")
+    if p.dim() == 2 and p.shape[1] == 0:
+        raise ValueError(f"{where}: the table has 0 columns, so there is nothing to optimize; "
+                         "leave it out of the optimizer")
+
+
+def check_grad(p, k, owner, rule):
+    """``p.grad`` (of parameter ``k``) as the sparse gradient ``rule`` takes."""
+    g = p.grad
+    if not g.is_sparse:
+        raise RuntimeError(
+            f"parameter {k} (shape {tuple(p.shape)}) got a dense gradient; "
+            f"{owner} needs sparse gradients: build the table with "
+            "nn.Embedding(..., sparse=True) or nn.EmbeddingBag(..., sparse=True), or use "
+            "torch.optim.Adam for dense parameters")
+    if g.sparse_dim() == 1 or (g.sparse_dim() == 2 == p.dim() and rule.element_sparse is True):
+        return g
+    if g.sparse_dim() == 2 == p.dim():
+        raise RuntimeError(f"parameter {k}: {owner} {rule.element_sparse}")
+    raise RuntimeError(f"parameter {k}: {owner} takes row-sparse gradients "
+                       "(sparse_dim 1, as nn.Embedding(sparse=True) produces)"
+                       f"{' or element-sparse ones (dense.to_sparse())' if rule.element_sparse is True else ''}, "
+                       f"got sparse_dim {g.sparse_dim()}")
+
+
+def saved_state_by_param(param_groups, state_dict) -> dict:
+    """``state_dict['state']`` keyed by the parameters of ``param_groups``, after checking the groups
+    and their sizes."""
+    saved_groups = state_dict["param_groups"]
+    if len(saved_groups) != len(param_groups):
+        raise ValueError(f"state_dict has {len(saved_groups)} parameter groups, this optimizer has "
+                         f"{len(param_groups)}")
+    for i, (sg, g) in enumerate(zip(saved_groups, param_groups)):
+        if len(sg["params"]) != len(g["params"]):
+            raise ValueError(f"state_dict's parameter group {i} has {len(sg['params'])} parameters, "
+                             f"this optimizer's has {len(g['params'])}")
+    id_map = dict(zip(itertools.chain.from_iterable(g["params"] for g in saved_groups),
+                      itertools.chain.from_iterable(g["params"] for g in param_groups)))
+    return {id_map[k]: v for k, v in state_dict["state"].items()}
+
+
+def checked_step(value, where: str) -> int:
+    """A saved step as an int in ``[0, MAX_STEP]`` (Python int or one-element integer tensor)."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.is_floating_point() or value.is_complex():
+            raise ValueError(f"{where}: step must be an integer, got a tensor {value!r}")
+        value = int(value.item())
+    elif isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+        raise ValueError(f"{where}: step must be an integer, got {value!r}")
+    if not 0 <= int(value) <= MAX_STEP:
+        raise ValueError(f"{where}: step must lie in [0, {MAX_STEP}], got {value}")
+    return int(value)
+
+
+def loaded_columns(views: dict, entry, where: str, rule):
+    """(the record columns of a saved state ``entry``, its step) checked against the state-dict
+    ``views`` of the parameter's records and the value checks of ``rule``; (None, 0) for fresh state."""
+    if not entry:
+        return None, 0
+    columns = []
+    for key, view in views.items():
+        if key not in entry:
+            raise KeyError(f"{where} lacks {key!r} (state_format={rule.state_format!r} keeps "
+                           f"{', '.join(views)}; a state dict of the other format cannot load here)")
+        val = torch.as_tensor(entry[key])
+        if view.is_floating_point() and not val.is_floating_point():
+            raise TypeError(f"{where}: {key!r} has dtype {val.dtype}, expected a floating-point tensor "
+                            f"(the state files hold {view.dtype})")
+        if not view.is_floating_point() and val.dtype != view.dtype:
+            raise TypeError(f"{where}: {key!r} has dtype {val.dtype}, expected {view.dtype}")
+        if val.shape != view.shape:
+            raise ValueError(f"{where}: {key!r} has shape {tuple(val.shape)}, expected {tuple(view.shape)}")
+        if key in rule.value_checks:
+            val = val.to(view.dtype)  # written as the record's bytes
+            ok, must_hold = rule.value_checks[key]
+            if not bool(ok(val).all()):
+                raise ValueError(f"{where}: {key!r} must hold {must_hold}")
+        columns.append(val if val.dim() == 2 else val.reshape(-1, 1))  # a 1-D table's state as N x 1 records
+    if STEP not in entry:
+        raise KeyError(f"{where} lacks {STEP!r}")
+    return columns, checked_step(entry[STEP], where)
