@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every GPU check in one command, each step time-limited (under 8 minutes in all on one H200).
+# Every GPU check in one command, each step time-limited (about 5 minutes in all on one H200).
 # Run from the repository root on a CUDA machine:
 #
 #     bash experiments/gpu_checks.sh [RESULTS_DIR]      # Default: results/gpu ("$OUT" on a lent machine)
@@ -37,7 +37,7 @@ step kernel-tests 100 env TRITON_INTERPRET=0 "$PY" -m pytest -q -p no:cacheprovi
     tests/test_dsa_kernels.py tests/test_gefen_kernels.py \
     -k "(triton or gefen_kernels) and not bad_inputs and not optimizer" --junitxml="$R/kernel_tests.xml"
 step bench_dsa_gpu 120 "$PY" experiments/bench_dsa_gpu.py --results-dir "$R" --repeats 3 --steps 50
-step bench_kernels 150 "$PY" experiments/bench_kernels.py --results-dir "$R" --skip-upstream --reps 10 \
+step bench_kernels 200 "$PY" experiments/bench_kernels.py --results-dir "$R" --skip-upstream --reps 10 \
     --kernel-tiles 1024x4,4096x16
 step kernel_resources 50 "$PY" experiments/kernel_resources.py --results-dir "$R" --workers 12 \
     --bandwidth-from "$R/gefen_kernels.csv"

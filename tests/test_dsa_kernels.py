@@ -84,14 +84,15 @@ SHAPES = [  # (rows in the table, D): widths 1, 3, 37, 127, 300; up to 2000 rows
 ]
 
 
-def check(W, S, W_ref, S_ref, dtype, d, *, atol, rtol):
+def check(W, S, W_ref, S_ref, dtype, d, *, atol, rtol, state_rtol=None):
     if dtype == torch.float32:
         assert_close(W, W_ref, atol=atol, rtol=rtol, name="weights")
     else:
         ulp = W_ref.float().abs() * 2.0**-7
         assert_close(W.float(), W_ref.float(), atol=1e-6, rtol=2 * 2.0**-8, rel_rms_tol=2e-3, name="bf16 weights")
         assert float(((W.float() - W_ref.float()).abs() - 2 * ulp).max()) <= 1e-6
-    assert_close(S, S_ref, atol=atol, rtol=max(rtol, 1e-5 if dtype != torch.float32 else 0), rel_rms_tol=1e-4,
+    state_rtol = max(rtol, 1e-5 if dtype != torch.float32 else 0) if state_rtol is None else state_rtol
+    assert_close(S, S_ref, atol=atol, rtol=state_rtol, rel_rms_tol=1e-4,
                  name="state records")
 
 
@@ -128,7 +129,11 @@ def test_riemannian_adam_rows_matches_reference(n_rows, d, dtype, exact, backend
     W, S = run_table(*args, kernel(BALL_BACKENDS[backend], kw, backend), seed=d, ball_c=c)
     W_ref, S_ref = run_table(*args, ref_ball(kw), seed=d, ball_c=c)
     if backend == "triton":
-        check(W, S, W_ref, S_ref, dtype, d, atol=2e-6, rtol=1e-5)
+        # The ball's moment is transported along the new point: where a compiled fp32 rounding
+        # (an FMA on the GPU) moves a bf16 weight by one ulp, that row's moment follows it to
+        # within a bf16 ulp of relative error (seen on an H200, not under the interpreter).
+        check(W, S, W_ref, S_ref, dtype, d, atol=2e-6, rtol=1e-5,
+              state_rtol=2.0**-8 if dtype == torch.bfloat16 else None)
     else:  # the reference itself, in place
         assert_close(W.float(), W_ref.float(), atol=0.0, name="torch weights")
         assert_close(S, S_ref, atol=0.0, name="torch state records")
