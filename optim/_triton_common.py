@@ -1,6 +1,7 @@
-"""Pieces both Triton kernel families use: launch sizes, bf16 rounding, and the helpers their
-planners enumerate configurations with."""
+"""Pieces both Triton kernel families use: launch sizes, bf16 rounding, and what their planners
+enumerate configurations with (``KernelLaunch`` and the covers of ``PLAN_AXES``)."""
 
+import dataclasses
 import itertools
 
 import triton
@@ -28,6 +29,25 @@ def round_bf16(x):
     b = x.to(tl.int32, bitcast=True)
     r = (b + 0x7FFF + ((b >> 16) & 1)) & -65536
     return tl.where(x == x, r.to(tl.float32, bitcast=True), x)
+
+
+@dataclasses.dataclass
+class KernelLaunch:
+    """One configuration a launcher can choose: ``kernel[grid](*args, **kwargs)`` without the grid.
+
+    ``name`` identifies the configuration in reports (kernel and the planner's choices); the
+    arguments are small CPU stand-ins whose dtypes and alignment are what the compiler sees
+    (compiled ahead of time by ``experiments/triton_aot.py``).
+    """
+
+    name: str
+    kernel: object
+    args: tuple
+    kwargs: dict
+
+    @property
+    def num_warps(self) -> int:
+        return int(self.kwargs.get("num_warps", 4))
 
 
 def spec_widths(max_width: int) -> list:

@@ -8,7 +8,7 @@ space (hundreds to thousands of kernels), too many to compile here, so a subproc
 interpreter compiles a covering set in which every value of every axis occurs (``axis_each``) for
 sm_80 and sm_90, and every fourth of it for sm_100 (where this Triton ships the Blackwell ptxas),
 each specialised exactly as ``kernel[grid](...)`` would be, then reads ``ptxas -v`` and the cubin
-(``optim/_triton_aot.py``). ``experiments/kernel_resources.py`` compiles every pair of axis values.
+(``experiments/triton_aot.py``). ``experiments/kernel_resources.py`` compiles every pair of axis values.
 
 Asserted: every configuration compiles for every target; no register spills and shared memory
 within the target's limit; the memory-bound kernels (DSA's Adam rows, Gefen's step) keep at least
@@ -20,7 +20,8 @@ constexprs that its enumeration lists, so the enumeration cannot drift from the 
 import pytest
 import torch
 
-from optim._triton_aot import reports
+from experiments.triton_aot import reports
+from optim._cache import BoundedCache
 from optim._triton_common import axis_product
 
 MEMORY_BOUND = {"_adam_rows_kernel", "_gefen_step_kernel", "_gefen_step4_kernel"}
@@ -90,7 +91,7 @@ def test_real_launches_use_enumerated_configurations(monkeypatch):
         assert len(rec.calls) == 1 and _listed(rec.kernel, rec.calls[0], dsa_all), (name, rec.calls)
 
     gefen_all = gefen.launch_configs(axis_product)
-    monkeypatch.setattr(gefen, "_PLAN_CACHE", {})  # a cached plan would hold the real kernels
+    monkeypatch.setattr(gefen, "_PLAN_CACHE", BoundedCache(1))  # a cached plan would hold the real kernels
     for name in ("_gefen_step_kernel", "_gefen_step4_kernel"):
         monkeypatch.setattr(gefen, name, _Recorder(getattr(gefen, name)))
     cb = torch.linspace(-1, 1, 16)

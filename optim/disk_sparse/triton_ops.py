@@ -19,7 +19,7 @@ import math
 import torch
 import triton
 
-from .._triton_aot import KernelLaunch
+from .._triton_common import KernelLaunch
 from .._triton_common import axis_pairs, next_pow2, spec_widths
 from ._triton_kernels import _adam_rows_kernel, _riemannian_adam_rows_kernel
 

@@ -11,33 +11,33 @@ scale blocks of ``S = block`` or ``S = CHUNK = 256`` when ``block == 1`` with a 
 Each of ``ps, gs, vs, scales, codes`` is a list (a group of tensors that share ``block``, ``bits``
 and the hyperparameters) or one tensor: the whole group is one kernel launch per kind of tensor,
 because a model's step is many small tensors whose one launch each would leave the GPU waiting on
-the host. The launch tables are cached per set of tensors, so a repeated call only reads a few
-attributes of each tensor.
+the host. The launch tables are cached per set of tensors (``optim._cache.BoundedCache``), so a
+repeated call only reads a few attributes of each tensor.
 
 Runs on CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1`` (how the tests run it).
 
 Agreement with the reference: one step from the same state gives the reference's scales and codes
 exactly; p and v only to fp32 rounding, because v's block mean of g**2 is summed in another order
-than ``torch.mean``, and torch's vectorised CPU ``sqrt`` is off by one ulp for a fifth to a third
-of fp32 inputs where ``tl.sqrt_rn`` is correctly rounded. Over a training run those ulps change the
-next gradients, and once a value m~/s of the two runs falls on the two sides of a code boundary
-the runs hold different codes: m^ then differs by one codebook gap times the scale. In
-``experiments/correctness.py`` (MLP 64-96-10, 50 steps, 8 bits) the first such code is at step 36
-(q = 0.61352050 vs 0.61352044, boundary 0.61352047, gap 8.9e-3), after which the weights differ by
-up to ~2e-4; the numba backend, also correct to rounding, parts from the torch one the same way
-(step 34, ~6e-5). 4-bit codes have 16x wider gaps and stay together to ~1e-7 over that run.
+than ``torch.mean``, and torch's CPU ``sqrt`` is not always correctly rounded where ``tl.sqrt_rn``
+is. Over a training run those ulps change the next gradients, and once a value m~/s of the two runs
+falls on the two sides of a code boundary the runs hold different codes: m^ then differs by one
+codebook gap times the scale, and the weights part by more than rounding from then on. The numba
+backend, also correct to rounding, parts from the torch one the same way. 4-bit codebooks have
+gaps 16 times wider, so such a crossing is rarer there. ``experiments/correctness.py`` measures
+both over a training run (``results/README.md``, "Correctness against independent references").
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+from typing import NamedTuple
 
 import torch
 import triton.language as tl
 
-from .._triton_aot import KernelLaunch
-from .._triton_common import axis_pairs, next_pow2, prev_pow2
+from .._cache import BoundedCache
+from .._triton_common import KernelLaunch, axis_pairs, next_pow2, prev_pow2
 from ..backends import triton_interpreted
 from ._triton_kernels import (ELEMS_PER_THREAD, MAX_TILE_WIDTH, TILE, _TL_DTYPES,
                               _gefen_step4_kernel, _gefen_step_kernel)
@@ -55,58 +55,98 @@ def _check_runnable(t: torch.Tensor, name: str):
             "Gefen(..., backend='torch')")
 
 
-_TABLE_CACHE: dict = {}
-_CODE_TABLES: dict = {}
+# Host-side tables kept between steps: code tables per codebook object (and its version), their
+# device copies per table object and device, launch plans per set of state tensors.
+_CODE_TABLES = BoundedCache(16)
+_TABLE_CACHE = BoundedCache(16)
+_PLAN_CACHE = BoundedCache(64)
+
+
+class DeviceTables(NamedTuple):
+    """A ``CodeTable`` on the launch's device, in the kernels' dtypes (``_device_tables``)."""
+
+    codebook: torch.Tensor  # (levels,) fp32
+    uniq: torch.Tensor  # (u,) fp32, the distinct entries
+    mid: torch.Tensor  # (u,) fp32 boundaries between distinct entries, then +inf
+    lut: torch.Tensor  # (nlut,) uint8, the lookup table
+    first: torch.Tensor  # (2u,) uint8, (first, last) codebook index of each distinct entry
+    ncmp: int  # NCMP: boundary comparisons after the table read
+    has_dup: bool  # HAS_DUP: repeated entries (then ``first`` picks the reference's copy)
+    nlut: int  # NLUT: bins of the table
+
+
+class StepPlan(NamedTuple):
+    """What ``step_plan`` chooses for one launch."""
+
+    kernel: object  # _gefen_step_kernel or _gefen_step4_kernel
+    constexprs: dict  # constexprs and launch options (num_warps, maxnreg)
+    lanes: int  # live lanes of a tile row: elements, or bytes for packed 4-bit codes
+
+
+class Launch(NamedTuple):
+    """One kernel launch of a plan: tensors of one kind (dtypes, alignment, exactness)."""
+
+    kernel: object
+    tiles: torch.Tensor  # (n_tiles, 2) int64: (tensor, first tile row) of each program
+    ptrs: torch.Tensor  # (n, 5) int64: addresses of p, g, v, scales, codes
+    numels: torch.Tensor  # (n,) int64
+    grid: tuple
+    constexprs: dict
+    indices: list  # position of each of its tensors in the call
+    factor_ptrs: torch.Tensor  # (n,) int64 addresses of w (``numels`` when not factored: unused)
+
+
+class _Row(NamedTuple):
+    """A validated tensor of the call (flat and contiguous where the kernel reads it)."""
+
+    index: int
+    p: torch.Tensor
+    g: torch.Tensor
+    v: torch.Tensor
+    scales: torch.Tensor  # v again when unquantised (the slot is unused)
+    codes: torch.Tensor
 
 
 def _table_of(codebook):
-    """``code_table(codebook)``, cached on the codebook object (held, so its address is not
-    reused while cached) and its version counter (bumped by any in-place change)."""
-    key = (id(codebook), codebook._version)
-    hit = _CODE_TABLES.get(key)
-    if hit is None or hit[0] is not codebook:
-        if len(_CODE_TABLES) > 16:
-            _CODE_TABLES.clear()
-        hit = _CODE_TABLES[key] = (codebook, code_table(codebook))
-    return hit[1]
+    """``code_table(codebook)``, cached on the codebook object and its version counter (bumped by
+    any in-place change)."""
+    return _CODE_TABLES.get_or_build((id(codebook), codebook._version), lambda: code_table(codebook),
+                                     owner=codebook)
 
 
-def _device_tables(tables, device, bits: int):
-    """``CodeTable`` arrays on ``device`` in the kernels' dtypes (cached per table object).
-
-    Returns (cb, uniq, mid, lut, first, ncmp, has_dup, nlut): ``mid`` the boundaries between
-    distinct entries, ``lut`` (uint8) the table, ``first`` the (first, last) codebook index of
-    each distinct entry interleaved; the kernel writes the reference's choice among equal entries.
-    """
-    key = (id(tables), str(device))
-    hit = _TABLE_CACHE.get(key)
-    if hit is not None and hit[0] is tables:
-        return hit[1]
+def _device_tables(tables, device, bits: int) -> DeviceTables:
+    """``tables`` (a ``CodeTable``) on ``device`` in the kernels' dtypes, cached per table object;
+    the kernel writes the reference's choice among equal entries."""
     if tables.codebook.numel() > 2**bits:
         raise ValueError(f"codebook must have at most {2**bits} entries for bits={bits}, "
                          f"got {tables.codebook.numel()}")
-    first = torch.stack([tables.first, tables.last], dim=1).reshape(-1)
-    out = (tables.codebook.to(device), tables.uniq.to(device), tables.boundaries.to(device),
-           tables.lut.to(device, torch.uint8), first.to(device, torch.uint8), tables.ncmp,
-           tables.has_repeats, tables.lut.numel())
-    if len(_TABLE_CACHE) > 16:
-        _TABLE_CACHE.clear()
-    _TABLE_CACHE[key] = (tables, out)
-    return out
+
+    def build():
+        first = torch.stack([tables.first, tables.last], dim=1).reshape(-1)
+        return DeviceTables(tables.codebook.to(device), tables.uniq.to(device), tables.boundaries.to(device),
+                            tables.lut.to(device, torch.uint8), first.to(device, torch.uint8), tables.ncmp,
+                            tables.has_repeats, tables.lut.numel())
+    return _TABLE_CACHE.get_or_build((id(tables), str(device)), build, owner=tables)
 
 
-_PLAN_CACHE: dict = {}
+def tile_row_lanes(block: int, bits: int, quant: bool) -> int:
+    """Live lanes of one tile row: a scale block's elements, or the bytes of its packed 4-bit
+    codes (two scale blocks a row when the block length is odd, so no byte straddles rows)."""
+    s_len = scale_block_length(block)
+    if not (quant and bits == 4):
+        return s_len
+    return s_len if s_len % 2 else s_len // 2
 
 
 def step_plan(*, block, bits, quant, p_dtype, g_dtype, align, exact, factor=False, tile=TILE,
-              num_warps=None):
-    """(kernel, constexprs and warps, live lanes of a tile row) of one launch: the launcher's only
-    choice. A tile is R whole tile rows of WIDTH = next_pow2(lanes) lanes, R*WIDTH ~ ``tile``
-    elements (bytes for packed 4-bit codes), ELEMS_PER_THREAD elements a thread."""
+              num_warps=None) -> StepPlan:
+    """The kernel, constexprs and warps of one launch: the launcher's only choice. A tile is R
+    whole tile rows of WIDTH = next_pow2(lanes) lanes, R*WIDTH ~ ``tile`` elements (bytes for
+    packed 4-bit codes), ELEMS_PER_THREAD elements a thread."""
     s_len = scale_block_length(block)
     four = quant and bits == 4
     group = 2 if four and s_len % 2 else 1
-    lanes = group * s_len // 2 if four else s_len  # live lanes of a tile row: bytes or elements
+    lanes = tile_row_lanes(block, bits, quant)
     width = next_pow2(lanes)
     if width > MAX_TILE_WIDTH:
         raise ValueError(f"block={block} is longer than one Triton program holds "
@@ -128,58 +168,52 @@ def step_plan(*, block, bits, quant, p_dtype, g_dtype, align, exact, factor=Fals
     if warps > 16:
         const["maxnreg"] = 64
     const.update({"GROUP": group} if four else {"QUANT": quant})
-    return (_gefen_step4_kernel if four else _gefen_step_kernel), const, lanes
+    return StepPlan(_gefen_step4_kernel if four else _gefen_step_kernel, const, lanes)
 
 
-def _launch_plan(rows, *, block, bits, quant, tile, num_warps, ws=None):
-    """Launches for `rows` = [(index, p, g, v, scales, codes)] (flat, contiguous, validated).
-
-    One launch per kind of tensor (below): [kernel, tile table [n_tiles, 2] int64 of (tensor, first
-    tile row), pointer table [n, 5] int64 (p, g, v, scales, codes), numel table, grid,
-    constexprs, indices of its tensors in the call, factor pointer table [n] int64 (the numel
-    table when ``ws`` is None: unused)]. Tables are built on the host and copied to the device
-    once per set of tensors (see `gefen_step_`'s plan cache).
-    """
+def _launch_plan(rows, *, block, bits, quant, tile, num_warps, ws=None) -> list:
+    """The ``Launch`` es of ``rows`` (``_Row`` s: flat, contiguous, validated): one per kind of
+    tensor. Tables are built on the host and copied to the device once per set of tensors (see
+    ``gefen_step_``'s plan cache)."""
     s_len = scale_block_length(block)
     four = quant and bits == 4
     # One launch per (dtypes, alignment, exactness): a misaligned tensor or one whose size is not a
     # whole number of tile rows only de-vectorises its own launch.
     by_kind: dict = {}
     for r in rows:
-        align = all(t.data_ptr() % 16 == 0 for t in r[1:])
-        exact = r[1].numel() % ((2 if four and s_len % 2 else 1) * s_len) == 0
-        by_kind.setdefault((r[1].device, r[1].dtype, r[2].dtype, align, exact), []).append(r)
+        align = all(t.data_ptr() % 16 == 0 for t in (r.p, r.g, r.v, r.scales, r.codes))
+        exact = r.p.numel() % ((2 if four and s_len % 2 else 1) * s_len) == 0
+        by_kind.setdefault((r.p.device, r.p.dtype, r.g.dtype, align, exact), []).append(r)
     launches = []
     for (device, pdt, gdt, align, exact), rs in by_kind.items():
-        kernel, const, lanes = step_plan(block=block, bits=bits, quant=quant, p_dtype=pdt, g_dtype=gdt,
-                                         align=align, exact=exact, factor=ws is not None, tile=tile,
-                                         num_warps=num_warps)
-        numels = [r[1].numel() for r in rs]
-        trows = [-(-(num_code_bytes(n, 4) if four else n) // lanes) for n in numels]
-        ntiles = [-(-t // const["R"]) for t in trows]
+        plan = step_plan(block=block, bits=bits, quant=quant, p_dtype=pdt, g_dtype=gdt, align=align,
+                         exact=exact, factor=ws is not None, tile=tile, num_warps=num_warps)
+        R = plan.constexprs["R"]
+        numels = [r.p.numel() for r in rs]
+        trows = [-(-(num_code_bytes(n, 4) if four else n) // plan.lanes) for n in numels]
+        ntiles = [-(-t // R) for t in trows]
         tid = torch.repeat_interleave(torch.arange(len(ntiles)), torch.tensor(ntiles))
-        start = torch.cat([torch.arange(k) * const["R"] for k in ntiles])
+        start = torch.cat([torch.arange(k) * R for k in ntiles])
         tiles = torch.stack([tid, start], dim=1).contiguous().to(device)
-        ptrs = torch.tensor([[t.data_ptr() for t in r[1:]] for r in rs], dtype=torch.int64).to(device)
+        ptrs = torch.tensor([[t.data_ptr() for t in (r.p, r.g, r.v, r.scales, r.codes)] for r in rs],
+                            dtype=torch.int64).to(device)
         numel_tab = torch.tensor(numels, dtype=torch.int64).to(device)
         w_tab = numel_tab if ws is None else torch.tensor(
-            [ws[r[0]].data_ptr() for r in rs], dtype=torch.int64).to(device)
-        launches.append([kernel, tiles, ptrs, numel_tab, (int(tiles.shape[0]),), const,
-                         [r[0] for r in rs], w_tab])
+            [ws[r.index].data_ptr() for r in rs], dtype=torch.int64).to(device)
+        launches.append(Launch(plan.kernel, tiles, ptrs, numel_tab, (int(tiles.shape[0]),), plan.constexprs,
+                               [r.index for r in rs], w_tab))
     return launches
 
 
 def _kernel_args(tiles, ptrs, numel_tab, tabs, w_tab, *, step, lr, beta1, beta2, eps, weight_decay):
-    """(args, table constexprs) of one launch; ``tabs``: ``_device_tables``' tuple, None unquantised;
+    """(args, table constexprs) of one launch; ``tabs``: ``DeviceTables``, None unquantised;
     ``w_tab``: the factor pointer table (any int64 tensor when FACTOR is off: unused)."""
     if tabs is None:
-        cb = uniq = mid = lut = first = numel_tab  # unused pointers
-        ncmp, has_dup, nlut = 0, False, 1
-    else:
-        cb, uniq, mid, lut, first, ncmp, has_dup, nlut = tabs
-    args = (tiles, ptrs, numel_tab, cb, uniq, mid, lut, first, w_tab, 1 - beta1, beta2, 1 - beta2, eps,
-            1 - lr * weight_decay, -lr / (1 - beta1**step), math.sqrt(1 - beta2**step))
-    return args, dict(NLUT=nlut, NCMP=ncmp, HAS_DUP=has_dup, enable_fp_fusion=False)
+        tabs = DeviceTables(*[numel_tab] * 5, ncmp=0, has_dup=False, nlut=1)  # unused pointers
+    args = (tiles, ptrs, numel_tab, tabs.codebook, tabs.uniq, tabs.mid, tabs.lut, tabs.first, w_tab,
+            1 - beta1, beta2, 1 - beta2, eps, 1 - lr * weight_decay, -lr / (1 - beta1**step),
+            math.sqrt(1 - beta2**step))
+    return args, dict(NLUT=tabs.nlut, NCMP=tabs.ncmp, HAS_DUP=tabs.has_dup, enable_fp_fusion=False)
 
 
 class _Plan:
@@ -202,11 +236,11 @@ class _Plan:
         """Point the launches at new gradients; False if they do not fit this plan."""
         if (tuple(map(_NUMEL, gs)) != self.gnumels or tuple(g.dtype for g in gs) != self.gdtypes
                 or not all(map(_IS_CONTIGUOUS, gs))
-                or any(gptrs[i] % 16 for ln in self.launches if ln[5]["ALIGN"] for i in ln[6])):
+                or any(gptrs[i] % 16 for ln in self.launches if ln.constexprs["ALIGN"] for i in ln.indices)):
             return False
         for launch in self.launches:
-            col = torch.tensor([gptrs[i] for i in launch[6]], dtype=torch.int64)
-            launch[2][:, 1].copy_(col, non_blocking=True)
+            col = torch.tensor([gptrs[i] for i in launch.indices], dtype=torch.int64)
+            launch.ptrs[:, 1].copy_(col, non_blocking=True)  # column 1: g
         self.gptrs = gptrs
         return True
 
@@ -226,7 +260,8 @@ def _as_list(x):
 
 
 def _validate(ps, gs, vs, ss, cs, *, block, bits, quant):
-    """Check every tensor against the reference's layout; return (rows to launch, copies back)."""
+    """Check every tensor against the reference's layout; return (``_Row`` s to launch, (parameter,
+    contiguous copy) pairs to copy back)."""
     rows, copies = [], []
     for i, (pi, gi, vi, si, ci) in enumerate(zip(ps, gs, vs, ss, cs)):
         n = pi.numel()
@@ -255,7 +290,7 @@ def _validate(ps, gs, vs, ss, cs, *, block, bits, quant):
         pw = pi if pi.is_contiguous() else pi.contiguous()
         if pw is not pi:
             copies.append((pi, pw))
-        rows.append((i, pw, gi.contiguous(), vi, si if quant else vi, ci))  # unquantised: slot unused
+        rows.append(_Row(i, pw, gi.contiguous(), vi, si if quant else vi, ci))
     return rows, copies
 
 
@@ -279,9 +314,7 @@ def _plan(ps, gs, vs, ss, cs, *, block, bits, quant, tile, num_warps, ws=None):
     plan = _Plan(_launch_plan(rows, block=block, bits=bits, quant=quant, tile=tile,
                               num_warps=num_warps, ws=ws), gs)
     if not copies:  # a temporary contiguous copy has a new address each call
-        if len(_PLAN_CACHE) > 64:
-            _PLAN_CACHE.clear()
-        _PLAN_CACHE[key] = plan
+        _PLAN_CACHE.put(key, plan)
     return plan, copies
 
 
@@ -328,13 +361,13 @@ def gefen_step_(ps, gs, vs, scales, codes, codebook, *, step, lr, beta1, beta2, 
     launches = plan.launches
     if not launches:
         return
-    for kernel, tiles, ptrs, numel_tab, grid, const, _, w_tab in launches:
-        device = tiles.device
+    for ln in launches:
+        device = ln.tiles.device
         tabs = _device_tables(tables, device, bits) if quant else None
-        args, table_const = _kernel_args(tiles, ptrs, numel_tab, tabs, w_tab, step=step, lr=lr, beta1=beta1,
-                                         beta2=beta2, eps=eps, weight_decay=weight_decay)
+        args, table_const = _kernel_args(ln.tiles, ln.ptrs, ln.numels, tabs, ln.factor_ptrs, step=step, lr=lr,
+                                         beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
         with torch.cuda.device(device) if device.type == "cuda" else _NO_GUARD:
-            kernel[grid](*args, **table_const, **const)
+            ln.kernel[ln.grid](*args, **table_const, **ln.constexprs)
     for pi, pw in copies:
         pi.copy_(pw.view_as(pi))
 
@@ -357,11 +390,11 @@ PLAN_AXES = {
 }
 
 
-def _stand_in_tables(bits, ncmp, has_dup, nlut):
-    """``_device_tables``' tuple on the CPU: what the compiler sees of a codebook table."""
+def _stand_in_tables(bits, ncmp, has_dup, nlut) -> DeviceTables:
+    """``DeviceTables`` on the CPU: what the compiler sees of a codebook table."""
     n = 2**bits
-    return (torch.zeros(n), torch.zeros(n), torch.zeros(n), torch.zeros(nlut, dtype=torch.uint8),
-            torch.zeros(2 * n, dtype=torch.uint8), ncmp, has_dup, nlut)
+    return DeviceTables(torch.zeros(n), torch.zeros(n), torch.zeros(n), torch.zeros(nlut, dtype=torch.uint8),
+                        torch.zeros(2 * n, dtype=torch.uint8), ncmp, has_dup, nlut)
 
 
 def launch_configs(cover=axis_pairs) -> list:
@@ -372,11 +405,11 @@ def launch_configs(cover=axis_pairs) -> list:
     for mode, axes in PLAN_AXES.items():
         for c in cover(axes):
             plan = {k: v for k, v in c.items() if k != "table"}
-            kernel, const, _ = step_plan(**plan)
+            chosen = step_plan(**plan)
             tabs = _stand_in_tables(c["bits"], *c["table"]) if c["quant"] else None
             args, table_const = _kernel_args(*tile_tabs, tabs, tile_tabs[2], step=1, lr=1e-3, beta1=0.9, beta2=0.999,
                                              eps=1e-8, weight_decay=0.0)
             name = f"gefen_{mode}/" + ",".join(f"{k}={str(v).replace('torch.', '')}" for k, v in c.items()
                                               if len(axes[k]) > 1)
-            out.append(KernelLaunch(name, kernel, args, dict(const, **table_const)))
+            out.append(KernelLaunch(name, chosen.kernel, args, dict(chosen.constexprs, **table_const)))
     return out

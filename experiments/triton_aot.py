@@ -1,8 +1,11 @@
 """Ahead-of-time compilation of the Triton kernels for NVIDIA targets, on a machine without a GPU.
 
-A launch is described by ``KernelLaunch``: the kernel, the arguments its launcher passes (small CPU
-stand-ins for the tensors: their dtypes and 16-byte alignment are what the compiler sees) and the
-constexprs and options. ``compile_launch`` specialises it exactly as ``kernel[grid](...)`` would (the
+A tool built on Triton's internals, outside the library's import path: the launchers only describe
+their configurations (``launch_configs``), this module compiles and reports them.
+
+A launch is described by ``optim._triton_common.KernelLaunch``: the kernel, the arguments its
+launcher passes (small CPU stand-ins for the tensors: their dtypes and 16-byte alignment are what the
+compiler sees) and the constexprs and options. ``compile_launch`` specialises it exactly as ``kernel[grid](...)`` would (the
 JIT's own binder: pointer types, integer arguments equal to 1 or divisible by 16, alignment) and
 compiles it for a given ``GPUTarget``; ``resources`` reads registers, spills and shared memory from
 ``ptxas -v`` and the cubin (``cuobjdump --dump-resource-usage``; both ship with Triton);
@@ -16,7 +19,6 @@ in a subprocess without it (used by ``tests/test_triton_aot.py`` and
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import io
 import os
 import re
@@ -24,6 +26,8 @@ import subprocess
 import tempfile
 
 import triton
+
+from optim._triton_common import KernelLaunch, axis_each, axis_pairs, axis_product
 
 # Targets: compute capability -> per-SM limits (CUDA programming guide, "Compute capabilities").
 # regs: 32-bit registers per SM; threads / warps: resident per SM; blocks: resident blocks per SM;
@@ -35,23 +39,6 @@ ARCHS = {
     100: dict(name="sm_100", regs=65536, threads=2048, warps=64, blocks=32, smem=227 * 1024, reg_unit=256),
 }
 MAX_REGS_PER_THREAD = 255
-
-
-@dataclasses.dataclass
-class KernelLaunch:
-    """One configuration a launcher can choose: ``kernel[grid](*args, **kwargs)`` without the grid.
-
-    ``name`` identifies the configuration in reports (kernel and the planner's choices).
-    """
-
-    name: str
-    kernel: object
-    args: tuple
-    kwargs: dict
-
-    @property
-    def num_warps(self) -> int:
-        return int(self.kwargs.get("num_warps", 4))
 
 
 def supported_archs() -> list:
@@ -204,8 +191,6 @@ def all_launches(cover=None) -> list:
     """Every launcher's configurations under ``cover`` (Default: ``_triton_common.axis_each``)."""
     import importlib
 
-    from ._triton_common import axis_each
-
     return [launch for mod in LAUNCH_MODULES
             for launch in importlib.import_module(mod).launch_configs(cover or axis_each)]
 
@@ -219,8 +204,6 @@ def kernel_names() -> set:
 
 
 def _cover(name):
-    from ._triton_common import axis_each, axis_pairs, axis_product
-
     return {"each": axis_each, "pairs": axis_pairs, "all": axis_product}[name]
 
 
@@ -231,12 +214,12 @@ def reports(plan: dict, workers: int = 2, timeout: float = 3600) -> dict:
     import json
     import sys
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # this checkout's optim
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # this checkout's root
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9's default, stated (silences its warning)
     arg = json.dumps({"plan": {str(k): list(v) for k, v in plan.items()}, "workers": workers})
-    out = subprocess.run([sys.executable, "-m", "optim._triton_aot", arg], env=env, cwd=root,
+    out = subprocess.run([sys.executable, "-m", "experiments.triton_aot", arg], env=env, cwd=root,
                          capture_output=True, text=True, timeout=timeout)
     if out.returncode:
         raise RuntimeError(f"ahead-of-time compilation failed:\n{out.stderr[-4000:]}")
