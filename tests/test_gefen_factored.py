@@ -50,12 +50,12 @@ def test_estimator_written_out_element_by_element():
     assert_close(m, B1 * m0 + (1 - B1) * g, rtol=1e-6, atol=1e-7, name="m")
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", "numba", "triton"])
 def test_block_1_keeps_per_element_v_and_reduces_to_adamw(backend):
     """With the factor on and P = 1 (share_second_moment=False) r == 1 exactly, so the optimizer
     keeps one v per element and, with quantisation off, is AdamW: 25 steps, max |p - AdamW| <= 1e-6
-    (not bitwise: chunked torch / Triton arithmetic vs AdamW's foreach kernels, each rounded to
-    fp32). numba hands unquantised groups to the torch step, so "torch" covers it."""
+    (not bitwise: chunked torch / numba / Triton arithmetic vs AdamW's foreach kernels, each rounded
+    to fp32)."""
     params = [torch.nn.Parameter(torch.randn(s)) for s in SHAPES]
     twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
     ours = Gefen([{"params": params[:3]}, {"params": params[3:], "lr": 3e-3, "weight_decay": 0.0}],

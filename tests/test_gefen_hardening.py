@@ -299,11 +299,9 @@ def test_deepcopy_is_independent_and_continues_like_the_original():
 def test_upstream_fused_and_verbose_keywords(capsys):
     """``fused=False`` is the torch step; ``fused=True`` (upstream's default) the compiled one
     where the device has it; ``verbose`` prints each tensor's block length when it is chosen."""
-    from optim.gefen import torch_ops, numba_ops
-
     p = torch.nn.Parameter(torch.randn(32, 256))
-    assert Gefen([p], fused=False)._steps[p.device] is torch_ops.gefen_step_
-    assert Gefen([p], fused=True)._steps[p.device] is numba_ops.gefen_step_
+    assert Gefen([p], fused=False).backend_of(p) == "torch"
+    assert Gefen([p], fused=True).backend_of(p) == "numba"
     with pytest.raises(ValueError, match="fused=False"):
         Gefen([p], fused=False, backend="numba")
     opt = Gefen([p], verbose=True)

@@ -11,7 +11,8 @@
   with repeated entries (what a codebook padded from a histogram with few occupied bins looks
   like; the kernel writes the same copy the reference does) and one denser than the kernel's
   lookup-table bins.
-* The unquantised, per-element mode is AdamW: checked against ``torch.optim.AdamW``.
+* The unquantised, per-element mode is AdamW: checked against ``torch.optim.AdamW``; unquantised
+  with shared blocks against the reference (m exactly).
 * A group of tensors (mixed sizes and dtypes) in one call equals each tensor stepped alone; the
   cached launch follows gradients re-allocated every step (and a gradient dtype change);
   misaligned views and ragged sizes (their own, unvectorised launches on a GPU) are still exact.
@@ -154,6 +155,29 @@ def test_unquantised_per_element_is_adamw(dtype, step_):
         assert_close(v, opt.state[ref]["exp_avg_sq"], atol=1e-9, rtol=1e-6, name="v vs exp_avg_sq")
     else:
         assert rel_rms(p, ref.detach()) <= 2e-2
+
+
+@pytest.mark.parametrize("step_", STEPS)
+@pytest.mark.parametrize("n,block,dtype", [(4097, 1, torch.float32), (1000, 8, torch.bfloat16),
+                                           (1030, 515, torch.float32), (4096, 1024, torch.float32)],
+                         ids=["4097-P1", "1000-P8-bf16", "1030-P515odd", "4096-P1024"])
+def test_unquantised_step_matches_reference_over_steps(n, block, dtype, step_):
+    """An fp32 first moment (``codebook=None``) with shared blocks: m exactly the reference's (its
+    lerp is torch's), v and p to fp32 rounding."""
+    v, s, m = random_state(n, block, 8, quantized=False)
+    p = torch.randn(n).to(dtype)
+    ref = [p.float(), v.clone(), s.clone(), m.clone()]
+    for t in range(1, 4):
+        g = torch.randn(n).to(dtype)
+        ref = list(R.gefen_step(ref[0], g, *ref[1:], None, step=t, block=block, bits=8, **HP))
+        ref[0] = ref[0].to(dtype).float()
+        step_([p], [g], [v], [s], [m], None, step=t, block=block, bits=8, **HP)
+        assert torch.equal(m, ref[3]), f"m after step {t}: {(m != ref[3]).sum()} differ"
+        assert_close(v, ref[1], atol=1e-7, rtol=1e-5, name=f"v after step {t}")
+        if dtype == torch.float32:
+            assert_close(p, ref[0], atol=1e-5, name=f"p after step {t}")
+        else:
+            assert rel_rms(p.float(), ref[0]) <= 2e-2, f"p after step {t}"
 
 
 def test_group_launch_equals_one_tensor_at_a_time():

@@ -47,16 +47,16 @@ def test_quantisers_match_brute_force_at_boundaries(bits):
     expected = _brute_nearest(q, cb)
     tables = code_table(cb_t)
     assert tables.ncmp <= 1 and not tables.has_repeats  # the table the numba step runs on
-    lut_cb, bounds, lut_code, lut_bound, lut_values = _luts(tables)
+    luts = _luts(tables)
     m = q.copy()
     codes = np.zeros(q.size, np.uint8)
     if bits == 8:
         u = np.zeros(q.size, np.uint32)
         C._bins(m, q.size, np.float32(1.0), np.float32(tables.scale),
-                np.uint32(lut_code.size - 1), u)
-        C._lookup8(codes, m, u, lut_code, lut_bound, lut_values)
+                np.uint32(luts.lut_code.size - 1), u)
+        C._lookup8(codes, m, u, luts.lut_code, luts.lut_bound, luts.lut_values)
     else:
-        C._quantize4(m, q.size, np.float32(1.0), tuple(bounds), tuple(cb), codes)
+        C._quantize4(m, q.size, np.float32(1.0), tuple(luts.bounds), tuple(cb), codes)
     bad = np.nonzero(codes != expected)[0]
     assert bad.size == 0, f"codes differ at {bad[:5]}: q={q[bad[:5]]}, got {codes[bad[:5]]}, want {expected[bad[:5]]}"
     np.testing.assert_array_equal(m, cb[expected])  # the selected value is C[code] exactly

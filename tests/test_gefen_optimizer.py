@@ -1,15 +1,19 @@
-"""Gefen optimizer: AdamW reduction, fast paths vs the reference, codebook, state dicts, errors.
+"""Gefen optimizer: AdamW reduction, fast paths vs the reference, codebook, state dicts, errors,
+which backend updates each parameter (``backend_of``, checked against the step that runs).
 
 Independent references: ``torch.optim.AdamW``; ``optim.gefen.reference.gefen_step`` run tensor by
 tensor (every backend's step lays tensors side by side: torch, numba, Triton interpreted); a histogram built
 block by block in the test; ``torch.save``/``torch.load`` round trips.
 """
 
+import copy
+import pickle
 
 import pytest
 import torch
 
 from optim import Gefen
+from optim.backends import numba_available
 from optim.gefen import reference as R, state as K
 from optim.gefen.codebook import histogram, optimal_codebook
 from tests.utils import assert_close, assert_same_state, checkpoint_and_continue, set_grads
@@ -28,8 +32,8 @@ def _grad(shape):
 def test_reduces_to_adamw_two_groups():
     """50 steps, two groups (second: own lr, no decay), fp32: max |Δ| <= 1e-6 against AdamW.
 
-    Not bitwise: the fast path pads block-1 tensors to chunks of 256 and runs torch's generic
-    kernels, AdamW its foreach kernels; both round each operation to fp32.
+    Not bitwise: the compiled step (numba on CPU, where it is installed) and AdamW's foreach
+    kernels round each operation to fp32, with divisions and square roots in other orders.
     """
     params = [torch.nn.Parameter(torch.randn(s)) for s in SHAPES]
     twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
@@ -249,3 +253,140 @@ def test_triton_backend_dispatch_matches_torch():
     for p, q in zip(ps, qs):
         assert torch.equal(tri.state[p][K.CODES], ref.state[q][K.CODES])
         assert_close(p.detach(), q.detach(), atol=1e-6, name="p triton vs torch")
+
+
+# ------------------------------------------------------------------------------ backends
+@pytest.fixture
+def ran(monkeypatch):
+    """Which step module ran: one entry ("torch", "numba", "triton") per call, in order."""
+    from optim.gefen import numba_ops, torch_ops, triton_ops
+
+    calls = []
+    for name, mod in (("torch", torch_ops), ("numba", numba_ops), ("triton", triton_ops)):
+        def record(*args, _name=name, _step=mod.gefen_step_, **kwargs):
+            calls.append(_name)
+            return _step(*args, **kwargs)
+        monkeypatch.setattr(mod, "gefen_step_", record)
+    return calls
+
+
+def _step_once(opt, params):
+    set_grads(params, [_grad(p.shape) for p in params])
+    opt.step()
+
+
+ADAMW64 = dict(share_second_moment=False, quantize_first_moment=False)
+
+
+@pytest.mark.skipif(not numba_available(), reason="numba is not installed")
+def test_backend_of_is_the_step_that_runs(ran):
+    """CPU tensors: "auto" is numba, quantised or not; backend="triton" (interpreted here) is
+    Triton; the step that runs is the one backend_of names."""
+    ps = [torch.nn.Parameter(torch.randn(16, 96)), torch.nn.Parameter(torch.randn(300))]
+    opt = Gefen([{"params": ps[:1]}, {"params": ps[1:], "quantize_first_moment": False}])
+    assert [opt.backend_of(p) for p in ps] == ["numba", "numba"]
+    _step_once(opt, ps)
+    assert ran == ["numba", "numba"]
+    tri = Gefen([p := torch.nn.Parameter(torch.randn(16, 96))], backend="triton")
+    assert tri.backend_of(p) == "triton"
+    ran.clear()
+    _step_once(tri, [p])
+    assert ran == ["triton"]
+    with pytest.raises(ValueError, match="not a parameter"):
+        opt.backend_of(p)
+
+
+@pytest.mark.parametrize("backend,kwargs,match", [
+    pytest.param("numba", ADAMW64, "backend='numba' cannot update parameter 0 of group 1 .*float64", id="numba-float64"),
+    pytest.param("triton", ADAMW64, "backend='triton' cannot update parameter 0 of group 1 .*float64", id="triton-float64-adamw"),
+    pytest.param("triton", {}, "backend='triton' cannot update .*fp32, bf16 or fp16", id="triton-float64"),
+])
+def test_named_backend_that_cannot_update_a_parameter_is_refused_at_construction(backend, kwargs, match):
+    """A backend asked for by name is refused where it cannot run, with the reason and the way out;
+    a later group it cannot take is refused by add_param_group and not added."""
+    if backend == "numba" and not numba_available():
+        pytest.skip("numba is not installed")
+    p32, p64 = torch.nn.Parameter(torch.randn(8, 16)), torch.nn.Parameter(torch.randn(8, 16, dtype=torch.float64))
+    with pytest.raises(ValueError, match=match + ".*use backend='torch'"):
+        Gefen([{"params": [p32]}, {"params": [p64], **kwargs}], backend=backend)
+    opt = Gefen([p32], backend=backend)
+    with pytest.raises(ValueError, match="cannot update parameter 0 of group 1"):
+        opt.add_param_group({"params": [p64], **kwargs})
+    assert len(opt.param_groups) == 1 and opt.backend_of(p32) == backend
+
+
+def test_auto_falls_back_to_torch_where_a_compiled_step_cannot_run(ran):
+    """"auto" gives float64 moments (AdamW in float64) to the torch step, and says so."""
+    p64, p32 = torch.nn.Parameter(torch.randn(300, dtype=torch.float64)), torch.nn.Parameter(torch.randn(300))
+    opt = Gefen([{"params": [p64]}, {"params": [p32], "quantize_first_moment": True,
+                                     "share_second_moment": True}], **ADAMW64)
+    assert opt.backend_of(p64) == "torch"
+    assert opt.backend_of(p32) == ("numba" if numba_available() else "torch")
+    _step_once(opt, [p64, p32])
+    assert ran == ["torch", opt.backend_of(p32)]
+    assert opt.state[p64][K.V].dtype == torch.float64
+
+
+@pytest.mark.skipif(not numba_available(), reason="numba is not installed")
+def test_numba_codebook_it_cannot_separate_runs_on_torch(ran):
+    """The data-dependent exception (checks.data_fallback): a codebook with repeated entries is
+    known after construction; backend_of then says "torch", and the torch step runs."""
+    p = torch.nn.Parameter(torch.randn(16, 96))
+    opt = Gefen([p], backend="numba")
+    assert opt.backend_of(p) == "numba"
+    opt.set_codebook(torch.linspace(-1, 1, 128).repeat_interleave(2))
+    assert opt.backend_of(p) == "torch"
+    _step_once(opt, [p])
+    assert ran == ["torch"]
+
+
+def test_triton_block_longer_than_a_program_runs_on_torch(ran):
+    """The other data-dependent exception: a loaded block length Triton cannot hold."""
+    from optim.gefen._triton_kernels import MAX_TILE_WIDTH
+
+    block = 2 * MAX_TILE_WIDTH
+    p = torch.nn.Parameter(torch.randn(2, block) * 0.1)
+    opt = Gefen([p], backend="triton")
+    assert opt.backend_of(p) == "triton"
+    sd = opt.state_dict()
+    sd["state"] = {0: {K.STEP: 1, K.BLOCK: block, K.V: torch.full((2,), 1e-4), K.SCALES: torch.full((2,), 0.1),
+                       K.CODES: torch.full((2 * block,), 128, dtype=torch.uint8)}}
+    sd[K.CODEBOOK] = torch.linspace(-1, 1, 256)
+    opt.load_state_dict(sd)
+    assert opt.backend_of(p) == "torch"
+    _step_once(opt, [p])
+    assert ran == ["torch"]
+
+
+@pytest.mark.skipif(not numba_available(), reason="numba is not installed")
+def test_backend_chosen_again_for_a_moved_parameter():
+    """A parameter moved (here: made float64) before its first step is resolved again; a backend
+    asked for by name that cannot take it is refused, naming what it was and what it is."""
+    p = torch.nn.Parameter(torch.randn(300))
+    opt = Gefen([p], **ADAMW64)
+    assert opt.backend_of(p) == "numba"
+    p.data = p.data.double()
+    assert opt.backend_of(p) == "torch"
+    q = torch.nn.Parameter(torch.randn(300))
+    named = Gefen([q], backend="numba", **ADAMW64)
+    q.data = q.data.double()
+    q.grad = torch.randn(300, dtype=torch.float64)
+    with pytest.raises(ValueError, match="float64.*it was a torch.float32 tensor on cpu when the optimizer was built"):
+        named.step()
+
+
+@pytest.mark.parametrize("copy_", [copy.deepcopy, lambda o: pickle.loads(pickle.dumps(o))], ids=["deepcopy", "pickle"])
+def test_copies_choose_the_same_backends(copy_):
+    """Backends are not pickled (they are keyed by parameter): a copy chooses them again, and a
+    pickle made before they existed loads the same way."""
+    ps = [torch.nn.Parameter(torch.randn(16, 96)), torch.nn.Parameter(torch.randn(300, dtype=torch.float64))]
+    opt = Gefen([{"params": ps[:1]}, {"params": ps[1:], **ADAMW64}])
+    _step_once(opt, ps)
+    opt2 = copy_(opt)
+    ps2 = [p for g in opt2.param_groups for p in g["params"]]
+    assert [opt2.backend_of(p) for p in ps2] == [opt.backend_of(p) for p in ps]
+    state = opt.__getstate__()
+    state.pop("_backends", None)
+    old = Gefen.__new__(Gefen)
+    old.__setstate__(copy.deepcopy(state))
+    assert [old.backend_of(p) for g in old.param_groups for p in g["params"]] == [opt.backend_of(p) for p in ps]

@@ -8,8 +8,8 @@ so every block's v, absmax and codes are computed exactly as in the serial loop 
 depend on the thread count); with 4-bit codes and an odd scale-block length, jobs start at even
 blocks so that no two jobs write the same code byte.
 
-Every compiled function is top level with one signature: the code width and ``block == 1`` are
-run-time flags tested once per scale block, not per element. Top-level functions have one on-disk
+Every compiled function is top level with one signature: the code width, ``block == 1`` and an
+unquantised first moment are run-time flags tested once per scale block, not per element. Top-level functions have one on-disk
 cache entry each, so processes compiling at the same time cannot load each other's variants.
 
 Passes: each scale block (S <= 1024 elements, so its buffers stay in L1) goes through short
@@ -30,6 +30,9 @@ doing everything per element compiles to scalar code (a scalar division per elem
 6. (8 bits) code = ``lut_code[u] + (q > lut_bound[u])``, value ``lut_values[2u + up]`` (scalar);
 7. parameter update (vector) and, at 4 bits, packing two codes a byte.
 
+An unquantised first moment (fp32 m in place of codes and scales) skips 1, 3, 5 and 6: the lerp
+runs on the stored m and the update reads it.
+
 Arithmetic: as ``reference.gefen_step`` in fp32, scalars passed as float32. Multiply-adds may be
 fused (``fastmath={"contract"}``) only where the reference's value does not depend on it: the
 decode ``C[code] * s`` is a pass of its own, compiled without ``contract``, so it is rounded
@@ -42,13 +45,13 @@ absorbs the rounding of the bin index, the final boundary comparison is exact; t
 ``#{boundaries < q}`` is ``codebook.nearest_code``'s definition).
 """
 
+import functools
 from functools import partial
 
 import numpy as np
 from numba import carray, njit, prange, types
 from numba.extending import intrinsic
 
-_KERNELS = {}
 _FMA = {"contract"}
 
 
@@ -72,7 +75,8 @@ def _u8_ptr(typingctx, addr):
     return sig, codegen
 
 
-def kernel(bits: int, per_element_v: bool, parallel: bool = True, factored: bool = False):
+@functools.cache
+def kernel(bits: int, per_element_v: bool, parallel: bool = True, factored: bool = False, quant: bool = True):
     """The compiled step for 8- or 4-bit codes and block == 1 (per-element v) or block > 1.
 
     ``parallel=False``: the same jobs run in order on the calling thread, without starting
@@ -80,6 +84,9 @@ def kernel(bits: int, per_element_v: bool, parallel: bool = True, factored: bool
 
     ``factored``: the second moment of element j of a block is ``v_b * r_j`` (block > 1), with
     ``ratio[t, j] = sqrt(r_j)``.
+
+    ``quant=False``: the codes column of ``meta`` is the address of an fp32 first moment (one float
+    an element), updated in place; scales, codebook and tables are not read (``bits`` is ignored).
 
     ``kernel(...)(meta, jobs, ratio, cb, bounds, lut_code, lut_bound, lut_values, lut_scale, block,
     S, w1, beta2, one_minus_beta2, decay, neg_step, bc2_sqrt, eps)``: ``meta`` int64 (tensors, 9) =
@@ -89,11 +96,8 @@ def kernel(bits: int, per_element_v: bool, parallel: bool = True, factored: bool
     +inf; used at 4 bits); ``ratio`` fp32 (tensors, block), ``factor_kernel``'s output (read only
     when ``factored``).
     """
-    key = (bits, per_element_v, parallel, factored)
-    if key not in _KERNELS:
-        _KERNELS[key] = partial(_step_parallel if parallel else _step_serial, bits == 4, per_element_v,
-                                factored and not per_element_v)
-    return _KERNELS[key]
+    return partial(_step_parallel if parallel else _step_serial, quant and bits == 4, per_element_v,
+                   factored and not per_element_v, quant)
 
 
 def factor_kernel(parallel: bool = True):
@@ -351,10 +355,11 @@ def _factor_serial(meta, jobs, wptrs, block, S, beta2, one_minus_beta2, partial,
 
 
 @njit(nogil=True, error_model="numpy", cache=True)
-def _blocks(bits4, per_element, factored, p, g, v, scales, codes, r, j0, j1, cb, bounds, lut_code, lut_bound,
-            lut_values, lut_scale, block, S, w1, beta2, one_minus_beta2, decay, neg_step, bc2_sqrt,
-            eps):
-    """Scale blocks j0..j1-1 of one tensor, pass by pass (see the module docstring)."""
+def _blocks(bits4, per_element, factored, quant, p, g, v, scales, codes, m_fp32, r, j0, j1, cb, bounds, lut_code,
+            lut_bound, lut_values, lut_scale, block, S, w1, beta2, one_minus_beta2, decay, neg_step,
+            bc2_sqrt, eps):
+    """Scale blocks j0..j1-1 of one tensor, pass by pass (see the module docstring). ``m_fp32``: the
+    unquantised first moment (``quant`` False; codes and scales are then empty)."""
     n = p.size
     m = np.empty(S, dtype=np.float32)
     bits = m.view(np.int32)
@@ -375,22 +380,27 @@ def _blocks(bits4, per_element, factored, p, g, v, scales, codes, r, j0, j1, cb,
         stop = min(start + S, n)
         L = stop - start
         gj = g[start:stop]
-        mj = m[:L]
-        if bits4:
-            _unpack4(codes, start, stop, c)
-            _decode(c[:L], cb, scales[j], mj)
+        if not quant:  # m^ is the stored m after the lerp (times 1: exact)
+            mj = m_fp32[start:stop]
+            _lerp(gj, w1, mj)
+            amax = np.float32(1.0)
         else:
-            _decode(codes[start:stop], cb, scales[j], mj)
-        _lerp(gj, w1, mj)
-        amax_bits[0] = _absmax_bits(bits, L)
-        amax = amax_f[0]
-        scales[j] = amax
-        if bits4:
-            _quantize4(m, L, amax, bounds16, cb16, c)
-            _pack4(c, start, stop, codes)
-        else:
-            _bins(m, L, amax, lut_scale, top, u)
-            _lookup8(codes[start:stop], mj, u, lut_code, lut_bound, lut_values)
+            mj = m[:L]
+            if bits4:
+                _unpack4(codes, start, stop, c)
+                _decode(c[:L], cb, scales[j], mj)
+            else:
+                _decode(codes[start:stop], cb, scales[j], mj)
+            _lerp(gj, w1, mj)
+            amax_bits[0] = _absmax_bits(bits, L)
+            amax = amax_f[0]
+            scales[j] = amax
+            if bits4:
+                _quantize4(m, L, amax, bounds16, cb16, c)
+                _pack4(c, start, stop, codes)
+            else:
+                _bins(m, L, amax, lut_scale, top, u)
+                _lookup8(codes[start:stop], mj, u, lut_code, lut_bound, lut_values)
         if per_element:
             vj = v[start:stop]
             _v_per_element(vj, gj, beta2, one_minus_beta2)
@@ -407,33 +417,34 @@ def _blocks(bits4, per_element, factored, p, g, v, scales, codes, r, j0, j1, cb,
 
 
 @njit(nogil=True, error_model="numpy", cache=True)
-def _job(bits4, per_element, factored, meta, jobs, k, ratio, cb, bounds, lut_code, lut_bound, lut_values, lut_scale,
-         block, S, w1, beta2, one_minus_beta2, decay, neg_step, bc2_sqrt, eps):
+def _job(bits4, per_element, factored, quant, meta, jobs, k, ratio, cb, bounds, lut_code, lut_bound, lut_values,
+         lut_scale, block, S, w1, beta2, one_minus_beta2, decay, neg_step, bc2_sqrt, eps):
     t = jobs[k, 0]
     p = carray(_f32_ptr(meta[t, 0]), (meta[t, 5],))
     g = carray(_f32_ptr(meta[t, 1]), (meta[t, 5],))
     v = carray(_f32_ptr(meta[t, 2]), (meta[t, 6],))
-    scales = carray(_f32_ptr(meta[t, 3]), (meta[t, 7],))
-    codes = carray(_u8_ptr(meta[t, 4]), (meta[t, 8],))
-    _blocks(bits4, per_element, factored, p, g, v, scales, codes, ratio[t if factored else 0],
+    scales = carray(_f32_ptr(meta[t, 3]), (meta[t, 7] if quant else 0,))
+    codes = carray(_u8_ptr(meta[t, 4]), (meta[t, 8] if quant else 0,))
+    m_fp32 = carray(_f32_ptr(meta[t, 4]), (0 if quant else meta[t, 8],))
+    _blocks(bits4, per_element, factored, quant, p, g, v, scales, codes, m_fp32, ratio[t if factored else 0],
             jobs[k, 1], jobs[k, 2], cb, bounds,
             lut_code, lut_bound, lut_values, lut_scale, block, S, w1, beta2, one_minus_beta2,
             decay, neg_step, bc2_sqrt, eps)
 
 
 @njit(nogil=True, error_model="numpy", parallel=True, cache=True)
-def _step_parallel(bits4, per_element, factored, meta, jobs, ratio, cb, bounds, lut_code, lut_bound, lut_values,
-                   lut_scale, block, S, w1, beta2, one_minus_beta2, decay, neg_step, bc2_sqrt, eps):
+def _step_parallel(bits4, per_element, factored, quant, meta, jobs, ratio, cb, bounds, lut_code, lut_bound,
+                   lut_values, lut_scale, block, S, w1, beta2, one_minus_beta2, decay, neg_step, bc2_sqrt, eps):
     for k in prange(jobs.shape[0]):
-        _job(bits4, per_element, factored, meta, jobs, k, ratio, cb, bounds, lut_code, lut_bound, lut_values,
+        _job(bits4, per_element, factored, quant, meta, jobs, k, ratio, cb, bounds, lut_code, lut_bound, lut_values,
              lut_scale, block, S, w1, beta2, one_minus_beta2, decay, neg_step, bc2_sqrt, eps)
 
 
 @njit(nogil=True, error_model="numpy", cache=True)
-def _step_serial(bits4, per_element, factored, meta, jobs, ratio, cb, bounds, lut_code, lut_bound, lut_values,
-                 lut_scale, block, S, w1, beta2, one_minus_beta2, decay, neg_step, bc2_sqrt, eps):
+def _step_serial(bits4, per_element, factored, quant, meta, jobs, ratio, cb, bounds, lut_code, lut_bound,
+                 lut_values, lut_scale, block, S, w1, beta2, one_minus_beta2, decay, neg_step, bc2_sqrt, eps):
     # the same passes compiled again: every pass is written so that its rounding cannot depend on
     # the copy (no multiply-add with two products to choose from, no reassoc)
     for k in range(jobs.shape[0]):
-        _job(bits4, per_element, factored, meta, jobs, k, ratio, cb, bounds, lut_code, lut_bound, lut_values,
+        _job(bits4, per_element, factored, quant, meta, jobs, k, ratio, cb, bounds, lut_code, lut_bound, lut_values,
              lut_scale, block, S, w1, beta2, one_minus_beta2, decay, neg_step, bc2_sqrt, eps)

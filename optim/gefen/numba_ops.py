@@ -1,28 +1,53 @@
 """The Gefen step in place on CPU tensors, compiled with numba: one kernel call per group.
 
 ``gefen_step_`` has the signature of :func:`optim.gefen.torch_ops.gefen_step_` and updates the same
-state the same way (codes exactly, parameters and v to a few fp32 ulps; see ``_numba_kernels.py``
-for the arithmetic). The kernel is fused per scale block and serves a quantised first moment whose
-codebook the lookup table separates with one comparison a value (``CodeTable.ncmp <= 1``, no
-repeated entries: every codebook ``optimal_codebook`` learns from a 4096-bin histogram with enough
-occupied bins). Everything else (``codebook=None``, the AdamW-like unquantised first moment;
-repeated or denser entries) is handed to ``torch_ops.gefen_step_``, which computes the same step.
+fp32 state the same way (codes and an unquantised m exactly, parameters and v to a few fp32 ulps; see
+``_numba_kernels.py`` for the arithmetic). The kernel is fused per scale block. A quantised first
+moment is looked up in a table that separates the codebook's entries with one comparison a value
+(``CodeTable.ncmp <= 1``, no repeated entries: every codebook ``optimal_codebook`` learns from a
+4096-bin histogram with enough occupied bins); a codebook without that property is known only once
+it is learned, and ``checks.data_fallback`` (the one place a compiled path deviates) hands it to
+``torch_ops.gefen_step_``, which computes the same step. float64 state (``checks.state_dtype``) is
+refused: ``Gefen`` runs it on the torch step.
 
 Importing this module does not import numba; the first call does (and compiles the kernels once,
 cached on disk).
 """
 
+from typing import NamedTuple
+
 import numpy as np
 import torch
 
+from .._cache import BoundedCache
 from .._threads import numba_threads
 from . import torch_ops
-from .checks import check_factors, check_launch
+from .checks import check_factors, check_launch, data_fallback
 from .codebook import code_table
 from .reference import scale_block_length
 
-_JOBS = {}
 _JOB_ELEMENTS = 1 << 15  # elements per parallel job (whole scale blocks)
+_JOBS = BoundedCache(256)  # job tables per layout
+_LUTS = BoundedCache(64)  # kernel arrays per CodeTable object
+_NO_RATIO = np.ones((1, 1), dtype=np.float32)
+
+
+class Addresses(NamedTuple):
+    """The kernel's address table and the fp32 working copies it points into (``_addresses``)."""
+
+    meta: np.ndarray  # int64 (tensors, 9): addresses of p, g, v, scales, codes; numels of p, v, scales, codes
+    scratch: list  # fp32 copies of parameters and gradients, alive until the kernel returns
+    write_back: list  # (parameter, fp32 copy) pairs copied back after the kernel
+
+
+class KernelLuts(NamedTuple):
+    """The kernel's arrays of one ``CodeTable`` (``_luts``)."""
+
+    codebook: np.ndarray  # fp32, the distinct entries
+    bounds: np.ndarray  # fp32 decision boundaries, then +inf
+    lut_code: np.ndarray  # int32, the table: the code below each bin's boundary
+    lut_bound: np.ndarray  # fp32, the boundary each table bin compares with
+    lut_values: np.ndarray  # fp32 (2 * bins,), the two values each bin selects
 
 
 def _jobs(numels: tuple, S: int, bits: int) -> np.ndarray:
@@ -31,8 +56,7 @@ def _jobs(numels: tuple, S: int, bits: int) -> np.ndarray:
     With 4-bit codes and an odd ``S`` a run starts at an even block (an even element), so two
     runs never share a code byte. Cached per layout.
     """
-    key = (numels, S, bits)
-    if key not in _JOBS:
+    def build():
         per = max(1, _JOB_ELEMENTS // S)
         if bits == 4 and S % 2 and per % 2:
             per += 1
@@ -40,31 +64,26 @@ def _jobs(numels: tuple, S: int, bits: int) -> np.ndarray:
         for t, n in enumerate(numels):
             nb = -(-n // S)
             rows.extend((t, j, min(j + per, nb)) for j in range(0, nb, per))
-        if len(_JOBS) > 256:
-            _JOBS.clear()
-        _JOBS[key] = np.asarray(rows, dtype=np.int64).reshape(-1, 3)
-    return _JOBS[key]
+        return np.asarray(rows, dtype=np.int64).reshape(-1, 3)
+    return _JOBS.get_or_build((numels, S, bits), build)
 
 
-def _meta(ps, gs, vs, scales, codes):
-    """The kernel's address table and the fp32 working copies it points into.
-
-    Returns (meta int64 (tensors, 9), keep: copies alive until the kernel returns, back: (p, copy)
-    pairs to copy back). Non-fp32 or non-contiguous parameters and gradients are copied to fp32.
-    """
-    rows, keep, back = [], [], []
+def _addresses(ps, gs, vs, scales, codes) -> Addresses:
+    """The address table of a call; non-fp32 or non-contiguous parameters and gradients are copied
+    to fp32 first (parameters are copied back after the kernel)."""
+    rows, scratch, back = [], [], []
     for p, g, v, s, c in zip(ps, gs, vs, scales, codes):
         pw, gw = p, g
         if not (p.dtype == torch.float32 and p.is_contiguous()):
             pw = p.detach().float().contiguous()
             back.append((p, pw))
-            keep.append(pw)
+            scratch.append(pw)
         if not (g.dtype == torch.float32 and g.is_contiguous()):
             gw = g.detach().float().contiguous()
-            keep.append(gw)
+            scratch.append(gw)
         rows.append((pw.data_ptr(), gw.data_ptr(), v.data_ptr(), s.data_ptr(), c.data_ptr(),
                      p.numel(), v.numel(), s.numel(), c.numel()))
-    return np.array(rows, dtype=np.int64).reshape(-1, 9), keep, back
+    return Addresses(np.array(rows, dtype=np.int64).reshape(-1, 9), scratch, back)
 
 
 @torch.no_grad()
@@ -75,10 +94,12 @@ def gefen_step_(ps, gs, vs, scales, codes, codebook, *, step, lr, beta1, beta2, 
     One kernel call for the whole list, runs of scale blocks in parallel on
     ``torch.get_num_threads()`` numba threads (the same results at any thread count). A factored
     second moment (``ws``) adds one pass over the gradients before it (``factor_kernel``).
+    ``codebook=None``: the first moment is unquantised, fp32 ``m`` in ``codes``; ``scales`` unused.
     """
-    if codebook is not None and tables is None:
+    quant = codebook is not None
+    if quant and tables is None:
         tables = code_table(codebook)
-    if codebook is None or tables.ncmp > 1 or tables.has_repeats:
+    if data_fallback("numba", block=block, bits=bits, quant=quant, tables=tables) is not None:
         return torch_ops.gefen_step_(ps, gs, vs, scales, codes, codebook, step=step, lr=lr,
                                      beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
                                      block=block, bits=bits, tables=tables, ws=ws)
@@ -88,9 +109,9 @@ def gefen_step_(ps, gs, vs, scales, codes, codebook, *, step, lr, beta1, beta2, 
     S = scale_block_length(block)
     hyper = (f32(1 - beta1), f32(beta2), f32(1 - beta2), f32(1 - lr * weight_decay),
              f32(-lr / (1 - beta1**step)), f32((1 - beta2**step) ** 0.5), f32(eps))
-    check_launch(ps, gs, vs, scales, codes, block=block, bits=bits, quant=True)
-    meta, keep, back = _meta(ps, gs, vs, scales, codes)
-    jobs = _jobs(tuple(meta[:, 5].tolist()), S, bits)
+    check_launch(ps, gs, vs, scales, codes, block=block, bits=bits, quant=quant)
+    addr = _addresses(ps, gs, vs, scales, codes)
+    jobs = _jobs(tuple(addr.meta[:, 5].tolist()), S, bits if quant else 8)
     parallel = numba_threads() > 1
     ratio = _NO_RATIO
     if ws is not None:
@@ -98,31 +119,27 @@ def gefen_step_(ps, gs, vs, scales, codes, codebook, *, step, lr, beta1, beta2, 
         wptrs = np.array([w.data_ptr() for w in ws], dtype=np.int64)
         partial = np.empty((jobs.shape[0], block), dtype=np.float32)
         ratio = np.empty((len(ws), block), dtype=np.float32)
-        factor_kernel(parallel)(meta, jobs, wptrs, block, S, f32(beta2), f32(1 - beta2), partial, ratio)
-    step_fn = kernel(bits, block == 1, parallel=parallel, factored=ws is not None)
-    step_fn(meta, jobs, ratio, *_luts(tables), f32(tables.scale), block, S, *hyper)
-    del keep
-    for p, pw in back:
+        factor_kernel(parallel)(addr.meta, jobs, wptrs, block, S, f32(beta2), f32(1 - beta2), partial, ratio)
+    step_fn = kernel(bits, block == 1, parallel=parallel, factored=ws is not None, quant=quant)
+    luts, lut_scale = (_luts(tables), f32(tables.scale)) if quant else (_NO_LUTS, f32(1.0))
+    step_fn(addr.meta, jobs, ratio, luts.codebook, luts.bounds, luts.lut_code, luts.lut_bound, luts.lut_values,
+            lut_scale, block, S, *hyper)
+    for p, pw in addr.write_back:
         p.copy_(pw.view_as(p))
 
 
-_LUTS = {}
-_NO_RATIO = np.ones((1, 1), dtype=np.float32)
+def _luts(tables) -> KernelLuts:
+    """The kernel's arrays of one ``CodeTable``, cached on the table object while it lives."""
+    def build():
+        cb = tables.uniq.cpu().numpy()
+        lut = tables.lut.cpu().numpy()
+        cb_next = np.append(cb, cb[-1])
+        return KernelLuts(cb, tables.boundaries.cpu().numpy(), lut.astype(np.int32), tables.lut_bound.cpu().numpy(),
+                          np.stack([cb_next[lut], cb_next[lut + 1]], axis=1).reshape(-1).copy())
+    return _LUTS.get_or_build(id(tables), build, owner=tables)
 
 
-def _luts(tables):
-    """The kernel's arrays of one ``CodeTable`` (cached by identity while it lives): codebook,
-    boundaries, table, the boundary each table bin compares with, and the two values it selects."""
-    key = id(tables)
-    hit = _LUTS.get(key)
-    if hit is not None and hit[0] is tables:
-        return hit[1]
-    cb = tables.uniq.cpu().numpy()
-    lut = tables.lut.cpu().numpy()
-    cb_next = np.append(cb, cb[-1])
-    out = (cb, tables.boundaries.cpu().numpy(), lut.astype(np.int32), tables.lut_bound.cpu().numpy(),
-           np.stack([cb_next[lut], cb_next[lut + 1]], axis=1).reshape(-1).copy())
-    if len(_LUTS) > 64:
-        _LUTS.clear()
-    _LUTS[key] = (tables, out)
-    return out
+# The arrays of the kernel's signature for an unquantised call, which reads none of them (16
+# entries: the 4-bit pass's codebook and boundaries are unpacked into registers unconditionally).
+_NO_LUTS = KernelLuts(*[np.zeros(16, dtype=np.float32)] * 2, np.zeros(1, dtype=np.int32),
+                      *[np.zeros(16, dtype=np.float32)] * 2)

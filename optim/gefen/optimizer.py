@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from typing import NamedTuple
 
 import torch
 
-from ..backends import resolve_backend
+from ..backends import choose_backend
 from . import distributed as _dist, state as K
-from .checks import check_group, check_saved, state_dtype
+from .checks import backend_refusal, check_group, check_saved, data_fallback, state_dtype
 from .codebook import HIST_BINS, code_table
 from .partition import RULES, choose_block, factored_block
 from .reference import num_code_bytes, num_scales
@@ -17,7 +18,7 @@ from .torch_ops import histogram
 
 
 def _step_function(backend: str):
-    """The in-place step of a resolved backend; all three share one signature."""
+    """The in-place step of a concrete backend; all three share one signature."""
     if backend == "triton":
         from .triton_ops import gefen_step_
     elif backend == "numba":
@@ -25,6 +26,14 @@ def _step_function(backend: str):
     else:
         from .torch_ops import gefen_step_
     return gefen_step_
+
+
+class _Resolved(NamedTuple):
+    """The backend chosen for a parameter, and the device and dtype it was chosen for."""
+
+    backend: str  # "torch", "numba" or "triton"
+    device: torch.device
+    dtype: torch.dtype
 
 
 class Gefen(torch.optim.Optimizer):
@@ -78,9 +87,13 @@ class Gefen(torch.optim.Optimizer):
         backend: "torch" (``torch_ops``, any device), "numba" (``numba_ops``, CPU tensors),
             "triton" (``triton_ops``, CUDA tensors, or CPU under ``TRITON_INTERPRET=1``) or "auto"
             (Triton for CUDA tensors, numba on CPU where it is installed, torch otherwise);
-            resolved once per device at construction (``optim.backends``). The numba step runs
-            groups with a quantised first moment; it hands the others (and codebooks with
-            repeated or very close entries) to the torch step, which computes the same update.
+            resolved per parameter when it is added (``optim.backends.choose_backend``). Neither
+            compiled step keeps float64 moments (float64 parameters in a group with
+            ``share_second_moment=False, quantize_first_moment=False``) and Triton takes fp32,
+            bf16 and fp16 parameters: "auto" runs those on torch, a compiled backend asked for
+            by name is refused. What only the data decide (a codebook numba's table cannot
+            separate, a block longer than a Triton program) runs on torch
+            (``checks.data_fallback``); :meth:`backend_of` tells which path updates a parameter.
             The codebook's histogram is computed with torch on every backend (once per model).
             (Default: "auto")
         fused: upstream's keyword. False is ``backend="torch"``; True or None leave ``backend``
@@ -109,7 +122,7 @@ class Gefen(torch.optim.Optimizer):
         self.backend = "torch" if fused is False else backend
         self.fused = fused
         self.verbose = verbose
-        self._steps = {}  # device -> step function, filled by add_param_group
+        self._backends = {}  # param -> _Resolved, filled by add_param_group
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                         share_second_moment=share_second_moment,
                         quantize_first_moment=quantize_first_moment,
@@ -122,7 +135,7 @@ class Gefen(torch.optim.Optimizer):
 
     def __getstate__(self):
         # torch's keeps only defaults, state and groups; the codebook and settings travel too
-        # (deepcopy, pickle). Step functions and lookup tables are rebuilt.
+        # (deepcopy, pickle). Backends (keyed by parameter) and lookup tables are rebuilt.
         out = super().__getstate__()
         out.update({k: self.__dict__[k] for k in _SETTINGS})
         return out
@@ -132,20 +145,76 @@ class Gefen(torch.optim.Optimizer):
         self.__dict__.setdefault("_tables", None)
         for group in self.param_groups:  # pickled before the keyword existed: the published rule
             group.setdefault("factor_second_moment", False)
-        if "_steps" not in self.__dict__:
-            self._steps = {}
-            for p in (p for g in self.param_groups for p in g["params"]):
-                dev = _local(p).device
-                if dev not in self._steps:
-                    self._steps[dev] = _step_function(resolve_backend(self.backend, dev, owner="Gefen"))
+        if "_backends" not in self.__dict__:  # unpickled or copied (load_state_dict keeps them)
+            self._backends = {p: self._resolve(p, group, gi, pi) for gi, group in enumerate(self.param_groups)
+                              for pi, p in enumerate(group["params"])}
 
     def add_param_group(self, param_group):
         super().add_param_group(param_group)
-        check_group(self.param_groups[-1], len(self.param_groups) - 1)
-        for p in self.param_groups[-1]["params"]:
-            dev = _local(p).device
-            if dev not in self._steps:
-                self._steps[dev] = _step_function(resolve_backend(self.backend, dev, owner="Gefen"))
+        gi, group = len(self.param_groups) - 1, self.param_groups[-1]
+        try:
+            check_group(group, gi)
+            chosen = {p: self._resolve(p, group, gi, pi) for pi, p in enumerate(group["params"])}
+        except Exception:
+            self.param_groups.pop()  # a refused group is not added
+            raise
+        self._backends.update(chosen)
+
+    # ------------------------------------------------------------------------------ backends
+    def _resolve(self, p, group, gi, pi) -> _Resolved:
+        """``choose_backend`` for parameter ``pi`` of group ``gi`` on the device and dtype it has now."""
+        local = _local(p)
+        name = choose_backend(
+            self.backend, local.device, lambda b: backend_refusal(b, local.dtype, group), owner="Gefen",
+            what=f"parameter {pi} of group {gi} (shape {tuple(p.shape)}, dtype {local.dtype})")
+        return _Resolved(name, local.device, local.dtype)
+
+    def _backend(self, p, group, gi, pi) -> str:
+        """The backend chosen for ``p``; chosen again for a parameter moved to another device or
+        dtype since (as torch's optimizers create their state lazily), unless its state already
+        lives on the old device."""
+        chosen = self._backends.get(p)
+        local = _local(p)
+        if chosen is None or chosen.device != local.device or chosen.dtype != local.dtype:
+            st = self.state.get(p, {})
+            if chosen is not None and K.V in st and st[K.V].device != local.device:
+                raise RuntimeError(
+                    f"Gefen: parameter {pi} of group {gi} (shape {tuple(p.shape)}) is on {local.device}, "
+                    f"its state on {st[K.V].device}, where it was at its first step; move parameters "
+                    "before the first step, or load the state dict again after moving them")
+            try:
+                chosen = self._backends[p] = self._resolve(p, group, gi, pi)
+            except (RuntimeError, ValueError) as exc:
+                if chosen is None:
+                    raise
+                raise type(exc)(f"{exc} (it was a {chosen.dtype} tensor on {chosen.device} when the optimizer "
+                                f"was built, it is a {local.dtype} tensor on {local.device} now)") from exc
+        return chosen.backend
+
+    def backend_of(self, p) -> str:
+        """Which path updates ``p``: "torch", "numba" or "triton".
+
+        The backend chosen for ``p`` when it was added (chosen again if it moved to another device
+        or dtype since), or "torch" where ``checks.data_fallback`` hands its steps to the torch
+        step. That depends on data: the codebook (learned at the first step) for numba, ``p``'s
+        block length (chosen at its first non-zero gradient, or loaded) for Triton; before they
+        exist this is the chosen backend, the path unless they deviate.
+        """
+        for gi, group in enumerate(self.param_groups):
+            for pi, q in enumerate(group["params"]):
+                if q is p:
+                    return self._path(self._backend(p, group, gi, pi), group, self.state.get(p, {}).get(K.BLOCK))
+        raise ValueError(f"Gefen.backend_of: the tensor (shape {tuple(p.shape)}) is not a parameter "
+                         "of this optimizer")
+
+    def _path(self, backend: str, group, block) -> str:
+        """``backend``, or "torch" where ``checks.data_fallback`` deviates for ``block`` and the codebook."""
+        if backend == "torch":
+            return backend
+        quant = group["quantize_first_moment"]
+        tables = self._nearest_tables() if quant and self.codebook is not None else None
+        why = data_fallback(backend, block=block, bits=self.bits, quant=quant, tables=tables)
+        return backend if why is None else "torch"
 
     # ----------------------------------------------------------------------------- codebook
     def codebook_histogram(self, grads) -> torch.Tensor:
@@ -234,7 +303,7 @@ class Gefen(torch.optim.Optimizer):
         return True
 
     def _gather(self):
-        """[(group, [(p, grad)])] of parameters with gradients; checks them; creates state."""
+        """[(group, [(p, grad, backend)])] of parameters with gradients; checks them; creates state."""
         out = []
         for gi, group in enumerate(self.param_groups):
             items = []
@@ -248,9 +317,10 @@ class Gefen(torch.optim.Optimizer):
                         "optim.DiskSparseAdam, or build the embedding with sparse=False")
                 if _local(p).numel() == 0:
                     continue
+                backend = self._backend(p, group, gi, pi)
                 if K.BLOCK not in self.state[p] and not self._first_gradient(p, group, gi, pi):
                     continue
-                items.append((p, p.grad))
+                items.append((p, p.grad, backend))
             out.append((group, items))
         return out
 
@@ -266,7 +336,7 @@ class Gefen(torch.optim.Optimizer):
             return loss
         work = self._gather()
         quantized = {p: _local(g) for group, items in work if group["quantize_first_moment"]
-                     for p, g in items}
+                     for p, g, _ in items}
         # [distributed] sharded (FSDP2) histograms are summed over the ranks, so every
         # rank learns the same codebook; a rank whose local shards are all empty still joins.
         qparams = [p for g in self.param_groups if g["quantize_first_moment"] for p in g["params"]
@@ -283,20 +353,19 @@ class Gefen(torch.optim.Optimizer):
         quant = group["quantize_first_moment"]
         factored = group["factor_second_moment"]
         buckets = defaultdict(list)
-        for p, g in items:
+        for p, g, backend in items:
             st = self.state[p]
             st[K.STEP] += 1
-            buckets[(st[K.BLOCK], st[K.STEP], _local(p).device, st[K.V].dtype)].append((p, g))
+            buckets[(st[K.BLOCK], st[K.STEP], _local(p).device, st[K.V].dtype, backend)].append((p, g))
         beta1, beta2 = group["betas"]
-        for (block, step, dev, vdtype), pg in buckets.items():
+        for (block, step, dev, _, backend), pg in buckets.items():
             sts = [self.state[p] for p, _ in pg]
             codebook, tables = None, None
             if quant:
                 if self.codebook.device != dev:
                     self.set_codebook(self.codebook.to(dev))
                 codebook, tables = self.codebook, self._nearest_tables()
-            # float64 moments (see checks.state_dtype) run on the torch step, in float64
-            step_fn = _step_function("torch") if vdtype == torch.float64 else self._steps[dev]
+            step_fn = _step_function(self._path(backend, group, block))
             step_fn(
                 [_local(p) for p, _ in pg], [_local(g) for _, g in pg], [s[K.V] for s in sts],
                 [s[K.SCALES] if quant else s[K.V].new_zeros(0) for s in sts],
