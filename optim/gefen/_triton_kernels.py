@@ -2,26 +2,29 @@
 
 Why the kernel looks the way it does
 ------------------------------------
-* One pass over memory. Per element the step must read g, p, the code and write p and the code;
+* One pass over memory. Per element the step reads g, p and the code and writes p and the code;
   per block it reads and writes v and the scale. Everything (v update, weight decay, dequantise,
   lerp, block absmax, requantise, parameter update) happens on a tile held in registers: a program
   owns whole scale blocks, so the block reductions need no second pass and no atomics. Bytes per
-  element: fp32 p+g 4+4+4 (p read and written, g read) + code 1+1 = 14 (8-bit), 13 (4-bit);
-  bf16: 8. Upstream's CUDA path runs the block mean of g**2 and the weight decay as separate
-  kernels (two more reads of g and a read+write of p) and launches one CUDA block of >= 32
-  threads per Gefen block, so a block length of 8 leaves 3/4 of its threads idle.
+  element: 2 x p's size + g's size + 2 x the code's (1 byte at 8 bits, half at 4): 14 for fp32 p
+  and g with 8-bit codes, 13 with 4-bit codes, 8 for bf16 p and g with 8-bit codes; plus 16 bytes
+  per block (v and the scale). Upstream's CUDA path runs the block mean of g**2 and the weight
+  decay as separate kernels (two more reads of g and a read+write of p) and launches one CUDA
+  block of >= 32 threads per Gefen block, so a block length of 8 leaves 3/4 of its threads idle.
 * Tile = R whole blocks x next_pow2(S) columns, R*next_pow2(S) ~ ``TILE`` = 2048 elements, with
   ``ELEMS_PER_THREAD`` = 4 elements a thread (16 warps). Lanes past S (non-power-of-two S) are
-  masked: they cost registers, not memory traffic. Every configuration the launcher chooses is
-  compiled for sm_80/90/100 by tests/test_triton_aot.py; at 4 elements a thread it stays within 64
-  registers (>= 50% occupancy on sm_90, to hide HBM latency), where 8 needed up to 128
-  (experiments/kernel_resources.py reports each). Pointers read from the pointer table carry no
-  alignment the compiler can see, and a mask ``offs < n`` with n read from memory is not constant
-  over 4 lanes: either alone made every access scalar (0 of 66 global loads vectorised). So a
-  launch whose tensors are all 16-byte aligned says so (``tl.multiple_of``, ALIGN) and one whose
-  sizes are whole tile rows masks by row (EXACT): then p, g, v and codes move in 128-bit accesses.
-  Misaligned or ragged tensors (FSDP shards at odd offsets, a P = 1 tensor whose size is not a
-  multiple of 256) go to their own scalar launch (``experiments/bench_kernels.py`` times both).
+  masked: they cost registers, not memory traffic. At 4 elements a thread every configuration stays
+  within 64 registers (at least half the warps of an sm_90 SM resident, to hide HBM latency); 8
+  needed more. tests/test_triton_aot.py compiles configurations covering every value of every
+  planning axis for sm_80, sm_90 and sm_100 and asserts that occupancy on sm_90;
+  experiments/kernel_resources.py reports every pair of values.
+* Vectorised accesses. Pointers read from the pointer table carry no alignment the compiler can
+  see, and a mask ``offs < n`` with n read from memory is not constant over 4 lanes: either alone
+  makes every global load and store scalar. So a launch whose tensors are all 16-byte aligned says
+  so (``tl.multiple_of``, ALIGN) and one whose sizes are whole tile rows masks by row (EXACT):
+  then p, g, v and codes move in 128-bit accesses. Misaligned or ragged tensors (FSDP shards at
+  odd offsets, a P = 1 tensor whose size is not a multiple of 256) go to their own scalar launch
+  (``experiments/bench_kernels.py`` times both).
 * Nearest codebook entry without scanning the entries: ``codebook.code_table``'s lookup table over
   uniform bins of [-1, 1] (the one every fast path reads), built once per codebook on the host
   over the distinct entries. ``lut[j]`` is the number of boundaries left of bin j (less the
@@ -34,9 +37,9 @@ Why the kernel looks the way it does
   below, last from above).
 * 4-bit codes are packed two a byte, so a program works on pairs of elements (even, odd) and
   writes whole bytes; no two programs share a byte. Elements are loaded as one contiguous tile and
-  split into (even, odd) in registers (strided even/odd loads compiled to 4x as many scalar
-  ones). For an odd block length a byte straddles two blocks, so a tile row then holds two blocks
-  (2S elements) reduced separately.
+  split into (even, odd) in registers: loads of the evens and the odds with stride 2 compile to
+  scalar accesses, the contiguous tile to 128-bit ones. For an odd block length a byte straddles
+  two blocks, so a tile row then holds two blocks (2S elements) reduced separately.
 * Bias corrections, ``1 - lr*wd`` and ``1 - beta1`` are computed on the host in float64 and passed
   as fp32 scalars; torch's ``lerp`` (two branches on the weight, each one FMA as torch evaluates
   it on the CPU and CUDA) and ``addcdiv`` order are followed, and divisions and square roots are
@@ -56,7 +59,7 @@ from .._triton_common import round_bf16
 
 TILE = 2048  # elements per program (R blocks x next_pow2(S) lanes); see module docstring
 ELEMS_PER_THREAD = 4  # sets num_warps (see module docstring)
-MAX_TILE_WIDTH = 16384  # largest next_pow2(S) kept in one program; partition.py caps S at 1024
+MAX_TILE_WIDTH = 16384  # largest next_pow2(lanes) of a tile row in one program (checks.data_fallback)
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
@@ -100,9 +103,8 @@ def _new_m(g, code, s_old, cb_ptr, w):
 @triton.jit
 def _tensor_ptrs(ptr_tab, t, P_DT: tl.constexpr, G_DT: tl.constexpr, C_DT: tl.constexpr,
                  ALIGN: tl.constexpr):
-    """The tensor's five pointers from the table. Pointers read from memory carry no alignment
-    the compiler can see: compiled for sm_90, every load and store was scalar (68 ld.global, none
-    vectorised). ALIGN (all five 16-byte aligned, checked by the launcher) restores 128-bit ones."""
+    """The tensor's five pointers from the table; ALIGN (all five 16-byte aligned, checked by the
+    launcher) declares the alignment the compiler cannot see in them (module docstring)."""
     base = ptr_tab + 5 * t
     p_ptr = tl.load(base + 0).to(tl.pointer_type(P_DT))
     g_ptr = tl.load(base + 1).to(tl.pointer_type(G_DT))
@@ -258,8 +260,7 @@ def _gefen_step4_kernel(
         m0 = (k < H) & (f0 < n)
         m1 = (k < H) & (f0 + 1 < n)
     # Elements are loaded and stored as one contiguous [R, 2*WIDTH] tile and split into the
-    # (even, odd) halves of each byte in registers: compiled for sm_90 this gives 128-bit loads
-    # and stores, where loading evens and odds with stride 2 gave 4x as many scalar ones.
+    # (even, odd) halves of each byte in registers (module docstring: vectorised accesses).
     e = tl.arange(0, 2 * WIDTH)[None, :]
     fe = rows * (2 * H) + e
     if EXACT:

@@ -38,7 +38,8 @@ Limit of any block rule: blocks are contiguous in the flattened (row-major) tens
 they group a weight matrix's neighbouring columns, never one column across rows. On
 experiments/gefen_memory.py's character model the second moment of the attention and first
 feed-forward matrices varies mostly by column (input feature), not in runs of neighbouring columns,
-and sharing v there is what costs loss against AdamW (see the README's Gefen loss check).
+and sharing v there is what costs loss against AdamW (``experiments/gefen_ablation.py``; section
+"Gefen: where the loss gap comes from (ablation)" of ``results/README.md``).
 """
 
 import math
