@@ -215,7 +215,7 @@ def verify(trial_dir: Path, final, seed: int):
     except Exception:  # noqa: BLE001  (an error other than StateFileError is a failed trial)
         return "crash", False
     else:
-        step = int(opt.state_dict()["state"][0]["step"])
+        step = opt.step_count(emb.weight)
         if step not in ckpts:
             opt.close()
             return "accepted_without_checkpoint", False

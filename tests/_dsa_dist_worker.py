@@ -69,9 +69,7 @@ def reference(steps: int, rows: int = ROWS, dtype=torch.float32, scale: float = 
         opt.zero_grad()
         (loss_fn(emb(idx), y) * scale).backward()
         opt.step()
-    st = opt.state[emb.weight]
-    return {"weight": emb.weight.detach().clone(), "exp_avg": st["exp_avg"].clone(),
-            "exp_avg_sq": st["exp_avg_sq"].clone(), "step": int(st["step"])}
+    return {"weight": emb.weight.detach().clone(), **_moments(opt, emb.weight)}
 
 
 # ----------------------------------------------------------------------------- helpers on the ranks
@@ -99,10 +97,7 @@ def _train(emb, opt, start, steps, rank, world, rows=ROWS, dtype=torch.float32):
 
 
 def _local_state(emb, opt) -> dict:
-    st = opt.state[emb.weight]
-    return {"weight": emb.weight.detach().clone(), "exp_avg": st["exp_avg"].clone(),
-            "exp_avg_sq": st["exp_avg_sq"].clone(), "step": int(st["step"]),
-            "rows": (emb.row_start, emb.row_end)}
+    return {"weight": emb.weight.detach().clone(), **_moments(opt, emb.weight), "rows": (emb.row_start, emb.row_end)}
 
 
 def _save(emb, opt, path):
@@ -208,7 +203,9 @@ def scenario_ddp(arg, rank, world, out):
 
 
 def _moments(opt, p):
-    st = opt.state[p]
+    """``p``'s step and moments, from the state dict (the optimizer's state holds only steps)."""
+    k = next(i for i, q in enumerate(q for g in opt.param_groups for q in g["params"]) if q is p)
+    st = opt.state_dict()["state"][k]
     return {"exp_avg": st["exp_avg"].clone(), "exp_avg_sq": st["exp_avg_sq"].clone(), "step": int(st["step"])}
 
 

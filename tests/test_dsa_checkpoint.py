@@ -109,9 +109,9 @@ import torch
 from optim import DiskSparseAdam
 emb = torch.nn.Embedding(3000, 16, sparse=True)
 opt = DiskSparseAdam(emb.parameters())
-view = opt.state_dict()["state"][0]["exp_avg"].numpy()  # a live view of the state in a global
 emb(torch.tensor([1, 2, 2])).sum().backward()
 opt.step()
+view = opt.state_dict()["state"][0]["exp_avg"].numpy()  # a live view of the state in a global
 print(opt.state_dir)
 """
 

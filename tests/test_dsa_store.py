@@ -165,7 +165,10 @@ def test_mismatched_state_dict_is_refused(tmp_path):
     other = DiskSparseAdam([_emb(40, 6).weight, _emb(41, 6).weight], state_dir=tmp_path / "z")
     with pytest.raises(ValueError, match="2 parameters"):
         single.load_state_dict(other.state_dict())
-    wrong = DiskSparseAdam(_emb(41, 6).parameters(), state_dir=tmp_path / "w")
+    wrong_emb = _emb(41, 6)
+    wrong = DiskSparseAdam(wrong_emb.parameters(), state_dir=tmp_path / "w")
+    wrong_emb(torch.tensor([1, 2])).sum().backward()
+    wrong.step()  # state exists after a step, as SparseAdam's
     with pytest.raises(ValueError, match="exp_avg.*shape"):
         single.load_state_dict(wrong.state_dict())
     for o in (opt, single, other, wrong):

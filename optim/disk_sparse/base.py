@@ -21,10 +21,10 @@ import torch
 
 from ..backends import BACKENDS, choose_backend
 from . import pipeline
-from .checks import check_grad, check_option, check_param, loaded_columns, saved_state_by_param
+from .checks import check_flags, check_grad, check_option, check_param, loaded_columns, saved_state_by_param
 from .state import STEP
-from .store import (RowStateFile, StateFileError, fits_in_page_cache, make_state_dir, remove_dir_of,
-                    state_files_in)
+from .store import (RowStateFile, StateFileError, fits_in_page_cache, locked_state_file, make_state_dir,
+                    remove_dir_of, state_files_in)
 from .torch_ops import coalesce_rows
 from .weights import weight_file
 
@@ -35,6 +35,10 @@ class Route(NamedTuple):
     backend: str
     rows_fn: object  # rows_fn(w, g, state, step, **hyper)
     sparse_fn: object  # sparse_fn(weight, indices, values, records, step, **hyper), or None
+
+
+# The options of the state files: one value per optimizer, kept in every group (and state dict).
+FILE_OPTIONS = ("state_dir", "state_format", "backend", "staging", "huge_pages")
 
 
 def _cols(p):
@@ -52,13 +56,24 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params, defaults, rule, state_dir=None, backend="auto", huge_pages=None,
                  staging=None, resume=False):
+        owner = type(self).__name__
         check_option("backend", backend, BACKENDS, f"one of {BACKENDS}")
         check_option("huge_pages", huge_pages, (None, True, False), "None (decide by size), True or False")
         check_option("staging", staging, (None, True, False), "None (staged for CUDA weights), True or False")
+        check_flags(resume=resume)
+        if resume and state_dir is None:
+            raise ValueError(f"{owner}: resume=True continues from the state files in state_dir; give "
+                             "state_dir (state_dir=None is a new private directory, with nothing to resume)")
+        rule.check_group(defaults)
+        defaults = dict(defaults, betas=tuple(defaults["betas"]))
         self.rule = rule
         self.state_format = rule.state_format
         self.backend, self.huge_pages, self.staging = backend, huge_pages, staging
         self._own_dir = state_dir is None
+        # Every option lives in the groups, so a framework that re-creates the optimizer from
+        # ``param_groups[0]`` (PyKEEN) gets this one back, on the same state_dir.
+        defaults = dict(defaults, state_dir=None if state_dir is None else os.fspath(state_dir),
+                        state_format=rule.state_format, backend=backend, staging=staging, huge_pages=huge_pages)
         if state_dir is None:
             state_dir = tempfile.mkdtemp(prefix="disk-sparse-adam-")
             # Removed by close(), and at interpreter exit if close() never ran (at shutdown __del__
@@ -68,11 +83,20 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
         self._owner = os.getpid()  # a forked child only drops its copies (see close)
         self._stores: dict = {}  # parameter -> RowStateFile
         self._weight_files: dict = {}  # parameter -> weights.WeightFile, for weights in a file
-        self._routes: dict = {}  # parameter -> Route
+        self._routes: dict = {}  # parameter -> Route for the device it was last stepped on (None: not yet)
         self._step_counts: dict = {}  # parameter -> int
         self._executor = None  # the background gather thread of the staged pipeline
+        self._torn = False  # a step or load was interrupted: the files hold no one step
         self._closed = False
         make_state_dir(self.state_dir)
+        if not self._own_dir:
+            busy = locked_state_file(self.state_dir)
+            if busy is not None:
+                self._closed = True
+                raise StateFileError(
+                    f"state_dir {self.state_dir}: {busy} is in use by another optimizer (it holds the "
+                    "file's lock): two optimizers cannot share one state_dir. Close that optimizer first (to continue "
+                    "its state: resume=True), or give this one another state_dir")
         if not resume and not self._own_dir and state_files_in(self.state_dir):
             self._closed = True
             raise StateFileError(
@@ -89,26 +113,36 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
     def add_param_group(self, param_group):
         self._check_open()
         super().add_param_group(param_group)
-        for p in self.param_groups[-1]["params"]:
+        group = self.param_groups[-1]
+        try:
+            for key in FILE_OPTIONS:
+                if group[key] != self.defaults[key]:
+                    raise ValueError(f"{type(self).__name__}: a parameter group's {key} ({group[key]!r}) must be "
+                                     f"the optimizer's ({self.defaults[key]!r}): one optimizer has one state_dir "
+                                     f"and format; use a second optimizer for other {key}")
+            self.rule.check_group(group)
+        except BaseException:
+            self.param_groups.pop()
+            raise
+        group["betas"] = tuple(group["betas"])
+        for p in group["params"]:
             self._open(p)
 
     def _open(self, p):
-        k, owner = len(self._stores), type(self).__name__
-        check_param(p, k, owner, self.rule.table_dims)
+        k = len(self._stores)
+        check_param(p, k, type(self).__name__, self.rule.table_dims)
         sdtype = self.rule.record_dtype(p.dtype)
         width = self.rule.width(_cols(p))
         huge = self.huge_pages
         if huge is None:
             huge = fits_in_page_cache(p.shape[0] * width * torch.empty((), dtype=sdtype).element_size())
-        backend = choose_backend(self.backend, p.device, lambda name: self.rule.refuses(name, p), owner=owner,
-                                 what=f"parameter {k} (shape {tuple(p.shape)}, dtype {p.dtype})")
-        rows_fn, sparse_fn = self.rule.kernels(backend)
         path = os.path.join(self.state_dir, f"param{k:04d}.dsa")
-        resume_step = 0 if os.path.exists(path) else None  # an existing state file is resumed
+        resumed = os.path.exists(path)
+        wf = weight_file(p)
+        backend = None if p.is_meta else self._choose_backend(p, k)  # a meta table: at its first step
         store = RowStateFile(path, p.shape[0], _cols(p), width, sdtype, huge_pages=huge,
                              state_format=self.state_format)
-        wf = weight_file(p)
-        if wf is not None and resume_step is not None and wf.step != store.step:
+        if wf is not None and resumed and wf.step != store.step:
             store.close()
             raise StateFileError(
                 f"weight file {wf.path} is at step {wf.step} but state file {store.path} at step "
@@ -118,19 +152,50 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
             self._weight_files[p] = wf
         if self._executor is None:  # its thread starts at the first prefetch
             self._executor = pipeline.make_executor()
+        self._routes[p] = None if backend is None else self._new_route(p, backend)
+        self._step_counts[p] = store.step
+        if resumed:  # the file's records are this parameter's state (SparseAdam has none before a step)
+            self.state[p] = {STEP: store.step}
+
+    def _choose_backend(self, p, k):
+        return choose_backend(self.backend, p.device, lambda name: self.rule.refuses(name, p),
+                              owner=type(self).__name__,
+                              what=f"parameter {k} (shape {tuple(p.shape)}, dtype {p.dtype})")
+
+    def _new_route(self, p, backend):
+        """The stager and row functions of ``p`` on the device it is on now."""
+        rows_fn, sparse_fn = self.rule.kernels(backend)
+        store = self._stores[p]
         if p.is_cuda if self.staging is None else self.staging:
             stager, sparse_fn = pipeline.RowStager(store, p.device, self._executor), None
         else:
             stager = pipeline.DirectStager(store, p.device, self._executor)
-        stager.weight_file = wf
-        self._routes[p] = Route(stager, backend, rows_fn, sparse_fn)
-        self._step_counts[p] = store.step
-        self.state[p] = self._state_entry(p, store.records)
+        stager.weight_file = self._weight_files.get(p)
+        return Route(stager, backend, rows_fn, sparse_fn)
 
-    def _state_entry(self, p, records):
-        """``p``'s state: its step (a Python int, as SparseAdam keeps it; its bias correction is in
-        float64) and the views of ``records``."""
-        return {STEP: self._step_counts[p], **self._views(p, records)}
+    def _current_route(self, p):
+        """``p``'s route for the device it is on now: a parameter moved after construction (as
+        transformers' Trainer moves the model) gets its backend and stager anew, as torch's
+        optimizers create their state lazily; a weight that left its ``mapped_embedding`` file is
+        refused, since its file would no longer see the training."""
+        k = self._index(p)
+        wf = self._weight_files.get(p)
+        if wf is not None and (p.device.type != "cpu" or p.data_ptr() != wf.records.data_ptr()
+                               or p.dtype != wf.dtype):
+            raise RuntimeError(
+                f"parameter {k}: the weight of the mapped_embedding {wf.path} no longer lives in its file "
+                f"(it is now a {p.dtype} tensor on {p.device}: share_memory(), .to() or a dtype cast "
+                "copied it), so its training would be lost. Keep a mapped weight where it is, or use "
+                "an ordinary nn.Embedding(sparse=True)")
+        route = self._routes[p]
+        if route is None or route.stager.device != p.device:
+            if p.is_meta:
+                raise RuntimeError(f"parameter {k} is on the meta device: materialise it "
+                                   "(module.to_empty(device=...)) before the first step")
+            if route is not None:
+                route.stager.invalidate()
+            route = self._routes[p] = self._new_route(p, self._choose_backend(p, k))
+        return route
 
     def _views(self, p, records):
         """The rule's state-dict views of ``p``'s ``records``, of ``p``'s shape (a 1-D table is kept
@@ -139,12 +204,18 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
         return views if p.dim() == 2 else {k: v.squeeze(1) for k, v in views.items()}
 
     def backend_of(self, p) -> str:
-        """Which path updates ``p``: "torch", "numba" or "triton" (resolved when ``p`` was added)."""
-        return self._route(p, "backend_of").backend
+        """Which path updates ``p``: "torch", "numba" or "triton", for the device ``p`` is on now."""
+        self._known(p, "backend_of")
+        return self._current_route(p).backend
+
+    def step_count(self, p) -> int:
+        """Steps with a gradient for ``p`` (the t of its bias corrections), also before its first step."""
+        self._known(p, "step_count")
+        return self._step_counts[p]
 
     def state_file(self, p) -> RowStateFile:
         """The state file of parameter ``p``."""
-        self._route(p, "state_file")
+        self._known(p, "state_file")
         return self._stores[p]
 
     def state_files(self) -> list:
@@ -153,12 +224,12 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
 
     def stager(self, p):
         """The stager of parameter ``p`` (``pipeline.DirectStager`` or ``pipeline.RowStager``)."""
-        return self._route(p, "stager").stager
+        self._known(p, "stager")
+        return self._current_route(p).stager
 
-    def _route(self, p, caller):
-        if p not in self._routes:
+    def _known(self, p, caller):
+        if p not in self._stores:
             raise ValueError(f"{caller}: p is not one of this optimizer's parameters")
-        return self._routes[p]
 
     # -- the step ----------------------------------------------------------------------------------
     @torch.no_grad()
@@ -169,26 +240,31 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        work = []  # every gradient and route is checked before any file is written
         for group in self.param_groups:
             hyper = self.rule.hyper(group)
             for p in group["params"]:
-                if p.grad is None:
-                    continue
-                g = check_grad(p, self._index(p), type(self).__name__, self.rule)
+                if p.grad is not None:
+                    g = check_grad(p, self._index(p), type(self).__name__, self.rule)
+                    work.append((p, g, self._current_route(p), hyper))
+        try:
+            for p, g, route, hyper in work:
                 if p in self._weight_files:
                     self._weight_files[p].mark_dirty()
                 self._step_counts[p] += 1  # like SparseAdam, a present gradient counts even when empty
-                self.state[p][STEP] = step = self._step_counts[p]
+                self.state[p][STEP] = step = self._step_counts[p]  # the step only: the moments stay in the file
                 if not g._nnz():
                     continue
                 if g.sparse_dim() == 2:
-                    self._step_elements(p, g, step, hyper)
+                    self._step_elements(p, g, route, step, hyper)
                 else:
-                    self._step_rows(p, g, step, hyper)
+                    self._step_rows(p, g, route, step, hyper)
+        except BaseException:
+            self._torn = True  # the files hold no one step: never mark them clean (see close)
+            raise
         return loss
 
-    def _step_rows(self, p, g, step, hyper):
-        route = self._routes[p]
+    def _step_rows(self, p, g, route, step, hyper):
         vals = g._values().reshape(g._nnz(), _cols(p))  # a 1-D table is updated as N x 1
         w_all = p if p.dim() == 2 else p.unsqueeze(1)
         if route.sparse_fn is not None:
@@ -198,31 +274,31 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
         rows = g._indices()[0]
         if not g.is_coalesced():
             rows, vals = coalesce_rows(rows, vals)
-        self._update_rows(p, w_all, rows, vals, step, hyper)
+        self._update_rows(route, w_all, rows, vals, step, hyper)
 
-    def _step_elements(self, p, g, step, hyper):
+    def _step_elements(self, p, g, route, step, hyper):
         """An element-sparse gradient (``dense.to_sparse()``): its rows are updated whole, then
         only the elements it holds keep the new weight and moments, as SparseAdam updates them."""
         g = g.coalesce()
         (r, c), vals = g._indices(), g._values()
         rows, inv = torch.unique(r, return_inverse=True)
-        dense = torch.zeros(rows.numel(), p.shape[1], dtype=self._compute_dtype(p), device=vals.device)
+        dense = torch.zeros(rows.numel(), p.shape[1], dtype=self._compute_dtype(self._stores[p]), device=vals.device)
         dense[inv, c] = vals.to(dense.dtype)
         mask = torch.zeros(dense.shape, dtype=torch.bool, device=vals.device)
         mask[inv, c] = True
-        self._update_rows(p, p, rows, dense, step, hyper, mask=mask)
+        self._update_rows(route, p, rows, dense, step, hyper, mask=mask)
 
-    def _update_rows(self, p, w_all, rows, vals, step, hyper, mask=None):
+    def _update_rows(self, route, w_all, rows, vals, step, hyper, mask=None):
         """Stage the records of sorted unique ``rows``, update them and their weight rows with the
         backend's row rule, write both back; with ``mask``, only its elements keep the update."""
-        stager, rows_fn = self._routes[p].stager, self._routes[p].rows_fn
+        stager, rows_fn = route.stager, route.rows_fn
         rows_cpu = rows.cpu()
         host = stager.acquire(rows_cpu)
         rec = stager.to_device(host)
         w = stager.weight_rows(w_all, rows)
         if mask is not None:
             w_old, rec_old = w.clone(), rec.clone()
-        rows_fn(w, vals.to(self._compute_dtype(p)).contiguous(), rec, step, **hyper)
+        rows_fn(w, vals.to(self._compute_dtype(stager.store)).contiguous(), rec, step, **hyper)
         if mask is not None:
             w = torch.where(mask, w, w_old)
             rec_mask = mask.to(rec.device).repeat(1, rec.shape[1] // mask.shape[1])
@@ -230,9 +306,10 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
         w_all.index_copy_(0, rows, w)
         stager.commit(rows_cpu, rec, host)
 
-    def _compute_dtype(self, p):
+    @staticmethod
+    def _compute_dtype(store):
         """The dtype of the row update: the state's, float32 for byte records."""
-        dtype = self._stores[p].dtype
+        dtype = store.dtype
         return dtype if dtype.is_floating_point else torch.float32
 
     def device_staging_bytes(self):
@@ -241,7 +318,7 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
         The moments live in the state files; per step, transient device tensors (the coalesced
         gradient and its sort) come and go through the caching allocator and are not counted.
         """
-        return sum(r.stager.device_bytes() for r in self._routes.values())
+        return sum(r.stager.device_bytes() for r in self._routes.values() if r is not None)
 
     def staging_stats(self):
         """Totals over parameters: staging bytes (device, pinned host) and announcement use.
@@ -249,7 +326,7 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
         ``hits``: steps that used announced records; ``misses``: steps that gathered from the file;
         ``patched_rows``: announced rows refreshed because a step in between wrote them.
         """
-        stagers = [r.stager for r in self._routes.values()]
+        stagers = [r.stager for r in self._routes.values() if r is not None]
         return dict(device_bytes=self.device_staging_bytes(), pinned_bytes=sum(s.host_bytes() for s in stagers),
                     hits=sum(s.hits for s in stagers), misses=sum(s.misses for s in stagers),
                     patched_rows=sum(s.patched_rows for s in stagers))
@@ -274,7 +351,8 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"prefetch: this optimizer has {len(self._stores)} parameters; say which "
                                  "one the indices belong to with param=")
             param = next(iter(self._stores))
-        stager = self._route(param, "prefetch").stager
+        self._known(param, "prefetch")
+        stager = self._current_route(param).stager
         rows = torch.unique(indices.detach().reshape(-1).to("cpu", torch.int64))
         if not rows.numel():
             return
@@ -285,7 +363,8 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
 
     # -- checkpoints -------------------------------------------------------------------------------
     def state_dict(self):
-        """Step and moments of every parameter; the moments are copy-on-write views of the files
+        """Step and moments of every parameter that has state (a step, a load or a resumed file:
+        as SparseAdam, none before); the moments are built now, as copy-on-write views of the files
         (copies where the rule views one record's bytes as several dtypes, as the compact format
         does: ``torch.save`` cannot save one storage as several dtypes).
 
@@ -294,18 +373,32 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
         optimizer that loads them (``torch.optim.SparseAdam``) writes stays in its private pages and
         never reaches the files (``RowStateFile.private_records``).
         """
+        return self._state_dict(every_param=False)
+
+    def full_state_dict(self):
+        """:meth:`state_dict` with an entry for every parameter (step 0 and zero moments where there
+        is no state yet): the target ``torch.distributed.checkpoint`` loads into."""
+        return self._state_dict(every_param=True)
+
+    def _state_dict(self, every_param):
         self._check_open()
-        live = {p: self.state[p] for p in self._stores}
-        try:  # torch packs (and its state-dict hooks see) these copy-on-write entries, not the live ones
+        live = {p: self.state[p] for p in self._stores if p in self.state}
+        try:  # torch packs (and its state-dict hooks see) these entries, built now from the files
             for p, store in self._stores.items():
+                if p not in live and not every_param:
+                    continue
                 records = store.private_records()
-                entry = self._state_entry(p, records)
-                if any(torch.is_tensor(v) and v.dtype != records.dtype for v in entry.values()):
-                    entry = {k: v.clone() if torch.is_tensor(v) else v for k, v in entry.items()}
-                self.state[p] = entry
+                views = self._views(p, records)
+                if any(v.dtype != records.dtype for v in views.values()):
+                    views = {k: v.clone() for k, v in views.items()}
+                self.state[p] = {STEP: self._step_counts[p], **views}
             return super().state_dict()
         finally:
-            self.state.update(live)
+            for p in self._stores:
+                if p in live:
+                    self.state[p] = live[p]
+                else:
+                    self.state.pop(p, None)
 
     def load_state_dict(self, state_dict):
         """Write a state dict's steps and moments into this optimizer's files (then mark them clean).
@@ -325,21 +418,32 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
         loaded = {p: loaded_columns(self._views(p, store.records), saved.get(p),
                                     f"state_dict's state of parameter {k}", self.rule)
                   for k, (p, store) in enumerate(self._stores.items())}
-        for route in self._routes.values():  # announced records are about to be replaced
-            route.stager.invalidate()
+        groups = []
         for sg, g in zip(state_dict["param_groups"], self.param_groups):
             # a dict saved before ``maximize`` existed was minimizing (SparseAdam reads a missing key as
-            # False); options SparseAdam does not have (``bitwise``, ...) keep this optimizer's value
-            g.update({k: v for k, v in sg.items() if k != "params"})
+            # False); options SparseAdam does not have (``bitwise``, ...) and this optimizer's files
+            # (state_dir, state_format, ...) keep this optimizer's values
+            groups.append(dict(g, **{k: v for k, v in sg.items() if k != "params" and k not in FILE_OPTIONS}))
             if "maximize" in g and "maximize" not in sg:
-                g["maximize"] = False
-        for store in self._stores.values():  # a kill during the writes below leaves every table dirty
+                groups[-1]["maximize"] = False
+            self.rule.check_group(groups[-1])
+        for route in self._routes.values():  # announced records are about to be replaced
+            if route is not None:
+                route.stager.invalidate()
+        for g, new in zip(self.param_groups, groups):
+            g.update(new)
+        self._torn = True  # until every table is written: a load cut short leaves them all dirty
+        for store in self._stores.values():
             store.mark_dirty()
         for p, store in self._stores.items():
             columns, step = loaded[p]
             store.write_all(columns, step)
             self._step_counts[p] = step
-            self.state[p] = self._state_entry(p, store.records)
+            if columns is None:
+                self.state.pop(p, None)
+            else:
+                self.state[p] = {STEP: step}
+        self._torn = False
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 
@@ -353,17 +457,12 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
                                "two optimizers cannot share it. Create one on another state_dir and "
                                "load_state_dict(opt.state_dict()) into it")
         groups = [{k: copy.deepcopy(v, memo) for k, v in g.items()} for g in self.param_groups]
-        twin = memo[id(self)] = type(self)(groups, **copy.deepcopy(self.defaults, memo), **self._options())
+        twin = memo[id(self)] = type(self)(groups, **copy.deepcopy(self.defaults, memo))
         twin.load_state_dict(self.state_dict())
         for name, hooks in vars(self).items():
             if name.startswith("_optimizer_") and name.endswith("_hooks"):
                 setattr(twin, name, copy.copy(hooks))
         return twin
-
-    def _options(self) -> dict:
-        """The constructor's options that are not hyper-parameters, for a private state_dir."""
-        return dict(backend=self.backend, huge_pages=self.huge_pages, staging=self.staging,
-                    state_format=self.state_format)
 
     def __getstate__(self):
         raise TypeError(f"{type(self).__name__} cannot be pickled: its state lives in files; "
@@ -372,8 +471,13 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
     # -- lifecycle ---------------------------------------------------------------------------------
     def flush(self):
         """Write every state file (and weight file, ``weights.py``) to disk and mark it clean at the
-        current step."""
+        current step. Refused after an interrupted step or load: the files then hold no one step."""
         self._check_open()
+        if self._torn:
+            raise StateFileError(
+                f"{type(self).__name__} on state_dir {self.state_dir}: a step or load_state_dict was "
+                "interrupted, so the state files hold no one step and cannot be marked clean. "
+                "Restore the last checkpoint (load_state_dict), then flush")
         for p, store in self._stores.items():
             if p in self._weight_files:  # the weights first: a clean state file implies clean weights
                 self._weight_files[p].flush(self._step_counts[p])
@@ -391,15 +495,16 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
             return
         try:
             for route in self._routes.values():  # no background gather may outlive the mappings
-                route.stager.invalidate()
+                if route is not None:
+                    route.stager.invalidate()
             if self._executor is not None:
                 self._executor.shutdown(wait=True)
             self._routes.clear()
             for p, store in self._stores.items():
                 wf = self._weight_files.get(p)
-                if wf is not None and not wf.closed:  # flushed, left open: the module owns it
+                if wf is not None and not wf.closed and not self._torn:  # flushed, left open: the module owns it
                     wf.flush(self._step_counts[p])
-                store.close(self._step_counts[p])
+                store.close(self._step_counts[p], clean=not self._torn)
             self._weight_files.clear()
         finally:
             self._clear_state()

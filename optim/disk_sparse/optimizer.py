@@ -7,11 +7,8 @@ staging and checkpoints are the shared machinery of ``base.py``. The pure rules 
 
 from __future__ import annotations
 
-import math
-
 from . import rules
 from .base import DiskSparseOptimizer
-from .checks import check_flags, check_hyper
 from .store import StateFileError  # noqa: F401  (re-exported for users' except clauses)
 
 
@@ -96,9 +93,7 @@ class DiskSparseAdam(DiskSparseOptimizer):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, maximize=False, state_dir=None,
                  backend="auto", huge_pages=None, bitwise=True, staging=None, resume=False, state_format="exact"):
-        check_hyper(lr, betas, eps)
-        check_flags(maximize=maximize, bitwise=bitwise)
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, maximize=bool(maximize), bitwise=bool(bitwise))
+        defaults = dict(lr=lr, betas=betas, eps=eps, maximize=maximize, bitwise=bitwise)
         super().__init__(params, defaults, rules.rule("adam", state_format, type(self).__name__),
                          state_dir=state_dir, backend=backend, huge_pages=huge_pages, staging=staging,
                          resume=resume)
@@ -144,11 +139,7 @@ class DiskSparseRiemannianAdam(DiskSparseOptimizer):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, c=1.0, exact=False, state_dir=None,
                  backend="auto", huge_pages=None, staging=None, resume=False, state_format="exact"):
-        check_hyper(lr, betas, eps)
-        check_flags(exact=exact)
-        if not (math.isfinite(float(c)) and float(c) > 0):
-            raise ValueError(f"c (the ball's curvature is -c) must be finite and > 0, got {c}")
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, c=float(c), exact=bool(exact))
+        defaults = dict(lr=lr, betas=betas, eps=eps, c=c, exact=exact)
         super().__init__(params, defaults, rules.rule("ball", state_format, type(self).__name__),
                          state_dir=state_dir, backend=backend, huge_pages=huge_pages, staging=staging,
                          resume=resume)

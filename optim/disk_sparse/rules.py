@@ -11,13 +11,14 @@ of the compact format in ``compact.py``.
 from __future__ import annotations
 
 import importlib
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
 import torch
 
 from . import compact
-from .checks import scalar
+from .checks import check_flags, check_hyper, scalar
 from .store import STATE_FORMATS
 from .state import EXP_AVG, EXP_AVG_CODES, EXP_AVG_SCALE, EXP_AVG_SQ
 
@@ -45,6 +46,7 @@ class Rule:
     record_dtype: Callable[[torch.dtype], torch.dtype]  # the state file's dtype for a weight dtype
     views: Callable[[torch.Tensor, int], dict]  # state-dict tensors of (n, width) records, record order
     hyper: Callable[[dict], dict]  # the row update's keyword arguments for a parameter group
+    check_group: Callable[[dict], None]  # raises for a group's bad hyper-parameters
     routes: Mapping[str, tuple]
     weight_dtypes: Callable[[str], tuple | None]  # weight dtypes a backend's kernels take (None: any)
     value_checks: Mapping[str, tuple] = field(default_factory=dict)
@@ -111,6 +113,19 @@ def _ball_hyper(group):
                 exact=group["exact"])
 
 
+def _check_adam(group):
+    check_hyper(group["lr"], group["betas"], group["eps"])
+    check_flags(maximize=group["maximize"], bitwise=group.get("bitwise", True))
+
+
+def _check_ball(group):
+    check_hyper(group["lr"], group["betas"], group["eps"])
+    check_flags(exact=group["exact"])
+    c = group["c"]
+    if isinstance(c, bool) or not isinstance(c, (int, float)) or not (math.isfinite(c) and c > 0):
+        raise ValueError(f"c (the ball's curvature is -c) must be a finite number > 0, got {c!r}")
+
+
 _COMPACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # updated in float32
 _COMPACT_CHECKS = {
     EXP_AVG_CODES: (lambda q: q >= -127, "codes in [-127, 127]"),
@@ -130,7 +145,7 @@ def _ball_row_limit(backend):
 ADAM = Rule(
     kind="adam", state_format="exact", title="Adam", table_dims=(1, 2), element_sparse=True,
     width=lambda cols: 2 * cols, record_dtype=_float_state, views=_exact_views, hyper=_adam_hyper,
-    routes={"torch": ("torch_ops.adam_rows_", None),
+    check_group=_check_adam, routes={"torch": ("torch_ops.adam_rows_", None),
             "numba": ("numba_ops.adam_rows_", "numba_ops.adam_sparse_"),
             "triton": ("triton_ops.adam_rows_", None)},
     weight_dtypes=_kernel_dtypes)
@@ -141,7 +156,7 @@ ADAM_COMPACT = Rule(
                     "an element-sparse gradient would change part of a row's coded first moment. "
                     "Use state_format='exact'"),
     width=compact.record_bytes, record_dtype=lambda dtype: torch.uint8, views=_compact_views,
-    hyper=_adam_hyper,
+    hyper=_adam_hyper, check_group=_check_adam,
     routes={"torch": ("torch_ops.compact_adam_rows_", None),
             "numba": ("numba_ops.compact_adam_rows_", "numba_ops.compact_adam_sparse_")},
     weight_dtypes=lambda backend: (torch.float32,) if backend == "numba" else _COMPACT_DTYPES,
@@ -151,7 +166,7 @@ BALL = Rule(
     kind="ball", state_format="exact", title="the Riemannian update", table_dims=(2,),
     element_sparse=_ROW_SPARSE_ONLY,
     width=lambda cols: cols + 1, record_dtype=_float_state, views=_exact_views, hyper=_ball_hyper,
-    routes={"torch": ("torch_ops.riemannian_adam_rows_", None),
+    check_group=_check_ball, routes={"torch": ("torch_ops.riemannian_adam_rows_", None),
             "triton": ("triton_ops.riemannian_adam_rows_", None)},
     weight_dtypes=_kernel_dtypes, row_limit=_ball_row_limit)
 
@@ -159,7 +174,8 @@ BALL_COMPACT = Rule(
     kind="ball", state_format="compact", title="the compact Riemannian update", table_dims=(2,),
     element_sparse=_ROW_SPARSE_ONLY,
     width=compact.record_bytes, record_dtype=lambda dtype: torch.uint8, views=_compact_views,
-    hyper=_ball_hyper, routes={"torch": ("torch_ops.compact_riemannian_adam_rows_", None)},
+    hyper=_ball_hyper, check_group=_check_ball,
+    routes={"torch": ("torch_ops.compact_riemannian_adam_rows_", None)},
     weight_dtypes=lambda backend: _COMPACT_DTYPES, value_checks=_COMPACT_CHECKS, dtype_hint=_COMPACT_HINT)
 
 RULES = {(r.kind, r.state_format): r for r in (ADAM, ADAM_COMPACT, BALL, BALL_COMPACT)}

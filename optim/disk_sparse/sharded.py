@@ -219,7 +219,7 @@ def open_optimizer(model: nn.Module, state_dir, *, resume: bool = False, **kwarg
                              resume=resume, **kwargs)
     except (StateFileError, OSError, ValueError) as exc:
         error = f"{type(exc).__name__}: {exc}"
-    steps = None if opt is None else [opt.state[p]["step"] for g in opt.param_groups for p in g["params"]]
+    steps = None if opt is None else [opt.step_count(p) for g in opt.param_groups for p in g["params"]]
     everyone = _everyone(group, (error, steps))
     failed = {r: e for r, (e, _) in enumerate(everyone) if e is not None}
     at = {r: s for r, (_, s) in enumerate(everyone) if s is not None}
@@ -265,7 +265,7 @@ def dcp_state_dict(model: nn.Module, opt) -> dict:
         raise ValueError("dcp_state_dict: the optimizer must hold exactly the weights of the model's "
                          "ShardedEmbedding tables (open_optimizer(model, ...) gives such an optimizer)")
     mesh = _mesh(next(iter(tables.values())).group)
-    sd = opt.state_dict()
+    sd = opt.full_state_dict()
     weights, state = {}, {}
     for name, t in tables.items():
         key = f"{name}.weight" if name else "weight"

@@ -128,6 +128,23 @@ def state_files_in(path) -> list:
     return sorted(f for f in os.listdir(path) if f.endswith(".dsa"))
 
 
+def locked_state_file(path) -> str | None:
+    """A state file in directory ``path`` whose lock another open optimizer holds (None if none)."""
+    for name in state_files_in(path):
+        try:
+            fd = os.open(os.path.join(path, name), os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        except BlockingIOError:
+            return name
+        finally:
+            os.close(fd)
+    return None
+
+
 def make_state_dir(path):
     """Create ``path`` if needed and check that it is a writable directory."""
     try:
@@ -402,15 +419,18 @@ class RowStateFile:
         if rows.numel() and self.missing_pages(rows, sample):
             self.read_ahead(rows)
 
-    def close(self, step: int | None = None):
-        """Flush, mark clean, unlock and unmap. Safe to call twice. In a forked child: unmap only."""
+    def close(self, step: int | None = None, clean: bool = True):
+        """Flush, mark clean (unless ``clean=False``: the records are written but a dirty file stays
+        dirty), unlock and unmap. Safe to call twice. In a forked child: unmap only."""
         if self.closed:
             return
         if not self.owned():
             self._release(unlock=False)
             return
         try:
-            if self._mm is not None and self._dirty:
+            if self._mm is not None and self._dirty and not clean:
+                self._mm.flush()
+            elif self._mm is not None and self._dirty:
                 self.flush(step)
             elif step is not None and step != self._step and self._mm is not None:
                 self._write_header(step, clean=True)
