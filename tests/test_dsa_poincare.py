@@ -7,7 +7,6 @@ sides compute the distance loss's gradient with different but equivalent code, a
 differences are carried along the trajectory).
 """
 
-import geoopt
 import geoopt.manifolds.stereographic.math as gmath
 import pytest
 import torch
@@ -15,23 +14,10 @@ import torch.nn.functional as F
 
 from optim.disk_sparse import poincare as P
 from optim.disk_sparse.reference import riemannian_adam_rows
+from tests.geo import ball, distance_loss, pair_batches, random_points, run_geoopt
 from tests.utils import assert_close
 
 CS = [pytest.param(1.0, id="c=1"), pytest.param(0.5, id="c=0.5")]
-
-
-def ball(c, exact=False, dtype=torch.float64):
-    cls = geoopt.PoincareBallExact if exact else geoopt.PoincareBall
-    # c as a float64 tensor: geoopt stores softplus^-1(c) and a float32 round trip would move c by 1e-7
-    return cls(c=torch.tensor(c, dtype=torch.float64))
-
-
-def random_points(n, d, c, dtype=torch.float64, max_frac=0.9, gen=None):
-    """Rows with uniformly random directions and norms uniform in [0, max_frac / sqrt(c)]."""
-    x = torch.randn(n, d, dtype=dtype, generator=gen)
-    x = x / x.norm(dim=-1, keepdim=True)
-    r = torch.rand(n, 1, dtype=dtype, generator=gen) * max_frac / c**0.5
-    return x * r
 
 
 @pytest.mark.parametrize("c", CS)
@@ -77,36 +63,6 @@ def test_project_matches_geoopt_and_margin(c, dtype):
     assert torch.equal(got[inside], x[inside])
 
 
-def distance_loss(emb, target, dist):
-    a = emb[:, 0]
-    b = emb[:, 1]
-    return ((dist(a, b) - target) ** 2).sum()
-
-
-def make_problem(n_rows, d, c, dtype, steps, batch, gen):
-    w0 = random_points(n_rows, d, c, dtype=torch.float64, gen=gen).to(dtype)
-    batches = []
-    for _ in range(steps):
-        # few rows, many pairs: every batch has heavy duplicates
-        pairs = torch.randint(0, n_rows, (batch, 2), generator=gen)
-        pairs[pairs[:, 0] == pairs[:, 1], 1] = (pairs[pairs[:, 0] == pairs[:, 1], 1] + 1) % n_rows
-        target = (torch.rand(batch, generator=gen) * 2.5 + 0.2).to(dtype)
-        batches.append((pairs, target))
-    return w0, batches
-
-
-def run_geoopt(w0, batches, *, c, exact, lr, betas, eps):
-    M = ball(c, exact=exact)
-    w = geoopt.ManifoldParameter(w0.clone(), manifold=M)
-    opt = geoopt.optim.SparseRiemannianAdam([w], lr=lr, betas=betas, eps=eps)
-    for pairs, target in batches:
-        opt.zero_grad()
-        distance_loss(F.embedding(pairs, w, sparse=True), target, lambda a, b: M.dist(a, b)).backward()
-        opt.step()
-    st = opt.state[w]
-    return w.detach(), st["exp_avg"], st["exp_avg_sq"]
-
-
 def run_rows(w0, batches, *, c, exact, lr, betas, eps):
     """A minimal lazy driver of riemannian_adam_rows: coalesce, gather, update, scatter."""
     w = w0.clone().requires_grad_(True)
@@ -114,8 +70,7 @@ def run_rows(w0, batches, *, c, exact, lr, betas, eps):
     v = torch.zeros(w0.shape[0], 1, dtype=w0.dtype)
     for t, (pairs, target) in enumerate(batches, start=1):
         w.grad = None
-        emb = F.embedding(pairs, w, sparse=True)
-        distance_loss(emb, target, lambda a, b: P.distance(a, b, c=c)).backward()
+        distance_loss(F.embedding(pairs, w, sparse=True), target, lambda a, b: P.distance(a, b, c=c)).backward()
         g = w.grad.coalesce()
         rows, gv = g.indices()[0], g.values()
         with torch.no_grad():
@@ -130,7 +85,7 @@ def run_rows(w0, batches, *, c, exact, lr, betas, eps):
 @pytest.mark.parametrize("dtype,atol", [(torch.float64, 1e-9), (torch.float32, 2e-5)], ids=["f64", "f32"])
 def test_trajectory_matches_geoopt_sparse_riemannian_adam(exact, c, dtype, atol):
     gen = torch.Generator().manual_seed(1234 + int(exact) + int(10 * c))
-    w0, batches = make_problem(40, 5, c, dtype, steps=100, batch=64, gen=gen)
+    w0, batches = random_points(40, 5, c, dtype, gen), pair_batches(40, 100, 64, gen)
     kw = dict(c=c, exact=exact, lr=0.03, betas=(0.9, 0.99), eps=1e-8)
     w_ref, m_ref, v_ref = run_geoopt(w0, batches, **kw)
     w, m, v = run_rows(w0, batches, **kw)

@@ -10,74 +10,28 @@ the update is geoopt's operation order; duplicates may be summed in another orde
 
 import os
 
-import geoopt
 import pytest
 import torch
 import torch.nn as nn
 
 import optim
-from tests.utils import assert_close
-
 from optim import DiskSparseRiemannianAdam
+from tests.geo import ball, distance_loss, pair_batches, random_points, run_geoopt
+from tests.utils import assert_close
 
 CS = [pytest.param(1.0, id="c=1"), pytest.param(0.5, id="c=0.5")]
 
 
-def ball(c, exact=False):
-    cls = geoopt.PoincareBallExact if exact else geoopt.PoincareBall
-    return cls(c=torch.tensor(c, dtype=torch.float64))  # float64 c: no float32 round trip of softplus
-
-
-def ball_points(n, d, c, dtype, gen, max_frac=0.9):
-    x = torch.randn(n, d, dtype=torch.float64, generator=gen)
-    x = x / x.norm(dim=-1, keepdim=True)
-    return (x * torch.rand(n, 1, dtype=torch.float64, generator=gen) * max_frac / c**0.5).to(dtype)
-
-
-def batches_of_pairs(n_rows, steps, batch, gen):
-    out = []
-    for _ in range(steps):
-        pairs = torch.randint(0, n_rows, (batch, 2), generator=gen)  # batch >> n_rows: duplicates
-        same = pairs[:, 0] == pairs[:, 1]
-        pairs[same, 1] = (pairs[same, 1] + 1) % max(n_rows, 2)
-        out.append((pairs, torch.rand(batch, dtype=torch.float64, generator=gen) * 2.5 + 0.2))
-    return out
-
-
-def dist_loss(x, target, M):
-    """(d(x_a, x_b) - target)^2 summed: pulls and pushes pairs along geodesics."""
-    x = x.double() if x.dtype == torch.bfloat16 else x
-    return ((M.dist(x[:, 0], x[:, 1]) - target.to(x.dtype)) ** 2).sum()
-
-
-def run_geoopt(w0, batches, *, c, exact, lr, betas, eps):
-    M = ball(c, exact)
-    w = geoopt.ManifoldParameter(w0.clone(), manifold=M)
-    opt = geoopt.optim.SparseRiemannianAdam([w], lr=lr, betas=betas, eps=eps)
-    for pairs, target in batches:
-        opt.zero_grad()
-        dist_loss(nn.functional.embedding(pairs, w, sparse=True), target, M).backward()
-        opt.step()
-    return w.detach().clone(), opt.state[w]["exp_avg"], opt.state[w]["exp_avg_sq"]
-
-
-def run_ours(w0, batches, *, c, exact, lr, betas, eps, backend="torch", tmp=None, reload_at=None):
-    """Train an nn.Embedding; with ``reload_at``, checkpoint there and continue in a fresh optimizer."""
+def run_ours(w0, batches, *, c, exact, lr, betas, eps):
+    """Train an nn.Embedding started at ``w0``: (weights, exp_avg, exp_avg_sq)."""
     M = ball(c, exact)
     emb = nn.Embedding(*w0.shape, sparse=True, dtype=w0.dtype)
     with torch.no_grad():
         emb.weight.copy_(w0)
-    kw = dict(lr=lr, betas=betas, eps=eps, c=c, exact=exact, backend=backend)
-    opt = DiskSparseRiemannianAdam(emb.parameters(), **kw)
-    for t, (pairs, target) in enumerate(batches):
-        if t == reload_at:
-            sd_path = os.path.join(tmp, "opt.pt")
-            torch.save(opt.state_dict(), sd_path)
-            opt.close()
-            opt = DiskSparseRiemannianAdam(emb.parameters(), **kw, state_dir=os.path.join(tmp, "resumed"))
-            opt.load_state_dict(torch.load(sd_path, map_location="cpu"))
+    opt = DiskSparseRiemannianAdam(emb.parameters(), lr=lr, betas=betas, eps=eps, c=c, exact=exact, backend="torch")
+    for pairs, target in batches:
         opt.zero_grad()
-        dist_loss(emb(pairs), target, M).backward()
+        distance_loss(emb(pairs), target, M.dist).backward()
         opt.step()
     st = opt.state_dict()["state"][0]
     m, v = st["exp_avg"].clone(), st["exp_avg_sq"].clone()
@@ -91,8 +45,8 @@ def run_ours(w0, batches, *, c, exact, lr, betas, eps, backend="torch", tmp=None
 def test_trajectory_matches_geoopt(exact, c, dtype, atol):
     gen = torch.Generator().manual_seed(7 + int(exact) + int(4 * c))
     n, d = 40, 5
-    w0 = ball_points(n, d, c, dtype, gen)
-    batches = batches_of_pairs(n, 100, 64, gen)
+    w0 = random_points(n, d, c, dtype, gen)
+    batches = pair_batches(n, 100, 64, gen)
     kw = dict(c=c, exact=exact, lr=0.03, betas=(0.9, 0.99), eps=1e-8)
     w_ref, m_ref, v_ref = run_geoopt(w0, batches, **kw)
     w, m, v = run_ours(w0, batches, **kw)
@@ -150,18 +104,13 @@ CASES = [  # (rows in the table, D, lookups per step): widths 1, 3, 37, 127, 300
 ]
 
 
-def train_both_ways(cls, w0, batches, loss_fn, kw, backend, tmp):
-    """4 steps; the Triton run is checkpointed after step 2 and resumed in a fresh optimizer."""
+def train_both_ways(cls, w0, batches, loss_fn, kw, backend):
+    """4 steps on ``backend`` (state-dict round trips on each backend: tests/protocol.py)."""
     emb = nn.Embedding(*w0.shape, sparse=True, dtype=w0.dtype)
     with torch.no_grad():
         emb.weight.copy_(w0)
-    opt = cls(emb.parameters(), **kw, backend=backend, state_dir=os.path.join(tmp, backend + "0"))
-    for t, idx in enumerate(batches):
-        if backend == "triton" and t == 2:
-            torch.save(opt.state_dict(), os.path.join(tmp, "sd.pt"))
-            opt.close()
-            opt = cls(emb.parameters(), **kw, backend=backend, state_dir=os.path.join(tmp, backend + "1"))
-            opt.load_state_dict(torch.load(os.path.join(tmp, "sd.pt"), map_location="cpu"))
+    opt = cls(emb.parameters(), **kw, backend=backend)
+    for idx in batches:
         opt.zero_grad()
         loss_fn(emb(idx).float()).backward()
         opt.step()
@@ -174,7 +123,7 @@ def train_both_ways(cls, w0, batches, loss_fn, kw, backend, tmp):
 @pytest.mark.parametrize("n,d,batch", CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("which", ["adam", "ball"])
-def test_triton_backend_matches_torch_backend(n, d, batch, dtype, which, tmp_path, monkeypatch):
+def test_triton_backend_matches_torch_backend(n, d, batch, dtype, which, monkeypatch):
     from optim.disk_sparse import triton_ops
 
     calls = []
@@ -191,14 +140,14 @@ def test_triton_backend_matches_torch_backend(n, d, batch, dtype, which, tmp_pat
         c = 0.5 if d % 2 == 0 else 1.0
         exact = (d in (3, 127)) != (dtype == torch.bfloat16)  # both modes over the shapes and dtypes
         cls, kw = DiskSparseRiemannianAdam, dict(lr=3e-2, betas=(0.9, 0.99), eps=1e-8, c=c, exact=exact)
-        w0 = ball_points(n, d, c, torch.float32, gen).to(dtype)
-        anchor = ball_points(1, d, c, torch.float64, gen)
+        w0 = random_points(n, d, c, torch.float32, gen).to(dtype)
+        anchor = random_points(1, d, c, torch.float64, gen)
         M = ball(c)
         loss_fn = lambda x: ((M.dist(x.double(), anchor) - 1.0) ** 2).sum()  # noqa: E731
     batches = [torch.randint(0, n, (batch,), generator=gen) for _ in range(4)]
-    w_t, s_t = train_both_ways(cls, w0, batches, loss_fn, kw, "torch", str(tmp_path))
+    w_t, s_t = train_both_ways(cls, w0, batches, loss_fn, kw, "torch")
     assert not calls
-    w_k, s_k = train_both_ways(cls, w0, batches, loss_fn, kw, "triton", str(tmp_path))
+    w_k, s_k = train_both_ways(cls, w0, batches, loss_fn, kw, "triton")
     assert calls == ["adam_rows_" if which == "adam" else "riemannian_adam_rows_"] * len(batches)
     assert s_t.shape == (n, 2 * d if which == "adam" else d + 1)
     if dtype == torch.float32:

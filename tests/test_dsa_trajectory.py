@@ -129,32 +129,6 @@ def test_only_gradient_rows_change(backend):
         assert (rec["exp_avg_sq"][touched] > 0).all()
 
 
-def test_closure_zero_grad_and_empty_gradient():
-    emb = nn.Embedding(50, 4, sparse=True)
-    ref = copy.deepcopy(emb)
-    opt = DiskSparseAdam(emb.parameters(), lr=1e-2)
-    ref_opt = torch.optim.SparseAdam(ref.parameters(), lr=1e-2)
-    for model, o in ((emb, opt), (ref, ref_opt)):
-        def closure():
-            o.zero_grad()
-            loss = (model(torch.tensor([1, 2, 2])) ** 2).sum()
-            loss.backward()
-            return loss
-
-        assert float(o.step(closure).detach()) > 0
-        # An empty batch: the gradient exists but has no rows; SparseAdam still counts the step.
-        o.zero_grad()
-        model(torch.tensor([], dtype=torch.long)).sum().backward()
-        o.step()
-        closure()
-        o.step()
-    assert_close(emb.weight, ref.weight, atol=1e-6, name="weight")
-    assert int(opt.state_dict()["state"][0]["step"]) == ref_opt.state[ref.weight]["step"] == 3
-    opt.zero_grad()
-    assert emb.weight.grad is None
-    opt.close()
-
-
 def test_bfloat16_weights_keep_float32_state():
     """Low-precision tables: state is float32 on disk; the update matches fp32 SparseAdam rounded."""
     emb = nn.Embedding(64, 16, sparse=True, dtype=torch.bfloat16)

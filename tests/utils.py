@@ -111,3 +111,28 @@ def assert_same_state(opt, opt2, params, params2):
         for key, val in opt.state[p].items():
             other = opt2.state[q][key]
             assert (torch.equal(val, other) and val.dtype == other.dtype) if torch.is_tensor(val) else val == other
+
+
+def assert_match(actual, expected, tol=None):
+    """Tensor by tensor: bitwise (``tol`` None), or to assert_close's keyword tolerances ``tol``."""
+    for k, (a, e) in enumerate(zip(actual, expected, strict=True)):
+        if tol is None:
+            assert torch.equal(a, e), f"tensor {k}: max|Δ|={(a.double() - e.double()).abs().max().item():.3e}"
+        else:
+            assert_close(a, e, **tol, name=f"tensor {k}")
+
+
+def assert_same_state_dict(a, b, path="state_dict"):
+    """Two state dicts equal: the same structure, tensors bitwise with the same dtype and shape."""
+    if torch.is_tensor(a):
+        assert torch.is_tensor(b) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), path
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and set(a) == set(b), (path, set(a) ^ set(b))
+        for k in a:
+            assert_same_state_dict(a[k], b[k], f"{path}[{k!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), path
+        for k, (x, y) in enumerate(zip(a, b)):
+            assert_same_state_dict(x, y, f"{path}[{k}]")
+    else:
+        assert a == b, (path, a, b)
