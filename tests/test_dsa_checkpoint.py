@@ -1,4 +1,6 @@
-"""DiskSparseAdam checkpoints: state-dict round trips, resuming a state_dir, and SIGKILL crashes."""
+"""DiskSparseAdam checkpoints: resuming a state_dir, the private state_dir's removal, and SIGKILL
+crashes. State-dict round trips (into a fresh optimizer, into SparseAdam and back) are in
+``tests/protocol.py``."""
 
 import os
 import random
@@ -30,47 +32,6 @@ def _train_steps(emb, opt, start, stop):
         opt.zero_grad()
         ((emb(idx) - target) ** 2).mean().backward()
         opt.step()
-
-
-def test_state_dict_round_trip(tmp_path):
-    emb_a = _model()
-    opt_a = DiskSparseAdam(emb_a.parameters(), lr=1e-2, state_dir=tmp_path / "a")
-    _train_steps(emb_a, opt_a, 0, 30)
-    torch.save({"model": emb_a.state_dict(), "opt": opt_a.state_dict()}, tmp_path / "ckpt.pt")
-    _train_steps(emb_a, opt_a, 30, 60)  # the uninterrupted run
-
-    ckpt = torch.load(tmp_path / "ckpt.pt", map_location="cpu")
-    emb_b = _model(seed=1)
-    emb_b.load_state_dict(ckpt["model"])
-    opt_b = DiskSparseAdam(emb_b.parameters(), lr=0.5, state_dir=tmp_path / "b")
-    opt_b.load_state_dict(ckpt["opt"])
-    assert opt_b.param_groups[0]["lr"] == 1e-2
-    _train_steps(emb_b, opt_b, 30, 60)
-    assert torch.equal(emb_a.weight, emb_b.weight)
-    sa, sb = opt_a.state_dict()["state"][0], opt_b.state_dict()["state"][0]
-    for key in ("exp_avg", "exp_avg_sq"):
-        assert torch.equal(sa[key], sb[key]), key
-    assert int(sa["step"]) == int(sb["step"]) == 60
-    opt_a.close()
-    opt_b.close()
-
-
-def test_sparse_adam_checkpoint_loads_and_back(tmp_path):
-    """State dicts share torch.optim.SparseAdam's keys: a SparseAdam run can continue here."""
-    emb_ref = _model()
-    ref = torch.optim.SparseAdam(emb_ref.parameters(), lr=1e-2)
-    _train_steps(emb_ref, ref, 0, 20)
-    emb = _model(seed=3)
-    emb.load_state_dict(emb_ref.state_dict())
-    opt = DiskSparseAdam(emb.parameters(), lr=1e-2, state_dir=tmp_path / "s")
-    opt.load_state_dict(ref.state_dict())
-    _train_steps(emb_ref, ref, 20, 40)
-    _train_steps(emb, opt, 20, 40)
-    assert torch.equal(emb.weight, emb_ref.weight)
-    back = torch.optim.SparseAdam(emb_ref.parameters(), lr=1e-2)
-    back.load_state_dict(opt.state_dict())
-    assert torch.equal(back.state[emb_ref.weight]["exp_avg_sq"], ref.state[emb_ref.weight]["exp_avg_sq"])
-    opt.close()
 
 
 def test_reopen_clean_state_dir_resumes(tmp_path):
