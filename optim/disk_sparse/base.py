@@ -180,8 +180,7 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
         refused, since its file would no longer see the training."""
         k = self._index(p)
         wf = self._weight_files.get(p)
-        if wf is not None and (p.device.type != "cpu" or p.data_ptr() != wf.records.data_ptr()
-                               or p.dtype != wf.dtype):
+        if wf is not None and (not wf.holds(p) or p.dtype != wf.dtype):
             raise RuntimeError(
                 f"parameter {k}: the weight of the mapped_embedding {wf.path} no longer lives in its file "
                 f"(it is now a {p.dtype} tensor on {p.device}: share_memory(), .to() or a dtype cast "

@@ -287,6 +287,12 @@ class RowStateFile:
                 self.huge_pages = False
         arr = np.frombuffer(self._mm, dtype=_NP_DTYPES[self.dtype], count=self.rows * self.width, offset=HEADER_BYTES)
         self.records = torch.from_numpy(arr.reshape(self.rows, self.width))
+        self._address = arr.ctypes.data
+
+    def holds(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` starts at this file's first record in its mapping (not a copy of it: a
+        ``share_memory_()`` moves a tensor's storage, and every view of it, elsewhere)."""
+        return t.device.type == "cpu" and not self.closed and t.data_ptr() == self._address
 
     def private_records(self) -> torch.Tensor:
         """The records as a copy-on-write (``MAP_PRIVATE``) mapping of the file: it reads the page
