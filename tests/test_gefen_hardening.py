@@ -316,7 +316,7 @@ def test_upstream_fused_and_verbose_keywords(capsys):
 
 @pytest.mark.parametrize("betas", [(0.9,), (0.9, 0.99, 0.999), 0.9], ids=["one", "three", "float"])
 def test_betas_must_be_a_pair(betas):
-    with pytest.raises(ValueError, match="betas must be a pair"):
+    with pytest.raises(ValueError, match="betas must be two numbers"):
         Gefen([torch.nn.Parameter(torch.randn(4))], betas=betas)
 
 

@@ -11,41 +11,9 @@ import numbers
 
 import torch
 
+from .._checks import check_flags, check_hyper, check_option, scalar  # noqa: F401  (the shared checks)
 from .state import STEP
 from .store import MAX_STEP
-
-
-def scalar(x) -> float:
-    """A float of a Python number or a one-element tensor."""
-    return float(x.item()) if isinstance(x, torch.Tensor) else float(x)
-
-
-def check_flags(**flags):
-    """Each flag is True or False (a string such as "no" would otherwise count as True)."""
-    for name, value in flags.items():
-        if value not in (True, False):
-            raise ValueError(f"{name} must be True or False, got {value!r}")
-
-
-def check_hyper(lr, betas, eps):
-    """SparseAdam's checks with its messages (PyTorch's tests match them), then what to do."""
-    if isinstance(lr, torch.Tensor) and lr.numel() != 1:
-        raise ValueError("Tensor lr must be 1-element: give a scalar tensor or a float")
-    if not scalar(lr) > 0.0:
-        raise ValueError(f"Invalid learning rate: {lr} (lr must be > 0)")
-    if not eps > 0.0:
-        raise ValueError(f"Invalid epsilon value: {eps} (eps must be > 0)")
-    if len(betas) != 2:
-        raise ValueError(f"betas must be two numbers (beta1, beta2), got {betas}")
-    for k, b in enumerate(betas):
-        if not 0.0 <= b < 1.0:
-            raise ValueError(f"Invalid beta parameter at index {k}: {b} (betas must be in [0, 1))")
-
-
-def check_option(name, value, allowed, meaning):
-    """``value`` is one of ``allowed``; ``meaning`` says what the option does."""
-    if value not in allowed:
-        raise ValueError(f"{name} must be {meaning}, got {value!r}")
 
 
 def check_param(p, k, owner, dims):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from .._checks import check_flags, check_hyper, check_option
 from . import state as K
 from .reference import num_code_bytes, num_scales
 
@@ -79,6 +80,7 @@ def expected_state(n: int, block: int, bits: int, quant: bool, dtype: torch.dtyp
 
 
 def check_group(group, gi):
+    """A parameter group's parameters and values, with AdamW's sentences where AdamW checks them."""
     for pi, p in enumerate(group["params"]):
         if p.is_complex():
             raise ValueError(f"Gefen does not support complex parameters (group {gi}, parameter "
@@ -86,16 +88,30 @@ def check_group(group, gi):
         if not p.is_floating_point():
             raise ValueError(f"Gefen: parameter {pi} of group {gi} has dtype {p.dtype}, "
                              "expected a floating-point dtype")
-    lr, betas, eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-    if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
-        raise ValueError(f"Gefen: betas must be a pair (beta1, beta2), got {betas!r} in group {gi}")
-    b1, b2 = betas
-    if not 0.0 <= float(lr):
-        raise ValueError(f"Gefen: invalid lr {lr} in group {gi}")
-    if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
-        raise ValueError(f"Gefen: invalid betas {betas} in group {gi}; need 0 <= beta < 1")
-    if not 0.0 <= eps or not 0.0 <= wd:
-        raise ValueError(f"Gefen: invalid eps {eps} or weight_decay {wd} in group {gi}")
+    try:
+        check_hyper(group["lr"], group["betas"], group["eps"], weight_decay=group["weight_decay"],
+                    lr_may_be_zero=True)
+        check_flags(**{k: group[k] for k in FLAGS if k in group})
+    except ValueError as exc:
+        raise ValueError(f"{exc} (Gefen, group {gi})") from None
+
+
+FLAGS = ("share_second_moment", "quantize_first_moment", "factor_second_moment", "maximize")
+
+
+def check_adamw_keywords(*, amsgrad, foreach, capturable, differentiable):
+    """``torch.optim.AdamW``'s keywords that Gefen takes at their defaults (so a config written for
+    AdamW runs unchanged) and refuses by name otherwise. ``foreach`` chooses among AdamW's
+    implementations; Gefen has its own backends, so any value is taken."""
+    check_option("foreach", foreach, (None, True, False), "None, True or False")
+    refused = {"amsgrad": (amsgrad, "it keeps a per-element maximum of v, which the shared v has no room for"),
+               "capturable": (capturable, "the step is not captured in CUDA graphs (it chooses blocks and "
+                                          "learns the codebook from data)"),
+               "differentiable": (differentiable, "the quantised first moment has no gradient")}
+    for name, (value, why) in refused.items():
+        check_flags(**{name: value})
+        if value:
+            raise ValueError(f"Gefen does not implement {name}=True: {why}; leave {name}=False")
 
 
 def check_saved(st, p, group, bits, k):

@@ -8,9 +8,11 @@ from typing import NamedTuple
 
 import torch
 
-from ..backends import choose_backend
+from .._checks import check_option
+from ..backends import BACKENDS, choose_backend
 from . import distributed as _dist, state as K
-from .checks import backend_refusal, check_group, check_saved, data_fallback, state_dtype
+from .checks import (backend_refusal, check_adamw_keywords, check_group, check_saved, data_fallback,
+                     state_dtype)
 from .codebook import HIST_BINS, code_table
 from .partition import RULES, choose_block, factored_block
 from .reference import num_code_bytes, num_scales
@@ -106,30 +108,43 @@ class Gefen(torch.optim.Optimizer):
         factor_second_moment: scale each block's second moment per offset inside the block,
             blocks kept inside matrix rows (above; ``reference.py``). False is the published
             algorithm. (Default: False)
+        maximize: maximize the objective (each step is that of -g), as AdamW's. (Default: False)
+        amsgrad, foreach, capturable, differentiable: AdamW's keywords, taken at AdamW's defaults so
+            that a configuration written for AdamW runs unchanged; ``foreach`` may be anything (it
+            picks among AdamW's implementations), the others are refused when True.
+
+    Every option is also in ``defaults`` and every parameter group (``bits``, ``backend`` and
+    ``block_rule`` one value per optimizer), so re-creating the optimizer from
+    ``state_dict()["param_groups"][0]`` gives the same one. The step always runs eagerly
+    (``torch.compiler.disable``): under ``torch.compile`` a training step compiles around it.
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, bits=8,
                  share_second_moment=True, quantize_first_moment=True, backend="auto",
-                 block_rule="adjacent_log", *, factor_second_moment=False, fused=None,
-                 verbose=False):
-        if bits not in (4, 8):
-            raise ValueError(f"Gefen: bits must be 8 or 4, got {bits!r}")
-        if block_rule not in RULES:
-            raise ValueError(f"Gefen: block_rule must be one of {RULES}, got {block_rule!r}")
+                 block_rule="adjacent_log", *, factor_second_moment=False, maximize=False, fused=None,
+                 verbose=False, amsgrad=False, foreach=None, capturable=False, differentiable=False):
+        check_option("bits", bits, (8, 4), "8 or 4 (an int)")
+        check_option("block_rule", block_rule, RULES, f"one of {RULES}")
+        check_option("backend", backend, BACKENDS, f"one of {BACKENDS}")
+        check_adamw_keywords(amsgrad=amsgrad, foreach=foreach, capturable=capturable,
+                             differentiable=differentiable)
         if fused is False and backend not in ("auto", "torch"):
             raise ValueError(f"Gefen: fused=False asks for the torch step, backend={backend!r} "
                              "for a compiled one; pass one of them")
         self.backend = "torch" if fused is False else backend
         self.fused = fused
         self.verbose = verbose
+        self.bits = bits
+        self.block_rule = block_rule
         self._backends = {}  # param -> _Resolved, filled by add_param_group
+        # Every option lives in the groups, so a framework that re-creates the optimizer from
+        # ``param_groups[0]`` gets this one back; bits, backend and block_rule are one per optimizer.
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                         share_second_moment=share_second_moment,
                         quantize_first_moment=quantize_first_moment,
-                        factor_second_moment=factor_second_moment)
+                        factor_second_moment=factor_second_moment, maximize=maximize,
+                        bits=bits, backend=self.backend, block_rule=block_rule)
         super().__init__(params, defaults)
-        self.bits = bits
-        self.block_rule = block_rule
         self.codebook = None
         self._tables = None
 
@@ -143,8 +158,13 @@ class Gefen(torch.optim.Optimizer):
     def __setstate__(self, state):
         super().__setstate__(state)
         self.__dict__.setdefault("_tables", None)
-        for group in self.param_groups:  # pickled before the keyword existed: the published rule
+        for group in self.param_groups:  # pickled before a keyword existed: its old meaning
             group.setdefault("factor_second_moment", False)
+            group.setdefault("maximize", False)
+            for key in OPTIMIZER_WIDE:
+                group.setdefault(key, self.__dict__[key])
+        for key in OPTIMIZER_WIDE + ("maximize",):
+            self.defaults.setdefault(key, self.param_groups[0][key] if self.param_groups else self.__dict__.get(key, False))
         if "_backends" not in self.__dict__:  # unpickled or copied (load_state_dict keeps them)
             self._backends = {p: self._resolve(p, group, gi, pi) for gi, group in enumerate(self.param_groups)
                               for pi, p in enumerate(group["params"])}
@@ -154,6 +174,11 @@ class Gefen(torch.optim.Optimizer):
         gi, group = len(self.param_groups) - 1, self.param_groups[-1]
         try:
             check_group(group, gi)
+            for key in OPTIMIZER_WIDE:
+                if group[key] != self.defaults[key]:
+                    raise ValueError(f"Gefen: group {gi}'s {key} ({group[key]!r}) must be the optimizer's "
+                                     f"({self.defaults[key]!r}): one codebook and one backend choice serve "
+                                     "every group; use a second optimizer for another")
             chosen = {p: self._resolve(p, group, gi, pi) for pi, p in enumerate(group["params"])}
         except Exception:
             self.param_groups.pop()  # a refused group is not added
@@ -325,6 +350,9 @@ class Gefen(torch.optim.Optimizer):
         return out
 
     # --------------------------------------------------------------------------------- step
+    # The step chooses blocks and learns the codebook from data, which a compiled graph would not
+    # see (torch.compile around a training step): it always runs eagerly.
+    @torch.compiler.disable
     @torch.no_grad()
     def step(self, closure=None):
         """One optimizer step; ``closure`` re-evaluates the model and returns the loss."""
@@ -334,6 +362,17 @@ class Gefen(torch.optim.Optimizer):
                 loss = closure()
         if _dist.is_state_dict_init_step(self):  # [distributed] torch's zero-grad lr=0 probe
             return loss
+        negated = [p.grad for g in self.param_groups if g["maximize"] for p in g["params"] if p.grad is not None]
+        for grad in negated:  # maximize: the step of -g (negation is exact, undone below)
+            grad.neg_()
+        try:
+            self._step()
+        finally:
+            for grad in negated:
+                grad.neg_()
+        return loss
+
+    def _step(self):
         work = self._gather()
         quantized = {p: _local(g) for group, items in work if group["quantize_first_moment"]
                      for p, g, _ in items}
@@ -347,7 +386,6 @@ class Gefen(torch.optim.Optimizer):
             self.learn_codebook(counts, device=dev)
         for group, items in work:
             self._step_group(group, items)
-        return loss
 
     def _step_group(self, group, items):
         quant = group["quantize_first_moment"]
@@ -422,8 +460,10 @@ class Gefen(torch.optim.Optimizer):
         if bits != self.bits:
             raise ValueError(f"Gefen.load_state_dict: the state dict was saved with bits={bits}, "
                              f"this optimizer has bits={self.bits}; construct it with bits={bits}")
-        # saved before the keyword existed: the published rule
-        sd["param_groups"] = [g if "factor_second_moment" in g else dict(g, factor_second_moment=False)
+        # A keyword a dict was saved before is at its old meaning (the published rule, minimizing);
+        # the optimizer-wide options stay this optimizer's.
+        sd["param_groups"] = [{"factor_second_moment": False, "maximize": False, **g,
+                               **{k: self.defaults[k] for k in OPTIMIZER_WIDE}}
                               for g in sd["param_groups"]]
         saved = dict(sd.get("state", {}))
         groups = [(p, g) for g in self.param_groups for p in g["params"]]
@@ -431,9 +471,12 @@ class Gefen(torch.optim.Optimizer):
         if len(ids) != len(groups):
             raise ValueError(f"Gefen.load_state_dict: the state dict has {len(ids)} parameters, "
                              f"this optimizer {len(groups)}; load it into the model it was saved from")
+        loaded_group = {pid: g for g in sd["param_groups"] for pid in g["params"]}
+        for gi, g in enumerate(sd["param_groups"]):
+            check_group(dict(g, params=[]), gi)
         for k, (pid, (p, group)) in enumerate(zip(ids, groups)):
-            if pid in saved:  # everything is checked before anything is written
-                saved[pid] = check_saved(saved[pid], _local(p), group, self.bits, k)
+            if pid in saved:  # everything is checked before anything is written, against the loaded group
+                saved[pid] = check_saved(saved[pid], _local(p), loaded_group[pid], self.bits, k)
         super().load_state_dict(sd)
         # torch casts floating state to the parameter's dtype (bf16 would round v and scales,
         # and uint8 codes would become floats): put back the checked tensors as they were,
@@ -451,6 +494,7 @@ class Gefen(torch.optim.Optimizer):
 
 
 _SETTINGS = ("backend", "fused", "verbose", "bits", "block_rule", "codebook")
+OPTIMIZER_WIDE = ("bits", "backend", "block_rule")  # in every group, one value per optimizer
 
 
 def _local(t):
