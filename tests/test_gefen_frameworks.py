@@ -1,0 +1,129 @@
+"""Gefen inside the idioms of training frameworks, each against ``torch.optim.AdamW`` or eager Gefen.
+
+A training step under ``torch.compile``, AdamW's keywords in a configuration written for AdamW,
+a re-creation from ``state_dict()["param_groups"][0]`` (PyKEEN), a model moved after the optimizer
+was built (transformers' ``Trainer``, stood in for on CPU by a model built on ``meta``). The real
+frameworks are in ``tests/test_integration.py``.
+"""
+
+import pytest
+import torch
+import torch.nn as nn
+
+from optim import Gefen
+
+ADAMW = dict(share_second_moment=False, quantize_first_moment=False)  # Gefen reduced to AdamW
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+
+
+def _train(model, opt, steps, compiled=False):
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+
+    def step():
+        opt.zero_grad()
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        return loss
+
+    fn = torch.compile(step, backend="eager") if compiled else step
+    return [float(fn()) for _ in range(steps)]
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_compiled_training_step_equals_the_eager_one(bits):
+    """The step chooses blocks and learns the codebook from data: it runs eagerly inside a compiled
+    training step, which then equals the eager run bit for bit."""
+    eager, compiled = _model(), _model()
+    losses_e = _train(eager, Gefen(eager.parameters(), lr=1e-2, bits=bits), 4)
+    losses_c = _train(compiled, Gefen(compiled.parameters(), lr=1e-2, bits=bits), 4, compiled=True)
+    assert losses_e == losses_c
+    assert all(torch.equal(a, b) for a, b in zip(eager.parameters(), compiled.parameters()))
+
+
+def test_adamws_keywords_at_their_defaults_run_unchanged():
+    """A configuration written for AdamW, all keywords spelled out at AdamW's defaults."""
+    kw = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, amsgrad=False, maximize=False,
+              foreach=None, capturable=False, differentiable=False, fused=None)
+    ours, ref = _model(), _model()
+    _train(ours, Gefen(ours.parameters(), **kw, **ADAMW), 5)
+    _train(ref, torch.optim.AdamW(ref.parameters(), **kw), 5)
+    for a, b in zip(ours.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    for name in ("amsgrad", "capturable", "differentiable"):
+        with pytest.raises(ValueError, match=f"Gefen does not implement {name}=True"):
+            Gefen(_model().parameters(), **{name: True})
+    with pytest.raises(ValueError, match="amsgrad must be True or False"):
+        Gefen(_model().parameters(), amsgrad="no")
+
+
+@pytest.mark.parametrize("backend", ["torch", "numba", "triton"])
+def test_maximize_is_adamws(backend):
+    ours, ref = _model(), _model()
+    kw = dict(lr=1e-2, weight_decay=0.1, maximize=True)
+    _train(ours, Gefen(ours.parameters(), backend=backend, **kw, **ADAMW), 5)
+    _train(ref, torch.optim.AdamW(ref.parameters(), **kw), 5)
+    for a, b in zip(ours.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_maximize_with_codes_is_the_step_of_the_negated_loss():
+    """Quantised Gefen maximizing f takes the steps that minimizing -f takes, bit for bit, and leaves
+    the gradients as backward made them."""
+    up, down = _model(), _model()
+    x = torch.randn(8, 16)
+    opt_up = Gefen(up.parameters(), lr=1e-2, maximize=True)
+    opt_down = Gefen(down.parameters(), lr=1e-2)
+    for _ in range(4):
+        for model, opt, sign in ((up, opt_up, 1.0), (down, opt_down, -1.0)):
+            opt.zero_grad()
+            (sign * model(x).pow(2).mean()).backward()
+            grads = [p.grad.clone() for p in model.parameters()]
+            opt.step()
+            assert all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(up.parameters(), down.parameters()))
+
+
+def test_a_recreation_from_param_groups_keeps_every_option():
+    """PyKEEN re-creates the optimizer as ``type(opt)(params, **param_groups[0] minus params)``."""
+    model = _model()
+    opt = Gefen(model.parameters(), lr=3e-3, bits=4, backend="torch", block_rule="variance_drop",
+                factor_second_moment=True, maximize=True, weight_decay=0.1)
+    kwargs = {k: v for k, v in opt.state_dict()["param_groups"][0].items() if k != "params"}
+    twin = Gefen(model.parameters(), **kwargs)
+    assert (twin.bits, twin.backend, twin.block_rule) == (4, "torch", "variance_drop")
+    assert twin.defaults == opt.defaults
+    with pytest.raises(ValueError, match="bits"):
+        opt.add_param_group(dict(params=[nn.Parameter(torch.randn(3))], bits=8))
+    assert len(opt.param_groups) == 1
+
+
+def test_odd_values_are_refused_at_construction():
+    for bad in (dict(bits=8.0), dict(bits="8"), dict(share_second_moment="no"), dict(maximize="yes"),
+                dict(factor_second_moment=1.5), dict(backend="cuda")):
+        with pytest.raises(ValueError):
+            Gefen(_model().parameters(), **bad)
+
+
+def test_a_model_materialised_after_the_optimizer_trains_as_adamw():
+    """transformers' Trainer moves the model after the optimizer is built; on CPU the stand-in is a
+    model built on ``meta`` and materialised in place (the same Parameter objects)."""
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        with torch.device("meta"):
+            model = _model()
+        opt = Gefen(model.parameters(), lr=1e-2, weight_decay=0.01, **ADAMW)
+        model.to_empty(device="cpu")
+        ref = _model()
+        model.load_state_dict(ref.state_dict())
+        _train(model, opt, 3)
+        _train(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2), 3)
+        assert all(opt.backend_of(p) in ("numba", "torch") for p in model.parameters())
+        for a, b in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(False)
