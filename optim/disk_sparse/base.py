@@ -139,6 +139,10 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
         path = os.path.join(self.state_dir, f"param{k:04d}.dsa")
         resumed = os.path.exists(path)
         wf = weight_file(p)
+        trainer = None if wf is None or wf.optimizer is None else wf.optimizer()
+        if trainer is not None and trainer is not self and not trainer.__dict__.get("_closed", True):
+            raise StateFileError(f"parameter {k}: the mapped_embedding {wf.path} is already trained by another "
+                                 f"optimizer (on state_dir {trainer.state_dir}); close that one first")
         backend = None if p.is_meta else self._choose_backend(p, k)  # a meta table: at its first step
         store = RowStateFile(path, p.shape[0], _cols(p), width, sdtype, huge_pages=huge,
                              state_format=self.state_format)
@@ -150,6 +154,7 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
         self._stores[p] = store
         if wf is not None:
             self._weight_files[p] = wf
+            wf.optimizer = weakref.ref(self)
         if self._executor is None:  # its thread starts at the first prefetch
             self._executor = pipeline.make_executor()
         self._routes[p] = None if backend is None else self._new_route(p, backend)
@@ -180,6 +185,8 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
         refused, since its file would no longer see the training."""
         k = self._index(p)
         wf = self._weight_files.get(p)
+        if wf is not None:
+            wf.check_usable()
         if wf is not None and (not wf.holds(p) or p.dtype != wf.dtype):
             raise RuntimeError(
                 f"parameter {k}: the weight of the mapped_embedding {wf.path} no longer lives in its file "
@@ -267,8 +274,9 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
         vals = g._values().reshape(g._nnz(), _cols(p))  # a 1-D table is updated as N x 1
         w_all = p if p.dim() == 2 else p.unsqueeze(1)
         if route.sparse_fn is not None:
-            route.stager.fetch(g._indices()[0].cpu())
+            route.stager.fetch(g._indices()[0].cpu())  # under no lock: it holds no buffer
             route.sparse_fn(w_all, g._indices()[0], vals.to(p.dtype), self._stores[p].writable(), step, **hyper)
+            torch.autograd.graph.increment_version(p)  # written by compiled code: autograd must know
             return
         rows = g._indices()[0]
         if not g.is_coalesced():
@@ -290,6 +298,10 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
     def _update_rows(self, route, w_all, rows, vals, step, hyper, mask=None):
         """Stage the records of sorted unique ``rows``, update them and their weight rows with the
         backend's row rule, write both back; with ``mask``, only its elements keep the update."""
+        with route.stager.lock:  # a prefetch from another thread waits until the records are back
+            self._update_locked(route, w_all, rows, vals, step, hyper, mask)
+
+    def _update_locked(self, route, w_all, rows, vals, step, hyper, mask):
         stager, rows_fn = route.stager, route.rows_fn
         rows_cpu = rows.cpu()
         host = stager.acquire(rows_cpu)
@@ -351,6 +363,9 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
                                  "one the indices belong to with param=")
             param = next(iter(self._stores))
         self._known(param, "prefetch")
+        indices = torch.as_tensor(indices)
+        if indices.dtype == torch.bool or indices.is_floating_point() or indices.is_complex():
+            raise TypeError(f"prefetch: indices must be integers (row numbers), got {indices.dtype}")
         stager = self._current_route(param).stager
         rows = torch.unique(indices.detach().reshape(-1).to("cpu", torch.int64))
         if not rows.numel():
@@ -409,10 +424,17 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
         load cut short leaves a directory that is refused on reopening, never one at mixed steps.
         """
         self._check_open()
+        if not isinstance(state_dict, dict):
+            raise TypeError(f"load_state_dict takes a state dict (a dict from state_dict()), got "
+                            f"{type(state_dict).__name__}")
         state_dict = state_dict.copy()  # shallow, as torch's: a pre-hook may replace entries
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             hook_result = pre_hook(self, state_dict)
             state_dict = state_dict if hook_result is None else hook_result
+        missing = [k for k in ("state", "param_groups") if k not in state_dict]
+        if missing:
+            raise ValueError(f"load_state_dict: the state dict lacks {' and '.join(map(repr, missing))}; give "
+                             "what state_dict() returned (torch.load of a saved one)")
         saved = saved_state_by_param(self.param_groups, state_dict)
         loaded = {p: loaded_columns(self._views(p, store.records), saved.get(p),
                                     f"state_dict's state of parameter {k}", self.rule)
@@ -499,12 +521,23 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
             if self._executor is not None:
                 self._executor.shutdown(wait=True)
             self._routes.clear()
-            for p, store in self._stores.items():
+            errors = []
+            for p, store in self._stores.items():  # every file is released, whatever one raises
+                clean = not self._torn
                 wf = self._weight_files.get(p)
-                if wf is not None and not wf.closed and not self._torn:  # flushed, left open: the module owns it
-                    wf.flush(self._step_counts[p])
-                store.close(self._step_counts[p], clean=not self._torn)
+                if wf is not None and not wf.closed and clean:  # flushed, left open: the module owns it
+                    try:
+                        wf.flush(self._step_counts[p])
+                    except StateFileError as exc:  # clean state implies clean weights: not this time
+                        errors.append(exc)
+                        clean = False
+                try:
+                    store.close(self._step_counts[p], clean=clean)
+                except StateFileError as exc:
+                    errors.append(exc)
             self._weight_files.clear()
+            if errors:
+                raise errors[0]
         finally:
             self._clear_state()
             if self._own_dir:

@@ -33,6 +33,7 @@ check it against the direct path (``staging=True``).
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
@@ -86,6 +87,7 @@ class DirectStager:
     def __init__(self, store, device, executor=None):
         self.store, self.device, self.executor = store, torch.device(device), executor
         self.pending: deque = deque()
+        self.lock = threading.RLock()  # prefetch may come from a loader thread
 
     def _files(self):
         return (self.store,) if self.weight_file is None else (self.store, self.weight_file)
@@ -95,8 +97,9 @@ class DirectStager:
 
         Does not wait for announced read-aheads: they may be batches ahead of this step, and pages
         whose reads are in flight count as present (``mincore``), so none is asked for twice."""
-        while self.pending and self.pending[0].done():
-            self.pending.popleft()
+        with self.lock:
+            while self.pending and self.pending[0].done():
+                self.pending.popleft()
         for f in self._files():
             f.fetch(rows)
 
@@ -116,19 +119,21 @@ class DirectStager:
         self.store.scatter(rows, dev.cpu())
 
     def prefetch(self, rows: torch.Tensor):
-        for f in self._files():
-            if self.executor is None:
-                f.read_ahead(rows)
-            else:
-                self.pending.append(self.executor.submit(f.read_ahead, rows))
+        with self.lock:
+            for f in self._files():
+                if self.executor is None:
+                    f.read_ahead(rows)
+                else:
+                    self.pending.append(self.executor.submit(f.read_ahead, rows))
 
     def invalidate(self):
         """Wait for the queued read-aheads (their failures do not matter: the step reads the file)."""
-        while self.pending:
-            try:
-                self.pending.popleft().result()
-            except Exception:
-                pass
+        with self.lock:
+            while self.pending:
+                try:
+                    self.pending.popleft().result()
+                except Exception:
+                    pass
 
     def buffers(self) -> list:
         return []  # the records and weight rows of each step are fresh tensors
@@ -163,6 +168,9 @@ class RowStager:
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
         self.event = torch.cuda.Event() if self.cuda else None
         self.hits = self.misses = self.patched_rows = 0
+        # prefetch may come from a loader thread; the optimizer holds the lock from acquire to commit,
+        # so an announcement never takes the buffer of the step in progress
+        self.lock = threading.RLock()
 
     # -- host side -----------------------------------------------------------------------------
     def _free_buffer(self) -> _Buffer:
@@ -171,12 +179,13 @@ class RowStager:
 
     def prefetch(self, rows: torch.Tensor):
         """Start gathering the records of ``rows`` (CPU int64, sorted unique) in the background."""
-        while len(self.pending) >= self.depth:
-            self._drop(self.pending.popleft())
-        buf = self._free_buffer()
-        out = buf.view(rows.numel(), self.store.width)
-        fut = self.executor.submit(self._gather, rows, out, True)
-        self.pending.append(_Announced(rows, buf, fut))
+        with self.lock:
+            while len(self.pending) >= self.depth:
+                self._drop(self.pending.popleft())
+            buf = self._free_buffer()
+            out = buf.view(rows.numel(), self.store.width)
+            fut = self.executor.submit(self._gather, rows, out, True)
+            self.pending.append(_Announced(rows, buf, fut))
 
     def _gather(self, rows, out, read_ahead=False):
         """Gather the records of ``rows`` into ``out``, their pages read in parallel first where
@@ -222,8 +231,9 @@ class RowStager:
 
     def invalidate(self):
         """Forget every announcement (after its gather finished); call before other file writes."""
-        while self.pending:
-            self._drop(self.pending.popleft())
+        with self.lock:
+            while self.pending:
+                self._drop(self.pending.popleft())
 
     @staticmethod
     def _drop(a):

@@ -213,7 +213,13 @@ def open_optimizer(model: nn.Module, state_dir, *, resume: bool = False, **kwarg
     group = next(iter(tables.values())).group
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     opt, error = None, None
+    others = _other_world_dirs(state_dir, world) if resume else []
     try:
+        if others:
+            raise StateFileError(
+                f"resume=True on {world} ranks, but {os.fspath(state_dir)} holds the state of another number "
+                f"of ranks ({', '.join(others)}): row shards do not carry over. Restore a DCP checkpoint "
+                "(dcp_state_dict / load_dcp_state_dict) into fresh state dirs on these ranks")
         opt = DiskSparseAdam([t.weight for t in tables.values()],
                              state_dir=os.path.join(os.fspath(state_dir), f"rank{rank}-of-{world}"),
                              resume=resume, **kwargs)
@@ -231,6 +237,15 @@ def open_optimizer(model: nn.Module, state_dir, *, resume: bool = False, **kwarg
            else f"the ranks' state files stand at different steps {at}")
     raise StateFileError(f"open_optimizer: the ranks' state cannot continue together ({why}). Restore "
                          "the last checkpoint on every rank (load_dcp_state_dict into fresh state dirs)")
+
+
+def _other_world_dirs(state_dir, world) -> list:
+    """The ``rank{r}-of-{W}`` directories in ``state_dir`` of a world size other than ``world``."""
+    try:
+        names = os.listdir(state_dir)
+    except FileNotFoundError:
+        return []
+    return sorted(n for n in names if n.startswith("rank") and "-of-" in n and not n.endswith(f"-of-{world}"))
 
 
 # ----------------------------------------------------------------------------------- checkpoints

@@ -361,9 +361,23 @@ class RowStateFile:
                 start += col.shape[1]
         self.flush(step)
 
+    def check_path(self):
+        """Raise unless ``path`` still names the file this object has open: another program that
+        deleted or replaced it would otherwise see its records lost, or a stale file resumed."""
+        have = os.fstat(self._fd)
+        try:
+            now = os.stat(self.path)
+        except FileNotFoundError:
+            raise StateFileError(f"state file {self.path} was deleted while open: its records live on only in "
+                                 "this process. Save a checkpoint (state_dict) now and restore it") from None
+        if (now.st_dev, now.st_ino) != (have.st_dev, have.st_ino):
+            raise StateFileError(f"state file {self.path} was replaced by another file while open: this "
+                                 "optimizer's records are not in it. Save a checkpoint (state_dict) now and restore it")
+
     def flush(self, step: int | None = None):
         """Write the records to disk and mark the file clean at ``step`` (a consistent point)."""
         self._check_open()
+        self.check_path()
         self._mm.flush()
         self._write_header(self._step if step is None else step, clean=True)
         self._dirty = False
@@ -434,6 +448,8 @@ class RowStateFile:
             self._release(unlock=False)
             return
         try:
+            if self._mm is not None and (self._dirty or step is not None):
+                self.check_path()
             if self._mm is not None and self._dirty and not clean:
                 self._mm.flush()
             elif self._mm is not None and self._dirty:

@@ -32,7 +32,7 @@ import weakref
 import torch
 import torch.nn as nn
 
-from .store import RowStateFile
+from .store import RowStateFile, StateFileError
 
 ATTR = "_dsa_weight_file"  # the Parameter attribute naming its file
 
@@ -43,6 +43,23 @@ class WeightFile(RowStateFile):
 
     def __init__(self, path, rows, cols, dtype):
         super().__init__(path, rows, cols, cols, dtype, huge_pages=False, state_format="weights")
+
+    optimizer = None  # a weakref to the optimizer that trains this weight (one at a time)
+
+    def _check_open(self):
+        if self.closed:
+            raise StateFileError(f"weight file {self.path} is closed: its module was garbage-collected or "
+                                 "close_mapped() was called. Keep the module alive while its optimizer trains it")
+        super()._check_open()
+
+    def check_usable(self):
+        """Raise with what happened if the file is closed or belongs to another process."""
+        self._check_open()
+
+    def __reduce__(self):
+        raise TypeError(f"the weight of a mapped_embedding lives in its file {self.path} and cannot be "
+                        "pickled with the module: save module.state_dict() (a copy of the weights), or "
+                        "flush the optimizer and keep the file")
 
     def close(self, step=None):
         if step is None and self._dirty and not self.closed and self.owned():
@@ -65,10 +82,14 @@ def mapped_embedding(path, num_embeddings: int, embedding_dim: int, *, bag: bool
         if kwargs.get(bad) is not None:
             raise ValueError(f"mapped_embedding: {bad}= is not supported (the weight is the file's; "
                              "sparse gradients are always on)")
+    for name, value in (("num_embeddings", num_embeddings), ("embedding_dim", embedding_dim)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"mapped_embedding: {name} must be a positive int, got {value!r}")
     existed = os.path.exists(path)
     wf = WeightFile(path, num_embeddings, embedding_dim, dtype)
     try:
         if not existed:
+            wf.mark_dirty()  # a process killed while filling leaves a file that is refused
             _fill_normal(wf.records, init_std, seed)
             wf.flush(0)
         cls = nn.EmbeddingBag if bag else nn.Embedding

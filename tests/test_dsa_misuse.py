@@ -1,0 +1,192 @@
+"""Disk Sparse Adam against what a careless user or an adversary does: a kill while a weight file is
+filled, state files deleted or replaced under an open optimizer, ``prefetch`` from a loader thread
+while the main thread steps, odd indices and state dicts, a second optimizer on one mapped weight,
+a mapped module collected or pickled, a resume on another number of ranks. Each case either works
+as the reference does (``torch.optim.SparseAdam``, or the same run without the misuse) or is refused
+with an error that says what happened and what to do.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+import torch
+import torch.nn as nn
+
+from optim import DiskSparseAdam, mapped_embedding
+from optim.disk_sparse.store import StateFileError
+from optim.disk_sparse.weights import close_mapped
+
+ROWS, DIM = 300, 6
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(code, timeout=120):
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def _batches(n, seed=1, rows=ROWS):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, rows, (40,), generator=gen) for _ in range(n)]
+
+
+def _step(emb, opt, idx):
+    opt.zero_grad()
+    emb(idx).pow(2).sum().backward()
+    opt.step()
+
+
+def test_a_kill_while_a_weight_file_is_filled_leaves_it_refused(tmp_path):
+    path = tmp_path / "w.dsa"
+    out = _run(f"""
+        import os, signal
+        from optim.disk_sparse import weights
+        real = weights._fill_normal
+        def killed_half_way(records, std, seed, chunk_rows=1 << 16):
+            real(records[: records.shape[0] // 2], std, seed)
+            os.kill(os.getpid(), signal.SIGKILL)
+        weights._fill_normal = killed_half_way
+        weights.mapped_embedding({str(path)!r}, 4000, 8)
+    """)
+    assert out.returncode == -signal.SIGKILL, out.stderr
+    with pytest.raises(StateFileError, match="dirty"):
+        mapped_embedding(path, 4000, 8)
+
+
+@pytest.mark.parametrize("how", ["deleted", "replaced"])
+def test_a_state_file_deleted_or_replaced_under_the_optimizer_is_refused(tmp_path, how):
+    emb = nn.Embedding(ROWS, DIM, sparse=True)
+    opt = DiskSparseAdam(emb.parameters(), state_dir=tmp_path / "s")
+    _step(emb, opt, _batches(1)[0])
+    path = opt.state_file(emb.weight).path
+    os.unlink(path)
+    if how == "replaced":
+        with open(path, "wb") as f:
+            f.write(b"\0" * 4096)
+    with pytest.raises(StateFileError, match=how):
+        opt.flush()
+    with pytest.raises(StateFileError, match=how):
+        opt.close()
+    assert opt._closed  # released all the same: nothing is locked or mapped any more
+
+
+def test_prefetch_from_a_loader_thread_equals_the_run_without_it(tmp_path):
+    """The staged pipeline (``staging=True``), a loader thread announcing batch k+1 while the main
+    thread steps batch k: weights and moments equal those of the run without announcements."""
+    torch.manual_seed(0)
+    a, b = nn.Embedding(ROWS, DIM, sparse=True), nn.Embedding(ROWS, DIM, sparse=True)
+    b.load_state_dict(a.state_dict())
+    plain = DiskSparseAdam(a.parameters(), lr=0.05, staging=True, state_dir=tmp_path / "a")
+    staged = DiskSparseAdam(b.parameters(), lr=0.05, staging=True, state_dir=tmp_path / "b")
+    batches = _batches(60)
+    for idx in batches:
+        _step(a, plain, idx)
+    errors = []
+
+    def loader(k):
+        try:
+            staged.prefetch(batches[k])
+        except Exception as exc:  # noqa: BLE001  (reported below)
+            errors.append(exc)
+
+    for k, idx in enumerate(batches):
+        t = threading.Thread(target=loader, args=(k + 1,)) if k + 1 < len(batches) else None
+        if t is not None:
+            t.start()
+        _step(b, staged, idx)
+        if t is not None:
+            t.join()
+    assert not errors
+    assert torch.equal(a.weight, b.weight)
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert torch.equal(plain.state_dict()["state"][0][key], staged.state_dict()["state"][0][key])
+    assert staged.staging_stats()["hits"] > 0
+    plain.close()
+    staged.close()
+
+
+def test_prefetch_takes_any_integer_indices_and_refuses_others(tmp_path):
+    emb = nn.Embedding(ROWS, DIM, sparse=True)
+    opt = DiskSparseAdam(emb.parameters(), state_dir=tmp_path / "s")
+    import numpy as np
+
+    for idx in ([1, 2, 3], np.array([4, 5]), 7, torch.tensor([8], dtype=torch.int32)):
+        opt.prefetch(idx)
+    for bad in (torch.tensor([1.0]), torch.tensor([True]), torch.tensor([1 + 1j])):
+        with pytest.raises(TypeError, match="integers"):
+            opt.prefetch(bad)
+    opt.close()
+
+
+def test_the_fused_step_tells_autograd_the_weight_changed(tmp_path):
+    emb = nn.Embedding(ROWS, DIM, sparse=True)
+    opt = DiskSparseAdam(emb.parameters(), state_dir=tmp_path / "s", backend="numba")
+    out = emb(torch.tensor([1, 2]))
+    saved = out * emb.weight[:2]  # a graph that saved the weight before the step
+    before = emb.weight._version
+    opt.zero_grad()
+    emb(torch.tensor([1, 2])).sum().backward()
+    opt.step()
+    assert emb.weight._version > before
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        saved.sum().backward()
+    opt.close()
+
+
+def test_a_second_optimizer_on_one_mapped_weight_is_refused(tmp_path):
+    emb = mapped_embedding(tmp_path / "w.dsa", ROWS, DIM)
+    first = DiskSparseAdam(emb.parameters(), state_dir=tmp_path / "a")
+    with pytest.raises(StateFileError, match="already trained by another optimizer"):
+        DiskSparseAdam(emb.parameters(), state_dir=tmp_path / "b")
+    first.close()
+    second = DiskSparseAdam(emb.parameters(), state_dir=tmp_path / "b")  # once the first is closed
+    second.close()
+    close_mapped(emb)
+
+
+def test_odd_state_dicts_are_explained(tmp_path):
+    opt = DiskSparseAdam(nn.Embedding(ROWS, DIM, sparse=True).parameters(), state_dir=tmp_path / "s")
+    with pytest.raises(TypeError, match="takes a state dict"):
+        opt.load_state_dict(None)
+    with pytest.raises(ValueError, match="lacks 'state' and 'param_groups'"):
+        opt.load_state_dict({})
+    opt.close()
+
+
+def test_a_mapped_module_collected_or_pickled_is_explained(tmp_path):
+    emb = mapped_embedding(tmp_path / "w.dsa", ROWS, DIM)
+    with pytest.raises(TypeError, match="cannot be pickled with the module: save module.state_dict"):
+        torch.save(emb, tmp_path / "m.pt")
+    torch.save(emb.state_dict(), tmp_path / "sd.pt")  # the advice works
+    opt = DiskSparseAdam(emb.parameters(), state_dir=tmp_path / "s")
+    close_mapped(emb)  # as when the module is garbage-collected
+    with pytest.raises(StateFileError, match="garbage-collected or close_mapped"):
+        _step(emb, opt, _batches(1)[0])
+    for bad in (dict(num_embeddings=-5), dict(embedding_dim=0), dict(num_embeddings=2.5)):
+        kw = {"num_embeddings": 10, "embedding_dim": 4, **bad}
+        with pytest.raises(ValueError, match="must be a positive int"):
+            mapped_embedding(tmp_path / "x.dsa", kw["num_embeddings"], kw["embedding_dim"])
+
+
+def test_resume_on_another_number_of_ranks_is_refused(tmp_path):
+    (tmp_path / "state" / "rank0-of-2").mkdir(parents=True)
+    out = _run(f"""
+        import torch.distributed as dist
+        from optim.disk_sparse.sharded import ShardedEmbedding, open_optimizer
+        from optim.disk_sparse.store import StateFileError
+        dist.init_process_group("gloo", init_method="file://{tmp_path}/rdv", rank=0, world_size=1)
+        emb = ShardedEmbedding(10, 4)
+        try:
+            open_optimizer(emb, {str(tmp_path / "state")!r}, resume=True)
+        except StateFileError as exc:
+            print("refused:", exc)
+        dist.destroy_process_group()
+    """)
+    assert "refused:" in out.stdout and "another number of ranks" in out.stdout and "DCP" in out.stdout, \
+        out.stdout + out.stderr
