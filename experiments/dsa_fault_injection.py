@@ -1,4 +1,4 @@
-"""Fault injection: SIGKILL a DiskSparseAdam training process at random points, then check recovery.
+"""Fault injection: SIGKILL or SIGINT a DiskSparseAdam training process at random points, then check recovery.
 
     python experiments/dsa_fault_injection.py              # 200 trials; rows into results/
     python experiments/dsa_fault_injection.py --quick      # 10 trials; rows into results/quick/
@@ -7,12 +7,17 @@
 Each trial is one process that restores a checkpoint into a fresh state_dir, trains a small table
 (duplicate indices in every batch) and checkpoints every few steps the documented way: torch.save of
 model and optimizer state dicts (to a temporary name, then renamed), then ``opt.flush()``. Before
-each phase (restore, step, save, flush, close) it writes the phase to a status file. The parent
-waits for a randomly chosen event of a target phase (targets cycle through the phases), waits a
-random 0-2 ms more, and SIGKILLs the process. Then it reopens the state_dir with ``resume=True``:
+each phase (restore, create, load, step, save, flush, close) it writes the phase to a status file. The
+parent waits for a randomly chosen event of a target phase (targets cycle through the phases), waits
+a random 0-2 ms more, and sends the process SIGKILL or SIGINT (alternating). SIGINT is Ctrl-C: a
+KeyboardInterrupt wherever the process is, which the optimizer's ``with`` block closes on (a step or
+load it cuts short must leave the files dirty); the script then saves its model weights at the step
+it reached, as a script that catches Ctrl-C does, and exits. Then the parent reopens the state_dir
+with ``resume=True``:
 
 - refused with StateFileError: restore the newest checkpoint into a new state_dir and train on;
-- accepted: load the model weights of the checkpoint at the step the files hold and train on.
+- accepted: load the model weights saved at the step the files hold (a checkpoint, or the weights
+  saved on Ctrl-C) and train on.
 
 Either way the weights at the last step must equal, bitwise, an uninterrupted torch.optim.SparseAdam
 run. Anything else fails the trial: accepted state that continues differently, no checkpoint at the
@@ -20,9 +25,10 @@ accepted step, a checkpoint that does not load, an error other than StateFileErr
 
 Trial processes are forked by one warm server process (imports and kernels loaded once), so a trial
 costs its training, not an interpreter start. Rows (results/dsa_fault_injection.csv): variant
-"DiskSparseAdam", x_name "phase" (the phase the process reported last; "done" if it finished before
-the kill, "all" for totals), metrics ``trials``, ``refused_dirty``, ``accepted_clean``,
-``bitwise_continuations``, ``failures``; and ``wall_time`` (s) of all trials.
+"DiskSparseAdam/SIGKILL" or "DiskSparseAdam/SIGINT" (and "DiskSparseAdam" for both), x_name "phase"
+(the phase the process reported last; "done" if it finished before the signal, "all" for totals),
+metrics ``trials``, ``refused_dirty``, ``accepted_clean``, ``bitwise_continuations``, ``failures``;
+and ``wall_time`` (s) of all trials.
 """
 
 from __future__ import annotations
@@ -45,7 +51,8 @@ from experiments.common import REPO_ROOT, Results, add_common_args
 
 ROWS, DIM, BATCH, HOT = 2000, 16, 512, 200
 LR, START, TOTAL, EVERY = 1e-2, 5, 40, 5
-PHASES = ["restore", "step", "save", "flush"]
+PHASES = ["restore", "create", "load", "step", "save", "flush"]
+SIGNALS = {"SIGKILL": signal.SIGKILL, "SIGINT": signal.SIGINT}
 STATUS_BYTES = 48
 
 
@@ -77,7 +84,7 @@ def train(emb, opt, start: int, stop: int, seed: int, report=None, save=None):
 
 def events():
     """The (phase, step) sequence a trial process reports; index + 1 is its sequence number."""
-    seq = [("restore", START)]
+    seq = [("restore", START), ("create", START), ("load", START)]
     for t in range(START + 1, TOTAL + 1):
         seq.append(("step", t))
         if t % EVERY == 0:
@@ -87,6 +94,11 @@ def events():
 
 def ckpt_path(trial_dir, step: int) -> Path:
     return Path(trial_dir) / f"ckpt-{step:06d}.pt"
+
+
+def weights_path(trial_dir, step: int) -> Path:
+    """The model weights a script saves when Ctrl-C stops it at ``step``."""
+    return Path(trial_dir) / f"weights-{step:06d}.pt"
 
 
 # ------------------------------------------------------------------------------ the trial process
@@ -113,11 +125,18 @@ def trial(trial_dir: str, seed: int):
     ckpt = torch.load(ckpt_path(trial_dir, START))
     emb = model(seed + 1)
     emb.load_state_dict(ckpt["model"])
-    opt = DiskSparseAdam(emb.parameters(), lr=LR, state_dir=os.path.join(trial_dir, "state"))
-    opt.load_state_dict(ckpt["opt"])
-    train(emb, opt, START, TOTAL, seed, report, save)
-    report("close", TOTAL)
-    opt.close()
+    report("create", START)
+    opt = None
+    try:
+        with DiskSparseAdam(emb.parameters(), lr=LR, state_dir=os.path.join(trial_dir, "state")) as opt:
+            report("load", START)
+            opt.load_state_dict(ckpt["opt"])
+            train(emb, opt, START, TOTAL, seed, report, save)
+            report("close", TOTAL)
+    except KeyboardInterrupt:  # Ctrl-C: the optimizer closed on the way out; keep the weights too
+        if opt is not None:
+            torch.save({"model": emb.state_dict()}, weights_path(trial_dir, opt.step_count(emb.weight)))
+        raise
     report("done", TOTAL)
 
 
@@ -141,6 +160,8 @@ def server(seed: int):
             try:
                 trial(line.strip(), seed)
                 code = 0
+            except KeyboardInterrupt:
+                code = 130  # as a shell reports Ctrl-C
             finally:
                 os._exit(code)
         print(pid, flush=True)
@@ -159,8 +180,8 @@ def reference(seed: int):
     return ckpts, emb.weight.detach().clone()
 
 
-def run_one(srv, trial_dir: Path, target_seq: int, delay: float, ckpts):
-    """Start one trial process, kill it at ``target_seq`` + ``delay``; return the phase it last reported."""
+def run_one(srv, trial_dir: Path, target_seq: int, delay: float, ckpts, sig=signal.SIGKILL):
+    """Start one trial process, signal it at ``target_seq`` + ``delay``; return the phase it last reported."""
     for step, c in ckpts.items():
         torch.save(c, ckpt_path(trial_dir, step))
     (trial_dir / "status").write_bytes(b"0 start 0".ljust(STATUS_BYTES))
@@ -176,21 +197,25 @@ def run_one(srv, trial_dir: Path, target_seq: int, delay: float, ckpts):
         while time.monotonic() < end:
             pass
         try:
-            os.kill(pid, signal.SIGKILL)
+            os.kill(pid, sig)
         except ProcessLookupError:
             pass
         status = int(srv.stdout.readline())
         phase = os.pread(fd, STATUS_BYTES, 0).split()[1].decode()
     finally:
         os.close(fd)
-    if os.WIFEXITED(status) and os.WEXITSTATUS(status) != 0:
+    interrupted = os.WIFEXITED(status) and os.WEXITSTATUS(status) == 130
+    if os.WIFEXITED(status) and os.WEXITSTATUS(status) not in (0, 130):
         return "crashed"
-    return phase if os.WIFSIGNALED(status) or phase == "done" else "unresolved"
+    return phase if os.WIFSIGNALED(status) or interrupted or phase == "done" else "unresolved"
 
 
 def _load_checkpoints(trial_dir: Path):
-    """Every checkpoint under its final name, by step; a torn one raises (it must never be there)."""
-    return {int(p.stem.split("-")[1]): torch.load(p) for p in sorted(trial_dir.glob("ckpt-*.pt"))}
+    """Every checkpoint under its final name, by step; a torn one raises (it must never be there).
+    Weights saved on Ctrl-C count as a checkpoint of the model only."""
+    found = {int(p.stem.split("-")[1]): torch.load(p) for p in sorted(trial_dir.glob("weights-*.pt"))}
+    found.update({int(p.stem.split("-")[1]): torch.load(p) for p in sorted(trial_dir.glob("ckpt-*.pt"))})
+    return found
 
 
 def verify(trial_dir: Path, final, seed: int):
@@ -206,7 +231,7 @@ def verify(trial_dir: Path, final, seed: int):
     try:
         opt = DiskSparseAdam(emb.parameters(), lr=LR, state_dir=trial_dir / "state", resume=True)
     except StateFileError:
-        step = max(ckpts)
+        step = max(k for k, c in ckpts.items() if "opt" in c or k == 0)
         emb.load_state_dict(ckpts[step]["model"])
         opt = DiskSparseAdam(emb.parameters(), lr=LR, state_dir=trial_dir / "restored")
         if "opt" in ckpts[step]:
@@ -245,17 +270,18 @@ def run_trials(n: int, seed: int, log=print):
     try:
         with tempfile.TemporaryDirectory(prefix="dsa-fi-") as root:
             for i in range(n):
-                target = PHASES[i % len(PHASES)]
+                sig = list(SIGNALS)[i % len(SIGNALS)]  # each phase gets both signals in turn
+                target = PHASES[(i // len(SIGNALS)) % len(PHASES)]
                 target_seq = 1 + rng.choice([k for k, (ph, _) in enumerate(seq) if ph == target])
                 trial_dir = Path(root) / f"t{i:04d}"
                 trial_dir.mkdir()
-                phase = run_one(srv, trial_dir, target_seq, rng.uniform(0, 0.002), ckpts)
+                phase = run_one(srv, trial_dir, target_seq, rng.uniform(0, 0.002), ckpts, SIGNALS[sig])
                 outcome, same = verify(trial_dir, final, seed) if phase not in ("crashed", "unresolved") \
                     else (phase, False)
-                c = counts.setdefault(phase, Counter())
+                c = counts.setdefault((sig, phase), Counter())
                 c.update({"trials": 1, outcome: 1, "bitwise": int(same), "failures": int(not same)})
                 if not same:
-                    log(f"trial {i}: killed in {phase}, {outcome}, continuation differs from the reference")
+                    log(f"trial {i}: {sig} in {phase}, {outcome}, continuation differs from the reference")
     finally:
         srv.stdin.close()
         srv.wait(timeout=30)
@@ -263,14 +289,23 @@ def run_trials(n: int, seed: int, log=print):
 
 
 def record(res: Results, counts, wall: float):
+    """Rows per signal and phase, per signal for all phases, and for both signals ("DiskSparseAdam")."""
     metrics = [("trials", "trials"), ("refused_dirty", "refused_dirty"), ("accepted_clean", "accepted_clean"),
                ("bitwise_continuations", "bitwise"), ("failures", "failures")]
+    order = [*PHASES, "close", "done"]
     total = Counter()
-    for phase in [*PHASES, "close", "done", *sorted(set(counts) - set(PHASES) - {"close", "done"})]:
-        if phase in counts:
-            total.update(counts[phase])
-            for metric, key in metrics:
-                res.add("DiskSparseAdam", metric, "count", counts[phase][key], x_name="phase", x_value=phase)
+    for sig in SIGNALS:
+        phases = {ph: c for (s, ph), c in counts.items() if s == sig}
+        per_signal = Counter()
+        for phase in [*order, *sorted(set(phases) - set(order))]:
+            if phase in phases:
+                per_signal.update(phases[phase])
+                for metric, key in metrics:
+                    res.add(f"DiskSparseAdam/{sig}", metric, "count", phases[phase][key], x_name="phase",
+                            x_value=phase)
+        for metric, key in metrics:
+            res.add(f"DiskSparseAdam/{sig}", metric, "count", per_signal[key], x_name="phase", x_value="all")
+        total.update(per_signal)
     for metric, key in metrics:
         res.add("DiskSparseAdam", metric, "count", total[key], x_name="phase", x_value="all")
     res.add("DiskSparseAdam", "wall_time", "s", wall, x_name="phase", x_value="all")
@@ -293,7 +328,7 @@ def main(argv=None):
         record(res, counts, time.perf_counter() - t0)
     failures = sum(c["failures"] for c in counts.values())
     print(f"[dsa_fault_injection] {args.trials} trials, {failures} failures; "
-          + ", ".join(f"{p}: {c['trials']}" for p, c in counts.items()), flush=True)
+          + ", ".join(f"{s} in {p}: {c['trials']}" for (s, p), c in sorted(counts.items())), flush=True)
     return 1 if failures else 0
 
 

@@ -265,14 +265,16 @@ def test_correctness_tiny_triton_case(tmp_path, monkeypatch, capsys):
 
 
 # -------------------------------------------------------------------------------- reproduce
+# The shared harness (and the ahead-of-time compile tool kernel_resources uses): not experiments.
+HARNESS = {"common", "data", "models", "registry", "train", "pool", "triton_aot"}
+
+
 def test_reproduce_covers_every_experiment_and_analysis():
     from experiments import reproduce
 
     gpu_only = {"bench_dsa_gpu", "bench_kernels"}  # prepared GPU checks, documented as not in the run
-    harness = {"common", "data", "models", "registry", "train", "pool", "reproduce",
-               "triton_aot"}  # the ahead-of-time compile tool kernel_resources uses
     scripts = {p.stem for p in (REPO / "experiments").glob("*.py")
-               if not p.stem.startswith("_") and p.stem not in harness | gpu_only}
+               if not p.stem.startswith("_") and p.stem not in HARNESS | {"reproduce"} | gpu_only}
     assert set(reproduce.EXPERIMENTS) == scripts
     analyses = {p.stem for p in (REPO / "analysis").glob("*.py") if p.stem not in {"common", "__init__"}}
     drawn = {a for figs in reproduce.EXPERIMENTS.values() for a in figs}
@@ -477,8 +479,7 @@ def test_registry_names_are_the_canonical_ones():
 def test_experiments_do_not_import_each_other():
     import ast
 
-    harness = {"common", "data", "models", "registry", "train", "pool"}
-    scripts = {p.stem for p in (REPO / "experiments").glob("*.py")} - harness - {"__init__"}
+    scripts = {p.stem for p in (REPO / "experiments").glob("*.py")} - HARNESS - {"__init__"}
     for path in (REPO / "experiments").glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             names = []
