@@ -320,8 +320,8 @@ class RowStateFile:
         """Clear the clean flag on disk; called before the first record write after a clean point."""
         self._check_open()
         if not self._dirty:
+            self._dirty = True  # first: an interruption inside the write below must not read as clean
             self._write_header(self._step, clean=False)
-            self._dirty = True
 
     def writable(self) -> torch.Tensor:
         """``records``, for a caller that writes them in place (a fused kernel): marks the file dirty."""
@@ -450,7 +450,7 @@ class RowStateFile:
         try:
             if self._mm is not None and (self._dirty or step is not None):
                 self.check_path()
-            if self._mm is not None and self._dirty and not clean:
+            if self._mm is not None and not clean:  # never marked clean, whatever it holds
                 self._mm.flush()
             elif self._mm is not None and self._dirty:
                 self.flush(step)
