@@ -352,3 +352,45 @@ def test_triton_launch_cache_checks_a_state_tensor_at_a_known_address(alias):
            "scales_strided": ([v], [s.view(-1, 2)[:, 0]], [c])}[alias]
     with pytest.raises(ValueError):
         triton_ops.gefen_step_([p], [g], *bad, cb, **kw)
+
+
+# ------------------------------------------------------------------- non-finite gradients later on
+
+
+@pytest.mark.parametrize("backend", ["torch", "numba", "triton"])
+@pytest.mark.parametrize("spike", [1e20, float("inf"), float("nan")], ids=["overflow", "inf", "nan"])
+def test_one_bad_element_leaves_the_factor_and_the_other_blocks_alone(backend, spike):
+    """With the factored second moment, one gradient element whose square is not finite (at step 3
+    of 5) keeps the factor finite and positive, and every parameter outside the element's blocks
+    stays within a few learning rates of the same run without that element. (Random gradients get
+    block length 1 here, so the element's scale block is its chunk of 256: rows 6 and 7.)"""
+    runs = []
+    for bad in (None, spike):
+        torch.manual_seed(0)
+        p = torch.nn.Parameter(torch.randn(64, 128) * 0.1)
+        opt = Gefen([p], lr=1e-2, factor_second_moment=True, backend=backend)
+        gen = torch.Generator().manual_seed(1)
+        for t in range(5):
+            p.grad = torch.randn(64, 128, generator=gen)
+            if t == 2 and bad is not None:
+                p.grad[7, 5] = bad
+            opt.step()
+        w = opt.state[p]["w"]
+        assert bool(torch.isfinite(w).all()) and float(w.min()) > 0
+        runs.append(p.detach().clone())
+    diff = (runs[1] - runs[0]).abs()
+    diff[6:8] = 0  # the element's own scale block
+    assert float(diff.max()) < 0.05, float(diff.max())
+
+
+@pytest.mark.parametrize("backend", ["torch", "numba", "triton"])
+def test_an_inf_gradient_after_the_first_step_does_not_crash(backend):
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(300))
+    opt = Gefen([p], lr=1e-2, backend=backend)
+    for t in range(3):
+        p.grad = torch.randn(300)
+        if t == 1:
+            p.grad[10] = float("inf")
+        opt.step()
+    assert opt.state[p]["step"] == 3

@@ -210,7 +210,8 @@ def _bins(m, n, amax, lut_scale, top, u):
     for i in range(n):
         q = m[i] / div
         m[i] = q
-        u[i] = min(np.uint32(q * lut_scale + lut_scale), top)  # |q| <= 1: only q == 1 overflows
+        x = q * lut_scale + lut_scale  # >= 0 for |q| <= 1; only q == 1 overflows the table
+        u[i] = min(np.uint32(x), top) if x >= np.float32(0.0) else top  # NaN (an inf gradient): the last bin
 
 
 @njit(nogil=True, error_model="numpy", cache=True)
@@ -321,7 +322,9 @@ def _factor_reduce(meta, jobs, wptrs, block, beta2, one_minus_beta2, partial, ra
         nb = np.float32(meta[t, 5] // block)
         s = np.float32(0.0)
         for j in range(block):
-            w[j] = beta2 * w[j] + one_minus_beta2 * (total[t, j] / nb)
+            new = beta2 * w[j] + one_minus_beta2 * (total[t, j] / nb)
+            if np.isfinite(new):  # a non-finite offset keeps its value (reference.factor_update)
+                w[j] = new
             s += w[j]
         mean = s / np.float32(block)
         for j in range(block):

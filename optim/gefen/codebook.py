@@ -339,8 +339,8 @@ def nearest_code(x: torch.Tensor, codebook, dtype=torch.int64) -> torch.Tensor:
     """Index of the nearest entry of ``codebook`` (a sorted tensor or a ``CodeTable``) per element.
 
     Ties go to the lower index; exact for float32/float64 x (bf16/fp16 are upcast to float32,
-    which is exact). Values outside [-1, 1] get the nearest end entry as usual. NaN gives an
-    unspecified code. Returns a tensor of x's shape and ``dtype`` (use torch.uint8 to store 8-bit
+    which is exact). Values outside [-1, 1] get the nearest end entry as usual. NaN gets the last
+    entry's code (as the reference's searchsorted orders NaN last). Returns a tensor of x's shape and ``dtype`` (use torch.uint8 to store 8-bit
     codes; decode with ``codebook[codes.long()]``, since a uint8 index is read as a mask).
     """
     table = codebook if isinstance(codebook, CodeTable) else code_table(codebook)
@@ -357,6 +357,7 @@ def nearest_code(x: torch.Tensor, codebook, dtype=torch.int64) -> torch.Tensor:
         u = torch.bucketize(xf, (table.boundaries64 if f64 else table.boundaries)[:-1])
     else:  # u = lut[bin] + (x > boundaries[lut[bin]]): two gathers with one index
         s = table.scale
-        b = torch.mul(xf, s).add_(s).clamp_(0, table.lut.numel() - 1).to(torch.int64)
+        top = table.lut.numel() - 1  # NaN takes the last bin: the reference's searchsorted puts it last
+        b = torch.mul(xf, s).add_(s).nan_to_num_(nan=top).clamp_(0, top).to(torch.int64)
         u = table.lut[b].add_(xf > (table.lut_bound64 if f64 else table.lut_bound)[b])
     return (u if not table.has_repeats else table.first[u]).to(dtype)

@@ -151,9 +151,13 @@ def dequantize(scales, codes, codebook, *, numel: int, block: int, bits: int) ->
 def factor_update(w, g, *, block, beta2):
     """New per-offset factor ``w`` (P floats) from gradient ``g``: EMA of ``mean_b(g[b, j]**2)``.
 
-    The first thing a factored step does (before ``v``, which it does not depend on)."""
+    The first thing a factored step does (before ``v``, which it does not depend on). An offset
+    whose new value is not finite (a gradient of inf or NaN, or one whose square overflows) keeps
+    its old value: one element must not set every other offset's ratio ``w_j / mean(w)`` to 0 for
+    good. The element's own block is then frozen by its v, as without the factor."""
     g = g.float().reshape(-1)
-    return beta2 * w + (1 - beta2) * (g * g).view(-1, block).mean(dim=0)
+    new = beta2 * w + (1 - beta2) * (g * g).view(-1, block).mean(dim=0)
+    return torch.where(torch.isfinite(new), new, w)
 
 
 def factor_ratio(w):

@@ -42,7 +42,8 @@ def factor_update_(ws, gs, *, block, beta2):
     """``reference.factor_update`` in place on each (w, g): the factored steps' first pass."""
     for w, g in zip(ws, gs):
         gf = g.detach().reshape(-1).float()
-        w.copy_(beta2 * w + (1 - beta2) * (gf * gf).view(-1, block).mean(dim=0))
+        new = beta2 * w + (1 - beta2) * (gf * gf).view(-1, block).mean(dim=0)
+        w.copy_(torch.where(torch.isfinite(new), new, w))  # a non-finite offset keeps its value
 
 
 def _ratio_rows(ws, numels, block: int) -> torch.Tensor:
