@@ -15,6 +15,10 @@ the warm variants are interleaved within every repeat (in a shuffled order), the
   logistic loss: two tables, heavy duplicates.
 
 Variants: ``ceiling`` (forward+backward, no optimizer step), ``SparseAdam`` (moments in RAM),
+``SparseAdam/fresh`` and ``DiskSparseAdam/fresh`` (where a user starts: a new optimizer, for DSA on a
+new state_dir, its construction and first --fresh-steps steps timed; one of each per repeat in
+alternating order, after the imports and kernels are loaded; ``throughput`` over the steps after the
+first 10, ``throughput_with_construction`` over all of them with the construction counted),
 ``DiskSparseAdam/warm`` (state file in the page cache; the default ``huge_pages=None`` maps it
 with 2 MiB pages, as it fits in RAM), ``DiskSparseAdam/warm-fused`` (the same optimizer and state
 with ``bitwise=False``: one fused pass, a correctly rounded sqrt), ``DiskSparseAdam/cold`` (the same files reopened with 4 KiB
@@ -33,8 +37,10 @@ tagged seed@Nt, kg@Nt.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import random
+import shutil
 import statistics
 import tempfile
 import time
@@ -127,6 +133,7 @@ def run_config(cfg, args, res, tmp):
         model.loss(batches[k % len(batches)]).backward()
 
     sparse_adam, dsa = _memory(res, tag, x, params, fwd_bwd, tmp)
+    fresh, fresh_first = _fresh(args, cfg, params, fwd_bwd, os.path.join(tmp, f"{tag}-fresh"))
 
     def dsa_step(k, bitwise=True):
         for group in dsa.param_groups:  # a param-group option, like lr: both variants share the state
@@ -160,6 +167,9 @@ def run_config(cfg, args, res, tmp):
                          resume=True)
     walls["DiskSparseAdam/cold"], cpus["DiskSparseAdam/cold"], reads = _cold(args, cfg, dsa, dsa_step)
     dsa.close()
+    walls.update(fresh)
+    for v, rates in fresh_first.items():
+        res.add(f"{tag}/{v}", "throughput_with_construction", "samples/s", statistics.median(rates), **x)
     rows_per_step = statistics.median(sum(int(torch.unique(t).numel()) for t in _tensors(b))
                                       for b in batches[:8])
     _report(res, tag, x, args, walls, cpus, reads, cfg["batch"], rows_per_step)
@@ -192,6 +202,34 @@ def _memory(res, tag, x, params, fwd_bwd, tmp):
     return sparse_adam, dsa
 
 
+def _fresh(args, cfg, params, fwd_bwd, root):
+    """Per repeat, a new SparseAdam and a new DiskSparseAdam on a new state_dir (alternating which goes
+    first): ({variant: samples/s after the first 10 steps}, {variant: samples/s over all
+    --fresh-steps steps with the construction counted}), one value per repeat."""
+    after, first = {}, {}
+    for rep in range(args.fresh_reps):
+        names = ["SparseAdam", "DiskSparseAdam"][::1 if rep % 2 == 0 else -1]
+        for name in names:
+            gc.collect()
+            state_dir = os.path.join(root, f"{rep}")
+            kw = dict(state_dir=state_dir) if name == "DiskSparseAdam" else {}
+            t0 = time.perf_counter()
+            opt = make_optimizer(name, params, lr=1e-3, **kw)
+            for k in range(args.fresh_steps):
+                if k == 10:
+                    t10 = time.perf_counter()
+                fwd_bwd(k)
+                opt.step()
+            t1 = time.perf_counter()
+            if hasattr(opt, "close"):
+                opt.close()
+            del opt
+            shutil.rmtree(state_dir, ignore_errors=True)
+            after.setdefault(f"{name}/fresh", []).append(cfg["batch"] * (args.fresh_steps - 10) / (t1 - t10))
+            first.setdefault(f"{name}/fresh", []).append(cfg["batch"] * args.fresh_steps / (t1 - t0))
+    return after, first
+
+
 def _cold(args, cfg, dsa, dsa_step):
     """Samples/s (wall and per CPU second) of steps that find no state page cached, and the disk's
     4 KiB random-read rate measured after each repeat."""
@@ -220,7 +258,8 @@ def _report(res, tag, x, args, walls, cpus, reads, batch, rows_per_step):
     med_cpu = {v: statistics.median(cpus[v]) for v in cpus}
     for v in walls:
         res.add(f"{tag}/{v}", "throughput", "samples/s", med[v], **x)
-        res.add(f"{tag}/{v}", "throughput_per_cpu_second", "samples/s", med_cpu[v], **x)
+        if v in med_cpu:  # the fresh variants are timed on the wall clock only
+            res.add(f"{tag}/{v}", "throughput_per_cpu_second", "samples/s", med_cpu[v], **x)
     read_rate = statistics.median(reads)
     bound = batch * read_rate / rows_per_step
     res.add(f"{tag}/disk", "random_read_4KiB", "reads/s", read_rate, **x)
@@ -233,6 +272,7 @@ def _report(res, tag, x, args, walls, cpus, reads, batch, rows_per_step):
         "cpu:DiskSparseAdam_warm/ceiling": med_cpu["DiskSparseAdam/warm"] / med_cpu["ceiling"],
         "DiskSparseAdam_warm_fused/SparseAdam": med["DiskSparseAdam/warm-fused"] / med["SparseAdam"],
         "DiskSparseAdam_warm_fused/ceiling": med["DiskSparseAdam/warm-fused"] / med["ceiling"],
+        "DiskSparseAdam_fresh/SparseAdam_fresh": med["DiskSparseAdam/fresh"] / med["SparseAdam/fresh"],
     }
     for name, r in ratios.items():
         res.add(f"{tag}/ratio", name, "x", r, **x)
@@ -258,6 +298,9 @@ def main(argv=None):
     parser.add_argument("--cold-steps", type=int, default=None,
                         help="cold-cache steps per repeat (default 5, --quick 2)")
     parser.add_argument("--disk-reads", type=int, default=2000)
+    parser.add_argument("--fresh-steps", type=int, default=None,
+                        help="steps of each fresh optimizer, the first 10 untimed for the rate (default 160, --quick 30)")
+    parser.add_argument("--fresh-reps", type=int, default=None, help="fresh optimizers of each kind (default 5, --quick 2)")
     parser.add_argument("--rows", type=int, default=None,
                         help="table rows of every config (default: seed 1M, kg 2M, --quick kg 200k); for smoke runs")
     parser.add_argument("--threads", type=int, default=1,
@@ -267,6 +310,10 @@ def main(argv=None):
     args.reps = args.reps or (3 if args.quick else 11)
     args.steps = args.steps or (10 if args.quick else 40)
     args.cold_steps = args.cold_steps or (2 if args.quick else 5)
+    args.fresh_steps = args.fresh_steps or (30 if args.quick else 160)
+    args.fresh_reps = args.fresh_reps or (2 if args.quick else 5)
+    if args.fresh_steps <= 10:
+        parser.error("--fresh-steps must be > 10 (the first 10 are not in the rate)")
     torch.set_num_threads(args.threads)
     configs = {
         "seed": dict(name="seed", rows=1_000_000, dim=128, batch=2048),

@@ -113,3 +113,36 @@ def test_memory_limit_reads_the_process_own_cgroup(tmp_path):
     proc.write_text("0::/x\n")
     assert memory_limit_bytes(str(tmp_path), str(proc)) == phys // 3
     assert memory_limit_bytes(str(tmp_path), str(tmp_path / "missing")) == phys
+
+
+def test_a_new_file_in_the_page_cache_is_never_read_ahead(tmp_path, monkeypatch):
+    """A file the optimizer created, which stays in the page cache, holds zeros until written: no
+    step of the first pass asks the disk for its pages (a residency check would find every untouched
+    page missing). Once its pages were dropped, or for a resumed file, fetch reads ahead again."""
+    from optim.disk_sparse.store import RowStateFile
+
+    asked = []
+    real = RowStateFile.read_ahead
+    monkeypatch.setattr(RowStateFile, "read_ahead", lambda self, rows: asked.append(rows.numel()) or real(self, rows))
+    emb = nn.Embedding(20_000, 64, sparse=True)
+
+    def steps(opt, n):
+        for _ in range(n):
+            opt.zero_grad()
+            emb(torch.randint(0, 20_000, (256,))).sum().backward()
+            opt.step()
+
+    opt = DiskSparseAdam(emb.parameters(), state_dir=tmp_path, huge_pages=False, staging=False)
+    assert opt.state_files()[0].in_memory
+    steps(opt, 5)
+    assert asked == []
+    opt.state_files()[0].drop_cache()
+    steps(opt, 1)
+    dropped = len(asked)
+    opt.close()
+    resumed = DiskSparseAdam(emb.parameters(), state_dir=tmp_path, huge_pages=False, staging=False, resume=True)
+    assert not resumed.state_files()[0].in_memory
+    resumed.close()
+    if dropped == 0:
+        pytest.skip("this file system keeps the file's pages after DONTNEED (e.g. tmpfs)")
+    assert dropped > 0

@@ -133,9 +133,8 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
         check_param(p, k, type(self).__name__, self.rule.table_dims)
         sdtype = self.rule.record_dtype(p.dtype)
         width = self.rule.width(_cols(p))
-        huge = self.huge_pages
-        if huge is None:
-            huge = fits_in_page_cache(p.shape[0] * width * torch.empty((), dtype=sdtype).element_size())
+        fits = fits_in_page_cache(p.shape[0] * width * torch.empty((), dtype=sdtype).element_size())
+        huge = fits if self.huge_pages is None else self.huge_pages
         path = os.path.join(self.state_dir, f"param{k:04d}.dsa")
         resumed = os.path.exists(path)
         wf = weight_file(p)
@@ -145,7 +144,7 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
                                  f"optimizer (on state_dir {trainer.state_dir}); close that one first")
         backend = None if p.is_meta else self._choose_backend(p, k)  # a meta table: at its first step
         store = RowStateFile(path, p.shape[0], _cols(p), width, sdtype, huge_pages=huge,
-                             state_format=self.state_format)
+                             state_format=self.state_format, stays_in_memory=fits)
         if wf is not None and resumed and wf.step != store.step:
             store.close()
             raise StateFileError(

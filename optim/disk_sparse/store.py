@@ -34,6 +34,10 @@ asks for all of them with ``posix_fadvise(WILLNEED)``, one call per run of pages
 the reads and returns, so the step's page faults then wait on reads that are all in flight at once
 (the disk's parallel rate; ``experiments/dsa_out_of_core.py`` compares it with worker threads
 doing ``pread``). ``read_ahead(rows)`` asks without the check (announced rows, on a background thread).
+A file this process created and that stays in the page cache (``stays_in_memory``: the optimizer's
+``fits_in_page_cache`` rule) is never read from disk: its pages are zeros until written, and a check
+would find every untouched page "missing" and ask for all of a step's pages at every step of the
+first pass over the table. ``fetch`` skips it (``in_memory``).
 
 Page size: with ``huge_pages=True`` the mapping is also advised ``MADV_HUGEPAGE``. Where the kernel
 and file system back file mappings with 2 MiB folios (Linux 6.x with large folios, e.g. ext4 from
@@ -177,7 +181,7 @@ class RowStateFile:
     """
 
     def __init__(self, path, rows: int, cols: int, width: int, dtype: torch.dtype, huge_pages: bool = False,
-                 state_format: str = "exact"):
+                 state_format: str = "exact", stays_in_memory: bool = False):
         if dtype not in _CODES:
             raise TypeError(f"state file {path}: state dtype must be float32, float64 or uint8, got {dtype}")
         if state_format not in _FILE_FORMATS:
@@ -205,6 +209,9 @@ class RowStateFile:
             else:
                 self._check_existing()
             self._map()
+            # A new file that stays in the page cache has nothing on disk worth reading ahead: its
+            # pages fault in as zeros (2 MiB at a time with huge pages), so ``fetch`` skips it.
+            self.in_memory = bool(created and stays_in_memory)
         except BaseException:
             self._release()
             if created:
@@ -383,8 +390,10 @@ class RowStateFile:
         self._dirty = False
 
     def drop_cache(self):
-        """Evict this file's pages from the page cache (cold-cache benchmarks)."""
+        """Evict this file's pages from the page cache (cold-cache benchmarks); ``fetch`` reads them
+        ahead from then on."""
         self._check_open()
+        self.in_memory = False
         self._mm.madvise(mmap.MADV_DONTNEED)
         os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
@@ -436,7 +445,7 @@ class RowStateFile:
         """Before a step on ``rows`` (int64 CPU indices in the table, any order, duplicates allowed):
         if any of a sample of their pages is not cached, queue reads of all of them (``read_ahead``),
         so the step's page faults wait on parallel reads instead of reading one page at a time."""
-        if rows.numel() and self.missing_pages(rows, sample):
+        if rows.numel() and not self.in_memory and self.missing_pages(rows, sample):
             self.read_ahead(rows)
 
     def close(self, step: int | None = None, clean: bool = True):
