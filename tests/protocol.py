@@ -129,7 +129,7 @@ CASES = [
          drop_in=True),
     Case("ball", TABLES, lambda s, g: random_points(*s, C, torch.float32, g), DiskSparseRiemannianAdam,
          geoopt.optim.SparseRiemannianAdam, lambda p: geoopt.ManifoldParameter(p.detach().clone(), manifold=ball(C)),
-         tol={"torch": TOL, "triton": TOL}, hyper=dict(lr=1e-2), backends=("torch", "triton")),
+         tol={"torch": TOL, "numba": TOL, "triton": TOL}, hyper=dict(lr=1e-2), backends=("torch", "numba", "triton")),
     Case("gefen-adamw", DENSE, lambda s, g: torch.randn(s, generator=g),
          lambda ps, **kw: Gefen(ps, share_second_moment=False, quantize_first_moment=False, **kw),
          lambda ps, **kw: torch.optim.AdamW(ps, foreach=False, **kw),  # foreach takes no tensor lr

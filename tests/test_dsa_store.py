@@ -88,7 +88,9 @@ def test_bad_hyperparameters(kw, match):
 @pytest.mark.parametrize("cls,backend,dtype,match", [
     pytest.param(DiskSparseAdam, "triton", torch.float64, "backend='triton' cannot update parameter 0", id="triton-f64"),
     pytest.param(DiskSparseAdam, "numba", torch.bfloat16, "backend='numba' cannot update parameter 0", id="numba-bf16"),
-    pytest.param(DiskSparseRiemannianAdam, "numba", torch.float32, "no numba path", id="ball-numba"),
+    pytest.param(DiskSparseRiemannianAdam, "numba", torch.bfloat16, "backend='numba' cannot update parameter 0",
+                 id="ball-numba-bf16"),
+    pytest.param(DiskSparseRiemannianAdam, "triton", torch.float64, "backend='triton' cannot update", id="ball-triton-f64"),
 ])
 def test_backend_that_cannot_take_the_parameter_is_refused_at_construction(cls, backend, dtype, match, tmp_path):
     with pytest.raises(ValueError, match=match):

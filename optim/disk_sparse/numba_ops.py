@@ -1,4 +1,4 @@
-"""Numba CPU path of the Disk Sparse Adam row update (lazy Adam; the ball has no numba path).
+"""Numba CPU path of the Disk Sparse Adam row updates (lazy Adam; the ball: ``riemannian_adam_*``).
 
 ``adam_sparse_`` is the fused table update for CPU weights: per unique row of the uncoalesced sparse
 gradient, sum the row's duplicate gradient rows, update its ``[m | v]`` record in place straight in
@@ -188,3 +188,52 @@ def _launch_compact(K, sorted_rows, values, records, weight, step, *, lr, beta1,
     kernel = K.compact_parallel if threads > 1 else K.compact
     kernel(keys, perm, starts, n_rows, values.contiguous().to(torch.float32).numpy(), codes, floats,
            weight.detach().numpy(), ty(1 - beta1), ty(1 - beta2), ty(eps), neg_step, bool(maximize), threads)
+
+
+# -- the Poincaré ball: Riemannian Adam, one fused pass per unique row
+def riemannian_adam_sparse_(weight, indices, values, records, step, *, lr, beta1, beta2, eps, c, exact) -> None:
+    """Riemannian Adam (``reference.riemannian_adam_rows``) in place on ``weight`` (N, D) and records
+    ``[m | v]`` (N, D + 1) from an uncoalesced sparse gradient (``indices``, ``values`` (nnz, D));
+    duplicates summed in the stable radix sort's order, in float64."""
+    from . import _numba_kernels as K
+
+    bufs = _scratch(indices.shape[0], values.shape[1], weight.dtype)
+    starts, sort_bufs, counts = bufs[0], bufs[4], bufs[5]
+    keys, perm, n_rows = _sorted_rows(K, indices.contiguous(), weight.shape[0], sort_bufs, counts, starts,
+                                      coalesce_order=False)
+    _launch_ball(K, (keys, perm, starts, n_rows), values, records, weight, step, lr=lr, beta1=beta1,
+                 beta2=beta2, eps=eps, c=c, exact=exact)
+
+
+def riemannian_adam_rows_(w, g, state, step, *, lr, beta1, beta2, eps, c, exact) -> None:
+    """``torch_ops.riemannian_adam_rows_`` (gathered unique rows, records of width D + 1) in numba."""
+    from . import _numba_kernels as K
+
+    n = w.shape[0]
+    ident = np.arange(n + 1, dtype=np.int64)
+    _launch_ball(K, (ident[:n], ident[:n], ident, n), g, state, w, step, lr=lr, beta1=beta1, beta2=beta2,
+                 eps=eps, c=c, exact=exact)
+
+
+def _launch_ball(K, sorted_rows, values, records, weight, step, *, lr, beta1, beta2, eps, c, exact):
+    from .poincare import max_norm
+
+    keys, perm, starts, n_rows = sorted_rows
+    d = values.shape[1]
+    if weight.dtype not in WEIGHT_DTYPES or records.dtype != weight.dtype:
+        raise TypeError(f"the ball's numba kernel takes float32 or float64 weights and records of their dtype, "
+                        f"got {weight.dtype} and {records.dtype}")
+    if records.dim() != 2 or records.shape != (weight.shape[0], d + 1) or weight.shape[1] != d \
+            or values.shape[0] != perm.shape[0] or not records.is_contiguous():
+        raise ValueError(f"the ball's numba kernel: weight {tuple(weight.shape)}, records {tuple(records.shape)} "
+                         f"(contiguous, width D + 1) and {perm.shape[0]} gradient rows of {tuple(values.shape)} "
+                         "do not match")
+    if step < 1 or not c > 0:
+        raise ValueError(f"the ball's numba kernel: step must be >= 1 and c > 0, got {step} and {c}")
+    if n_rows == 0:
+        return
+    threads = numba_threads() if n_rows >= _PARALLEL_MIN_ROWS else 1
+    kernel = K.ball_parallel if threads > 1 else K.ball
+    kernel(keys, perm, starts, n_rows, values.contiguous().numpy(), records.detach().numpy(),
+           weight.detach().numpy(), float(lr), float(beta1), float(beta2), 1 - beta1**step, 1 - beta2**step,
+           float(eps), float(c), max_norm(c, weight.dtype), bool(exact), False, threads)

@@ -127,9 +127,10 @@ class DiskSparseRiemannianAdam(DiskSparseOptimizer):
         exact (bool): exponential map instead of the retraction. (Default: False)
         state_dir (str or None): as in :class:`DiskSparseAdam`. (Default: None)
         resume (bool): as in :class:`DiskSparseAdam`. (Default: False)
-        backend (str): ``"torch"``, ``"triton"`` (float32/bfloat16 weights, rows up to
-            ``triton_ops.MAX_BALL_D`` wide) or ``"auto"`` (Triton for CUDA weights it can take, torch
-            otherwise); ``"numba"`` is refused: this update has no numba path. (Default: "auto")
+        backend (str): ``"torch"``, ``"numba"`` (``numba_ops``: CPU, float32/float64 weights, one
+            fused pass per row), ``"triton"`` (float32/bfloat16 weights, rows up to
+            ``triton_ops.MAX_BALL_D`` wide) or ``"auto"`` (Triton for CUDA weights, numba for CPU
+            weights where it is installed, torch otherwise). (Default: "auto")
         huge_pages (bool or None): as in :class:`DiskSparseAdam`. (Default: None)
         staging (bool or None): as in :class:`DiskSparseAdam`. (Default: None)
         state_format (str): ``"exact"`` (record ``[m | v]``, D + 1 values) or ``"compact"``: m as

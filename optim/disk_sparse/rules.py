@@ -166,7 +166,9 @@ BALL = Rule(
     kind="ball", state_format="exact", title="the Riemannian update", table_dims=(2,),
     element_sparse=_ROW_SPARSE_ONLY,
     width=lambda cols: cols + 1, record_dtype=_float_state, views=_exact_views, hyper=_ball_hyper,
-    check_group=_check_ball, routes={"torch": ("torch_ops.riemannian_adam_rows_", None),
+    check_group=_check_ball,
+    routes={"torch": ("torch_ops.riemannian_adam_rows_", None),
+            "numba": ("numba_ops.riemannian_adam_rows_", "numba_ops.riemannian_adam_sparse_"),
             "triton": ("triton_ops.riemannian_adam_rows_", None)},
     weight_dtypes=_kernel_dtypes, row_limit=_ball_row_limit)
 
