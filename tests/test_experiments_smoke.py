@@ -504,3 +504,26 @@ def test_interleaved_timer_runs_each_candidate_once_per_repeat():
     assert all(sorted(r) == ["a", "b", "c"] for r in rounds) and len({tuple(r) for r in rounds}) > 1
     assert all(len(t["wall"]) == len(t["cpu"]) == 4 for t in times.values())
     assert set(median(times)) == {"a", "b", "c"}
+
+
+@pytest.mark.timeout(300)
+def test_dsa_seed_benchmark_smallest_run(tmp_path):
+    """The seed's benchmark on a small table: every optimizer reports every epoch, the disk optimizer
+    keeps its state on disk and follows geoopt's loss, and the analysis draws the figure."""
+    from analysis.dsa_seed_benchmark import REPORT
+    from analysis.common import main as analysis_main
+    from experiments import dsa_seed_benchmark
+    from experiments.common import read_results
+
+    assert dsa_seed_benchmark.main(["--rows", "3000", "--epochs", "2", "--wandb", "disabled",
+                                    "--results-dir", str(tmp_path)]) == 0
+    rows = read_results(tmp_path / "dsa_seed_benchmark.csv")
+    by = {(r["variant"], r["metric"], r["x_value"]): r["value"] for r in rows}
+    for name in dsa_seed_benchmark.OPTIMIZERS:
+        for epoch in (1, 2):
+            assert by[(name, "throughput", epoch)] > 0 and by[(name, "loss", epoch)] > 0
+    assert by[("DiskSparseRiemannianAdam", "bytes_on_disk", 2)] > 0
+    ours, geo = (by[(n, "loss", 2)] for n in ("DiskSparseRiemannianAdam", "geoopt-SparseRiemannianAdam"))
+    assert abs(ours - geo) <= 1e-5 * geo
+    analysis_main(REPORT, ["--results-dir", str(tmp_path), "--out", str(tmp_path / "f.png")])
+    assert (tmp_path / "f.png").exists()
