@@ -297,24 +297,21 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
     def _update_rows(self, route, w_all, rows, vals, step, hyper, mask=None):
         """Stage the records of sorted unique ``rows``, update them and their weight rows with the
         backend's row rule, write both back; with ``mask``, only its elements keep the update."""
-        with route.stager.lock:  # a prefetch from another thread waits until the records are back
-            self._update_locked(route, w_all, rows, vals, step, hyper, mask)
-
-    def _update_locked(self, route, w_all, rows, vals, step, hyper, mask):
         stager, rows_fn = route.stager, route.rows_fn
         rows_cpu = rows.cpu()
-        host = stager.acquire(rows_cpu)
-        rec = stager.to_device(host)
-        w = stager.weight_rows(w_all, rows)
-        if mask is not None:
-            w_old, rec_old = w.clone(), rec.clone()
-        rows_fn(w, vals.to(self._compute_dtype(stager.store)).contiguous(), rec, step, **hyper)
-        if mask is not None:
-            w = torch.where(mask, w, w_old)
-            rec_mask = mask.to(rec.device).repeat(1, rec.shape[1] // mask.shape[1])
-            rec.copy_(torch.where(rec_mask, rec, rec_old))
-        w_all.index_copy_(0, rows, w)
-        stager.commit(rows_cpu, rec, host)
+        with stager.lock:  # a prefetch from another thread waits until the records are back
+            host = stager.acquire(rows_cpu)
+            rec = stager.to_device(host)
+            w = stager.weight_rows(w_all, rows)
+            if mask is not None:
+                w_old, rec_old = w.clone(), rec.clone()
+            rows_fn(w, vals.to(self._compute_dtype(stager.store)).contiguous(), rec, step, **hyper)
+            if mask is not None:
+                w = torch.where(mask, w, w_old)
+                rec_mask = mask.to(rec.device).repeat(1, rec.shape[1] // mask.shape[1])
+                rec.copy_(torch.where(rec_mask, rec, rec_old))
+            w_all.index_copy_(0, rows, w)
+            stager.commit(rows_cpu, rec, host)
 
     @staticmethod
     def _compute_dtype(store):
