@@ -190,3 +190,21 @@ def test_resume_on_another_number_of_ranks_is_refused(tmp_path):
     """)
     assert "refused:" in out.stdout and "another number of ranks" in out.stdout and "DCP" in out.stdout, \
         out.stdout + out.stderr
+
+
+def test_resume_knows_tables_by_name_and_refuses_extra_files(tmp_path):
+    """Two same-shape tables given by name: resumed in the other order they are refused (by
+    position they would swap moments silently); a resume that leaves state files out is refused."""
+    a, b = nn.Embedding(ROWS, DIM, sparse=True), nn.Embedding(ROWS, DIM, sparse=True)
+    opt = DiskSparseAdam([("a.weight", a.weight), ("b.weight", b.weight)], state_dir=tmp_path / "s")
+    opt.zero_grad()
+    (a(torch.tensor([1])).sum() + b(torch.tensor([2])).sum()).backward()
+    opt.step()
+    opt.close()
+    with pytest.raises(StateFileError, match="holds the state of parameter 'a.weight'.*'b.weight'.*another order"):
+        DiskSparseAdam([("b.weight", b.weight), ("a.weight", a.weight)], state_dir=tmp_path / "s", resume=True)
+    with pytest.raises(StateFileError, match="more parameters than this optimizer has.*param0001.dsa"):
+        DiskSparseAdam([("a.weight", a.weight)], state_dir=tmp_path / "s", resume=True)
+    again = DiskSparseAdam([("a.weight", a.weight), ("b.weight", b.weight)], state_dir=tmp_path / "s", resume=True)
+    assert again.step_count(a.weight) == again.step_count(b.weight) == 1
+    again.close()

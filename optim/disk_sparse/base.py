@@ -105,6 +105,12 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
                 "restore a checkpoint: give a new (or emptied) state_dir and call load_state_dict")
         try:
             super().__init__(params, defaults)
+            extra = sorted(set(state_files_in(self.state_dir)) - {os.path.basename(s.path) for s in self._stores.values()})
+            if resume and extra:
+                raise StateFileError(
+                    f"state_dir {self.state_dir} holds state files of more parameters than this optimizer has "
+                    f"({', '.join(extra)}): it would resume only some of them. Give every parameter that was "
+                    "trained with it, or restore a checkpoint into a new state_dir")
         except BaseException:
             self.close()
             raise
@@ -125,10 +131,11 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
             self.param_groups.pop()
             raise
         group["betas"] = tuple(group["betas"])
-        for p in group["params"]:
-            self._open(p)
+        names = group.get("param_names") or [""] * len(group["params"])
+        for p, name in zip(group["params"], names):
+            self._open(p, name)
 
-    def _open(self, p):
+    def _open(self, p, name=""):
         k = len(self._stores)
         check_param(p, k, type(self).__name__, self.rule.table_dims)
         sdtype = self.rule.record_dtype(p.dtype)
@@ -144,7 +151,7 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
                                  f"optimizer (on state_dir {trainer.state_dir}); close that one first")
         backend = None if p.is_meta else self._choose_backend(p, k)  # a meta table: at its first step
         store = RowStateFile(path, p.shape[0], _cols(p), width, sdtype, huge_pages=huge,
-                             state_format=self.state_format, stays_in_memory=fits)
+                             state_format=self.state_format, stays_in_memory=fits, name=name)
         if wf is not None and resumed and wf.step != store.step:
             store.close()
             raise StateFileError(

@@ -4,7 +4,9 @@ Layout (little endian)::
 
     offset 0     header, HEADER_BYTES long (one page, so records start page-aligned):
                  magic b"DSAROWS\\0", format version u32, dtype code u32, rows u64, cols u64,
-                 record width u64, step u64, clean flag u32, state format u32
+                 record width u64, step u64, clean flag u32, state format u32; at offset 512 the
+                 parameter's name (UTF-8, 256 bytes, zero padded; empty where the optimizer was
+                 given no names: then a resume can check shapes only)
     HEADER_BYTES rows x width values of the state dtype; row i's record is contiguous
 
 The state format names what a record holds: 0 ``exact`` (float32/float64 moments, the layout of
@@ -72,6 +74,7 @@ _DTYPES = {1: torch.float32, 2: torch.float64, 3: torch.uint8}
 _CODES = {v: k for k, v in _DTYPES.items()}
 _NP_DTYPES = {torch.float32: np.float32, torch.float64: np.float64, torch.uint8: np.uint8}
 STATE_FORMATS = ("exact", "compact")
+NAME_OFFSET, NAME_BYTES = 512, 256  # the parameter's name, where the optimizer knows it (UTF-8, zero padded)
 _FILE_FORMATS = STATE_FORMATS + ("weights",)  # the header's format field; "weights": weights.py's files
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14+ (older kernels: EINVAL)
 SAMPLE_PAGES = 16  # pages fetch() checks for residency before asking for all of a step's pages (0: never)
@@ -183,12 +186,13 @@ class RowStateFile:
     """
 
     def __init__(self, path, rows: int, cols: int, width: int, dtype: torch.dtype, huge_pages: bool = False,
-                 state_format: str = "exact", stays_in_memory: bool = False):
+                 state_format: str = "exact", stays_in_memory: bool = False, name: str = ""):
         if dtype not in _CODES:
             raise TypeError(f"state file {path}: state dtype must be float32, float64 or uint8, got {dtype}")
         if state_format not in _FILE_FORMATS:
             raise ValueError(f"state file {path}: state_format must be one of {STATE_FORMATS}, got {state_format!r}")
         self.state_format = state_format
+        self.name = name
         self.path = os.fspath(path)
         self.rows, self.cols, self.width, self.dtype = int(rows), int(cols), int(width), dtype
         self.nbytes = HEADER_BYTES + self.rows * self.width * torch.empty((), dtype=dtype).element_size()
@@ -237,6 +241,7 @@ class RowStateFile:
 
     def _create(self):
         self._allocate()
+        os.pwrite(self._fd, self.name.encode()[:NAME_BYTES], NAME_OFFSET)
         self._write_header(step=0, clean=True)
 
     def _populate(self):
@@ -304,6 +309,12 @@ class RowStateFile:
                                  "header is damaged; restore the last checkpoint into a new state_dir")
         self._allocate()  # a sparse copy (cp --sparse, truncate) would otherwise SIGBUS on a full disk
         self._step = step
+        held = os.pread(self._fd, NAME_BYTES, NAME_OFFSET).rstrip(b"\0").decode(errors="replace")
+        if held and self.name and held != self.name[:NAME_BYTES]:
+            raise StateFileError(
+                f"state file {self.path} holds the state of parameter {held!r}, but it would be opened for "
+                f"{self.name!r}: were the parameters given in another order? Give them in the order they "
+                "were saved in, or restore a checkpoint into a new state_dir")
 
     def _map(self):
         self._mm = mmap.mmap(self._fd, self.nbytes, flags=mmap.MAP_SHARED,
