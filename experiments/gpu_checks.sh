@@ -8,6 +8,7 @@
 #   1. the Triton kernel tests without the interpreter: tests/test_dsa_kernels.py and
 #      tests/test_gefen_kernels.py with the kernels compiled and run on the GPU
 #      (tests/_device_launchers.py) -> kernel_tests.xml
+#   1b. tests/test_device_moves.py: parameters moved to the GPU after the optimizer was built
 #   2. experiments/bench_dsa_gpu.py at the seed's configuration -> dsa_gpu.csv
 #   3. experiments/bench_kernels.py at 125M and 1.5B, fp32 and bf16, with the device's copy
 #      bandwidth -> gefen_kernels.csv (upstream gefen left out: it needs nvcc and its own build)
@@ -36,6 +37,7 @@ step() {  # step NAME SECONDS COMMAND...
 step kernel-tests 100 env TRITON_INTERPRET=0 "$PY" -m pytest -q -p no:cacheprovider -p tests._device_launchers \
     tests/test_dsa_kernels.py tests/test_gefen_kernels.py \
     -k "(triton or gefen_kernels) and not bad_inputs and not optimizer" --junitxml="$R/kernel_tests.xml"
+step device-moves 60 env TRITON_INTERPRET=0 "$PY" -m pytest -q -p no:cacheprovider tests/test_device_moves.py --junitxml="$R/device_moves.xml"
 step bench_dsa_gpu 120 "$PY" experiments/bench_dsa_gpu.py --results-dir "$R" --repeats 3 --steps 50
 step bench_kernels 200 "$PY" experiments/bench_kernels.py --results-dir "$R" --skip-upstream --reps 10 \
     --kernel-tiles 1024x4,4096x16
