@@ -220,3 +220,47 @@ def test_riemannian_compact_follows_reference():
     assert_close(emb.weight, w, rtol=1e-6, atol=1e-7, name="ball weights")
     assert_close(st["exp_avg_codes"].double(), q.double(), atol=1.0, name="ball codes")
     assert_close(st["exp_avg_sq"], v, rtol=1e-6, name="ball v")
+
+
+def _compact_after(backend, grads, tmp_path):
+    """A compact DiskSparseAdam (float32 table 8 x 6) stepped with the given (rows, values) sparse
+    gradients; returns its state dict (copies) and the optimizer, open."""
+    emb = torch.nn.Embedding(8, 6, sparse=True)
+    with torch.no_grad():
+        emb.weight.copy_(torch.linspace(-1, 1, 48).view(8, 6))
+    opt = DiskSparseAdam(emb.parameters(), lr=1e-2, state_format="compact", backend=backend,
+                         state_dir=tmp_path / backend)
+    for rows, vals in grads:
+        emb.weight.grad = torch.sparse_coo_tensor(torch.tensor([rows]), vals, (8, 6))
+        opt.step()
+    return {k: v.clone() if torch.is_tensor(v) else v for k, v in opt.state_dict()["state"][0].items()}, opt
+
+
+def test_non_finite_and_tiny_rows_are_stored_alike_on_every_backend_and_load(tmp_path):
+    """A row whose first moment holds NaN or inf stores codes 0 and a scale of NaN or inf, the same on
+    every backend, and the optimizer's own state dict loads back; a row whose max |m| is so small that
+    127 / s overflows gets the reference's codes (m / s * 127), not zeros or +-127 everywhere."""
+    g = torch.randn(4, 6)
+    bad = g.clone()
+    bad[1, 2], bad[2, 0] = float("nan"), float("inf")
+    tiny = torch.tensor([[3e-39, -1e-39, 2e-39, 0.0, 1e-39, -3e-39]])
+    grads = [([0, 1, 2, 3], g), ([0, 1, 2, 3], bad), ([6], tiny)]
+    states = {}
+    for backend in ("torch", "numba"):
+        states[backend], opt = _compact_after(backend, grads, tmp_path)
+        st = states[backend]
+        assert bool(st["exp_avg_scale"][1].isnan()) and bool(st["exp_avg_scale"][2].isinf())
+        assert not st["exp_avg_codes"][1:3].any()
+        twin = DiskSparseAdam(torch.nn.Embedding(8, 6, sparse=True).parameters(), state_format="compact",
+                              backend=backend, state_dir=tmp_path / f"{backend}-twin")
+        twin.load_state_dict(opt.state_dict())  # the optimizer's own state dict always loads
+        twin.close()
+        opt.close()
+    for key in ("exp_avg_scale", "exp_avg_sq", "exp_avg_codes"):
+        a, b = states["torch"][key], states["numba"][key]
+        assert torch.equal(a.isnan(), b.isnan()), key
+        assert torch.equal(a.nan_to_num(), b.nan_to_num()), key
+    m6 = (1 - 0.9) * tiny.float()  # row 6's first moment after its first step
+    q_ref, s_ref = reference.encode_rows(m6)
+    assert torch.equal(states["numba"]["exp_avg_codes"][6:7], q_ref) and q_ref.abs().max() == 127
+    assert torch.equal(states["numba"]["exp_avg_scale"][6:7], s_ref)

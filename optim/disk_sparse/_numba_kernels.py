@@ -286,6 +286,18 @@ def _absmax(a):
 
 
 @njit(inline="always", cache=True)
+def _non_finite(a):
+    """0 if every value of ``a`` is finite, 2 if one is NaN, else 1 (an inf)."""
+    out = 0
+    for k in range(a.shape[0]):
+        if not np.isfinite(a[k]):
+            if np.isnan(a[k]):
+                return 2
+            out = 1
+    return out
+
+
+@njit(inline="always", cache=True)
 def _sum_squares(g):
     """sum of g² in float64 over four interleaved partial sums (a sequential sum does not vectorise)."""
     d = g.shape[0]
@@ -337,9 +349,19 @@ def _compact(sorted_idx, perm, starts, n_rows, values, codes, floats, weight, c1
             for k in range(d):
                 wr[k] = wr[k] + (gsum[k] / denom) * neg_step_size
             amax = _absmax(gsum)
-            inv = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
-            for k in range(d):
-                qr[k] = np.int8(np.rint(gsum[k] * inv))
+            bad = _non_finite(gsum)  # 1: inf, 2: NaN (reference.encode_rows: codes 0, s inf or NaN)
+            if bad:
+                amax = np.float32(np.nan) if bad == 2 else np.float32(np.inf)
+                for k in range(d):
+                    qr[k] = np.int8(0)
+            else:
+                inv = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
+                if np.isinf(inv):  # 127 / amax overflows: m / amax * 127, as the reference
+                    for k in range(d):
+                        qr[k] = np.int8(np.rint(gsum[k] / amax * np.float32(127.0)))
+                else:
+                    for k in range(d):
+                        qr[k] = np.int8(np.rint(gsum[k] * inv))
             floats[r, 0] = amax
 
 

@@ -90,11 +90,17 @@ def decode_rows(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
 
 def encode_rows(m: torch.Tensor):
     """Linear 8-bit codes of ``m`` ((n, D)): ``(q, s)`` with s = max |m| of the row and
-    q = round(m * (127 / s)) (half to even), 0 for a row of zeros."""
+    q = round(m * (127 / s)) (half to even), 0 for a row of zeros. Where 127 / s overflows (s below
+    about 3.7e-37) q = round(m / s * 127) instead. A row that holds NaN or inf stores s = NaN (any
+    NaN) or inf, and codes 0: every backend stores the same, and the state dict stays loadable."""
     s = m.abs().amax(1, keepdim=True)
     inv = torch.where(s > 0, CODE_MAX / s, torch.zeros_like(s))
-    q = torch.round(m * inv).clamp_(-CODE_MAX, CODE_MAX).to(torch.int8)
-    return q, s
+    q = torch.round(m * inv)
+    tiny = torch.isinf(inv) & torch.isfinite(s)
+    if bool(tiny.any()):
+        q = torch.where(tiny, torch.round(m / s * CODE_MAX), q)
+    q = torch.where(torch.isfinite(m).all(1, keepdim=True), q, torch.zeros_like(q))
+    return q.clamp_(-CODE_MAX, CODE_MAX).to(torch.int8), s
 
 
 def compact_adam_rows(w, g, q, s, v, step, *, lr, beta1, beta2, eps, maximize=False):

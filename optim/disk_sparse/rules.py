@@ -127,10 +127,11 @@ def _check_ball(group):
 
 
 _COMPACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # updated in float32
+_NON_NEGATIVE = "values >= 0 (inf or NaN where the optimizer met a gradient that was not finite)"
 _COMPACT_CHECKS = {
     EXP_AVG_CODES: (lambda q: q >= -127, "codes in [-127, 127]"),
-    EXP_AVG_SCALE: (lambda s: torch.isfinite(s) & (s >= 0), "finite values >= 0"),
-    EXP_AVG_SQ: (lambda v: torch.isfinite(v) & (v >= 0), "finite values >= 0"),
+    EXP_AVG_SCALE: (lambda s: ~(s < 0), _NON_NEGATIVE),
+    EXP_AVG_SQ: (lambda v: ~(v < 0), _NON_NEGATIVE),
 }
 _COMPACT_HINT = (" (the compact format updates in float32: its scales and v are float32); use "
                  "state_format='exact' for float64 tables")
