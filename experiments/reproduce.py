@@ -33,6 +33,7 @@ EXPERIMENTS = {
     "dsa_fault_injection": ["dsa_fault_injection"],
     "dsa_throughput": ["dsa_throughput"],
     "dsa_seed_benchmark": ["dsa_seed_benchmark"],
+    "dsa_billions": ["dsa_billions"],
     "dsa_distributed": ["dsa_distributed"],
     "dsa_out_of_core": ["dsa_out_of_core"],
     "poincare": ["poincare"],
@@ -44,7 +45,7 @@ EXPERIMENTS = {
     "kernel_resources": ["kernel_resources"],
 }
 # analysis script -> the figure it draws (None: a results/README.md section only)
-FIGURE_OF = {"correctness": None, "dsa_fault_injection": None, "dsa_throughput": "dsa_throughput", "dsa_seed_benchmark": "dsa_seed_benchmark", "dsa_out_of_core": "dsa_out_of_core", "dsa_distributed": "dsa_distributed", "poincare": "poincare", "codebook": "codebook",
+FIGURE_OF = {"correctness": None, "dsa_fault_injection": None, "dsa_throughput": "dsa_throughput", "dsa_seed_benchmark": "dsa_seed_benchmark", "dsa_billions": None, "dsa_out_of_core": "dsa_out_of_core", "dsa_distributed": "dsa_distributed", "poincare": "poincare", "codebook": "codebook",
              "gefen_memory": "gefen_memory", "gefen_ablation": "gefen_ablation",
              "hessian_alignment": "hessian_alignment",
              "convergence": "convergence", "kernel_resources": None}

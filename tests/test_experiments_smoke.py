@@ -10,6 +10,7 @@ experiment has a figure, its analysis script draws it from the tiny CSV.
 from __future__ import annotations
 
 import csv
+import os
 import importlib
 import inspect
 import math
@@ -527,3 +528,29 @@ def test_dsa_seed_benchmark_smallest_run(tmp_path):
     assert abs(ours - geo) <= 1e-5 * geo
     analysis_main(REPORT, ["--results-dir", str(tmp_path), "--out", str(tmp_path / "f.png")])
     assert (tmp_path / "f.png").exists()
+
+
+@pytest.mark.timeout(300)
+def test_dsa_billions_smallest_run(tmp_path):
+    """The out-of-core table experiment on a small table: both formats and the scaling point report
+    rates, disk and write figures, the free-space check refuses what cannot fit, and nothing stays."""
+    import tempfile
+
+    from analysis.common import main as analysis_main
+    from analysis.dsa_billions import REPORT
+    from experiments import dsa_billions
+
+    before = set(os.listdir(tempfile.gettempdir()))
+    assert dsa_billions.main(["--quick", "--rows", "20000", "--scale-rows", "5000", "--steps", "12",
+                              "--skip-sparse-adam", "--wandb", "disabled", "--results-dir", str(tmp_path)]) == 0
+    rows = read_results(tmp_path / "dsa_billions.csv")
+    by = {(r["variant"], r["metric"]): r["value"] for r in rows}
+    for fmt in ("exact", "compact"):
+        assert by[(f"DiskSparseAdam/{fmt}", "steady_samples_per_s")] > 0
+        assert by[(f"DiskSparseAdam/{fmt}", "bytes_on_disk")] > 20000 * 64 * 4
+    assert by[("DiskSparseAdam/compact/scaling", "steady_rows_per_s")] > 0
+    assert not {n for n in set(os.listdir(tempfile.gettempdir())) - before if n.startswith("dsa-billions-")}
+    analysis_main(REPORT, ["--results-dir", str(tmp_path)])
+    with pytest.raises(SystemExit, match="GiB free"):
+        dsa_billions.main(["--rows", str(10**13), "--skip-sparse-adam", "--wandb", "disabled",
+                           "--results-dir", str(tmp_path)])
