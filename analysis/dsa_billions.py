@@ -41,8 +41,8 @@ def body(rows, config):
                     "FBGEMM's RocksDB-backed tables read checkpoints at 341 MiB/s.")
     if ("SparseAdam", "needed_bytes") in by:
         text.append(f"`torch.optim.SparseAdam` on the same table needs {fmt(by[('SparseAdam', 'needed_bytes')] / 2**30)} "
-                    f"GiB in RAM (weights and two moments); in {fmt(by[('SparseAdam', 'memory_limit')] / 2**30)} GiB it "
-                    f"{c.get('sparse_adam_outcome', 'was not run')}.")
+                    f"GiB in RAM (weights and two moments); run in {fmt(by[('SparseAdam', 'memory_limit')] / 2**30)} GiB: "
+                    f"{c.get('sparse_adam_outcome', 'not run')}.")
     return "\n\n".join(text)
 
 
