@@ -208,3 +208,31 @@ def test_resume_knows_tables_by_name_and_refuses_extra_files(tmp_path):
     again = DiskSparseAdam([("a.weight", a.weight), ("b.weight", b.weight)], state_dir=tmp_path / "s", resume=True)
     assert again.step_count(a.weight) == again.step_count(b.weight) == 1
     again.close()
+
+
+def test_sharded_weight_files_are_flushed_with_the_state(tmp_path):
+    """A ShardedEmbedding's weight shard is a weight file like mapped_embedding's: flush() writes it
+    clean at the optimizer's step; a process killed after more steps leaves it dirty (refused)."""
+    from optim.disk_sparse.weights import WeightFile
+
+    out = _run(f"""
+        import os, signal, torch, torch.distributed as dist
+        from optim.disk_sparse.sharded import ShardedEmbedding, open_optimizer
+        from optim.disk_sparse.weights import weight_file
+        dist.init_process_group("gloo", init_method="file://{tmp_path}/rdv", rank=0, world_size=1)
+        emb = ShardedEmbedding(100, 4, weight_dir={str(tmp_path / "w")!r})
+        opt = open_optimizer(emb, {str(tmp_path / "s")!r}, lr=0.1)
+        def step():
+            opt.zero_grad()
+            emb(torch.tensor([1, 2, 3])).sum().backward()
+            opt.step()
+        for _ in range(3):
+            step()
+        opt.flush()
+        print("clean at", weight_file(emb.weight).step, flush=True)
+        step()
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    assert "clean at 3" in out.stdout, out.stdout + out.stderr
+    with pytest.raises(StateFileError, match="dirty"):
+        WeightFile(str(tmp_path / "w" / "rank0-of-1.float32.weight"), 100, 4, torch.float32)

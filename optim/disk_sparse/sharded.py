@@ -26,11 +26,13 @@ from __future__ import annotations
 
 import math
 import os
+import weakref
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from . import weights
 from .store import StateFileError
 
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
@@ -134,11 +136,11 @@ class ShardedEmbedding(nn.Module):
         process_group: the group the table is sharded over. (Default: the default group)
         dtype: dtype of the weights. (Default: ``torch.get_default_dtype()``)
         weight_dir (str or None): keep this rank's shard in the file
-            ``weight_dir/rank{r}-of-{W}.{dtype}.weight`` (raw values, memory-mapped, shared), so the
-            weights cost page cache instead of RAM; an existing file of the right size is reopened
-            with its weights. The file has no header or dirty flag of its own: trust it only
-            together with a clean optimizer state (``open_optimizer(..., resume=True)`` refuses a
-            killed rank's) and restore a checkpoint otherwise. (Default: None, weights in RAM)
+            ``weight_dir/rank{r}-of-{W}.{dtype}.weight``, memory-mapped, so the weights cost page
+            cache instead of RAM: a weight file as ``mapped_embedding``'s (``weights.py``), with a
+            header and a dirty flag, marked dirty by the optimizer's steps and flushed with its
+            state, so a resume checks that both hold one step. An existing clean file of the right
+            size is reopened with its weights. (Default: None, weights in RAM)
 
     ``exchanged_bytes`` counts the payload this rank has sent to other ranks (ids, rows, gradients),
     for measurements; ``reset_exchanged_bytes()`` sets it to zero.
@@ -153,16 +155,22 @@ class ShardedEmbedding(nn.Module):
         self.num_rows, self.dim, self.chunk = int(num_rows), int(dim), math.ceil(num_rows / self.world)
         self.row_start, self.row_end = row_range(self.num_rows, self.world, self.rank)
         shape, dtype = (self.row_end - self.row_start, self.dim), dtype or torch.get_default_dtype()
-        self.weight_file = None
+        self.weight_file, wf = None, None
         if weight_dir is None:
             weight, fresh = torch.empty(shape, dtype=dtype), True
         else:
             self.weight_file = os.path.join(os.fspath(weight_dir), f"rank{self.rank}-of-{self.world}."
                                             f"{str(dtype).removeprefix('torch.')}.weight")
-            weight, fresh = _mapped(self.weight_file, shape, dtype)
+            wf, fresh = _mapped(self.weight_file, shape, dtype)
+            weight = wf.records
         if fresh:
             nn.init.normal_(weight)
+            if wf is not None:
+                wf.flush(0)
         self.weight = nn.Parameter(weight)
+        if wf is not None:
+            setattr(self.weight, weights.ATTR, wf)  # the optimizer flushes it with its state
+            weakref.finalize(self, wf.close)
         self.exchanged_bytes = 0
 
     def forward(self, indices: torch.Tensor) -> torch.Tensor:
@@ -181,14 +189,20 @@ class ShardedEmbedding(nn.Module):
 
 
 def _mapped(path: str, shape: tuple, dtype) -> tuple:
-    """A tensor of ``shape`` mapped (shared) from ``path``, and whether the file was new."""
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    """The weight file (``weights.WeightFile``) of ``shape`` at ``path``, and whether it is new (then
+    marked dirty until its first fill is flushed: a kill in between leaves it refused)."""
+    from .store import HEADER_BYTES
+
+    nbytes = HEADER_BYTES + math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     fresh = not os.path.exists(path)
     if not fresh and os.path.getsize(path) != nbytes:
         raise ValueError(f"ShardedEmbedding: weight file {path} has {os.path.getsize(path)} bytes, this "
                          f"shard needs {nbytes} ({shape[0]} rows x {shape[1]} {dtype}); another table's file?")
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    return torch.from_file(path, shared=True, size=math.prod(shape), dtype=dtype).view(shape), fresh
+    wf = weights.WeightFile(path, shape[0], shape[1], dtype)
+    if fresh:
+        wf.mark_dirty()
+    return wf, fresh
 
 
 # ----------------------------------------------------------------------------------- optimizer state
