@@ -236,3 +236,78 @@ def test_sharded_weight_files_are_flushed_with_the_state(tmp_path):
     assert "clean at 3" in out.stdout, out.stdout + out.stderr
     with pytest.raises(StateFileError, match="dirty"):
         WeightFile(str(tmp_path / "w" / "rank0-of-1.float32.weight"), 100, 4, torch.float32)
+
+
+def _memory_cgroup_or_skip():
+    root = "/sys/fs/cgroup/memory"
+    if os.geteuid() != 0 or not os.path.isdir(root):
+        pytest.skip("needs root and the cgroup v1 memory controller")
+    return root
+
+
+def test_a_checkpoint_larger_than_the_memory_limit_loads(tmp_path):
+    """A 1.5 GiB state restored (torch.load with mmap=True, then load_state_dict) by a process in a
+    memory cgroup of 1 GiB, page cache included: the rows are written back in chunks, so the
+    load completes (a single copy of the whole state was killed for memory)."""
+    root = _memory_cgroup_or_skip()
+    rows, dim = 3_000_000, 64
+    ckpt = tmp_path / "ckpt.pt"
+    m = torch.full((rows, dim), 0.5)
+    torch.save({"state": {0: {"step": 7, "exp_avg": m, "exp_avg_sq": m}},
+                "param_groups": [{"lr": 0.1, "betas": (0.9, 0.999), "eps": 1e-8, "maximize": False, "params": [0]}]},
+               ckpt)
+    del m
+    cg = os.path.join(root, f"dsa-test-{os.getpid()}")
+    os.makedirs(cg)
+    try:
+        with open(os.path.join(cg, "memory.limit_in_bytes"), "w") as f:
+            f.write(str(int(1.0 * 2**30)))
+        code = textwrap.dedent(f"""
+            import os, torch
+            with open({os.path.join(cg, "cgroup.procs")!r}, "w") as f:
+                f.write(str(os.getpid()))
+            from optim import DiskSparseAdam, mapped_embedding
+            emb = mapped_embedding({str(tmp_path / "w.dsa")!r}, {rows}, {dim})
+            opt = DiskSparseAdam(emb.parameters(), state_dir={str(tmp_path / "s")!r})
+            opt.load_state_dict(torch.load({str(ckpt)!r}, mmap=True))
+            print("loaded at step", opt.step_count(emb.weight), flush=True)
+            opt.close()
+        """)
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                             env=dict(os.environ, PYTHONPATH=ROOT))
+    finally:
+        for _ in range(50):
+            try:
+                os.rmdir(cg)
+                break
+            except OSError:
+                import time
+
+                time.sleep(0.1)
+    assert out.returncode == 0 and "loaded at step 7" in out.stdout, (out.returncode, out.stderr[-2000:])
+
+
+def test_a_compact_state_larger_than_memory_saves_without_a_copy(tmp_path, monkeypatch):
+    """Where the compact state does not fit in memory, state_dict() gives each key its own mapping of
+    the file instead of copies (torch.save cannot save one storage as several dtypes); the saved
+    checkpoint loads into a new optimizer with the same state."""
+    from optim.disk_sparse import base
+
+    monkeypatch.setattr(base, "fits_in_page_cache", lambda nbytes: False)
+    emb = nn.Embedding(ROWS, DIM, sparse=True)
+    opt = DiskSparseAdam(emb.parameters(), state_format="compact", state_dir=tmp_path / "a")
+    for idx in _batches(3):
+        _step(emb, opt, idx)
+    sd = opt.state_dict()
+    st = sd["state"][0]
+    ptrs = {st[k].untyped_storage().data_ptr() for k in ("exp_avg_scale", "exp_avg_sq", "exp_avg_codes")}
+    assert len(ptrs) == 3  # one mapping each, no shared storage of several dtypes
+    torch.save(sd, tmp_path / "ckpt.pt")
+    twin = DiskSparseAdam(nn.Embedding(ROWS, DIM, sparse=True).parameters(), state_format="compact",
+                          state_dir=tmp_path / "b")
+    twin.load_state_dict(torch.load(tmp_path / "ckpt.pt"))
+    back = twin.state_dict()["state"][0]
+    for key in ("step", "exp_avg_scale", "exp_avg_sq", "exp_avg_codes"):
+        assert torch.equal(torch.as_tensor(back[key]), torch.as_tensor(st[key])), key
+    opt.close()
+    twin.close()

@@ -407,7 +407,11 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
                 records = store.private_records()
                 views = self._views(p, records)
                 if any(v.dtype != records.dtype for v in views.values()):
-                    views = {k: v.clone() for k, v in views.items()}
+                    # torch.save cannot save one storage as several dtypes: copies where they fit in
+                    # memory, else one mapping of the file per key (no copy; each saves the file)
+                    views = ({k: v.clone() for k, v in views.items()} if store.in_memory or
+                             fits_in_page_cache(records.numel()) else
+                             {k: self._views(p, store.private_records())[k] for k in views})
                 self.state[p] = {STEP: self._step_counts[p], **views}
             return super().state_dict()
         finally:

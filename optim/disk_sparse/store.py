@@ -77,6 +77,7 @@ STATE_FORMATS = ("exact", "compact")
 NAME_OFFSET, NAME_BYTES = 512, 256  # the parameter's name, where the optimizer knows it (UTF-8, zero padded)
 _FILE_FORMATS = STATE_FORMATS + ("weights",)  # the header's format field; "weights": weights.py's files
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14+ (older kernels: EINVAL)
+WRITE_CHUNK_BYTES = 64 << 20  # write_all writes back this much at a time
 SAMPLE_PAGES = 16  # pages fetch() checks for residency before asking for all of a step's pages (0: never)
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
@@ -385,20 +386,30 @@ class RowStateFile:
         by side (``[m | v]``), or None for zero records. Columns of the state dtype are written as
         values (other floating dtypes are converted to it); columns of another dtype in a byte
         record (a compact record's codes, scale, v) are written as their bytes. A tensor that already
-        is that memory (a state dict of this very file) is left as it is.
+        is that memory (a state dict of this very file) is left as it is. The rows are written in
+        chunks of about ``WRITE_CHUNK_BYTES``, each written back to the disk before the next, so a
+        state larger than the memory limit loads (the page cache holds one chunk's dirty pages, and
+        a memory-mapped checkpoint's pages are read once and can be dropped).
         """
         self.mark_dirty()
-        if columns is None:
-            self.records.zero_()
-        else:
-            start = 0
-            for col in columns:
-                if self.dtype == torch.uint8 and col.dtype != torch.uint8:
-                    col = col.contiguous().view(torch.uint8).reshape(self.rows, -1)
-                view = self.records[:, start:start + col.shape[1]]
-                if col.data_ptr() != view.data_ptr():
-                    view.copy_(col)
-                start += col.shape[1]
+        row_bytes = self.width * self.records.element_size()
+        chunk = max(1, WRITE_CHUNK_BYTES // row_bytes)
+        for r0 in range(0, self.rows, chunk):
+            r1 = min(self.rows, r0 + chunk)
+            if columns is None:
+                self.records[r0:r1].zero_()
+            else:
+                start = 0
+                for col in columns:
+                    part = col[r0:r1]
+                    if self.dtype == torch.uint8 and part.dtype != torch.uint8:
+                        part = part.contiguous().view(torch.uint8).reshape(r1 - r0, -1)
+                    view = self.records[r0:r1, start:start + part.shape[1]]
+                    if part.data_ptr() != view.data_ptr():
+                        view.copy_(part)
+                    start += part.shape[1]
+            first = (HEADER_BYTES + r0 * row_bytes) // mmap.PAGESIZE * mmap.PAGESIZE
+            self._mm.flush(first, HEADER_BYTES + r1 * row_bytes - first)
         self.flush(step)
 
     def check_path(self):
