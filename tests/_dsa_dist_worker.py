@@ -267,6 +267,13 @@ def scenario_bad_input(arg, rank, world, out):
         except (IndexError, TypeError) as exc:
             messages[what] = f"{type(exc).__name__}: {exc}"
     out_rows = emb(torch.tensor([[ROWS - 1, 0], [0, 3]], dtype=torch.int32))
+    from optim.disk_sparse.sharded import ShardedEmbedding
+
+    try:
+        ShardedEmbedding(ROWS, DIM + (rank == world - 1))  # another dim on one rank
+        messages["dim"] = "no error"
+    except ValueError as exc:
+        messages["dim"] = f"{type(exc).__name__}: {exc}"
     return {"messages": messages, "rows": out_rows.detach(), "table": full_table()}
 
 

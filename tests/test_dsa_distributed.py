@@ -173,12 +173,14 @@ def test_killed_rank_leaves_a_directory_refused_on_restart(runs):
 
 def test_bad_indices_raise_on_every_rank(runs):
     """Indices out of range or of a float dtype on the last rank raise on every rank (no rank left
-    in a collective); the group then looks rows up correctly."""
+    in a collective); the group then looks rows up correctly; a table of another dim on one rank is
+    refused on every rank at construction."""
     for rank, res in enumerate(result(runs, "bad_input", 2)):
         assert res["messages"]["range"].startswith("IndexError") and "rank 1 got indices outside [0, 37)" \
             in res["messages"]["range"], res["messages"]
         assert res["messages"]["negative"].startswith("IndexError"), res["messages"]
         assert res["messages"]["dtype"].startswith("TypeError") and "non-integer" in res["messages"]["dtype"]
+        assert "ranks build different tables" in res["messages"]["dim"], res["messages"]  # on every rank
         table = res["table"]
         assert torch.equal(res["rows"], table[torch.tensor([[36, 0], [0, 3]])])
 

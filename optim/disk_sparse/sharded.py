@@ -152,9 +152,17 @@ class ShardedEmbedding(nn.Module):
             raise ValueError(f"ShardedEmbedding needs num_rows >= 1 and dim >= 1, got {num_rows} x {dim}")
         self.group = process_group if process_group is not None else dist.group.WORLD
         self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
+        dtype = dtype or torch.get_default_dtype()
+        # Collective: the ranks exchange rows by index, so a table of other sizes on one rank would
+        # abort the group inside gloo at the first lookup; every rank refuses it here instead.
+        tables = _everyone(self.group, (int(num_rows), int(dim), str(dtype)))
+        if len(set(tables)) > 1:
+            raise ValueError("ShardedEmbedding: the ranks build different tables (num_rows, dim, dtype by rank: "
+                             + "; ".join(f"{r}: {t}" for r, t in enumerate(tables))
+                             + "); every rank must give the same")
         self.num_rows, self.dim, self.chunk = int(num_rows), int(dim), math.ceil(num_rows / self.world)
         self.row_start, self.row_end = row_range(self.num_rows, self.world, self.rank)
-        shape, dtype = (self.row_end - self.row_start, self.dim), dtype or torch.get_default_dtype()
+        shape = (self.row_end - self.row_start, self.dim)
         self.weight_file, wf = None, None
         if weight_dir is None:
             weight, fresh = torch.empty(shape, dtype=dtype), True
