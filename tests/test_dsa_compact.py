@@ -264,3 +264,50 @@ def test_non_finite_and_tiny_rows_are_stored_alike_on_every_backend_and_load(tmp
     q_ref, s_ref = reference.encode_rows(m6)
     assert torch.equal(states["numba"]["exp_avg_codes"][6:7], q_ref) and q_ref.abs().max() == 127
     assert torch.equal(states["numba"]["exp_avg_scale"][6:7], s_ref)
+
+
+@pytest.mark.parametrize("exact", [False, True], ids=["retr", "expmap"])
+@pytest.mark.parametrize("n_rows,d", [(3, 1), (200, 7), (64, 128)], ids=["3x1", "200x7", "64x128"])
+def test_compact_ball_on_numba_is_the_reference_to_rounding(n_rows, d, exact):
+    """numba's compact ball kernel against ``reference.compact_riemannian_adam_rows`` over 4 steps:
+    weights to 2e-6, scales and v to 1e-5 relative, codes within one step (a value on a rounding
+    boundary may land on either side after float64 row math)."""
+    from optim.disk_sparse import numba_ops
+
+    gen = torch.Generator().manual_seed(d)
+    w = torch.randn(n_rows, d, generator=gen) * 0.05
+    st = torch.zeros(n_rows, compact.record_bytes(d), dtype=torch.uint8)
+    w_ref = w.clone()
+    q_ref = torch.zeros(n_rows, d, dtype=torch.int8)
+    s_ref, v_ref = torch.zeros(n_rows, 1), torch.zeros(n_rows, 1)
+    kw = dict(lr=0.2, beta1=0.9, beta2=0.99, eps=1e-8, c=0.7, exact=exact)
+    for step in range(1, 5):
+        g = torch.randn(n_rows, d, generator=gen)
+        numba_ops.compact_riemannian_adam_rows_(w, g, st, step, **kw)
+        w_ref, q_ref, s_ref, v_ref = reference.compact_riemannian_adam_rows(w_ref, g, q_ref, s_ref, v_ref, step, **kw)
+        s, v, q = compact.views(st, d)
+        assert_close(w, w_ref, atol=2e-6, rtol=1e-5, name="weights")
+        assert_close(s, s_ref, atol=0.0, rtol=1e-5, name="scales")
+        assert_close(v, v_ref, atol=0.0, rtol=1e-5, name="v")
+        assert int((q.int() - q_ref.int()).abs().max()) <= 1
+        w_ref, q_ref, s_ref, v_ref = w.clone(), q.clone(), s.clone(), v.clone()  # from the same state on
+
+
+def test_the_compact_ball_takes_numba_on_cpu_and_follows_torch(tmp_path):
+    torch.manual_seed(0)
+    runs = {}
+    for backend in ("torch", "auto"):
+        emb = nn.Embedding(300, 16, sparse=True)
+        with torch.no_grad():
+            emb.weight.copy_(torch.randn(300, 16, generator=torch.Generator().manual_seed(1)) * 0.05)
+        opt = DiskSparseRiemannianAdam(emb.parameters(), lr=0.05, state_format="compact", backend=backend,
+                                       state_dir=tmp_path / backend)
+        gen = torch.Generator().manual_seed(2)
+        for _ in range(10):
+            opt.zero_grad()
+            emb(torch.randint(0, 300, (64,), generator=gen)).pow(2).sum().backward()
+            opt.step()
+        runs[backend] = (emb.weight.detach().clone(), opt.backend_of(emb.weight))
+        opt.close()
+    assert runs["auto"][1] == "numba" and runs["torch"][1] == "torch"
+    assert_close(runs["auto"][0], runs["torch"][0], atol=1e-5, rtol=1e-4, name="weights after 10 steps")

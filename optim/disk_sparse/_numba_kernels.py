@@ -368,80 +368,143 @@ def _compact(sorted_idx, perm, starts, n_rows, values, codes, floats, weight, c1
 def _ball(sorted_idx, perm, starts, n_rows, values, records, weight, lr, beta1, beta2, bc1, bc2, eps, c,
           maxnorm, exact, maximize, n_chunks):
     """``reference.riemannian_adam_rows`` per unique row, in place on records ``[m (D) | v (1)]`` and
-    weight rows (the Poincaré ball of curvature -c; ``exact``: exponential map, else retraction).
-    The operations are the Triton kernel's (``_triton_kernels.py``) in float64, fused into four
-    passes over the row: equal to the reference to rounding, not bitwise. ``maximize`` is unused
-    (the ball minimizes) and kept for the shared launch."""
+    weight rows (the Poincaré ball of curvature -c; ``exact``: exponential map, else retraction),
+    the row math in ``_ball_row``. ``maximize`` is unused (the ball minimizes) and kept for the shared
+    launch."""
     d = values.shape[1]
-    k = -c
-    k2 = k * k
-    sqrt_c = np.sqrt(c)
     for ch in prange(n_chunks):
         u0 = ch * n_rows // n_chunks
         u1 = (ch + 1) * n_rows // n_chunks
+        g = np.empty(d, dtype=np.float64)
         m = np.empty(d, dtype=np.float64)
         x = np.empty(d, dtype=np.float64)
         y = np.empty(d, dtype=np.float64)
         for u in range(u0, u1):
             _prefetch_ahead(u, u1, sorted_idx, starts, records, weight)
-            _sum_rows(values, perm, starts[u], starts[u + 1], False, m)  # the gradient, in m
+            _sum_rows(values, perm, starts[u], starts[u + 1], False, g)
             r = sorted_idx[starts[u]]
             rec, wr = records[r], weight[r]
-            x2 = 0.0
             for j in range(d):
                 x[j] = wr[j]
-                x2 += x[j] * x[j]
-            x2 = _project_row(x, x2, maxnorm)  # a point nudged outside cannot become NaN
-            lam = 2.0 / max(1.0 + k * x2, 1e-15)
-            inv_lam2 = 1.0 / (lam * lam)
-            rr = 0.0
+                m[j] = rec[j]
+            rec[d] = _ball_row(x, g, m, y, rec[d], lr, beta1, beta2, bc1, bc2, eps, c, maxnorm, exact)
             for j in range(d):
-                gj = m[j] * inv_lam2  # the Riemannian gradient
-                rr += gj * gj
-                m[j] = rec[j] * beta1 + (1.0 - beta1) * gj
-            v = rec[d] * beta2 + (1.0 - beta2) * (lam * lam * rr)
-            coef = -lr / bc1 / (np.sqrt(v / bc2) + eps)  # u = coef * m
-            if exact:  # expmap: x (+) tanh(sqrt(c) lam |u| / 2) u / (sqrt(c) |u|)
-                uu = 0.0
-                for j in range(d):
-                    uu += (coef * m[j]) * (coef * m[j])
-                u_norm = max(np.sqrt(uu), 1e-15)
-                t = np.tanh(min(lam / 2.0 * u_norm * sqrt_c, 15.0)) / sqrt_c / u_norm * coef
-                s2 = 0.0
-                xs = 0.0
-                for j in range(d):
-                    sj = t * m[j]
-                    s2 += sj * sj
-                    xs += x[j] * sj
-                a0 = 1.0 - 2.0 * k * xs - k * s2
-                a1 = (1.0 + k * x2) * t
-                den = max(1.0 - 2.0 * k * xs + k2 * x2 * s2, 1e-15)
-                for j in range(d):
-                    y[j] = (a0 * x[j] + a1 * m[j]) / den
-            else:  # retraction: x + u
-                for j in range(d):
-                    y[j] = x[j] + coef * m[j]
-            y2 = 0.0
-            for j in range(d):
-                y2 += y[j] * y[j]
-            y2 = _project_row(y, y2, maxnorm)
-            # parallel transport of m from x to y: gyr[y, -x] m * lam_x / lam_y
-            uv = 0.0
-            uw = 0.0
-            vw = 0.0
-            for j in range(d):
-                uv -= y[j] * x[j]
-                uw += y[j] * m[j]
-                vw -= x[j] * m[j]
-            a = -k2 * uw * x2 - k * vw + 2.0 * k2 * uv * vw
-            b = -k2 * vw * y2 + k * uw
-            dd = max(1.0 - 2.0 * k * uv + k2 * y2 * x2, 1e-15)
-            scale = lam / (2.0 / max(1.0 + k * y2, 1e-15))
-            ca, cb = 2.0 * a / dd, 2.0 * b / dd
-            for j in range(d):
-                rec[j] = (m[j] + ca * y[j] - cb * x[j]) * scale
+                rec[j] = m[j]
                 wr[j] = y[j]
-            rec[d] = v
+
+
+def _ball_compact(sorted_idx, perm, starts, n_rows, values, codes, floats, weight, lr, beta1, beta2, bc1, bc2,
+                  eps, c, maxnorm, exact, maximize, n_chunks):
+    """``reference.compact_riemannian_adam_rows`` per unique row, in place on compact records
+    (``compact.py``; ``codes`` and ``floats`` are int8 and float32 views of them: s = floats[r, 0],
+    v = floats[r, 1], q = codes[r, 8:8 + D]): decode m in float32, ``_ball_row``, encode m as
+    ``_compact`` does (``reference.encode_rows``)."""
+    d = values.shape[1]
+    q0 = 8
+    for ch in prange(n_chunks):
+        u0 = ch * n_rows // n_chunks
+        u1 = (ch + 1) * n_rows // n_chunks
+        g = np.empty(d, dtype=np.float64)
+        m = np.empty(d, dtype=np.float64)
+        x = np.empty(d, dtype=np.float64)
+        y = np.empty(d, dtype=np.float64)
+        m32 = np.empty(d, dtype=np.float32)
+        for u in range(u0, u1):
+            if u + PREFETCH_AHEAD < u1:
+                ahead = sorted_idx[starts[u + PREFETCH_AHEAD]]
+                _prefetch_row(codes, ahead)
+                _prefetch_row(weight, ahead)
+            _sum_rows(values, perm, starts[u], starts[u + 1], False, g)
+            r = sorted_idx[starts[u]]
+            wr, qr = weight[r], codes[r, q0:q0 + d]
+            dec = floats[r, 0] / np.float32(127.0)
+            for j in range(d):
+                x[j] = wr[j]
+                m[j] = np.float32(qr[j]) * dec
+            floats[r, 1] = _ball_row(x, g, m, y, floats[r, 1], lr, beta1, beta2, bc1, bc2, eps, c, maxnorm, exact)
+            for j in range(d):
+                m32[j] = m[j]
+                wr[j] = y[j]
+            amax = _absmax(m32)
+            bad = _non_finite(m32)
+            if bad:
+                amax = np.float32(np.nan) if bad == 2 else np.float32(np.inf)
+                for j in range(d):
+                    qr[j] = np.int8(0)
+            else:
+                inv = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
+                if np.isinf(inv):
+                    for j in range(d):
+                        qr[j] = np.int8(np.rint(m32[j] / amax * np.float32(127.0)))
+                else:
+                    for j in range(d):
+                        qr[j] = np.int8(np.rint(m32[j] * inv))
+            floats[r, 0] = amax
+
+
+@njit(nogil=True, error_model="numpy", cache=True)
+def _ball_row(x, g, m, y, v, lr, beta1, beta2, bc1, bc2, eps, c, maxnorm, exact):
+    """One row of Riemannian Adam in float64: ``x`` the weight row (projected in place), ``g`` its
+    summed gradient, ``m`` its first moment (updated and transported in place), ``y`` the new weight
+    row (out); returns the new v. The operations are the Triton kernel's (``_triton_kernels.py``),
+    fused into four passes: equal to the reference to rounding, not bitwise."""
+    d = x.shape[0]
+    k = -c
+    k2 = k * k
+    x2 = 0.0
+    for j in range(d):
+        x2 += x[j] * x[j]
+    x2 = _project_row(x, x2, maxnorm)  # a point nudged outside cannot become NaN
+    lam = 2.0 / max(1.0 + k * x2, 1e-15)
+    inv_lam2 = 1.0 / (lam * lam)
+    rr = 0.0
+    for j in range(d):
+        gj = g[j] * inv_lam2  # the Riemannian gradient
+        rr += gj * gj
+        m[j] = m[j] * beta1 + (1.0 - beta1) * gj
+    v = v * beta2 + (1.0 - beta2) * (lam * lam * rr)
+    coef = -lr / bc1 / (np.sqrt(v / bc2) + eps)  # u = coef * m
+    if exact:  # expmap: x (+) tanh(sqrt(c) lam |u| / 2) u / (sqrt(c) |u|)
+        sqrt_c = np.sqrt(c)
+        uu = 0.0
+        for j in range(d):
+            uu += (coef * m[j]) * (coef * m[j])
+        u_norm = max(np.sqrt(uu), 1e-15)
+        t = np.tanh(min(lam / 2.0 * u_norm * sqrt_c, 15.0)) / sqrt_c / u_norm * coef
+        s2 = 0.0
+        xs = 0.0
+        for j in range(d):
+            sj = t * m[j]
+            s2 += sj * sj
+            xs += x[j] * sj
+        a0 = 1.0 - 2.0 * k * xs - k * s2
+        a1 = (1.0 + k * x2) * t
+        den = max(1.0 - 2.0 * k * xs + k2 * x2 * s2, 1e-15)
+        for j in range(d):
+            y[j] = (a0 * x[j] + a1 * m[j]) / den
+    else:  # retraction: x + u
+        for j in range(d):
+            y[j] = x[j] + coef * m[j]
+    y2 = 0.0
+    for j in range(d):
+        y2 += y[j] * y[j]
+    y2 = _project_row(y, y2, maxnorm)
+    # parallel transport of m from x to y: gyr[y, -x] m * lam_x / lam_y
+    uv = 0.0
+    uw = 0.0
+    vw = 0.0
+    for j in range(d):
+        uv -= y[j] * x[j]
+        uw += y[j] * m[j]
+        vw -= x[j] * m[j]
+    a = -k2 * uw * x2 - k * vw + 2.0 * k2 * uv * vw
+    b = -k2 * vw * y2 + k * uw
+    dd = max(1.0 - 2.0 * k * uv + k2 * y2 * x2, 1e-15)
+    scale = lam / (2.0 / max(1.0 + k * y2, 1e-15))
+    ca, cb = 2.0 * a / dd, 2.0 * b / dd
+    for j in range(d):
+        m[j] = (m[j] + ca * y[j] - cb * x[j]) * scale
+    return v
 
 
 @njit(nogil=True, error_model="numpy", cache=True)
@@ -478,3 +541,5 @@ compact = njit(**_opts)(_named(_compact, "compact"))
 compact_parallel = njit(parallel=True, **_opts)(_named(_compact, "compact_parallel"))
 ball = njit(**_opts)(_named(_ball, "ball"))
 ball_parallel = njit(parallel=True, **_opts)(_named(_ball, "ball_parallel"))
+ball_compact = njit(**_opts)(_named(_ball_compact, "ball_compact"))
+ball_compact_parallel = njit(parallel=True, **_opts)(_named(_ball_compact, "ball_compact_parallel"))

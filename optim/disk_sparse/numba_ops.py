@@ -1,4 +1,5 @@
-"""Numba CPU path of the Disk Sparse Adam row updates (lazy Adam; the ball: ``riemannian_adam_*``).
+"""Numba CPU path of the Disk Sparse Adam row updates (lazy Adam; the ball: ``riemannian_adam_*``; their
+compact formats: ``compact_*``).
 
 ``adam_sparse_`` is the fused table update for CPU weights: per unique row of the uncoalesced sparse
 gradient, sum the row's duplicate gradient rows, update its ``[m | v]`` record in place straight in
@@ -237,3 +238,53 @@ def _launch_ball(K, sorted_rows, values, records, weight, step, *, lr, beta1, be
     kernel(keys, perm, starts, n_rows, values.contiguous().numpy(), records.detach().numpy(),
            weight.detach().numpy(), float(lr), float(beta1), float(beta2), 1 - beta1**step, 1 - beta2**step,
            float(eps), float(c), max_norm(c, weight.dtype), bool(exact), False, threads)
+
+
+def compact_riemannian_adam_sparse_(weight, indices, values, records, step, *, lr, beta1, beta2, eps, c,
+                                    exact) -> None:
+    """``riemannian_adam_sparse_`` for compact records (uint8 ``(N, compact.record_bytes(D))``, float32
+    weights): the update of ``reference.compact_riemannian_adam_rows`` per unique row, in place."""
+    from . import _numba_kernels as K
+
+    bufs = _scratch(indices.shape[0], values.shape[1], torch.float32)
+    starts, sort_bufs, counts = bufs[0], bufs[4], bufs[5]
+    keys, perm, n_rows = _sorted_rows(K, indices.contiguous(), weight.shape[0], sort_bufs, counts, starts,
+                                      coalesce_order=False)
+    _launch_ball_compact(K, (keys, perm, starts, n_rows), values, records, weight, step, lr=lr, beta1=beta1,
+                         beta2=beta2, eps=eps, c=c, exact=exact)
+
+
+def compact_riemannian_adam_rows_(w, g, state, step, *, lr, beta1, beta2, eps, c, exact) -> None:
+    """``torch_ops.compact_riemannian_adam_rows_`` (gathered unique rows, float32 ``w`` and ``g``) in numba."""
+    from . import _numba_kernels as K
+
+    n = w.shape[0]
+    ident = np.arange(n + 1, dtype=np.int64)
+    _launch_ball_compact(K, (ident[:n], ident[:n], ident, n), g, state, w, step, lr=lr, beta1=beta1,
+                         beta2=beta2, eps=eps, c=c, exact=exact)
+
+
+def _launch_ball_compact(K, sorted_rows, values, records, weight, step, *, lr, beta1, beta2, eps, c, exact):
+    from . import compact
+    from .poincare import max_norm
+
+    keys, perm, starts, n_rows = sorted_rows
+    d = values.shape[1]
+    if weight.dtype != torch.float32 or records.dtype != torch.uint8 or records.shape[1] != compact.record_bytes(d):
+        raise TypeError(f"the compact ball's numba kernel takes float32 weights and uint8 records of width "
+                        f"{compact.record_bytes(d)}, got {weight.dtype} and {records.dtype} {tuple(records.shape)}")
+    if not records.is_contiguous() or records.shape[0] != weight.shape[0] or weight.shape[1] != d \
+            or values.shape[0] != perm.shape[0]:
+        raise ValueError(f"the compact ball's numba kernel: weight {tuple(weight.shape)}, records "
+                         f"{tuple(records.shape)} (contiguous) and {perm.shape[0]} gradient rows of "
+                         f"{tuple(values.shape)} do not match")
+    if step < 1 or not c > 0:
+        raise ValueError(f"the compact ball's numba kernel: step must be >= 1 and c > 0, got {step} and {c}")
+    if n_rows == 0:
+        return
+    threads = numba_threads() if n_rows >= _PARALLEL_MIN_ROWS else 1
+    raw = records.detach().numpy()
+    kernel = K.ball_compact_parallel if threads > 1 else K.ball_compact
+    kernel(keys, perm, starts, n_rows, values.contiguous().to(torch.float32).numpy(), raw.view(np.int8),
+           raw.view(np.float32), weight.detach().numpy(), float(lr), float(beta1), float(beta2), 1 - beta1**step,
+           1 - beta2**step, float(eps), float(c), max_norm(c, torch.float32), bool(exact), False, threads)

@@ -135,7 +135,7 @@ class DiskSparseRiemannianAdam(DiskSparseOptimizer):
         staging (bool or None): as in :class:`DiskSparseAdam`. (Default: None)
         state_format (str): ``"exact"`` (record ``[m | v]``, D + 1 values) or ``"compact"``: m as
             int8 codes with one scale per row, v as it is (``compact.py``, update
-            ``reference.compact_riemannian_adam_rows``, torch backend). (Default: "exact")
+            ``reference.compact_riemannian_adam_rows``, backends torch and numba). (Default: "exact")
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, c=1.0, exact=False, state_dir=None,

@@ -178,8 +178,10 @@ BALL_COMPACT = Rule(
     element_sparse=_ROW_SPARSE_ONLY,
     width=compact.record_bytes, record_dtype=lambda dtype: torch.uint8, views=_compact_views,
     hyper=_ball_hyper, check_group=_check_ball,
-    routes={"torch": ("torch_ops.compact_riemannian_adam_rows_", None)},
-    weight_dtypes=lambda backend: _COMPACT_DTYPES, value_checks=_COMPACT_CHECKS, dtype_hint=_COMPACT_HINT)
+    routes={"torch": ("torch_ops.compact_riemannian_adam_rows_", None),
+            "numba": ("numba_ops.compact_riemannian_adam_rows_", "numba_ops.compact_riemannian_adam_sparse_")},
+    weight_dtypes=lambda backend: (torch.float32,) if backend == "numba" else _COMPACT_DTYPES,
+    value_checks=_COMPACT_CHECKS, dtype_hint=_COMPACT_HINT)
 
 RULES = {(r.kind, r.state_format): r for r in (ADAM, ADAM_COMPACT, BALL, BALL_COMPACT)}
 
