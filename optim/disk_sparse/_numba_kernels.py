@@ -286,6 +286,28 @@ def _absmax(a):
 
 
 @njit(inline="always", cache=True)
+def _encode_row(m, q):
+    """``reference.encode_rows`` of one row: int8 codes of ``m`` (float32) into ``q``; returns the
+    scale max |m|. A row with NaN or inf gets codes 0 and the scale NaN (any NaN) or inf; where
+    127 / s overflows, the codes are m / s * 127."""
+    d = m.shape[0]
+    bad = _non_finite(m)
+    if bad:
+        for k in range(d):
+            q[k] = np.int8(0)
+        return np.float32(np.nan) if bad == 2 else np.float32(np.inf)
+    amax = _absmax(m)
+    inv = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
+    if np.isinf(inv):
+        for k in range(d):
+            q[k] = np.int8(np.rint(m[k] / amax * np.float32(127.0)))
+    else:
+        for k in range(d):
+            q[k] = np.int8(np.rint(m[k] * inv))
+    return amax
+
+
+@njit(inline="always", cache=True)
 def _non_finite(a):
     """0 if every value of ``a`` is finite, 2 if one is NaN, else 1 (an inf)."""
     out = 0
@@ -348,21 +370,7 @@ def _compact(sorted_idx, perm, starts, n_rows, values, codes, floats, weight, c1
                 gsum[k] = m + (gsum[k] - m) * c1
             for k in range(d):
                 wr[k] = wr[k] + (gsum[k] / denom) * neg_step_size
-            amax = _absmax(gsum)
-            bad = _non_finite(gsum)  # 1: inf, 2: NaN (reference.encode_rows: codes 0, s inf or NaN)
-            if bad:
-                amax = np.float32(np.nan) if bad == 2 else np.float32(np.inf)
-                for k in range(d):
-                    qr[k] = np.int8(0)
-            else:
-                inv = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
-                if np.isinf(inv):  # 127 / amax overflows: m / amax * 127, as the reference
-                    for k in range(d):
-                        qr[k] = np.int8(np.rint(gsum[k] / amax * np.float32(127.0)))
-                else:
-                    for k in range(d):
-                        qr[k] = np.int8(np.rint(gsum[k] * inv))
-            floats[r, 0] = amax
+            floats[r, 0] = _encode_row(gsum, qr)
 
 
 def _ball(sorted_idx, perm, starts, n_rows, values, records, weight, lr, beta1, beta2, bc1, bc2, eps, c,
@@ -398,7 +406,8 @@ def _ball_compact(sorted_idx, perm, starts, n_rows, values, codes, floats, weigh
     """``reference.compact_riemannian_adam_rows`` per unique row, in place on compact records
     (``compact.py``; ``codes`` and ``floats`` are int8 and float32 views of them: s = floats[r, 0],
     v = floats[r, 1], q = codes[r, 8:8 + D]): decode m in float32, ``_ball_row``, encode m as
-    ``_compact`` does (``reference.encode_rows``)."""
+    ``_compact`` does (``_encode_row``). The row prelude repeats ``_compact``'s on purpose (see
+    ``_prefetch_ahead``)."""
     d = values.shape[1]
     q0 = 8
     for ch in prange(n_chunks):
@@ -425,21 +434,7 @@ def _ball_compact(sorted_idx, perm, starts, n_rows, values, codes, floats, weigh
             for j in range(d):
                 m32[j] = m[j]
                 wr[j] = y[j]
-            amax = _absmax(m32)
-            bad = _non_finite(m32)
-            if bad:
-                amax = np.float32(np.nan) if bad == 2 else np.float32(np.inf)
-                for j in range(d):
-                    qr[j] = np.int8(0)
-            else:
-                inv = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
-                if np.isinf(inv):
-                    for j in range(d):
-                        qr[j] = np.int8(np.rint(m32[j] / amax * np.float32(127.0)))
-                else:
-                    for j in range(d):
-                        qr[j] = np.int8(np.rint(m32[j] * inv))
-            floats[r, 0] = amax
+            floats[r, 0] = _encode_row(m32, qr)
 
 
 @njit(nogil=True, error_model="numpy", cache=True)

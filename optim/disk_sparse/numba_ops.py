@@ -81,6 +81,21 @@ def _sorted_rows(K, indices: torch.Tensor, n_table_rows: int, sort_bufs, counts,
     return keys, perm, n_rows
 
 
+def _uncoalesced(K, indices, values, n_table_rows, dtype, coalesce_order=False):
+    """(the sorted unique rows the kernels take, the scratch buffers) of an uncoalesced gradient."""
+    bufs = _scratch(indices.shape[0], values.shape[1], dtype)
+    starts, sort_bufs, counts = bufs[0], bufs[4], bufs[5]
+    keys, perm, n_rows = _sorted_rows(K, indices.contiguous(), n_table_rows, sort_bufs, counts, starts,
+                                      coalesce_order=coalesce_order)
+    return (keys, perm, starts, n_rows), bufs
+
+
+def _unique(n):
+    """The sorted unique rows of ``n`` gathered rows: row u is unique row u (no sort, no duplicates)."""
+    ident = np.arange(n + 1, dtype=np.int64)
+    return ident[:n], ident[:n], ident, n
+
+
 def adam_sparse_(weight: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, records: torch.Tensor,
                  step: int, *, lr: float, beta1: float, beta2: float, eps: float, maximize: bool = False,
                  bitwise: bool = True) -> None:
@@ -94,11 +109,8 @@ def adam_sparse_(weight: torch.Tensor, indices: torch.Tensor, values: torch.Tens
     """
     from . import _numba_kernels as K
 
-    bufs = _scratch(indices.shape[0], values.shape[1], weight.dtype)
-    starts, sort_bufs, counts = bufs[0], bufs[4], bufs[5]
-    keys, perm, n_rows = _sorted_rows(K, indices.contiguous(), weight.shape[0], sort_bufs, counts, starts,
-                                      coalesce_order=bitwise)
-    _launch(K, (keys, perm, starts, n_rows), values, records, weight, bufs, step,
+    rows, bufs = _uncoalesced(K, indices, values, weight.shape[0], weight.dtype, coalesce_order=bitwise)
+    _launch(K, rows, values, records, weight, bufs, step,
             lr=lr, beta1=beta1, beta2=beta2, eps=eps, maximize=maximize, bitwise=bitwise)
 
 
@@ -107,10 +119,7 @@ def adam_rows_(w, g, state, step, *, lr, beta1, beta2, eps, maximize=False, bitw
     ``w`` (n, D), ``g`` (n, D) and records ``state = [m | v]`` (n, 2D), all of one dtype on CPU."""
     from . import _numba_kernels as K
 
-    n = w.shape[0]
-    bufs = _scratch(n, w.shape[1], w.dtype)
-    ident = np.arange(n + 1, dtype=np.int64)  # row u is unique row u: no sort, no duplicates
-    _launch(K, (ident[:n], ident[:n], ident, n), g, state, w, bufs, step,
+    _launch(K, _unique(w.shape[0]), g, state, w, _scratch(w.shape[0], w.shape[1], w.dtype), step,
             lr=lr, beta1=beta1, beta2=beta2, eps=eps, maximize=maximize, bitwise=bitwise)
 
 
@@ -150,22 +159,17 @@ def compact_adam_sparse_(weight, indices, values, records, step, *, lr, beta1, b
     summed in the stable radix sort's order. ``bitwise`` is accepted for the shared signature."""
     from . import _numba_kernels as K
 
-    bufs = _scratch(indices.shape[0], values.shape[1], torch.float32)
-    starts, sort_bufs, counts = bufs[0], bufs[4], bufs[5]
-    keys, perm, n_rows = _sorted_rows(K, indices.contiguous(), weight.shape[0], sort_bufs, counts, starts,
-                                      coalesce_order=False)
-    _launch_compact(K, (keys, perm, starts, n_rows), values, records, weight, step, lr=lr, beta1=beta1,
-                    beta2=beta2, eps=eps, maximize=maximize)
+    rows, _ = _uncoalesced(K, indices, values, weight.shape[0], torch.float32)
+    _launch_compact(K, rows, values, records, weight, step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                    maximize=maximize)
 
 
 def compact_adam_rows_(w, g, state, step, *, lr, beta1, beta2, eps, maximize=False, bitwise=True) -> None:
     """``torch_ops.compact_adam_rows_`` (gathered unique rows, float32 ``w`` and ``g``) in numba."""
     from . import _numba_kernels as K
 
-    n = w.shape[0]
-    ident = np.arange(n + 1, dtype=np.int64)
-    _launch_compact(K, (ident[:n], ident[:n], ident, n), g, state, w, step, lr=lr, beta1=beta1, beta2=beta2,
-                    eps=eps, maximize=maximize)
+    _launch_compact(K, _unique(w.shape[0]), g, state, w, step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                    maximize=maximize)
 
 
 def _launch_compact(K, sorted_rows, values, records, weight, step, *, lr, beta1, beta2, eps, maximize):
@@ -198,22 +202,16 @@ def riemannian_adam_sparse_(weight, indices, values, records, step, *, lr, beta1
     duplicates summed in the stable radix sort's order, in float64."""
     from . import _numba_kernels as K
 
-    bufs = _scratch(indices.shape[0], values.shape[1], weight.dtype)
-    starts, sort_bufs, counts = bufs[0], bufs[4], bufs[5]
-    keys, perm, n_rows = _sorted_rows(K, indices.contiguous(), weight.shape[0], sort_bufs, counts, starts,
-                                      coalesce_order=False)
-    _launch_ball(K, (keys, perm, starts, n_rows), values, records, weight, step, lr=lr, beta1=beta1,
-                 beta2=beta2, eps=eps, c=c, exact=exact)
+    rows, _ = _uncoalesced(K, indices, values, weight.shape[0], weight.dtype)
+    _launch_ball(K, rows, values, records, weight, step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, c=c, exact=exact)
 
 
 def riemannian_adam_rows_(w, g, state, step, *, lr, beta1, beta2, eps, c, exact) -> None:
     """``torch_ops.riemannian_adam_rows_`` (gathered unique rows, records of width D + 1) in numba."""
     from . import _numba_kernels as K
 
-    n = w.shape[0]
-    ident = np.arange(n + 1, dtype=np.int64)
-    _launch_ball(K, (ident[:n], ident[:n], ident, n), g, state, w, step, lr=lr, beta1=beta1, beta2=beta2,
-                 eps=eps, c=c, exact=exact)
+    _launch_ball(K, _unique(w.shape[0]), g, state, w, step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, c=c,
+                 exact=exact)
 
 
 def _launch_ball(K, sorted_rows, values, records, weight, step, *, lr, beta1, beta2, eps, c, exact):
@@ -246,22 +244,17 @@ def compact_riemannian_adam_sparse_(weight, indices, values, records, step, *, l
     weights): the update of ``reference.compact_riemannian_adam_rows`` per unique row, in place."""
     from . import _numba_kernels as K
 
-    bufs = _scratch(indices.shape[0], values.shape[1], torch.float32)
-    starts, sort_bufs, counts = bufs[0], bufs[4], bufs[5]
-    keys, perm, n_rows = _sorted_rows(K, indices.contiguous(), weight.shape[0], sort_bufs, counts, starts,
-                                      coalesce_order=False)
-    _launch_ball_compact(K, (keys, perm, starts, n_rows), values, records, weight, step, lr=lr, beta1=beta1,
-                         beta2=beta2, eps=eps, c=c, exact=exact)
+    rows, _ = _uncoalesced(K, indices, values, weight.shape[0], torch.float32)
+    _launch_ball_compact(K, rows, values, records, weight, step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, c=c,
+                         exact=exact)
 
 
 def compact_riemannian_adam_rows_(w, g, state, step, *, lr, beta1, beta2, eps, c, exact) -> None:
     """``torch_ops.compact_riemannian_adam_rows_`` (gathered unique rows, float32 ``w`` and ``g``) in numba."""
     from . import _numba_kernels as K
 
-    n = w.shape[0]
-    ident = np.arange(n + 1, dtype=np.int64)
-    _launch_ball_compact(K, (ident[:n], ident[:n], ident, n), g, state, w, step, lr=lr, beta1=beta1,
-                         beta2=beta2, eps=eps, c=c, exact=exact)
+    _launch_ball_compact(K, _unique(w.shape[0]), g, state, w, step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                         c=c, exact=exact)
 
 
 def _launch_ball_compact(K, sorted_rows, values, records, weight, step, *, lr, beta1, beta2, eps, c, exact):

@@ -143,6 +143,12 @@ def _ball_row_limit(backend):
     return _function("triton_ops.MAX_BALL_D") if backend == "triton" else None
 
 
+# What both compact rules share: the record of ``compact.py``, updated in float32 (numba: float32 weights).
+_COMPACT_RECORD = dict(
+    width=compact.record_bytes, record_dtype=lambda dtype: torch.uint8, views=_compact_views,
+    weight_dtypes=lambda backend: (torch.float32,) if backend == "numba" else _COMPACT_DTYPES,
+    value_checks=_COMPACT_CHECKS, dtype_hint=_COMPACT_HINT)
+
 ADAM = Rule(
     kind="adam", state_format="exact", title="Adam", table_dims=(1, 2), element_sparse=True,
     width=lambda cols: 2 * cols, record_dtype=_float_state, views=_exact_views, hyper=_adam_hyper,
@@ -156,12 +162,9 @@ ADAM_COMPACT = Rule(
     element_sparse=("with state_format='compact' takes row-sparse gradients (nn.Embedding(sparse=True)); "
                     "an element-sparse gradient would change part of a row's coded first moment. "
                     "Use state_format='exact'"),
-    width=compact.record_bytes, record_dtype=lambda dtype: torch.uint8, views=_compact_views,
     hyper=_adam_hyper, check_group=_check_adam,
     routes={"torch": ("torch_ops.compact_adam_rows_", None),
-            "numba": ("numba_ops.compact_adam_rows_", "numba_ops.compact_adam_sparse_")},
-    weight_dtypes=lambda backend: (torch.float32,) if backend == "numba" else _COMPACT_DTYPES,
-    value_checks=_COMPACT_CHECKS, dtype_hint=_COMPACT_HINT)
+            "numba": ("numba_ops.compact_adam_rows_", "numba_ops.compact_adam_sparse_")}, **_COMPACT_RECORD)
 
 BALL = Rule(
     kind="ball", state_format="exact", title="the Riemannian update", table_dims=(2,),
@@ -176,12 +179,10 @@ BALL = Rule(
 BALL_COMPACT = Rule(
     kind="ball", state_format="compact", title="the compact Riemannian update", table_dims=(2,),
     element_sparse=_ROW_SPARSE_ONLY,
-    width=compact.record_bytes, record_dtype=lambda dtype: torch.uint8, views=_compact_views,
     hyper=_ball_hyper, check_group=_check_ball,
     routes={"torch": ("torch_ops.compact_riemannian_adam_rows_", None),
             "numba": ("numba_ops.compact_riemannian_adam_rows_", "numba_ops.compact_riemannian_adam_sparse_")},
-    weight_dtypes=lambda backend: (torch.float32,) if backend == "numba" else _COMPACT_DTYPES,
-    value_checks=_COMPACT_CHECKS, dtype_hint=_COMPACT_HINT)
+    **_COMPACT_RECORD)
 
 RULES = {(r.kind, r.state_format): r for r in (ADAM, ADAM_COMPACT, BALL, BALL_COMPACT)}
 
