@@ -67,9 +67,10 @@ def body(rows, config):
             f"Loss of DiskSparseRiemannianAdam: {got}. "
             + (f"It follows geoopt's SparseRiemannianAdam to a relative {fmt(same)} at every epoch. " if same is not None
                else "")
-            + f"Throughput: {fmt(min(rate))} to {fmt(max(rate))} samples/s per epoch on this CPU (the first epoch "
-            f"includes loading the compiled kernels), against the seed's {fmt(c.get('seed_throughput'))} on a "
-            "Kaggle GPU (one H200 measured 545,660 at the seed's configuration: results/gpu/dsa_gpu.csv).")
+            + f"Throughput: {fmt(min(rate))} to {fmt(max(rate))} samples/s per epoch on {config.get('device', '?')} "
+            f"(the first epoch includes loading the compiled kernels), against the seed's "
+            f"{fmt(c.get('seed_throughput'))} on a Kaggle GPU (a GPU's figure at the seed's configuration is "
+            "bench_dsa_gpu.py's, results/gpu/dsa_gpu.csv).")
     return "\n\n".join(text)
 
 

@@ -54,10 +54,15 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def row_bytes(dim, fmt) -> int:
+    """Bytes a row takes on disk: float32 weights and its state record."""
+    from optim.disk_sparse import compact
+
+    return dim * 4 + (dim * 8 if fmt == "exact" else compact.record_bytes(dim))
+
+
 def needed_bytes(rows, dim, formats) -> int:
-    weights = rows * dim * 4
-    state = {"exact": rows * dim * 8, "compact": rows * (dim + 8 + (-dim) % 4)}
-    return weights + max(state[f] for f in formats)
+    return rows * max(row_bytes(dim, f) for f in formats)
 
 
 def train(rows, dim, fmt, steps, seed, root):
@@ -89,8 +94,7 @@ def train(rows, dim, fmt, steps, seed, root):
     opt.close()
     close_mapped(emb)
     half = steps // 2
-    row_bytes = dim * 4 + (dim * 8 if fmt == "exact" else dim + 8 + (-dim) % 4)
-    touched = sum(uniq) * row_bytes  # the rows' own bytes: weights and state records
+    touched = sum(uniq) * row_bytes(dim, fmt)  # the rows' own bytes: weights and state records
     return {
         "params": rows * dim, "create_s": create,
         "cold_samples_per_s": BATCH * 10 / sum(walls[:10]),
@@ -107,17 +111,24 @@ def train(rows, dim, fmt, steps, seed, root):
 CGROUP_ROOT = "/sys/fs/cgroup/memory"
 
 
-def enter_memory_cgroup(limit_bytes):
-    """Move this process into a new memory cgroup (v1) of ``limit_bytes``, page cache included;
-    returns its path, or None where it cannot (not root, no v1 controller)."""
+def make_memory_cgroup(name, limit_bytes):
+    """A new memory cgroup (v1) of ``limit_bytes``, page cache included; its path, or None where
+    this process cannot make one (not root, no v1 controller)."""
     if os.geteuid() != 0 or not os.path.isdir(CGROUP_ROOT):
         return None
-    path = os.path.join(CGROUP_ROOT, f"dsa-billions-{os.getpid()}")
+    path = os.path.join(CGROUP_ROOT, f"{name}-{os.getpid()}")
     os.makedirs(path)
     with open(os.path.join(path, "memory.limit_in_bytes"), "w") as f:
         f.write(str(limit_bytes))
-    with open(os.path.join(path, "cgroup.procs"), "w") as f:
-        f.write(str(os.getpid()))
+    return path
+
+
+def enter_memory_cgroup(limit_bytes):
+    """Move this process into a new memory cgroup of ``limit_bytes``; its path, or None."""
+    path = make_memory_cgroup("dsa-billions", limit_bytes)
+    if path is not None:
+        with open(os.path.join(path, "cgroup.procs"), "w") as f:
+            f.write(str(os.getpid()))
     return path
 
 
@@ -142,15 +153,12 @@ def leave_memory_cgroup(path):
 def sparse_adam_outcome(rows, dim, limit_bytes):
     """How torch.optim.SparseAdam ends on the main table in a memory cgroup of ``limit_bytes``."""
     need = rows * dim * 4 * 3
-    cg = os.path.join(CGROUP_ROOT, f"dsa-billions-sparse-adam-{os.getpid()}")
-    if os.geteuid() != 0 or not os.path.isdir("/sys/fs/cgroup/memory"):
+    cg = make_memory_cgroup("dsa-billions-sparse-adam", limit_bytes)
+    if cg is None:
         return {"outcome": "not run (needs root for a memory cgroup)", "needed_bytes": need, "exit": 0}
     code = ("import torch; e = torch.nn.Embedding(%d, %d, sparse=True); o = torch.optim.SparseAdam(e.parameters());"
             "e(torch.randint(0, %d, (8192,))).pow(2).sum().backward(); o.step(); print('stepped')") % (rows, dim, rows)
-    os.makedirs(cg)
     try:
-        with open(os.path.join(cg, "memory.limit_in_bytes"), "w") as f:
-            f.write(str(limit_bytes))
         proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True, preexec_fn=lambda: open(os.path.join(cg, "cgroup.procs"), "w").write("0"))
         out, err = proc.communicate(timeout=600)

@@ -82,6 +82,7 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
         self.state_dir = os.fspath(state_dir)
         self._owner = os.getpid()  # a forked child only drops its copies (see close)
         self._stores: dict = {}  # parameter -> RowStateFile
+        self._positions: dict = {}  # parameter -> its index (file param{k:04d}.dsa), named in errors
         self._weight_files: dict = {}  # parameter -> weights.WeightFile, for weights in a file
         self._routes: dict = {}  # parameter -> Route for the device it was last stepped on (None: not yet)
         self._step_counts: dict = {}  # parameter -> int
@@ -158,6 +159,7 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
                 f"weight file {wf.path} is at step {wf.step} but state file {store.path} at step "
                 f"{store.step}: they were not flushed together; restore both from one checkpoint")
         self._stores[p] = store
+        self._positions[p] = k
         if wf is not None:
             self._weight_files[p] = wf
             wf.optimizer = weakref.ref(self)
@@ -580,7 +582,4 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
                                f"{self._owner}; a forked child cannot use it: create one in the child")
 
     def _index(self, p):
-        for k, q in enumerate(self._stores):
-            if q is p:
-                return k
-        return "?"
+        return self._positions.get(p, "?")

@@ -163,8 +163,9 @@ class Gefen(torch.optim.Optimizer):
             group.setdefault("maximize", False)
             for key in OPTIMIZER_WIDE:
                 group.setdefault(key, self.__dict__[key])
-        for key in OPTIMIZER_WIDE + ("maximize",):
-            self.defaults.setdefault(key, self.param_groups[0][key] if self.param_groups else self.__dict__.get(key, False))
+        for key in OPTIMIZER_WIDE:
+            self.defaults.setdefault(key, self.__dict__[key])
+        self.defaults.setdefault("maximize", False)
         if "_backends" not in self.__dict__:  # unpickled or copied (load_state_dict keeps them)
             self._backends = {p: self._resolve(p, group, gi, pi) for gi, group in enumerate(self.param_groups)
                               for pi, p in enumerate(group["params"])}
