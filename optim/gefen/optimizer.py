@@ -242,6 +242,13 @@ class Gefen(torch.optim.Optimizer):
         why = data_fallback(backend, block=block, bits=self.bits, quant=quant, tables=tables)
         return backend if why is None else "torch"
 
+    def needs_every_gradient(self) -> bool:
+        """True while the next step must see every parameter's gradient at once: before the
+        codebook exists (groups with ``quantize_first_moment``), which the first step learns from
+        all of them. ``step_in_backward`` holds the gradients of that one step until backward ends."""
+        return self.codebook is None and any(g["quantize_first_moment"] and g["params"]
+                                             for g in self.param_groups)
+
     # ----------------------------------------------------------------------------- codebook
     def codebook_histogram(self, grads) -> torch.Tensor:
         """``HIST_BINS`` counts (int64, CPU) of block-normalised gradients of ``grads`` ({param: grad}).
