@@ -1,0 +1,254 @@
+"""The optimizer step fused into backward: each parameter is updated as soon as its gradient is
+complete, and its gradient freed there, so a full set of gradients is never held.
+
+    handle = step_in_backward(optimizer)
+    for x, y in batches:
+        loss_fn(model(x), y).backward()   # every parameter is updated (and its gradient freed) here
+        scheduler.step()                   # LR schedulers work as in the ordinary loop
+    handle.remove()                        # or: with step_in_backward(optimizer): ...
+
+This is PyTorch's recipe "How to save memory by fusing the optimizer step into the backward pass"
+(``torch.Tensor.register_post_accumulate_grad_hook``) with one optimizer for the whole model: in
+``p``'s hook, ``p`` is the only parameter with a gradient that the optimizer's own ``step()`` sees.
+"""
+
+from __future__ import annotations
+
+import types
+import weakref
+
+import torch
+
+__all__ = ["step_in_backward", "StepInBackward"]
+
+_ACTIVE = weakref.WeakKeyDictionary()  # optimizer -> its installed StepInBackward
+
+
+def step_in_backward(optimizer: torch.optim.Optimizer) -> "StepInBackward":
+    """Run ``optimizer``'s update of each parameter inside backward, in the parameter's
+    post-accumulate-grad hook, and free the gradient there; returns a handle whose ``remove()``
+    undoes it (also a context manager).
+
+    Each backward is then one optimizer step: the loop is ``loss.backward()`` (then
+    ``scheduler.step()`` if there is one), with no ``optimizer.step()`` and no ``zero_grad()``.
+    Every parameter's result is the ordinary loop's (``backward(); step(); zero_grad()``) for any
+    ``torch.optim.Optimizer`` whose step touches only the parameters that have a gradient and
+    treats each on its own (torch's AdamW, Adam, SGD; ``Gefen``, ``DiskSparseAdam``,
+    ``DiskSparseRiemannianAdam``), at the cost of the gradient memory: at most one parameter's
+    gradient is alive at a time, instead of all of them.
+
+    How: in ``p``'s hook, any other parameter's gradient is set aside (normally there is none:
+    the others' are freed by their own hooks or not computed yet), the optimizer's own ``step()``
+    runs, the others are put back and ``p.grad`` is set to None. That look at the other
+    parameters, and the optimizer's own walk over its param groups, cost O(number of parameter
+    tensors) per hook, so O(P²) Python work per backward: small next to the update for models of
+    hundreds of tensors; for many thousands, group them into fewer tensors. The optimizer's step
+    hooks (``register_step_pre_hook`` / ``post_hook``) run once per parameter.
+
+    An optimizer that must see every gradient at once says so with a ``needs_every_gradient()``
+    method (``Gefen`` before its model-wide codebook exists, that is at its first step). While it
+    returns True at the start of a backward, the hooks neither step nor free: that one step holds
+    every gradient, as the ordinary loop does, and runs as one ordinary ``optimizer.step()`` when
+    the backward ends; then the gradients are freed.
+
+    LR schedulers: ``scheduler.step()`` after each backward changes the learning rate the next
+    backward's hooks use, as in the ordinary loop, created before or after this call.
+
+    Parameters with ``requires_grad=False`` or that are not leaves when this is called (or when
+    ``add_param_group`` adds them later, which hooks the new ones) are skipped: a gradient they get
+    afterwards is neither stepped nor freed. Refused, with an error saying why:
+
+    - calling ``optimizer.step()`` yourself (each backward has stepped already), also through
+      ``torch.amp.GradScaler.step``, and ``step(closure)``;
+    - gradient accumulation: a parameter that already has a gradient when backward reaches it
+      (from a backward before this call, from ``zero_grad(set_to_none=False)``, set by hand), so
+      that this backward's gradient would be added to it. A hook cannot fire twice in one backward
+      (torch accumulates each leaf's gradient once per backward), and several backwards before one
+      step cannot be told apart from several steps: each backward steps;
+    - installing twice on one optimizer.
+
+    Not detectable, so not refused; these give results other than the ordinary loop's:
+
+    - clipping by the global gradient norm (``clip_grad_norm_``) needs every gradient before any
+      step: clip each parameter's gradient on its own instead, e.g. with a
+      ``p.register_post_accumulate_grad_hook`` registered before this call (hooks run in order);
+    - DDP: a hook steps with the local gradient, not the one all-reduced over the ranks;
+    - reentrant activation checkpointing (``use_reentrant=True``) runs nested backwards, each of
+      which ends (and runs a held step) on its own: use ``use_reentrant=False``;
+    - an optimizer whose step couples parameters (a norm or trust ratio over all of them, LBFGS).
+    """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"step_in_backward expects a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if optimizer in _ACTIVE:
+        raise RuntimeError(
+            f"step_in_backward: the steps of this {type(optimizer).__name__} already run in "
+            "backward; call remove() on the handle the first call returned before installing again")
+    return StepInBackward(optimizer)
+
+
+class _Backward:
+    """One backward (autograd graph task) seen by the hooks: whether it holds its step, and whose
+    gradients it holds."""
+
+    __slots__ = ("held", "fired")
+
+    def __init__(self, held: bool):
+        self.held = held
+        self.fired = set()  # id(p) of the parameters whose gradient a held backward keeps
+
+
+class StepInBackward:
+    """The handle :func:`step_in_backward` returns: ``remove()`` (idempotent) undoes it; as a
+    context manager, leaving the block removes it."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        self.optimizer = optimizer
+        self._hooks = {}  # p -> (pre-accumulate handle, post-accumulate handle)
+        self._task, self._backward = None, None  # the graph task the hooks last ran in, and its entry
+        self._inside = False  # True while a hook runs the optimizer's own step
+        self._removed = False
+        self._step = optimizer.step  # what `optimizer.step` was: the class's, or a wrapper (LR scheduler)
+        self._had_step = "step" in optimizer.__dict__
+        self._add = optimizer.add_param_group
+        self._had_add = "add_param_group" in optimizer.__dict__
+
+        def guarded_step(opt, *args, **kwargs):
+            return self._guarded_step(*args, **kwargs)
+
+        if hasattr(self._step, "_wrapped_by_lr_sched"):
+            # An LR scheduler's mark: a scheduler warns at its first step where it is gone, and
+            # wraps (again) a step that lacks it.
+            guarded_step._wrapped_by_lr_sched = True
+
+        def add_param_group(opt, param_group):
+            out = self._add(param_group)
+            if not self._removed:
+                self._hook_new()
+            return out
+
+        self._guard = types.MethodType(guarded_step, optimizer)
+        self._add_guard = types.MethodType(add_param_group, optimizer)
+        _ACTIVE[optimizer] = self
+        try:
+            self._hook_new()
+        except BaseException:
+            self.remove()
+            raise
+        optimizer.step = self._guard
+        optimizer.add_param_group = self._add_guard
+
+    # ------------------------------------------------------------------------------ handle
+    def remove(self) -> None:
+        """Remove the hooks and give ``optimizer.step`` back; a second call does nothing."""
+        if self._removed:
+            return
+        self._removed = True
+        for pre, post in self._hooks.values():
+            pre.remove()
+            post.remove()
+        self._hooks.clear()
+        opt = self.optimizer
+        # Put back what was there, unless someone wrapped it since (an LR scheduler made after
+        # step_in_backward): then the guard stays under the wrapper and only passes calls through.
+        for name, guard, had, original in (("step", self._guard, self._had_step, self._step),
+                                           ("add_param_group", self._add_guard, self._had_add, self._add)):
+            if opt.__dict__.get(name) is guard:
+                if had:
+                    setattr(opt, name, original)
+                else:
+                    del opt.__dict__[name]
+        if _ACTIVE.get(opt) is self:
+            del _ACTIVE[opt]
+
+    def __enter__(self) -> "StepInBackward":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+    # ------------------------------------------------------------------------------- steps
+    def _guarded_step(self, *args, **kwargs):
+        if self._removed:
+            return self._step(*args, **kwargs)
+        name = type(self.optimizer).__name__
+        if (args and args[0] is not None) or kwargs.get("closure") is not None:
+            raise RuntimeError(
+                f"{name}.step(closure): under step_in_backward each parameter is stepped inside "
+                "backward, so a closure cannot be re-evaluated; call loss.backward() instead, or "
+                "remove() the handle first")
+        if not self._inside:
+            raise RuntimeError(
+                f"{name}.step() was called while step_in_backward is installed: each parameter "
+                "is stepped inside backward already, so the loop is loss.backward() alone (no "
+                "optimizer.step(), no zero_grad(); torch.amp.GradScaler is not supported); call "
+                "remove() on the handle to step by hand again")
+        return self._step(*args, **kwargs)
+
+    def _run_step(self, keep):
+        """The optimizer's own step over the gradients of the parameters in ``keep`` (ids): every
+        other parameter's gradient is set aside meanwhile and put back after."""
+        aside = [(q, q.grad) for g in self.optimizer.param_groups for q in g["params"]
+                 if q.grad is not None and id(q) not in keep]
+        for q, _ in aside:
+            q.grad = None
+        self._inside = True
+        try:
+            self.optimizer.step()  # the current attribute: wrappers made after this call run too
+        finally:
+            self._inside = False
+            for q, grad in aside:
+                q.grad = grad
+
+    # ------------------------------------------------------------------------------- hooks
+    def _hook_new(self):
+        for g in self.optimizer.param_groups:
+            for p in g["params"]:
+                if p in self._hooks or not p.requires_grad or not p.is_leaf:
+                    continue
+                ref = weakref.ref(p)
+                self._hooks[p] = (p.register_hook(self._before_hook(ref)),
+                                  p.register_post_accumulate_grad_hook(self._after_hook))
+
+    def _entry(self):
+        """The entry of the backward running now; made (and its end queued) by its first hook."""
+        task = torch._C._current_graph_task_id()
+        if task != self._task or self._backward is None:
+            needs = getattr(self.optimizer, "needs_every_gradient", None)
+            entry = _Backward(held=bool(needs()) if callable(needs) else False)
+            self._task, self._backward = task, entry
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: self._end(entry))
+        return self._backward
+
+    def _before_hook(self, ref):
+        def before(grad):  # runs before the gradient is accumulated into p.grad
+            p = ref()
+            if p is not None and p.grad is not None:
+                raise RuntimeError(
+                    f"step_in_backward: a parameter of shape {tuple(p.shape)} already has a gradient "
+                    "when backward reaches it; this backward's would be added to it (gradient "
+                    "accumulation), which step_in_backward does not support: each backward is one "
+                    "step. Call optimizer.zero_grad() (set_to_none=True) before the first backward "
+                    "with step_in_backward")
+        return before
+
+    def _after_hook(self, p):
+        if p.grad is None:  # consumed by another hook (a parameter shared with another optimizer)
+            return
+        entry = self._entry()
+        if entry.held:
+            entry.fired.add(id(p))
+            return  # stepped with all the others when this backward ends
+        self._run_step({id(p)})
+        p.grad = None
+
+    def _end(self, entry):
+        """Queued by a backward's first hook: the held step, where there is one."""
+        if self._backward is entry:
+            self._task, self._backward = None, None
+        if not entry.held:
+            return
+        self._run_step(entry.fired)
+        for g in self.optimizer.param_groups:
+            for q in g["params"]:
+                if id(q) in entry.fired:
+                    q.grad = None

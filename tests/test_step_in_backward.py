@@ -1,0 +1,275 @@
+"""step_in_backward against the ordinary loop ``backward(); step(); zero_grad()`` as the reference.
+
+Both runs execute the same kernels on the same gradients, one parameter per call instead of all
+at once, so weights and state must match bitwise.
+"""
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+from experiments.peak import PeakMemory
+from optim import DiskSparseAdam, DiskSparseRiemannianAdam, Gefen, step_in_backward
+from optim.backends import numba_available
+
+STEPS = 4
+
+
+def mlp(widths=(12, 16, 16, 8, 1)):
+    layers = []
+    for a, b in zip(widths, widths[1:]):
+        layers += [nn.Linear(a, b), nn.Tanh()]
+    return nn.Sequential(*layers[:-1])
+
+
+def batches(n=STEPS, rows=6, cols=12):
+    g = torch.Generator().manual_seed(1)
+    return [torch.randn(rows, cols, generator=g) for _ in range(n)]
+
+
+def loss_of(model, x):
+    return model(x).pow(2).mean()
+
+
+def ordinary(model, opt, data, sched=None):
+    for x in data:
+        loss_of(model, x).backward()
+        opt.step()
+        opt.zero_grad()
+        if sched is not None:
+            sched.step()
+
+
+def fused(model, opt, data, sched=None):
+    with step_in_backward(opt):
+        for x in data:
+            loss_of(model, x).backward()
+            assert all(p.grad is None for p in model.parameters())
+            if sched is not None:
+                sched.step()
+
+
+def assert_same(model_a, opt_a, model_b, opt_b):
+    for (name, a), b in zip(model_a.named_parameters(), model_b.parameters()):
+        assert torch.equal(a, b), f"{name} differs"
+        sa, sb = opt_a.state[a], opt_b.state[b]
+        assert sa.keys() == sb.keys(), name
+        for k in sa:
+            va, vb = sa[k], sb[k]
+            same = torch.equal(va, vb) if torch.is_tensor(va) else va == vb
+            assert same, f"state {k!r} of {name} differs"
+
+
+def twin(make_opt):
+    model = mlp()
+    other = copy.deepcopy(model)
+    return model, make_opt(model.parameters()), other, make_opt(other.parameters())
+
+
+OPTIMIZERS = [
+    pytest.param(lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1), id="AdamW"),
+    pytest.param(lambda ps: torch.optim.Adam(ps, lr=1e-2), id="Adam"),
+    pytest.param(lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, nesterov=True), id="SGD-momentum"),
+    pytest.param(lambda ps: Gefen(ps, lr=1e-2, weight_decay=0.1, backend="torch"), id="Gefen-torch"),
+    pytest.param(lambda ps: Gefen(ps, lr=1e-2, bits=4, factor_second_moment=True, backend="torch"),
+                 id="Gefen-torch-4bit-factored"),
+    pytest.param(lambda ps: Gefen(ps, lr=1e-2, weight_decay=0.1, backend="numba"), id="Gefen-numba",
+                 marks=pytest.mark.skipif(not numba_available(), reason="numba is not installed")),
+]
+
+
+@pytest.mark.parametrize("make_opt", OPTIMIZERS)
+def test_matches_the_ordinary_loop_bitwise(make_opt):
+    ref_model, ref_opt, model, opt = twin(make_opt)
+    data = batches()
+    ordinary(ref_model, ref_opt, data)
+    fused(model, opt, data)
+    assert_same(ref_model, ref_opt, model, opt)
+    if isinstance(opt, Gefen):
+        assert torch.equal(ref_opt.codebook, opt.codebook)
+
+
+def test_gefen_first_step_holds_every_gradient_until_backward_ends():
+    """The codebook is learned from all gradients: the first backward keeps them and steps once at
+    its end, then the hooks step one parameter at a time."""
+    model = mlp()
+    opt = Gefen(model.parameters(), lr=1e-2, backend="torch")
+    seen = []
+    params = list(model.parameters())
+    opt.register_step_post_hook(lambda o, a, k: seen.append(sum(p.grad is not None for p in params)))
+    n = len(params)
+    with step_in_backward(opt):
+        assert opt.needs_every_gradient()
+        for x in batches(3):
+            loss_of(model, x).backward()
+        assert not opt.needs_every_gradient()
+    assert seen == [n] + [1] * (2 * n)  # one step over all n gradients, then one per parameter
+
+
+@pytest.mark.parametrize("cls", [DiskSparseAdam, DiskSparseRiemannianAdam], ids=lambda c: c.__name__)
+def test_disk_sparse_with_sparse_embedding_gradients(cls, tmp_path):
+    def run(emb, opt, data, hooked):
+        if hooked:
+            handle = step_in_backward(opt)
+        for idx in data:
+            emb(idx).pow(2).sum().backward()  # small loss: rows stay inside the ball
+            if not hooked:
+                opt.step()
+                opt.zero_grad()
+        if hooked:
+            assert emb.weight.grad is None
+            handle.remove()
+
+    emb_ref = nn.Embedding(50, 4, sparse=True)
+    with torch.no_grad():
+        emb_ref.weight.uniform_(-0.1, 0.1)  # inside the Poincaré ball
+    emb = copy.deepcopy(emb_ref)
+    g = torch.Generator().manual_seed(2)
+    data = [torch.randint(0, 50, (7,), generator=g) for _ in range(STEPS)]  # duplicates included
+    with cls(emb_ref.parameters(), lr=0.1, state_dir=tmp_path / "ref") as ref_opt, \
+         cls(emb.parameters(), lr=0.1, state_dir=tmp_path / "fused") as opt:
+        run(emb_ref, ref_opt, data, hooked=False)
+        run(emb, opt, data, hooked=True)
+        assert torch.equal(emb_ref.weight, emb.weight)
+        a, b = ref_opt.state_dict()["state"][0], opt.state_dict()["state"][0]
+        for k in a:
+            assert torch.equal(torch.as_tensor(a[k]), torch.as_tensor(b[k])), k
+
+
+@pytest.mark.parametrize("scheduler_first", [True, False], ids=["scheduler-first", "scheduler-after"])
+@pytest.mark.parametrize("make_sched", [
+    pytest.param(lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5), id="StepLR"),
+    pytest.param(lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda t: 1.0 / (1 + t)), id="LambdaLR"),
+])
+def test_lr_schedulers_change_the_rate_the_hooks_use(make_sched, scheduler_first):
+    make = lambda ps: torch.optim.AdamW(ps, lr=1e-2)  # noqa: E731
+    ref_model, ref_opt, model, opt = twin(make)
+    data = batches()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "lr_scheduler.step() before optimizer.step()" would fail here
+        ordinary(ref_model, ref_opt, data, make_sched(ref_opt))
+        if scheduler_first:
+            sched = make_sched(opt)
+            fused(model, opt, data, sched)
+        else:
+            handle = step_in_backward(opt)
+            sched = make_sched(opt)
+            for x in data:
+                loss_of(model, x).backward()
+                sched.step()
+            handle.remove()
+    assert opt.param_groups[0]["lr"] == ref_opt.param_groups[0]["lr"]
+    assert_same(ref_model, ref_opt, model, opt)
+
+
+def test_refuses_a_step_by_hand_and_a_closure():
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters())
+    with step_in_backward(opt):
+        with pytest.raises(RuntimeError, match=r"step\(\) was called while step_in_backward is installed"):
+            opt.step()
+        with pytest.raises(RuntimeError, match=r"step\(closure\).*closure cannot be re-evaluated"):
+            opt.step(lambda: loss_of(model, batches(1)[0]))
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1)  # its wrapper refuses too
+        with pytest.raises(RuntimeError, match="called while step_in_backward is installed"):
+            opt.step()
+        del sched
+
+
+def test_refuses_installing_twice():
+    opt = torch.optim.SGD(mlp().parameters(), lr=0.1)
+    handle = step_in_backward(opt)
+    with pytest.raises(RuntimeError, match="already run in backward"):
+        step_in_backward(opt)
+    handle.remove()
+    step_in_backward(opt).remove()  # after remove() it may be installed again
+
+
+@pytest.mark.parametrize("stale", ["unstepped-backward", "zero_grad-not-none"])
+def test_refuses_gradient_accumulation(stale):
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = batches(1)[0]
+    loss_of(model, x).backward()  # a gradient from before: it would be added to
+    if stale == "zero_grad-not-none":
+        opt.zero_grad(set_to_none=False)
+    before = [p.detach().clone() for p in model.parameters()]
+    with step_in_backward(opt):
+        with pytest.raises(RuntimeError, match="already has a gradient when backward reaches it"):
+            loss_of(model, x).backward()
+        opt.zero_grad()
+        loss_of(model, x).backward()  # fixed by zeroing: steps
+    assert not any(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_remove_restores_the_ordinary_step():
+    ref_model, ref_opt, model, opt = twin(lambda ps: torch.optim.AdamW(ps, lr=1e-2))
+    data = batches()
+    ordinary(ref_model, ref_opt, data)
+    handle = step_in_backward(opt)
+    assert "step" in vars(opt)
+    for x in data[:2]:
+        loss_of(model, x).backward()
+    handle.remove()
+    handle.remove()  # harmless
+    assert "step" not in vars(opt) and "add_param_group" not in vars(opt)
+    ordinary(model, opt, data[2:])  # hooks gone: gradients stay until step
+    assert_same(ref_model, ref_opt, model, opt)
+
+
+def test_remove_with_a_scheduler_made_after_keeps_it_working():
+    ref_model, ref_opt, model, opt = twin(lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9))
+    data = batches()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ordinary(ref_model, ref_opt, data, torch.optim.lr_scheduler.StepLR(ref_opt, 1, gamma=0.5))
+        handle = step_in_backward(opt)
+        sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)  # wraps the guarded step
+        for x in data[:2]:
+            loss_of(model, x).backward()
+            sched.step()
+        handle.remove()  # the guard stays under the scheduler's wrapper, passing calls through
+        ordinary(model, opt, data[2:], sched)
+    assert_same(ref_model, ref_opt, model, opt)
+
+
+def test_skips_frozen_parameters_and_hooks_added_groups():
+    model = mlp()
+    frozen, *rest = list(model.parameters())
+    frozen.requires_grad_(False)
+    opt = torch.optim.SGD([frozen] + rest[:2], lr=0.1)
+    with step_in_backward(opt) as handle:
+        opt.add_param_group({"params": rest[2:], "lr": 0.05})
+        assert len(handle._hooks) == len(rest)
+        before = [p.detach().clone() for p in model.parameters()]
+        loss_of(model, batches(1)[0]).backward()
+    after = list(model.parameters())
+    assert torch.equal(before[0], after[0])
+    assert all(not torch.equal(b, a) for b, a in zip(before[1:], after[1:]))
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_gradients_are_freed_in_backward():
+    """At the peak of a later step, at most the largest parameter's gradient is alive (the
+    ordinary loop holds all of them then)."""
+    model = mlp((64, 96, 96, 96, 8))
+    largest = max(p.numel() * p.element_size() for p in model.parameters())
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    x = torch.randn(4, 64)
+
+    ref_model = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(ref_model.parameters())
+    ordinary(ref_model, ref_opt, [x])
+    with PeakMemory(ref_model.parameters(), ref_opt) as pk:
+        ordinary(ref_model, ref_opt, [x])
+    assert pk.at_peak["gradients"] == total
+
+    opt = torch.optim.AdamW(model.parameters())
+    with step_in_backward(opt):
+        loss_of(model, x).backward()
+        with PeakMemory(model.parameters(), opt) as pk:
+            loss_of(model, x).backward()
+    assert 0 < pk.at_peak["gradients"] <= largest
