@@ -318,7 +318,7 @@ class Gefen(torch.optim.Optimizer):
         or inf is refused: blocks and codebook would be chosen from it for good.
         """
         g = _local(p.grad)
-        amax = float(g.detach().abs().amax())
+        amax = float(torch.linalg.vector_norm(g.detach(), float("inf")))  # NaN if any is NaN; no copy
         if not math.isfinite(amax):
             raise ValueError(
                 f"Gefen: the first gradient of parameter {pi} of group {gi} (shape "

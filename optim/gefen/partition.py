@@ -78,32 +78,94 @@ def _candidates(n: int) -> list:
     return [d for d in divisors(n) if n // d >= MIN_BLOCKS]
 
 
-def _block_sums(x: torch.Tensor, cands: list) -> dict:
-    """{p: sums of x over consecutive blocks of length p} for ascending divisors p of x.numel().
+CHUNK = 1 << 16  # elements of log-squared gradient held at once while scoring
 
-    Each p reuses the sums of its largest listed divisor, so the whole list costs about one pass.
+
+def _logs(part: torch.Tensor) -> torch.Tensor:
+    """log(g**2 + 1e-12) in float64 of a piece of the flat gradient (g**2 in fp32, as upstream)."""
+    x = part.float()
+    return torch.log((x * x).double() + LOG_EPS)
+
+
+def _chunk_length(n: int, cands: list) -> int:
+    """The divisor of n up to ``CHUNK`` that the most candidates divide (the longest of those)."""
+    best = max((d for d in divisors(n) if d <= CHUNK), key=lambda d: (sum(d % p == 0 for p in cands), d))
+    return best
+
+
+def _block_sums(flat: torch.Tensor, cands: list, squares: bool):
+    """{p: (sums, sums of squares or None)} of log g**2 over consecutive blocks of each p, a chunk at
+    a time: yields one such dict per chunk, blocks in order, so the logs of at most about ``CHUNK``
+    elements are alive at once.
+
+    Candidates that divide the chunk length share one pass over the tensor (each p reuses the
+    sums of its largest listed divisor); every other p takes its own pass, over chunks of whole
+    blocks, or, for a block longer than a chunk, summing each block over chunks.
     """
-    out = {}
+    n = flat.numel()
+    L = _chunk_length(n, cands)
+    shared = [p for p in cands if L % p == 0]
+    for a in range(0, n, L):
+        x = _logs(flat[a:a + L])
+        out = {}
+        for which, src in ((0, x), (1, x * x if squares else None)):
+            if src is None:
+                continue
+            done = {}
+            for p in shared:
+                base = max((d for d in done if p % d == 0), default=None)
+                prev = src if base is None else done[base]
+                done[p] = prev.view(-1, p // (base or 1)).sum(dim=1)
+            for p in shared:
+                out.setdefault(p, [None, None])[which] = done[p]
+        yield out
     for p in cands:
-        base = max((d for d in out if p % d == 0), default=None)
-        src = x if base is None else out[base]
-        out[p] = src.view(-1, p // (base or 1)).sum(dim=1)
-    return out
+        if p in shared:
+            continue
+        if p <= CHUNK:
+            step = p * max(1, CHUNK // p)
+            for a in range(0, n, step):
+                x = _logs(flat[a:a + step])
+                yield {p: [x.view(-1, p).sum(dim=1), (x * x).view(-1, p).sum(dim=1) if squares else None]}
+            continue
+        s1 = torch.zeros(n // p, dtype=torch.float64, device=flat.device)
+        s2 = torch.zeros_like(s1) if squares else None
+        for a in range(0, n, CHUNK):  # at most two blocks meet in a chunk (p > CHUNK)
+            x = _logs(flat[a:a + CHUNK])
+            lo, end = a, a + x.numel()
+            while lo < end:
+                b = lo // p
+                hi = min((b + 1) * p, end)
+                seg = x[lo - a:hi - a]
+                s1[b] += seg.sum()
+                if squares:
+                    s2[b] += (seg * seg).sum()
+                lo = hi
+        yield {p: [s1, s2]}
 
 
-def adjacent_log_scores(g2: torch.Tensor, cands: list) -> list:
-    """upstream's score(p) for each candidate p (float64)."""
-    logs = torch.log(g2.double().reshape(-1) + LOG_EPS)
-    sums = _block_sums(logs, cands)
-    return [float((sums[p] / p).diff().abs().mean()) for p in cands]
+def adjacent_log_scores(g: torch.Tensor, cands: list) -> list:
+    """upstream's score(p) for each candidate p (float64): the mean over neighbouring blocks of the
+    absolute difference of their mean log g**2."""
+    total = dict.fromkeys(cands, 0.0)
+    last = dict.fromkeys(cands)
+    for part in _block_sums(g.reshape(-1), cands, squares=False):
+        for p, (s1, _) in part.items():
+            means = s1 / p
+            if last[p] is not None:
+                means = torch.cat([last[p].view(1), means])
+            total[p] += float(means.diff().abs().sum())
+            last[p] = means[-1]
+    n = g.numel()
+    return [total[p] / (n // p - 1) for p in cands]
 
 
-def choose_adjacent_log(g2: torch.Tensor) -> int:
-    n = g2.numel()
+def choose_adjacent_log(g: torch.Tensor) -> int:
+    n = g.numel()
     cands = _candidates(n)
     if len(cands) < 3:
         return 1
-    scores = adjacent_log_scores(g2, cands)
+    scores = adjacent_log_scores(g, cands)
     best = None
     for i in range(1, len(cands) - 1):
         p, s = cands[i], scores[i]
@@ -114,18 +176,21 @@ def choose_adjacent_log(g2: torch.Tensor) -> int:
     return 1 if best is None else best[1]
 
 
-def within_block_variances(g2: torch.Tensor, cands: list) -> list:
+def within_block_variances(g: torch.Tensor, cands: list) -> list:
     """W(p): mean over blocks of the unbiased within-block variance of log(g**2 + 1e-12), p >= 2."""
-    x = torch.log(g2.double().reshape(-1) + LOG_EPS)
-    s1, s2 = _block_sums(x, cands), _block_sums(x * x, cands)
-    return [float(((s2[p] - s1[p] * s1[p] / p) / (p - 1)).clamp_min(0).mean()) for p in cands]
+    total = dict.fromkeys(cands, 0.0)
+    for part in _block_sums(g.reshape(-1), cands, squares=True):
+        for p, (s1, s2) in part.items():
+            total[p] += float(((s2 - s1 * s1 / p) / (p - 1)).clamp_min(0).sum())
+    n = g.numel()
+    return [total[p] / (n // p) for p in cands]
 
 
-def choose_variance_drop(g2: torch.Tensor) -> int:
-    cands = [p for p in _candidates(g2.numel()) if p > 1]
+def choose_variance_drop(g: torch.Tensor) -> int:
+    cands = [p for p in _candidates(g.numel()) if p > 1]
     if len(cands) < 2:
         return 1
-    w = within_block_variances(g2, cands)
+    w = within_block_variances(g, cands)
     drops = [1.0 - w[i] / w[i + 1] if w[i + 1] > 0 else 0.0 for i in range(len(cands) - 1)]
     best = max(range(len(drops)), key=lambda i: (drops[i], cands[i]))
     return cands[best] if drops[best] >= MIN_DROP else 1
@@ -133,11 +198,11 @@ def choose_variance_drop(g2: torch.Tensor) -> int:
 
 def choose_block(grad: torch.Tensor, rule: str = "adjacent_log") -> int:
     """Block length P for a tensor from its first gradient (any shape, any float dtype)."""
-    g = grad.detach().reshape(-1).float()
+    g = grad.detach().reshape(-1)
     if rule == "adjacent_log":
-        p = choose_adjacent_log(g * g)
+        p = choose_adjacent_log(g)
     elif rule == "variance_drop":
-        p = choose_variance_drop(g * g)
+        p = choose_variance_drop(g)
     else:
         raise ValueError(f"Gefen: unknown block rule {rule!r}; choose one of {RULES}")
     return cap_block(p)

@@ -12,8 +12,11 @@ The nearest entry is looked up in ``codebook.code_table``'s table (one gather an
 an element) instead of a binary search over the boundaries.
 """
 
+from typing import NamedTuple
+
 import torch
 
+from .._rounding import STOCHASTIC_DTYPES, round_stochastic
 from .codebook import HIST_BINS, code_table, histogram as _histogram, nearest_code
 from .reference import factor_ratio, pack_codes, scale_block_length, unpack_codes
 
@@ -37,29 +40,111 @@ def _unrows(x: torch.Tensor, numels, width: int):
     return out
 
 
+PIECE_ELEMENTS = 1 << 16  # most elements one piece of the step works on (see ``pieces``)
+
+
+class Piece(NamedTuple):
+    """Rows ``rows`` (of ``S`` elements) of tensor ``t`` of a call, taken as one tensor."""
+
+    t: int
+    rows: range
+
+
+def pieces(numels, S: int, bits: int, limit: int = PIECE_ELEMENTS):
+    """The call's tensors cut into lists of ``Piece`` of at most about ``limit`` elements each.
+
+    Whole small tensors are packed together (one row reduction serves many tensors); a tensor
+    of more rows is cut into row ranges, so the step's temporaries (about 50 bytes an element)
+    stay about ``limit`` elements long however large the tensor. ``limit`` shrinks to a sixteenth
+    of the largest tensor for small models, so the temporaries stay under that tensor's bytes.
+    With 4-bit codes and odd ``S`` a cut falls on an even row (two codes share a byte).
+    """
+    limit = max(S, min(limit, max(numels, default=0) // 16))
+    step = max(1, limit // S)
+    if bits == 4 and S % 2 and step % 2:
+        step += 1
+    out, cur, size = [], [], 0
+    for t, n in enumerate(numels):
+        rows = -(-n // S)
+        if rows <= step:
+            if size + rows > step and cur:
+                out.append(cur)
+                cur, size = [], 0
+            cur.append(Piece(t, range(rows)))
+            size += rows
+            continue
+        for a in range(0, rows, step):
+            out.append([Piece(t, range(a, min(a + step, rows)))])
+    if cur:
+        out.append(cur)
+    return out
+
+
+def _slice(x: torch.Tensor, rows: range, width: int, numel: int | None = None) -> torch.Tensor:
+    """Elements ``rows.start * width .. rows.stop * width`` of flat ``x`` (clipped to ``numel``)."""
+    end = rows.stop * width if numel is None else min(rows.stop * width, numel)
+    return x.reshape(-1)[rows.start * width:end]
+
+
+def _code_slice(c: torch.Tensor, rows: range, S: int, numel: int, bits: int) -> torch.Tensor:
+    """The codes (or unquantised m) of elements of ``rows``; at 4 bits two a byte (even start)."""
+    a, b = rows.start * S, min(rows.stop * S, numel)
+    return c[a // 2:(b + 1) // 2] if bits == 4 else c[a:b]
+
+
 @torch.no_grad()
 def factor_update_(ws, gs, *, block, beta2):
-    """``reference.factor_update`` in place on each (w, g): the factored steps' first pass."""
+    """``reference.factor_update`` in place on each (w, g): the factored steps' first pass, over
+    pieces of ``PIECE_ELEMENTS`` (whole blocks) of each gradient."""
     for w, g in zip(ws, gs):
-        gf = g.detach().reshape(-1).float()
-        new = beta2 * w + (1 - beta2) * (gf * gf).view(-1, block).mean(dim=0)
+        flat = g.detach().reshape(-1)
+        rows = flat.numel() // block
+        step = max(1, PIECE_ELEMENTS // block)
+        total = torch.zeros(block, dtype=torch.float32, device=w.device)
+        for a in range(0, rows, step):
+            part = flat[a * block:min(a + step, rows) * block].float()
+            total += (part * part).view(-1, block).sum(dim=0)
+        new = beta2 * w + (1 - beta2) * (total / rows)
         w.copy_(torch.where(torch.isfinite(new), new, w))  # a non-finite offset keeps its value
-
-
-def _ratio_rows(ws, numels, block: int) -> torch.Tensor:
-    """``factor_ratio(w)`` of each tensor repeated over its blocks, as ``_rows(.., block)``."""
-    return _rows([factor_ratio(w).repeat(n // block) for w, n in zip(ws, numels)], block)
 
 
 @torch.no_grad()
 def gefen_step_(ps, gs, vs, scales, codes, codebook, *, step, lr, beta1, beta2, eps,
-                weight_decay, block, bits, tables=None, ws=None):
+                weight_decay, block, bits, tables=None, ws=None, seeds=None):
     """In-place Gefen step on lists of tensors sharing ``block`` and ``step`` (see module doc).
 
     ``tables``: ``code_table(codebook)``, built here when not given (pass it to avoid rebuilding
     it every step). ``ws``: the per-offset factors of a factored second moment (fp32, ``block``
-    floats each), updated in place, or None (see ``reference.py``).
+    floats each), updated in place, or None (see ``reference.py``). ``seeds``: one 32-bit seed
+    per tensor for stochastic rounding of bf16 and fp16 parameters (``optim._rounding``), or
+    None for round-to-nearest. The work is done a piece at a time (``pieces``).
     """
+    if tables is None and codebook is not None:
+        tables = code_table(codebook)
+    ratios = None
+    if ws is not None:
+        factor_update_(ws, gs, block=block, beta2=beta2)
+        if block > 1:  # r == 1 exactly at block 1: nothing to scale
+            ratios = [factor_ratio(w) for w in ws]
+    S = scale_block_length(block)
+    W = S // block
+    numels = [p.numel() for p in ps]
+    for piece in pieces(numels, S, bits if codebook is not None else 8):
+        sel = [(t, rows, numels[t]) for t, rows in piece]
+        _step_rows(
+            [_slice(ps[t], r, S, n) for t, r, n in sel], [_slice(gs[t], r, S, n) for t, r, n in sel],
+            [_slice(vs[t], r, W) for t, r, _ in sel],
+            [_slice(scales[t], r, 1) for t, r, _ in sel] if codebook is not None else None,
+            [_code_slice(codes[t], r, S, n, bits if codebook is not None else 8) for t, r, n in sel],
+            codebook, tables, None if ratios is None else [ratios[t] for t, _, _ in sel],
+            None if seeds is None else [(seeds[t], r.start * S) for t, r, _ in sel],
+            step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+            block=block, bits=bits)
+
+
+def _step_rows(ps, gs, vs, scales, codes, codebook, tables, ratios, seeds, *, step, lr, beta1, beta2,
+               eps, weight_decay, block, bits):
+    """The step on a list of flat tensors laid side by side as rows of ``S`` (one piece)."""
     S = scale_block_length(block)
     W = S // block  # v entries per row: 1 when block > 1, 256 when block == 1
     numels = [p.numel() for p in ps]
@@ -69,8 +154,6 @@ def gefen_step_(ps, gs, vs, scales, codes, codebook, *, step, lr, beta1, beta2, 
     X = _rows([p.reshape(-1) for p in ps], S).to(wdt)
     G = _rows([g.reshape(-1) for g in gs], S).to(wdt)
     R = G.shape[0]
-    if ws is not None:
-        factor_update_(ws, gs, block=block, beta2=beta2)
     V = _rows(vs, W)
     V = beta2 * V + (1 - beta2) * (G * G).view(R, W, block).mean(dim=-1)
     X = X * (1 - lr * weight_decay)
@@ -78,27 +161,30 @@ def gefen_step_(ps, gs, vs, scales, codes, codebook, *, step, lr, beta1, beta2, 
         M = _rows(codes, S).lerp(G, 1 - beta1)
         m_hat = M
     else:
-        if tables is None:
-            tables = code_table(codebook)
         idx = _rows([unpack_codes(c, n, bits) for c, n in zip(codes, numels)], S)
         M = codebook[idx] * _rows(scales, 1)
         if R * S != sum(numels):  # zero-padded partial chunks (block 1) must hold m = 0
             M = M * _rows([M.new_ones(n) for n in numels], S)
         M = M.lerp(G, 1 - beta1)
+        del G
         s_new = M.abs().amax(dim=1, keepdim=True)
         q = torch.where(s_new > 0, M / s_new, torch.zeros_like(M))
         idx = nearest_code(q, tables)
+        del q
         m_hat = codebook[idx] * s_new
     bias_correction1 = 1 - beta1**step
     bias_correction2 = 1 - beta2**step
-    if ws is not None and block > 1:  # r == 1 exactly at block 1: nothing to scale
-        denom = ((V * _ratio_rows(ws, numels, block).to(wdt)).sqrt() / bias_correction2**0.5).add(eps)
+    if ratios is not None:
+        R_ = _rows([r.repeat(n // block) for r, n in zip(ratios, numels)], block).to(wdt)
+        denom = ((V * R_).sqrt() / bias_correction2**0.5).add(eps)
         denom = denom.view(R, W, block)
     else:
         denom = (V.sqrt() / bias_correction2**0.5).add(eps).unsqueeze(-1)
     X = X.view(R, W, block).addcdiv(m_hat.view(R, W, block), denom,
                                     value=-lr / bias_correction1).view(R, S)
-    for p, x in zip(ps, _unrows(X, numels, S)):
+    for i, (p, x) in enumerate(zip(ps, _unrows(X, numels, S))):
+        if seeds is not None and p.dtype in STOCHASTIC_DTYPES:
+            x = round_stochastic(x, p.dtype, *seeds[i])
         p.copy_(x.view_as(p))
     for v, x in zip(vs, _unrows(V, [v.numel() for v in vs], W)):
         v.copy_(x)
@@ -117,11 +203,17 @@ def gefen_step_(ps, gs, vs, scales, codes, codebook, *, step, lr, beta1, beta2, 
 def histogram(gs, *, block: int, bins: int = HIST_BINS) -> torch.Tensor:
     """Counts (int64, ``bins``) of gradients divided by their scale block's absmax, on [-1, 1].
 
-    Binned by ``codebook.histogram`` (upstream's rule); an all-zero block counts as zeros.
+    Binned by ``codebook.histogram`` (upstream's rule); an all-zero block counts as zeros. Counted
+    a piece at a time (``pieces``), so the temporaries do not grow with the model.
     """
     S = scale_block_length(block)
     numels = [g.numel() for g in gs]
-    G = _rows([g.reshape(-1).float() for g in gs], S)
-    s = G.abs().amax(dim=1, keepdim=True)
-    q = torch.where(s > 0, G / s, torch.zeros_like(G))
-    return _histogram(_unrows(q, numels, S), bins=bins)[1]
+    counts = torch.zeros(bins, dtype=torch.int64)
+    for piece in pieces(numels, S, 8):
+        part = [_slice(gs[t], rows, S, numels[t]) for t, rows in piece]
+        G = _rows([g.reshape(-1).float() for g in part], S)
+        s = G.abs().amax(dim=1, keepdim=True)
+        q = torch.where(s > 0, G / s, torch.zeros_like(G))
+        del G
+        counts += _histogram(_unrows(q, [g.numel() for g in part], S), bins=bins)[1]
+    return counts
