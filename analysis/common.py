@@ -37,7 +37,7 @@ version, wall time and the command of the run that wrote the CSV.
 
 # One colour per optimizer, so every figure reads the same.
 OPTIMIZERS = ["AdamW", "Adam-mini", "torchao-AdamW8bit", "torchao-AdamW4bit", "gefen-upstream",
-              "Gefen-8bit", "Gefen-4bit", "Gefen-8bit-factored", "Gefen-4bit-factored"]
+              "Gefen-8bit", "Gefen-4bit", "Gefen-8bit-factored", "Gefen-4bit-factored", "gefen-x"]
 
 
 class ResultsError(ValueError):

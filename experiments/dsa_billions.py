@@ -26,7 +26,6 @@ import argparse
 import os
 import resource
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,6 +33,7 @@ import time
 import torch
 
 from experiments.common import Results, add_common_args
+from experiments.memcg import cgroups_usable, enter_memory_cgroup, leave_memory_cgroup, run_limited
 
 DIM, BATCH, SCALE_DIM = 64, 8192, 16
 
@@ -108,72 +108,22 @@ def train(rows, dim, fmt, steps, seed, root):
     }
 
 
-CGROUP_ROOT = "/sys/fs/cgroup/memory"
-
-
-def make_memory_cgroup(name, limit_bytes):
-    """A new memory cgroup (v1) of ``limit_bytes``, page cache included; its path, or None where
-    this process cannot make one (not root, no v1 controller)."""
-    if os.geteuid() != 0 or not os.path.isdir(CGROUP_ROOT):
-        return None
-    path = os.path.join(CGROUP_ROOT, f"{name}-{os.getpid()}")
-    os.makedirs(path)
-    with open(os.path.join(path, "memory.limit_in_bytes"), "w") as f:
-        f.write(str(limit_bytes))
-    return path
-
-
-def enter_memory_cgroup(limit_bytes):
-    """Move this process into a new memory cgroup of ``limit_bytes``; its path, or None."""
-    path = make_memory_cgroup("dsa-billions", limit_bytes)
-    if path is not None:
-        with open(os.path.join(path, "cgroup.procs"), "w") as f:
-            f.write(str(os.getpid()))
-    return path
-
-
-def leave_memory_cgroup(path):
-    if path is None:
-        return
-    with open(os.path.join(CGROUP_ROOT, "cgroup.procs"), "w") as f:
-        f.write(str(os.getpid()))
-    for _ in range(20):  # the move settles in a moment; then the emptied cgroup can go
-        try:
-            with open(os.path.join(path, "memory.force_empty"), "w") as f:
-                f.write("0")  # its page cache charges go back to the parent
-            os.rmdir(path)
-            return
-        except OSError:
-            time.sleep(0.1)
-    # Still busy (the kernel releases a process's last charges as it exits): remove it after ours.
-    subprocess.Popen(["sh", "-c", f"while kill -0 {os.getpid()} 2>/dev/null; do sleep 0.2; done; rmdir {path}"],
-                     start_new_session=True)
-
-
 def sparse_adam_outcome(rows, dim, limit_bytes):
     """How torch.optim.SparseAdam ends on the main table in a memory cgroup of ``limit_bytes``."""
     need = rows * dim * 4 * 3
-    cg = make_memory_cgroup("dsa-billions-sparse-adam", limit_bytes)
-    if cg is None:
+    if not cgroups_usable():
         return {"outcome": "not run (needs root for a memory cgroup)", "needed_bytes": need, "exit": 0}
     code = ("import torch; e = torch.nn.Embedding(%d, %d, sparse=True); o = torch.optim.SparseAdam(e.parameters());"
             "e(torch.randint(0, %d, (8192,))).pow(2).sum().backward(); o.step(); print('stepped')") % (rows, dim, rows)
-    try:
-        proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, preexec_fn=lambda: open(os.path.join(cg, "cgroup.procs"), "w").write("0"))
-        out, err = proc.communicate(timeout=600)
-    finally:
-        try:
-            os.rmdir(cg)
-        except OSError:
-            pass
-    if proc.returncode == 0 and "stepped" in out:
+    run = run_limited([sys.executable, "-c", code], limit_bytes, name="dsa-billions-sparse-adam", timeout=600)
+    if run.returncode == 0 and "stepped" in run.stdout:
         outcome = "stepped"
-    elif proc.returncode in (-9, 137):
+    elif run.oom_killed or run.returncode in (-9, 137):
         outcome = "killed for memory (SIGKILL from the cgroup's OOM killer)"
     else:
-        outcome = f"failed: {err.strip().splitlines()[-1] if err.strip() else proc.returncode}"
-    return {"outcome": outcome, "needed_bytes": need, "exit": proc.returncode}
+        err = run.stderr.strip()
+        outcome = f"failed: {err.splitlines()[-1] if err else run.outcome}"
+    return {"outcome": outcome, "needed_bytes": need, "exit": -1 if run.returncode is None else run.returncode}
 
 
 def main(argv=None):
@@ -208,7 +158,7 @@ def main(argv=None):
                          f"{need / 2**30:.1f} GiB (+10%); give --dir on a larger disk or fewer --rows")
     config = {**vars(args), "dim": DIM, "batch": BATCH, "scale_dim": SCALE_DIM, "scale_rows": scale}
     limit = int(args.memory_limit_gib * 2**30) if args.memory_limit_gib else None
-    cgroup = enter_memory_cgroup(limit) if limit else None
+    cgroup = enter_memory_cgroup("dsa-billions", limit) if limit else None
     config["memory_cgroup"] = cgroup is not None
     try:
         with Results("dsa_billions", args, config=config) as res:

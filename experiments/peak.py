@@ -37,23 +37,33 @@ def _storage(t):
     """The storage of a dense tensor, None for tensors without one (sparse, meta, wrappers)."""
     if not isinstance(t, torch.Tensor) or t.is_sparse or t.device.type == "meta":
         return None
-    if hasattr(t, "to_local"):  # a DTensor: its local shard holds the bytes
-        t = t.to_local()
     try:
         return t.untyped_storage()
     except (RuntimeError, NotImplementedError):
         return None
 
 
+def _parts(t):
+    """The plain tensors that hold ``t``'s bytes: a sparse tensor's indices and values, a tensor
+    subclass's inner tensors (a DTensor's local shard, torchao's quantised codes and scales; the
+    wrapper's own storage, if it has one, is sized by the shape it presents, not by its bytes)."""
+    if t.is_sparse:
+        yield t._indices()
+        yield t._values()
+    elif type(t) not in (torch.Tensor, torch.nn.Parameter) and hasattr(t, "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        for name in names:
+            yield from _parts(getattr(t, name))
+    else:
+        yield t
+
+
 def _tensors(obj):
-    """Every tensor in a nested state (dicts, lists, tuples); sparse tensors give their parts."""
+    """Every plain tensor in a nested state (dicts, lists, tuples), subclasses and sparse tensors
+    by their parts (``_parts``)."""
     for leaf in tree_leaves(obj):
         if isinstance(leaf, torch.Tensor):
-            if leaf.is_sparse:
-                yield leaf._indices()
-                yield leaf._values()
-            else:
-                yield leaf
+            yield from _parts(leaf)
 
 
 def _rss() -> int:
@@ -96,6 +106,13 @@ class PeakMemory(TorchDispatchMode):
     None. Both are read again whenever the live bytes grow, so state and gradients created inside
     the region are counted where they belong. ``transient`` (bytes) is the largest ``rest`` seen.
     """
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """torch.compile'd code (torchao's optimizer steps) compiles with the mode off and runs
+        with it on; a non-ignoring mode makes ``torch.compile(fullgraph=True)`` refuse to run.
+        What a compiled graph allocates and frees inside itself is not seen; its outputs are."""
+        return True
 
     def __init__(self, params=(), optimizer=None):
         super().__init__()
@@ -148,7 +165,7 @@ class PeakMemory(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         grew = False
-        for t in tree_leaves(out):
+        for t in _tensors(out):
             st = _storage(t)
             if st is not None:
                 grew |= self._count(st)

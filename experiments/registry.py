@@ -6,7 +6,8 @@
 ``model_or_params`` is an ``nn.Module`` or what ``torch.optim`` accepts (tensors or param-group
 dicts); optimizers that need parameter names (Adam-mini) need a module. Keyword options go to the
 constructor. Dense peers: AdamW (torch, fused), Adam-mini, torchao's AdamW8bit / AdamW4bit,
-upstream ``gefen``, ours at 8 and 4 bits (and with the factored second moment). Sparse: torch's SparseAdam, ours on disk (Euclidean and
+upstream ``gefen``, its maintained fork ``gefen-x`` (installed beside it, see ``gefen_x``), ours at 8
+and 4 bits (and with the factored second moment). Sparse: torch's SparseAdam, ours on disk (Euclidean and
 Poincaré ball), geoopt's SparseRiemannianAdam (its parameter must be a ``geoopt.ManifoldParameter``).
 
 State bytes (``state_bytes``) are the tensor bytes of ``optimizer.state_dict()``, tensor subclasses
@@ -16,7 +17,14 @@ State bytes (``state_bytes``) are the tensor bytes of ``optimizer.state_dict()``
 from __future__ import annotations
 
 import contextlib
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
 import io
+import re
+import sys
+from pathlib import Path
 
 import torch
 
@@ -48,6 +56,70 @@ def _gefen_upstream(params, named, lr, weight_decay, **kw):
 
     fused = kw.pop("fused", any(p.is_cuda for p in _tensors(params)))  # its fused path is CUDA only
     return gefen.Gefen(named if named is not None else params, lr=lr, weight_decay=weight_decay, fused=fused, **kw)
+
+
+GEFEN_X_DIR = Path(__file__).resolve().parents[1] / "third_party" / "gefen_x"
+GEFEN_X_INSTALL = "python -m pip install --no-deps --target third_party/gefen_x gefen-x==0.5.0"
+
+
+class _Renamed(importlib.abc.MetaPathFinder):
+    """Imports the package ``source`` found in ``folder`` as ``alias`` (and ``alias.x`` for its
+    ``source.x``), rewriting its absolute imports of ``source`` to ``alias`` as it loads each module,
+    so that a package installed beside another of the same name (gefen-x installs as ``gefen``, as
+    upstream does) runs without touching ``sys.modules["gefen"]``."""
+
+    def __init__(self, alias, source, folder):
+        self.alias, self.source, self.root = alias, source, Path(folder) / source
+        self._imports = re.compile(rf"^(\s*(?:from|import)\s+){source}(?=[\s.])", re.M)
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != self.alias and not fullname.startswith(self.alias + "."):
+            return None
+        base = self.root.joinpath(*fullname.split(".")[1:])
+        if (base / "__init__.py").is_file():
+            origin, where = base / "__init__.py", [str(base)]
+        elif base.with_suffix(".py").is_file():
+            origin, where = base.with_suffix(".py"), None
+        else:
+            return None
+        loader = _RewritingLoader(fullname, str(origin), self)
+        return importlib.util.spec_from_file_location(fullname, origin, loader=loader,
+                                                      submodule_search_locations=where)
+
+
+class _RewritingLoader(importlib.machinery.SourceFileLoader):
+    def __init__(self, fullname, path, finder):
+        super().__init__(fullname, path)
+        self.finder = finder
+
+    def get_code(self, fullname):  # never the bytecode cache: it would hold the rewritten imports
+        source = Path(self.path).read_text()
+        return compile(self.finder._imports.sub(rf"\g<1>{self.finder.alias}", source), self.path, "exec",
+                       dont_inherit=True)
+
+
+def gefen_x():
+    """The gefen-x package (the maintained fork of upstream gefen) as module ``gefen_x``, from
+    ``third_party/gefen_x`` (installed there by ``GEFEN_X_INSTALL``); None where it is not."""
+    if not (GEFEN_X_DIR / "gefen" / "__init__.py").is_file():
+        return None
+    if not any(isinstance(f, _Renamed) and f.alias == "gefen_x" for f in sys.meta_path):
+        sys.meta_path.insert(0, _Renamed("gefen_x", "gefen", GEFEN_X_DIR))
+    return importlib.import_module("gefen_x")
+
+
+def gefen_x_version() -> str:
+    """gefen-x's version from its install folder's metadata ("" where it is not installed)."""
+    found = sorted(GEFEN_X_DIR.glob("gefen_x-*.dist-info"))
+    return found[-1].name.removeprefix("gefen_x-").removesuffix(".dist-info") if found else ""
+
+
+def _gefen_x(params, named, lr, weight_decay, **kw):
+    mod = gefen_x()
+    if mod is None:
+        raise ModuleNotFoundError(f"gefen-x is not installed in {GEFEN_X_DIR}; install it with: {GEFEN_X_INSTALL}")
+    fused = kw.pop("fused", any(p.is_cuda for p in _tensors(params)))  # its fused path is CUDA only
+    return mod.Gefen(named if named is not None else params, lr=lr, weight_decay=weight_decay, fused=fused, **kw)
 
 
 def _gefen(bits, factored=False):
@@ -87,6 +159,7 @@ OPTIMIZERS = {
     "torchao-AdamW8bit": _torchao("AdamW8bit"),
     "torchao-AdamW4bit": _torchao("AdamW4bit"),
     "gefen-upstream": _gefen_upstream,
+    "gefen-x": _gefen_x,
     "Gefen-8bit": _gefen(8),
     "Gefen-4bit": _gefen(4),
     "Gefen-8bit-factored": _gefen(8, factored=True),
@@ -96,7 +169,7 @@ OPTIMIZERS = {
     "DiskSparseRiemannianAdam": _dsa_riemannian,
     "geoopt-SparseRiemannianAdam": _geoopt,
 }
-DENSE = ["AdamW", "Adam-mini", "torchao-AdamW8bit", "torchao-AdamW4bit", "gefen-upstream", "Gefen-8bit",
+DENSE = ["AdamW", "Adam-mini", "torchao-AdamW8bit", "torchao-AdamW4bit", "gefen-upstream", "gefen-x", "Gefen-8bit",
          "Gefen-4bit", "Gefen-8bit-factored", "Gefen-4bit-factored"]
 
 

@@ -39,6 +39,7 @@ EXPERIMENTS = {
     "poincare": ["poincare"],
     "codebook_dp": ["codebook"],
     "gefen_memory": ["gefen_memory"],
+    "gefen_peak_memory": ["gefen_peak_memory"],
     "gefen_ablation": ["gefen_ablation"],
     "hessian_alignment": ["hessian_alignment"],
     "convergence": ["convergence"],
@@ -46,7 +47,7 @@ EXPERIMENTS = {
 }
 # analysis script -> the figure it draws (None: a results/README.md section only)
 FIGURE_OF = {"correctness": None, "dsa_fault_injection": None, "dsa_throughput": "dsa_throughput", "dsa_seed_benchmark": "dsa_seed_benchmark", "dsa_billions": None, "dsa_out_of_core": "dsa_out_of_core", "dsa_distributed": "dsa_distributed", "poincare": "poincare", "codebook": "codebook",
-             "gefen_memory": "gefen_memory", "gefen_ablation": "gefen_ablation",
+             "gefen_memory": "gefen_memory", "gefen_peak_memory": "gefen_peak_memory", "gefen_ablation": "gefen_ablation",
              "hessian_alignment": "hessian_alignment",
              "convergence": "convergence", "kernel_resources": None}
 

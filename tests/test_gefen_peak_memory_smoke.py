@@ -1,0 +1,134 @@
+"""experiments/gefen_peak_memory.py and its analysis, small: the budget search finds the boundary, one
+worker process measures AdamW's peaks as the tracker's split says they must be, the analysis turns a
+synthetic CSV into its figure and section with the verdicts that CSV implies, and gefen-x (where it is
+installed) loads beside upstream gefen without replacing it."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from experiments.common import FIELDS
+from experiments.gefen_peak_memory import LEAN, search
+from experiments.registry import GEFEN_X_DIR
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("boundary, start", [(37, 4), (37, 200), (1, 5), (500, 3)])
+def test_search_brackets_the_largest_fitting_size(boundary, start):
+    tried = []
+
+    def fits(x):
+        tried.append(x)
+        return x <= boundary
+
+    ok, bad = search(fits, start, 1, 512, max_trials=12)
+    assert ok <= boundary < bad  # the largest success and the smallest failure straddle it, within 10%
+    assert bad <= ok * 1.1 or bad - ok <= 1, (ok, bad)
+    assert len(tried) == len(set(tried)) <= 12
+
+
+def test_search_stops_at_a_failure_that_is_not_memory():
+    ok, bad = search(lambda x: None if x > 10 else True, 8, 1, 512)
+    assert (ok, bad) == (8, None)
+
+
+@pytest.mark.timeout(120)
+def test_one_worker_measures_adamw_peaks():
+    """AdamW on a 3-layer MLP: 4 B of weights, 4 of gradients and 8 of state a parameter at the peak."""
+    spec = dict(task="peaks", config="AdamW", seed=0,
+                jobs=[dict(model=dict(kind="mlp", width=128, depth=3), micro_batch=8, name="mlp")])
+    out = subprocess.run([sys.executable, "-m", "experiments.gefen_peak_memory", "--worker", json.dumps(spec)],
+                         capture_output=True, text=True, timeout=110, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-3000:]
+    line = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")][-1]
+    (res,) = json.loads(line[len("RESULT "):])["results"]
+    assert res["params"] == 3 * (128 * 128 + 128)
+    later = res["steps"][-1]
+    assert later["weights_per_param"] == pytest.approx(4.0)
+    assert later["state_per_param"] == pytest.approx(8.0, rel=1e-3)
+    assert later["tensor_peak_per_param"] >= 16.0
+    assert res["state_bytes_per_param"] == pytest.approx(8.0, rel=1e-3)
+
+
+def _rows(lean_peak=4.0, lean_params=3e8):
+    rows = []
+    peaks = {"AdamW": (16.0, 16.1), "AdamW+bf16": (8.0, 8.1), "torchao-AdamW8bit": (10.0, 10.1),
+             "Gefen-8bit": (9.0, 9.05), LEAN: (lean_peak + 0.25, lean_peak)}
+    for model, mb in (("mlp-50.4M", 8), ("gpt-12.7M", 4)):
+        for name, (first, later) in peaks.items():
+            v = f"{model}/mb{mb}/{name}"
+            for step in range(4):
+                total = first if step == 0 else later
+                split = dict(weights=4.0 if "bf16" not in name else 2.0, gradients=2.0, state=1.0)
+                split["rest"] = total - sum(split.values())
+                for part, x in split.items():
+                    rows.append((v, f"{part}_per_param", x, "step", step))
+                rows += [(v, "tensor_peak_per_param", total, "step", step),
+                         (v, "transient_per_param", split["rest"], "step", step),
+                         (v, "rss_peak_per_param", total + 1, "step", step),
+                         (v, "rss_total_per_param", total + 2, "step", step)]
+            rows += [(v, "state_bytes_per_param", 1.0, "steps", 4), (v, "params", 5e7, "steps", 4),
+                     (v, "largest_tensor_bytes", 1.6e7, "steps", 4), (v, "baseline_rss_bytes", 4e8, "steps", 4)]
+    for name, params, mb in (("AdamW", 3e7, 30), ("Gefen-8bit", 6e7, 40), (LEAN, lean_params, 55)):
+        rows += [(f"model/{name}", "largest_model_params", params, "budget_GiB", 0.5),
+                 (f"micro_batch/{name}", "largest_micro_batch", mb, "budget_GiB", 0.5),
+                 (f"model@0.5GiB/{name}", "fits", 1, "params", params)]
+        for strategy in ("ddp", "fsdp2"):
+            rows += [(f"{strategy}/{name}", "outcome_equal_micro_batch", 0, "micro_batch", 8),
+                     (f"{strategy}/{name}", "tokens_per_s_equal_micro_batch", 1000.0, "micro_batch", 8),
+                     (f"{strategy}/{name}", "outcome_budget_micro_batch", 1, "micro_batch", mb)]
+    return rows
+
+
+def _write(tmp_path, rows):
+    import csv
+
+    with open(tmp_path / "gefen_peak_memory.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=FIELDS)
+        w.writeheader()
+        for variant, metric, val, x_name, x_value in rows:
+            w.writerow(dict(experiment="gefen_peak_memory", variant=variant, metric=metric, unit="", x_name=x_name,
+                            x_value=x_value, value=val, seed=0, device="cpu:Test x2", torch_version=torch.__version__,
+                            git_commit="abc1234", timestamp="2026-01-01T00:00:00+00:00"))
+    config = {"config": {"target_model": "mlp-50.4M", "notes": ["a note"]}, "git_commit": "abc1234",
+              "command": "python experiments/gefen_peak_memory.py --quick", "wall_seconds": 60.0}
+    (tmp_path / "gefen_peak_memory.config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("lean_peak, lean_params, met", [(4.0, 3e8, True), (6.0, 6e7, False)])
+def test_analysis_writes_figure_and_verdicts(tmp_path, lean_peak, lean_params, met):
+    from analysis.common import main, read_section
+    from analysis.gefen_peak_memory import REPORT
+
+    _write(tmp_path, _rows(lean_peak, lean_params))
+    out = tmp_path / "fig.png"
+    main(REPORT, ["--results-dir", str(tmp_path), "--out", str(out)])
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    section = read_section(tmp_path / "README.md", "gefen_peak_memory")
+    lines = {ln.split(" ", 2)[1]: ln for ln in section.splitlines() if ln.startswith("- (")}
+    word = "**met**" if met else "**missed**"
+    assert f"tensor peak {lean_peak + 0.25:.2f} B/param" in lines["(ii)"] and word in lines["(ii)"]
+    ratio = [ln for ln in section.splitlines() if ln.startswith(f"- (iii) {LEAN}")]
+    assert ratio and word in ratio[0] and f"{lean_params / 3e7:.3g}×" in ratio[0]
+    # Gefen-8bit (9.05 later) is above no fp32 peer but torchao's 10: lowest among fp32 peers
+    gefen = next(ln for ln in section.splitlines() if ln.startswith("- (i) Gefen-8bit "))
+    assert "lowest peak at every step **met**" in gefen
+    assert "a note" in section and "killed for memory (mb 55)" in section
+
+
+@pytest.mark.skipif(not (GEFEN_X_DIR / "gefen").is_dir(), reason="gefen-x is not installed in third_party/gefen_x")
+def test_gefen_x_loads_beside_upstream_gefen():
+    code = ("import gefen, sys; from experiments.registry import gefen_x, make_optimizer; import torch;"
+            "gx = gefen_x(); assert sys.modules['gefen'] is gefen and gx is not gefen;"
+            "assert gx.Gefen.__module__ == 'gefen_x.gefen';"
+            "assert not any(m.startswith('gefen.') and 'gefen_x' in (getattr(sys.modules[m], '__file__', '') or '')"
+            " for m in sys.modules);"
+            "opt = make_optimizer('gefen-x', torch.nn.Linear(8, 8), 1e-3); print(type(opt).__module__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().endswith("gefen_x.gefen")
