@@ -126,6 +126,8 @@ class PeakMemory(TorchDispatchMode):
         self.rss_peak = 0
         self._rss0 = 0
         self._hwm_ok = False
+        self._pending = self._peak_pending = False
+        self._at_alloc = 0
 
     def _known(self) -> dict:
         """{category: set of id(storage)} of the weights, gradients and state alive now."""
@@ -163,18 +165,33 @@ class PeakMemory(TorchDispatchMode):
             self.current -= entry[1]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self._settle()
         out = func(*args, **(kwargs or {}))
-        grew = False
         for t in _tensors(out):
             st = _storage(t)
-            if st is not None:
-                grew |= self._count(st)
-        if grew:
-            now = self.split()
-            if self.current > self.tensor_peak:
-                self.tensor_peak, self.at_peak = self.current, now
-            self.transient = max(self.transient, now["rest"])
+            if st is not None and self._count(st):
+                self._pending = True
+                self._at_alloc = self.current
+                if self.current > self.tensor_peak:
+                    self.tensor_peak, self._peak_pending = self.current, True
         return out
+
+    def _settle(self):
+        """Split the live bytes after an allocation, at the next operation (or the region's end):
+        by then the new tensor has been stored where it belongs (``state[p]["v"] = torch.zeros(..)``
+        is state, not a transient, though it is allocated before it is stored). What was freed
+        in between was part of the rest then: the rest is the bytes live after the allocation less
+        the data and state live now."""
+        if not self._pending:
+            return
+        self._pending = False
+        now = self.split()
+        known = now["weights"] + now["gradients"] + now["state"]
+        self.transient = max(self.transient, self._at_alloc - known)
+        if self._peak_pending:
+            self._peak_pending = False
+            now["rest"] = max(0, self.tensor_peak - now["weights"] - now["gradients"] - now["state"])
+            self.at_peak = now
 
     def __enter__(self):
         for p in self.params:  # the storages that exist already: data, gradients, state
@@ -187,6 +204,8 @@ class PeakMemory(TorchDispatchMode):
             for st in map(_storage, _tensors([list(opt.state.values()), getattr(opt, "codebook", None)])):
                 if st is not None:
                     self._count(st)
+        self._pending = self._peak_pending = False
+        self._at_alloc = 0
         self.tensor_peak = self.current
         self.at_peak = self.split()
         self.transient = self.at_peak["rest"]
@@ -196,6 +215,7 @@ class PeakMemory(TorchDispatchMode):
 
     def __exit__(self, *exc):
         out = super().__exit__(*exc)
+        self._settle()
         hwm = _hwm() if self._hwm_ok else _rss()
         self.rss_peak = max(0, hwm - self._rss0)
         return out

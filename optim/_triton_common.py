@@ -31,6 +31,42 @@ def round_bf16(x):
     return tl.where(x == x, r.to(tl.float32, bitcast=True), x)
 
 
+@triton.jit
+def hash32(x):
+    """lowbias32 of uint32 ``x`` (``optim._rounding.hash32``; uint32 arithmetic wraps)."""
+    x = x ^ (x >> 16)
+    x = x * 0x7FEB352D
+    x = x ^ (x >> 15)
+    x = x * 0x846CA68B
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def round_stochastic(x, seed, offs, DT: tl.constexpr):
+    """fp32 ``x`` rounded stochastically to ``DT`` (bf16 or fp16; fp32 unchanged), still as fp32 and
+    exactly representable in DT: ``optim._rounding.round_stochastic`` with the random word of
+    element index ``offs`` under ``seed``, so the same bits as the torch and numba steps."""
+    if DT == tl.float32:
+        return x
+    h = hash32(offs.to(tl.uint32) * 0x9E3779B9 + seed.to(tl.uint32))
+    finite = tl.abs(x) < float("inf")
+    if DT == tl.bfloat16:
+        b = x.to(tl.uint32, bitcast=True)
+        up = ((b + (h & 0xFFFF)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+        return tl.where(finite & (tl.abs(up) < float("inf")), up, round_bf16(x))
+    near = x.to(tl.float16)
+    back = near.to(tl.float32)
+    diff = x - back
+    hb = near.to(tl.int16, bitcast=True).to(tl.int32)
+    neg = diff < 0
+    away = tl.where((hb & 0x7FFF) == 0, tl.where(neg, -32767, 1), tl.where(neg == (hb < 0), hb + 1, hb - 1))
+    away_f = away.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    prob = tl.div_rn(tl.abs(diff), tl.abs(away_f - back))
+    u = (h >> 8).to(tl.float32) * 5.9604644775390625e-08  # 2**-24
+    take = (u < prob) & (diff != 0) & finite & (tl.abs(away_f) < float("inf")) & (tl.abs(back) < float("inf"))
+    return tl.where(take, away_f, back)
+
+
 @dataclasses.dataclass
 class KernelLaunch:
     """One configuration a launcher can choose: ``kernel[grid](*args, **kwargs)`` without the grid.

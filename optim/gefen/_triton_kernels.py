@@ -55,7 +55,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._triton_common import round_bf16
+from .._triton_common import round_bf16, round_stochastic
 
 TILE = 2048  # elements per program (R blocks x next_pow2(S) lanes); see module docstring
 ELEMS_PER_THREAD = 4  # sets num_warps (see module docstring)
@@ -132,23 +132,26 @@ def _factor_ratio(w_tab, t, offs, mask, S: tl.constexpr, WIDTH: tl.constexpr):
 
 
 @triton.jit
-def _apply(p_ptr, offs, mask, m_hat, denom, decay, neg_step):
-    """p <- p * (1 - lr*wd); p <- p + (-lr/bc1) * m^ / denom (reference order), stored in p's dtype."""
+def _apply(p_ptr, offs, mask, m_hat, denom, decay, neg_step, seed_tab, t, SR: tl.constexpr):
+    """p <- p * (1 - lr*wd); p <- p + (-lr/bc1) * m^ / denom (reference order), stored in p's dtype:
+    rounded to nearest, or with SR (bf16, fp16 p) stochastically with tensor t's seed."""
     p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32) * decay
     p = p + tl.div_rn(neg_step * m_hat, denom)
-    if p_ptr.dtype.element_ty == tl.bfloat16:
+    if SR:
+        p = round_stochastic(p, tl.load(seed_tab + t), offs, p_ptr.dtype.element_ty)
+    elif p_ptr.dtype.element_ty == tl.bfloat16:
         p = round_bf16(p)
     tl.store(p_ptr + offs, p, mask=mask)
 
 
 @triton.jit
 def _gefen_step_kernel(
-    tile_ptr, ptr_tab, numel_tab, cb_ptr, uniq_ptr, mid_ptr, lut_ptr, first_ptr, w_tab,
+    tile_ptr, ptr_tab, numel_tab, cb_ptr, uniq_ptr, mid_ptr, lut_ptr, first_ptr, w_tab, seed_tab,
     w, beta2, omb2, eps, decay, neg_step, sqrt_bc2,
     P_DT: tl.constexpr, G_DT: tl.constexpr, C_DT: tl.constexpr,
     S: tl.constexpr, BLOCK_V: tl.constexpr, QUANT: tl.constexpr, R: tl.constexpr,
     WIDTH: tl.constexpr, NLUT: tl.constexpr, NCMP: tl.constexpr, HAS_DUP: tl.constexpr,
-    ALIGN: tl.constexpr, EXACT: tl.constexpr, FACTOR: tl.constexpr,
+    ALIGN: tl.constexpr, EXACT: tl.constexpr, FACTOR: tl.constexpr, SR: tl.constexpr,
 ):
     """8-bit codes or unquantised m: a tile of R scale blocks x WIDTH (>= S) element lanes.
 
@@ -199,7 +202,7 @@ def _gefen_step_kernel(
         m = tl.load(c_ptr + offs, mask=mask, other=0.0)
         m_hat = _lerp(m, g, w)
         tl.store(c_ptr + offs, m_hat, mask=mask)
-    _apply(p_ptr, offs, mask, m_hat, denom, decay, neg_step)
+    _apply(p_ptr, offs, mask, m_hat, denom, decay, neg_step, seed_tab, t, SR)
 
 
 @triton.jit
@@ -230,12 +233,12 @@ def _half_rows(a0, a1, sub0, sub1, IS_MAX: tl.constexpr):
 # either with the same arguments and constexprs; GROUP replaces QUANT for packed 4-bit codes.
 @triton.jit
 def _gefen_step4_kernel(
-    tile_ptr, ptr_tab, numel_tab, cb_ptr, uniq_ptr, mid_ptr, lut_ptr, first_ptr, w_tab,
+    tile_ptr, ptr_tab, numel_tab, cb_ptr, uniq_ptr, mid_ptr, lut_ptr, first_ptr, w_tab, seed_tab,
     w, beta2, omb2, eps, decay, neg_step, sqrt_bc2,
     P_DT: tl.constexpr, G_DT: tl.constexpr, C_DT: tl.constexpr,
     S: tl.constexpr, BLOCK_V: tl.constexpr, GROUP: tl.constexpr, R: tl.constexpr,
     WIDTH: tl.constexpr, NLUT: tl.constexpr, NCMP: tl.constexpr, HAS_DUP: tl.constexpr,
-    ALIGN: tl.constexpr, EXACT: tl.constexpr, FACTOR: tl.constexpr,
+    ALIGN: tl.constexpr, EXACT: tl.constexpr, FACTOR: tl.constexpr, SR: tl.constexpr,
 ):
     """Packed 4-bit codes: a tile of R rows x WIDTH byte lanes, each byte = elements (2k, 2k+1).
 
@@ -317,4 +320,4 @@ def _gefen_step4_kernel(
     q1 = tl.where(m1, q1, 0)  # odd n: the last high nibble is padding 0
     tl.store(c_ptr + byte, (q0 | (q1 << 4)).to(tl.uint8), mask=m0)
     _apply(p_ptr, fe, me, _unpairs(val0 * s0, val1 * s1, R, WIDTH), _unpairs(d0, d1, R, WIDTH),
-           decay, neg_step)
+           decay, neg_step, seed_tab, t, SR)

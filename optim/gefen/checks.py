@@ -96,7 +96,8 @@ def check_group(group, gi):
         raise ValueError(f"{exc} (Gefen, group {gi})") from None
 
 
-FLAGS = ("share_second_moment", "quantize_first_moment", "factor_second_moment", "maximize")
+FLAGS = ("share_second_moment", "quantize_first_moment", "factor_second_moment", "maximize",
+         "stochastic_rounding")
 
 
 def check_adamw_keywords(*, amsgrad, foreach, capturable, differentiable):
@@ -125,16 +126,24 @@ def check_saved(st, p, group, bits, k):
         step = int(step)
     if not (isinstance(step, int) and 0 <= step < 2**62):
         raise ValueError(f"{where} has step {step!r}; expected a non-negative int")
+    seed = st.get(K.SEED)
+    if torch.is_tensor(seed) and seed.numel() == 1 and not seed.is_floating_point():
+        seed = int(seed)
+    if K.SEED in st:
+        if not (isinstance(seed, int) and 0 <= seed < 2**32):
+            raise ValueError(f"{where} has seed {seed!r}; expected an int in [0, 2**32)")
+        st = dict(st, **{K.SEED: seed})
+    extra = {K.SEED} & set(st)
     if K.BLOCK not in st:  # a tensor that has only seen zero gradients
-        if set(st) != {K.STEP}:
+        if set(st) - extra != {K.STEP}:
             raise ValueError(f"{where} has keys {sorted(st)} but no {K.BLOCK!r}")
-        return {K.STEP: step}
+        return dict(st, **{K.STEP: step})
     if not (isinstance(block, int) and block >= 1 and n % block == 0):
         raise ValueError(f"{where} has block {block!r}, which does not fit its shape ({n} elements); "
                          "the state dict comes from a model with other shapes")
     want = expected_state(n, block, bits, group["quantize_first_moment"],
                           state_dtype(p.dtype, group), group["factor_second_moment"])
-    if set(st) != set(want) | {K.STEP, K.BLOCK}:
+    if set(st) - extra != set(want) | {K.STEP, K.BLOCK}:
         raise ValueError(f"{where} has keys {sorted(st)}, expected "
                          f"{sorted(set(want) | {K.STEP, K.BLOCK})} for this group's "
                          "quantize_first_moment and factor_second_moment settings")

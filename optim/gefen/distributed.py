@@ -145,6 +145,16 @@ def global_histogram(hist_fn, grads: dict, params=()) -> torch.Tensor:
     return part + hist_fn(plain).cpu() if plain else part
 
 
+def shared_seed(seed: int) -> int:
+    """``seed`` from rank 0 where a process group is initialised (collective: every rank calls it
+    at the same step), ``seed`` itself otherwise: replicas must round alike."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        box = [seed]
+        dist.broadcast_object_list(box, src=0)
+        return int(box[0])
+    return seed
+
+
 def is_state_dict_init_step(opt) -> bool:
     """True for the zero-gradient, lr = 0 step that ``torch.distributed.checkpoint.state_dict``
     runs on an optimizer without state (``_init_optim_state``) to make it create its state.
@@ -233,6 +243,8 @@ def _to_distributed_one(p, st, *, quantized, bits, factored=False):
             st[K.M] = torch.zeros(n)
         if factored:
             st[K.W] = torch.zeros(1)
+    if K.SEED in st:
+        out[K.SEED] = int(st[K.SEED])
     block = int(st[K.BLOCK])
     dev = local_shard(p).device
     like = (lambda t: _dtensor_like(p, t)) if is_sharded(p) else (lambda t: t.reshape(p.shape))
@@ -354,6 +366,8 @@ def _from_distributed_one(p, st, *, codebook, bits, name):
     dev = local_shard(p).device
     n = local_shard(p).numel()
     out = {K.STEP: int(st[K.STEP]), K.BLOCK: block}
+    if K.SEED in st:
+        out[K.SEED] = int(st[K.SEED])
     out[K.V] = _local_rows_of(st[K.V], p, r0, r1)[::block].float().to(dev).clone()
     if K.W in st:  # mean over the blocks in float64: exact where all blocks hold the same w
         w = _local_rows_of(st[K.W], p, r0, r1).double().view(-1, block).mean(dim=0)

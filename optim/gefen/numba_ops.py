@@ -23,8 +23,9 @@ from .._cache import BoundedCache
 from .._threads import numba_threads
 from . import torch_ops
 from .checks import check_factors, check_launch, data_fallback
+from .._rounding import STOCHASTIC_DTYPES, round_stochastic
 from .codebook import code_table
-from .reference import scale_block_length
+from .reference import factor_ratio, scale_block_length
 
 _JOB_ELEMENTS = 1 << 15  # elements per parallel job (whole scale blocks)
 _JOBS = BoundedCache(256)  # job tables per layout
@@ -88,13 +89,16 @@ def _addresses(ps, gs, vs, scales, codes) -> Addresses:
 
 @torch.no_grad()
 def gefen_step_(ps, gs, vs, scales, codes, codebook, *, step, lr, beta1, beta2, eps,
-                weight_decay, block, bits, tables=None, ws=None):
+                weight_decay, block, bits, tables=None, ws=None, seeds=None):
     """:func:`optim.gefen.torch_ops.gefen_step_` compiled for CPU tensors (see module doc).
 
     One kernel call for the whole list, runs of scale blocks in parallel on
     ``torch.get_num_threads()`` numba threads (the same results at any thread count). A factored
     second moment (``ws``) adds one pass over the gradients before it (``factor_kernel``).
     ``codebook=None``: the first moment is unquantised, fp32 ``m`` in ``codes``; ``scales`` unused.
+    Parameters or gradients that are not contiguous fp32 (bf16, fp16) are stepped a piece at a
+    time (``torch_ops.pieces``) on fp32 copies of the piece, written back rounded to nearest or,
+    with ``seeds`` (one per tensor, ``optim._rounding``), stochastically.
     """
     quant = codebook is not None
     if quant and tables is None:
@@ -102,7 +106,7 @@ def gefen_step_(ps, gs, vs, scales, codes, codebook, *, step, lr, beta1, beta2, 
     if data_fallback("numba", block=block, bits=bits, quant=quant, tables=tables) is not None:
         return torch_ops.gefen_step_(ps, gs, vs, scales, codes, codebook, step=step, lr=lr,
                                      beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
-                                     block=block, bits=bits, tables=tables, ws=ws)
+                                     block=block, bits=bits, tables=tables, ws=ws, seeds=seeds)
     from ._numba_kernels import factor_kernel, kernel
 
     f32 = np.float32
@@ -110,6 +114,9 @@ def gefen_step_(ps, gs, vs, scales, codes, codebook, *, step, lr, beta1, beta2, 
     hyper = (f32(1 - beta1), f32(beta2), f32(1 - beta2), f32(1 - lr * weight_decay),
              f32(-lr / (1 - beta1**step)), f32((1 - beta2**step) ** 0.5), f32(eps))
     check_launch(ps, gs, vs, scales, codes, block=block, bits=bits, quant=quant)
+    if not all(t.dtype == torch.float32 and t.is_contiguous() for t in (*ps, *gs)):
+        return _step_pieces(ps, gs, vs, scales, codes, tables, S=S, hyper=hyper, block=block, bits=bits,
+                            quant=quant, ws=ws, seeds=seeds, beta2=beta2)
     addr = _addresses(ps, gs, vs, scales, codes)
     jobs = _jobs(tuple(addr.meta[:, 5].tolist()), S, bits if quant else 8)
     parallel = numba_threads() > 1
@@ -126,6 +133,45 @@ def gefen_step_(ps, gs, vs, scales, codes, codebook, *, step, lr, beta1, beta2, 
             lut_scale, block, S, *hyper)
     for p, pw in addr.write_back:
         p.copy_(pw.view_as(p))
+
+
+def _step_pieces(ps, gs, vs, scales, codes, tables, *, S, hyper, block, bits, quant, ws, seeds, beta2):
+    """The step of a call with bf16, fp16 or strided parameters or gradients: a piece at a time
+    (``torch_ops.pieces``), so the fp32 copies stay a piece long; the factor ``w`` is updated over
+    whole gradients first (``torch_ops.factor_update_``)."""
+    from ._numba_kernels import kernel
+
+    ratio = None
+    if ws is not None:
+        torch_ops.factor_update_(ws, gs, block=block, beta2=beta2)
+        if block > 1:
+            ratio = np.stack([factor_ratio(w).sqrt().cpu().numpy() for w in ws]).astype(np.float32)
+    numels = [p.numel() for p in ps]
+    parallel = numba_threads() > 1
+    step_fn = kernel(bits, block == 1, parallel=parallel, factored=ratio is not None, quant=quant)
+    luts, lut_scale = (_luts(tables), np.float32(tables.scale)) if quant else (_NO_LUTS, np.float32(1.0))
+    W = S // block
+    for piece in torch_ops.pieces(numels, S, bits if quant else 8, min(p.element_size() for p in ps)):
+        sel = [(t, rows, numels[t]) for t, rows in piece]
+        part_p = [torch_ops.slice_rows(ps[t], r, S, n) for t, r, n in sel]
+        addr = _addresses(part_p, [torch_ops.slice_rows(gs[t], r, S, n) for t, r, n in sel],
+                          [torch_ops.slice_rows(vs[t], r, W) for t, r, _ in sel],
+                          [torch_ops.slice_rows(scales[t], r, 1) if quant else scales[t] for t, r, _ in sel],
+                          [torch_ops.code_slice(codes[t], r, S, n, bits if quant else 8) for t, r, n in sel])
+        jobs = _jobs(tuple(addr.meta[:, 5].tolist()), S, bits if quant else 8)
+        rat = _NO_RATIO if ratio is None else np.ascontiguousarray(ratio[[t for t, _, _ in sel]])
+        step_fn(addr.meta, jobs, rat, luts.codebook, luts.bounds, luts.lut_code, luts.lut_bound, luts.lut_values,
+                lut_scale, block, S, *hyper)
+        for (t, r, _), (p, pw) in zip(sel, _written(part_p, addr)):
+            if seeds is not None and p.dtype in STOCHASTIC_DTYPES:
+                pw = round_stochastic(pw, p.dtype, seeds[t], r.start * S)
+            p.copy_(pw.view_as(p))
+
+
+def _written(ps, addr):
+    """(parameter, its fp32 working copy after the kernel) of each parameter of a call."""
+    copies = dict((id(p), pw) for p, pw in addr.write_back)
+    return [(p, copies.get(id(p), p)) for p in ps]
 
 
 def _luts(tables) -> KernelLuts:

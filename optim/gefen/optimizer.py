@@ -9,6 +9,7 @@ from typing import NamedTuple
 import torch
 
 from .._checks import check_option
+from .._rounding import STOCHASTIC_DTYPES, step_seed
 from ..backends import BACKENDS, choose_backend
 from . import distributed as _dist, state as K
 from .checks import (backend_refusal, check_adamw_keywords, check_group, check_saved, data_fallback,
@@ -75,7 +76,7 @@ class Gefen(torch.optim.Optimizer):
     Args:
         params: parameters or param groups (dicts); groups may set ``lr``, ``betas``, ``eps``,
             ``weight_decay``, ``share_second_moment``, ``quantize_first_moment``,
-            ``factor_second_moment``.
+            ``factor_second_moment``, ``stochastic_rounding``.
         lr: learning rate. (Default: 1e-3)
         betas: coefficients of the first and second moment averages. (Default: (0.9, 0.999))
         eps: added to the denominator. (Default: 1e-8)
@@ -108,6 +109,15 @@ class Gefen(torch.optim.Optimizer):
         factor_second_moment: scale each block's second moment per offset inside the block,
             blocks kept inside matrix rows (above; ``reference.py``). False is the published
             algorithm. (Default: False)
+        stochastic_rounding: write bf16 and fp16 parameters rounded stochastically (up with the
+            probability of the fraction of the gap, so exact in expectation) instead of to nearest,
+            so updates under half a unit in the last place still move a low-precision weight on
+            average: the way to train with bf16 weights and no fp32 master copy. The random bits
+            are a hash of each parameter's seed (``state.SEED``, drawn from torch's default
+            generator at the parameter's first step, saved in the state dict), its step and
+            the element (``optim._rounding``): runs repeat given ``torch.manual_seed``, and the
+            torch, numba and Triton steps draw the same bits. fp32 parameters are not affected.
+            (Default: False)
         maximize: maximize the objective (each step is that of -g), as AdamW's. (Default: False)
         amsgrad, foreach, capturable, differentiable: AdamW's keywords, taken at AdamW's defaults so
             that a configuration written for AdamW runs unchanged; ``foreach`` may be anything (it
@@ -121,7 +131,8 @@ class Gefen(torch.optim.Optimizer):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, bits=8,
                  share_second_moment=True, quantize_first_moment=True, backend="auto",
-                 block_rule="adjacent_log", *, factor_second_moment=False, maximize=False, fused=None,
+                 block_rule="adjacent_log", *, factor_second_moment=False, stochastic_rounding=False,
+                 maximize=False, fused=None,
                  verbose=False, amsgrad=False, foreach=None, capturable=False, differentiable=False):
         check_option("bits", bits, (8, 4), "8 or 4 (an int)")
         check_option("block_rule", block_rule, RULES, f"one of {RULES}")
@@ -142,11 +153,13 @@ class Gefen(torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                         share_second_moment=share_second_moment,
                         quantize_first_moment=quantize_first_moment,
-                        factor_second_moment=factor_second_moment, maximize=maximize,
+                        factor_second_moment=factor_second_moment,
+                        stochastic_rounding=stochastic_rounding, maximize=maximize,
                         bits=bits, backend=self.backend, block_rule=block_rule)
         super().__init__(params, defaults)
         self.codebook = None
         self._tables = None
+        self._seed = None  # the optimizer's stochastic-rounding seed, drawn at its first use
 
     def __getstate__(self):
         # torch's keeps only defaults, state and groups; the codebook and settings travel too
@@ -158,14 +171,17 @@ class Gefen(torch.optim.Optimizer):
     def __setstate__(self, state):
         super().__setstate__(state)
         self.__dict__.setdefault("_tables", None)
+        self.__dict__.setdefault("_seed", None)
         for group in self.param_groups:  # pickled before a keyword existed: its old meaning
             group.setdefault("factor_second_moment", False)
             group.setdefault("maximize", False)
+            group.setdefault("stochastic_rounding", False)
             for key in OPTIMIZER_WIDE:
                 group.setdefault(key, self.__dict__[key])
         for key in OPTIMIZER_WIDE:
             self.defaults.setdefault(key, self.__dict__[key])
         self.defaults.setdefault("maximize", False)
+        self.defaults.setdefault("stochastic_rounding", False)
         if "_backends" not in self.__dict__:  # unpickled or copied (load_state_dict keeps them)
             self._backends = {p: self._resolve(p, group, gi, pi) for gi, group in enumerate(self.param_groups)
                               for pi, p in enumerate(group["params"])}
@@ -318,7 +334,8 @@ class Gefen(torch.optim.Optimizer):
         or inf is refused: blocks and codebook would be chosen from it for good.
         """
         g = _local(p.grad)
-        amax = float(torch.linalg.vector_norm(g.detach(), float("inf")))  # NaN if any is NaN; no copy
+        lo, hi = g.detach().aminmax()  # NaN if any is NaN; no copy of g
+        amax = abs(float(lo)) + abs(float(hi))  # 0 exactly when g is; inf or NaN when one is
         if not math.isfinite(amax):
             raise ValueError(
                 f"Gefen: the first gradient of parameter {pi} of group {gi} (shape "
@@ -411,6 +428,7 @@ class Gefen(torch.optim.Optimizer):
                 if self.codebook.device != dev:
                     self.set_codebook(self.codebook.to(dev))
                 codebook, tables = self.codebook, self._nearest_tables()
+            seeds = self._rounding_seeds(group, pg, sts, step)
             step_fn = _step_function(self._path(backend, group, block))
             step_fn(
                 [_local(p) for p, _ in pg], [_local(g) for _, g in pg], [s[K.V] for s in sts],
@@ -418,7 +436,23 @@ class Gefen(torch.optim.Optimizer):
                 [s[K.CODES] if quant else s[K.M] for s in sts], codebook, tables=tables,
                 step=step, lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
                 weight_decay=group["weight_decay"], block=block, bits=self.bits,
-                ws=[s[K.W] for s in sts] if factored else None)
+                ws=[s[K.W] for s in sts] if factored else None, seeds=seeds)
+
+    # ------------------------------------------------------------------- stochastic rounding
+    def _rounding_seeds(self, group, pg, sts, step):
+        """The 32-bit seed of this step for each parameter of a bucket (``optim._rounding``), or
+        None where the group rounds to nearest or no parameter is bf16 or fp16. Each parameter's
+        seed is drawn once (``state.SEED``), from the optimizer's, which is drawn from torch's
+        default generator at its first use, the same on every rank."""
+        if not group["stochastic_rounding"] or not any(_local(p).dtype in STOCHASTIC_DTYPES for p, _ in pg):
+            return None
+        for (p, _), st in zip(pg, sts):
+            if K.SEED not in st:
+                if self._seed is None:
+                    self._seed = _dist.shared_seed(int(torch.randint(0, 2**31, (1,)).item()))
+                index = next(i for i, q in enumerate(q for g in self.param_groups for q in g["params"]) if q is p)
+                st[K.SEED] = step_seed(self._seed, index, 0)
+        return [step_seed(st[K.SEED], 0, step) for st in sts]
 
     # --------------------------------------------------------------------------- state dict
     def state_dict(self):
@@ -470,7 +504,7 @@ class Gefen(torch.optim.Optimizer):
                              f"this optimizer has bits={self.bits}; construct it with bits={bits}")
         # A keyword a dict was saved before is at its old meaning (the published rule, minimizing);
         # the optimizer-wide options stay this optimizer's.
-        sd["param_groups"] = [{"factor_second_moment": False, "maximize": False, **g,
+        sd["param_groups"] = [{"factor_second_moment": False, "maximize": False, "stochastic_rounding": False, **g,
                                **{k: self.defaults[k] for k in OPTIMIZER_WIDE}}
                               for g in sd["param_groups"]]
         saved = dict(sd.get("state", {}))

@@ -78,7 +78,7 @@ def _candidates(n: int) -> list:
     return [d for d in divisors(n) if n // d >= MIN_BLOCKS]
 
 
-CHUNK = 1 << 16  # elements of log-squared gradient held at once while scoring
+CHUNK = 1 << 16  # most elements of log-squared gradient held at once while scoring (see _chunk_length)
 
 
 def _logs(part: torch.Tensor) -> torch.Tensor:
@@ -88,9 +88,16 @@ def _logs(part: torch.Tensor) -> torch.Tensor:
 
 
 def _chunk_length(n: int, cands: list) -> int:
-    """The divisor of n up to ``CHUNK`` that the most candidates divide (the longest of those)."""
-    best = max((d for d in divisors(n) if d <= CHUNK), key=lambda d: (sum(d % p == 0 for p in cands), d))
-    return best
+    """The divisor of n up to ``chunk_limit(n)`` that the most candidates divide (the longest of those)."""
+    limit = chunk_limit(n)
+    return max((d for d in divisors(n) if d <= limit), key=lambda d: (sum(d % p == 0 for p in cands), d))
+
+
+def chunk_limit(n: int) -> int:
+    """Elements scored at once for an n-element tensor: ``CHUNK``, or n / 64 for a smaller tensor,
+    so the scoring's temporaries (about 60 bytes an element of a chunk) stay under the bytes of the
+    gradient itself, bf16 included."""
+    return max(256, min(CHUNK, n // 64))
 
 
 def _block_sums(flat: torch.Tensor, cands: list, squares: bool):
@@ -115,23 +122,24 @@ def _block_sums(flat: torch.Tensor, cands: list, squares: bool):
             for p in shared:
                 base = max((d for d in done if p % d == 0), default=None)
                 prev = src if base is None else done[base]
-                done[p] = prev.view(-1, p // (base or 1)).sum(dim=1)
+                done[p] = prev if p == (base or 1) else prev.view(-1, p // (base or 1)).sum(dim=1)
             for p in shared:
                 out.setdefault(p, [None, None])[which] = done[p]
         yield out
     for p in cands:
         if p in shared:
             continue
-        if p <= CHUNK:
-            step = p * max(1, CHUNK // p)
+        limit = chunk_limit(n)
+        if p <= limit:
+            step = p * max(1, limit // p)
             for a in range(0, n, step):
                 x = _logs(flat[a:a + step])
                 yield {p: [x.view(-1, p).sum(dim=1), (x * x).view(-1, p).sum(dim=1) if squares else None]}
             continue
         s1 = torch.zeros(n // p, dtype=torch.float64, device=flat.device)
         s2 = torch.zeros_like(s1) if squares else None
-        for a in range(0, n, CHUNK):  # at most two blocks meet in a chunk (p > CHUNK)
-            x = _logs(flat[a:a + CHUNK])
+        for a in range(0, n, limit):  # at most two blocks meet in a chunk (p > limit)
+            x = _logs(flat[a:a + limit])
             lo, end = a, a + x.numel()
             while lo < end:
                 b = lo // p

@@ -9,6 +9,8 @@ Per parameter (``optimizer.state[p]``; layout and shapes in ``reference.py``'s d
     CODES   uint8 (numel,) at 8 bits, (ceil(numel / 2),) at 4 bits (quantised groups)
     M       fp32 (numel,), the unquantised first moment (groups with quantize_first_moment=False)
     W       fp32 (P,), per-offset factor of the second moment (groups with factor_second_moment=True)
+    SEED    int, the seed of stochastic rounding (groups with stochastic_rounding=True), drawn
+            from torch's default generator (broadcast from rank 0 under torch.distributed)
 
 Optimizer-wide (top-level keys of ``Gefen.state_dict()``)::
 
@@ -23,6 +25,7 @@ SCALES = "scales"
 CODES = "codes"
 M = "m"
 W = "w"
+SEED = "seed"
 
 CODEBOOK = "codebook"
 BITS = "bits"

@@ -50,16 +50,17 @@ class Piece(NamedTuple):
     rows: range
 
 
-def pieces(numels, S: int, bits: int, limit: int = PIECE_ELEMENTS):
+def pieces(numels, S: int, bits: int, element_size: int = 4, limit: int = PIECE_ELEMENTS):
     """The call's tensors cut into lists of ``Piece`` of at most about ``limit`` elements each.
 
     Whole small tensors are packed together (one row reduction serves many tensors); a tensor
     of more rows is cut into row ranges, so the step's temporaries (about 50 bytes an element)
-    stay about ``limit`` elements long however large the tensor. ``limit`` shrinks to a sixteenth
-    of the largest tensor for small models, so the temporaries stay under that tensor's bytes.
-    With 4-bit codes and odd ``S`` a cut falls on an even row (two codes share a byte).
+    stay about ``limit`` elements long however large the tensor. On small models ``limit`` shrinks
+    to the largest tensor's bytes (``element_size`` bytes an element) / 128, so the temporaries
+    (stochastic rounding's included) stay under that tensor's bytes. With 4-bit codes and odd
+    ``S`` a cut falls on an even row (two codes share a byte).
     """
-    limit = max(S, min(limit, max(numels, default=0) // 16))
+    limit = piece_limit(numels, S, element_size, limit)
     step = max(1, limit // S)
     if bits == 4 and S % 2 and step % 2:
         step += 1
@@ -80,13 +81,23 @@ def pieces(numels, S: int, bits: int, limit: int = PIECE_ELEMENTS):
     return out
 
 
-def _slice(x: torch.Tensor, rows: range, width: int, numel: int | None = None) -> torch.Tensor:
+def piece_limit(numels, width: int, element_size: int = 4, limit: int = PIECE_ELEMENTS) -> int:
+    """Elements of one piece (at least ``width``): ``limit``, or the largest tensor's bytes / 128."""
+    return max(width, min(limit, max(numels, default=0) * element_size // 128))
+
+
+def _element_size(ts) -> int:
+    """Bytes an element of the tensors of a call (the smallest, for a mixed call)."""
+    return min((t.element_size() for t in ts), default=4)
+
+
+def slice_rows(x: torch.Tensor, rows: range, width: int, numel: int | None = None) -> torch.Tensor:
     """Elements ``rows.start * width .. rows.stop * width`` of flat ``x`` (clipped to ``numel``)."""
     end = rows.stop * width if numel is None else min(rows.stop * width, numel)
     return x.reshape(-1)[rows.start * width:end]
 
 
-def _code_slice(c: torch.Tensor, rows: range, S: int, numel: int, bits: int) -> torch.Tensor:
+def code_slice(c: torch.Tensor, rows: range, S: int, numel: int, bits: int) -> torch.Tensor:
     """The codes (or unquantised m) of elements of ``rows``; at 4 bits two a byte (even start)."""
     a, b = rows.start * S, min(rows.stop * S, numel)
     return c[a // 2:(b + 1) // 2] if bits == 4 else c[a:b]
@@ -96,10 +107,11 @@ def _code_slice(c: torch.Tensor, rows: range, S: int, numel: int, bits: int) -> 
 def factor_update_(ws, gs, *, block, beta2):
     """``reference.factor_update`` in place on each (w, g): the factored steps' first pass, over
     pieces of ``PIECE_ELEMENTS`` (whole blocks) of each gradient."""
+    limit = piece_limit([g.numel() for g in gs], block, _element_size(gs))
     for w, g in zip(ws, gs):
         flat = g.detach().reshape(-1)
         rows = flat.numel() // block
-        step = max(1, PIECE_ELEMENTS // block)
+        step = max(1, limit // block)
         total = torch.zeros(block, dtype=torch.float32, device=w.device)
         for a in range(0, rows, step):
             part = flat[a * block:min(a + step, rows) * block].float()
@@ -129,13 +141,13 @@ def gefen_step_(ps, gs, vs, scales, codes, codebook, *, step, lr, beta1, beta2, 
     S = scale_block_length(block)
     W = S // block
     numels = [p.numel() for p in ps]
-    for piece in pieces(numels, S, bits if codebook is not None else 8):
+    for piece in pieces(numels, S, bits if codebook is not None else 8, _element_size(ps)):
         sel = [(t, rows, numels[t]) for t, rows in piece]
         _step_rows(
-            [_slice(ps[t], r, S, n) for t, r, n in sel], [_slice(gs[t], r, S, n) for t, r, n in sel],
-            [_slice(vs[t], r, W) for t, r, _ in sel],
-            [_slice(scales[t], r, 1) for t, r, _ in sel] if codebook is not None else None,
-            [_code_slice(codes[t], r, S, n, bits if codebook is not None else 8) for t, r, n in sel],
+            [slice_rows(ps[t], r, S, n) for t, r, n in sel], [slice_rows(gs[t], r, S, n) for t, r, n in sel],
+            [slice_rows(vs[t], r, W) for t, r, _ in sel],
+            [slice_rows(scales[t], r, 1) for t, r, _ in sel] if codebook is not None else None,
+            [code_slice(codes[t], r, S, n, bits if codebook is not None else 8) for t, r, n in sel],
             codebook, tables, None if ratios is None else [ratios[t] for t, _, _ in sel],
             None if seeds is None else [(seeds[t], r.start * S) for t, r, _ in sel],
             step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
@@ -209,8 +221,8 @@ def histogram(gs, *, block: int, bins: int = HIST_BINS) -> torch.Tensor:
     S = scale_block_length(block)
     numels = [g.numel() for g in gs]
     counts = torch.zeros(bins, dtype=torch.int64)
-    for piece in pieces(numels, S, 8):
-        part = [_slice(gs[t], rows, S, numels[t]) for t, rows in piece]
+    for piece in pieces(numels, S, 8, _element_size(gs)):
+        part = [slice_rows(gs[t], rows, S, numels[t]) for t, rows in piece]
         G = _rows([g.reshape(-1).float() for g in part], S)
         s = G.abs().amax(dim=1, keepdim=True)
         q = torch.where(s > 0, G / s, torch.zeros_like(G))

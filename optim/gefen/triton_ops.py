@@ -138,7 +138,7 @@ def tile_row_lanes(block: int, bits: int, quant: bool) -> int:
     return s_len if s_len % 2 else s_len // 2
 
 
-def step_plan(*, block, bits, quant, p_dtype, g_dtype, align, exact, factor=False, tile=TILE,
+def step_plan(*, block, bits, quant, p_dtype, g_dtype, align, exact, factor=False, sr=False, tile=TILE,
               num_warps=None) -> StepPlan:
     """The kernel, constexprs and warps of one launch: the launcher's only choice. A tile is R
     whole tile rows of WIDTH = next_pow2(lanes) lanes, R*WIDTH ~ ``tile`` elements (bytes for
@@ -164,14 +164,14 @@ def step_plan(*, block, bits, quant, p_dtype, g_dtype, align, exact, factor=Fals
     warps = num_warps or max(1, min(most, rr * width * (2 if four else 1) // (32 * per_thread)))
     const = dict(P_DT=_TL_DTYPES[p_dtype], G_DT=_TL_DTYPES[g_dtype], C_DT=tl.uint8 if quant else tl.float32,
                  S=s_len, BLOCK_V=1 if block == 1 else s_len, R=rr, WIDTH=width, ALIGN=align,
-                 EXACT=exact, FACTOR=factor, num_warps=warps)
+                 EXACT=exact, FACTOR=factor, SR=bool(sr) and p_dtype != torch.float32, num_warps=warps)
     if warps > 16:
         const["maxnreg"] = 64
     const.update({"GROUP": group} if four else {"QUANT": quant})
     return StepPlan(_gefen_step4_kernel if four else _gefen_step_kernel, const, lanes)
 
 
-def _launch_plan(rows, *, block, bits, quant, tile, num_warps, ws=None) -> list:
+def _launch_plan(rows, *, block, bits, quant, tile, num_warps, ws=None, sr=False) -> list:
     """The ``Launch`` es of ``rows`` (``_Row`` s: flat, contiguous, validated): one per kind of
     tensor. Tables are built on the host and copied to the device once per set of tensors (see
     ``gefen_step_``'s plan cache)."""
@@ -187,7 +187,7 @@ def _launch_plan(rows, *, block, bits, quant, tile, num_warps, ws=None) -> list:
     launches = []
     for (device, pdt, gdt, align, exact), rs in by_kind.items():
         plan = step_plan(block=block, bits=bits, quant=quant, p_dtype=pdt, g_dtype=gdt, align=align,
-                         exact=exact, factor=ws is not None, tile=tile, num_warps=num_warps)
+                         exact=exact, factor=ws is not None, sr=sr, tile=tile, num_warps=num_warps)
         R = plan.constexprs["R"]
         numels = [r.p.numel() for r in rs]
         trows = [-(-(num_code_bytes(n, 4) if four else n) // plan.lanes) for n in numels]
@@ -205,13 +205,15 @@ def _launch_plan(rows, *, block, bits, quant, tile, num_warps, ws=None) -> list:
     return launches
 
 
-def _kernel_args(tiles, ptrs, numel_tab, tabs, w_tab, *, step, lr, beta1, beta2, eps, weight_decay):
+def _kernel_args(tiles, ptrs, numel_tab, tabs, w_tab, *, step, lr, beta1, beta2, eps, weight_decay,
+                 seed_tab=None):
     """(args, table constexprs) of one launch; ``tabs``: ``DeviceTables``, None unquantised;
-    ``w_tab``: the factor pointer table (any int64 tensor when FACTOR is off: unused)."""
+    ``w_tab``: the factor pointer table (any int64 tensor when FACTOR is off: unused);
+    ``seed_tab``: int64 stochastic-rounding seed of each tensor (unused, None, when SR is off)."""
     if tabs is None:
         tabs = DeviceTables(*[numel_tab] * 5, ncmp=0, has_dup=False, nlut=1)  # unused pointers
     args = (tiles, ptrs, numel_tab, tabs.codebook, tabs.uniq, tabs.mid, tabs.lut, tabs.first, w_tab,
-            1 - beta1, beta2, 1 - beta2, eps, 1 - lr * weight_decay, -lr / (1 - beta1**step),
+            numel_tab if seed_tab is None else seed_tab, 1 - beta1, beta2, 1 - beta2, eps, 1 - lr * weight_decay, -lr / (1 - beta1**step),
             math.sqrt(1 - beta2**step))
     return args, dict(NLUT=tabs.nlut, NCMP=tabs.ncmp, HAS_DUP=tabs.has_dup, enable_fp_fusion=False)
 
@@ -294,12 +296,12 @@ def _validate(ps, gs, vs, ss, cs, *, block, bits, quant):
     return rows, copies
 
 
-def _plan(ps, gs, vs, ss, cs, *, block, bits, quant, tile, num_warps, ws=None):
+def _plan(ps, gs, vs, ss, cs, *, block, bits, quant, tile, num_warps, ws=None, sr=False):
     """(cached or new ``_Plan``, contiguous copies of parameters to write back); (None, []) when
     every tensor is empty."""
     # state tensors by address, size, dtype and layout: a view at a cached address (another
     # dtype, a shorter slice) is validated again, never launched on a plan made for another
-    key = (block, bits, quant, tile, num_warps, tuple(map(_DATA_PTR, ps)), tuple(map(_NUMEL, ps)),
+    key = (block, bits, quant, tile, num_warps, sr, tuple(map(_DATA_PTR, ps)), tuple(map(_NUMEL, ps)),
            tuple(p.dtype for p in ps), tuple(map(_state_key, vs)), tuple(map(_state_key, cs)),
            tuple(map(_state_key, ss)) if quant else None,
            tuple(map(_state_key, ws)) if ws is not None else None)
@@ -312,14 +314,14 @@ def _plan(ps, gs, vs, ss, cs, *, block, bits, quant, tile, num_warps, ws=None):
     if not rows:
         return None, []
     plan = _Plan(_launch_plan(rows, block=block, bits=bits, quant=quant, tile=tile,
-                              num_warps=num_warps, ws=ws), gs)
+                              num_warps=num_warps, ws=ws, sr=sr), gs)
     if not copies:  # a temporary contiguous copy has a new address each call
         _PLAN_CACHE.put(key, plan)
     return plan, copies
 
 
 def gefen_step_(ps, gs, vs, scales, codes, codebook, *, step, lr, beta1, beta2, eps, weight_decay,
-                block, bits, tables=None, tile=TILE, num_warps=None, ws=None):
+                block, bits, tables=None, tile=TILE, num_warps=None, ws=None, seeds=None):
     """One Gefen step in place: the rule and state layout of :func:`optim.gefen.reference.gefen_step`.
 
     ``ps, gs, vs, scales, codes`` are tensors of one parameter, or equal-length lists of them (a
@@ -331,7 +333,9 @@ def gefen_step_(ps, gs, vs, scales, codes, codebook, *, step, lr, beta1, beta2, 
     and ``num_warps`` are tuning knobs for benchmarks. ``ws``: per-offset factors of a factored
     second moment (contiguous fp32, ``block`` floats each), updated in place by a torch pass over
     the gradients before the launch (a reduction over every block of a tensor), then read by the
-    kernel (``FACTOR``). Returns None.
+    kernel (``FACTOR``). ``seeds``: one 32-bit seed per tensor: bf16 and fp16 parameters are then
+    written with stochastic rounding (``optim._rounding``; ``SR``), else rounded to nearest.
+    Returns None.
 
     Host cost: the first call with a set of tensors validates them and builds the launch tables;
     later calls with the same p, v, scales, codes (same addresses, sizes, dtypes) go straight to
@@ -355,7 +359,7 @@ def gefen_step_(ps, gs, vs, scales, codes, codebook, *, step, lr, beta1, beta2, 
         if block == 1:  # r == 1: only w moves
             ws = None
     plan, copies = _plan(ps, gs, vs, ss, cs, block=block, bits=bits, quant=quant, tile=tile,
-                         num_warps=num_warps, ws=ws)
+                         num_warps=num_warps, ws=ws, sr=seeds is not None)
     if plan is None:
         return
     launches = plan.launches
@@ -364,8 +368,12 @@ def gefen_step_(ps, gs, vs, scales, codes, codebook, *, step, lr, beta1, beta2, 
     for ln in launches:
         device = ln.tiles.device
         tabs = _device_tables(tables, device, bits) if quant else None
+        seed_tab = None
+        if ln.constexprs["SR"]:  # the seeds change every step: one small copy a launch
+            seed_tab = torch.tensor([seeds[i] for i in ln.indices], dtype=torch.int64).to(device, non_blocking=True)
         args, table_const = _kernel_args(ln.tiles, ln.ptrs, ln.numels, tabs, ln.factor_ptrs, step=step, lr=lr,
-                                         beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
+                                         beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+                                         seed_tab=seed_tab)
         with torch.cuda.device(device) if device.type == "cuda" else _NO_GUARD:
             ln.kernel[ln.grid](*args, **table_const, **ln.constexprs)
     for pi, pw in copies:
@@ -382,7 +390,7 @@ _BLOCKS = [1] + [b for k in range(1, 11) for b in ((1 << k), (1 << k) - 1) if b 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 _TABLES = [(1, False, 4096), (1, True, 1024), (2, True, 65536), (3, False, 65536)]  # (ncmp, has_dup, nlut)
 _COMMON = dict(block=_BLOCKS, p_dtype=_DTYPES, g_dtype=_DTYPES, align=[True, False], exact=[True, False],
-               factor=[False, True])
+               factor=[False, True], sr=[False, True])
 PLAN_AXES = {
     "8bit": dict(_COMMON, bits=[8], quant=[True], table=_TABLES),
     "4bit": dict(_COMMON, bits=[4], quant=[True], table=_TABLES),
