@@ -382,3 +382,29 @@ def test_distributed_form_round_trip_in_process(bits):
     run(b, pb, 2, start=3)
     for p, q in zip(pa, pb):
         assert_close(q, p, atol=0.0, name=str(tuple(p.shape)))
+
+
+def test_distributed_form_keeps_the_rounding_seed_and_a_provisional_block():
+    """The seed of stochastic rounding and a provisional block (gradients of one magnitude so far)
+    survive the distributed (DCP) form, as the other per-parameter state does."""
+    from optim import Gefen
+    from optim.gefen import distributed as D
+
+    torch.manual_seed(0)
+    pa = [torch.nn.Parameter(torch.randn(64, 48).bfloat16()), torch.nn.Parameter(torch.randn(32, 40))]
+    a = Gefen(pa, lr=1e-2, stochastic_rounding=True, backend="torch")
+    for _ in range(2):
+        pa[0].grad = torch.randn(64, 48).bfloat16()
+        pa[1].grad = 0.25 * (torch.randint(0, 2, (32, 40)) * 2 - 1).float()
+        a.step()
+    assert "seed" in a.state[pa[0]] and a.state[pa[1]].get("provisional") is True
+    sd = a.state_dict()
+    dense = dict(sd, state=dict(sd["state"]))
+    D.to_distributed(dense["state"], pa, [0, 1], [True, True], codebook=a.codebook, bits=8)
+    pb = [torch.nn.Parameter(p.detach().clone()) for p in pa]
+    b = Gefen(pb, lr=1e-2, stochastic_rounding=True, backend="torch")
+    b.load_state_dict(dense)
+    for p, q in zip(pa, pb):
+        assert a.state[p].keys() == b.state[q].keys()
+        for key, val in a.state[p].items():
+            assert torch.equal(val, b.state[q][key]) if torch.is_tensor(val) else val == b.state[q][key], key

@@ -135,3 +135,118 @@ def test_factored_block_is_the_longest_block_inside_one_row(shape):
                 and all((b * d) // row == (b * d + d - 1) // row for b in range(0, n // d, max(1, n // d // 4096)))]
         assert got == max(fits), (shape, p, got)
         assert n % got == 0 and row % got == 0
+
+
+def _numpy_adjacent_log(g):
+    """The default rule restated with whole-tensor numpy reductions (float64 logs of fp32 g**2)."""
+    x = np.log((np.asarray(g, dtype=np.float32) ** 2).astype(np.float64) + 1e-12)
+    n = x.size
+    cands = [p for p in _divs_fast(n) if n // p >= 4]
+    scores = [np.abs(np.diff(x.reshape(-1, p).mean(axis=1))).mean() for p in cands]
+    best = max(((s, p) for i, (p, s) in enumerate(zip(cands, scores))
+                if 0 < i < len(cands) - 1 and p > 8 and s > scores[i - 1] and s > scores[i + 1]), default=None)
+    return 1 if best is None else best[1]
+
+
+def _divs_fast(n):
+    small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+@pytest.mark.parametrize("rows,row_len", [
+    pytest.param(128, 3 * 2**10, id="3x2^17, rows of 3072"),  # candidates 3*2^k do not divide the chunk
+    pytest.param(6, 65537, id="6 rows of a prime 65537"),  # blocks longer than a chunk
+    pytest.param(2**9, 2**10, id="2^19, rows of 1024"),
+])
+def test_default_rule_on_tensors_larger_than_a_scoring_chunk(rows, row_len):
+    """The chunked scoring agrees with whole-tensor reductions where chunks, blocks and candidates
+    fall across each other."""
+    g = torch.randn(rows, row_len) * torch.exp(2 * torch.randn(rows, 1))
+    assert choose_block(g) == cap(_numpy_adjacent_log(g.numpy().reshape(-1)))
+
+
+def cap(p):
+    return max(d for d in _divs_fast(p) if d <= MAX_BLOCK)
+
+
+# ---------------------------------------------------------------- gradients of one magnitude
+def _state_bytes(st):
+    return sum(t.numel() * t.element_size() for t in st.values() if torch.is_tensor(t))
+
+
+@pytest.mark.parametrize("backend", ["torch", "numba"])
+@pytest.mark.parametrize("bits,factored", [(8, False), (4, False), (8, True)])
+def test_a_first_gradient_of_one_magnitude_does_not_fix_block_one(backend, bits, factored):
+    """g = +-c everywhere says nothing about blocks: the state is the cheapest (about 1 B/param at 8
+    bits, not the 5 of per-element v), and the first gradient that varies chooses the block the rule
+    picks from it, with v carried over exactly (one value everywhere until then)."""
+    from optim import Gefen
+
+    w = torch.nn.Parameter(torch.randn(64, 96))
+    opt = Gefen([w], bits=bits, factor_second_moment=factored, backend=backend, betas=(0.9, 0.99))
+    w.grad = 0.5 * (torch.randint(0, 2, (64, 96)) * 2 - 1).float()
+    opt.step()
+    st = opt.state[w]
+    assert st["provisional"] is True
+    assert _state_bytes(st) / w.numel() < bits / 8 + 0.2
+    v0 = float(st["v"][0])
+    assert v0 == pytest.approx(0.01 * 0.25, rel=1e-6)  # (1 - beta2) g**2
+    g = torch.randn(64, 96) * torch.exp(2 * torch.randn(64, 1))
+    w.grad = g.clone()
+    opt.step()
+    st = opt.state[w]
+    want = choose_block(g)
+    if factored:
+        want = factored_block(want, g.shape)
+    assert "provisional" not in st and st["block"] == want
+    expected_v = 0.99 * v0 + 0.01 * (g.reshape(-1, want) ** 2).mean(dim=1)
+    torch.testing.assert_close(st["v"], expected_v, rtol=1e-5, atol=0)
+
+
+def test_gradients_of_one_magnitude_forever_train_as_adamw():
+    """A tensor whose gradients never vary in magnitude keeps its provisional block and is updated
+    as AdamW updates it (shared v is exact for it; unquantised m so the comparison is to rounding)."""
+    from optim import Gefen
+
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(32, 48))
+    ref = torch.nn.Parameter(w.detach().clone())
+    opt = Gefen([w], lr=1e-2, weight_decay=0.1, quantize_first_moment=False, backend="torch")
+    adamw = torch.optim.AdamW([ref], lr=1e-2, weight_decay=0.1)
+    for step in range(10):
+        g = 0.3 * (step + 1) * (torch.randint(0, 2, (32, 48)) * 2 - 1).float()
+        w.grad, ref.grad = g.clone(), g.clone()
+        opt.step()
+        adamw.step()
+    assert opt.state[w]["provisional"] is True and opt.state[w]["block"] > 1
+    torch.testing.assert_close(w.detach(), ref.detach(), rtol=1e-6, atol=1e-6)
+
+
+def test_a_provisional_state_resumes_and_is_checked(tmp_path):
+    from optim import Gefen
+
+    torch.manual_seed(0)
+    grads = [0.5 * (torch.randint(0, 2, (64, 96)) * 2 - 1).float() for _ in range(2)]
+    grads += [torch.randn(64, 96) * torch.exp(torch.randn(64, 1)) for _ in range(2)]
+    w = torch.nn.Parameter(torch.randn(64, 96))
+    w2 = torch.nn.Parameter(w.detach().clone())
+    opt = Gefen([w], backend="torch")
+    for g in grads:
+        w.grad = g.clone()
+        opt.step()
+    opt2 = Gefen([w2], backend="torch")
+    for g in grads[:2]:
+        w2.grad = g.clone()
+        opt2.step()
+    torch.save(opt2.state_dict(), tmp_path / "sd.pt")
+    sd = torch.load(tmp_path / "sd.pt", weights_only=True)
+    assert sd["state"][0]["provisional"] is True
+    opt3 = Gefen([w2], backend="torch")
+    opt3.load_state_dict(sd)
+    for g in grads[2:]:
+        w2.grad = g.clone()
+        opt3.step()
+    assert torch.equal(w.detach(), w2.detach())
+    bad = dict(sd, state={0: dict(sd["state"][0], provisional="yes")})
+    with pytest.raises(ValueError, match="provisional"):
+        Gefen([w2], backend="torch").load_state_dict(bad)

@@ -133,7 +133,12 @@ def check_saved(st, p, group, bits, k):
         if not (isinstance(seed, int) and 0 <= seed < 2**32):
             raise ValueError(f"{where} has seed {seed!r}; expected an int in [0, 2**32)")
         st = dict(st, **{K.SEED: seed})
-    extra = {K.SEED} & set(st)
+    if K.PROVISIONAL in st:
+        if st[K.PROVISIONAL] is not True:
+            raise ValueError(f"{where} has {K.PROVISIONAL!r} = {st[K.PROVISIONAL]!r}; expected True (or no key)")
+        if K.BLOCK not in st:
+            raise ValueError(f"{where} has {K.PROVISIONAL!r} but no {K.BLOCK!r}")
+    extra = {K.SEED, K.PROVISIONAL} & set(st)
     if K.BLOCK not in st:  # a tensor that has only seen zero gradients
         if set(st) - extra != {K.STEP}:
             raise ValueError(f"{where} has keys {sorted(st)} but no {K.BLOCK!r}")

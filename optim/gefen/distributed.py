@@ -31,6 +31,8 @@ the group:
       codebook  fp32 (2**bits,), the same on every rank, zeros before the first step
               (``get_optimizer_state_dict`` keeps only per-parameter state, so the model-wide
               codebook travels with each parameter of a quantised group)
+      seed, provisional  ints: the stochastic-rounding seed (-1: none) and 1 while the block
+              length is provisional (``state.py``); in every entry, a fresh one's included
 
   That is 9 bytes per element in the checkpoint (8 with an unquantised first moment; 4 more with
   a factored second moment) against about 1 in memory: the price of a checkpoint that reshards
@@ -243,8 +245,10 @@ def _to_distributed_one(p, st, *, quantized, bits, factored=False):
             st[K.M] = torch.zeros(n)
         if factored:
             st[K.W] = torch.zeros(1)
-    if K.SEED in st:
-        out[K.SEED] = int(st[K.SEED])
+    # always both keys (a template made before any step included), so torch.distributed.checkpoint
+    # finds in a fresh optimizer every key a checkpoint holds: -1 is no seed, 0 not provisional
+    out[K.SEED] = int(st.get(K.SEED, -1))
+    out[K.PROVISIONAL] = int(bool(st.get(K.PROVISIONAL, False)))
     block = int(st[K.BLOCK])
     dev = local_shard(p).device
     like = (lambda t: _dtensor_like(p, t)) if is_sharded(p) else (lambda t: t.reshape(p.shape))
@@ -366,8 +370,10 @@ def _from_distributed_one(p, st, *, codebook, bits, name):
     dev = local_shard(p).device
     n = local_shard(p).numel()
     out = {K.STEP: int(st[K.STEP]), K.BLOCK: block}
-    if K.SEED in st:
+    if int(st.get(K.SEED, -1)) >= 0:
         out[K.SEED] = int(st[K.SEED])
+    if int(st.get(K.PROVISIONAL, 0)):
+        out[K.PROVISIONAL] = True
     out[K.V] = _local_rows_of(st[K.V], p, r0, r1)[::block].float().to(dev).clone()
     if K.W in st:  # mean over the blocks in float64: exact where all blocks hold the same w
         w = _local_rows_of(st[K.W], p, r0, r1).double().view(-1, block).mean(dim=0)

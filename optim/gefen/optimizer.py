@@ -15,9 +15,9 @@ from . import distributed as _dist, state as K
 from .checks import (backend_refusal, check_adamw_keywords, check_group, check_saved, data_fallback,
                      state_dtype)
 from .codebook import HIST_BINS, code_table
-from .partition import RULES, choose_block, factored_block
+from .partition import RULES, choose_block, constant_magnitude, factored_block, provisional_block
 from .reference import num_code_bytes, num_scales
-from .torch_ops import histogram
+from .torch_ops import histogram, requantize_
 
 
 def _step_function(backend: str):
@@ -305,12 +305,17 @@ class Gefen(torch.optim.Optimizer):
         return self._tables
 
     # -------------------------------------------------------------------------------- state
+    def _choose_block(self, g, group, provisional=False) -> int:
+        if not group["share_second_moment"]:
+            return 1
+        block = provisional_block(g.numel()) if provisional else choose_block(g, self.block_rule)
+        return factored_block(block, g.shape) if group["factor_second_moment"] else block
+
     def _init_state(self, p, grad, group):
         g = _local(grad)
         n = g.numel()
-        block = choose_block(g, self.block_rule) if group["share_second_moment"] else 1
-        if group["factor_second_moment"]:
-            block = factored_block(block, g.shape)
+        provisional = group["share_second_moment"] and constant_magnitude(g)
+        block = self._choose_block(g, group, provisional)
         st = self.state[p]
         dev = g.device
         st[K.STEP] = st.get(K.STEP, 0)  # steps with all-zero gradients before this one
@@ -324,6 +329,27 @@ class Gefen(torch.optim.Optimizer):
             st[K.M] = torch.zeros(n, device=dev, dtype=dtype)
         if group["factor_second_moment"]:
             st[K.W] = torch.zeros(block, device=dev)
+        if provisional:
+            st[K.PROVISIONAL] = True
+
+    def _recut(self, p, grad, group):
+        """Choose ``p``'s block length again from its first gradient whose magnitude varies, after
+        gradients of one magnitude everywhere (``state.PROVISIONAL``). Until now every block mean
+        of g**2 was the same, so v (and the factor w) is one value everywhere: it is kept exactly
+        at the new length. The first moment is requantised once into the new scale blocks."""
+        st = self.state[p]
+        del st[K.PROVISIONAL]
+        g = _local(grad)
+        old, new = st[K.BLOCK], self._choose_block(g, group)
+        if new == old:
+            return
+        n = g.numel()
+        st[K.BLOCK] = new
+        st[K.V] = _refill(st[K.V], n // new)
+        if K.W in st:
+            st[K.W] = _refill(st[K.W], new)
+        if K.CODES in st:
+            requantize_(st, self.codebook, n=n, old=old, new=new, bits=self.bits)
 
     def _first_gradient(self, p, group, gi, pi) -> bool:
         """Create ``p``'s state from its first non-zero gradient; True once it exists.
@@ -368,8 +394,11 @@ class Gefen(torch.optim.Optimizer):
                 if _local(p).numel() == 0:
                     continue
                 backend = self._backend(p, group, gi, pi)
-                if K.BLOCK not in self.state[p] and not self._first_gradient(p, group, gi, pi):
+                st = self.state[p]
+                if K.BLOCK not in st and not self._first_gradient(p, group, gi, pi):
                     continue
+                if st.get(K.PROVISIONAL) and not constant_magnitude(_local(p.grad)):
+                    self._recut(p, p.grad, group)
                 items.append((p, p.grad, backend))
             out.append((group, items))
         return out
@@ -537,6 +566,12 @@ class Gefen(torch.optim.Optimizer):
 
 _SETTINGS = ("backend", "fused", "verbose", "bits", "block_rule", "codebook")
 OPTIMIZER_WIDE = ("bits", "backend", "block_rule")  # in every group, one value per optimizer
+
+
+def _refill(t: torch.Tensor, size: int) -> torch.Tensor:
+    """A tensor of ``size`` elements holding ``t``'s one value (its mean where its values differ)."""
+    value = t[0] if bool((t == t[0]).all()) else t.mean()
+    return value.expand(size).clone()
 
 
 def _local(t):

@@ -204,6 +204,27 @@ def choose_variance_drop(g: torch.Tensor) -> int:
     return cands[best] if drops[best] >= MIN_DROP else 1
 
 
+def constant_magnitude(grad: torch.Tensor) -> bool:
+    """True if every element of ``grad`` has the same |g| (g**2 constant: every block length gives the
+    same block means, so the gradient says nothing about blocks). Read a chunk at a time."""
+    flat = grad.detach().reshape(-1)
+    first = None
+    for a in range(0, flat.numel(), CHUNK):
+        lo, hi = flat[a:a + CHUNK].abs().aminmax()
+        lo, hi = float(lo), float(hi)
+        if lo != hi or (first is not None and lo != first):
+            return False
+        first = lo
+    return first is not None
+
+
+def provisional_block(n: int) -> int:
+    """The block length of a tensor whose gradients have had one magnitude: the longest a rule could
+    choose (the cheapest state), 1 where there is no choice."""
+    cands = [p for p in _candidates(n) if MIN_CANDIDATE < p]
+    return cap_block(max(cands)) if cands else 1
+
+
 def choose_block(grad: torch.Tensor, rule: str = "adjacent_log") -> int:
     """Block length P for a tensor from its first gradient (any shape, any float dtype)."""
     g = grad.detach().reshape(-1)

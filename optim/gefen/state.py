@@ -9,6 +9,9 @@ Per parameter (``optimizer.state[p]``; layout and shapes in ``reference.py``'s d
     CODES   uint8 (numel,) at 8 bits, (ceil(numel / 2),) at 4 bits (quantised groups)
     M       fp32 (numel,), the unquantised first moment (groups with quantize_first_moment=False)
     W       fp32 (P,), per-offset factor of the second moment (groups with factor_second_moment=True)
+    PROVISIONAL  bool, present (True) while every gradient so far had one magnitude everywhere: any
+            block length is then exact, BLOCK is the cheapest, and it is chosen again from the
+            first gradient that varies (``Gefen._recut``)
     SEED    int, the seed of stochastic rounding (groups with stochastic_rounding=True), drawn
             from torch's default generator (broadcast from rank 0 under torch.distributed)
 
@@ -26,6 +29,7 @@ CODES = "codes"
 M = "m"
 W = "w"
 SEED = "seed"
+PROVISIONAL = "provisional"
 
 CODEBOOK = "codebook"
 BITS = "bits"

@@ -12,13 +12,15 @@ The nearest entry is looked up in ``codebook.code_table``'s table (one gather an
 an element) instead of a binary search over the boundaries.
 """
 
+import math
 from typing import NamedTuple
 
 import torch
 
 from .._rounding import STOCHASTIC_DTYPES, round_stochastic
 from .codebook import HIST_BINS, code_table, histogram as _histogram, nearest_code
-from .reference import factor_ratio, pack_codes, scale_block_length, unpack_codes
+from .reference import (dequantize, factor_ratio, num_code_bytes, num_scales, pack_codes, quantize,
+                        scale_block_length, unpack_codes)
 
 
 def _rows(flats, width: int) -> torch.Tensor:
@@ -209,6 +211,29 @@ def _step_rows(ps, gs, vs, scales, codes, codebook, tables, ratios, seeds, *, st
         c.copy_(pack_codes(x, bits))
     for s, x in zip(scales, _unrows(s_new, [s.numel() for s in scales], 1)):
         s.copy_(x)
+
+
+@torch.no_grad()
+def requantize_(st: dict, codebook, *, n: int, old: int, new: int, bits: int):
+    """Re-encode the first moment of state ``st`` (``scales``, ``codes`` of an n-element tensor)
+    from the scale blocks of block length ``old`` into those of ``new``, a piece at a time:
+    ``m = C[code] * s`` decoded, then quantised as the step quantises it."""
+    s_old, s_new = scale_block_length(old), scale_block_length(new)
+    unit = math.lcm(s_old, s_new, 2)
+    length = unit * max(1, PIECE_ELEMENTS // unit)
+    scales = st["scales"].new_zeros(num_scales(n, new))
+    codes = st["codes"].new_zeros(num_code_bytes(n, bits))
+    if codebook is not None:
+        cb = codebook.to(scales.device)
+        for a in range(0, n, length):
+            b = min(a + length, n)
+            rows = range(a, b)  # a is even: no code byte is shared with the previous piece
+            m = dequantize(st["scales"][a // s_old:-(-b // s_old)], code_slice(st["codes"], rows, 1, n, bits),
+                           cb, numel=b - a, block=old, bits=bits)
+            sc, cd = quantize(m, cb, block=new, bits=bits)
+            scales[a // s_new:a // s_new + sc.numel()] = sc
+            code_slice(codes, rows, 1, n, bits).copy_(cd)
+    st["scales"], st["codes"] = scales, codes
 
 
 @torch.no_grad()
