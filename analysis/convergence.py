@@ -23,7 +23,9 @@ from analysis.common import (CORPUS_TEXT, GEFEN_TARGET_BPP, OPTIMIZERS, Report, 
 TARGET = 0.03  # Gefen's claim: final loss within 3% of AdamW's
 # the factored second moment's targets (median over seeds, paired): loss within this of AdamW's
 FACTORED_TARGET = {"Gefen-8bit-factored": 0.003, "Gefen-4bit-factored": 0.006}
-GEFEN = ("Gefen-8bit", "Gefen-4bit", *FACTORED_TARGET)
+# bf16 weights with stochastic rounding: loss within this of fp32 AdamW's (median over seeds, paired)
+BF16_TARGET = {"Gefen-8bit+bf16-sr": 0.005, "Gefen-8bit-factored+bf16-sr": 0.005}
+GEFEN = ("Gefen-8bit", "Gefen-4bit", *FACTORED_TARGET, *BF16_TARGET)
 
 
 def summarise(rows, prefix=""):
@@ -131,7 +133,15 @@ def _verdicts(rel, bpp_of):
             mean, _ = mean_std(seeds)
             med = statistics.median(seeds)
             worse = sum(1 for v in seeds if v > 1)
-            if name in FACTORED_TARGET:
+            if name in BF16_TARGET:
+                t = BF16_TARGET[name]
+                pure = per.get("AdamW+bf16")
+                lines.append(f"- {name} (bf16 weights, no fp32 copy) on {m}: median {(med - 1):+.2%} against fp32 "
+                             f"AdamW; target within {t:+.1%}: {'**met**' if med - 1 <= t else '**not met**'}; worse "
+                             f"than AdamW on {worse} of {len(seeds)} seeds; {fmt(bpp_of(m, name), 4)} B/param of "
+                             "state" + (f" (pure bf16 AdamW, rounding to nearest: median "
+                                        f"{statistics.median(pure) - 1:+.2%})." if pure else "."))
+            elif name in FACTORED_TARGET:
                 t, cap = FACTORED_TARGET[name], GEFEN_TARGET_BPP[name]
                 published = name.removesuffix("-factored")  # its bytes beside: the same bits, published
                 bpp = bpp_of(m, name)
@@ -174,7 +184,8 @@ def body(rows, config):
         text.append(f"Claims: Gefen's loss stays within {TARGET:.0%} of AdamW's; the factored second moment "
                     "(`factor_second_moment=True`) within +0.3% (8 bits) and +0.6% (4 bits), median over seeds "
                     f"paired by seed, at most {GEFEN_TARGET_BPP['Gefen-8bit-factored']:g} and "
-                    f"{GEFEN_TARGET_BPP['Gefen-4bit-factored']:g} B/param. On a small model the vectors (per-element v "
+                    f"{GEFEN_TARGET_BPP['Gefen-4bit-factored']:g} B/param; on bf16 weights with stochastic rounding "
+                    f"within +{BF16_TARGET['Gefen-8bit+bf16-sr']:.1%} of fp32 AdamW's. On a small model the vectors (per-element v "
                     "at block length 1) are a large share of the parameters, so the published Gefen itself can "
                     "exceed those bytes there.\n\n" + "\n".join(verdicts))
     return "\n\n".join(text)

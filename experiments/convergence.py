@@ -11,7 +11,11 @@ This is the one experiment that answers it: one Gefen-vs-AdamW number per model.
 character model (experiments/models.py) learns Python's documentation topics plus standard-library
 sources (experiments/data.py; 90/10 train/validation split by chunks). Optimizers (registry names):
 AdamW, Adam-mini, torchao-AdamW8bit, torchao-AdamW4bit, gefen-upstream, Gefen-8bit, Gefen-4bit,
-Gefen-8bit-factored, Gefen-4bit-factored (``factor_second_moment=True``).
+Gefen-8bit-factored, Gefen-4bit-factored (``factor_second_moment=True``); and on bf16 weights (the
+model converted with ``.to(torch.bfloat16)``, no fp32 copy anywhere; the loss in fp32): AdamW+bf16
+(fused AdamW, its moments bf16 as the weights, rounding to nearest), Gefen-8bit+bf16-sr and
+Gefen-8bit-factored+bf16-sr (``stochastic_rounding=True``). Their ratios are to fp32 AdamW's loss.
+The step stays outside backward (``optim.step_in_backward`` cannot clip by the global norm).
 
 The full run also trains two extra configurations, each with its own lr grid, whose rows carry the
 variant ``<model label>/<optimizer>``: a larger one (``CHAR_LM["large"]``: about 11x the
@@ -56,8 +60,11 @@ from experiments.registry import DENSE, make_optimizer, state_bytes
 from experiments.train import CHAR_LM, WEIGHT_DECAY, char_lm_label, char_lm_problem, train_lm
 
 EXPERIMENT = "convergence"
+# bf16 weights: "<registry name>+bf16" (rounding to nearest) or "+bf16-sr" (Gefen's stochastic rounding)
+BF16 = ["AdamW+bf16", "Gefen-8bit+bf16-sr", "Gefen-8bit-factored+bf16-sr"]
+OPTIMIZERS = DENSE + BF16
 LARGE = ["AdamW", "Adam-mini", "torchao-AdamW8bit", "gefen-upstream", "Gefen-8bit", "Gefen-4bit",
-         "Gefen-8bit-factored", "Gefen-4bit-factored"]
+         "Gefen-8bit-factored", "Gefen-4bit-factored"] + BF16
 # the optimizers of each extra configuration (LARGE for a size not named here): on the second
 # corpus the question is Gefen's against AdamW's and Adam-mini's, so the slow CPU peers stay out
 EXTRA_OPTIMIZERS = {"docstrings": ["AdamW", "Adam-mini", "Gefen-8bit", "Gefen-4bit", "Gefen-8bit-factored",
@@ -66,13 +73,23 @@ FULL_EXTRA = ["large", "docstrings"]
 
 
 def build(name, model, lr, cfg):
-    return make_optimizer(name, model, lr, WEIGHT_DECAY, **({"dim": cfg.n_embd, "n_heads": cfg.n_head}
-                                                             if name == "Adam-mini" else {}))
+    """The optimizer of variant ``name`` over ``model`` (a "+bf16" variant's model must be bf16)."""
+    base, _, mode = name.partition("+")
+    options = {"dim": cfg.n_embd, "n_heads": cfg.n_head} if base == "Adam-mini" else {}
+    if mode == "bf16-sr":
+        options["stochastic_rounding"] = True
+    return make_optimizer(base, model, lr, WEIGHT_DECAY, **options)
+
+
+def make_model(name, cfg):
+    """The GPT of ``cfg``, bf16 for a "+bf16" variant (initialised in fp32, as every other)."""
+    model = GPT(cfg)
+    return model.to(torch.bfloat16) if "+bf16" in name else model
 
 
 def train_one(name, lr, seed, size, cfg, corpus, progress):
     torch.manual_seed(seed)
-    model = GPT(cfg)
+    model = make_model(name, cfg)
     opt = build(name, model, lr, cfg)
     out = train_lm(model, opt, corpus[0], corpus[1], lr=lr, steps=size["steps"], batch=size["batch"], seed=seed,
                    eval_every=size["eval_every"], progress=progress, desc=f"{name} lr={lr:g} seed={seed}")
@@ -85,7 +102,7 @@ def _job(name, lr, seed, size, progress):
     """One training run; the problem is built once per process."""
     cfg, corpus, _ = char_lm_problem(size)
     try:
-        build(name, GPT(cfg), 1e-3, cfg)
+        build(name, make_model(name, cfg), 1e-3, cfg)
         out = train_one(name, lr, seed, size, cfg, corpus, progress)
     except Exception as exc:  # a peer that cannot run here is skipped, not fatal
         return {"error": f"{type(exc).__name__}: {exc}"}
@@ -164,8 +181,8 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(parser)
     parser.add_argument("--tiny", action="store_true", help="test size: a 1-layer model for a few steps")
-    parser.add_argument("--optimizers", nargs="+", default=DENSE, metavar="NAME",
-                        help=f"subset of {', '.join(DENSE)} (default: all)")
+    parser.add_argument("--optimizers", nargs="+", default=OPTIMIZERS, metavar="NAME",
+                        help=f"subset of {', '.join(OPTIMIZERS)} (default: all)")
     parser.add_argument("--lrs", nargs="+", type=float, default=None, help="learning-rate grid (default per size)")
     parser.add_argument("--seeds", type=int, default=None, help="seeds at the best lr (default per size)")
     parser.add_argument("--steps", type=int, default=None, help="training steps (default per size)")
@@ -182,9 +199,9 @@ def parse_args(argv=None):
                         help="torch intra-op threads (default 1: a model this small gives a second thread "
                              "little work to share)")
     args = parser.parse_args(argv)
-    unknown = [n for n in args.optimizers if n not in DENSE]
+    unknown = [n for n in args.optimizers if n not in OPTIMIZERS]
     if unknown:
-        parser.error(f"--optimizers: unknown {unknown}; choose from {DENSE}")
+        parser.error(f"--optimizers: unknown {unknown}; choose from {OPTIMIZERS}")
     return args
 
 
