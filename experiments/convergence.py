@@ -5,6 +5,8 @@
     python analysis/convergence.py                 # paper_figs/convergence.png
     python experiments/convergence.py --optimizers AdamW Gefen-8bit --lrs 1e-3 3e-3 --seeds 1
     python experiments/convergence.py --extra none   # the full run without the extra configurations
+    # two architectures the optimizers were not developed on, under both protocols (below)
+    python experiments/convergence.py --extra large docstrings encoder llama --protocol both
 
 Does Gefen reach AdamW's validation loss with about one byte of optimizer state per parameter?
 This is the one experiment that answers it: one Gefen-vs-AdamW number per model. A nanoGPT-style
@@ -24,14 +26,23 @@ on CPU, is enough there), and one on another corpus and shape (``CHAR_LM["docstr
 prose only, the standard library's docstrings; a 429k-parameter model, 1,000 steps) with AdamW,
 Adam-mini and the Gefen variants. Runs are single-threaded; ``--jobs 2`` (the full run's default)
 trains two at a time, each in its own process (results do not depend on it: every run is seeded
-and deterministic).
+and deterministic). Two more configurations judge the optimizers on architectures they were not
+developed on (``--extra encoder llama``; not in the default run): ``CHAR_LM["encoder"]``, a stack of
+PyTorch's pre-norm ``nn.TransformerEncoderLayer`` with its fused q/k/v tensor, and
+``CHAR_LM["llama"]``, a Llama-style decoder (RMSNorm, SwiGLU, rotary embeddings, no biases); both
+430k parameters on the default corpus, batch 32, 1,000 steps, 5 seeds, with the optimizers of
+``EXTRA_OPTIMIZERS``.
 
 Protocol (experiments/train.py): the same initialisation and batches per seed for every optimizer,
 linear warm-up over 5% of the steps then cosine decay to 10%, gradient clipping at 1.0, decoupled
 weight decay 0.1 on every tensor (Adam-mini exempts norms and biases by its own name rule). Each
 optimizer's peak learning rate is the best of a grid by the final validation loss of the first
-seed; that rate is rerun with the other seeds. An optimizer that fails to construct or to step is
-skipped with its reason printed, and writes no rows.
+seed; that rate is rerun with the other seeds (``--protocol best``, the default). The drop-in protocol
+(``--protocol dropin``; ``both`` runs the two, sharing the runs they have in common) is a user's who
+swaps AdamW out without tuning: AdamW's grid on the first seed, then every optimizer at AdamW's best
+rate on every seed; an optimizer of ``LR_SCALED`` also runs at the multiple of that rate its authors
+advise, as variant ``<name>@<multiple>`` (gefen-x's README: about 0.6x AdamW's). An optimizer that
+fails to construct or to step is skipped with its reason printed, and writes no rows.
 
 Rows (variant = the optimizer's registry name):
 - per grid point, first seed: ``lr_sweep_val_loss`` against ``lr``; per optimizer ``best_lr``;
@@ -39,8 +50,13 @@ Rows (variant = the optimizer's registry name):
   ``final_val_loss``, ``state_bytes``, ``state_bytes_per_param``, ``params``, ``step_time`` (median
   ``optimizer.step()``, ms) and ``wall_time`` against ``lr``;
 - ``val_loss_vs_adamw`` per seed (final validation loss / AdamW's of the same seed) and its
-  ``_mean``, ``_median`` and ``_std`` over seeds, against ``model`` (variant = the optimizer's
-  name for both configurations).
+  ``_mean``, ``_median``, ``_std``, ``_min`` and ``_max`` over seeds, against ``model`` (variant = the
+  optimizer's name in every configuration).
+
+Drop-in rows carry the variant ``dropin/<optimizer>`` (``<model label>/dropin/<optimizer>`` in an
+extra configuration; ``val_loss_vs_adamw`` rows ``dropin/<optimizer>``, against ``model``): AdamW's
+rows as above, every other optimizer's the per-seed rows and ``lr`` (against ``selected_by``) in
+place of the sweep and ``best_lr``.
 """
 
 from __future__ import annotations
@@ -54,7 +70,7 @@ import torch
 
 from experiments import data
 from experiments.common import Results, add_common_args
-from experiments.models import GPT
+from experiments.models import char_lm_model
 from experiments.pool import RunPool
 from experiments.registry import DENSE, make_optimizer, state_bytes
 from experiments.train import CHAR_LM, WEIGHT_DECAY, char_lm_label, char_lm_problem, train_lm
@@ -69,12 +85,21 @@ LARGE = ["AdamW", "Adam-mini", "torchao-AdamW8bit", "gefen-upstream", "Gefen-8bi
 # corpus the question is Gefen's against AdamW's and Adam-mini's, so the slow CPU peers stay out
 EXTRA_OPTIMIZERS = {"docstrings": ["AdamW", "Adam-mini", "Gefen-8bit", "Gefen-4bit", "Gefen-8bit-factored",
                                    "Gefen-4bit-factored"]}
+# on the architectures Gefen was not developed on: the published Gefen, the factored one and gefen-x
+UNTUNED = ["AdamW", "gefen-x", "Gefen-8bit", "Gefen-8bit-factored", "Gefen-4bit-factored"]
+EXTRA_OPTIMIZERS.update(encoder=UNTUNED, llama=UNTUNED)
 FULL_EXTRA = ["large", "docstrings"]
+PROTOCOLS = ("best", "dropin", "both")
+DROPIN = "dropin/"  # the variant prefix of the drop-in protocol's rows
+# optimizers whose authors advise a multiple of AdamW's lr: in the drop-in protocol they also run at
+# it, as "<name>@<multiple>" (gefen-x's README: about 0.6x)
+LR_SCALED = {"gefen-x": 0.6}
 
 
 def build(name, model, lr, cfg):
-    """The optimizer of variant ``name`` over ``model`` (a "+bf16" variant's model must be bf16)."""
-    base, _, mode = name.partition("+")
+    """The optimizer of variant ``name`` over ``model`` (a "+bf16" variant's model must be bf16; an
+    "@<multiple>" suffix names the drop-in lr, not the optimizer)."""
+    base, _, mode = name.partition("@")[0].partition("+")
     options = {"dim": cfg.n_embd, "n_heads": cfg.n_head} if base == "Adam-mini" else {}
     if mode == "bf16-sr":
         options["stochastic_rounding"] = True
@@ -82,8 +107,8 @@ def build(name, model, lr, cfg):
 
 
 def make_model(name, cfg):
-    """The GPT of ``cfg``, bf16 for a "+bf16" variant (initialised in fp32, as every other)."""
-    model = GPT(cfg)
+    """The model of ``cfg``, bf16 for a "+bf16" variant (initialised in fp32, as every other)."""
+    model = char_lm_model(cfg)
     return model.to(torch.bfloat16) if "+bf16" in name else model
 
 
@@ -111,44 +136,98 @@ def _job(name, lr, seed, size, progress):
     return out
 
 
-def run_all(names, size, lrs, seeds, jobs, progress):
-    """Every optimizer's lr sweep on the first seed, then its best lr on the other seeds, ``jobs``
-    runs at a time: ({name: (sweep, best, {seed: run})}, {name: reason skipped})."""
+def dropin_lr(name, adamw_lr):
+    """The drop-in protocol's lr of variant ``name``: AdamW's, times the multiple an "@<multiple>"
+    suffix names."""
+    _, at, multiple = name.partition("@")
+    return float(f"{float(multiple) * adamw_lr:.6g}") if at else adamw_lr
+
+
+def dropin_names(names):
+    """The drop-in protocol's variants: ``names``, each of ``LR_SCALED`` followed by its "@" variant."""
+    out = []
+    for n in names:
+        out += [n] + ([f"{n}@{LR_SCALED[n]:g}"] if n in LR_SCALED else [])
+    return out
+
+
+def run_all(names, size, lrs, seeds, jobs, progress, protocol="best"):
+    """Train one configuration under ``protocol`` ("best", "dropin" or "both"), ``jobs`` runs at a
+    time, a run shared by the protocols (the same optimizer, lr and seed) trained once.
+
+    "best": every optimizer's lr sweep on the first seed, then its best lr on the other seeds.
+    "dropin": AdamW's sweep, then every variant of ``dropin_names`` at its ``dropin_lr`` on every seed.
+    Returns {protocol: ({name: (sweep, lr, {seed: run})}, {name: reason skipped})}; in the drop-in
+    result only AdamW has a sweep (the others' are empty).
+    """
+    protocols = ["best", "dropin"] if protocol == "both" else [protocol]
+    out = {p: ({}, {}) for p in protocols}
     with RunPool(jobs) as pool:
-        first = {(n, lr): pool.submit(_job, n, lr, seeds[0], size, progress) for n in names for lr in lrs}
-        done, skipped, later = {}, {}, {}
-        for n in names:
-            runs = {lr: first[(n, lr)].result() for lr in lrs}
+        futs = {}
+
+        def run(n, lr, s):
+            key = (n.partition("@")[0], lr, s)
+            if key not in futs:
+                futs[key] = pool.submit(_job, key[0], lr, s, size, progress)
+            return futs[key]
+
+        def failed(p, n, err):
+            out[p][1][n] = err
+            print(f"[convergence] skipping {n}{' (drop-in)' if p == 'dropin' else ''}: {err}", flush=True)
+
+        sweepers = names if "best" in protocols else [n for n in names if n == "AdamW"]
+        for n in sweepers:
+            for lr in lrs:
+                run(n, lr, seeds[0])
+
+        def sweep_of(n):
+            runs = {lr: run(n, lr, seeds[0]).result() for lr in lrs}
             err = next((r["error"] for r in runs.values() if "error" in r), None)
+            sweep = {lr: r.get("final", math.nan) for lr, r in runs.items()}
+            return err, sweep, min(lrs, key=lambda lr: sweep[lr] if math.isfinite(sweep[lr]) else math.inf)
+
+        if "dropin" in protocols:
+            err, sweep, adamw_lr = sweep_of("AdamW")
             if err:
-                skipped[n] = err
-                print(f"[convergence] skipping {n}: {err}", flush=True)
-                continue
-            sweep = {lr: r["final"] for lr, r in runs.items()}
-            best = min(lrs, key=lambda lr: sweep[lr] if math.isfinite(sweep[lr]) else math.inf)
-            done[n] = (sweep, best, {seeds[0]: runs[best]})
-            later[n] = {s: pool.submit(_job, n, best, s, size, progress) for s in seeds[1:]}
-        for n, fs in later.items():
-            for s, f in fs.items():
-                r = f.result()
-                if "error" in r:
-                    skipped[n] = r["error"]
-                    done.pop(n, None)
-                    break
-                done[n][2][s] = r
-    return done, skipped
+                for n in dropin_names(names):
+                    failed("dropin", n, f"AdamW, whose lr the drop-in protocol uses, failed: {err}")
+            else:
+                for n in dropin_names(names):
+                    out["dropin"][0][n] = ((sweep if n == "AdamW" else {}), dropin_lr(n, adamw_lr),
+                                           {s: run(n, dropin_lr(n, adamw_lr), s) for s in seeds})
+        if "best" in protocols:
+            for n in names:
+                err, sweep, best = sweep_of(n)
+                if err:
+                    failed("best", n, err)
+                    continue
+                out["best"][0][n] = (sweep, best, {s: run(n, best, s) for s in seeds})
+        for p in protocols:
+            done, skipped = out[p]
+            for n in list(done):
+                sweep, lr, fs = done[n]
+                chosen = {s: f.result() for s, f in fs.items()}
+                err = next((r["error"] for r in chosen.values() if "error" in r), None)
+                if err:
+                    done.pop(n)
+                    failed(p, n, err)
+                else:
+                    done[n] = (sweep, lr, chosen)
+    return out
 
 
-def add_rows(res, name, sweep, best, chosen, first_seed):
-    for lr, final in sweep.items():
-        res.add(name, "lr_sweep_val_loss", "nats/char", final, x_name="lr", x_value=lr, seed=first_seed)
-    res.add(name, "best_lr", "lr", best, x_name="selected_by", x_value="lr_sweep_val_loss")
+def add_rows(res, name, sweep, lr, chosen, first_seed, selected_by="lr_sweep_val_loss"):
+    """One variant's rows: its sweep (if any) and ``best_lr``, or without a sweep its ``lr`` against
+    ``selected_by``; then the per-seed rows at ``lr``."""
+    for grid_lr, final in sweep.items():
+        res.add(name, "lr_sweep_val_loss", "nats/char", final, x_name="lr", x_value=grid_lr, seed=first_seed)
+    res.add(name, "best_lr" if sweep else "lr", "lr", lr, x_name="selected_by", x_value=selected_by)
     for seed, out in chosen.items():
         for step, val in out["val"]:
             res.add(name, "val_loss", "nats/char", val, x_name="step", x_value=step, seed=seed)
         for step, val in out["train"]:
             res.add(name, "train_loss", "nats/char", val, x_name="step", x_value=step, seed=seed)
-        x = dict(x_name="lr", x_value=best, seed=seed)
+        x = dict(x_name="lr", x_value=lr, seed=seed)
         res.add(name, "final_val_loss", "nats/char", out["final"], **x)
         res.add(name, "state_bytes", "bytes", out["state_bytes"], **x)
         res.add(name, "state_bytes_per_param", "B/param", out["state_bytes"] / out["params"], **x)
@@ -157,8 +236,9 @@ def add_rows(res, name, sweep, best, chosen, first_seed):
         res.add(name, "wall_time", "s", out["wall"], **x)
 
 
-def add_ratio_rows(res, finals, model_label):
-    """Final validation loss / AdamW's, paired by seed: per seed, mean, median and std."""
+def add_ratio_rows(res, finals, model_label, prefix=""):
+    """Final validation loss / AdamW's, paired by seed: per seed, mean, median, std, min and max; the
+    variant is ``prefix`` + the optimizer's name."""
     base = finals.get("AdamW")
     if base is None:
         return {}
@@ -167,12 +247,14 @@ def add_ratio_rows(res, finals, model_label):
     for name, per_seed in finals.items():
         ratios = {s: v / base[s] for s, v in per_seed.items() if s in base}
         for s, r in ratios.items():
-            res.add(name, "val_loss_vs_adamw", "ratio", r, seed=s, **x)
+            res.add(prefix + name, "val_loss_vs_adamw", "ratio", r, seed=s, **x)
         vals = list(ratios.values())
         mean, std = statistics.fmean(vals), statistics.stdev(vals) if len(vals) > 1 else 0.0
-        res.add(name, "val_loss_vs_adamw_mean", "ratio", mean, **x)
-        res.add(name, "val_loss_vs_adamw_median", "ratio", statistics.median(vals), **x)
-        res.add(name, "val_loss_vs_adamw_std", "ratio", std, **x)
+        res.add(prefix + name, "val_loss_vs_adamw_mean", "ratio", mean, **x)
+        res.add(prefix + name, "val_loss_vs_adamw_median", "ratio", statistics.median(vals), **x)
+        res.add(prefix + name, "val_loss_vs_adamw_std", "ratio", std, **x)
+        res.add(prefix + name, "val_loss_vs_adamw_min", "ratio", min(vals), **x)
+        res.add(prefix + name, "val_loss_vs_adamw_max", "ratio", max(vals), **x)
         out[name] = (mean, std)
     return out
 
@@ -184,8 +266,13 @@ def parse_args(argv=None):
     parser.add_argument("--optimizers", nargs="+", default=OPTIMIZERS, metavar="NAME",
                         help=f"subset of {', '.join(OPTIMIZERS)} (default: all)")
     parser.add_argument("--lrs", nargs="+", type=float, default=None, help="learning-rate grid (default per size)")
-    parser.add_argument("--seeds", type=int, default=None, help="seeds at the best lr (default per size)")
-    parser.add_argument("--steps", type=int, default=None, help="training steps (default per size)")
+    parser.add_argument("--seeds", type=int, default=None,
+                        help="seeds at the chosen lr, in every configuration (default per size)")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="training steps, in every configuration (default per size)")
+    parser.add_argument("--protocol", default="best", choices=PROTOCOLS,
+                        help="best: each optimizer at its best lr of the grid (default); dropin: every optimizer "
+                             "at AdamW's best lr (and LR_SCALED's multiples of it); both")
     parser.add_argument("--no-progress", action="store_true", help="no tqdm bars")
     parser.add_argument("--size", default=None, choices=list(CHAR_LM),
                         help="the main configuration's CHAR_LM size (default: tiny/quick/full by the flags)")
@@ -202,25 +289,37 @@ def parse_args(argv=None):
     unknown = [n for n in args.optimizers if n not in OPTIMIZERS]
     if unknown:
         parser.error(f"--optimizers: unknown {unknown}; choose from {OPTIMIZERS}")
+    if args.protocol != "best" and "AdamW" not in args.optimizers:
+        parser.error(f"--protocol {args.protocol}: the drop-in protocol trains at AdamW's lr; add AdamW to --optimizers")
     return args
 
 
-def run_config(res, names, size, lrs, seeds, jobs, progress, prefix=""):
-    """Train and write one configuration's rows; returns (summary, skipped, ratios)."""
-    summary, finals = [], {}
-    done, skipped = run_all(names, size, lrs, seeds, jobs, progress)
-    for name in names:
-        if name not in done:
-            continue
-        sweep, best, chosen = done[name]
-        add_rows(res, prefix + name, sweep, best, chosen, seeds[0])
-        finals[name] = {s: out["final"] for s, out in chosen.items()}
-        bpp = statistics.fmean(o["state_bytes"] / o["params"] for o in chosen.values())
-        summary.append((prefix + name, best, list(finals[name].values()), bpp,
-                        statistics.fmean(o["step_time"] for o in chosen.values())))
-    ratios = add_ratio_rows(res, finals, char_lm_label(size))
+def run_config(res, names, size, lrs, seeds, jobs, progress, prefix="", protocol="best"):
+    """Train and write one configuration's rows under ``protocol``; returns (summary, skipped, ratios),
+    keyed by variant (drop-in variants ``<prefix>dropin/<name>``)."""
+    summary, skipped, ratios = [], {}, {}
+    label = char_lm_label(size)
+    for p, (done, skipped_p) in run_all(names, size, lrs, seeds, jobs, progress, protocol).items():
+        pre = prefix + (DROPIN if p == "dropin" else "")
+        finals = {}
+        for name in (dropin_names(names) if p == "dropin" else names):
+            if name not in done:
+                continue
+            sweep, lr, chosen = done[name]
+            if p == "dropin" and name != "AdamW":
+                add_rows(res, pre + name, {}, lr, chosen, seeds[0],
+                         selected_by=f"{name.partition('@')[2] or '1'} x AdamW's best lr")
+            else:
+                add_rows(res, pre + name, sweep, lr, chosen, seeds[0])
+            finals[name] = {s: out["final"] for s, out in chosen.items()}
+            bpp = statistics.fmean(o["state_bytes"] / o["params"] for o in chosen.values())
+            summary.append((pre + name, lr, list(finals[name].values()), bpp,
+                            statistics.fmean(o["step_time"] for o in chosen.values())))
+        r = add_ratio_rows(res, finals, label, DROPIN if p == "dropin" else "")
+        ratios.update({pre + k: v for k, v in r.items()})
+        skipped.update({pre + k: v for k, v in skipped_p.items()})
     res.flush()
-    return summary, skipped, {prefix + k: v for k, v in ratios.items()}
+    return summary, skipped, ratios
 
 
 def main(argv=None):
@@ -239,36 +338,41 @@ def main(argv=None):
     config = dict(vars(args), size=size_name, **dict(size, lrs=lrs, seeds=seeds), model=vars(cfg),
                   model_label=model_label, weight_decay=WEIGHT_DECAY, schedule="5% linear warm-up, cosine to 10%",
                   lr_selection="best final val loss of the first seed; best lr rerun on the other seeds",
+                  protocol=args.protocol, dropin="AdamW's best lr for every optimizer, on every seed; "
+                  + ", ".join(f"{n} also at {f:g}x" for n, f in LR_SCALED.items()),
                   train_tokens=corpus[0].numel(), val_windows=len(corpus[1][0]), python=sys.version.split()[0],
                   stdlib_files=len(data.stdlib_sources()), threads=torch.get_num_threads(), jobs=jobs)
     extras = []
     for name in extra_names:
         extra = dict(CHAR_LM[name])
+        if args.steps is not None:
+            extra["steps"] = args.steps
         ecfg, _, _ = char_lm_problem(extra)
         label = char_lm_label(extra)
         extras.append((extra, dict(extra, size=name, model=vars(ecfg), model_label=label,
-                                   seeds=[args.seed + i for i in range(extra["seeds"])],
+                                   seeds=[args.seed + i for i in range(args.seeds or extra["seeds"])],
                                    optimizers=[n for n in EXTRA_OPTIMIZERS.get(name, LARGE) if n in args.optimizers])))
     config["extra"] = {ec["model_label"]: ec for _, ec in extras}
     print(f"[convergence] {model_label} size={size_name} model={vars(cfg)} steps={size['steps']} "
           f"batch={size['batch']} lrs={lrs} seeds={seeds} jobs={jobs}", flush=True)
     progress = not args.no_progress and jobs == 1
     with Results(EXPERIMENT, args, config=config) as res:
-        summary, skipped, ratios = run_config(res, args.optimizers, size, lrs, seeds, jobs, progress)
+        summary, skipped, ratios = run_config(res, args.optimizers, size, lrs, seeds, jobs, progress,
+                                              protocol=args.protocol)
         for extra, ec in extras:
             print(f"[convergence] extra configuration {ec['model_label']} model={ec['model']} "
                   f"steps={extra['steps']} batch={extra['batch']} lrs={extra['lrs']}", flush=True)
             s2, k2, r2 = run_config(res, ec["optimizers"], extra, extra["lrs"], ec["seeds"], jobs, progress,
-                                    prefix=ec["model_label"] + "/")
+                                    prefix=ec["model_label"] + "/", protocol=args.protocol)
             summary += s2
-            skipped.update({ec["model_label"] + "/" + k: v for k, v in k2.items()})
+            skipped.update(k2)
             ratios.update(r2)
         res.config.update(optimizers_run=[s[0] for s in summary], optimizers_skipped=skipped)
-    print(f"\n{'optimizer':<36} {'best lr':>8} {'final val loss':>18} {'vs AdamW':>16} {'B/param':>8} {'step ms':>8}")
+    print(f"\n{'optimizer':<44} {'lr':>8} {'final val loss':>18} {'vs AdamW':>16} {'B/param':>8} {'step ms':>8}")
     for name, best, fin, bpp, st in summary:
         sd = statistics.stdev(fin) if len(fin) > 1 else 0.0
         rm, rs = ratios.get(name, (math.nan, math.nan))
-        print(f"{name:<36} {best:>8g} {statistics.fmean(fin):>10.4f} ± {sd:.4f} {rm:>8.4f} ± {rs:.4f} "
+        print(f"{name:<44} {best:>8g} {statistics.fmean(fin):>10.4f} ± {sd:.4f} {rm:>8.4f} ± {rs:.4f} "
               f"{bpp:>8.3f} {1e3 * st:>8.2f}")
     for name, reason in skipped.items():
         print(f"skipped {name}: {reason}")

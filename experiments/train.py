@@ -23,14 +23,14 @@ import torch
 from tqdm import tqdm
 
 from experiments import data
-from experiments.models import GPT, GPTConfig, evaluate
+from experiments.models import ARCHITECTURES, char_lm_model, evaluate
 
 GRAD_CLIP = 1.0
 WEIGHT_DECAY = 0.1
-# The character GPT's sizes and schedule (experiments/models.py), shared by the experiments that
-# train it so that their numbers compare: "tiny" for tests, "quick" for --quick, "full" for the run
-# whose results are committed. lrs: the peak learning-rate grid; seeds: runs at the chosen rate;
-# corpus: data.load_text's (default "docs+code").
+# The character models' sizes and schedule (experiments/models.py), shared by the experiments that
+# train them so that their numbers compare: "tiny" for tests, "quick" for --quick, "full" for the run
+# whose results are committed. arch: models.ARCHITECTURES's name (default "gpt"); lrs: the peak
+# learning-rate grid; seeds: runs at the chosen rate; corpus: data.load_text's (default "docs+code").
 CHAR_LM = {
     "tiny": dict(n_layer=1, n_head=2, n_embd=16, block=16, batch=8, steps=6, eval_every=3,
                  eval_windows=16, max_chars=60_000, lrs=[3e-3], seeds=1),
@@ -48,6 +48,13 @@ CHAR_LM = {
     "docstrings": dict(n_layer=2, n_head=4, n_embd=128, block=64, batch=8, steps=1000, eval_every=100,
                        eval_windows=64, max_chars=1_000_000, lrs=[1e-3, 3e-3, 1e-2], seeds=6,
                        corpus="docstrings"),
+    # two architectures the optimizers were not developed on (models.EncoderLM, a stack of torch's
+    # nn.TransformerEncoderLayer with its fused q/k/v tensor, and models.LlamaLM), on "full"'s corpus
+    # with a larger batch; a grid of factors of two, since another architecture has its own best lr
+    "encoder": dict(arch="encoder", n_layer=2, n_head=4, n_embd=128, block=64, batch=32, steps=1000,
+                    eval_every=100, eval_windows=128, max_chars=1_000_000, lrs=[1e-3, 2e-3, 4e-3, 8e-3], seeds=5),
+    "llama": dict(arch="llama", n_layer=2, n_head=4, n_embd=128, block=64, batch=32, steps=1000,
+                  eval_every=100, eval_windows=128, max_chars=1_000_000, lrs=[1e-3, 2e-3, 4e-3, 8e-3], seeds=5),
 }
 
 
@@ -55,25 +62,27 @@ _PROBLEMS = {}
 
 
 def char_lm_problem(size: dict):
-    """(GPTConfig, (training ids, fixed validation windows (x, y)), n_params) of one ``CHAR_LM`` size,
-    built once per process (the tensors are shared: read them, do not write them)."""
+    """(model config, (training ids, fixed validation windows (x, y)), n_params) of one ``CHAR_LM``
+    size, built once per process (the tensors are shared: read them, do not write them); the config
+    is of the size's architecture (``models.char_lm_model`` builds its model)."""
     key = repr(sorted(size.items()))
     if key not in _PROBLEMS:
-        cfg = GPTConfig(block=size["block"], n_layer=size["n_layer"], n_head=size["n_head"], n_embd=size["n_embd"])
+        config_cls, _ = ARCHITECTURES[size.get("arch", "gpt")]
+        cfg = config_cls(block=size["block"], n_layer=size["n_layer"], n_head=size["n_head"], n_embd=size["n_embd"])
         train, val = data.load_splits(size["max_chars"], corpus=size.get("corpus", data.DEFAULT_CORPUS))
-        n_params = sum(p.numel() for p in GPT(cfg).parameters())
+        n_params = sum(p.numel() for p in char_lm_model(cfg).parameters())
         _PROBLEMS[key] = cfg, (train, data.eval_windows(val, size["eval_windows"], cfg.block)), n_params
     return _PROBLEMS[key]
 
 
-def model_label_of(n_params: int, corpus: str = data.DEFAULT_CORPUS) -> str:
-    """``char-gpt-<thousands of params>k``, with ``-<corpus>`` for a corpus other than the default."""
-    return f"char-gpt-{n_params // 1000}k" + ("" if corpus == data.DEFAULT_CORPUS else f"-{corpus}")
+def model_label_of(n_params: int, corpus: str = data.DEFAULT_CORPUS, arch: str = "gpt") -> str:
+    """``char-<arch>-<thousands of params>k``, with ``-<corpus>`` for a corpus other than the default."""
+    return f"char-{arch}-{n_params // 1000}k" + ("" if corpus == data.DEFAULT_CORPUS else f"-{corpus}")
 
 
 def char_lm_label(size: dict) -> str:
     """``model_label_of`` one ``CHAR_LM`` size."""
-    return model_label_of(char_lm_problem(size)[2], size.get("corpus", data.DEFAULT_CORPUS))
+    return model_label_of(char_lm_problem(size)[2], size.get("corpus", data.DEFAULT_CORPUS), size.get("arch", "gpt"))
 
 
 def lr_factor(step: int, steps: int) -> float:
