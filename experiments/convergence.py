@@ -7,6 +7,10 @@
     python experiments/convergence.py --extra none   # the full run without the extra configurations
     # two architectures the optimizers were not developed on, under both protocols (below)
     python experiments/convergence.py --extra large docstrings encoder llama --protocol both
+    # bf16 weights (stochastic rounding) beside fp32 AdamW on the 1.27M model -> results/convergence_bf16.csv
+    python experiments/convergence.py --experiment convergence_bf16 --size large --extra none \
+        --optimizers AdamW AdamW+bf16 Gefen-8bit-factored Gefen-8bit+bf16-sr Gefen-8bit-factored+bf16-sr
+    python analysis/convergence_bf16.py            # paper_figs/convergence_bf16.png
 
 Does Gefen reach AdamW's validation loss with about one byte of optimizer state per parameter?
 This is the one experiment that answers it: one Gefen-vs-AdamW number per model. A nanoGPT-style
@@ -262,6 +266,8 @@ def add_ratio_rows(res, finals, model_label, prefix=""):
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(parser)
+    parser.add_argument("--experiment", default=EXPERIMENT, choices=[EXPERIMENT, "convergence_bf16"],
+                        help="results file name: convergence_bf16 for the bf16 run (module docstring)")
     parser.add_argument("--tiny", action="store_true", help="test size: a 1-layer model for a few steps")
     parser.add_argument("--optimizers", nargs="+", default=OPTIMIZERS, metavar="NAME",
                         help=f"subset of {', '.join(OPTIMIZERS)} (default: all)")
@@ -356,7 +362,7 @@ def main(argv=None):
     print(f"[convergence] {model_label} size={size_name} model={vars(cfg)} steps={size['steps']} "
           f"batch={size['batch']} lrs={lrs} seeds={seeds} jobs={jobs}", flush=True)
     progress = not args.no_progress and jobs == 1
-    with Results(EXPERIMENT, args, config=config) as res:
+    with Results(args.experiment, args, config=config) as res:
         summary, skipped, ratios = run_config(res, args.optimizers, size, lrs, seeds, jobs, progress,
                                               protocol=args.protocol)
         for extra, ec in extras:

@@ -1,0 +1,18 @@
+"""Figure and README section: Gefen on bf16 weights with stochastic rounding against fp32 AdamW.
+
+    python analysis/convergence_bf16.py [--results-dir results] [--out paper_figs/convergence_bf16.png]
+
+Reads ``convergence_bf16.csv``, a run of experiments/convergence.py with ``--experiment
+convergence_bf16`` (its module docstring has the command), in convergence.csv's format: the figure
+and tables are analysis/convergence.py's, the verdict the bf16 target (within +0.5% of fp32 AdamW's
+final validation loss, median over seeds paired by seed).
+"""
+
+from analysis.common import Report, main
+from analysis.convergence import body, draw
+
+REPORT = Report("convergence_bf16", "convergence_bf16", "Gefen on bf16 weights with stochastic rounding", body, draw,
+                metrics=("final_val_loss", "val_loss", "best_lr"))
+
+if __name__ == "__main__":
+    main(REPORT, doc=__doc__)
