@@ -108,8 +108,9 @@ def configurations(rows, metric):
 
 
 def in_configuration(name: str, prefix: str) -> bool:
-    """Whether variant ``name`` belongs to the configuration of ``prefix`` (see ``configurations``)."""
-    return name.startswith(prefix) if prefix else "/" not in name
+    """Whether variant ``name`` belongs to the configuration of ``prefix`` (see ``configurations``):
+    the prefix and then a name without "/" (``<label>/dropin/<name>`` is not ``<label>/``'s)."""
+    return name.startswith(prefix) and "/" not in name[len(prefix):]
 
 
 def mean_std(vals):

@@ -8,7 +8,14 @@ Reads ``convergence.csv`` (variant = optimizer): ``lr_sweep_val_loss`` against `
 ``state_bytes_per_param``, ``step_time``; ``val_loss_vs_adamw`` per seed against ``model``.
 Left panel: validation loss against steps, mean over seeds with a min-max band. Right panel: final
 validation loss (mean ± std over seeds) against state bytes per parameter (log scale). A second row
-draws each extra configuration (variants ``<model label>/<optimizer>``) where the run has them.
+draws each extra configuration (variants ``<model label>/<optimizer>``) where the run has them, and
+a row each configuration's drop-in protocol (variants ``[<model label>/]dropin/<optimizer>``, every
+optimizer at AdamW's best lr; ``lr`` in place of ``best_lr``).
+
+The section: the character GPTs at each optimizer's best lr, their tables and the claims; then the
+architectures the optimizers were not developed on (``char-encoder-*``, ``char-llama-*``) and every
+drop-in protocol, as tables of the paired ratio's median, min and max; then the targets judged on
+every configuration under every protocol the run has.
 """
 
 from __future__ import annotations
@@ -26,6 +33,40 @@ FACTORED_TARGET = {"Gefen-8bit-factored": 0.003, "Gefen-4bit-factored": 0.006}
 # bf16 weights with stochastic rounding: loss within this of fp32 AdamW's (median over seeds, paired)
 BF16_TARGET = {"Gefen-8bit+bf16-sr": 0.005, "Gefen-8bit-factored+bf16-sr": 0.005}
 GEFEN = ("Gefen-8bit", "Gefen-4bit", *FACTORED_TARGET, *BF16_TARGET)
+DROPIN = "dropin/"  # experiments/convergence.py's variant prefix of the drop-in protocol
+GEFEN_X = "gefen-x"  # the peer whose loss the factored variants must reach at no more bytes
+ARCH_TEXT = {
+    "gpt": "character GPT",
+    "encoder": "character LM of PyTorch's pre-norm `nn.TransformerEncoderLayer` under a causal mask (fused q/k/v "
+               "`in_proj_weight`, biases, PyTorch's default initialisation, positional embeddings at zero, untied "
+               "head)",
+    "llama": "Llama-style character LM (RMSNorm, SwiGLU MLP, rotary position embeddings, no biases, untied head)",
+}
+
+
+def is_dropin(prefix: str) -> bool:
+    """Whether a configuration prefix is a drop-in protocol's (``dropin/`` or ``<label>/dropin/``)."""
+    return prefix == DROPIN or prefix.endswith("/" + DROPIN)
+
+
+def prefixes_of(rows):
+    """The run's configuration prefixes (``configurations``) that have rows, each configuration's
+    drop-in prefix right after its own."""
+    names = variants(rows, "final_val_loss")
+    return ordered([p for p in configurations(rows, "final_val_loss") if any(in_configuration(v, p) for v in names)])
+
+
+def ordered(prefixes):
+    """Configuration prefixes with each configuration's drop-in prefix right after its own."""
+    bases = [p for p in prefixes if not is_dropin(p)]
+    bases += [b for b in dict.fromkeys(p.removesuffix(DROPIN) for p in prefixes) if b not in bases]
+    return [p for b in bases for p in (b, b + DROPIN) if p in prefixes]
+
+
+def arch_of(label: str) -> str:
+    """The architecture of a model label ``char-<arch>-<k>k[-<corpus>]``."""
+    parts = label.split("-")
+    return parts[1] if len(parts) > 2 and parts[0] == "char" else "gpt"
 
 
 def summarise(rows, prefix=""):
@@ -39,7 +80,7 @@ def summarise(rows, prefix=""):
         for r in select(rows, "val_loss", name, x_name="step"):
             curves[r["seed"]].append((r["x_value"], r["value"]))
         out[short] = dict(
-            lr=value(rows, "best_lr", name),
+            lr=_lr(rows, name),
             curves={s: sorted(c) for s, c in curves.items()},
             finals=[r["value"] for r in select(rows, "final_val_loss", name)],
             bpp=value(rows, "state_bytes_per_param", name),
@@ -47,6 +88,12 @@ def summarise(rows, prefix=""):
             grid={r["x_value"]: r["value"] for r in select(rows, "lr_sweep_val_loss", name)},
         )
     return out
+
+
+def _lr(rows, name):
+    """The variant's lr: its ``best_lr``, or in the drop-in protocol its ``lr``."""
+    best = value(rows, "best_lr", name)
+    return best if math.isfinite(best) else value(rows, "lr", name)
 
 
 def ratios(rows):
@@ -60,10 +107,12 @@ def ratios(rows):
 def draw(rows, out, config):
     import matplotlib.pyplot as plt
 
-    prefixes = configurations(rows, "final_val_loss")
+    prefixes = prefixes_of(rows)
     fig, axes = plt.subplots(len(prefixes), 2, figsize=(12, 4.6 * len(prefixes)), squeeze=False)
     for (ax1, ax2), prefix in zip(axes, prefixes):
-        _draw_one(plt, ax1, ax2, summarise(rows, prefix), prefix.rstrip("/") or _main_label(rows))
+        label = prefix.removesuffix(DROPIN).rstrip("/") or _main_label(rows)
+        how = "every optimizer at AdamW's best lr (drop-in)" if is_dropin(prefix) else "each optimizer at its best lr"
+        _draw_one(plt, ax1, ax2, summarise(rows, prefix), label, how)
     save_figure(fig, out)
 
 
@@ -71,7 +120,7 @@ def _main_label(rows):
     return next(iter(ratios(rows)), "main model")
 
 
-def _draw_one(plt, ax1, ax2, summary, label):
+def _draw_one(plt, ax1, ax2, summary, label, how="each optimizer at its best lr"):
     lows, highs = [], []
     for i, (name, s) in enumerate(summary.items()):
         c = colour(name, i)
@@ -93,7 +142,7 @@ def _draw_one(plt, ax1, ax2, summary, label):
         ax2.annotate(name, (s["bpp"], mean), textcoords="offset points", fontsize=7, color=c,
                      xytext=(6, 4) if i % 2 == 0 else (-6, -10), ha="left" if i % 2 == 0 else "right")
     ax1.set(xlabel="training step", ylabel="validation loss (nats/char)",
-            title=f"{label}: validation loss, each optimizer at its best lr")
+            title=f"{label}: validation loss, {how}")
     if lows and highs:
         ax1.set_ylim(min(lows) - 0.05, max(highs) + 0.05)
     ax1.legend(fontsize=7)
@@ -162,7 +211,10 @@ def body(rows, config):
     rel = ratios(rows)
     text, summaries = [], {}
     extra = c.get("extra") or {}
-    for prefix in configurations(rows, "final_val_loss"):
+    prefixes = prefixes_of(rows)
+    for prefix in prefixes:
+        if is_dropin(prefix) or arch_of(prefix.rstrip("/") or _main_label(rows)) != "gpt":
+            continue  # in the part on untuned configurations below
         cc = (extra.get(prefix.rstrip("/")) or c.get("large") or {}) if prefix else c
         spec = cc.get("model")
         model = ", ".join(f"{k}={v}" for k, v in spec.items()) if isinstance(spec, dict) else ""
@@ -179,7 +231,7 @@ def body(rows, config):
     def bpp_of(model, name):
         return summaries.get(model, {}).get(name, {}).get("bpp", math.nan)
 
-    verdicts = _verdicts(rel, bpp_of)
+    verdicts = _verdicts({m: per for m, per in rel.items() if arch_of(m) == "gpt"}, bpp_of)
     if verdicts:
         text.append(f"Claims: Gefen's loss stays within {TARGET:.0%} of AdamW's; the factored second moment "
                     "(`factor_second_moment=True`) within +0.3% (8 bits) and +0.6% (4 bits), median over seeds "
@@ -188,7 +240,116 @@ def body(rows, config):
                     f"within +{BF16_TARGET['Gefen-8bit+bf16-sr']:.1%} of fp32 AdamW's. On a small model the vectors (per-element v "
                     "at block length 1) are a large share of the parameters, so the published Gefen itself can "
                     "exceed those bytes there.\n\n" + "\n".join(verdicts))
+    text += _untuned(rows, c, prefixes, rel)
     return "\n\n".join(text)
+
+
+def _describe(rows, c, prefix):
+    """The configuration line of one (configuration, protocol) prefix."""
+    base = prefix.removesuffix(DROPIN)
+    label = base.rstrip("/") or _main_label(rows)
+    cc = ((c.get("extra") or {}).get(label) or {}) if base else c
+    spec = cc.get("model")
+    model = ", ".join(f"{k}={v}" for k, v in spec.items()) if isinstance(spec, dict) else ""
+    how = ("Drop-in protocol: AdamW's lr grid on the first seed, then every optimizer at AdamW's best lr on every "
+           "seed (`gefen-x@0.6`: gefen-x at 0.6x that lr, as its README advises)." if is_dropin(prefix) else
+           "Each optimizer's lr is the best of the grid by the first seed's final validation loss; that lr is "
+           "rerun on the other seeds.")
+    return (f"**{label}, {'drop-in' if is_dropin(prefix) else 'best lr'}**: "
+            f"{ARCH_TEXT.get(arch_of(label), arch_of(label))} ({model}; "
+            f"{fmt(value(rows, 'params', prefix + 'AdamW'))} parameters) on "
+            f"{CORPUS_TEXT.get(cc.get('corpus', 'docs+code'), cc.get('corpus'))}, {cc.get('steps', '?')} steps, batch "
+            f"{cc.get('batch', '?')}. Warm-up then cosine decay, clipping 1.0, weight decay 0.1. {how}")
+
+
+def _paired(rel, label, prefix, name):
+    """Per-seed ratios to AdamW of ``name`` in the configuration of ``prefix``."""
+    return rel.get(label, {}).get((DROPIN if is_dropin(prefix) else "") + name, [])
+
+
+def _spread(vals):
+    """(median, min, max) of per-seed ratios; NaNs when there are none."""
+    return (statistics.median(vals), min(vals), max(vals)) if vals else (math.nan,) * 3
+
+
+def _ratio_table(rows, summary, prefix, per):
+    head = ["optimizer", "lr", "final val loss (nats/char, mean ± std)", "state B/param", "step (ms)",
+            "loss / AdamW's: median", "min", "max", "seeds worse than AdamW"]
+    table = []
+    for name, s in summary.items():
+        seeds = per(name)
+        med, lo, hi = _spread(seeds)
+        cells = [f"**{name}**" if name in GEFEN else name, f"{s['lr']:g}", pm(*mean_std(s["finals"])), fmt(s["bpp"], 4),
+                 fmt(s["step_ms"])]
+        cells += (["—"] * 4 if name == "AdamW" else
+                  [f"{med - 1:+.2%}", f"{lo - 1:+.2%}", f"{hi - 1:+.2%}", f"{sum(v > 1 for v in seeds)} of {len(seeds)}"])
+        table.append(cells)
+    lrs = sorted({lr for s in summary.values() for lr in s["grid"]})
+    gridded = {n: s for n, s in summary.items() if s["grid"]}
+    grid = md_table(["optimizer"] + [f"lr {lr:g}" for lr in lrs],
+                    [[n] + [fixed(s["grid"].get(lr)) for lr in lrs] for n, s in gridded.items()])
+    return md_table(head, table) + "\n\nFinal validation loss of the first seed over the lr grid:\n\n" + grid
+
+
+def _judge(ok):
+    return "—" if ok is None else "**met**" if ok else "**not met**"
+
+
+def _target_rows(rows, prefixes, rel, summaries):
+    """One row per (configuration, protocol): the factored variants' targets and Gefen-X's loss."""
+    out = []
+    for prefix in prefixes:
+        label = prefix.removesuffix(DROPIN).rstrip("/") or _main_label(rows)
+        summary = summaries[prefix]
+        med = {n: _spread(_paired(rel, label, prefix, n))[0] for n in summary}
+        peers = [n for n in summary if n.partition("@")[0] == GEFEN_X and math.isfinite(med[n])]
+        gx = min(peers, key=med.get) if peers else None
+        cells = [label, "drop-in" if is_dropin(prefix) else "best lr"]
+        for name, t in FACTORED_TARGET.items():
+            if name not in summary or not math.isfinite(med[name]):
+                cells += ["—", "—"]
+                continue
+            bpp, cap = summary[name]["bpp"], GEFEN_TARGET_BPP[name]
+            cells += [f"{med[name] - 1:+.2%} {_judge(med[name] - 1 <= t)}", f"{fmt(bpp, 4)} {_judge(bpp <= cap)}"]
+        if gx is None:
+            cells += ["—"] * (1 + len(FACTORED_TARGET))
+        else:
+            gbpp = summary[gx]["bpp"]
+            cells.append(f"{gx}: {med[gx] - 1:+.2%}, {fmt(gbpp, 4)} B/param")
+            for name in FACTORED_TARGET:
+                ok = (med[name] <= med[gx] and summary[name]["bpp"] <= gbpp) if name in summary and \
+                    math.isfinite(med[name]) else None
+                cells.append(_judge(ok))
+        out.append(cells)
+    return out
+
+
+def _untuned(rows, c, prefixes, rel):
+    """The architectures the optimizers were not developed on and every drop-in protocol: per
+    configuration a table of the paired ratio's median, min and max; then every target, judged on
+    every configuration and protocol of the run."""
+    text = []
+    summaries = {p: summarise(rows, p) for p in prefixes}
+    for prefix in prefixes:
+        label = prefix.removesuffix(DROPIN).rstrip("/") or _main_label(rows)
+        if not is_dropin(prefix) and arch_of(label) == "gpt":
+            continue
+        text.append(_describe(rows, c, prefix))
+        text.append(_ratio_table(rows, summaries[prefix], prefix, lambda n: _paired(rel, label, prefix, n)))
+    if not any(n in s for s in summaries.values() for n in FACTORED_TARGET):
+        return text
+    head = ["configuration", "protocol"]
+    for name, t in FACTORED_TARGET.items():
+        head += [f"{name}: median vs AdamW (target {t:+.1%})", f"B/param (target ≤ {GEFEN_TARGET_BPP[name]:g})"]
+    head += ["Gefen-X (its best lr variant): median, B/param"]
+    head += [f"{name}: Gefen-X's loss or lower at its bytes or fewer" for name in FACTORED_TARGET]
+    text.append("Targets on every configuration and protocol: the factored second moment within +0.3% (8 bits) and "
+                "+0.6% (4 bits) of AdamW's loss, median over seeds paired by seed, at most "
+                f"{GEFEN_TARGET_BPP['Gefen-8bit-factored']:g} and {GEFEN_TARGET_BPP['Gefen-4bit-factored']:g} B/param; "
+                "and a median ratio no higher than Gefen-X's (the lower of its variants in the protocol: in the "
+                "drop-in one, AdamW's lr or 0.6x it) at no more state bytes than Gefen-X's.\n\n"
+                + md_table(head, _target_rows(rows, prefixes, rel, summaries)))
+    return text
 
 
 REPORT = Report("convergence", "convergence", "Gefen: convergence at AdamW's quality", body, draw,
