@@ -18,8 +18,11 @@ from analysis.common import (CORPUS_TEXT, Report, configurations, fmt, in_config
                              select, variants)
 
 LABELS = {"none": "nothing (Gefen as published)", "all": "every tensor", "embedding": "the embeddings",
+          "vectors": "the vectors (norm gains, biases)",
           "factored": "nothing, the second moment factored"}
 TARGET = 1.03
+ARCH_TEXT = {"gpt": "character GPT", "encoder": "character LM of PyTorch's pre-norm `nn.TransformerEncoderLayer`",
+             "llama": "Llama-style character LM"}
 
 
 def collect(rows, prefix=""):
@@ -89,7 +92,7 @@ def body(rows, config):
         data = collect(rows, prefix)
         n_seeds = max(len(d[2]) for d in data.values())
         corpus = cc.get("corpus", "docs+code")
-        text.append(f"**{prefix.rstrip('/') or _main_label(config)}**: character GPT of "
+        text.append(f"**{prefix.rstrip('/') or _main_label(config)}**: {ARCH_TEXT[cc.get('arch', 'gpt')]} of "
                     f"{fmt(cc.get('params'))} parameters (n_embd {cc.get('model', {}).get('n_embd', '?')}) on "
                     f"{CORPUS_TEXT.get(corpus, corpus)}, {cc.get('steps', '?')} steps, lr {c.get('lr', '?')}, "
                     f"{n_seeds} seed(s).")

@@ -5,6 +5,8 @@
     python analysis/gefen_ablation.py
     # which tensors carry the gap left by the factored second moment, on the larger model
     python experiments/gefen_ablation.py --sizes large --on-factored --variants none attn_qkv mlp_in
+    # the same on the encoder built from torch's nn.TransformerEncoderLayer, at AdamW's 300-step lr there
+    python experiments/gefen_ablation.py --sizes encoder --steps 300 --lr 8e-3 --on-factored --variants factored attn_qkv
 
 Each variant is 8-bit Gefen (registry name Gefen-8bit) with ``share_second_moment=False`` (a
 per-element v, as block length 1) on the named group of tensors only, through a second parameter
@@ -14,8 +16,12 @@ model, data, schedule and sizes are experiments/convergence.py's (experiments/tr
 initialisation and batches per seed for every variant and for AdamW. ``factored`` is Gefen with
 ``factor_second_moment=True`` on every tensor (registry name Gefen-8bit-factored); with
 ``--on-factored`` every variant also runs on top of it (variant ``factored+<name>``: the named
-tensors per element, the rest factored). Vectors (norm gains, biases) are no variant: Gefen's block
-rule already gives each of them block length 1 in these models.
+tensors per element, the rest factored). Vectors (norm gains, biases) are no variant of the GPT's
+full run: Gefen's block rule already gives each of them block length 1 there. Every ``CHAR_LM``
+architecture has the same kinds of tensors under its own names (``PATTERNS``): the encoder's
+``attn_qkv`` is ``nn.MultiheadAttention``'s fused ``in_proj_weight``, the Llama-style model's
+``mlp_in`` its gate and up projections; ``vectors`` (every norm gain and bias) is a variant on
+request, since the rule shares v inside some of them in those models.
 
 The full run ablates two configurations (``--sizes``, ``CHAR_LM`` names): ``full`` (convergence.py's
 116k model on documentation plus code, every variant) and ``docstrings`` (a 429k model on English
@@ -37,7 +43,7 @@ import statistics
 import torch
 
 from experiments.common import Results, add_common_args
-from experiments.models import GPT
+from experiments.models import char_lm_model
 from experiments.pool import RunPool
 from experiments.registry import make_optimizer
 from experiments.train import CHAR_LM, WEIGHT_DECAY, char_lm_label, char_lm_problem, train_lm
@@ -54,6 +60,32 @@ VARIANTS = {
     "attn_out": r"attn\.o_proj\.weight$",
     "mlp_in": r"mlp\.fc\.weight$",
     "mlp_out": r"mlp\.proj\.weight$",
+}
+# the same kinds of tensors in every architecture of experiments/models.py, and its vectors
+PATTERNS = {
+    "gpt": dict(VARIANTS, vectors=r"(bias|ln_\d\.weight|ln_f\.weight)$"),
+    "encoder": {
+        "none": None,
+        "all": r".",
+        "embedding": r"^(tok\.weight|pos)$",
+        "lm_head": r"^head\.weight$",
+        "attn_qkv": r"self_attn\.in_proj_weight$",
+        "attn_out": r"self_attn\.out_proj\.weight$",
+        "mlp_in": r"linear1\.weight$",
+        "mlp_out": r"linear2\.weight$",
+        "vectors": r"(bias|norm\d?\.weight)$",
+    },
+    "llama": {
+        "none": None,
+        "all": r".",
+        "embedding": r"^embed_tokens\.weight$",
+        "lm_head": r"^lm_head\.weight$",
+        "attn_qkv": r"self_attn\.[qkv]_proj\.weight$",
+        "attn_out": r"self_attn\.o_proj\.weight$",
+        "mlp_in": r"mlp\.(gate|up)_proj\.weight$",
+        "mlp_out": r"mlp\.down_proj\.weight$",
+        "vectors": r"norm\.weight$",
+    },
 }
 FACTORED = "factored"  # every tensor shared and factored, none per element
 QUICK_VARIANTS = ["none", "all", "attn_qkv", "embedding", FACTORED]
@@ -77,11 +109,12 @@ def final_loss(size: dict, variant: str | None, seed: int, lr: float) -> float:
     process."""
     cfg, corpus, _ = char_lm_problem(size)
     torch.manual_seed(seed)
-    model = GPT(cfg)
+    model = char_lm_model(cfg)
     if variant is None:
         opt = make_optimizer("AdamW", model.parameters(), lr, WEIGHT_DECAY)
     else:
-        pattern = VARIANTS.get(variant.removeprefix(f"{FACTORED}+"))
+        own = variant.removeprefix(f"{FACTORED}+")
+        pattern = None if own == FACTORED else PATTERNS[size.get("arch", "gpt")][own]
         opt = make_optimizer("Gefen-8bit", per_element_v_groups(model, pattern, variant.startswith(FACTORED)), lr,
                              WEIGHT_DECAY)
     return train_lm(model, opt, corpus[0], corpus[1], lr=lr, steps=size["steps"], batch=size["batch"], seed=seed,
@@ -104,7 +137,7 @@ def main(argv=None):
     add_common_args(parser)
     parser.add_argument("--tiny", action="store_true", help="test size (seconds)")
     parser.add_argument("--variants", nargs="+", default=None,
-                        choices=[*VARIANTS, FACTORED, *(f"{FACTORED}+{v}" for v in VARIANTS if v != "none")],
+                        choices=[*PATTERNS["gpt"], FACTORED, *(f"{FACTORED}+{v}" for v in PATTERNS["gpt"] if v != "none")],
                         help="default: all (--quick: " + ", ".join(QUICK_VARIANTS) + ")")
     parser.add_argument("--seeds", type=int, default=None, help="default: the size's seeds (3 full, 1 quick)")
     parser.add_argument("--steps", type=int, default=None, help="default: the size's steps")
@@ -131,7 +164,8 @@ def main(argv=None):
         variants = variants_of(name, args)
         configs.append((size, dict(size, size=name, label=label, prefix="" if k == 0 else label + "/", seeds=seeds,
                                    variants=variants, model=vars(cfg), params=n_params,
-                                   patterns={v: VARIANTS.get(v.removeprefix(f"{FACTORED}+")) for v in variants})))
+                                   patterns={v: PATTERNS[size.get("arch", "gpt")].get(v.removeprefix(f"{FACTORED}+"))
+                                             for v in variants})))
     config = dict(vars(args), jobs=jobs, **configs[0][1], extra={c["label"]: c for _, c in configs[1:]})
     with Results("gefen_ablation", args, config=config) as res, RunPool(jobs) as pool:
         runs = [(c, {v: [pool.submit(final_loss, size, None if v == "AdamW" else v, s, args.lr) for s in c["seeds"]]

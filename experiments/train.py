@@ -50,11 +50,13 @@ CHAR_LM = {
                        corpus="docstrings"),
     # two architectures the optimizers were not developed on (models.EncoderLM, a stack of torch's
     # nn.TransformerEncoderLayer with its fused q/k/v tensor, and models.LlamaLM), on "full"'s corpus
-    # with a larger batch; a grid of factors of two, since another architecture has its own best lr
+    # with a larger batch; a wide grid of factors of two, since another architecture has its own best lr
     "encoder": dict(arch="encoder", n_layer=2, n_head=4, n_embd=128, block=64, batch=32, steps=1000,
-                    eval_every=100, eval_windows=128, max_chars=1_000_000, lrs=[1e-3, 2e-3, 4e-3, 8e-3], seeds=5),
+                    eval_every=100, eval_windows=128, max_chars=1_000_000, lrs=[1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2],
+                    seeds=5),
     "llama": dict(arch="llama", n_layer=2, n_head=4, n_embd=128, block=64, batch=32, steps=1000,
-                  eval_every=100, eval_windows=128, max_chars=1_000_000, lrs=[1e-3, 2e-3, 4e-3, 8e-3], seeds=5),
+                  eval_every=100, eval_windows=128, max_chars=1_000_000, lrs=[1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2],
+                  seeds=5),
 }
 
 

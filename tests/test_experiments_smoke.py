@@ -368,6 +368,25 @@ def test_gefen_ablation_groups_give_per_element_v_only_to_the_named_tensors():
     assert groups[0]["factor_second_moment"] is True and "factor_second_moment" not in groups[1]
 
 
+def test_gefen_ablation_patterns_name_the_same_kinds_in_every_architecture():
+    """Every architecture's patterns name some tensor of its model, disjoint kinds of matrices, and
+    ``vectors`` exactly its 1-D tensors."""
+    import re
+
+    from experiments.gefen_ablation import PATTERNS
+    from experiments.models import ARCHITECTURES, char_lm_model
+
+    for arch, patterns in PATTERNS.items():
+        assert set(patterns) == set(PATTERNS["gpt"]), arch
+        model = char_lm_model(ARCHITECTURES[arch][0](block=16, n_layer=2, n_head=2, n_embd=32))
+        names = {n: p.dim() for n, p in model.named_parameters()}
+        kinds = {v: {n for n in names if re.search(pat, n)} for v, pat in patterns.items() if pat and v != "all"}
+        assert all(kinds.values()), (arch, kinds)
+        assert kinds["vectors"] == {n for n, d in names.items() if d == 1}, arch
+        matrices = [k for v, k in kinds.items() if v != "vectors"]
+        assert sum(map(len, matrices)) == len(set().union(*matrices)) == sum(d > 1 for d in names.values()), arch
+
+
 @pytest.mark.timeout(300)
 def test_gefen_ablation_tiny_run_and_figure(tmp_path, monkeypatch):
     _main("experiments.gefen_ablation", ["--tiny", "--variants", "attn_qkv", "factored", "--on-factored",
