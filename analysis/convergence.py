@@ -255,6 +255,10 @@ def _describe(rows, c, prefix):
            "seed (`gefen-x@0.6`: gefen-x at 0.6x that lr, as its README advises)." if is_dropin(prefix) else
            "Each optimizer's lr is the best of the grid by the first seed's final validation loss; that lr is "
            "rerun on the other seeds.")
+    grid = summarise(rows, prefix).get("AdamW", {}).get("grid") or {}
+    best = _lr(rows, prefix + "AdamW")
+    if len(grid) > 2 and best in (min(grid), max(grid)):
+        how += f" AdamW's best lr ({best:g}) is at the edge of the grid: a wider grid may find a better one."
     return (f"**{label}, {'drop-in' if is_dropin(prefix) else 'best lr'}**: "
             f"{ARCH_TEXT.get(arch_of(label), arch_of(label))} ({model}; "
             f"{fmt(value(rows, 'params', prefix + 'AdamW'))} parameters) on "

@@ -232,3 +232,25 @@ def test_larger_configuration_rows_two_jobs_equal_one_and_figure(tmp_path):
                            str(tmp_path / "one"), "--out", str(out)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_both_protocols_share_their_common_runs(tmp_path, monkeypatch):
+    """--protocol both trains each (optimizer, lr, seed) once: the drop-in AdamW is the best-lr AdamW,
+    and an optimizer whose best lr is AdamW's has the same rows in both protocols."""
+    calls = []
+    job = conv._job
+    monkeypatch.setattr(conv, "_job", lambda *a: calls.append(a[:3]) or job(*a))
+    conv.main(TINY + ["--results-dir", str(tmp_path), "--optimizers", "AdamW", "Gefen-8bit-factored",
+                      "--lrs", "3e-3", "1e-2", "--seeds", "2", "--protocol", "both", "--jobs", "1"])
+    assert len(calls) == len(set(calls))
+    rows = read_results("convergence", tmp_path)
+    final = {(r["variant"], r["seed"]): r["value"] for r in rows if r["metric"] == "final_val_loss"}
+    lr = {r["variant"]: r["value"] for r in rows if r["metric"] in ("best_lr", "lr")}
+    assert lr["dropin/AdamW"] == lr["AdamW"] == lr["dropin/Gefen-8bit-factored"]
+    for seed in ("0", "1"):
+        assert final[("dropin/AdamW", seed)] == final[("AdamW", seed)]
+        if lr["Gefen-8bit-factored"] == lr["AdamW"]:
+            assert final[("dropin/Gefen-8bit-factored", seed)] == final[("Gefen-8bit-factored", seed)]
+    # AdamW's sweep (2) and its other seed, the Gefen's sweep (2) and its other seed, and its drop-in
+    # runs where its best lr is not AdamW's
+    assert len(calls) == 6 + (0 if lr["Gefen-8bit-factored"] == lr["AdamW"] else 1)
