@@ -349,10 +349,10 @@ def unavailable(config):
     if name == "gefen-x" and gefen_x() is None:
         return f"gefen-x: not installed in {GEFEN_X_DIR.relative_to(REPO_ROOT)}; install it with `{GEFEN_X_INSTALL}`"
     if in_backward:
-        try:
-            from optim import step_in_backward  # noqa: F401  (only whether it is there)
-        except ImportError as exc:
-            return f"{config}: optim.step_in_backward is not available ({exc})"
+        import optim
+
+        if not hasattr(optim, "step_in_backward"):
+            return f"{config}: optim.step_in_backward is not available"
     if weights == "bf16" and name.startswith("Gefen"):
         from optim import Gefen
 
@@ -563,7 +563,9 @@ def distributed(res, args, size, configs, largest):
                     code = 3 if any(r.returncode is None for r in ranks) else 2
                 res.add(v, f"outcome_{kind}_micro_batch", "code", code, **x)
                 if code:
-                    why = "; ".join(f"rank {i}: {_why(r)}" for i, r in enumerate(ranks) if r.outcome != "ok")
+                    why = ("; ".join(f"rank {i}: {_why(r)}" for i, r in enumerate(ranks) if r.outcome != "ok")
+                           if code != 1 else ", ".join(f"rank {i}" for i, r in enumerate(ranks) if r.oom_killed)
+                           + " killed for memory (a rank left alive then fails in its next collective)")
                     note(res, f"{strategy} {config} at micro-batch {mb} ({kind}"
                               f"{f', {budget:g} GiB a rank' if limit else ''}): {why}")
                     print(f"[{strategy}] {config} mb={mb}: {why}", flush=True)

@@ -28,14 +28,13 @@ import weakref
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 CATEGORIES = ("weights", "gradients", "state", "rest")
 
 
 def _storage(t):
     """The storage of a dense tensor, None for tensors without one (sparse, meta, wrappers)."""
-    if not isinstance(t, torch.Tensor) or t.is_sparse or t.device.type == "meta":
+    if not isinstance(t, torch.Tensor) or t.is_sparse or t.is_meta:
         return None
     try:
         return t.untyped_storage()
@@ -43,27 +42,38 @@ def _storage(t):
         return None
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
 def _parts(t):
     """The plain tensors that hold ``t``'s bytes: a sparse tensor's indices and values, a tensor
     subclass's inner tensors (a DTensor's local shard, torchao's quantised codes and scales; the
     wrapper's own storage, if it has one, is sized by the shape it presents, not by its bytes)."""
     if t.is_sparse:
-        yield t._indices()
-        yield t._values()
-    elif type(t) not in (torch.Tensor, torch.nn.Parameter) and hasattr(t, "__tensor_flatten__"):
+        return [t._indices(), t._values()]
+    if type(t) not in _PLAIN and hasattr(t, "__tensor_flatten__"):
         names, _ = t.__tensor_flatten__()
-        for name in names:
-            yield from _parts(getattr(t, name))
-    else:
-        yield t
+        return [q for name in names for q in _parts(getattr(t, name))]
+    return [t]
 
 
-def _tensors(obj):
-    """Every plain tensor in a nested state (dicts, lists, tuples), subclasses and sparse tensors
-    by their parts (``_parts``)."""
-    for leaf in tree_leaves(obj):
-        if isinstance(leaf, torch.Tensor):
-            yield from _parts(leaf)
+def _tensors(obj) -> list:
+    """Every plain tensor in nested dicts, lists and tuples, subclasses and sparse tensors by their
+    parts (``_parts``). Walked directly, not by a pytree flatten: this runs at every allocation, over
+    the optimizer's whole state, and must cost little next to the operation it follows."""
+    out, todo = [], [obj]
+    while todo:
+        x = todo.pop()
+        if isinstance(x, torch.Tensor):
+            if type(x) in _PLAIN and not x.is_sparse:
+                out.append(x)
+            else:
+                out.extend(_parts(x))
+        elif isinstance(x, dict):
+            todo.extend(x.values())
+        elif isinstance(x, (list, tuple)):
+            todo.extend(x)
+    return out
 
 
 def _rss() -> int:
@@ -128,26 +138,43 @@ class PeakMemory(TorchDispatchMode):
         self._hwm_ok = False
         self._pending = self._peak_pending = False
         self._at_alloc = 0
+        self._ids = {}  # id(tensor) -> (weakref to it, its data_ptr, id of its storage or None)
+        # the storages of weights, gradients and state at the last split, and their bytes still live:
+        # a lower bound of the known bytes now (storages made since may have joined them)
+        self._known_ids, self._known_lower = set(), 0
+
+    def _storage_id(self, t):
+        """id of ``t``'s storage (None without one), remembered per tensor while the tensor and its
+        data pointer stay the same: the split below runs at every allocation."""
+        entry = self._ids.get(id(t))
+        if entry is not None and entry[0]() is t and entry[1] == t.data_ptr():
+            return entry[2]
+        st = _storage(t)
+        sid = None if st is None else id(st)
+        try:
+            self._ids[id(t)] = (weakref.ref(t), t.data_ptr(), sid)
+        except (TypeError, RuntimeError):
+            pass
+        return sid
 
     def _known(self) -> dict:
         """{category: set of id(storage)} of the weights, gradients and state alive now."""
-        weights = {id(s) for s in map(_storage, self.params) if s is not None}
-        grads = set()
-        for p in self.params:
-            if p.grad is not None:
-                grads.update(id(s) for s in map(_storage, _tensors(p.grad)) if s is not None)
+        ids = self._storage_id
+        weights = {ids(p) for p in self.params} - {None}
+        grads = {ids(g) for p in self.params if p.grad is not None for g in _tensors(p.grad)} - {None}
         state = set()
         opt = self.optimizer
         if opt is not None:
-            held = [list(opt.state.values()), getattr(opt, "codebook", None)]
-            state = {id(s) for s in map(_storage, _tensors(held)) if s is not None}
+            state = {ids(t) for t in _tensors([list(opt.state.values()), getattr(opt, "codebook", None)])} - {None}
         return {"weights": weights, "gradients": grads - weights, "state": state - weights - grads}
 
     def split(self) -> dict:
         """The bytes counted now, split into the four categories."""
-        out = {name: sum(self._live[k][1] for k in ids if k in self._live)
-               for name, ids in self._known().items()}
-        out["rest"] = self.current - sum(out.values())
+        known = self._known()
+        out = {name: sum(self._live[k][1] for k in ids if k in self._live) for name, ids in known.items()}
+        self._known_ids = {k for ids in known.values() for k in ids if k in self._live}
+        self._known_lower = sum(out.values())
+        out["rest"] = self.current - self._known_lower
         return out
 
     def _count(self, st):
@@ -163,6 +190,9 @@ class PeakMemory(TorchDispatchMode):
         entry = self._live.pop(key, None)
         if entry is not None:
             self.current -= entry[1]
+            if key in self._known_ids:
+                self._known_ids.discard(key)
+                self._known_lower -= entry[1]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self._settle()
@@ -185,6 +215,8 @@ class PeakMemory(TorchDispatchMode):
         if not self._pending:
             return
         self._pending = False
+        if not self._peak_pending and self._at_alloc - self._known_lower <= self.transient:
+            return  # the known bytes are at least the bound: this allocation cannot raise the transient
         now = self.split()
         known = now["weights"] + now["gradients"] + now["state"]
         self.transient = max(self.transient, self._at_alloc - known)
