@@ -85,7 +85,7 @@ SIZES = {  # models of the peaks (name -> spec, micro-batches), the budget searc
         peaks=[(dict(kind="mlp", width=2048, depth=12), (8, 64)), (dict(kind="mlp", width=2896, depth=12), (8, 64)),
                (dict(kind="gpt", n_embd=512, n_layer=4, n_head=8, block=64), (4, 16))],
         ladder=dict(kind="mlp", depth=12, micro_batch=8, max_width=16384), max_micro_batch=512,
-        mb_budgets=[0.5], model_budgets=[0.5, 1.5], equal_micro_batch=8, dist_steps=(1, 3), timeout=900),
+        mb_budgets=[0.5], model_budgets=[0.5, 1.0], equal_micro_batch=8, dist_steps=(1, 3), timeout=900),
     "quick": dict(
         peaks=[(dict(kind="mlp", width=256, depth=12), (8, 64)),
                (dict(kind="gpt", n_embd=64, n_layer=2, n_head=4, block=32), (4, 16))],
@@ -101,7 +101,7 @@ OURS = [("Gefen-8bit", "fp32", False), ("Gefen-8bit", "fp32", True), ("Gefen-4bi
         ("Gefen-8bit-factored", "bf16", False), ("Gefen-8bit-factored", "bf16", True),
         ("Gefen-4bit-factored", "fp32", False), ("Gefen-4bit-factored", "bf16", True)]
 FIT = ["AdamW", "AdamW+bf16", "torchao-AdamW8bit", "torchao-AdamW4bit", "gefen-upstream", "gefen-x", "Gefen-8bit",
-       LEAN, "Gefen-4bit-factored+bf16-sr+in-backward"]
+       LEAN]
 DIST = ["AdamW", "AdamW+bf16", "torchao-AdamW8bit", "gefen-upstream", "Gefen-8bit", LEAN]
 QUICK = dict(peaks=["AdamW", "AdamW+bf16", "gefen-x", "Gefen-8bit", "Gefen-8bit+in-backward", LEAN],
              fit=["AdamW", LEAN], dist=["AdamW"])
