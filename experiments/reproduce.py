@@ -42,14 +42,19 @@ EXPERIMENTS = {
     "gefen_peak_memory": ["gefen_peak_memory"],
     "gefen_ablation": ["gefen_ablation"],
     "hessian_alignment": ["hessian_alignment"],
-    "convergence": ["convergence"],
+    "convergence": ["convergence", "convergence_bf16"],
     "kernel_resources": ["kernel_resources"],
+}
+# experiment script -> more runs of it with these arguments (each its own results file)
+MORE_RUNS = {
+    "convergence": [["--experiment", "convergence_bf16", "--size", "large", "--extra", "none", "--optimizers",
+                     "AdamW", "AdamW+bf16", "Gefen-8bit-factored", "Gefen-8bit+bf16-sr", "Gefen-8bit-factored+bf16-sr"]],
 }
 # analysis script -> the figure it draws (None: a results/README.md section only)
 FIGURE_OF = {"correctness": None, "dsa_fault_injection": None, "dsa_throughput": "dsa_throughput", "dsa_seed_benchmark": "dsa_seed_benchmark", "dsa_billions": None, "dsa_out_of_core": "dsa_out_of_core", "dsa_distributed": "dsa_distributed", "poincare": "poincare", "codebook": "codebook",
              "gefen_memory": "gefen_memory", "gefen_peak_memory": "gefen_peak_memory", "gefen_ablation": "gefen_ablation",
              "hessian_alignment": "hessian_alignment",
-             "convergence": "convergence", "kernel_resources": None}
+             "convergence": "convergence", "convergence_bf16": "convergence_bf16", "kernel_resources": None}
 
 
 def _run(cmd, log, timeout):
@@ -88,12 +93,13 @@ def main(argv=None):
     start = time.perf_counter()
     log: list[tuple[str, str, float]] = []
     for name in names:
-        cmd = [env_py, REPO_ROOT / "experiments" / f"{name}.py", "--results-dir", results]
-        if args.quick:
-            cmd.append("--quick")
-        if args.wandb:
-            cmd += ["--wandb", args.wandb]
-        _run(cmd, log, timeout)
+        for extra in [[]] + MORE_RUNS.get(name, []):
+            cmd = [env_py, REPO_ROOT / "experiments" / f"{name}.py", "--results-dir", results, *extra]
+            if args.quick:
+                cmd.append("--quick")
+            if args.wandb:
+                cmd += ["--wandb", args.wandb]
+            _run(cmd, log, timeout)
     for name in names:
         for fig in EXPERIMENTS[name]:
             cmd = [env_py, REPO_ROOT / "analysis" / f"{fig}.py", "--results-dir", results]

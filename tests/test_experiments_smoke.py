@@ -267,7 +267,7 @@ def test_correctness_tiny_triton_case(tmp_path, monkeypatch, capsys):
 
 # -------------------------------------------------------------------------------- reproduce
 # The shared harness (and the ahead-of-time compile tool kernel_resources uses): not experiments.
-HARNESS = {"common", "data", "models", "registry", "train", "pool", "triton_aot"}
+HARNESS = {"common", "data", "models", "registry", "train", "pool", "triton_aot", "peak", "memcg"}
 
 
 def test_reproduce_covers_every_experiment_and_analysis():
@@ -490,7 +490,7 @@ def test_quick_runs_write_under_quick(monkeypatch):
 def test_registry_names_are_the_canonical_ones():
     from experiments.registry import DENSE, OPTIMIZERS
 
-    assert DENSE == ["AdamW", "Adam-mini", "torchao-AdamW8bit", "torchao-AdamW4bit", "gefen-upstream",
+    assert DENSE == ["AdamW", "Adam-mini", "torchao-AdamW8bit", "torchao-AdamW4bit", "gefen-upstream", "gefen-x",
                      "Gefen-8bit", "Gefen-4bit", "Gefen-8bit-factored", "Gefen-4bit-factored"]
     assert set(OPTIMIZERS) == set(DENSE) | {"SparseAdam", "DiskSparseAdam", "DiskSparseRiemannianAdam",
                                             "geoopt-SparseRiemannianAdam"}
