@@ -451,3 +451,40 @@ def _step_serial(bits4, per_element, factored, quant, meta, jobs, ratio, cb, bou
     for k in range(jobs.shape[0]):
         _job(bits4, per_element, factored, quant, meta, jobs, k, ratio, cb, bounds, lut_code, lut_bound, lut_values,
              lut_scale, block, S, w1, beta2, one_minus_beta2, decay, neg_step, bc2_sqrt, eps)
+
+
+# ------------------------------------------------------------------------- stochastic rounding
+_MASK32 = np.uint64(0xFFFFFFFF)
+
+
+@njit(nogil=True, error_model="numpy", cache=True)
+def _hash32(x):
+    """``optim._rounding.hash32`` on a uint64 holding 32 bits (numba widens uint32 products)."""
+    x = x ^ (x >> np.uint64(16))
+    x = (x * np.uint64(0x7FEB352D)) & _MASK32
+    x = x ^ (x >> np.uint64(15))
+    x = (x * np.uint64(0x846CA68B)) & _MASK32
+    return x ^ (x >> np.uint64(16))
+
+
+@njit(nogil=True, error_model="numpy", cache=True)
+def round_bf16_stochastic(x, out, seed, offset):
+    """fp32 ``x`` rounded stochastically into ``out`` (uint16 bf16 bit patterns): the random word of
+    element i is ``hash32(((offset + i) * GOLDEN + seed) mod 2**32)`` and its low 16 bits are added
+    to x's pattern before truncation; non-finite x, or a result that would round to an infinity,
+    round to nearest (``optim._rounding.round_stochastic``, bit for bit)."""
+    bits = x.view(np.uint32)
+    s = np.uint64(seed) & _MASK32
+    for i in range(x.size):
+        k = np.uint64(offset + i) & _MASK32
+        h = _hash32((((k * np.uint64(0x9E3779B9)) & _MASK32) + s) & _MASK32)
+        b = np.uint64(bits[i])
+        exp_all_ones = (b & np.uint64(0x7F800000)) == np.uint64(0x7F800000)
+        up = ((b + (h & np.uint64(0xFFFF))) & _MASK32) >> np.uint64(16)
+        if exp_all_ones or (up & np.uint64(0x7F80)) == np.uint64(0x7F80):
+            # round to nearest, ties to even (NaN stays NaN: its pattern keeps a set mantissa bit)
+            if exp_all_ones and (b & np.uint64(0x7FFFFF)) != np.uint64(0):
+                up = (b >> np.uint64(16)) | np.uint64(0x40)
+            else:
+                up = ((b + np.uint64(0x7FFF) + ((b >> np.uint64(16)) & np.uint64(1))) & _MASK32) >> np.uint64(16)
+        out[i] = np.uint16(up)

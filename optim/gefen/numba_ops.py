@@ -139,7 +139,7 @@ def _step_pieces(ps, gs, vs, scales, codes, tables, *, S, hyper, block, bits, qu
     """The step of a call with bf16, fp16 or strided parameters or gradients: a piece at a time
     (``torch_ops.pieces``), so the fp32 copies stay a piece long; the factor ``w`` is updated over
     whole gradients first (``torch_ops.factor_update_``)."""
-    from ._numba_kernels import kernel
+    from ._numba_kernels import kernel, round_bf16_stochastic
 
     ratio = None
     if ws is not None:
@@ -147,11 +147,15 @@ def _step_pieces(ps, gs, vs, scales, codes, tables, *, S, hyper, block, bits, qu
         if block > 1:
             ratio = np.stack([factor_ratio(w).sqrt().cpu().numpy() for w in ws]).astype(np.float32)
     numels = [p.numel() for p in ps]
+    targets, ps = ps, torch_ops.contiguous(ps)  # pieces are views of flat tensors
     parallel = numba_threads() > 1
     step_fn = kernel(bits, block == 1, parallel=parallel, factored=ratio is not None, quant=quant)
     luts, lut_scale = (_luts(tables), np.float32(tables.scale)) if quant else (_NO_LUTS, np.float32(1.0))
     W = S // block
-    for piece in torch_ops.pieces(numels, S, bits if quant else 8, min(p.element_size() for p in ps)):
+    # the temporaries of a piece are its fp32 copies of p and g (8 bytes an element): pieces of
+    # a 32nd of the largest tensor's bytes keep them at a quarter of its bytes
+    for piece in torch_ops.pieces(numels, S, bits if quant else 8, min(p.element_size() for p in ps),
+                                  temp_bytes=32):
         sel = [(t, rows, numels[t]) for t, rows in piece]
         part_p = [torch_ops.slice_rows(ps[t], r, S, n) for t, r, n in sel]
         addr = _addresses(part_p, [torch_ops.slice_rows(gs[t], r, S, n) for t, r, n in sel],
@@ -163,9 +167,13 @@ def _step_pieces(ps, gs, vs, scales, codes, tables, *, S, hyper, block, bits, qu
         step_fn(addr.meta, jobs, rat, luts.codebook, luts.bounds, luts.lut_code, luts.lut_bound, luts.lut_values,
                 lut_scale, block, S, *hyper)
         for (t, r, _), (p, pw) in zip(sel, _written(part_p, addr)):
-            if seeds is not None and p.dtype in STOCHASTIC_DTYPES:
-                pw = round_stochastic(pw, p.dtype, seeds[t], r.start * S)
-            p.copy_(pw.view_as(p))
+            if seeds is not None and p.dtype == torch.bfloat16:
+                round_bf16_stochastic(pw.numpy(), p.view(torch.int16).numpy().view(np.uint16), seeds[t], r.start * S)
+            elif seeds is not None and p.dtype in STOCHASTIC_DTYPES:
+                p.copy_(round_stochastic(pw, p.dtype, seeds[t], r.start * S))
+            elif pw is not p:
+                p.copy_(pw.view_as(p))
+    torch_ops.write_back(targets, ps)
 
 
 def _written(ps, addr):

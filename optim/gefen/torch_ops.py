@@ -52,17 +52,18 @@ class Piece(NamedTuple):
     rows: range
 
 
-def pieces(numels, S: int, bits: int, element_size: int = 4, limit: int = PIECE_ELEMENTS):
+def pieces(numels, S: int, bits: int, element_size: int = 4, limit: int = PIECE_ELEMENTS, temp_bytes: int = 128):
     """The call's tensors cut into lists of ``Piece`` of at most about ``limit`` elements each.
 
     Whole small tensors are packed together (one row reduction serves many tensors); a tensor
     of more rows is cut into row ranges, so the step's temporaries (about 50 bytes an element)
     stay about ``limit`` elements long however large the tensor. On small models ``limit`` shrinks
-    to the largest tensor's bytes (``element_size`` bytes an element) / 128, so the temporaries
-    (stochastic rounding's included) stay under that tensor's bytes. With 4-bit codes and odd
-    ``S`` a cut falls on an even row (two codes share a byte).
+    to the largest tensor's bytes (``element_size`` bytes an element) / ``temp_bytes`` (the
+    temporaries an element of a piece costs, with room to spare: 128 for this step, stochastic
+    rounding's included), so they stay under that tensor's bytes. With 4-bit codes and odd ``S`` a
+    cut falls on an even row (two codes share a byte).
     """
-    limit = piece_limit(numels, S, element_size, limit)
+    limit = piece_limit(numels, S, element_size, limit, temp_bytes)
     step = max(1, limit // S)
     if bits == 4 and S % 2 and step % 2:
         step += 1
@@ -83,9 +84,23 @@ def pieces(numels, S: int, bits: int, element_size: int = 4, limit: int = PIECE_
     return out
 
 
-def piece_limit(numels, width: int, element_size: int = 4, limit: int = PIECE_ELEMENTS) -> int:
-    """Elements of one piece (at least ``width``): ``limit``, or the largest tensor's bytes / 128."""
-    return max(width, min(limit, max(numels, default=0) * element_size // 128))
+def piece_limit(numels, width: int, element_size: int = 4, limit: int = PIECE_ELEMENTS,
+                temp_bytes: int = 128) -> int:
+    """Elements of one piece (at least ``width``): ``limit``, or the largest tensor's bytes /
+    ``temp_bytes``."""
+    return max(width, min(limit, max(numels, default=0) * element_size // temp_bytes))
+
+
+def contiguous(ps) -> list:
+    """Each tensor, or a contiguous copy of it where it is not (written back by ``write_back``)."""
+    return [p if p.is_contiguous() else p.contiguous() for p in ps]
+
+
+def write_back(targets, copies):
+    """Copy each contiguous copy of ``contiguous`` back into its (strided) tensor."""
+    for p, c in zip(targets, copies):
+        if c is not p:
+            p.copy_(c)
 
 
 def _element_size(ts) -> int:
@@ -143,6 +158,7 @@ def gefen_step_(ps, gs, vs, scales, codes, codebook, *, step, lr, beta1, beta2, 
     S = scale_block_length(block)
     W = S // block
     numels = [p.numel() for p in ps]
+    targets, ps = ps, contiguous(ps)  # pieces are views of flat tensors
     for piece in pieces(numels, S, bits if codebook is not None else 8, _element_size(ps)):
         sel = [(t, rows, numels[t]) for t, rows in piece]
         _step_rows(
@@ -154,6 +170,7 @@ def gefen_step_(ps, gs, vs, scales, codes, codebook, *, step, lr, beta1, beta2, 
             None if seeds is None else [(seeds[t], r.start * S) for t, r, _ in sel],
             step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
             block=block, bits=bits)
+    write_back(targets, ps)
 
 
 def _step_rows(ps, gs, vs, scales, codes, codebook, tables, ratios, seeds, *, step, lr, beta1, beta2,
