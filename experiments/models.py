@@ -125,12 +125,8 @@ def _check_length(t, block):
 
 
 @dataclass
-class EncoderLMConfig:
-    block: int = 64
-    n_layer: int = 2
-    n_head: int = 4
+class EncoderLMConfig(GPTConfig):
     n_embd: int = 128
-    vocab: int = VOCAB_SIZE
     ff_mult: int = 4  # feed-forward width / n_embd
 
 
@@ -164,12 +160,8 @@ class EncoderLM(nn.Module):
 
 
 @dataclass
-class LlamaConfig:
-    block: int = 64
-    n_layer: int = 2
-    n_head: int = 4
+class LlamaConfig(GPTConfig):
     n_embd: int = 128
-    vocab: int = VOCAB_SIZE
     ff_hidden: int = 0  # SwiGLU width; 0: Llama's 8/3 x n_embd rounded up to a multiple of 32
     rope_base: float = 10000.0
     norm_eps: float = 1e-5
