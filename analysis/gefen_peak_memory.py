@@ -307,12 +307,15 @@ def _dist_table(rows):
                 if not out:
                     row.append("—")
                     continue
-                mb = int(out[0]["x_value"])
-                tps = value(rows, f"tokens_per_s_{kind}_micro_batch", f"{strategy}/{n}")
-                agree = value(rows, f"ranks_agree_{kind}_micro_batch", f"{strategy}/{n}")
-                cell = f"{fmt(tps)} (mb {mb})" if math.isfinite(tps) else f"{code[int(out[0]['value'])]} (mb {mb})"
-                if agree == 0:
-                    cell += ", ranks differ"
+                tps = select(rows, f"tokens_per_s_{kind}_micro_batch", f"{strategy}/{n}")
+                failed = [f"{code[int(r['value'])]} at mb {int(r['x_value'])}" for r in out if r["value"]]
+                if tps:
+                    cell = f"{fmt(tps[0]['value'])} (mb {int(tps[0]['x_value'])})"
+                    agree = value(rows, f"ranks_agree_{kind}_micro_batch", f"{strategy}/{n}")
+                    cell += ", ranks differ" if agree == 0 else ""
+                    cell += f"; {', '.join(failed)}" if failed else ""
+                else:
+                    cell = ", ".join(failed)
                 row.append(cell)
         table.append(row)
     return md_table(["optimizer", "DDP, equal mb", "DDP, budget mb", "FSDP2, equal mb", "FSDP2, budget mb"], table)
@@ -341,9 +344,10 @@ def body(rows, config):
     if dist:
         text.append(f"Two gloo ranks on CPU (one thread each), the GPT, tokens/s of both ranks (median of "
                     f"{size.get('dist_steps', [1, 3])[1]} steps after {size.get('dist_steps', [1, 3])[0]}): at an "
-                    f"equal micro-batch, and at each optimizer's largest under {(size.get('mb_budgets') or [0])[0]:g} "
-                    "GiB with every rank in a cgroup of that size. With DDP the ranks' weights are compared after "
-                    "the steps.\n\n" + dist)
+                    f"equal micro-batch, and under {(size.get('mb_budgets') or [0])[0]:g} GiB a rank (every rank in "
+                    "a cgroup of that size) at each optimizer's single-process largest micro-batch, divided by 1.4 "
+                    "after each kill for memory (the kills listed after the micro-batch that ran). With DDP the "
+                    "ranks' weights are compared after the steps.\n\n" + dist)
     notes = c.get("notes") or []
     if notes:
         text.append("Notes from the run:\n\n" + "\n".join(f"- {n}" for n in notes))

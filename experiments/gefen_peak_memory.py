@@ -33,15 +33,18 @@ experiments/gefen_memory.py are not the peak of a step: weights, gradients and t
 2. Budgets. In a memory cgroup that the process joins after its warm-up (so the budget counts what
    training the model adds, as a GPU's memory would), 3 steps must run without an OOM kill: the
    largest micro-batch of the GPT under each of ``--mb-budgets-gib``, and the largest MLP (twelve
-   layers, micro-batch 8, width searched) under each of ``--model-budgets-gib``. Search: a
-   geometric ladder from the size the peaks' RSS predicts, then bisection to 10% in micro-batch and
-   6% in width (12% in parameters).
+   layers, micro-batch 8, width searched in multiples of 64 as real models' widths are: Gefen's
+   blocks divide a tensor's rows, and at a width like 2602 = 2 x 1301 it keeps one v per element,
+   5 B of state a parameter) under each of ``--model-budgets-gib``. Search: a geometric ladder from
+   the size the peaks predict, then bisection to 10% in micro-batch and 6% in width (12% in
+   parameters).
 3. Distributed: 2 gloo ranks (one process and one thread each), DDP and FSDP2 (``fully_shard`` per
    GPT block and the root), the GPT's tokens/s over both ranks at the micro-batch every optimizer
-   fits (equal) and at each one's largest micro-batch under the first micro-batch budget, every
-   rank in a cgroup of that budget. A run that fails or is killed is a row (``outcome``: 0 ok,
-   1 killed for memory, 2 error, 3 timeout) and a note in the config. With DDP the ranks' weights
-   are compared after the steps (``ranks_agree``).
+   fits (equal) and under the first micro-batch budget, every rank in a cgroup of that size: at
+   each one's single-process largest micro-batch, divided by 1.4 after each kill for memory (up to
+   3 times; a rank holds more than one process does: buckets, gathered shards). A run that fails or
+   is killed is a row (``outcome``: 0 ok, 1 killed for memory, 2 error, 3 timeout) and a note in
+   the config. With DDP the ranks' weights are compared after the steps (``ranks_agree``).
 
 Rows (variant; x): peaks ``<model>/mb<m>/<optimizer>[+mode]``; x = step. Budgets:
 ``micro_batch@<b>GiB/<opt>`` and ``model@<b>GiB/<opt>`` per trial (``fits``: 1, 0 killed for
@@ -78,6 +81,8 @@ from experiments.registry import GEFEN_X_DIR, GEFEN_X_INSTALL, gefen_x, gefen_x_
 LR = 1e-3
 STEPS = 4  # measured steps: 0 is the first, 1..3 later ones
 FIT_STEPS = 3
+WIDTH_STEP = 64  # the budgets' MLP widths are multiples of it, as real models' are (see the module doc)
+DIST_STEP_DOWN = 1.4  # a distributed run killed for memory is tried again at micro-batch / this, up to 3 times
 LEAN = "Gefen-8bit-factored+bf16-sr+in-backward"
 
 SIZES = {  # models of the peaks (name -> spec, micro-batches), the budget searches and the ranks
@@ -442,31 +447,36 @@ def fit_search(args, size, config, what, budget, start):
             spec = dict(task="fit", config=config, model=mb_model, micro_batch=x, seed=args.seed)
         else:
             spec = dict(task="fit", config=config, seed=args.seed, micro_batch=ladder["micro_batch"],
-                        model=dict(kind="mlp", width=x, depth=ladder["depth"]))
+                        model=dict(kind="mlp", width=WIDTH_STEP * x, depth=ladder["depth"]))
         out, run = run_worker(spec, int(budget * 2**30), size["timeout"])
         code = 1 if out else (0 if run.oom_killed else -1)
         trials.append((x, code, run.peak_bytes, None if code >= 0 else _why(run)))
-        print(f"[budget {budget:g} GiB] {config} {what}={x}: {run.outcome} (cgroup peak "
+        print(f"[budget {budget:g} GiB] {config} {what}={x if what == 'micro_batch' else WIDTH_STEP * x}: "
+              f"{run.outcome} (cgroup peak "
               f"{run.peak_bytes / 2**20:.0f} MiB)", flush=True)
         return None if code < 0 else code == 1
 
     if what == "micro_batch":
-        ok, bad = search(fits, start, 1, size["max_micro_batch"])
-    else:  # bisection on the width: tol 1.05 in width is about 1.1 in parameters
-        ok, bad = search(fits, start, 64, ladder["max_width"], grow=1.25, tol=1.06)
+        ok, bad = search(fits, start, 1, size["max_micro_batch"], grow=1.5)
+    else:  # on the width in steps of WIDTH_STEP: 6% in width is about 12% in parameters
+        ok, bad = search(fits, start / WIDTH_STEP, 1, ladder["max_width"] // WIDTH_STEP, grow=1.25, tol=1.06)
+        ok, bad = WIDTH_STEP * ok, bad and WIDTH_STEP * bad
+        trials = [(WIDTH_STEP * x, *rest) for x, *rest in trials]
     return ok, bad, trials
 
 
 def predicted_start(found, config, what, budget, size):
-    """The size the peaks' RSS predicts fits in ``budget`` (a starting point only)."""
+    """The size the peaks predict fits in ``budget`` (a starting point only): the micro-batch from the
+    tensor peaks at the GPT's two micro-batches (less 15% for what tensors do not count), the width
+    from the resident set per parameter on the MLPs."""
     gib = budget * 2**30
     if what == "micro_batch":
         spec, mbs = size["peaks"][-1]
         pts = [(mb, found[(model_name(spec), mb, config)]) for mb in mbs if (model_name(spec), mb, config) in found]
-        per = [(mb, max(s["rss_total_per_param"] for s in r["steps"]) * r["params"]) for mb, r in pts]
+        per = [(mb, max(s["tensor_peak_per_param"] for s in r["steps"]) * r["params"]) for mb, r in pts]
         if len(per) >= 2 and per[-1][1] > per[0][1]:
             slope = (per[-1][1] - per[0][1]) / (per[-1][0] - per[0][0])
-            return max(1, (gib - (per[0][1] - slope * per[0][0])) / slope)
+            return max(1, 0.85 * (gib - (per[0][1] - slope * per[0][0])) / slope)
         return 4
     mlps = [(model_name(s), s) for s, _ in size["peaks"] if s["kind"] == "mlp"]
     rec = next((found[(n, 8, config)] for n, _ in reversed(mlps) if (n, 8, config) in found), None)
@@ -542,7 +552,8 @@ def run_ranks(spec, limit_bytes, timeout, world=2):
 
 
 def distributed(res, args, size, configs, largest):
-    model = size["peaks"][-1][0]
+    """Tokens/s on 2 ranks at an equal micro-batch and under the first micro-batch budget: from each
+    optimizer's single-process largest, divided by ``DIST_STEP_DOWN`` after each kill for memory."""
     budget = size["mb_budgets"][0]
     for strategy in ("ddp", "fsdp2"):
         for config in configs:
@@ -550,35 +561,42 @@ def distributed(res, args, size, configs, largest):
             if largest.get((budget, config)):
                 runs.append(("budget", largest[(budget, config)], int(budget * 2**30)))
             for kind, mb, limit in runs:
-                spec = dict(task="dist", config=config, model=model, micro_batch=mb, strategy=strategy,
-                            steps=size["dist_steps"], seed=args.seed, timeout=size["timeout"])
-                ranks = run_ranks(spec, limit, size["timeout"])
-                outs = [_result(r.stdout) if r.returncode == 0 else None for r in ranks]
-                v, x = f"{strategy}/{config}", dict(x_name="micro_batch", x_value=mb)
-                if any(r.oom_killed for r in ranks):
-                    code = 1
-                elif all(outs):
-                    code = 0
-                else:
-                    code = 3 if any(r.returncode is None for r in ranks) else 2
-                res.add(v, f"outcome_{kind}_micro_batch", "code", code, **x)
-                if code:
-                    why = ("; ".join(f"rank {i}: {_why(r)}" for i, r in enumerate(ranks) if r.outcome != "ok")
-                           if code != 1 else ", ".join(f"rank {i}" for i, r in enumerate(ranks) if r.oom_killed)
-                           + " killed for memory (a rank left alive then fails in its next collective)")
-                    note(res, f"{strategy} {config} at micro-batch {mb} ({kind}"
-                              f"{f', {budget:g} GiB a rank' if limit else ''}): {why}")
-                    print(f"[{strategy}] {config} mb={mb}: {why}", flush=True)
-                    continue
-                res.add(v, f"tokens_per_s_{kind}_micro_batch", "tokens/s", outs[0]["tokens_per_s"], **x)
-                res.add(v, f"rank_rss_peak_bytes_{kind}_micro_batch", "bytes",
-                        max(o["rss_peak_bytes"] for o in outs), **x)
-                if strategy == "ddp":
-                    res.add(v, f"ranks_agree_{kind}_micro_batch", "bool", float(outs[0]["ranks_agree"]), **x)
-                print(f"[{strategy}] {config} mb={mb} ({kind}): {outs[0]['tokens_per_s']:,.0f} tokens/s, "
-                      f"rank RSS peak {max(o['rss_peak_bytes'] for o in outs) / 2**20:.0f} MiB, ranks agree "
-                      f"{outs[0]['ranks_agree']}", flush=True)
+                for _ in range(4 if limit else 1):
+                    code = distributed_run(res, args, size, strategy, config, kind, mb, limit, budget)
+                    if code != 1 or mb == 1:
+                        break
+                    mb = max(1, min(mb - 1, int(mb / DIST_STEP_DOWN)))
             res.flush()
+
+
+def distributed_run(res, args, size, strategy, config, kind, mb, limit, budget):
+    """One run on the ranks; its rows; its outcome code (0 ok, 1 killed for memory, 2 error, 3 timeout)."""
+    spec = dict(task="dist", config=config, model=size["peaks"][-1][0], micro_batch=mb, strategy=strategy,
+                steps=size["dist_steps"], seed=args.seed, timeout=size["timeout"])
+    ranks = run_ranks(spec, limit, size["timeout"])
+    outs = [_result(r.stdout) if r.returncode == 0 else None for r in ranks]
+    v, x = f"{strategy}/{config}", dict(x_name="micro_batch", x_value=mb)
+    if any(r.oom_killed for r in ranks):
+        code = 1
+    elif all(outs):
+        code = 0
+    else:
+        code = 3 if any(r.returncode is None for r in ranks) else 2
+    res.add(v, f"outcome_{kind}_micro_batch", "code", code, **x)
+    if code:
+        why = ("; ".join(f"rank {i}: {_why(r)}" for i, r in enumerate(ranks) if r.outcome != "ok")
+               if code != 1 else ", ".join(f"rank {i}" for i, r in enumerate(ranks) if r.oom_killed)
+               + " killed for memory (a rank left alive then fails in its next collective)")
+        note(res, f"{strategy} {config} at micro-batch {mb} ({kind}{f', {budget:g} GiB a rank' if limit else ''}): "
+                  f"{why}")
+        return code
+    res.add(v, f"tokens_per_s_{kind}_micro_batch", "tokens/s", outs[0]["tokens_per_s"], **x)
+    res.add(v, f"rank_rss_peak_bytes_{kind}_micro_batch", "bytes", max(o["rss_peak_bytes"] for o in outs), **x)
+    if strategy == "ddp":
+        res.add(v, f"ranks_agree_{kind}_micro_batch", "bool", float(outs[0]["ranks_agree"]), **x)
+    print(f"[{strategy}] {config} mb={mb} ({kind}): {outs[0]['tokens_per_s']:,.0f} tokens/s, rank RSS peak "
+          f"{max(o['rss_peak_bytes'] for o in outs) / 2**20:.0f} MiB, ranks agree {outs[0]['ranks_agree']}", flush=True)
+    return 0
 
 
 def note(res, text):

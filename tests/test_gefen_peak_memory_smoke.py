@@ -118,7 +118,7 @@ def test_analysis_writes_figure_and_verdicts(tmp_path, lean_peak, lean_params, m
     # Gefen-8bit (9.05 later) is above no fp32 peer but torchao's 10: lowest among fp32 peers
     gefen = next(ln for ln in section.splitlines() if ln.startswith("- (i) Gefen-8bit "))
     assert "lowest peak at every step **met**" in gefen
-    assert "a note" in section and "killed for memory (mb 55)" in section
+    assert "a note" in section and "killed for memory at mb 55" in section
 
 
 @pytest.mark.skipif(not (GEFEN_X_DIR / "gefen").is_dir(), reason="gefen-x is not installed in third_party/gefen_x")
