@@ -292,6 +292,7 @@ def parse_args(argv=None):
                         help="torch intra-op threads (default 1: a model this small gives a second thread "
                              "little work to share)")
     args = parser.parse_args(argv)
+    args.quick = args.quick or args.tiny  # a test size never writes the committed results
     unknown = [n for n in args.optimizers if n not in OPTIMIZERS]
     if unknown:
         parser.error(f"--optimizers: unknown {unknown}; choose from {OPTIMIZERS}")
