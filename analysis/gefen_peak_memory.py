@@ -218,11 +218,15 @@ def _throughput(ax, rows):
         pos = x + (j - (len(bars) - 1) / 2) * width
         ax.bar(pos, [v if math.isfinite(v) else 0 for v in vals], width, label=f"{strategy}, {kind} micro-batch",
                color=colour("", j))
-        for p, v in zip(pos, vals):
+        agree = [value(rows, f"ranks_agree_{kind}_micro_batch", f"{strategy}/{n}") for n in names]
+        for p, v, a in zip(pos, vals, agree):
             if not math.isfinite(v):
                 ax.annotate("×", (p, 0), ha="center", va="bottom", fontsize=7, color="red")
+            elif a == 0:
+                ax.annotate("≠", (p, v), ha="center", va="bottom", fontsize=8, color="red")
     ax.set_xticks(x, names, rotation=60, ha="right", fontsize=6)
-    ax.set(ylabel="tokens / s, 2 gloo ranks", title="GPT on 2 ranks (×: failed or killed, see notes)")
+    ax.set(ylabel="tokens / s, 2 gloo ranks",
+           title="GPT on 2 ranks (×: failed or killed; ≠: the DDP ranks' weights differ after the steps)")
     ax.title.set_fontsize(8)
     ax.legend(fontsize=6)
     ax.grid(alpha=0.3, axis="y")
