@@ -352,10 +352,7 @@ def _compact(sorted_idx, perm, starts, n_rows, values, codes, floats, weight, c1
         u1 = (c + 1) * n_rows // n_chunks
         gsum = np.empty(d, dtype=np.float32)
         for u in range(u0, u1):
-            if u + PREFETCH_AHEAD < u1:
-                ahead = sorted_idx[starts[u + PREFETCH_AHEAD]]
-                _prefetch_row(codes, ahead)
-                _prefetch_row(weight, ahead)
+            _prefetch_ahead(u, u1, sorted_idx, starts, codes, weight)
             _sum_rows(values, perm, starts[u], starts[u + 1], maximize, gsum)
             r = sorted_idx[starts[u]]
             g2 = np.float32(_sum_squares(gsum) / d)
@@ -419,10 +416,7 @@ def _ball_compact(sorted_idx, perm, starts, n_rows, values, codes, floats, weigh
         y = np.empty(d, dtype=np.float64)
         m32 = np.empty(d, dtype=np.float32)
         for u in range(u0, u1):
-            if u + PREFETCH_AHEAD < u1:
-                ahead = sorted_idx[starts[u + PREFETCH_AHEAD]]
-                _prefetch_row(codes, ahead)
-                _prefetch_row(weight, ahead)
+            _prefetch_ahead(u, u1, sorted_idx, starts, codes, weight)
             _sum_rows(values, perm, starts[u], starts[u + 1], False, g)
             r = sorted_idx[starts[u]]
             wr, qr = weight[r], codes[r, q0:q0 + d]
