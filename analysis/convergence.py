@@ -359,5 +359,12 @@ def _untuned(rows, c, prefixes, rel):
 REPORT = Report("convergence", "convergence", "Gefen: convergence at AdamW's quality", body, draw,
                 metrics=("final_val_loss", "val_loss", "best_lr"))
 
+
+def arch_report(arch: str) -> Report:
+    """The report of ``convergence_<arch>.csv``, one architecture's run (``ARCH_TEXT``)."""
+    name = f"convergence_{arch}"
+    return Report(name, name, f"Gefen where it was not tuned: the {ARCH_TEXT[arch].split(' (')[0]}", body, draw,
+                  metrics=("final_val_loss", "val_loss", "best_lr"))
+
 if __name__ == "__main__":
     main(REPORT, doc=__doc__)

@@ -5,8 +5,10 @@
     python analysis/convergence.py                 # paper_figs/convergence.png
     python experiments/convergence.py --optimizers AdamW Gefen-8bit --lrs 1e-3 3e-3 --seeds 1
     python experiments/convergence.py --extra none   # the full run without the extra configurations
-    # two architectures the optimizers were not developed on, under both protocols (below)
-    python experiments/convergence.py --extra large docstrings encoder llama --protocol both
+    # two architectures the optimizers were not developed on, under both protocols (below), a file each
+    python experiments/convergence.py --experiment convergence_encoder   # -> results/convergence_encoder.csv
+    python experiments/convergence.py --experiment convergence_llama     # -> results/convergence_llama.csv
+    python analysis/convergence_arch.py                                  # their figures and tables
     # bf16 weights (stochastic rounding) beside fp32 AdamW on the 1.27M model -> results/convergence_bf16.csv
     python experiments/convergence.py --experiment convergence_bf16 --size large --extra none \
         --optimizers AdamW AdamW+bf16 Gefen-8bit-factored Gefen-8bit+bf16-sr Gefen-8bit-factored+bf16-sr
@@ -31,7 +33,10 @@ prose only, the standard library's docstrings; a 429k-parameter model, 1,000 ste
 Adam-mini and the Gefen variants. Runs are single-threaded; ``--jobs 2`` (the full run's default)
 trains two at a time, each in its own process (results do not depend on it: every run is seeded
 and deterministic). Two more configurations judge the optimizers on architectures they were not
-developed on (``--extra encoder llama``; not in the default run): ``CHAR_LM["encoder"]``, a stack of
+developed on, each its own experiment and results file (``--experiment convergence_encoder``,
+``convergence_llama``: the architecture as the main configuration, no extra ones, the optimizers
+of ``UNTUNED``, both protocols; ``--extra encoder llama`` adds them to a run of this file instead):
+``CHAR_LM["encoder"]``, a stack of
 PyTorch's pre-norm ``nn.TransformerEncoderLayer`` with its fused q/k/v tensor, and
 ``CHAR_LM["llama"]``, a Llama-style decoder (RMSNorm, SwiGLU, rotary embeddings, no biases); both
 430k parameters on the default corpus, batch 32, 1,000 steps, 5 seeds, with the optimizers of
@@ -90,9 +95,12 @@ LARGE = ["AdamW", "Adam-mini", "torchao-AdamW8bit", "gefen-upstream", "Gefen-8bi
 EXTRA_OPTIMIZERS = {"docstrings": ["AdamW", "Adam-mini", "Gefen-8bit", "Gefen-4bit", "Gefen-8bit-factored",
                                    "Gefen-4bit-factored"]}
 # on the architectures Gefen was not developed on: the published Gefen, the factored one and gefen-x
-UNTUNED = ["AdamW", "gefen-x", "Gefen-8bit", "Gefen-8bit-factored", "Gefen-4bit-factored"]
+UNTUNED = ["AdamW", "gefen-x", "torchao-AdamW8bit", "Gefen-8bit", "Gefen-8bit-factored", "Gefen-4bit-factored"]
 EXTRA_OPTIMIZERS.update(encoder=UNTUNED, llama=UNTUNED)
 FULL_EXTRA = ["large", "docstrings"]
+# results files of one architecture each, run as the main configuration with defaults of their own
+# (CHAR_LM size = the architecture, no extra configurations, UNTUNED, both protocols)
+ARCH_EXPERIMENTS = {"convergence_encoder": "encoder", "convergence_llama": "llama"}
 PROTOCOLS = ("best", "dropin", "both")
 DROPIN = "dropin/"  # the variant prefix of the drop-in protocol's rows
 # optimizers whose authors advise a multiple of AdamW's lr: in the drop-in protocol they also run at
@@ -266,19 +274,22 @@ def add_ratio_rows(res, finals, model_label, prefix=""):
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(parser)
-    parser.add_argument("--experiment", default=EXPERIMENT, choices=[EXPERIMENT, "convergence_bf16"],
-                        help="results file name: convergence_bf16 for the bf16 run (module docstring)")
+    parser.add_argument("--experiment", default=EXPERIMENT, choices=[EXPERIMENT, "convergence_bf16", *ARCH_EXPERIMENTS],
+                        help="results file name: convergence_bf16 for the bf16 run; convergence_encoder and "
+                             "convergence_llama for one architecture each (module docstring)")
     parser.add_argument("--tiny", action="store_true", help="test size: a 1-layer model for a few steps")
-    parser.add_argument("--optimizers", nargs="+", default=OPTIMIZERS, metavar="NAME",
-                        help=f"subset of {', '.join(OPTIMIZERS)} (default: all)")
+    parser.add_argument("--optimizers", nargs="+", default=None, metavar="NAME",
+                        help=f"subset of {', '.join(OPTIMIZERS)} (default: all; UNTUNED for an architecture's "
+                             "experiment)")
     parser.add_argument("--lrs", nargs="+", type=float, default=None, help="learning-rate grid (default per size)")
     parser.add_argument("--seeds", type=int, default=None,
                         help="seeds at the chosen lr, in every configuration (default per size)")
     parser.add_argument("--steps", type=int, default=None,
                         help="training steps, in every configuration (default per size)")
-    parser.add_argument("--protocol", default="best", choices=PROTOCOLS,
+    parser.add_argument("--protocol", default=None, choices=PROTOCOLS,
                         help="best: each optimizer at its best lr of the grid (default); dropin: every optimizer "
-                             "at AdamW's best lr (and LR_SCALED's multiples of it); both")
+                             "at AdamW's best lr (and LR_SCALED's multiples of it); both (the default of an "
+                             "architecture's experiment)")
     parser.add_argument("--no-progress", action="store_true", help="no tqdm bars")
     parser.add_argument("--size", default=None, choices=list(CHAR_LM),
                         help="the main configuration's CHAR_LM size (default: tiny/quick/full by the flags)")
@@ -293,6 +304,12 @@ def parse_args(argv=None):
                              "little work to share)")
     args = parser.parse_args(argv)
     args.quick = args.quick or args.tiny  # a test size never writes the committed results
+    arch = ARCH_EXPERIMENTS.get(args.experiment)
+    if arch:
+        args.size = args.size or (None if args.tiny else arch)
+        args.extra = args.extra or ["none"]
+    args.optimizers = args.optimizers or (UNTUNED if arch else OPTIMIZERS)
+    args.protocol = args.protocol or ("both" if arch else "best")
     unknown = [n for n in args.optimizers if n not in OPTIMIZERS]
     if unknown:
         parser.error(f"--optimizers: unknown {unknown}; choose from {OPTIMIZERS}")

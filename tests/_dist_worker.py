@@ -191,7 +191,8 @@ def local_states(model, opt) -> dict:
         if "block" not in st:
             continue
         n = p.to_local().numel() if hasattr(p, "to_local") else p.numel()
-        d = {"block": st["block"], "v": st["v"].clone()}
+        local = p.to_local() if hasattr(p, "to_local") else p
+        d = {"block": st["block"], "v": st["v"].clone(), "rows": local.shape[0], "row_len": n // max(local.shape[0], 1)}
         if "w" in st:
             d["w"] = st["w"].clone()
         if "codes" in st:

@@ -666,3 +666,31 @@ def test_dropin_protocol_tiny_quick(tmp_path, monkeypatch):
     analysis_main(analysis.REPORT, ["--results-dir", str(tmp_path), "--out", str(tmp_path / "f.png")])
     section = read_section(tmp_path / "README.md", "convergence")
     assert f"**{label}, drop-in**" in section and f"| {label} | drop-in |" in section
+
+
+def test_an_architecture_experiment_has_its_own_defaults_and_file(tmp_path, monkeypatch):
+    """--experiment convergence_<arch>: that architecture as the main configuration, no extra
+    configurations, UNTUNED's optimizers, both protocols (each overridable); the rows go to
+    convergence_<arch>.csv, whose analysis script reads them."""
+    from analysis import convergence_encoder as analysis
+    from analysis.common import main as analysis_main, read_section
+    from experiments import convergence as conv
+    from experiments.train import CHAR_LM
+
+    args = conv.parse_args(["--experiment", "convergence_llama"])
+    assert (args.size, args.extra, args.optimizers, args.protocol) == ("llama", ["none"], conv.UNTUNED, "both")
+    assert "torchao-AdamW8bit" in conv.UNTUNED and "gefen-x" in conv.UNTUNED
+    args = conv.parse_args(["--experiment", "convergence_encoder", "--protocol", "best", "--optimizers", "AdamW"])
+    assert (args.size, args.protocol, args.optimizers) == ("encoder", "best", ["AdamW"])
+    assert conv.parse_args([]).protocol == "best" and conv.parse_args([]).optimizers == conv.OPTIMIZERS
+
+    monkeypatch.setitem(CHAR_LM, "tiny-encoder", dict(CHAR_LM["tiny"], arch="encoder"))
+    _main("experiments.convergence", ["--experiment", "convergence_encoder", "--tiny", "--size", "tiny-encoder",
+                                      "--optimizers", "AdamW", "Gefen-8bit-factored", "--lrs", 3e-3, "--seeds", 2,
+                                      "--no-progress", "--wandb", "disabled", "--results-dir", tmp_path], monkeypatch)
+    assert not (tmp_path / "convergence.csv").exists()
+    rows = _rows(tmp_path / "convergence_encoder.csv", "convergence_encoder")
+    assert {r["variant"] for r in rows if r["metric"] == "final_val_loss"} == {
+        "AdamW", "Gefen-8bit-factored", "dropin/AdamW", "dropin/Gefen-8bit-factored"}
+    analysis_main(analysis.REPORT, ["--results-dir", str(tmp_path), "--out", str(tmp_path / "f.png")])
+    assert "drop-in" in read_section(tmp_path / "README.md", "convergence_encoder")

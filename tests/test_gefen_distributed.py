@@ -184,11 +184,26 @@ def test_dcp_two_ranks_to_one_rank_full_gefen(runs):
     _assert_resumed(res["resumed"], ref["uninterrupted"])
 
 
+def _tiles(rows, row_len):
+    """The factor's row tiles restated (P > 1): more rows than the row length C: tiles of C rows
+    (C + 1 for odd C), the last shorter; else one."""
+    h = row_len + row_len % 2
+    return [(0, rows)] if rows <= h else [(r, min(r + h, rows)) for r in range(0, rows, h)]
+
+
+def _w_of_elements(w, rows, row_len, block):
+    """A rank's w of each element's offset, from its tile's w."""
+    return torch.cat([w[k * block:(k + 1) * block].double().repeat((b - a) * row_len // block)
+                      for k, (a, b) in enumerate(_tiles(rows, row_len))])
+
+
 def test_dcp_two_ranks_to_one_rank_factored_w_is_the_block_weighted_mean(runs):
     """Factored Gefen, 2 ranks -> 1: v, codes and scales of the weights load as the two ranks'
-    states end to end (as unfactored), and the one rank's w of each weight is the mean of the
-    two shards' w weighted by their numbers of blocks (recomputed here in float64): the w one
-    process computes from the same gradients, since w is a mean over blocks."""
+    states end to end (as unfactored), and the one rank's w of each of its tiles of rows is the
+    mean, over the tile's blocks, of the w the two shards held there (recomputed here in
+    float64): for a tile across both shards the mean of their w weighted by their numbers of
+    blocks, the w one process computes from the same gradients, since w is a mean over blocks;
+    for the 64 x 16 weight, whose shards are two tiles each, the shards' w as they were."""
     ref = result(runs, "dcp_aligned:gefenf")
     res = result(runs, "reshard_aligned:gefenf")
     (saved, _), (loaded, _) = ref["saved"], res["loaded"]
@@ -197,10 +212,14 @@ def test_dcp_two_ranks_to_one_rank_factored_w_is_the_block_weighted_mean(runs):
         (one,) = loaded[name]
         assert torch.equal(one["v"], torch.cat([r["v"] for r in ranks])), f"{name}: v"
         assert torch.equal(one["codes"], torch.cat([r["codes"] for r in ranks])), f"{name}: codes"
-        blocks = torch.tensor([float(r["v"].numel()) for r in ranks], dtype=torch.float64)
-        want = (torch.stack([r["w"].double() for r in ranks]) * blocks[:, None]).sum(0) / blocks.sum()
+        block, row_len = W.ALIGNED_BLOCKS[name], ranks[0]["row_len"]
+        per_element = torch.cat([_w_of_elements(r["w"], r["rows"], row_len, block) for r in ranks])
+        rows = sum(r["rows"] for r in ranks)
+        want = torch.cat([per_element[a * row_len:b * row_len].view(-1, block).mean(dim=0)
+                          for a, b in _tiles(rows, row_len)])
         assert not torch.equal(ranks[0]["w"], ranks[1]["w"])  # the shards' w differ
         assert_close(one["w"], want.float(), rtol=1e-6, name=f"{name}: w")
+    assert len(_tiles(64, 16)) == 4  # the case of tiles inside each shard is exercised
     assert all(bool(torch.isfinite(t).all()) for t in res["resumed"].values())
 
 

@@ -6,6 +6,8 @@ is exact); the estimator written out element by element in the test; the referen
 tensor by tensor against every backend; ``torch.save``/``torch.load`` round trips.
 """
 
+import math
+
 import pytest
 import torch
 
@@ -103,15 +105,33 @@ def test_rank_one_squared_gradients_make_blocks_exact():
     assert float((runs["shared"] - runs["adamw"]).abs().max()) > 1e-2
 
 
+def _square_tiles(shape, block):
+    """Row ranges of the factor's tiles, restated: a matrix of more rows than its row length C
+    (with P > 1) in tiles of C rows (C + 1 for odd C), the last one shorter; else one tile."""
+    if len(shape) < 2 or block == 1:
+        return [(0, shape[0])]
+    c = math.prod(shape[1:])
+    h = c + c % 2
+    return [(0, shape[0])] if shape[0] <= h else [(r, min(r + h, shape[0])) for r in range(0, shape[0], h)]
+
+
 def _reference_run(starts, steps, blocks, codebook, bits):
+    """The reference step on each tile of each tensor as a tensor of its own; the tiles' state
+    concatenated (4-bit codes of a tile start on a byte: tiles hold an even number of elements)."""
     out = []
-    for k, x in enumerate(starts):
-        x, v, s, c = x.reshape(-1).float(), *R.init_state(x.numel(), block=blocks[k], bits=bits)
-        w = torch.zeros(blocks[k])
-        for t, gs in enumerate(steps, 1):
-            x, v, s, c, w = R.gefen_step(x, gs[k], v, s, c, codebook, step=t, lr=LR, beta1=B1, beta2=B2,
-                                         eps=1e-8, weight_decay=WD, block=blocks[k], bits=bits, w=w)
-        out.append((x, v, s, c, w))
+    for k, x0 in enumerate(starts):
+        row = x0.numel() // x0.shape[0]
+        parts = []
+        for r0, r1 in _square_tiles(tuple(x0.shape), blocks[k]):
+            x = x0.reshape(-1)[r0 * row:r1 * row].float()
+            x, v, s, c = x, *R.init_state(x.numel(), block=blocks[k], bits=bits)
+            w = torch.zeros(blocks[k])
+            for t, gs in enumerate(steps, 1):
+                g = gs[k].reshape(-1)[r0 * row:r1 * row]
+                x, v, s, c, w = R.gefen_step(x, g, v, s, c, codebook, step=t, lr=LR, beta1=B1, beta2=B2,
+                                             eps=1e-8, weight_decay=WD, block=blocks[k], bits=bits, w=w)
+            parts.append((x, v, s, c, w))
+        out.append(tuple(torch.cat(z) for z in zip(*parts)))
     return out
 
 
@@ -120,7 +140,8 @@ def _reference_run(starts, steps, blocks, codebook, bits):
 def test_every_backend_matches_the_reference(bits, backend):
     """8 steps on fresh random gradients (odd and even block lengths, P = 1 tensors): codes equal
     the reference's exactly; scales, v, w to fp32 rounding (sums in another order); p to a few
-    ulps (numba and Triton compute sqrt(v_b r_j) per element as the reference does)."""
+    ulps (numba and Triton compute sqrt(v_b r_j) per element as the reference does). The (30, 7)
+    tensor is factored in four tiles of rows, the reference run on each as a tensor of its own."""
     params = [torch.nn.Parameter(torch.randn(s) * 0.1) for s in SHAPES]
     starts = [p.detach().clone() for p in params]
     opt = Gefen(params, lr=LR, weight_decay=WD, bits=bits, factor_second_moment=True, backend=backend)
@@ -140,7 +161,7 @@ def test_every_backend_matches_the_reference(bits, backend):
 
 
 def test_per_param_group_and_state_dict_round_trip(tmp_path):
-    """One factored group, one not: only the factored one holds w (block floats); a saved state
+    """One factored group, one not: only the factored one holds w (block floats a tile); a saved state
     dict loads into a fresh optimizer (map_location="cpu") and two more steps equal the
     uninterrupted run bit for bit; a w of another size or dtype, or a missing w, is refused."""
     def make():
@@ -156,7 +177,8 @@ def test_per_param_group_and_state_dict_round_trip(tmp_path):
         st = opt.state[p]
         assert (K.W in st) == (k < 3)
         if k < 3:
-            assert st[K.W].dtype == torch.float32 and st[K.W].numel() == st[K.BLOCK]
+            tiles = len(_square_tiles(SHAPES[k], st[K.BLOCK]))
+            assert st[K.W].dtype == torch.float32 and st[K.W].numel() == tiles * st[K.BLOCK]
     assert_same_state(opt, opt2, params, params2)
 
     big = next(i for i in range(3) if saved["opt"]["state"][i][K.BLOCK] > 1)
@@ -201,14 +223,15 @@ def _adafactor_adam(start, grads, *, lr, wd, eps=1e-8):
     return p
 
 
+@pytest.mark.parametrize("rows, cols", [(24, 32), (48, 16)])
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_a_block_of_whole_rows_becomes_one_row_and_is_adafactor(backend):
+def test_a_block_of_whole_rows_becomes_one_row_and_is_adafactor(backend, rows, cols):
     """An embedding-like table whose first gradient has rows in runs of 4 alike (Gefen's rule picks
     4-row blocks): with the factor on its block is one row, and with quantisation off 30 steps
-    follow AdamW with Adafactor's second moment written out on the matrix (1e-5 at lr 1e-2). The
-    4-row block with the same per-offset factor (the reference step, not cut) is off by > 1e-3:
-    rows of different scale shared one v."""
-    rows, cols = 32, 16
+    follow AdamW with Adafactor's second moment written out on the matrix (1e-5 at lr 1e-2); a
+    matrix three times as tall as wide (q, k, v stacked) follows it written out on each square
+    third. The 4-row block with one per-offset factor (the reference step, not cut) is off by
+    > 1e-3: rows of different scale shared one v."""
     gen = torch.Generator().manual_seed(3)
     runs = torch.exp(3 * torch.tensor([(-1.0) ** (r // 4) for r in range(rows)]))[:, None]
     grads = [torch.randn(rows, cols, generator=gen) * runs]
@@ -224,7 +247,8 @@ def test_a_block_of_whole_rows_becomes_one_row_and_is_adafactor(backend):
         p.grad = g.clone()
         opt.step()
     assert opt.state[p][K.BLOCK] == cols and opt.state[p][K.V].numel() == rows
-    want = _adafactor_adam(start, grads, lr=LR, wd=WD)
+    tiles = [(0, rows)] if rows <= cols else [(r, r + cols) for r in range(0, rows, cols)]
+    want = torch.cat([_adafactor_adam(start[a:b], [g[a:b] for g in grads], lr=LR, wd=WD) for a, b in tiles])
     assert_close(p.detach().double(), want, atol=1e-5, name="factored vs Adafactor's estimate")
 
     x, v, w, m = start.reshape(-1).clone(), torch.zeros(rows // 4), torch.zeros(4 * cols), torch.zeros(rows * cols)
@@ -232,3 +256,43 @@ def test_a_block_of_whole_rows_becomes_one_row_and_is_adafactor(backend):
         x, v, _, m, w = R.gefen_step(x, g.reshape(-1), v, torch.zeros(0), m, None, step=t, lr=LR, beta1=B1,
                                      beta2=B2, eps=1e-8, weight_decay=WD, block=4 * cols, bits=8, w=w)
     assert float((x.double() - want.reshape(-1)).abs().max()) > 1e-3
+
+
+@pytest.mark.parametrize("backend", ["torch", "numba"])
+def test_tiles_of_a_strided_parameter_step_as_its_contiguous_copy(backend):
+    """A (48, 16) parameter that is a transposed view (not contiguous) is stepped tile by tile
+    through views of its rows: after 6 steps its state equals a contiguous copy's bit for bit and
+    its values to an ulp (numba steps a strided tensor a piece at a time, in another order)."""
+    a = torch.nn.Parameter(torch.randn(16, 48).t())
+    b = torch.nn.Parameter(a.detach().contiguous())
+    assert not a.is_contiguous()
+    opts = [Gefen([p], lr=LR, weight_decay=WD, factor_second_moment=True, backend=backend) for p in (a, b)]
+    for _ in range(6):
+        g = _grad((48, 16))
+        for p, opt in zip((a, b), opts):
+            p.grad = g.clone()
+            opt.step()
+    assert opts[0].state[a][K.W].numel() == 3 * opts[0].state[a][K.BLOCK]
+    assert_close(a.detach(), b.detach(), atol=1e-6, rtol=1e-6, name="p")
+    for key in (K.V, K.W, K.SCALES, K.CODES):
+        assert torch.equal(opts[0].state[a][key], opts[1].state[b][key]), key
+
+
+def test_a_factor_saved_for_the_whole_tensor_loads_into_every_tile():
+    """A state dict whose w holds one P-vector for a tall matrix (as saved before tiles) loads:
+    every tile starts from that w, and the next step equals one from a state whose tiles all
+    held it."""
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(48, 16))
+    opt = Gefen([p], lr=LR, factor_second_moment=True, backend="torch")
+    p.grad = _grad((48, 16))
+    opt.step()
+    sd = opt.state_dict()
+    block = sd["state"][0][K.BLOCK]
+    assert sd["state"][0][K.W].numel() == 3 * block
+    one = torch.rand(block) + 0.5
+    sd["state"][0][K.W] = one.clone()
+    q = torch.nn.Parameter(p.detach().clone())
+    opt2 = Gefen([q], lr=LR, factor_second_moment=True, backend="torch")
+    opt2.load_state_dict(sd)
+    assert torch.equal(opt2.state[q][K.W], one.repeat(3))

@@ -9,6 +9,7 @@ import torch
 
 from .._checks import check_flags, check_hyper, check_option
 from . import state as K
+from .partition import factor_tiles
 from .reference import num_code_bytes, num_scales
 
 
@@ -66,11 +67,12 @@ def data_fallback(backend: str, *, block: int | None, bits: int, quant: bool, ta
 
 
 def expected_state(n: int, block: int, bits: int, quant: bool, dtype: torch.dtype,
-                   factored: bool = False) -> dict:
-    """{key: (dtype, numel)} of the per-parameter tensors of an n-element parameter."""
+                   factored: bool = False, tiles: int = 1) -> dict:
+    """{key: (dtype, numel)} of the per-parameter tensors of an n-element parameter (``tiles``:
+    of the factored second moment, ``partition.factor_tiles``)."""
     out = {K.V: (dtype, n // block)}
     if factored:
-        out[K.W] = (torch.float32, block)
+        out[K.W] = (torch.float32, tiles * block)
     if quant:
         out[K.SCALES] = (torch.float32, num_scales(n, block))
         out[K.CODES] = (torch.uint8, num_code_bytes(n, bits))
@@ -146,8 +148,12 @@ def check_saved(st, p, group, bits, k):
     if not (isinstance(block, int) and block >= 1 and n % block == 0):
         raise ValueError(f"{where} has block {block!r}, which does not fit its shape ({n} elements); "
                          "the state dict comes from a model with other shapes")
+    tiles = len(factor_tiles(shape, block))
+    if group["factor_second_moment"] and tiles > 1 and _is_vector(st.get(K.W), block):
+        # a factor saved as one w for the whole tensor, before tiles: each tile starts from it
+        st = dict(st, **{K.W: st[K.W].repeat(tiles)})
     want = expected_state(n, block, bits, group["quantize_first_moment"],
-                          state_dtype(p.dtype, group), group["factor_second_moment"])
+                          state_dtype(p.dtype, group), group["factor_second_moment"], tiles)
     if set(st) - extra != set(want) | {K.STEP, K.BLOCK}:
         raise ValueError(f"{where} has keys {sorted(st)}, expected "
                          f"{sorted(set(want) | {K.STEP, K.BLOCK})} for this group's "
@@ -161,6 +167,10 @@ def check_saved(st, p, group, bits, k):
                              "state dict as it was saved (no dtype casts), into the model it was "
                              "saved from")
     return dict(st, **{K.STEP: step})
+
+
+def _is_vector(t, size) -> bool:
+    return torch.is_tensor(t) and t.dtype == torch.float32 and t.dim() == 1 and t.numel() == size
 
 
 def check_factors(ps, ws, *, block, device_type="cpu"):

@@ -24,7 +24,7 @@ the group:
       codes   uint8 ``shape``: the element's code (4-bit codes one a byte)   (quantised groups)
       m       fp32 ``shape``: the first moment   (groups with quantize_first_moment=False)
       w       fp32 ``shape``: the factor w of the element's offset in its block, from its
-              shard's w   (groups with factor_second_moment=True)
+              shard's w of its tile   (groups with factor_second_moment=True)
       layout  int64 (rows, 4), the same on every rank: per row of dim 0, the saved block length
               P, the row's first element's position in its v-block and in its scale block, and
               the step count
@@ -44,8 +44,9 @@ saved block boundary and sees one block length; otherwise it raises a ``ValueErr
 the parameter and says what to do. Tensors saved with P = 1 (per-element v) on every rank always
 fit; where their 256-element scale chunks moved, their first moment is requantised once with the
 codebook (one more rounding of m, at most half a codebook gap times the scale; v untouched).
-A factored second moment's w is per local shard (the mean over its blocks): a loaded shard's w
-is the mean of the saved w over its elements at each offset, i.e. the saved shard's w where the
+A factored second moment's w is per tile of a local shard (the mean over its blocks; tiles,
+``partition.factor_tiles``, cut the local shard's rows): a loaded tile's w is the mean of the
+saved w over its elements at each offset, i.e. the saved shard's w where the
 sharding is unchanged (exactly), the block-weighted mean of the saved shards' w where shards merge
 (the w one process would hold up to rounding), the saved shard's w where a shard splits.
 
@@ -56,10 +57,13 @@ Supported placements: ``Shard(0)`` on at most one mesh dimension and ``Replicate
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
 from . import state as K
+from .partition import factor_tiles
 from .reference import num_code_bytes, num_scales, pack_codes, quantize, scale_block_length, unpack_codes
 
 LAYOUT = "layout"
@@ -254,7 +258,7 @@ def _to_distributed_one(p, st, *, quantized, bits, factored=False):
     like = (lambda t: _dtensor_like(p, t)) if is_sharded(p) else (lambda t: t.reshape(p.shape))
     out[K.V] = like(st[K.V].to(dev).float().repeat_interleave(block))
     if K.W in st:
-        out[K.W] = like(st[K.W].to(dev).float().repeat(n // block))
+        out[K.W] = like(_factor_of_elements(st[K.W].to(dev).float(), local_shard(p).shape, block))
     if K.M in st:
         out[K.M] = like(st[K.M].to(dev).float())
     else:
@@ -344,6 +348,20 @@ def from_distributed(sd: dict, params, ids, *, bits: int) -> dict:
     return sd
 
 
+def _tile_elements(shape, block):
+    """(first, end) element of each tile of the factored second moment (``partition.factor_tiles``)."""
+    shape = tuple(shape)
+    row = math.prod(shape) // shape[0] if len(shape) >= 2 and shape[0] else math.prod(shape)
+    return [(r0 * row, r1 * row) for r0, r1 in factor_tiles(shape, block)]
+
+
+def _factor_of_elements(w, shape, block):
+    """The factor w of each element's offset in its block, from its tile's w (``block`` floats a
+    tile; one w for the whole tensor where it holds one tile's)."""
+    tiles = _tile_elements(shape, block) if w.numel() > block else [(0, math.prod(tuple(shape)))]
+    return torch.cat([w[k * block:(k + 1) * block].repeat((b - a) // block) for k, (a, b) in enumerate(tiles)])
+
+
 def _local_rows_of(t, p, r0, r1):
     """This rank's rows of a loaded distributed-form tensor, flattened (DTensor or full tensor)."""
     if is_dtensor(t):
@@ -375,9 +393,10 @@ def _from_distributed_one(p, st, *, codebook, bits, name):
     if int(st.get(K.PROVISIONAL, 0)):
         out[K.PROVISIONAL] = True
     out[K.V] = _local_rows_of(st[K.V], p, r0, r1)[::block].float().to(dev).clone()
-    if K.W in st:  # mean over the blocks in float64: exact where all blocks hold the same w
-        w = _local_rows_of(st[K.W], p, r0, r1).double().view(-1, block).mean(dim=0)
-        out[K.W] = w.float().to(dev)
+    if K.W in st:  # per tile, the mean over its blocks in float64: exact where they hold the same w
+        w = _local_rows_of(st[K.W], p, r0, r1).double()
+        out[K.W] = torch.cat([w[a:b].view(-1, block).mean(dim=0)
+                              for a, b in _tile_elements(local_shard(p).shape, block)]).float().to(dev)
     if not quantized:
         out[K.M] = _local_rows_of(st[K.M], p, r0, r1).float().to(dev).clone()
         return out

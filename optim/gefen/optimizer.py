@@ -15,7 +15,7 @@ from . import distributed as _dist, state as K
 from .checks import (backend_refusal, check_adamw_keywords, check_group, check_saved, data_fallback,
                      state_dtype)
 from .codebook import HIST_BINS, code_table
-from .partition import RULES, choose_block, constant_magnitude, factored_block, provisional_block
+from .partition import RULES, choose_block, constant_magnitude, factor_tiles, factored_block, provisional_block
 from .reference import num_code_bytes, num_scales
 from .torch_ops import histogram, requantize_
 
@@ -67,9 +67,13 @@ class Gefen(torch.optim.Optimizer):
     ``sqrt(v_b w_j / mean(w) / (1 - beta2^t)) + eps``. A tensor of two or more dimensions keeps
     its blocks inside the rows of its matrix view (shape[0], numel / shape[0]): P becomes the
     largest divisor of the row length <= P (``partition.factored_block``), so a block of whole
-    rows is one row and the estimate is Adafactor's row-by-column one. It costs 4 P bytes per tensor (plus 8 bytes per block
-    a cut block adds) and helps where squared gradients vary along a block (matrix columns) or
-    between the rows a block spanned (embedding rows); with P = 1 it changes nothing.
+    rows is one row and the estimate is Adafactor's row-by-column one. A matrix of more rows
+    than columns C is factored in tiles of C rows, each with its own w (``partition.factor_tiles``):
+    the parts of a fused projection (``nn.MultiheadAttention``'s q, k and v in one weight) do not
+    share one column factor. It costs 4 P bytes per tile (at most 4 bytes per row of a tall matrix;
+    plus 8 bytes per block a cut block adds) and helps where squared gradients vary along a block
+    (matrix columns) or between the rows a block spanned (embedding rows); with P = 1 it changes
+    nothing.
     Not for sparse gradients (``nn.Embedding(sparse=True)``: use ``DiskSparseAdam``) nor complex
     parameters. The exact state layout is in ``optim/gefen/reference.py``.
 
@@ -328,7 +332,7 @@ class Gefen(torch.optim.Optimizer):
         else:
             st[K.M] = torch.zeros(n, device=dev, dtype=dtype)
         if group["factor_second_moment"]:
-            st[K.W] = torch.zeros(block, device=dev)
+            st[K.W] = torch.zeros(len(factor_tiles(g.shape, block)) * block, device=dev)
         if provisional:
             st[K.PROVISIONAL] = True
 
@@ -347,7 +351,7 @@ class Gefen(torch.optim.Optimizer):
         st[K.BLOCK] = new
         st[K.V] = _refill(st[K.V], n // new)
         if K.W in st:
-            st[K.W] = _refill(st[K.W], new)
+            st[K.W] = _refill(st[K.W], len(factor_tiles(g.shape, new)) * new)
         if K.CODES in st:
             requantize_(st, self.codebook, n=n, old=old, new=new, bits=self.bits)
 
@@ -458,14 +462,14 @@ class Gefen(torch.optim.Optimizer):
                     self.set_codebook(self.codebook.to(dev))
                 codebook, tables = self.codebook, self._nearest_tables()
             seeds = self._rounding_seeds(group, pg, sts, step)
+            parts = [part for k, ((p, g), st) in enumerate(zip(pg, sts))
+                     for part in _tiles(_local(p), _local(g), st, seeds and seeds[k], bits=self.bits)]
+            ps, gs, vs, ss, cs, ws, part_seeds = map(list, zip(*parts))
             step_fn = _step_function(self._path(backend, group, block))
-            step_fn(
-                [_local(p) for p, _ in pg], [_local(g) for _, g in pg], [s[K.V] for s in sts],
-                [s[K.SCALES] if quant else s[K.V].new_zeros(0) for s in sts],
-                [s[K.CODES] if quant else s[K.M] for s in sts], codebook, tables=tables,
-                step=step, lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
-                weight_decay=group["weight_decay"], block=block, bits=self.bits,
-                ws=[s[K.W] for s in sts] if factored else None, seeds=seeds)
+            step_fn(ps, gs, vs, ss if quant else [v.new_zeros(0) for v in vs], cs, codebook, tables=tables,
+                    step=step, lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
+                    weight_decay=group["weight_decay"], block=block, bits=self.bits,
+                    ws=ws if factored else None, seeds=part_seeds if seeds else None)
 
     # ------------------------------------------------------------------- stochastic rounding
     def _rounding_seeds(self, group, pg, sts, step):
@@ -566,6 +570,26 @@ class Gefen(torch.optim.Optimizer):
 
 _SETTINGS = ("backend", "fused", "verbose", "bits", "block_rule", "codebook")
 OPTIMIZER_WIDE = ("bits", "backend", "block_rule")  # in every group, one value per optimizer
+
+
+def _tiles(p, g, st, seed, *, bits):
+    """[(p, g, v, scales, codes or m, w, seed)] of one parameter's step: the whole tensor, or with
+    a factored second moment of several tiles (``partition.factor_tiles``) one entry per tile,
+    views of its rows and of their state, each with its own w and rounding seed, so that every
+    backend steps a tile as a tensor of its own."""
+    block, w = st[K.BLOCK], st.get(K.W)
+    first = st.get(K.CODES, st.get(K.M))
+    if w is None or w.numel() == block:
+        return [(p, g, st[K.V], st.get(K.SCALES), first, w, seed)]
+    row = p.numel() // p.shape[0]
+    out = []
+    for k, (r0, r1) in enumerate(factor_tiles(p.shape, block)):
+        a, b = r0 * row, r1 * row  # elements; P divides the row, so v and scales split at a / P
+        codes = (first[a // 2:-(-b // 2)] if bits == 4 else first[a:b]) if K.CODES in st else first[a:b]
+        out.append((p[r0:r1], g[r0:r1], st[K.V][a // block:b // block],
+                    st[K.SCALES][a // block:b // block] if K.SCALES in st else None, codes,
+                    w[k * block:(k + 1) * block], None if seed is None else step_seed(seed, k, 0)))
+    return out
 
 
 def _refill(t: torch.Tensor, size: int) -> torch.Tensor:

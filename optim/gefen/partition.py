@@ -245,3 +245,23 @@ def factored_block(p: int, shape) -> int:
     if len(shape) < 2 or math.prod(shape) == 0:
         return p
     return cap_block(math.prod(shape) // shape[0], cap=p)
+
+
+def factor_tiles(shape, block: int) -> list[tuple[int, int]]:
+    """Row ranges ``(r0, r1)`` of the tiles of the factored second moment, each tile with its own
+    per-offset factor w. A matrix view (R, C) (``shape[0]`` rows of ``numel / shape[0]``) with
+    ``block`` > 1 and more rows than C is cut into tiles of C rows (C + 1 when C is odd, so that no
+    byte of 4-bit codes spans two tiles), the last holding what is left: each square tile is
+    Adafactor's row-by-column estimate on its own, so the parts of a fused projection (q, k and
+    v stacked in one (3C, C) weight, as ``nn.MultiheadAttention`` and nanoGPT keep them) get a
+    column factor each instead of one for all. Otherwise one tile of every row; ``[(0, 1)]`` for a
+    tensor of fewer than two dimensions."""
+    shape = tuple(shape)
+    if len(shape) < 2 or math.prod(shape) == 0:
+        return [(0, 1)]
+    rows = shape[0]
+    height = math.prod(shape) // rows
+    height += height % 2
+    if block == 1 or rows <= height:
+        return [(0, rows)]
+    return [(r, min(r + height, rows)) for r in range(0, rows, height)]

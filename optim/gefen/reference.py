@@ -31,7 +31,8 @@ scale blocks (length S)
 ``w`` (fp32, shape ``(P,)``; only with ``factor_second_moment=True``)
     Per-offset factor of the second moment: ``w_j`` is an EMA (same beta2) of the squared
     gradient at offset j inside a block, averaged over all blocks of the tensor. See
-    "Factored second moment" below. Fresh state: zeros.
+    "Factored second moment" below. Fresh state: zeros. (The optimizer keeps one such ``w`` per
+    tile of a tall matrix and steps each tile as a tensor of this module; see below.)
 ``codebook`` (fp32, shape ``(2**bits,)``, sorted ascending; learned with its ends pinned at -1, +1)
     One per model (all parameters, all groups), learned at the first optimizer step.
     ``codebook=None`` means the first moment is not quantised: ``codes`` is then the fp32 first
@@ -72,7 +73,10 @@ factor changes nothing and the reduction to AdamW holds. Blocks must be whole ro
 the same offsets: every block of a tensor has the same length P, so they are. The optimizer
 also keeps a matrix's blocks inside its rows (``partition.factored_block``: P -> the largest divisor of the row
 length that is <= P), so that offsets are columns and a block of whole rows becomes one row: then ``v_b`` is
-Adafactor's row factor and ``w`` its column factor.
+Adafactor's row factor and ``w`` its column factor. A matrix of more rows than columns is
+factored in square tiles of rows (``partition.factor_tiles``), each tile stepped as a tensor of
+this module with its own ``w`` (the optimizer's state holds the tiles' ``w`` one after another):
+q, k and v stacked in one weight do not share one column factor.
 """
 
 import math

@@ -8,7 +8,8 @@ Per parameter (``optimizer.state[p]``; layout and shapes in ``reference.py``'s d
     SCALES  fp32 (ceil(numel / S),), first-moment scale per scale block (quantised groups)
     CODES   uint8 (numel,) at 8 bits, (ceil(numel / 2),) at 4 bits (quantised groups)
     M       fp32 (numel,), the unquantised first moment (groups with quantize_first_moment=False)
-    W       fp32 (P,), per-offset factor of the second moment (groups with factor_second_moment=True)
+    W       fp32 (tiles * P,), per-offset factor of the second moment, one P-vector a tile of rows
+            (``partition.factor_tiles``; groups with factor_second_moment=True)
     PROVISIONAL  bool, present (True) while every gradient so far had one magnitude everywhere: any
             block length is then exact, BLOCK is the cheapest, and it is chosen again from the
             first gradient that varies (``Gefen._recut``)
