@@ -296,3 +296,26 @@ def test_a_factor_saved_for_the_whole_tensor_loads_into_every_tile():
     opt2 = Gefen([q], lr=LR, factor_second_moment=True, backend="torch")
     opt2.load_state_dict(sd)
     assert torch.equal(opt2.state[q][K.W], one.repeat(3))
+
+
+@pytest.mark.parametrize("backend", ["torch", "numba"])
+def test_a_vector_keeps_v_per_element(backend):
+    """A 1-D tensor whose first gradient comes in runs of 32 alike (the published rule shares v
+    over 32): factored, it has one v per element, and 5 steps equal those of the same vector
+    with share_second_moment=False bit for bit (the matrix beside it is factored as before)."""
+    runs = torch.exp(3 * torch.tensor([(-1.0) ** (i // 32) for i in range(256)]))
+    assert choose_block(torch.randn(256) * runs) > 1
+    torch.manual_seed(2)
+    vec, mat = torch.randn(256), torch.randn(24, 48)
+    a, b = [torch.nn.Parameter(vec.clone()) for _ in range(2)]
+    ma, mb = [torch.nn.Parameter(mat.clone()) for _ in range(2)]
+    opt_a = Gefen([a, ma], lr=LR, weight_decay=WD, factor_second_moment=True, backend=backend)
+    opt_b = Gefen([{"params": [b], "share_second_moment": False}, {"params": [mb], "factor_second_moment": True}],
+                  lr=LR, weight_decay=WD, backend=backend)
+    for t in range(5):
+        gv, gm = torch.randn(256) * (runs if t == 0 else 1), _grad((24, 48))
+        a.grad, b.grad, ma.grad, mb.grad = gv.clone(), gv.clone(), gm.clone(), gm.clone()
+        opt_a.step()
+        opt_b.step()
+    assert opt_a.state[a][K.BLOCK] == 1 and opt_a.state[ma][K.BLOCK] > 1
+    assert torch.equal(a.detach(), b.detach()) and torch.equal(ma.detach(), mb.detach())

@@ -70,10 +70,11 @@ class Gefen(torch.optim.Optimizer):
     rows is one row and the estimate is Adafactor's row-by-column one. A matrix of more rows
     than columns C is factored in tiles of C rows, each with its own w (``partition.factor_tiles``):
     the parts of a fused projection (``nn.MultiheadAttention``'s q, k and v in one weight) do not
-    share one column factor. It costs 4 P bytes per tile (at most 4 bytes per row of a tall matrix;
-    plus 8 bytes per block a cut block adds) and helps where squared gradients vary along a block
-    (matrix columns) or between the rows a block spanned (embedding rows); with P = 1 it changes
-    nothing.
+    share one column factor. A tensor of fewer than two dimensions (a norm gain, a bias) has no
+    columns to factor and keeps one v per element (P = 1, as AdamW's). It costs 4 P bytes per tile
+    (at most 4 bytes per row of a tall matrix; plus 8 bytes per block a cut block adds) and 4
+    bytes per element of a vector, and helps where squared gradients vary along a block (matrix
+    columns) or between the rows a block spanned (embedding rows); with P = 1 it changes nothing.
     Not for sparse gradients (``nn.Embedding(sparse=True)``: use ``DiskSparseAdam``) nor complex
     parameters. The exact state layout is in ``optim/gefen/reference.py``.
 
@@ -310,7 +311,9 @@ class Gefen(torch.optim.Optimizer):
 
     # -------------------------------------------------------------------------------- state
     def _choose_block(self, g, group, provisional=False) -> int:
-        if not group["share_second_moment"]:
+        # factored, a vector keeps v per element: it has no columns for the factor, and blocks
+        # of a norm gain or a bias share v between unrelated elements
+        if not group["share_second_moment"] or (group["factor_second_moment"] and g.dim() < 2):
             return 1
         block = provisional_block(g.numel()) if provisional else choose_block(g, self.block_rule)
         return factored_block(block, g.shape) if group["factor_second_moment"] else block
