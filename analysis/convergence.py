@@ -366,5 +366,11 @@ def arch_report(arch: str) -> Report:
     return Report(name, name, f"Gefen where it was not tuned: the {ARCH_TEXT[arch].split(' (')[0]}", body, draw,
                   metrics=("final_val_loss", "val_loss", "best_lr"))
 
+
+def arch_main(report: Report, doc: str):
+    """The command line of an architecture's analysis script (``main`` of analysis/common.py)."""
+    main(report, doc=doc)
+
+
 if __name__ == "__main__":
     main(REPORT, doc=__doc__)
