@@ -305,8 +305,8 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     args.quick = args.quick or args.tiny  # a test size never writes the committed results
     arch = ARCH_EXPERIMENTS.get(args.experiment)
-    if arch:
-        args.size = args.size or (None if args.tiny else arch)
+    if arch:  # --quick / --tiny: the quick / tiny dimensions in this architecture (main)
+        args.size = args.size or (None if args.quick else arch)
         args.extra = args.extra or ["none"]
     args.optimizers = args.optimizers or (UNTUNED if arch else OPTIMIZERS)
     args.protocol = args.protocol or ("both" if arch else "best")
@@ -351,6 +351,8 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     size_name = "tiny" if args.tiny else "quick" if args.quick else "full"
     size = dict(CHAR_LM[args.size or size_name])
+    if args.experiment in ARCH_EXPERIMENTS and args.size is None:
+        size["arch"] = ARCH_EXPERIMENTS[args.experiment]
     if args.steps is not None:
         size["steps"] = args.steps
     lrs = args.lrs or size["lrs"]

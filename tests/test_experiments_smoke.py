@@ -675,7 +675,6 @@ def test_an_architecture_experiment_has_its_own_defaults_and_file(tmp_path, monk
     from analysis import convergence_encoder as analysis
     from analysis.common import main as analysis_main, read_section
     from experiments import convergence as conv
-    from experiments.train import CHAR_LM
 
     args = conv.parse_args(["--experiment", "convergence_llama"])
     assert (args.size, args.extra, args.optimizers, args.protocol) == ("llama", ["none"], conv.UNTUNED, "both")
@@ -684,12 +683,14 @@ def test_an_architecture_experiment_has_its_own_defaults_and_file(tmp_path, monk
     assert (args.size, args.protocol, args.optimizers) == ("encoder", "best", ["AdamW"])
     assert conv.parse_args([]).protocol == "best" and conv.parse_args([]).optimizers == conv.OPTIMIZERS
 
-    monkeypatch.setitem(CHAR_LM, "tiny-encoder", dict(CHAR_LM["tiny"], arch="encoder"))
-    _main("experiments.convergence", ["--experiment", "convergence_encoder", "--tiny", "--size", "tiny-encoder",
+    assert conv.parse_args(["--experiment", "convergence_encoder", "--quick"]).size is None  # quick dims
+    _main("experiments.convergence", ["--experiment", "convergence_encoder", "--tiny",
                                       "--optimizers", "AdamW", "Gefen-8bit-factored", "--lrs", 3e-3, "--seeds", 2,
                                       "--no-progress", "--wandb", "disabled", "--results-dir", tmp_path], monkeypatch)
     assert not (tmp_path / "convergence.csv").exists()
     rows = _rows(tmp_path / "convergence_encoder.csv", "convergence_encoder")
+    label = next(r["x_value"] for r in rows if r["x_name"] == "model")
+    assert label.startswith("char-encoder-")  # the tiny dimensions, in the encoder architecture
     assert {r["variant"] for r in rows if r["metric"] == "final_val_loss"} == {
         "AdamW", "Gefen-8bit-factored", "dropin/AdamW", "dropin/Gefen-8bit-factored"}
     analysis_main(analysis.REPORT, ["--results-dir", str(tmp_path), "--out", str(tmp_path / "f.png")])
