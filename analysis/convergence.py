@@ -360,11 +360,12 @@ REPORT = Report("convergence", "convergence", "Gefen: convergence at AdamW's qua
                 metrics=("final_val_loss", "val_loss", "best_lr"))
 
 
-def arch_report(arch: str) -> Report:
-    """The report of ``convergence_<arch>.csv``, one architecture's run (``ARCH_TEXT``)."""
-    name = f"convergence_{arch}"
-    return Report(name, name, f"Gefen where it was not tuned: the {ARCH_TEXT[arch].split(' (')[0]}", body, draw,
-                  metrics=("final_val_loss", "val_loss", "best_lr"))
+def arch_report(arch: str, name: str = "", more: str = "") -> Report:
+    """The report of ``<name>.csv`` (default ``convergence_<arch>``), a run of one architecture of
+    ``ARCH_TEXT``; ``more`` ends its title."""
+    name = name or f"convergence_{arch}"
+    return Report(name, name, f"Gefen where it was not tuned: the {ARCH_TEXT[arch].split(' (')[0]}{more}", body,
+                  draw, metrics=("final_val_loss", "val_loss", "best_lr"))
 
 
 def arch_main(report: Report, doc: str):

@@ -8,7 +8,9 @@
     # two architectures the optimizers were not developed on, under both protocols (below), a file each
     python experiments/convergence.py --experiment convergence_encoder   # -> results/convergence_encoder.csv
     python experiments/convergence.py --experiment convergence_llama     # -> results/convergence_llama.csv
-    python analysis/convergence_arch.py                                  # their figures and tables
+    python analysis/convergence_encoder.py; python analysis/convergence_llama.py   # their figures and tables
+    # the encoder at 3,000 steps (3 seeds, drop-in) -> results/convergence_long.csv
+    python experiments/convergence.py --experiment convergence_long; python analysis/convergence_long.py
     # bf16 weights (stochastic rounding) beside fp32 AdamW on the 1.27M model -> results/convergence_bf16.csv
     python experiments/convergence.py --experiment convergence_bf16 --size large --extra none \
         --optimizers AdamW AdamW+bf16 Gefen-8bit-factored Gefen-8bit+bf16-sr Gefen-8bit-factored+bf16-sr
@@ -35,7 +37,8 @@ trains two at a time, each in its own process (results do not depend on it: ever
 and deterministic). Two more configurations judge the optimizers on architectures they were not
 developed on, each its own experiment and results file (``--experiment convergence_encoder``,
 ``convergence_llama``: the architecture as the main configuration, no extra ones, the optimizers
-of ``UNTUNED``, both protocols; ``--extra encoder llama`` adds them to a run of this file instead):
+of ``UNTUNED``, both protocols; ``--extra encoder llama`` adds them to a run of this file instead;
+``convergence_long`` trains the encoder 3,000 steps, 3 seeds, drop-in protocol):
 ``CHAR_LM["encoder"]``, a stack of
 PyTorch's pre-norm ``nn.TransformerEncoderLayer`` with its fused q/k/v tensor, and
 ``CHAR_LM["llama"]``, a Llama-style decoder (RMSNorm, SwiGLU, rotary embeddings, no biases); both
@@ -98,9 +101,15 @@ EXTRA_OPTIMIZERS = {"docstrings": ["AdamW", "Adam-mini", "Gefen-8bit", "Gefen-4b
 UNTUNED = ["AdamW", "gefen-x", "torchao-AdamW8bit", "Gefen-8bit", "Gefen-8bit-factored", "Gefen-4bit-factored"]
 EXTRA_OPTIMIZERS.update(encoder=UNTUNED, llama=UNTUNED)
 FULL_EXTRA = ["large", "docstrings"]
-# results files of one architecture each, run as the main configuration with defaults of their own
-# (CHAR_LM size = the architecture, no extra configurations, UNTUNED, both protocols)
-ARCH_EXPERIMENTS = {"convergence_encoder": "encoder", "convergence_llama": "llama"}
+# results files of one architecture each, run as the main configuration (no extra configurations)
+# with defaults of their own: CHAR_LM size, optimizers, protocol, and steps and seeds where not the size's
+ARCH_EXPERIMENTS = {
+    "convergence_encoder": dict(size="encoder", optimizers=UNTUNED, protocol="both"),
+    "convergence_llama": dict(size="llama", optimizers=UNTUNED, protocol="both"),
+    # does the gap grow with training? the encoder 3x as long, fewer seeds, AdamW's lr
+    "convergence_long": dict(size="encoder", optimizers=["AdamW", "gefen-x", "Gefen-8bit-factored",
+                                                         "Gefen-4bit-factored"], protocol="dropin", steps=3000, seeds=3),
+}
 PROTOCOLS = ("best", "dropin", "both")
 DROPIN = "dropin/"  # the variant prefix of the drop-in protocol's rows
 # optimizers whose authors advise a multiple of AdamW's lr: in the drop-in protocol they also run at
@@ -304,12 +313,15 @@ def parse_args(argv=None):
                              "little work to share)")
     args = parser.parse_args(argv)
     args.quick = args.quick or args.tiny  # a test size never writes the committed results
-    arch = ARCH_EXPERIMENTS.get(args.experiment)
-    if arch:  # --quick / --tiny: the quick / tiny dimensions in this architecture (main)
-        args.size = args.size or (None if args.quick else arch)
+    own = ARCH_EXPERIMENTS.get(args.experiment)
+    if own:  # --quick / --tiny: the quick / tiny dimensions and steps in this architecture (main)
+        args.size = args.size or (None if args.quick else own["size"])
         args.extra = args.extra or ["none"]
-    args.optimizers = args.optimizers or (UNTUNED if arch else OPTIMIZERS)
-    args.protocol = args.protocol or ("both" if arch else "best")
+        if not args.quick:
+            args.steps = args.steps or own.get("steps")
+            args.seeds = args.seeds or own.get("seeds")
+    args.optimizers = args.optimizers or (own["optimizers"] if own else OPTIMIZERS)
+    args.protocol = args.protocol or (own["protocol"] if own else "best")
     unknown = [n for n in args.optimizers if n not in OPTIMIZERS]
     if unknown:
         parser.error(f"--optimizers: unknown {unknown}; choose from {OPTIMIZERS}")
@@ -352,7 +364,7 @@ def main(argv=None):
     size_name = "tiny" if args.tiny else "quick" if args.quick else "full"
     size = dict(CHAR_LM[args.size or size_name])
     if args.experiment in ARCH_EXPERIMENTS and args.size is None:
-        size["arch"] = ARCH_EXPERIMENTS[args.experiment]
+        size["arch"] = CHAR_LM[ARCH_EXPERIMENTS[args.experiment]["size"]]["arch"]
     if args.steps is not None:
         size["steps"] = args.steps
     lrs = args.lrs or size["lrs"]

@@ -42,21 +42,24 @@ EXPERIMENTS = {
     "gefen_peak_memory": ["gefen_peak_memory"],
     "gefen_ablation": ["gefen_ablation"],
     "hessian_alignment": ["hessian_alignment"],
-    "convergence": ["convergence", "convergence_bf16", "convergence_encoder", "convergence_llama"],
+    "convergence": ["convergence", "convergence_bf16", "convergence_encoder", "convergence_llama",
+                    "convergence_long"],
     "kernel_resources": ["kernel_resources"],
 }
 # experiment script -> more runs of it with these arguments (each its own results file)
 MORE_RUNS = {
     "convergence": [["--experiment", "convergence_bf16", "--size", "large", "--extra", "none", "--optimizers",
                      "AdamW", "AdamW+bf16", "Gefen-8bit-factored", "Gefen-8bit+bf16-sr", "Gefen-8bit-factored+bf16-sr"],
-                    ["--experiment", "convergence_encoder"], ["--experiment", "convergence_llama"]],
+                    ["--experiment", "convergence_encoder"], ["--experiment", "convergence_llama"],
+                    ["--experiment", "convergence_long"]],
 }
 # analysis script -> the figure it draws (None: a results/README.md section only)
 FIGURE_OF = {"correctness": None, "dsa_fault_injection": None, "dsa_throughput": "dsa_throughput", "dsa_seed_benchmark": "dsa_seed_benchmark", "dsa_billions": None, "dsa_out_of_core": "dsa_out_of_core", "dsa_distributed": "dsa_distributed", "poincare": "poincare", "codebook": "codebook",
              "gefen_memory": "gefen_memory", "gefen_peak_memory": "gefen_peak_memory", "gefen_ablation": "gefen_ablation",
              "hessian_alignment": "hessian_alignment",
              "convergence": "convergence", "convergence_bf16": "convergence_bf16",
-             "convergence_encoder": "convergence_encoder", "convergence_llama": "convergence_llama", "kernel_resources": None}
+             "convergence_encoder": "convergence_encoder", "convergence_llama": "convergence_llama",
+             "convergence_long": "convergence_long", "kernel_resources": None}
 
 
 def _run(cmd, log, timeout):

@@ -682,6 +682,10 @@ def test_an_architecture_experiment_has_its_own_defaults_and_file(tmp_path, monk
     args = conv.parse_args(["--experiment", "convergence_encoder", "--protocol", "best", "--optimizers", "AdamW"])
     assert (args.size, args.protocol, args.optimizers) == ("encoder", "best", ["AdamW"])
     assert conv.parse_args([]).protocol == "best" and conv.parse_args([]).optimizers == conv.OPTIMIZERS
+    args = conv.parse_args(["--experiment", "convergence_long"])
+    assert (args.size, args.steps, args.seeds, args.protocol) == ("encoder", 3000, 3, "dropin")
+    args = conv.parse_args(["--experiment", "convergence_long", "--quick"])
+    assert (args.size, args.steps, args.seeds) == (None, None, None)  # the quick size's own
 
     assert conv.parse_args(["--experiment", "convergence_encoder", "--quick"]).size is None  # quick dims
     _main("experiments.convergence", ["--experiment", "convergence_encoder", "--tiny",
