@@ -57,13 +57,11 @@ Supported placements: ``Shard(0)`` on at most one mesh dimension and ``Replicate
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
 
 from . import state as K
-from .partition import factor_tiles
+from .partition import tile_elements
 from .reference import num_code_bytes, num_scales, pack_codes, quantize, scale_block_length, unpack_codes
 
 LAYOUT = "layout"
@@ -348,18 +346,10 @@ def from_distributed(sd: dict, params, ids, *, bits: int) -> dict:
     return sd
 
 
-def _tile_elements(shape, block):
-    """(first, end) element of each tile of the factored second moment (``partition.factor_tiles``)."""
-    shape = tuple(shape)
-    row = math.prod(shape) // shape[0] if len(shape) >= 2 and shape[0] else math.prod(shape)
-    return [(r0 * row, r1 * row) for r0, r1 in factor_tiles(shape, block)]
-
-
 def _factor_of_elements(w, shape, block):
-    """The factor w of each element's offset in its block, from its tile's w (``block`` floats a
-    tile; one w for the whole tensor where it holds one tile's)."""
-    tiles = _tile_elements(shape, block) if w.numel() > block else [(0, math.prod(tuple(shape)))]
-    return torch.cat([w[k * block:(k + 1) * block].repeat((b - a) // block) for k, (a, b) in enumerate(tiles)])
+    """The factor w of each element's offset in its block, from its tile's w (``block`` floats a tile)."""
+    return torch.cat([w[k * block:(k + 1) * block].repeat((b - a) // block)
+                      for k, (a, b) in enumerate(tile_elements(shape, block))])
 
 
 def _local_rows_of(t, p, r0, r1):
@@ -396,7 +386,7 @@ def _from_distributed_one(p, st, *, codebook, bits, name):
     if K.W in st:  # per tile, the mean over its blocks in float64: exact where they hold the same w
         w = _local_rows_of(st[K.W], p, r0, r1).double()
         out[K.W] = torch.cat([w[a:b].view(-1, block).mean(dim=0)
-                              for a, b in _tile_elements(local_shard(p).shape, block)]).float().to(dev)
+                              for a, b in tile_elements(local_shard(p).shape, block)]).float().to(dev)
     if not quantized:
         out[K.M] = _local_rows_of(st[K.M], p, r0, r1).float().to(dev).clone()
         return out

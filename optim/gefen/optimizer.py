@@ -15,7 +15,8 @@ from . import distributed as _dist, state as K
 from .checks import (backend_refusal, check_adamw_keywords, check_group, check_saved, data_fallback,
                      state_dtype)
 from .codebook import HIST_BINS, code_table
-from .partition import RULES, choose_block, constant_magnitude, factor_tiles, factored_block, provisional_block
+from .partition import (RULES, choose_block, constant_magnitude, factor_tiles, factored_block, provisional_block,
+                        tile_elements)
 from .reference import num_code_bytes, num_scales
 from .torch_ops import histogram, requantize_
 
@@ -584,11 +585,10 @@ def _tiles(p, g, st, seed, *, bits):
     first = st.get(K.CODES, st.get(K.M))
     if w is None or w.numel() == block:
         return [(p, g, st[K.V], st.get(K.SCALES), first, w, seed)]
-    row = p.numel() // p.shape[0]
     out = []
-    for k, (r0, r1) in enumerate(factor_tiles(p.shape, block)):
-        a, b = r0 * row, r1 * row  # elements; P divides the row, so v and scales split at a / P
-        codes = (first[a // 2:-(-b // 2)] if bits == 4 else first[a:b]) if K.CODES in st else first[a:b]
+    for k, ((r0, r1), (a, b)) in enumerate(zip(factor_tiles(p.shape, block), tile_elements(p.shape, block))):
+        # P divides the row, so v and scales split at a / P; 4-bit codes at a / 2 (a is even)
+        codes = first[a // 2:-(-b // 2)] if bits == 4 and K.CODES in st else first[a:b]
         out.append((p[r0:r1], g[r0:r1], st[K.V][a // block:b // block],
                     st[K.SCALES][a // block:b // block] if K.SCALES in st else None, codes,
                     w[k * block:(k + 1) * block], None if seed is None else step_seed(seed, k, 0)))

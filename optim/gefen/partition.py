@@ -265,3 +265,12 @@ def factor_tiles(shape, block: int) -> list[tuple[int, int]]:
     if block == 1 or rows <= height:
         return [(0, rows)]
     return [(r, min(r + height, rows)) for r in range(0, rows, height)]
+
+
+def tile_elements(shape, block: int) -> list[tuple[int, int]]:
+    """``factor_tiles`` as ranges ``(first, end)`` of the flattened tensor's elements (``[(0, 0)]``
+    for an empty one, such as a local shard without rows)."""
+    shape = tuple(shape)
+    n = math.prod(shape)
+    row = n // shape[0] if len(shape) >= 2 and n else n
+    return [(r0 * row, r1 * row) for r0, r1 in factor_tiles(shape, block)]
