@@ -6,8 +6,9 @@ Reads ``gefen_ablation.csv``: per variant (which tensors keep v per element; ``n
 published) and seed, ``val_loss_vs_adamw``, the final validation loss over AdamW's of the same seed;
 variants ``<label>/<name>`` belong to a further configuration. Figure: per configuration one
 horizontal bar per variant (on top of the factored second moment in orange), mean over seeds with
-the standard deviation and every seed as a dot, the 3% target dashed. Section: the same means and
-deviations.
+the standard deviation and every seed as a dot, the target dashed (3% for the published Gefen here;
+analysis/gefen_ablation_arch.py: the factored 8-bit's +0.3%). Peers (gefen-x) are grey bars; ``fp32_m``
+is the first moment in fp32 on every tensor. Section: the same means, deviations and medians.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from analysis.common import (CORPUS_TEXT, Report, configurations, fmt, in_config
 
 LABELS = {"none": "nothing (Gefen as published)", "all": "every tensor", "embedding": "the embeddings",
           "vectors": "the vectors (norm gains, biases)",
-          "factored": "nothing, the second moment factored"}
+          "factored": "nothing, the second moment factored",
+          "gefen-x": "(peer) gefen-x 0.5.0 at its defaults, same lr", "fp32_m": "nothing, the first moment in fp32"}
+NOT_KINDS = ("none", "all", "factored", "fp32_m", "gefen-x")  # variants that are no kind of tensor
 TARGET = 1.03
 ARCH_TEXT = {"gpt": "character GPT", "encoder": "character LM of PyTorch's pre-norm `nn.TransformerEncoderLayer`",
              "llama": "Llama-style character LM"}
@@ -38,12 +41,14 @@ def collect(rows, prefix=""):
 
 def _label(name: str) -> str:
     base, plus, own = name.rpartition("+")
+    if plus and own == "fp32_m":
+        return "factored, and the first moment in fp32"
     if plus:
         return f"factored, and per element on {LABELS.get(own, f'`{own}`')}"
     return LABELS.get(name, f"`{name}`")
 
 
-def draw(rows, out, config):
+def draw(rows, out, config, target=TARGET, title="Gefen 8-bit: v per element on one kind of tensor"):
     import matplotlib.pyplot as plt
 
     prefixes = configurations(rows, "val_loss_vs_adamw")
@@ -52,26 +57,30 @@ def draw(rows, out, config):
     fig, axes = plt.subplots(len(prefixes), 1, figsize=(7.6, sum(heights) + 0.6), squeeze=False,
                              gridspec_kw={"height_ratios": heights})
     for ax, prefix, d in zip(axes[:, 0], prefixes, data):
-        _draw_one(ax, d, prefix.rstrip("/") or _main_label(config))
-    save_figure(fig, out, "Gefen 8-bit: v per element on one kind of tensor")
+        _draw_one(ax, d, prefix.rstrip("/") or _main_label(config), target)
+    save_figure(fig, out, title)
 
 
-def _draw_one(ax, data, label):
+def _color(name):
+    return "tab:gray" if name in ("gefen-x",) else "tab:orange" if name.startswith("factored") else "tab:blue"
+
+
+def _draw_one(ax, data, label, target=TARGET):
     names = list(data)
     means = [data[n][0] for n in names]
     ax.barh(range(len(names)), [m - 1 for m in means], left=1, xerr=[data[n][1] for n in names],
-            color=["tab:orange" if n.startswith("factored") else "tab:blue" for n in names], alpha=0.7, capsize=3)
+            color=[_color(n) for n in names], alpha=0.7, capsize=3)
     for k, n in enumerate(names):
         ax.plot(data[n][2], [k] * len(data[n][2]), "k.", ms=4)
         ax.annotate(f"{means[k]:.3f}", (max(means[k], 1) + 0.002, k), va="center", fontsize=7)
     ax.axvline(1.0, color="k", lw=1, label="AdamW")
-    ax.axvline(TARGET, color="tab:red", ls="--", lw=1, label="3% target")
+    ax.axvline(target, color="tab:red", ls="--", lw=1, label=f"{target - 1:.1%} target")
     ax.set_yticks(range(len(names)), [_label(n).replace("`", "") for n in names], fontsize=7)
     ax.invert_yaxis()
     ax.set_xlabel("final validation loss / AdamW's (paired by seed)")
     ax.set_title(label, fontsize=9)
     seeds = [x for n in names for x in data[n][2]]
-    ax.set_xlim(min(0.99, min(seeds) - 0.005), max(TARGET + 0.005, max(seeds)) + 0.012)
+    ax.set_xlim(min(0.99, min(seeds) - 0.005), max(target + 0.005, max(seeds)) + 0.012)
     ax.legend(fontsize=7, loc="lower right", frameon=False)
     ax.grid(alpha=0.3, axis="x")
 
@@ -81,12 +90,15 @@ def _main_label(config):
     return c.get("label") or f"character model, {c.get('steps', '?')} steps"
 
 
-def body(rows, config):
+def body(rows, config, center="mean"):
+    """The section: per configuration its setup, the table, and ``_finding`` on the ``center``
+    ("mean" or "median") of the per-seed ratios."""
     c = config.get("config", {})
     text = ["Each variant gives a per-element v (block length 1) to one kind of tensor, through a parameter "
             "group with `share_second_moment=False`; names pick the tensors for this ablation only. `factored` "
             "is `factor_second_moment=True` on every tensor; `factored, and per element on X` gives X a "
-            "per-element v and factors the rest. Vectors (norm gains, biases) already have block length 1."]
+            "per-element v and factors the rest. Vectors (norm gains, biases) already have block length 1 in "
+            "the character GPT."]
     for prefix in configurations(rows, "val_loss_vs_adamw"):
         cc = (c.get("extra") or {}).get(prefix.rstrip("/"), {}) if prefix else c
         data = collect(rows, prefix)
@@ -94,35 +106,42 @@ def body(rows, config):
         corpus = cc.get("corpus", "docs+code")
         text.append(f"**{prefix.rstrip('/') or _main_label(config)}**: {ARCH_TEXT[cc.get('arch', 'gpt')]} of "
                     f"{fmt(cc.get('params'))} parameters (n_embd {cc.get('model', {}).get('n_embd', '?')}) on "
-                    f"{CORPUS_TEXT.get(corpus, corpus)}, {cc.get('steps', '?')} steps, lr {c.get('lr', '?')}, "
-                    f"{n_seeds} seed(s).")
-        text.append(md_table(["v per element on", "loss / AdamW (mean ± std, paired by seed)", "median"],
-                             [[_label(v), pm(m, s, 3), f"{statistics.median(x):.3f}"] for v, (m, s, x) in data.items()]))
-        text.append(_finding(data))
+                    f"{CORPUS_TEXT.get(corpus, corpus)}, {cc.get('steps', '?')} steps, "
+                    f"lr {cc.get('lr') or c.get('lr', '?')}, {n_seeds} seed(s).")
+        text.append(md_table(["v per element on", "loss / AdamW (mean ± std, paired by seed)", "median", "min .. max"],
+                             [[_label(v), pm(m, s, 3), f"{statistics.median(x):.3f}", f"{min(x):.3f} .. {max(x):.3f}"]
+                              for v, (m, s, x) in data.items()]))
+        text.append(_finding({v: statistics.median(d[2]) if center == "median" else d[0] for v, d in data.items()},
+                             center))
     return "\n\n".join(t for t in text if t)
 
 
-def _finding(data):
-    """What the figures say: the gap, what per-element v everywhere leaves, what closes half of it."""
-    if "none" not in data or "all" not in data:
+def _finding(data, center="mean"):
+    """What the figures say (``data``: {variant: the ``center`` of its ratios}): the gap, what
+    per-element v everywhere leaves, what closes half of it, what the factor leaves."""
+    if "none" not in data:
         return ""
-    gap = data["none"][0] - 1
-    closes = [v for v, d in data.items() if v not in ("none", "all", "factored") and "+" not in v and d[0] - 1 < gap / 2]
-    out = f"Gefen as published ends at {data['none'][0]:.3f} of AdamW's loss, and {data['all'][0]:.3f} with v per " \
-          "element everywhere. "
+    gap = data["none"] - 1
+    closes = [v for v, r in data.items() if v not in NOT_KINDS and "+" not in v and r - 1 < gap / 2]
+    out = f"By the {center} over seeds, Gefen as published ends at {data['none']:.3f} of AdamW's loss"
+    out += f", and {data['all']:.3f} with v per element everywhere. " if "all" in data else ". "
     if gap <= 0:
         out += "There is no gap to close here."
-    else:
+    elif any(v not in NOT_KINDS and "+" not in v for v in data):
         out += (f"Per-element v on {', '.join(_label(v) for v in closes)} alone closes at least half of the gap."
                 if closes else "No single kind of tensor closes half of the gap.")
     if "factored" in data:
-        left = data["factored"][0] - 1
-        out += f" The factored second moment leaves {left:+.2%}"
-        on_top = {v.partition("+")[2]: d[0] for v, d in data.items() if v.startswith("factored+")}
+        out += f" The factored second moment leaves {data['factored'] - 1:+.2%}"
+        on_top = {v.partition("+")[2]: r for v, r in data.items()
+                  if v.startswith("factored+") and v.partition("+")[2] not in NOT_KINDS}
         if on_top:
             best = min(on_top, key=on_top.get)
             out += f"; with per-element v on top of it the lowest is on {_label(best)} ({on_top[best] - 1:+.2%})"
+        if "factored+fp32_m" in data:
+            out += f"; with the first moment in fp32 {data['factored+fp32_m'] - 1:+.2%}"
         out += "."
+    if "gefen-x" in data:
+        out += f" gefen-x at the same lr: {data['gefen-x'] - 1:+.2%}."
     return out
 
 

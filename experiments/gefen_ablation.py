@@ -7,6 +7,9 @@
     python experiments/gefen_ablation.py --sizes large --on-factored --variants none attn_qkv mlp_in
     # the same on the encoder built from torch's nn.TransformerEncoderLayer, at AdamW's 300-step lr there
     python experiments/gefen_ablation.py --sizes encoder --steps 300 --lr 8e-3 --on-factored --variants factored attn_qkv
+    # the two architectures Gefen was not developed on, on top of the factor, at AdamW's best lr of each
+    python experiments/gefen_ablation.py --experiment gefen_ablation_arch   # -> results/gefen_ablation_arch.csv
+    python analysis/gefen_ablation_arch.py
 
 Each variant is 8-bit Gefen (registry name Gefen-8bit) with ``share_second_moment=False`` (a
 per-element v, as block length 1) on the named group of tensors only, through a second parameter
@@ -21,13 +24,23 @@ full run: Gefen's block rule already gives each of them block length 1 there. Ev
 architecture has the same kinds of tensors under its own names (``PATTERNS``): the encoder's
 ``attn_qkv`` is ``nn.MultiheadAttention``'s fused ``in_proj_weight``, the Llama-style model's
 ``mlp_in`` its gate and up projections; ``vectors`` (every norm gain and bias) is a variant on
-request, since the rule shares v inside some of them in those models.
+request, since the rule shares v inside some of them in those models. ``fp32_m`` is no kind of
+tensor: the first moment in fp32 (``quantize_first_moment=False``) on every tensor, v unchanged, so
+``factored+fp32_m`` is what the factor costs without the codebook. Peers (``--peers``: gefen-x, at its
+defaults) train beside AdamW at the same lr and report the same ratios.
 
 The full run ablates two configurations (``--sizes``, ``CHAR_LM`` names): ``full`` (convergence.py's
 116k model on documentation plus code, every variant) and ``docstrings`` (a 429k model on English
 prose, 1,000 steps, every variant and every variant on top of the factored second moment). Rows of
 the first configuration carry the variant name, those of the others ``<model label>/<variant>``
 (convergence.py's labels). ``--jobs`` runs that many single-threaded runs at a time.
+
+``--experiment gefen_ablation_arch`` (``ARCH_ABLATION``) ablates the factor on the ``encoder`` and
+``llama`` configurations of convergence.py's architecture experiments, each at AdamW's best lr of
+that experiment's grid (``ARCH_LR``, the drop-in protocol), with gefen-x as a peer: Gefen as
+published, v per element everywhere, the factor, and the factor with each kind of matrix per element
+or the first moment in fp32 (vectors keep v per element under the factor already). With ``--quick``
+or ``--tiny`` it runs that size in each architecture.
 
 Rows: ``val_loss`` per variant (and AdamW) and seed, ``val_loss_vs_adamw`` (paired by seed), its
 ``_mean`` and ``_std``, and ``delta_vs_shared`` (the paired difference of ratios against ``none``),
@@ -88,35 +101,49 @@ PATTERNS = {
     },
 }
 FACTORED = "factored"  # every tensor shared and factored, none per element
+FIRST_MOMENT = "fp32_m"  # the first moment in fp32 on every tensor (not a kind of tensor)
+PEERS = ("gefen-x",)  # other optimizers that may train beside AdamW (registry names)
 QUICK_VARIANTS = ["none", "all", "attn_qkv", "embedding", FACTORED]
 FULL_SIZES = ["full", "docstrings"]
 ON_FACTORED = {"docstrings"}  # sizes whose full run also ablates on top of the factored second moment
+# AdamW's best lr on the grid of convergence.py's --experiment convergence_<arch> (the committed runs)
+ARCH_LR = {"encoder": 4e-3, "llama": 2e-3}
+ARCH_ABLATION = dict(sizes=["encoder", "llama"], seeds=3, peers=["gefen-x"], on_factored=True,
+                     variants=["none", "all", FACTORED, "embedding", "lm_head", "attn_qkv", "attn_out", "mlp_in",
+                               "mlp_out", FIRST_MOMENT])
+EXPERIMENTS = ("gefen_ablation", "gefen_ablation_arch")
 
 
-def per_element_v_groups(model, pattern, factored=False):
+def per_element_v_groups(model, pattern, factored=False, **every):
     """Param groups: the tensors matching ``pattern`` with ``share_second_moment=False``, the rest
-    with ``factor_second_moment=factored``."""
+    with ``factor_second_moment=factored``; ``every`` (Gefen options) in both groups."""
     rx = re.compile(pattern) if pattern else None
     own = [p for n, p in model.named_parameters() if rx is not None and rx.search(n)]
     rest = [p for n, p in model.named_parameters() if rx is None or not rx.search(n)]
-    return [g for g in ({"params": rest, "factor_second_moment": factored},
-                        {"params": own, "share_second_moment": False}) if g["params"]]
+    return [g for g in ({"params": rest, "factor_second_moment": factored, **every},
+                        {"params": own, "share_second_moment": False, **every}) if g["params"]]
+
+
+def variant_groups(model, variant: str, arch: str = "gpt"):
+    """Param groups of one Gefen ``variant`` (``[factored+]<kind>``, ``factored``, ``[factored+]fp32_m``)."""
+    own = variant.removeprefix(f"{FACTORED}+")
+    factored = variant.startswith(FACTORED)
+    if own == FIRST_MOMENT:
+        return per_element_v_groups(model, None, factored, quantize_first_moment=False)
+    return per_element_v_groups(model, None if own == FACTORED else PATTERNS[arch][own], factored)
 
 
 def final_loss(size: dict, variant: str | None, seed: int, lr: float) -> float:
-    """Final validation loss of one run: AdamW (``variant`` None) or 8-bit Gefen with the variant's
-    tensors per element (and the rest factored for ``factored...``). The problem is built once per
-    process."""
+    """Final validation loss of one run: AdamW (``variant`` None), a peer (a registry name of
+    ``PEERS``) or 8-bit Gefen with the variant's tensors per element (and the rest factored for
+    ``factored...``). The problem is built once per process."""
     cfg, corpus, _ = char_lm_problem(size)
     torch.manual_seed(seed)
     model = char_lm_model(cfg)
-    if variant is None:
-        opt = make_optimizer("AdamW", model.parameters(), lr, WEIGHT_DECAY)
+    if variant is None or variant in PEERS:
+        opt = make_optimizer(variant or "AdamW", model, lr, WEIGHT_DECAY)
     else:
-        own = variant.removeprefix(f"{FACTORED}+")
-        pattern = None if own == FACTORED else PATTERNS[size.get("arch", "gpt")][own]
-        opt = make_optimizer("Gefen-8bit", per_element_v_groups(model, pattern, variant.startswith(FACTORED)), lr,
-                             WEIGHT_DECAY)
+        opt = make_optimizer("Gefen-8bit", variant_groups(model, variant, size.get("arch", "gpt")), lr, WEIGHT_DECAY)
     return train_lm(model, opt, corpus[0], corpus[1], lr=lr, steps=size["steps"], batch=size["batch"], seed=seed,
                     eval_every=size["steps"])["final"]
 
@@ -129,19 +156,28 @@ def variants_of(size_name: str, args) -> list[str]:
         names = ["none"] + names
     if args.on_factored or (args.variants is None and not args.quick and size_name in ON_FACTORED):
         names += [f"{FACTORED}+{v}" for v in names if v not in (FACTORED, "none", "all") and "+" not in v]
-    return names
+    if args.experiment == "gefen_ablation_arch":  # on top of the factor only: the published Gefen's rule is "none"
+        names = [v for v in names if v in ("none", "all", FACTORED) or "+" in v]
+    return list(args.peers) + names
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(parser)
+    parser.add_argument("--experiment", default=EXPERIMENTS[0], choices=EXPERIMENTS,
+                        help="results file name; gefen_ablation_arch: ARCH_ABLATION's defaults (module docstring)")
     parser.add_argument("--tiny", action="store_true", help="test size (seconds)")
+    kinds = [*PATTERNS["gpt"], FIRST_MOMENT]
     parser.add_argument("--variants", nargs="+", default=None,
-                        choices=[*PATTERNS["gpt"], FACTORED, *(f"{FACTORED}+{v}" for v in PATTERNS["gpt"] if v != "none")],
+                        choices=[*kinds, FACTORED, *(f"{FACTORED}+{v}" for v in kinds if v not in ("none", "all"))],
                         help="default: all (--quick: " + ", ".join(QUICK_VARIANTS) + ")")
     parser.add_argument("--seeds", type=int, default=None, help="default: the size's seeds (3 full, 1 quick)")
     parser.add_argument("--steps", type=int, default=None, help="default: the size's steps")
-    parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate of every run")
+    parser.add_argument("--lr", type=float, default=None,
+                        help="peak learning rate of every run (default 3e-3; gefen_ablation_arch: ARCH_LR per size)")
+    parser.add_argument("--peers", nargs="*", default=None, choices=PEERS,
+                        help="optimizers trained beside AdamW at the same lr (default: none; gefen_ablation_arch: "
+                             "gefen-x)")
     parser.add_argument("--sizes", "--size", nargs="+", default=None, choices=list(CHAR_LM),
                         help=f"CHAR_LM sizes to ablate (default: {' '.join(FULL_SIZES)}; --quick: quick)")
     parser.add_argument("--on-factored", action="store_true",
@@ -152,23 +188,33 @@ def main(argv=None):
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     full = not (args.tiny or args.quick)
-    size_names = args.sizes or (FULL_SIZES if full else ["tiny" if args.tiny else "quick"])
+    small = "tiny" if args.tiny else "quick"
+    arch = args.experiment == "gefen_ablation_arch"
+    if arch:
+        for key, value in ARCH_ABLATION.items():
+            if key != "sizes" and getattr(args, key) in (None, False):
+                setattr(args, key, value)
+    args.peers = args.peers or []
+    size_names = args.sizes or (ARCH_ABLATION["sizes"] if arch else FULL_SIZES if full else [small])
     jobs = args.jobs or (2 if full else 1)
     configs = []
     for k, name in enumerate(size_names):
         size = dict(CHAR_LM[name])
+        if arch and not full and args.sizes is None:  # the test or quick size in that architecture
+            size = dict(CHAR_LM[small], arch=size["arch"])
         size["steps"] = args.steps or size["steps"]
         cfg, corpus, n_params = char_lm_problem(size)
         label = char_lm_label(size)
         seeds = list(range(args.seed, args.seed + (args.seeds or size["seeds"])))
         variants = variants_of(name, args)
+        lr = args.lr or (ARCH_LR.get(name, 3e-3) if arch else 3e-3)
         configs.append((size, dict(size, size=name, label=label, prefix="" if k == 0 else label + "/", seeds=seeds,
-                                   variants=variants, model=vars(cfg), params=n_params,
+                                   variants=variants, model=vars(cfg), params=n_params, lr=lr,
                                    patterns={v: PATTERNS[size.get("arch", "gpt")].get(v.removeprefix(f"{FACTORED}+"))
                                              for v in variants})))
     config = dict(vars(args), jobs=jobs, **configs[0][1], extra={c["label"]: c for _, c in configs[1:]})
-    with Results("gefen_ablation", args, config=config) as res, RunPool(jobs) as pool:
-        runs = [(c, {v: [pool.submit(final_loss, size, None if v == "AdamW" else v, s, args.lr) for s in c["seeds"]]
+    with Results(args.experiment, args, config=config) as res, RunPool(jobs) as pool:
+        runs = [(c, {v: [pool.submit(final_loss, size, None if v == "AdamW" else v, s, c["lr"]) for s in c["seeds"]]
                      for v in ["AdamW", *c["variants"]]}) for size, c in configs]
         for c, futs in runs:
             add_rows(res, c, {v: [f.result() for f in fs] for v, fs in futs.items()})

@@ -40,7 +40,7 @@ EXPERIMENTS = {
     "codebook_dp": ["codebook"],
     "gefen_memory": ["gefen_memory"],
     "gefen_peak_memory": ["gefen_peak_memory"],
-    "gefen_ablation": ["gefen_ablation"],
+    "gefen_ablation": ["gefen_ablation", "gefen_ablation_arch"],
     "hessian_alignment": ["hessian_alignment"],
     "convergence": ["convergence", "convergence_bf16", "convergence_encoder", "convergence_llama",
                     "convergence_long"],
@@ -52,10 +52,11 @@ MORE_RUNS = {
                      "AdamW", "AdamW+bf16", "Gefen-8bit-factored", "Gefen-8bit+bf16-sr", "Gefen-8bit-factored+bf16-sr"],
                     ["--experiment", "convergence_encoder"], ["--experiment", "convergence_llama"],
                     ["--experiment", "convergence_long"]],
+    "gefen_ablation": [["--experiment", "gefen_ablation_arch"]],
 }
 # analysis script -> the figure it draws (None: a results/README.md section only)
 FIGURE_OF = {"correctness": None, "dsa_fault_injection": None, "dsa_throughput": "dsa_throughput", "dsa_seed_benchmark": "dsa_seed_benchmark", "dsa_billions": None, "dsa_out_of_core": "dsa_out_of_core", "dsa_distributed": "dsa_distributed", "poincare": "poincare", "codebook": "codebook",
-             "gefen_memory": "gefen_memory", "gefen_peak_memory": "gefen_peak_memory", "gefen_ablation": "gefen_ablation",
+             "gefen_memory": "gefen_memory", "gefen_peak_memory": "gefen_peak_memory", "gefen_ablation": "gefen_ablation", "gefen_ablation_arch": "gefen_ablation_arch",
              "hessian_alignment": "hessian_alignment",
              "convergence": "convergence", "convergence_bf16": "convergence_bf16",
              "convergence_encoder": "convergence_encoder", "convergence_llama": "convergence_llama",

@@ -13,6 +13,7 @@ import csv
 import os
 import importlib
 import inspect
+import json
 import math
 import sys
 from pathlib import Path
@@ -21,6 +22,7 @@ import pytest
 import torch
 
 from experiments.common import FIELDS, read_results
+from experiments.registry import GEFEN_X_DIR
 
 REPO = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -429,6 +431,63 @@ def test_gefen_ablation_two_configurations_two_jobs_equal_one(tmp_path, monkeypa
                            "docstrings")
     assert set(tiny) == {"AdamW", "none", "factored", f"{label}/AdamW", f"{label}/none", f"{label}/factored"}
     assert tiny["AdamW"] != tiny[f"{label}/AdamW"]  # another corpus: another loss
+
+
+def test_gefen_ablation_fp32_m_keeps_the_first_moment_in_fp32_on_every_tensor():
+    """``factored+fp32_m``: every tensor factored (matrices) and its first moment a plain fp32 tensor,
+    after one step (1 - beta1) times the gradient (the first moment starts at zero)."""
+    from experiments.gefen_ablation import variant_groups
+    from experiments.models import ARCHITECTURES, char_lm_model
+    from experiments.registry import make_optimizer
+
+    torch.manual_seed(0)
+    model = char_lm_model(ARCHITECTURES["encoder"][0](block=16, n_layer=1, n_head=2, n_embd=32))
+    opt = make_optimizer("Gefen-8bit", variant_groups(model, "factored+fp32_m", "encoder"), 1e-3, 0.1)
+    x = torch.randint(0, 50, (2, 16))
+    model(x, x).backward()
+    grads = {p: p.grad.clone() for p in model.parameters()}
+    opt.step()
+    for n, p in model.named_parameters():
+        st = opt.state[p]
+        assert st["m"].dtype == torch.float32 and st["m"].numel() == p.numel(), n
+        torch.testing.assert_close(st["m"].view_as(p), 0.1 * grads[p], rtol=1e-6, atol=0, msg=n)
+    qkv = opt.state[model.layers[0].self_attn.in_proj_weight]  # (96, 32): factored, three square tiles
+    assert qkv["v"].numel() == 96 and qkv["w"].numel() == 3 * 32
+
+
+@pytest.mark.timeout(300)
+def test_gefen_ablation_arch_runs_each_architecture_at_its_lr(tmp_path, monkeypatch):
+    """``--experiment gefen_ablation_arch --tiny``: the tiny size in the encoder and the Llama-style
+    architecture, each at ``ARCH_LR`` of its full size, only variants on top of the factor (and the
+    published Gefen as the base), its own results file and analysis."""
+    from experiments.gefen_ablation import ARCH_ABLATION, ARCH_LR
+
+    _main("experiments.gefen_ablation", ["--experiment", "gefen_ablation_arch", "--tiny", "--peers", "--seeds", 1,
+                                         "--variants", "attn_qkv", "factored+fp32_m", "--results-dir", tmp_path,
+                                         "--wandb", "disabled"], monkeypatch)
+    rows = _rows(tmp_path / "gefen_ablation_arch.csv", "gefen_ablation_arch")
+    variants = {r["variant"] for r in rows}
+    (label,) = {v.split("/")[0] for v in variants if "/" in v}
+    assert label.startswith("char-llama-")
+    assert variants == {p + v for p in ("", label + "/") for v in ("AdamW", "none", "factored+attn_qkv", "factored+fp32_m")}
+    config = json.loads((tmp_path / "gefen_ablation_arch.config.json").read_text())["config"]
+    assert config["arch"] == "encoder" and config["lr"] == ARCH_LR[ARCH_ABLATION["sizes"][0]]
+    assert config["extra"][label]["arch"] == "llama" and config["extra"][label]["lr"] == ARCH_LR["llama"]
+    out = tmp_path / "gefen_ablation_arch.png"
+    _analysis("gefen_ablation_arch", tmp_path, out)
+    _assert_png(out)
+    text = (tmp_path / "README.md").read_text()
+    assert "By the median over seeds" in text and "factored, and the first moment in fp32" in text
+
+
+@pytest.mark.skipif(not (GEFEN_X_DIR / "gefen").is_dir(), reason="gefen-x is not installed in third_party/gefen_x")
+def test_gefen_ablation_peer_trains_gefen_x():
+    from experiments.gefen_ablation import final_loss
+    from experiments.train import CHAR_LM
+
+    size = dict(CHAR_LM["tiny"], steps=3)
+    peer, adamw = final_loss(size, "gefen-x", 0, 1e-3), final_loss(size, None, 0, 1e-3)
+    assert math.isfinite(peer) and peer != adamw
 
 
 # ------------------------------------------------------------------------------- codebook_dp
