@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import defaultdict
 from typing import NamedTuple
@@ -585,14 +586,19 @@ def _tiles(p, g, st, seed, *, bits):
     first = st.get(K.CODES, st.get(K.M))
     if w is None or w.numel() == block:
         return [(p, g, st[K.V], st.get(K.SCALES), first, w, seed)]
-    out = []
-    for k, ((r0, r1), (a, b)) in enumerate(zip(factor_tiles(p.shape, block), tile_elements(p.shape, block))):
-        # P divides the row, so v and scales split at a / P; 4-bit codes at a / 2 (a is even)
-        codes = first[a // 2:-(-b // 2)] if bits == 4 and K.CODES in st else first[a:b]
-        out.append((p[r0:r1], g[r0:r1], st[K.V][a // block:b // block],
-                    st[K.SCALES][a // block:b // block] if K.SCALES in st else None, codes,
-                    w[k * block:(k + 1) * block], None if seed is None else step_seed(seed, k, 0)))
-    return out
+    v, scales = st[K.V], st.get(K.SCALES)
+    return [(p[r0:r1], g[r0:r1], v[a // block:b // block], None if scales is None else scales[a // block:b // block],
+             first[c0:c1] if K.CODES in st else first[a:b], w[k * block:(k + 1) * block],
+             None if seed is None else step_seed(seed, k, 0))
+            for k, (r0, r1, a, b, c0, c1) in enumerate(_tile_plan(tuple(p.shape), block, bits))]
+
+
+@functools.lru_cache(maxsize=1024)
+def _tile_plan(shape: tuple, block: int, bits: int) -> tuple:
+    """Per tile (rows r0:r1, elements a:b, code bytes c0:c1): P divides the row, so v and scales
+    split at a / P; 4-bit codes at a / 2 (a is even)."""
+    return tuple((r0, r1, a, b, *((a // 2, -(-b // 2)) if bits == 4 else (a, b)))
+                 for (r0, r1), (a, b) in zip(factor_tiles(shape, block), tile_elements(shape, block)))
 
 
 def _refill(t: torch.Tensor, size: int) -> torch.Tensor:
