@@ -238,7 +238,9 @@ def read_section(readme, name: str) -> str | None:
 @dataclass
 class Report:
     """One analysis script: ``draw(rows, out, config)`` makes the figure (None: no figure), and
-    ``body(rows, config)`` returns the section's Markdown after the setup line (tables, verdicts)."""
+    ``body(rows, config)`` returns the section's Markdown after the setup line (tables, verdicts).
+    ``reads`` names other experiments the body compares with: the rows of each whose CSV is in the
+    results folder are in ``config["other_rows"][name]``."""
 
     name: str
     experiment: str
@@ -246,6 +248,7 @@ class Report:
     body: Callable
     draw: Callable | None = None
     metrics: tuple = ()
+    reads: tuple = ()
 
 
 def main(report: Report, argv=None, doc=None):
@@ -258,6 +261,8 @@ def main(report: Report, argv=None, doc=None):
     args = parser.parse_args(argv)
     rows = load_rows(report.experiment, args.results_dir, report.metrics)
     config = load_config(report.experiment, args.results_dir)
+    config["other_rows"] = {name: load_rows(name, args.results_dir) for name in report.reads
+                            if (Path(args.results_dir) / f"{name}.csv").exists()}
     readme = Path(args.results_dir) / "README.md"
     parts = [f"## {report.title}", setup_line(config, rows)]
     if report.draw is not None:

@@ -236,3 +236,37 @@ def test_figure_link_is_relative_to_the_readme(tmp_path):
     out = tmp_path / "paper_figs" / "quick" / "poincare.png"
     common.main(poincare.REPORT, ["--results-dir", str(quick), "--out", str(out)])
     assert "![poincare](../../paper_figs/quick/poincare.png)" in (quick / "README.md").read_text()
+
+
+def test_convergence_long_compares_the_gap_with_the_short_run_on_the_same_seeds(tmp_path):
+    """analysis/convergence_long.py: per optimizer the median of its drop-in ratio over the seeds that
+    both runs trained, at 1,000 steps (convergence_encoder.csv) and at 3,000, and whether the gap did
+    not grow; without the short run's CSV the section says so instead of failing."""
+    from analysis import convergence_long
+
+    rng = __import__("random").Random(7)
+    long_ratio = {("Gefen-8bit-factored", s): 1 + rng.uniform(-0.01, 0.02) for s in range(3)}
+    long_ratio.update({("gefen-x", s): 1 + rng.uniform(0.0, 0.02) for s in range(3)})
+    short_ratio = {(n, s): 1 + rng.uniform(-0.01, 0.02) for n in ("Gefen-8bit-factored", "gefen-x") for s in range(5)}
+
+    def rows_of(ratio, lr):
+        rows = [("dropin/AdamW", "lr", lr, "model", "char-encoder-1k", 0)]
+        for (n, s), r in ratio.items():
+            rows += [(f"dropin/{n}", "val_loss_vs_adamw", r, "model", "char-encoder-1k", s),
+                     ("dropin/AdamW", "val_loss_vs_adamw", 1.0, "model", "char-encoder-1k", s)]
+        return rows
+
+    long_rows = [r for r in convergence_rows()] + rows_of(long_ratio, 2e-3)
+    write(tmp_path, "convergence_long", long_rows)
+    _, alone = run(convergence_long, tmp_path)
+    assert "`convergence_encoder.csv` is not in the results folder" in alone
+    write(tmp_path, "convergence_encoder", rows_of(short_ratio, 4e-3))
+    _, section = run(convergence_long, tmp_path)
+    for name in ("Gefen-8bit-factored", "gefen-x"):
+        at_long = statistics.median(long_ratio[(name, s)] for s in range(3))
+        at_short = statistics.median(short_ratio[(name, s)] for s in range(3))  # seeds 3, 4: the short run's only
+        row = next(line for line in section.splitlines() if line.startswith(f"| {name} |"))
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert cells[1:4] == [f"{at_short - 1:+.2%}", f"{at_long - 1:+.2%}", f"{at_long - at_short:+.2%}"]
+        assert cells[4] == ("**met**" if at_long <= at_short else "**not met**")
+    assert "AdamW's best lr 0.004) and at 3,000 steps (this run, AdamW's best lr 0.002)" in section
