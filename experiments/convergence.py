@@ -38,7 +38,7 @@ and deterministic). Two more configurations judge the optimizers on architecture
 developed on, each its own experiment and results file (``--experiment convergence_encoder``,
 ``convergence_llama``: the architecture as the main configuration, no extra ones, the optimizers
 of ``UNTUNED``, both protocols; ``--extra encoder llama`` adds them to a run of this file instead;
-``convergence_long`` trains the encoder 3,000 steps, 3 seeds, drop-in protocol):
+``convergence_long`` trains the encoder 3,000 steps, 3 seeds, drop-in protocol, AdamW on lrs 2e-3..8e-3):
 ``CHAR_LM["encoder"]``, a stack of
 PyTorch's pre-norm ``nn.TransformerEncoderLayer`` with its fused q/k/v tensor, and
 ``CHAR_LM["llama"]``, a Llama-style decoder (RMSNorm, SwiGLU, rotary embeddings, no biases); both
@@ -106,9 +106,11 @@ FULL_EXTRA = ["large", "docstrings"]
 ARCH_EXPERIMENTS = {
     "convergence_encoder": dict(size="encoder", optimizers=UNTUNED, protocol="both"),
     "convergence_llama": dict(size="llama", optimizers=UNTUNED, protocol="both"),
-    # does the gap grow with training? the encoder 3x as long, fewer seeds, AdamW's lr
+    # does the gap grow with training? the encoder 3x as long, fewer seeds, AdamW's lr (on a grid of
+    # factors of two around its best at 1,000 steps, 4e-3)
     "convergence_long": dict(size="encoder", optimizers=["AdamW", "gefen-x", "Gefen-8bit-factored",
-                                                         "Gefen-4bit-factored"], protocol="dropin", steps=3000, seeds=3),
+                                                         "Gefen-4bit-factored"], protocol="dropin", steps=3000, seeds=3,
+                             lrs=[2e-3, 4e-3, 8e-3]),
 }
 PROTOCOLS = ("best", "dropin", "both")
 DROPIN = "dropin/"  # the variant prefix of the drop-in protocol's rows
@@ -320,6 +322,7 @@ def parse_args(argv=None):
         if not args.quick:
             args.steps = args.steps or own.get("steps")
             args.seeds = args.seeds or own.get("seeds")
+            args.lrs = args.lrs or own.get("lrs")
     args.optimizers = args.optimizers or (own["optimizers"] if own else OPTIMIZERS)
     args.protocol = args.protocol or (own["protocol"] if own else "best")
     unknown = [n for n in args.optimizers if n not in OPTIMIZERS]

@@ -743,8 +743,9 @@ def test_an_architecture_experiment_has_its_own_defaults_and_file(tmp_path, monk
     assert conv.parse_args([]).protocol == "best" and conv.parse_args([]).optimizers == conv.OPTIMIZERS
     args = conv.parse_args(["--experiment", "convergence_long"])
     assert (args.size, args.steps, args.seeds, args.protocol) == ("encoder", 3000, 3, "dropin")
+    assert args.lrs == [2e-3, 4e-3, 8e-3] and conv.parse_args(["--experiment", "convergence_encoder"]).lrs is None
     args = conv.parse_args(["--experiment", "convergence_long", "--quick"])
-    assert (args.size, args.steps, args.seeds) == (None, None, None)  # the quick size's own
+    assert (args.size, args.steps, args.seeds, args.lrs) == (None, None, None, None)  # the quick size's own
 
     assert conv.parse_args(["--experiment", "convergence_encoder", "--quick"]).size is None  # quick dims
     _main("experiments.convergence", ["--experiment", "convergence_encoder", "--tiny",
