@@ -98,7 +98,13 @@ def body(rows, config, center="mean"):
             "group with `share_second_moment=False`; names pick the tensors for this ablation only. `factored` "
             "is `factor_second_moment=True` on every tensor; `factored, and per element on X` gives X a "
             "per-element v and factors the rest. Vectors (norm gains, biases) already have block length 1 in "
-            "the character GPT."]
+            "the character GPT, and under the factor in every model."]
+    names = {v.rpartition("/")[2] for v in variants(rows, "val_loss_vs_adamw")}
+    if names & {"fp32_m", "factored+fp32_m"}:
+        text[0] += (" `the first moment in fp32` keeps m uncompressed (`quantize_first_moment=False`) on every "
+                    "tensor, v as the variant says.")
+    if "gefen-x" in names:
+        text[0] += " gefen-x trains at the same lr and seeds, as a peer."
     for prefix in configurations(rows, "val_loss_vs_adamw"):
         cc = (c.get("extra") or {}).get(prefix.rstrip("/"), {}) if prefix else c
         data = collect(rows, prefix)
@@ -124,12 +130,12 @@ def _finding(data, center="mean"):
     gap = data["none"] - 1
     closes = [v for v, r in data.items() if v not in NOT_KINDS and "+" not in v and r - 1 < gap / 2]
     out = f"By the {center} over seeds, Gefen as published ends at {data['none']:.3f} of AdamW's loss"
-    out += f", and {data['all']:.3f} with v per element everywhere. " if "all" in data else ". "
+    out += f", and {data['all']:.3f} with v per element everywhere." if "all" in data else "."
     if gap <= 0:
-        out += "There is no gap to close here."
+        out += " There is no gap to close here."
     elif any(v not in NOT_KINDS and "+" not in v for v in data):
-        out += (f"Per-element v on {', '.join(_label(v) for v in closes)} alone closes at least half of the gap."
-                if closes else "No single kind of tensor closes half of the gap.")
+        out += (f" Per-element v on {', '.join(_label(v) for v in closes)} alone closes at least half of the gap."
+                if closes else " No single kind of tensor closes half of the gap.")
     if "factored" in data:
         out += f" The factored second moment leaves {data['factored'] - 1:+.2%}"
         on_top = {v.partition("+")[2]: r for v, r in data.items()
