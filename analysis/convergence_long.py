@@ -31,7 +31,9 @@ def _per_seed(rows):
 
 
 def _lr_of(rows, name):
-    return next((r["value"] for r in rows if r["metric"] == "lr" and r["variant"] == DROPIN + name), math.nan)
+    """The drop-in lr of ``name`` (the x value of its final losses)."""
+    return next((float(r["x_value"]) for r in rows if r["metric"] == "final_val_loss" and r["x_name"] == "lr"
+                 and r["variant"] == DROPIN + name), math.nan)
 
 
 def gap_growth(rows, short_rows):

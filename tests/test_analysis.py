@@ -250,7 +250,7 @@ def test_convergence_long_compares_the_gap_with_the_short_run_on_the_same_seeds(
     short_ratio = {(n, s): 1 + rng.uniform(-0.01, 0.02) for n in ("Gefen-8bit-factored", "gefen-x") for s in range(5)}
 
     def rows_of(ratio, lr):
-        rows = [("dropin/AdamW", "lr", lr, "model", "char-encoder-1k", 0)]
+        rows = [("dropin/AdamW", "final_val_loss", 1.5, "lr", lr, 0)]
         for (n, s), r in ratio.items():
             rows += [(f"dropin/{n}", "val_loss_vs_adamw", r, "model", "char-encoder-1k", s),
                      ("dropin/AdamW", "val_loss_vs_adamw", 1.0, "model", "char-encoder-1k", s)]
