@@ -62,7 +62,8 @@ def draw(rows, out, config, target=TARGET, title="Gefen 8-bit: v per element on 
 
 
 def _color(name):
-    return "tab:gray" if name in ("gefen-x",) else "tab:orange" if name.startswith("factored") else "tab:blue"
+    """Grey for the peer, orange on top of the factor, blue on the published Gefen."""
+    return "tab:gray" if name == "gefen-x" else "tab:orange" if name.startswith("factored") else "tab:blue"
 
 
 def _draw_one(ax, data, label, target=TARGET):
