@@ -43,7 +43,7 @@ EXPERIMENTS = {
     "gefen_ablation": ["gefen_ablation", "gefen_ablation_arch"],
     "hessian_alignment": ["hessian_alignment"],
     "convergence": ["convergence", "convergence_bf16", "convergence_encoder", "convergence_llama",
-                    "convergence_long"],
+                    "convergence_long", "convergence_long_lr"],
     "kernel_resources": ["kernel_resources"],
 }
 # experiment script -> more runs of it with these arguments (each its own results file)
@@ -51,7 +51,7 @@ MORE_RUNS = {
     "convergence": [["--experiment", "convergence_bf16", "--size", "large", "--extra", "none", "--optimizers",
                      "AdamW", "AdamW+bf16", "Gefen-8bit-factored", "Gefen-8bit+bf16-sr", "Gefen-8bit-factored+bf16-sr"],
                     ["--experiment", "convergence_encoder"], ["--experiment", "convergence_llama"],
-                    ["--experiment", "convergence_long"]],
+                    ["--experiment", "convergence_long"], ["--experiment", "convergence_long_lr"]],
     "gefen_ablation": [["--experiment", "gefen_ablation_arch"]],
 }
 # analysis script -> the figure it draws (None: a results/README.md section only)
@@ -60,7 +60,8 @@ FIGURE_OF = {"correctness": None, "dsa_fault_injection": None, "dsa_throughput":
              "hessian_alignment": "hessian_alignment",
              "convergence": "convergence", "convergence_bf16": "convergence_bf16",
              "convergence_encoder": "convergence_encoder", "convergence_llama": "convergence_llama",
-             "convergence_long": "convergence_long", "kernel_resources": None}
+             "convergence_long": "convergence_long",
+             "convergence_long_lr": "convergence_long_lr", "kernel_resources": None}
 
 
 def _run(cmd, log, timeout):

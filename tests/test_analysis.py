@@ -238,11 +238,13 @@ def test_figure_link_is_relative_to_the_readme(tmp_path):
     assert "![poincare](../../paper_figs/quick/poincare.png)" in (quick / "README.md").read_text()
 
 
-def test_convergence_long_compares_the_gap_with_the_short_run_on_the_same_seeds(tmp_path):
-    """analysis/convergence_long.py: per optimizer the median of its drop-in ratio over the seeds that
-    both runs trained, at 1,000 steps (convergence_encoder.csv) and at 3,000, and whether the gap did
-    not grow; without the short run's CSV the section says so instead of failing."""
-    from analysis import convergence_long
+@pytest.mark.parametrize("name", ["convergence_long", "convergence_long_lr"])
+def test_convergence_long_compares_the_gap_with_the_short_run_on_the_same_seeds(tmp_path, name):
+    """analysis/convergence_long.py (and convergence_long_lr.py, its run at a fixed lr): per optimizer
+    the median of its drop-in ratio over the seeds that both runs trained, at 1,000 steps
+    (convergence_encoder.csv) and at 3,000, and whether the gap did not grow; without the short run's
+    CSV the section says so instead of failing."""
+    convergence_long = __import__(f"analysis.{name}", fromlist=["REPORT"])
 
     rng = __import__("random").Random(7)
     long_ratio = {("Gefen-8bit-factored", s): 1 + rng.uniform(-0.01, 0.02) for s in range(3)}
@@ -257,7 +259,7 @@ def test_convergence_long_compares_the_gap_with_the_short_run_on_the_same_seeds(
         return rows
 
     long_rows = [r for r in convergence_rows()] + rows_of(long_ratio, 2e-3)
-    write(tmp_path, "convergence_long", long_rows)
+    write(tmp_path, name, long_rows)
     _, alone = run(convergence_long, tmp_path)
     assert "`convergence_encoder.csv` is not in the results folder" in alone
     write(tmp_path, "convergence_encoder", rows_of(short_ratio, 4e-3))

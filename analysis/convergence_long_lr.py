@@ -1,0 +1,16 @@
+"""``python analysis/convergence_long_lr.py``: the encoder trained 3,000 steps at the 1,000-step run's
+drop-in lr held fixed (``python experiments/convergence.py --experiment convergence_long_lr``).
+
+The body of analysis/convergence_long.py: with the lr the same at both lengths, a gap that grows
+from 1,000 to 3,000 steps is the training length's."""
+
+import dataclasses
+
+from analysis.convergence import arch_main, arch_report
+from analysis.convergence_long import REPORT as LONG
+
+REPORT = dataclasses.replace(LONG, name="convergence_long_lr", experiment="convergence_long_lr",
+                             title=arch_report("encoder", "", ", 3,000 steps at the 1,000-step lr").title)
+
+if __name__ == "__main__":
+    arch_main(REPORT, __doc__)
