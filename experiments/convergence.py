@@ -22,8 +22,9 @@ Does Gefen reach AdamW's validation loss with about one byte of optimizer state 
 This is the one experiment that answers it: one Gefen-vs-AdamW number per model. A nanoGPT-style
 character model (experiments/models.py) learns Python's documentation topics plus standard-library
 sources (experiments/data.py; 90/10 train/validation split by chunks). Optimizers (registry names):
-AdamW, Adam-mini, torchao-AdamW8bit, torchao-AdamW4bit, gefen-upstream, Gefen-8bit, Gefen-4bit,
-Gefen-8bit-factored, Gefen-4bit-factored (``factor_second_moment=True``); and on bf16 weights (the
+AdamW, Adam-mini, torchao-AdamW8bit, torchao-AdamW4bit, gefen-upstream, gefen-x, Gefen-8bit, Gefen-4bit,
+Gefen-8bit-factored, Gefen-4bit-factored (``factor_second_moment=True``): the full run's; and on
+bf16 weights (``--experiment convergence_bf16``: the
 model converted with ``.to(torch.bfloat16)``, no fp32 copy anywhere; the loss in fp32): AdamW+bf16
 (fused AdamW, its moments bf16 as the weights, rounding to nearest), Gefen-8bit+bf16-sr and
 Gefen-8bit-factored+bf16-sr (``stochastic_rounding=True``). Their ratios are to fp32 AdamW's loss.
@@ -52,8 +53,9 @@ Protocol (experiments/train.py): the same initialisation and batches per seed fo
 linear warm-up over 5% of the steps then cosine decay to 10%, gradient clipping at 1.0, decoupled
 weight decay 0.1 on every tensor (Adam-mini exempts norms and biases by its own name rule). Each
 optimizer's peak learning rate is the best of a grid by the final validation loss of the first
-seed; that rate is rerun with the other seeds (``--protocol best``, the default). The drop-in protocol
-(``--protocol dropin``; ``both`` runs the two, sharing the runs they have in common) is a user's who
+seed; that rate is rerun with the other seeds (``--protocol best``). The drop-in protocol
+(``--protocol dropin``; ``both``, the default but for convergence_bf16, runs the two, sharing the runs
+they have in common) is a user's who
 swaps AdamW out without tuning: AdamW's grid on the first seed, then every optimizer at AdamW's best
 rate on every seed; an optimizer of ``LR_SCALED`` also runs at the multiple of that rate its authors
 advise, as variant ``<name>@<multiple>`` (gefen-x's README: about 0.6x AdamW's). An optimizer that
@@ -94,12 +96,12 @@ EXPERIMENT = "convergence"
 # bf16 weights: "<registry name>+bf16" (rounding to nearest) or "+bf16-sr" (Gefen's stochastic rounding)
 BF16 = ["AdamW+bf16", "Gefen-8bit+bf16-sr", "Gefen-8bit-factored+bf16-sr"]
 OPTIMIZERS = DENSE + BF16
-LARGE = ["AdamW", "Adam-mini", "torchao-AdamW8bit", "gefen-upstream", "Gefen-8bit", "Gefen-4bit",
-         "Gefen-8bit-factored", "Gefen-4bit-factored"] + BF16
+LARGE = ["AdamW", "Adam-mini", "torchao-AdamW8bit", "gefen-upstream", "gefen-x", "Gefen-8bit", "Gefen-4bit",
+         "Gefen-8bit-factored", "Gefen-4bit-factored"]
 # the optimizers of each extra configuration (LARGE for a size not named here): on the second
-# corpus the question is Gefen's against AdamW's and Adam-mini's, so the slow CPU peers stay out
-EXTRA_OPTIMIZERS = {"docstrings": ["AdamW", "Adam-mini", "Gefen-8bit", "Gefen-4bit", "Gefen-8bit-factored",
-                                   "Gefen-4bit-factored"]}
+# corpus Gefen's against AdamW's, Adam-mini's and the two quantised peers', upstream (ours' numerics) out
+EXTRA_OPTIMIZERS = {"docstrings": ["AdamW", "Adam-mini", "torchao-AdamW8bit", "gefen-x", "Gefen-8bit", "Gefen-4bit",
+                                   "Gefen-8bit-factored", "Gefen-4bit-factored"]}
 # on the architectures Gefen was not developed on: the published Gefen, the factored one and gefen-x
 UNTUNED = ["AdamW", "gefen-x", "torchao-AdamW8bit", "Gefen-8bit", "Gefen-8bit-factored", "Gefen-4bit-factored"]
 EXTRA_OPTIMIZERS.update(encoder=UNTUNED, llama=UNTUNED)
@@ -296,17 +298,17 @@ def parse_args(argv=None):
                              "convergence_llama for one architecture each (module docstring)")
     parser.add_argument("--tiny", action="store_true", help="test size: a 1-layer model for a few steps")
     parser.add_argument("--optimizers", nargs="+", default=None, metavar="NAME",
-                        help=f"subset of {', '.join(OPTIMIZERS)} (default: all; UNTUNED for an architecture's "
-                             "experiment)")
+                        help=f"subset of {', '.join(OPTIMIZERS)} (default: the fp32-weight ones; UNTUNED for an "
+                             "architecture's experiment)")
     parser.add_argument("--lrs", nargs="+", type=float, default=None, help="learning-rate grid (default per size)")
     parser.add_argument("--seeds", type=int, default=None,
                         help="seeds at the chosen lr, in every configuration (default per size)")
     parser.add_argument("--steps", type=int, default=None,
                         help="training steps, in every configuration (default per size)")
     parser.add_argument("--protocol", default=None, choices=PROTOCOLS,
-                        help="best: each optimizer at its best lr of the grid (default); dropin: every optimizer "
-                             "at AdamW's best lr (and LR_SCALED's multiples of it); both (the default of an "
-                             "architecture's experiment)")
+                        help="best: each optimizer at its best lr of the grid (convergence_bf16's default); dropin: "
+                             "every optimizer at AdamW's best lr (and LR_SCALED's multiples of it); both (the "
+                             "default otherwise)")
     parser.add_argument("--no-progress", action="store_true", help="no tqdm bars")
     parser.add_argument("--size", default=None, choices=list(CHAR_LM),
                         help="the main configuration's CHAR_LM size (default: tiny/quick/full by the flags)")
@@ -329,8 +331,10 @@ def parse_args(argv=None):
             args.steps = args.steps or own.get("steps")
             args.seeds = args.seeds or own.get("seeds")
             args.lrs = args.lrs or own.get("lrs")
-    args.optimizers = args.optimizers or (own["optimizers"] if own else OPTIMIZERS)
-    args.protocol = args.protocol or (own["protocol"] if own else "best")
+    # the full run's default: the fp32-weight optimizers (bf16 weights are their own experiment), both
+    # protocols; convergence_bf16 (given its optimizers) each at its best lr
+    args.optimizers = args.optimizers or (own["optimizers"] if own else DENSE)
+    args.protocol = args.protocol or (own["protocol"] if own else "both" if args.experiment == EXPERIMENT else "best")
     unknown = [n for n in args.optimizers if n not in OPTIMIZERS]
     if unknown:
         parser.error(f"--optimizers: unknown {unknown}; choose from {OPTIMIZERS}")

@@ -740,7 +740,10 @@ def test_an_architecture_experiment_has_its_own_defaults_and_file(tmp_path, monk
     assert "torchao-AdamW8bit" in conv.UNTUNED and "gefen-x" in conv.UNTUNED
     args = conv.parse_args(["--experiment", "convergence_encoder", "--protocol", "best", "--optimizers", "AdamW"])
     assert (args.size, args.protocol, args.optimizers) == ("encoder", "best", ["AdamW"])
-    assert conv.parse_args([]).protocol == "best" and conv.parse_args([]).optimizers == conv.OPTIMIZERS
+    assert conv.parse_args([]).protocol == "both" and conv.parse_args([]).optimizers == conv.DENSE
+    assert conv.parse_args(["--experiment", "convergence_bf16"]).protocol == "best"
+    assert all("gefen-x" in names and "torchao-AdamW8bit" in names  # the peers in every configuration
+               for names in (conv.DENSE, conv.LARGE, conv.EXTRA_OPTIMIZERS["docstrings"]))
     args = conv.parse_args(["--experiment", "convergence_long"])
     assert (args.size, args.steps, args.seeds, args.protocol) == ("encoder", 3000, 3, "dropin")
     assert args.lrs == [2e-3, 4e-3, 8e-3] and conv.parse_args(["--experiment", "convergence_encoder"]).lrs is None
