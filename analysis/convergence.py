@@ -227,6 +227,7 @@ def body(rows, config):
                     "optimizer's lr is the best of the grid by the first seed's final validation loss; that lr is "
                     "rerun on the other seeds.")
         text.append(_table(rows, summary, prefix, {label: rel.get(label, {})}))
+        text.append(kind_table(rows, prefix, summary))
 
     def bpp_of(model, name):
         return summaries.get(model, {}).get(name, {}).get("bpp", math.nan)
@@ -241,7 +242,7 @@ def body(rows, config):
                     "at block length 1) are a large share of the parameters, so the published Gefen itself can "
                     "exceed those bytes there.\n\n" + "\n".join(verdicts))
     text += _untuned(rows, c, prefixes, rel)
-    return "\n\n".join(text)
+    return "\n\n".join(t for t in text if t)
 
 
 def _describe(rows, c, prefix):
@@ -295,6 +296,27 @@ def _ratio_table(rows, summary, prefix, per):
     return md_table(head, table) + "\n\nFinal validation loss of the first seed over the lr grid:\n\n" + grid
 
 
+KINDS = ("matrix", "embedding", "vector", "shared")  # experiments/registry.py's state_bytes_by_kind
+
+
+def kind_table(rows, prefix, names):
+    """Markdown: each optimizer's state bytes per parameter by kind of tensor (mean over seeds), the
+    kinds' shares of the parameters in the header ("shared": state of no one tensor, per parameter
+    of the model); "" where the run has no such rows."""
+    have = [n for n in names if select(rows, "state_bytes_per_param_of_kind", prefix + n)]
+    if not have:
+        return ""
+    counts = {k: value(rows, "params_of_kind", prefix + have[0], x_value=k) for k in KINDS}
+    total = sum(c for c in counts.values() if math.isfinite(c))
+    head = ["optimizer", "all tensors"] + [k if k == "shared" else f"{k} ({counts[k] / total:.1%} of parameters)"
+                                           for k in KINDS]
+    table = [[n, fmt(value(rows, "state_bytes_per_param", prefix + n), 4)]
+             + [fmt(value(rows, "state_bytes_per_param_of_kind", prefix + n, x_value=k), 4) for k in KINDS]
+             for n in have]
+    return "State bytes per parameter by kind of tensor (matrices: projections and heads; embeddings: token " \
+           "and position tables; vectors: biases and norm gains):\n\n" + md_table(head, table)
+
+
 def _judge(ok):
     return "—" if ok is None else "**met**" if ok else "**not met**"
 
@@ -340,6 +362,8 @@ def _untuned(rows, c, prefixes, rel):
             continue
         text.append(_describe(rows, c, prefix))
         text.append(_ratio_table(rows, summaries[prefix], prefix, lambda n: _paired(rel, label, prefix, n)))
+        if not is_dropin(prefix) or prefix.removesuffix(DROPIN) not in prefixes:  # the same bytes in both
+            text.append(kind_table(rows, prefix, summaries[prefix]))
     if not any(n in s for s in summaries.values() for n in FACTORED_TARGET):
         return text
     head = ["configuration", "protocol"]

@@ -65,7 +65,9 @@ Rows (variant = the optimizer's registry name):
 - per grid point, first seed: ``lr_sweep_val_loss`` against ``lr``; per optimizer ``best_lr``;
 - per seed at the best lr: ``val_loss`` and ``train_loss`` (nats/char) against ``step``;
   ``final_val_loss``, ``state_bytes``, ``state_bytes_per_param``, ``params``, ``step_time`` (median
-  ``optimizer.step()``, ms) and ``wall_time`` against ``lr``;
+  ``optimizer.step()``, ms) and ``wall_time`` against ``lr``; ``state_bytes_per_param_of_kind`` and
+  ``params_of_kind`` against ``kind`` (experiments/registry.py's ``state_bytes_by_kind``: matrix, embedding, vector,
+  and shared state per parameter of the model);
 - ``val_loss_vs_adamw`` per seed (final validation loss / AdamW's of the same seed) and its
   ``_mean``, ``_median``, ``_std``, ``_min`` and ``_max`` over seeds, against ``model`` (variant = the
   optimizer's name in every configuration).
@@ -89,7 +91,7 @@ from experiments import data
 from experiments.common import Results, add_common_args
 from experiments.models import char_lm_model
 from experiments.pool import RunPool
-from experiments.registry import DENSE, make_optimizer, state_bytes
+from experiments.registry import DENSE, make_optimizer, state_bytes, state_bytes_by_kind
 from experiments.train import CHAR_LM, WEIGHT_DECAY, char_lm_label, char_lm_problem, train_lm
 
 EXPERIMENT = "convergence"
@@ -151,6 +153,7 @@ def train_one(name, lr, seed, size, cfg, corpus, progress):
                    eval_every=size["eval_every"], progress=progress, desc=f"{name} lr={lr:g} seed={seed}")
     out["params"] = sum(p.numel() for p in model.parameters())
     out["state_bytes"] = state_bytes(opt)
+    out["state_bytes_by_kind"] = state_bytes_by_kind(opt, model)
     return out
 
 
@@ -263,6 +266,10 @@ def add_rows(res, name, sweep, lr, chosen, first_seed, selected_by="lr_sweep_val
         res.add(name, "state_bytes", "bytes", out["state_bytes"], **x)
         res.add(name, "state_bytes_per_param", "B/param", out["state_bytes"] / out["params"], **x)
         res.add(name, "params", "count", out["params"], **x)
+        for kind, (nbytes, n) in out["state_bytes_by_kind"].items():  # "shared": per parameter of the model
+            res.add(name, "state_bytes_per_param_of_kind", "B/param", nbytes / (n or out["params"]),
+                    x_name="kind", x_value=kind, seed=seed)
+            res.add(name, "params_of_kind", "count", n, x_name="kind", x_value=kind, seed=seed)
         res.add(name, "step_time", "ms", 1e3 * out["step_time"], **x)
         res.add(name, "wall_time", "s", out["wall"], **x)
 

@@ -222,3 +222,38 @@ def tensor_bytes(obj, _seen=None) -> int:
 def state_bytes(opt) -> int:
     """Tensor bytes of the optimizer's state dict (see ``tensor_bytes``)."""
     return tensor_bytes(opt.state_dict())
+
+
+KINDS = ("matrix", "embedding", "vector", "shared")
+
+
+def tensor_kind(name: str, p: torch.Tensor, embedding_weights: set) -> str:
+    """A parameter's kind: "vector" (one dimension or none: biases, norm gains), "embedding" (an
+    ``nn.Embedding`` weight, or a table registered on the model itself, without a dotted name: a
+    learned position table), "matrix" (every other tensor: projections and heads)."""
+    if p.dim() < 2:
+        return "vector"
+    return "embedding" if id(p) in embedding_weights or "." not in name else "matrix"
+
+
+def state_bytes_by_kind(opt, model: torch.nn.Module) -> dict:
+    """``{kind: (state bytes, parameters)}`` over ``KINDS``: each parameter's state-dict entry
+    (``tensor_bytes``, each storage once) under its ``tensor_kind``, and under "shared" every byte
+    that no one parameter's entry holds (codebooks, global steps; parameters 0). The bytes add up
+    to ``state_bytes(opt)``."""
+    embedding_weights = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    kind_of = {id(p): tensor_kind(n, p, embedding_weights) for n, p in model.named_parameters()}
+    out = {k: [0, 0] for k in KINDS}
+    for p in model.parameters():
+        out[kind_of[id(p)]][1] += p.numel()
+    sd = opt.state_dict()
+    # state_dict numbers the parameters in param_groups order
+    index = {i: p for i, p in enumerate(p for g in opt.param_groups for p in g["params"])}
+    seen, rest = set(), dict(sd)
+    state = dict(rest.pop("state", {}))
+    for i in list(state):
+        p = index.get(i)
+        if p is not None and id(p) in kind_of:
+            out[kind_of[id(p)]][0] += tensor_bytes(state.pop(i), seen)
+    out["shared"][0] += tensor_bytes([state, rest], seen)
+    return {k: tuple(v) for k, v in out.items()}

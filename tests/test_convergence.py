@@ -87,6 +87,44 @@ def test_state_bytes_of_adamw_is_two_fp32_moments_plus_steps():
     assert registry.state_bytes(opt) == expected
 
 
+class _Tables(torch.nn.Module):
+    """An embedding, a bare position table, a projection with a bias and a norm: every kind."""
+
+    def __init__(self):
+        super().__init__()
+        self.tok = torch.nn.Embedding(11, 16)
+        self.pos = torch.nn.Parameter(torch.randn(8, 16))
+        self.proj = torch.nn.Linear(16, 24)
+        self.norm = torch.nn.LayerNorm(24)
+
+    def forward(self, x):
+        return self.norm(self.proj(self.tok(x) + self.pos[: x.shape[1]]))
+
+
+@pytest.mark.parametrize("name", ["AdamW", "Gefen-8bit-factored", "Gefen-4bit"])
+def test_state_bytes_by_kind_adds_up_and_counts_each_parameter_under_its_kind(name):
+    """Each kind's bytes equal the bytes of ``opt.state[p]`` summed over its parameters (another path
+    than the state dict's indices); the kinds and the shared rest add up to ``state_bytes``; AdamW's
+    are 8 bytes a parameter plus a 4-byte step per tensor."""
+    torch.manual_seed(0)
+    model = _Tables()
+    opt = registry.make_optimizer(name, model, 1e-3, 0.1)
+    model(torch.randint(0, 11, (3, 8))).pow(2).mean().backward()
+    opt.step()
+    kinds = registry.state_bytes_by_kind(opt, model)
+    want = {"embedding": ["tok.weight", "pos"], "matrix": ["proj.weight"],
+            "vector": ["proj.bias", "norm.weight", "norm.bias"]}
+    named = dict(model.named_parameters())
+    for kind, names in want.items():
+        ps = [named[n] for n in names]
+        brute = sum(t.numel() * t.element_size() for p in ps for t in opt.state[p].values() if torch.is_tensor(t))
+        assert kinds[kind] == (brute, sum(p.numel() for p in ps))
+        if name == "AdamW":
+            assert brute == 8 * kinds[kind][1] + 4 * len(ps)
+    assert kinds["shared"][1] == 0 and sum(b for b, _ in kinds.values()) == registry.state_bytes(opt)
+    assert (kinds["shared"][0] > 0) == name.startswith("Gefen")  # the codebook
+
+
 def test_tensor_bytes_counts_quantised_subclasses_by_their_parts():
     from torchao.optim.subclass_4bit import OptimState4bit
     from torchao.optim.subclass_8bit import OptimState8bit
@@ -129,6 +167,11 @@ def test_tiny_entry_writes_wellformed_rows(tmp_path):
             assert metric["params"]["value"] == n_params
         assert sweep[best[0]] == [r["value"] for r in mine if r["metric"] == "final_val_loss" and r["seed"] == "0"][0]
     bytes_of = {r["variant"]: r["value"] for r in rows if r["metric"] == "state_bytes" and r["seed"] == "0"}
+    of_kind = {r["x_value"]: r["value"] for r in rows
+               if r["metric"] == "state_bytes_per_param_of_kind" and r["variant"] == "AdamW" and r["seed"] == "0"}
+    n_vec = sum(p.numel() for p in params if p.dim() == 1)
+    assert of_kind["vector"] == pytest.approx(8 + 4 * sum(p.dim() == 1 for p in params) / n_vec)
+    assert of_kind["shared"] == 0 and set(of_kind) == set(registry.KINDS)
     # AdamW: exp_avg and exp_avg_sq in fp32 and one fp32 step tensor per parameter tensor
     assert bytes_of["AdamW"] == 8 * n_params + 4 * len(params)
     assert bytes_of["Adam-mini"] < 0.6 * bytes_of["AdamW"]  # one shared v per head/neuron
@@ -179,6 +222,18 @@ def test_analysis_draws_from_a_tiny_run(tmp_path):
                            "--out", str(out)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+    # the bytes by kind: AdamW's matrices 8 B/param and a 4-byte step per tensor, from the model itself
+    from analysis.common import read_section
+
+    section = read_section(tmp_path / "README.md", "convergence")
+    row = next(line for line in section.splitlines() if line.startswith("| AdamW | 8.0"))
+    size = CHAR_LM["tiny"]
+    model = models.GPT(models.GPTConfig(block=size["block"], n_layer=size["n_layer"], n_head=size["n_head"],
+                                        n_embd=size["n_embd"]))
+    tables = [m.weight for m in model.modules() if isinstance(m, torch.nn.Embedding)]
+    mats = [p for p in model.parameters() if p.dim() == 2 and all(p is not t for t in tables)]
+    for col, ps in ((3, mats), (4, tables)):
+        assert row.split("|")[col].strip() == f"{8 + 4 * len(ps) / sum(p.numel() for p in ps):.4g}"
 
 
 def test_extra_configuration_on_the_docstring_corpus_is_labelled_by_it_and_trained_on_it(tmp_path, monkeypatch):
