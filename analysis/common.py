@@ -274,3 +274,27 @@ def main(report: Report, argv=None, doc=None):
     write_section(readme, report.name, "\n\n".join(parts))
     print(f"wrote section {report.name} of {readme}")
     return readme
+
+
+KINDS = ("matrix", "embedding", "vector", "shared")  # experiments/registry.py's state_bytes_by_kind
+
+
+def kind_table(rows, prefix, names):
+    """Markdown: the state bytes per parameter of each optimizer (variant ``prefix`` + name) by kind
+    of tensor (``state_bytes_per_param_of_kind`` against ``kind``, mean over seeds), all tensors
+    first (the kinds weighted by ``params_of_kind``), the kinds' shares of the parameters in the
+    header ("shared": state of no one tensor, per parameter of the model); "" without such rows."""
+    have = [n for n in names if select(rows, "state_bytes_per_param_of_kind", prefix + n)]
+    if not have:
+        return ""
+    counts = {k: value(rows, "params_of_kind", prefix + have[0], x_value=k) for k in KINDS}
+    total = sum(c for c in counts.values() if math.isfinite(c))
+    head = ["optimizer", "all tensors"] + [k if k == "shared" else f"{k} ({counts[k] / total:.1%} of parameters)"
+                                           for k in KINDS]
+    table = []
+    for n in have:
+        per = {k: value(rows, "state_bytes_per_param_of_kind", prefix + n, x_value=k) for k in KINDS}
+        every = per["shared"] + sum(per[k] * counts[k] for k in KINDS if k != "shared" and counts[k]) / total
+        table.append([n, fmt(every, 4)] + [fmt(per[k], 4) if k == "shared" or counts[k] else "—" for k in KINDS])
+    return ("State bytes per parameter by kind of tensor (matrices: projections and heads; embeddings: token "
+            "and position tables; vectors: biases and norm gains):\n\n" + md_table(head, table))

@@ -24,7 +24,7 @@ import math
 import statistics
 from collections import defaultdict
 
-from analysis.common import (CORPUS_TEXT, GEFEN_TARGET_BPP, OPTIMIZERS, Report, colour, configurations, fixed, fmt, in_configuration, main,
+from analysis.common import (CORPUS_TEXT, GEFEN_TARGET_BPP, OPTIMIZERS, Report, colour, configurations, fixed, fmt, in_configuration, kind_table, main,
                              md_table, mean_std, pm, save_figure, select, value, variants)
 
 TARGET = 0.03  # Gefen's claim: final loss within 3% of AdamW's
@@ -294,27 +294,6 @@ def _ratio_table(rows, summary, prefix, per):
     grid = md_table(["optimizer"] + [f"lr {lr:g}" for lr in lrs],
                     [[n] + [fixed(s["grid"].get(lr)) for lr in lrs] for n, s in gridded.items()])
     return md_table(head, table) + "\n\nFinal validation loss of the first seed over the lr grid:\n\n" + grid
-
-
-KINDS = ("matrix", "embedding", "vector", "shared")  # experiments/registry.py's state_bytes_by_kind
-
-
-def kind_table(rows, prefix, names):
-    """Markdown: each optimizer's state bytes per parameter by kind of tensor (mean over seeds), the
-    kinds' shares of the parameters in the header ("shared": state of no one tensor, per parameter
-    of the model); "" where the run has no such rows."""
-    have = [n for n in names if select(rows, "state_bytes_per_param_of_kind", prefix + n)]
-    if not have:
-        return ""
-    counts = {k: value(rows, "params_of_kind", prefix + have[0], x_value=k) for k in KINDS}
-    total = sum(c for c in counts.values() if math.isfinite(c))
-    head = ["optimizer", "all tensors"] + [k if k == "shared" else f"{k} ({counts[k] / total:.1%} of parameters)"
-                                           for k in KINDS]
-    table = [[n, fmt(value(rows, "state_bytes_per_param", prefix + n), 4)]
-             + [fmt(value(rows, "state_bytes_per_param_of_kind", prefix + n, x_value=k), 4) for k in KINDS]
-             for n in have]
-    return "State bytes per parameter by kind of tensor (matrices: projections and heads; embeddings: token " \
-           "and position tables; vectors: biases and norm gains):\n\n" + md_table(head, table)
 
 
 def _judge(ok):

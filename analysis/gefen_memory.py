@@ -6,7 +6,8 @@ Reads ``gefen_memory.csv`` (variant = optimizer, ``x_name="model"``): ``state_by
 ``step_time_median`` (s), ``step_time_vs_adamw`` (ratio to AdamW's median of the same run) and
 ``threads``. Left panel: bytes per parameter with Gefen's targets dashed. Right panel: median step
 time (log scale), labelled with the ratio to AdamW's. The section gives the same numbers per model
-and each target met or missed.
+and each target met or missed; then, per convergence model (variants ``<model label>/<optimizer>``:
+``state_bytes_per_param_of_kind`` and ``params_of_kind`` against ``kind``), the bytes by kind of tensor.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import math
 
 import numpy as np
 
-from analysis.common import (GEFEN_TARGET_BPP as TARGET_BPP, OPTIMIZERS, Report, fixed, fmt, main, md_table, save_figure,
+from analysis.common import (GEFEN_TARGET_BPP as TARGET_BPP, OPTIMIZERS, Report, fixed, fmt, kind_table, main, md_table, save_figure,
                              select, value, variants)
 TARGET_STEP = 4.0  # Gefen's step at most this many times AdamW's
 TARGET_FACTORED_STEP = 1.15  # the factored second moment: step time over the unfactored Gefen's
@@ -97,7 +98,20 @@ def body(rows, config):
                         f"{models(rows)[0]}, {fmt(adamw / ours)}× less, {fmt(adamw - ours)} B/param saved, "
                         f"{fmt((adamw - ours) * 1e9 / 2**30)} GiB per billion parameters.")
     text.append("\n".join(verdicts))
+    text += by_kind(rows, c.get("seed", "?"))
     return "\n\n".join(text)
+
+
+def by_kind(rows, seed):
+    """Per convergence model (variants ``<model label>/<optimizer>``), the bytes by kind of tensor
+    after the first training step of ``seed``."""
+    text = []
+    names = variants(rows, "state_bytes_per_param_of_kind")
+    for label in dict.fromkeys(n.rpartition("/")[0] for n in names):
+        opts = [n.removeprefix(label + "/") for n in names if n.startswith(label + "/")]
+        text.append(f"`{label}` (experiments/convergence.py's model, after the first step of its seed-"
+                    f"{seed} run, which fixes the blocks). " + kind_table(rows, label + "/", opts))
+    return text
 
 
 REPORT = Report("gefen_memory", "gefen_memory", "Gefen: optimizer memory and CPU step time", body, draw,

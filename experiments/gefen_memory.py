@@ -20,6 +20,12 @@ ratio to the unfactored Gefen's of the same bits, timed in the same interleaved 
 Rows (variant = optimizer, x = model): ``state_bytes_per_param``, ``first_step_time`` (s: blocks,
 codebook, compilation where there is any), ``step_time_median`` (s), ``step_time_vs_adamw`` (ratio),
 ``step_time_vs_unfactored`` (ratio, factored variants), ``threads``.
+
+Bytes by kind of tensor (matrices, embedding tables, vectors, shared state) on the models of
+experiments/convergence.py (``--char-lm``: the 116k GPT, the encoder, the Llama-style model), each
+after the first step of its training run of ``--seed``, which fixes the blocks: variant
+``<model label>/<optimizer>``, ``state_bytes_per_param_of_kind`` and ``params_of_kind`` against
+``kind`` (Adam-mini left out: its state needs the model's dimensions).
 """
 
 import argparse
@@ -30,8 +36,9 @@ import time
 import torch
 
 from experiments.common import Results, add_common_args
-from experiments.registry import DENSE, make_optimizer, state_bytes
-from experiments.train import interleaved, median
+from experiments.models import char_lm_model
+from experiments.registry import DENSE, make_optimizer, state_bytes, state_bytes_by_kind
+from experiments.train import CHAR_LM, WEIGHT_DECAY, char_lm_label, char_lm_problem, interleaved, median, train_lm
 
 
 class Encoder(torch.nn.Module):
@@ -111,6 +118,37 @@ def memory_and_time(res, model_name, names, repeats, seed):
             print(f"[{model_name}] {name}: {t / med[plain]:.3f}x {plain}")
 
 
+# experiments/convergence.py's models, whose state bytes by kind of tensor follow their first step
+CHAR_LMS = ["full", "encoder", "llama"]
+
+
+def bytes_by_kind(res, size_name, names, seed):
+    """Each optimizer's state bytes per parameter by kind of tensor (registry.state_bytes_by_kind)
+    on a ``CHAR_LM`` model after its first training step of ``seed``: the initialisation, batch and
+    clipping of experiments/convergence.py's run of that seed, whose blocks and so bytes it fixes.
+    Rows: variant ``<model label>/<optimizer>``, ``state_bytes_per_param_of_kind`` and
+    ``params_of_kind`` against ``kind``."""
+    size = CHAR_LM[size_name]
+    cfg, (train_ids, val), n = char_lm_problem(size)
+    label = char_lm_label(size)
+    for name in names:
+        torch.manual_seed(seed)
+        model = char_lm_model(cfg)
+        try:
+            opt = make_optimizer(name, model, 1e-3, WEIGHT_DECAY)
+            train_lm(model, opt, train_ids, val, lr=1e-3, steps=1, batch=size["batch"], seed=seed, eval_every=1)
+        except Exception as exc:  # a peer that cannot run here is reported, not fatal
+            print(f"[{label}] {name}: skipped ({type(exc).__name__}: {exc})", file=sys.stderr)
+            continue
+        kinds = state_bytes_by_kind(opt, model)
+        for kind, (nbytes, count) in kinds.items():
+            res.add(f"{label}/{name}", "state_bytes_per_param_of_kind", "B/param", nbytes / (count or n),
+                    x_name="kind", x_value=kind)
+            res.add(f"{label}/{name}", "params_of_kind", "count", count, x_name="kind", x_value=kind)
+        print(f"[{label}] {name}: " + ", ".join(f"{k} {b / (c or n):.4f}" for k, (b, c) in kinds.items())
+              + " B/param", flush=True)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(parser)
@@ -120,15 +158,23 @@ def main(argv=None):
     parser.add_argument("--optimizers", nargs="+", default=None, choices=DENSE,
                         help="default: all; with --quick all but torchao's (they compile on first use)")
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--char-lm", nargs="*", default=None, choices=list(CHAR_LM),
+                        help=f"convergence models for the bytes by kind of tensor (default: {' '.join(CHAR_LMS)}; "
+                             "quick: tiny; none: --char-lm with no size)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.optimizers is None:
         args.optimizers = [n for n in DENSE if not (args.quick and n.startswith("torchao"))]
+    if args.char_lm is None:
+        args.char_lm = ["tiny"] if args.quick else CHAR_LMS
     repeats = args.repeats or (7 if args.quick else 61)  # millisecond steps: many, to resolve a 15% ratio
     config = dict(vars(args), repeats=repeats, threads=torch.get_num_threads())
     with Results("gefen_memory", args, config=config) as res:
         for model_name in args.models:
             memory_and_time(res, model_name, args.optimizers, repeats, args.seed)
+            res.flush()
+        for size_name in args.char_lm:
+            bytes_by_kind(res, size_name, [n for n in args.optimizers if n != "Adam-mini"], args.seed)
             res.flush()
 
 

@@ -214,13 +214,30 @@ def test_dsa_distributed_smallest_run(tmp_path, monkeypatch):
 # ------------------------------------------------------------------------------ gefen_memory
 @pytest.mark.timeout(180)
 def test_gefen_memory_smallest_run(tmp_path, monkeypatch):
-    _main("experiments.gefen_memory", ["--optimizers", "AdamW", "Gefen-8bit", "--repeats", 1,
-                                       "--results-dir", tmp_path], monkeypatch)
-    rows = _rows(tmp_path / "gefen_memory.csv", "gefen_memory")
-    assert {r["variant"] for r in rows} == {"AdamW", "Gefen-8bit"}
+    _main("experiments.gefen_memory", ["--optimizers", "AdamW", "Gefen-8bit", "Gefen-8bit-factored", "--repeats", 1,
+                                       "--char-lm", "tiny", "--results-dir", tmp_path], monkeypatch)
+    everything = _rows(tmp_path / "gefen_memory.csv", "gefen_memory")
+    rows = [r for r in everything if r["x_name"] == "model"]
+    assert {r["variant"] for r in rows} == {"AdamW", "Gefen-8bit", "Gefen-8bit-factored"}
     assert {r["x_value"] for r in rows} == {"transformer", "mlp"}
     assert {r["metric"] for r in rows} == {"state_bytes_per_param", "first_step_time", "step_time_median",
-                                           "step_time_vs_adamw", "threads"}
+                                           "step_time_vs_adamw", "threads", "step_time_vs_unfactored"}
+    # the bytes by kind after the first step equal the bytes of the convergence run of that seed after
+    # all its steps (the first step fixes the blocks), by kind and in all
+    _main("experiments.convergence", ["--tiny", "--optimizers", "AdamW", "Gefen-8bit-factored", "--seeds", 1,
+                                      "--protocol", "best", "--no-progress", "--wandb", "disabled",
+                                      "--results-dir", tmp_path], monkeypatch)
+    conv = _rows(tmp_path / "convergence.csv", "convergence")
+    label = next(r["x_value"] for r in conv if r["x_name"] == "model")
+    for name in ("AdamW", "Gefen-8bit-factored"):
+        kinds = {r["x_value"]: r["value"] for r in everything
+                 if r["variant"] == f"{label}/{name}" and r["metric"] == "state_bytes_per_param_of_kind"}
+        assert kinds == {r["x_value"]: r["value"] for r in conv if r["variant"] == name and r["seed"] == "0"
+                         and r["metric"] == "state_bytes_per_param_of_kind"}
+        counts = {r["x_value"]: r["value"] for r in everything
+                  if r["variant"] == f"{label}/{name}" and r["metric"] == "params_of_kind"}
+        every = kinds["shared"] + sum(kinds[k] * counts[k] for k in counts if k != "shared") / sum(counts.values())
+        assert every == pytest.approx(_value(conv, name, "state_bytes_per_param"), rel=1e-12)
     for model in ("transformer", "mlp"):
         # AdamW: two fp32 moments per parameter plus one step scalar per tensor
         assert 8.0 < _value(rows, "AdamW", "state_bytes_per_param", model) < 8.001
