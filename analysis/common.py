@@ -276,9 +276,6 @@ def main(report: Report, argv=None, doc=None):
     return readme
 
 
-KINDS = ("matrix", "embedding", "vector", "shared")  # experiments/registry.py's state_bytes_by_kind
-
-
 def kind_table(rows, prefix, names):
     """Markdown: the state bytes per parameter of each optimizer (variant ``prefix`` + name) by kind
     of tensor (``state_bytes_per_param_of_kind`` against ``kind``, mean over seeds), all tensors
@@ -287,14 +284,15 @@ def kind_table(rows, prefix, names):
     have = [n for n in names if select(rows, "state_bytes_per_param_of_kind", prefix + n)]
     if not have:
         return ""
-    counts = {k: value(rows, "params_of_kind", prefix + have[0], x_value=k) for k in KINDS}
+    kinds = list(dict.fromkeys(r["x_value"] for r in select(rows, "params_of_kind", prefix + have[0])))
+    counts = {k: value(rows, "params_of_kind", prefix + have[0], x_value=k) for k in kinds}
     total = sum(c for c in counts.values() if math.isfinite(c))
     head = ["optimizer", "all tensors"] + [k if k == "shared" else f"{k} ({counts[k] / total:.1%} of parameters)"
-                                           for k in KINDS]
+                                           for k in kinds]
     table = []
     for n in have:
-        per = {k: value(rows, "state_bytes_per_param_of_kind", prefix + n, x_value=k) for k in KINDS}
-        every = per["shared"] + sum(per[k] * counts[k] for k in KINDS if k != "shared" and counts[k]) / total
-        table.append([n, fmt(every, 4)] + [fmt(per[k], 4) if k == "shared" or counts[k] else "—" for k in KINDS])
+        per = {k: value(rows, "state_bytes_per_param_of_kind", prefix + n, x_value=k) for k in kinds}
+        every = per["shared"] + sum(per[k] * counts[k] for k in kinds if k != "shared" and counts[k]) / total
+        table.append([n, fmt(every, 4)] + [fmt(per[k], 4) if k == "shared" or counts[k] else "—" for k in kinds])
     return ("State bytes per parameter by kind of tensor (matrices: projections and heads; embeddings: token "
             "and position tables; vectors: biases and norm gains):\n\n" + md_table(head, table))

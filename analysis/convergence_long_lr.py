@@ -6,11 +6,11 @@ from 1,000 to 3,000 steps is the training length's."""
 
 import dataclasses
 
-from analysis.convergence import arch_main, arch_report
+from analysis.convergence import arch_main
 from analysis.convergence_long import REPORT as LONG
 
 REPORT = dataclasses.replace(LONG, name="convergence_long_lr", experiment="convergence_long_lr",
-                             title=arch_report("encoder", "", ", 3,000 steps at the 1,000-step lr").title)
+                             title=LONG.title + " at the 1,000-step lr")
 
 if __name__ == "__main__":
     arch_main(REPORT, __doc__)

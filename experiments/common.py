@@ -201,6 +201,18 @@ class Results:
         return False
 
 
+def add_kind_rows(res: Results, variant: str, kinds: dict, n_params: int, seed=None) -> dict:
+    """The rows of one ``registry.state_bytes_by_kind`` result: ``state_bytes_per_param_of_kind``
+    (a kind's bytes over its parameters; "shared" over the model's ``n_params``) and
+    ``params_of_kind`` against ``kind``. Returns {kind: bytes per parameter}."""
+    out = {}
+    for kind, (nbytes, count) in kinds.items():
+        out[kind] = nbytes / (count or n_params)
+        res.add(variant, "state_bytes_per_param_of_kind", "B/param", out[kind], x_name="kind", x_value=kind, seed=seed)
+        res.add(variant, "params_of_kind", "count", count, x_name="kind", x_value=kind, seed=seed)
+    return out
+
+
 def _command() -> str:
     """``sys.argv`` joined, with paths inside the repository made relative to it."""
     def rel(arg):

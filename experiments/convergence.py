@@ -88,10 +88,10 @@ import sys
 import torch
 
 from experiments import data
-from experiments.common import Results, add_common_args
+from experiments.common import Results, add_common_args, add_kind_rows
 from experiments.models import char_lm_model
 from experiments.pool import RunPool
-from experiments.registry import DENSE, make_optimizer, state_bytes, state_bytes_by_kind
+from experiments.registry import DENSE, make_optimizer, state_bytes_by_kind
 from experiments.train import CHAR_LM, WEIGHT_DECAY, char_lm_label, char_lm_problem, train_lm
 
 EXPERIMENT = "convergence"
@@ -152,8 +152,8 @@ def train_one(name, lr, seed, size, cfg, corpus, progress):
     out = train_lm(model, opt, corpus[0], corpus[1], lr=lr, steps=size["steps"], batch=size["batch"], seed=seed,
                    eval_every=size["eval_every"], progress=progress, desc=f"{name} lr={lr:g} seed={seed}")
     out["params"] = sum(p.numel() for p in model.parameters())
-    out["state_bytes"] = state_bytes(opt)
     out["state_bytes_by_kind"] = state_bytes_by_kind(opt, model)
+    out["state_bytes"] = sum(nbytes for nbytes, _ in out["state_bytes_by_kind"].values())  # state_bytes(opt)
     return out
 
 
@@ -266,10 +266,7 @@ def add_rows(res, name, sweep, lr, chosen, first_seed, selected_by="lr_sweep_val
         res.add(name, "state_bytes", "bytes", out["state_bytes"], **x)
         res.add(name, "state_bytes_per_param", "B/param", out["state_bytes"] / out["params"], **x)
         res.add(name, "params", "count", out["params"], **x)
-        for kind, (nbytes, n) in out["state_bytes_by_kind"].items():  # "shared": per parameter of the model
-            res.add(name, "state_bytes_per_param_of_kind", "B/param", nbytes / (n or out["params"]),
-                    x_name="kind", x_value=kind, seed=seed)
-            res.add(name, "params_of_kind", "count", n, x_name="kind", x_value=kind, seed=seed)
+        add_kind_rows(res, name, out["state_bytes_by_kind"], out["params"], seed=seed)
         res.add(name, "step_time", "ms", 1e3 * out["step_time"], **x)
         res.add(name, "wall_time", "s", out["wall"], **x)
 

@@ -35,7 +35,7 @@ import time
 
 import torch
 
-from experiments.common import Results, add_common_args
+from experiments.common import Results, add_common_args, add_kind_rows
 from experiments.models import char_lm_model
 from experiments.registry import DENSE, make_optimizer, state_bytes, state_bytes_by_kind
 from experiments.train import CHAR_LM, WEIGHT_DECAY, char_lm_label, char_lm_problem, interleaved, median, train_lm
@@ -140,13 +140,8 @@ def bytes_by_kind(res, size_name, names, seed):
         except Exception as exc:  # a peer that cannot run here is reported, not fatal
             print(f"[{label}] {name}: skipped ({type(exc).__name__}: {exc})", file=sys.stderr)
             continue
-        kinds = state_bytes_by_kind(opt, model)
-        for kind, (nbytes, count) in kinds.items():
-            res.add(f"{label}/{name}", "state_bytes_per_param_of_kind", "B/param", nbytes / (count or n),
-                    x_name="kind", x_value=kind)
-            res.add(f"{label}/{name}", "params_of_kind", "count", count, x_name="kind", x_value=kind)
-        print(f"[{label}] {name}: " + ", ".join(f"{k} {b / (c or n):.4f}" for k, (b, c) in kinds.items())
-              + " B/param", flush=True)
+        per = add_kind_rows(res, f"{label}/{name}", state_bytes_by_kind(opt, model), n)
+        print(f"[{label}] {name}: " + ", ".join(f"{k} {v:.4f}" for k, v in per.items()) + " B/param", flush=True)
 
 
 def main(argv=None):

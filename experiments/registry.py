@@ -242,18 +242,20 @@ def state_bytes_by_kind(opt, model: torch.nn.Module) -> dict:
     that no one parameter's entry holds (codebooks, global steps; parameters 0). The bytes add up
     to ``state_bytes(opt)``."""
     embedding_weights = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
-    kind_of = {id(p): tensor_kind(n, p, embedding_weights) for n, p in model.named_parameters()}
-    out = {k: [0, 0] for k in KINDS}
-    for p in model.parameters():
+    kind_of, out = {}, {k: [0, 0] for k in KINDS}
+    for n, p in model.named_parameters():
+        kind_of[id(p)] = tensor_kind(n, p, embedding_weights)
         out[kind_of[id(p)]][1] += p.numel()
-    sd = opt.state_dict()
+    rest = opt.state_dict()
+    state = rest.pop("state", {})
     # state_dict numbers the parameters in param_groups order
-    index = {i: p for i, p in enumerate(p for g in opt.param_groups for p in g["params"])}
-    seen, rest = set(), dict(sd)
-    state = dict(rest.pop("state", {}))
-    for i in list(state):
-        p = index.get(i)
+    params = [p for g in opt.param_groups for p in g["params"]]
+    seen, unowned = set(), []
+    for i, entry in state.items():
+        p = params[i] if isinstance(i, int) and i < len(params) else None
         if p is not None and id(p) in kind_of:
-            out[kind_of[id(p)]][0] += tensor_bytes(state.pop(i), seen)
-    out["shared"][0] += tensor_bytes([state, rest], seen)
+            out[kind_of[id(p)]][0] += tensor_bytes(entry, seen)
+        else:
+            unowned.append(entry)
+    out["shared"][0] += tensor_bytes([unowned, rest], seen)
     return {k: tuple(v) for k, v in out.items()}
