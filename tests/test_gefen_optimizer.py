@@ -263,12 +263,20 @@ def ran(monkeypatch):
     """Which step module ran: one entry ("torch", "numba", "triton") per call, in order."""
     from optim.gefen import numba_ops, torch_ops, triton_ops
 
-    calls = []
-    for name, mod in (("torch", torch_ops), ("numba", numba_ops), ("triton", triton_ops)):
-        def record(*args, _name=name, _step=mod.gefen_step_, **kwargs):
-            calls.append(_name)
-            return _step(*args, **kwargs)
-        monkeypatch.setattr(mod, "gefen_step_", record)
+    calls, depth = [], [0]
+    # numba's prepared launch (``numba_ops.run``) is its step too; a step inside another
+    # (gefen_step_ running its launch, or handing data to torch) counts once, as the outer one
+    for name, mod, fn in (("torch", torch_ops, "gefen_step_"), ("numba", numba_ops, "gefen_step_"),
+                          ("numba", numba_ops, "run"), ("triton", triton_ops, "gefen_step_")):
+        def record(*args, _name=name, _step=getattr(mod, fn), **kwargs):
+            if not depth[0]:
+                calls.append(_name)
+            depth[0] += 1
+            try:
+                return _step(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+        monkeypatch.setattr(mod, fn, record)
     return calls
 
 

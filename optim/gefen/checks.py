@@ -81,6 +81,21 @@ def expected_state(n: int, block: int, bits: int, quant: bool, dtype: torch.dtyp
     return out
 
 
+def check_state_fits(st, p, group, bits, where: str):
+    """Raise ``ValueError`` unless parameter ``p``'s existing state (``st``, with a block) has the
+    sizes and dtypes of its shape now: a parameter replaced by one of another size or shape after
+    its state was made (``p.data = ...``) is refused before any kernel sees the state."""
+    n, block = p.numel(), st[K.BLOCK]
+    tiles = len(factor_tiles(tuple(p.shape), block)) if n % block == 0 else 0
+    want = expected_state(n, block, bits, group["quantize_first_moment"], state_dtype(p.dtype, group),
+                          group["factor_second_moment"], tiles) if tiles else {}
+    if not want or any(key not in st or st[key].numel() != size for key, (_, size) in want.items()):
+        made = st[K.V].numel() * block
+        raise ValueError(f"Gefen: {where} is now {tuple(p.shape)} ({n} elements), its state was made for "
+                         f"{made} elements of another shape or group options: a parameter must keep its shape; "
+                         "replace it by one of the same shape, or build a new optimizer for the new one")
+
+
 def check_group(group, gi):
     """A parameter group's parameters and values, with AdamW's sentences where AdamW checks them."""
     for pi, p in enumerate(group["params"]):

@@ -87,6 +87,87 @@ def _addresses(ps, gs, vs, scales, codes) -> Addresses:
     return Addresses(np.array(rows, dtype=np.int64).reshape(-1, 9), scratch, back)
 
 
+class Prepared(NamedTuple):
+    """One call's launch, built once for a set of contiguous fp32 tensors (``prepare``): a later
+    step writes the gradients' addresses into ``meta`` and calls the kernels."""
+
+    meta: np.ndarray  # ``Addresses.meta``
+    owners: np.ndarray  # int64 (tensors,): which gradient of ``run``'s list each tensor reads
+    offsets: np.ndarray  # int64 (tensors,): byte offset of each tensor in that gradient
+    jobs: np.ndarray
+    luts: KernelLuts
+    lut_scale: np.float32
+    wptrs: np.ndarray | None  # factor addresses (factored), else None
+    block: int
+    S: int
+    bits: int
+    quant: bool
+    keep: tuple  # the tensors ``meta`` points into, alive while this lives
+
+
+def prepare(ps, gs, vs, scales, codes, codebook, *, block, bits, tables=None, ws=None, owners=None,
+            offsets=None) -> Prepared | None:
+    """The launch of :func:`gefen_step_` for these tensors, checked once (``check_launch``), or
+    None where it cannot be prepared: parameters or gradients that are not contiguous fp32 (the
+    step then copies pieces), or a codebook the kernel's table cannot separate
+    (``checks.data_fallback``). ``owners``/``offsets``: tensor ``i`` reads gradient
+    ``owners[i]`` of ``run``'s list from element ``offsets[i]`` on (a tile of rows of a
+    parameter); by default gradient ``i`` from its start."""
+    quant = codebook is not None
+    if quant and tables is None:
+        tables = code_table(codebook)
+    if data_fallback("numba", block=block, bits=bits, quant=quant, tables=tables) is not None:
+        return None
+    check_launch(ps, gs, vs, scales, codes, block=block, bits=bits, quant=quant)
+    if not all(t.dtype == torch.float32 and t.is_contiguous() for t in (*ps, *gs)):
+        return None
+    if ws is not None:
+        check_factors(ps, ws, block=block)
+    addr = _addresses(ps, gs, vs, scales, codes)
+    n = len(ps)
+    S = scale_block_length(block)
+    luts, lut_scale = (_luts(tables), np.float32(tables.scale)) if quant else (_NO_LUTS, np.float32(1.0))
+    return Prepared(addr.meta, np.arange(n, dtype=np.int64) if owners is None else np.asarray(owners, dtype=np.int64),
+                    np.zeros(n, dtype=np.int64) if offsets is None else np.asarray(offsets, dtype=np.int64) * 4,
+                    _jobs(tuple(addr.meta[:, 5].tolist()), S, bits if quant else 8), luts, lut_scale,
+                    None if ws is None else np.array([w.data_ptr() for w in ws], dtype=np.int64),
+                    block, S, bits, quant, (tuple(ps), tuple(vs), tuple(scales), tuple(codes), ws, tables))
+
+
+def run(prep: Prepared, gs, *, step, lr, beta1, beta2, eps, weight_decay):
+    """One step of a prepared launch on gradients ``gs`` (contiguous fp32, of the sizes and order
+    it was prepared with: the caller's plan guarantees it)."""
+    from ._numba_kernels import factor_kernel, kernel
+
+    f32 = np.float32
+    gptrs = np.fromiter(map(_DATA_PTR, gs), dtype=np.int64, count=len(gs))
+    meta = prep.meta
+    meta[:, 1] = gptrs[prep.owners] + prep.offsets
+    block, S = prep.block, prep.S
+    hyper = _hyper(step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
+    parallel = numba_threads() > 1
+    ratio = _NO_RATIO
+    if prep.wptrs is not None:
+        partial = np.empty((prep.jobs.shape[0], block), dtype=np.float32)
+        ratio = np.empty((len(prep.wptrs), block), dtype=np.float32)
+        factor_kernel(parallel)(meta, prep.jobs, prep.wptrs, block, S, f32(beta2), f32(1 - beta2), partial, ratio)
+    step_fn = kernel(prep.bits, block == 1, parallel=parallel, factored=prep.wptrs is not None, quant=prep.quant)
+    luts = prep.luts
+    step_fn(meta, prep.jobs, ratio, luts.codebook, luts.bounds, luts.lut_code, luts.lut_bound, luts.lut_values,
+            prep.lut_scale, block, S, *hyper)
+
+
+_DATA_PTR = torch.Tensor.data_ptr
+
+
+def _hyper(*, step, lr, beta1, beta2, eps, weight_decay) -> tuple:
+    """The kernel's scalars (w1, beta2, 1 - beta2, decay, -lr / bc1, sqrt(bc2), eps), computed in
+    float64 and passed as float32."""
+    f32 = np.float32
+    return (f32(1 - beta1), f32(beta2), f32(1 - beta2), f32(1 - lr * weight_decay),
+            f32(-lr / (1 - beta1**step)), f32((1 - beta2**step) ** 0.5), f32(eps))
+
+
 @torch.no_grad()
 def gefen_step_(ps, gs, vs, scales, codes, codebook, *, step, lr, beta1, beta2, eps,
                 weight_decay, block, bits, tables=None, ws=None, seeds=None):
@@ -98,7 +179,8 @@ def gefen_step_(ps, gs, vs, scales, codes, codebook, *, step, lr, beta1, beta2, 
     ``codebook=None``: the first moment is unquantised, fp32 ``m`` in ``codes``; ``scales`` unused.
     Parameters or gradients that are not contiguous fp32 (bf16, fp16) are stepped a piece at a
     time (``torch_ops.pieces``) on fp32 copies of the piece, written back rounded to nearest or,
-    with ``seeds`` (one per tensor, ``optim._rounding``), stochastically.
+    with ``seeds`` (one per tensor, ``optim._rounding``), stochastically. ``prepare`` and ``run``
+    are this step in two halves, for a caller that steps the same tensors again.
     """
     quant = codebook is not None
     if quant and tables is None:
@@ -107,32 +189,12 @@ def gefen_step_(ps, gs, vs, scales, codes, codebook, *, step, lr, beta1, beta2, 
         return torch_ops.gefen_step_(ps, gs, vs, scales, codes, codebook, step=step, lr=lr,
                                      beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
                                      block=block, bits=bits, tables=tables, ws=ws, seeds=seeds)
-    from ._numba_kernels import factor_kernel, kernel
-
-    f32 = np.float32
-    S = scale_block_length(block)
-    hyper = (f32(1 - beta1), f32(beta2), f32(1 - beta2), f32(1 - lr * weight_decay),
-             f32(-lr / (1 - beta1**step)), f32((1 - beta2**step) ** 0.5), f32(eps))
-    check_launch(ps, gs, vs, scales, codes, block=block, bits=bits, quant=quant)
-    if not all(t.dtype == torch.float32 and t.is_contiguous() for t in (*ps, *gs)):
-        return _step_pieces(ps, gs, vs, scales, codes, tables, S=S, hyper=hyper, block=block, bits=bits,
-                            quant=quant, ws=ws, seeds=seeds, beta2=beta2)
-    addr = _addresses(ps, gs, vs, scales, codes)
-    jobs = _jobs(tuple(addr.meta[:, 5].tolist()), S, bits if quant else 8)
-    parallel = numba_threads() > 1
-    ratio = _NO_RATIO
-    if ws is not None:
-        check_factors(ps, ws, block=block)
-        wptrs = np.array([w.data_ptr() for w in ws], dtype=np.int64)
-        partial = np.empty((jobs.shape[0], block), dtype=np.float32)
-        ratio = np.empty((len(ws), block), dtype=np.float32)
-        factor_kernel(parallel)(addr.meta, jobs, wptrs, block, S, f32(beta2), f32(1 - beta2), partial, ratio)
-    step_fn = kernel(bits, block == 1, parallel=parallel, factored=ws is not None, quant=quant)
-    luts, lut_scale = (_luts(tables), f32(tables.scale)) if quant else (_NO_LUTS, f32(1.0))
-    step_fn(addr.meta, jobs, ratio, luts.codebook, luts.bounds, luts.lut_code, luts.lut_bound, luts.lut_values,
-            lut_scale, block, S, *hyper)
-    for p, pw in addr.write_back:
-        p.copy_(pw.view_as(p))
+    prep = prepare(ps, gs, vs, scales, codes, codebook, block=block, bits=bits, tables=tables, ws=ws)
+    if prep is not None:
+        return run(prep, gs, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
+    hyper = _hyper(step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
+    return _step_pieces(ps, gs, vs, scales, codes, tables, S=scale_block_length(block), hyper=hyper, block=block,
+                        bits=bits, quant=quant, ws=ws, seeds=seeds, beta2=beta2)
 
 
 def _step_pieces(ps, gs, vs, scales, codes, tables, *, S, hyper, block, bits, quant, ws, seeds, beta2):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import math
 from collections import defaultdict
 from typing import NamedTuple
@@ -12,12 +11,12 @@ import torch
 from .._checks import check_option
 from .._rounding import STOCHASTIC_DTYPES, step_seed
 from ..backends import BACKENDS, choose_backend
-from . import distributed as _dist, state as K
-from .checks import (backend_refusal, check_adamw_keywords, check_group, check_saved, data_fallback,
-                     state_dtype)
+from . import distributed as _dist, numba_ops, state as K
+from .checks import (backend_refusal, check_adamw_keywords, check_group, check_saved, check_state_fits,
+                     data_fallback, state_dtype)
 from .codebook import HIST_BINS, code_table
-from .partition import (RULES, choose_block, constant_magnitude, factor_tiles, factored_block, provisional_block,
-                        tile_elements)
+from .partition import RULES, choose_block, constant_magnitude, factor_tiles, factored_block, provisional_block
+from .plan import Call, signature, tiles_of
 from .reference import num_code_bytes, num_scales
 from .torch_ops import histogram, requantize_
 
@@ -167,6 +166,7 @@ class Gefen(torch.optim.Optimizer):
         self.codebook = None
         self._tables = None
         self._seed = None  # the optimizer's stochastic-rounding seed, drawn at its first use
+        self._drop_plans()
 
     def __getstate__(self):
         # torch's keeps only defaults, state and groups; the codebook and settings travel too
@@ -179,6 +179,7 @@ class Gefen(torch.optim.Optimizer):
         super().__setstate__(state)
         self.__dict__.setdefault("_tables", None)
         self.__dict__.setdefault("_seed", None)
+        self._drop_plans()
         for group in self.param_groups:  # pickled before a keyword existed: its old meaning
             group.setdefault("factor_second_moment", False)
             group.setdefault("maximize", False)
@@ -192,6 +193,11 @@ class Gefen(torch.optim.Optimizer):
         if "_backends" not in self.__dict__:  # unpickled or copied (load_state_dict keeps them)
             self._backends = {p: self._resolve(p, group, gi, pi) for gi, group in enumerate(self.param_groups)
                               for pi, p in enumerate(group["params"])}
+
+    def _drop_plans(self):
+        """Forget every step plan (``plan.py``) and codebook copy: what they hold may be stale."""
+        self._plans = {}  # plan.signature -> [plan.Call]
+        self._codebook_copies = {}  # device -> (codebook, CodeTable) of another device than its own
 
     def add_param_group(self, param_group):
         super().add_param_group(param_group)
@@ -208,6 +214,7 @@ class Gefen(torch.optim.Optimizer):
             self.param_groups.pop()  # a refused group is not added
             raise
         self._backends.update(chosen)
+        self._drop_plans()
 
     # ------------------------------------------------------------------------------ backends
     def _resolve(self, p, group, gi, pi) -> _Resolved:
@@ -305,6 +312,7 @@ class Gefen(torch.optim.Optimizer):
                              f"bits={self.bits}, got shape {tuple(codebook.shape)}")
         self.codebook = codebook.detach().float().contiguous()
         self._tables = None
+        self._drop_plans()
 
     def _nearest_tables(self):
         if self._tables is None or self._tables.codebook.device != self.codebook.device:
@@ -326,6 +334,7 @@ class Gefen(torch.optim.Optimizer):
         provisional = group["share_second_moment"] and constant_magnitude(g)
         block = self._choose_block(g, group, provisional)
         st = self.state[p]
+        self._drop_plans()
         dev = g.device
         st[K.STEP] = st.get(K.STEP, 0)  # steps with all-zero gradients before this one
         st[K.BLOCK] = block
@@ -348,6 +357,7 @@ class Gefen(torch.optim.Optimizer):
         at the new length. The first moment is requantised once into the new scale blocks."""
         st = self.state[p]
         del st[K.PROVISIONAL]
+        self._drop_plans()
         g = _local(grad)
         old, new = st[K.BLOCK], self._choose_block(g, group)
         if new == old:
@@ -404,8 +414,11 @@ class Gefen(torch.optim.Optimizer):
                     continue
                 backend = self._backend(p, group, gi, pi)
                 st = self.state[p]
-                if K.BLOCK not in st and not self._first_gradient(p, group, gi, pi):
-                    continue
+                if K.BLOCK not in st:
+                    if not self._first_gradient(p, group, gi, pi):
+                        continue
+                else:
+                    check_state_fits(st, _local(p), group, self.bits, f"parameter {pi} of group {gi}")
                 if st.get(K.PROVISIONAL) and not constant_magnitude(_local(p.grad)):
                     self._recut(p, p.grad, group)
                 items.append((p, p.grad, backend))
@@ -436,6 +449,11 @@ class Gefen(torch.optim.Optimizer):
         return loss
 
     def _step(self):
+        key = signature(self.param_groups, _local)
+        calls = self._plans.get(key)
+        if calls is not None and all(c.current() for c in calls):
+            self._run(calls)
+            return
         work = self._gather()
         quantized = {p: _local(g) for group, items in work if group["quantize_first_moment"]
                      for p, g, _ in items}
@@ -447,50 +465,89 @@ class Gefen(torch.optim.Optimizer):
             dev = next(iter(quantized.values())).device if quantized else _local(qparams[0]).device
             counts = _dist.global_histogram(self.codebook_histogram, quantized, qparams)
             self.learn_codebook(counts, device=dev)
-        for group, items in work:
-            self._step_group(group, items)
+        calls = [call for group, items in work for call in self._calls(group, items)]
+        self._run(calls)
+        settled = all(K.BLOCK in self.state[p] and not self.state[p].get(K.PROVISIONAL)
+                      for group in self.param_groups for p in group["params"]
+                      if p.grad is not None and _local(p).numel())
+        if settled:  # a plan holds no parameter whose block or state may still change
+            if len(self._plans) > 4 * sum(len(g["params"]) for g in self.param_groups) + 16:
+                self._plans.clear()
+            self._plans[key] = calls
 
-    def _step_group(self, group, items):
-        quant = group["quantize_first_moment"]
-        factored = group["factor_second_moment"]
+    def _calls(self, group, items) -> list:
+        """The ``plan.Call`` s of one group's parameters with gradients (``_gather``'s items): one a
+        bucket of block length, step, device, state dtype and path."""
         buckets = defaultdict(list)
-        for p, g, backend in items:
+        for p, _, backend in items:
             st = self.state[p]
-            st[K.STEP] += 1
-            buckets[(st[K.BLOCK], st[K.STEP], _local(p).device, st[K.V].dtype, backend)].append((p, g))
-        beta1, beta2 = group["betas"]
-        for (block, step, dev, _, backend), pg in buckets.items():
-            sts = [self.state[p] for p, _ in pg]
-            codebook, tables = None, None
-            if quant:
-                if self.codebook.device != dev:
-                    self.set_codebook(self.codebook.to(dev))
-                codebook, tables = self.codebook, self._nearest_tables()
-            seeds = self._rounding_seeds(group, pg, sts, step)
-            parts = [part for k, ((p, g), st) in enumerate(zip(pg, sts))
-                     for part in _tiles(_local(p), _local(g), st, seeds and seeds[k], bits=self.bits)]
-            ps, gs, vs, ss, cs, ws, part_seeds = map(list, zip(*parts))
-            step_fn = _step_function(self._path(backend, group, block))
-            step_fn(ps, gs, vs, ss if quant else [v.new_zeros(0) for v in vs], cs, codebook, tables=tables,
-                    step=step, lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
-                    weight_decay=group["weight_decay"], block=block, bits=self.bits,
-                    ws=ws if factored else None, seeds=part_seeds if seeds else None)
+            buckets[(st[K.BLOCK], st[K.STEP], _local(p).device, st[K.V].dtype, backend)].append(p)
+        calls = []
+        for (block, step, _, _, backend), params in buckets.items():
+            states = [self.state[p] for p in params]
+            self._draw_seeds(group, params, states)
+            tiles = [t for k, (p, st) in enumerate(zip(params, states))
+                     for t in tiles_of(k, _local(p), st, bits=self.bits)]
+            calls.append(Call(group, self._path(backend, group, block), block, params, states, tiles))
+        return calls
+
+    def _run(self, calls):
+        """Advance each call's step count and step its tiles on its path."""
+        for call in calls:
+            states = call.states
+            step = states[0][K.STEP] + 1
+            for st in states:
+                st[K.STEP] = step
+            grads = [_local(p.grad) for p in call.params]
+            quant = call.group["quantize_first_moment"]
+            codebook, tables = self._codebook_on(call.tiles[0].p.device) if quant else (None, None)
+            h = call.hyper(step)
+            if call.path == "numba" and call.native is not False:
+                if call.native is None:
+                    call.native = self._prepare_numba(call, grads, codebook, tables) or False
+                if call.native:
+                    numba_ops.run(call.native, grads, **h._asdict())
+                    continue
+            tiles, factored = call.tiles, call.group["factor_second_moment"]
+            _step_function(call.path)(
+                [t.p for t in tiles], call.gradients(grads), [t.v for t in tiles],
+                [t.scales for t in tiles] if quant else [t.v.new_zeros(0) for t in tiles],
+                [t.first for t in tiles], codebook, tables=tables, **h._asdict(), block=call.block,
+                bits=self.bits, ws=[t.w for t in tiles] if factored else None, seeds=call.seeds(step))
+
+    def _prepare_numba(self, call, grads, codebook, tables):
+        tiles = call.tiles
+        return numba_ops.prepare(
+            [t.p for t in tiles], call.gradients(grads), [t.v for t in tiles],
+            [t.scales if codebook is not None else t.v for t in tiles], [t.first for t in tiles], codebook,
+            block=call.block, bits=self.bits, tables=tables,
+            ws=[t.w for t in tiles] if call.group["factor_second_moment"] else None,
+            owners=[t.owner for t in tiles], offsets=[t.start for t in tiles])
+
+    def _codebook_on(self, device):
+        """(codebook, its ``CodeTable``) on ``device``; a copy of each per other device, kept while
+        the codebook is."""
+        if self.codebook.device == device:
+            return self.codebook, self._nearest_tables()
+        if device not in self._codebook_copies:
+            cb = self.codebook.to(device)
+            self._codebook_copies[device] = (cb, code_table(cb))
+        return self._codebook_copies[device]
 
     # ------------------------------------------------------------------- stochastic rounding
-    def _rounding_seeds(self, group, pg, sts, step):
-        """The 32-bit seed of this step for each parameter of a bucket (``optim._rounding``), or
-        None where the group rounds to nearest or no parameter is bf16 or fp16. Each parameter's
-        seed is drawn once (``state.SEED``), from the optimizer's, which is drawn from torch's
-        default generator at its first use, the same on every rank."""
-        if not group["stochastic_rounding"] or not any(_local(p).dtype in STOCHASTIC_DTYPES for p, _ in pg):
-            return None
-        for (p, _), st in zip(pg, sts):
+    def _draw_seeds(self, group, params, states):
+        """Draw each parameter's stochastic-rounding seed once (``state.SEED``) where the group
+        rounds stochastically and a parameter of the call is bf16 or fp16 (``optim._rounding``;
+        ``plan.Call.seeds`` derives each step's). Drawn from the optimizer's seed, which is drawn
+        from torch's default generator at its first use, the same on every rank."""
+        if not group["stochastic_rounding"] or not any(_local(p).dtype in STOCHASTIC_DTYPES for p in params):
+            return
+        for p, st in zip(params, states):
             if K.SEED not in st:
                 if self._seed is None:
                     self._seed = _dist.shared_seed(int(torch.randint(0, 2**31, (1,)).item()))
                 index = next(i for i, q in enumerate(q for g in self.param_groups for q in g["params"]) if q is p)
                 st[K.SEED] = step_seed(self._seed, index, 0)
-        return [step_seed(st[K.SEED], 0, step) for st in sts]
 
     # --------------------------------------------------------------------------- state dict
     def state_dict(self):
@@ -567,6 +624,7 @@ class Gefen(torch.optim.Optimizer):
                 self.state[p] = {k: (v.detach().to(dev).clone(memory_format=torch.contiguous_format)
                                      if torch.is_tensor(v) else v) for k, v in saved[pid].items()}
         params = [p for p, _ in groups]
+        self._drop_plans()
         if codebook is None:
             self.codebook, self._tables = None, None
         else:
@@ -575,30 +633,6 @@ class Gefen(torch.optim.Optimizer):
 
 _SETTINGS = ("backend", "fused", "verbose", "bits", "block_rule", "codebook")
 OPTIMIZER_WIDE = ("bits", "backend", "block_rule")  # in every group, one value per optimizer
-
-
-def _tiles(p, g, st, seed, *, bits):
-    """[(p, g, v, scales, codes or m, w, seed)] of one parameter's step: the whole tensor, or with
-    a factored second moment of several tiles (``partition.factor_tiles``) one entry per tile,
-    views of its rows and of their state, each with its own w and rounding seed, so that every
-    backend steps a tile as a tensor of its own."""
-    block, w = st[K.BLOCK], st.get(K.W)
-    first = st.get(K.CODES, st.get(K.M))
-    if w is None or w.numel() == block:
-        return [(p, g, st[K.V], st.get(K.SCALES), first, w, seed)]
-    v, scales = st[K.V], st.get(K.SCALES)
-    return [(p[r0:r1], g[r0:r1], v[a // block:b // block], None if scales is None else scales[a // block:b // block],
-             first[c0:c1] if K.CODES in st else first[a:b], w[k * block:(k + 1) * block],
-             None if seed is None else step_seed(seed, k, 0))
-            for k, (r0, r1, a, b, c0, c1) in enumerate(_tile_plan(tuple(p.shape), block, bits))]
-
-
-@functools.lru_cache(maxsize=1024)
-def _tile_plan(shape: tuple, block: int, bits: int) -> tuple:
-    """Per tile (rows r0:r1, elements a:b, code bytes c0:c1): P divides the row, so v and scales
-    split at a / P; 4-bit codes at a / 2 (a is even)."""
-    return tuple((r0, r1, a, b, *((a // 2, -(-b // 2)) if bits == 4 else (a, b)))
-                 for (r0, r1), (a, b) in zip(factor_tiles(shape, block), tile_elements(shape, block)))
 
 
 def _refill(t: torch.Tensor, size: int) -> torch.Tensor:

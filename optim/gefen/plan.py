@@ -1,0 +1,143 @@
+"""Gefen's step plan: what a step derives from the set of tensors, built once and reused.
+
+A plan holds, for the parameters that have a gradient, one ``Call`` per kernel call (a bucket of
+tensors sharing group, block length, step, device, state dtype and path) and in each the ``Tile``
+records the kernels step: a parameter, or with a factored second moment one tile of its rows
+(``partition.factor_tiles``), with views of its state. A later step only reads each parameter's
+gradient and advances its step count; the backends keep their own launch tables for a call
+(``numba_ops.prepare``, ``triton_ops``' plan cache).
+
+The plan is keyed by ``signature``: per group its structural options, per parameter whether it
+has a gradient and the address, shape, dtype and device of its data and its gradient's dtype,
+shape and layout. Anything that changes those (``p.data`` replaced or resized, a move or cast, a
+gradient that appears, disappears or changes dtype or layout, an option edited in place) gives
+another key and a new plan; what the key cannot see (state created, re-cut or loaded, a new
+codebook, a new group) drops the plans explicitly (``Gefen._drop_plans``).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+
+from . import state as K
+from .._rounding import step_seed
+from .partition import factor_tiles, tile_elements
+
+# Options that change which tensors a call holds or how they are stepped; lr, betas, eps and
+# weight_decay are read from the group at every step.
+STRUCTURAL = ("share_second_moment", "quantize_first_moment", "factor_second_moment", "stochastic_rounding",
+              "maximize")
+
+
+class Tile(NamedTuple):
+    """One tensor a kernel steps: a parameter (local shard), or a tile of its rows."""
+
+    owner: int  # index of its parameter in ``Call.params``
+    rows: tuple | None  # (r0, r1): the rows of a tile of several; None for a whole tensor
+    start: int  # its first element in the parameter
+    p: torch.Tensor  # the parameter, or the view of the tile's rows
+    v: torch.Tensor
+    scales: torch.Tensor | None  # quantised first moment: fp32 scale per scale block
+    first: torch.Tensor  # uint8 codes, or the fp32 first moment when unquantised
+    w: torch.Tensor | None  # the tile's factor (factored groups)
+    tile: int | None  # k of ``step_seed(seed, k, 0)`` for a tile of several; None for a whole tensor
+
+
+class Hyper(NamedTuple):
+    """The hyper-parameters of one call at one step."""
+
+    step: int
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+
+
+class Call:
+    """One backend call of a step: parameters of one group sharing block length, step, device,
+    state dtype and path, and their tiles. ``native`` is what the backend prepared for it once."""
+
+    __slots__ = ("group", "path", "block", "params", "states", "tiles", "native", "held")
+
+    def __init__(self, group, path, block, params, states, tiles):
+        self.group, self.path, self.block = group, path, block
+        self.params, self.states, self.tiles = params, states, tiles
+        self.native = None
+        self.held = [_held(st) for st in states]
+
+    def current(self) -> bool:
+        """True while every parameter of the call is at one step and holds the state tensors the
+        call was built on (parameters stepped apart, e.g. under ``step_in_backward``, or state
+        replaced through ``optimizer.state``, make the step build a new plan and check them)."""
+        step = self.states[0][K.STEP]
+        return all(st[K.STEP] == step and _held(st) == h for st, h in zip(self.states, self.held))
+
+    def hyper(self, step: int) -> Hyper:
+        g = self.group
+        beta1, beta2 = g["betas"]
+        return Hyper(step, float(g["lr"]), beta1, beta2, g["eps"], g["weight_decay"])
+
+    def gradients(self, grads) -> list:
+        """Each tile's gradient: the parameter's, or the view of the tile's elements."""
+        out = []
+        for t in self.tiles:
+            g = grads[t.owner]
+            out.append(g if t.rows is None else g[t.rows[0]:t.rows[1]])
+        return out
+
+    def seeds(self, step: int) -> list | None:
+        """Each tile's stochastic-rounding seed at ``step`` (``optim._rounding``), or None."""
+        if not self.group["stochastic_rounding"] or K.SEED not in self.states[0]:
+            return None
+        per = [step_seed(st[K.SEED], 0, step) for st in self.states]
+        return [per[t.owner] if t.tile is None else step_seed(per[t.owner], t.tile, 0) for t in self.tiles]
+
+
+def _held(st) -> tuple:
+    """Identities of a parameter's state tensors (the call holds them: no id is reused meanwhile)."""
+    return tuple(id(st.get(k)) for k in K.PER_PARAM_TENSORS)
+
+
+def signature(groups, local) -> tuple:
+    """The key of the plan for ``groups`` as they are now (module docstring). ``local``: the
+    local shard of a tensor (DTensor) or the tensor."""
+    sig = []
+    for group in groups:
+        sig.append(tuple(group[k] for k in STRUCTURAL))
+        for p in group["params"]:
+            g = p.grad
+            if g is None:
+                sig.append(None)
+                continue
+            x = local(p)
+            sig.append((x.data_ptr(), x.shape, x.dtype, x.device, g.dtype, g.shape, g.layout,
+                        g.is_contiguous()))
+    return tuple(sig)
+
+
+def tiles_of(owner: int, p: torch.Tensor, st: dict, *, bits: int) -> list:
+    """The ``Tile`` s of one parameter (local tensor ``p``, state ``st``): the whole tensor, or with
+    a factored second moment of several tiles one per tile, views of its rows and of their state,
+    each with its own w, so that every backend steps a tile as a tensor of its own."""
+    block, w = st[K.BLOCK], st.get(K.W)
+    quant = K.CODES in st
+    first = st[K.CODES] if quant else st[K.M]
+    if w is None or w.numel() == block:
+        return [Tile(owner, None, 0, p, st[K.V], st.get(K.SCALES), first, w, None)]
+    v, scales = st[K.V], st.get(K.SCALES)
+    return [Tile(owner, (r0, r1), a, p[r0:r1], v[a // block:b // block],
+                 None if scales is None else scales[a // block:b // block],
+                 first[c0:c1] if quant else first[a:b], w[k * block:(k + 1) * block], k)
+            for k, (r0, r1, a, b, c0, c1) in enumerate(tile_plan(tuple(p.shape), block, bits))]
+
+
+@functools.lru_cache(maxsize=1024)
+def tile_plan(shape: tuple, block: int, bits: int) -> tuple:
+    """Per tile (rows r0:r1, elements a:b, code bytes c0:c1): P divides the row, so v and scales
+    split at a / P; 4-bit codes at a / 2 (a is even)."""
+    return tuple((r0, r1, a, b, *((a // 2, -(-b // 2)) if bits == 4 else (a, b)))
+                 for (r0, r1), (a, b) in zip(factor_tiles(shape, block), tile_elements(shape, block)))
