@@ -11,10 +11,11 @@ each specialised exactly as ``kernel[grid](...)`` would be, then reads ``ptxas -
 (``experiments/triton_aot.py``). ``experiments/kernel_resources.py`` compiles every pair of axis values.
 
 Asserted: every configuration compiles for every target; no register spills and shared memory
-within the target's limit; the memory-bound kernels (DSA's Adam rows, Gefen's step) keep at least
-half the warps of an sm_90 SM resident (their latency hiding); every ``*_kernel`` of the kernel
-modules is among the compiled ones; and a real (interpreted) launch of each launcher uses
-constexprs that its enumeration lists, so the enumeration cannot drift from the launchers.
+within the target's limit; the memory-bound kernels (DSA's Adam rows, Gefen's step and its factor's
+statistics) keep at least half the warps of an sm_90 SM resident (their latency hiding); every
+``*_kernel`` of the kernel modules is among the compiled ones; and a real (interpreted) launch of
+each launcher uses constexprs that its enumeration lists, so the enumeration cannot drift from the
+launchers.
 """
 
 import pytest
@@ -24,7 +25,7 @@ from experiments.triton_aot import reports
 from optim._cache import BoundedCache
 from optim._triton_common import axis_product
 
-MEMORY_BOUND = {"_adam_rows_kernel", "_gefen_step_kernel", "_gefen_step4_kernel"}
+MEMORY_BOUND = {"_adam_rows_kernel", "_gefen_step_kernel", "_gefen_step4_kernel", "_factor_stats_kernel"}
 
 
 @pytest.fixture(scope="module")
@@ -102,11 +103,20 @@ def test_real_launches_use_enumerated_configurations(monkeypatch):
         codes = torch.zeros(n if bits == 8 else n // 2, dtype=torch.uint8)
         gefen.gefen_step_(p, gr, v, sc, codes, cb, step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
                           weight_decay=0.0, block=block, bits=bits, tables=code_table(cb))
+    for name in ("_factor_stats_kernel", "_factor_finalize_kernel"):
+        monkeypatch.setattr(gefen, name, _Recorder(getattr(gefen, name)))
+    block, n = 96, 96 * 8  # the factor's kernels: a block of masked lanes, bf16 gradients
+    gefen.gefen_step_(torch.zeros(n), torch.zeros(n, dtype=torch.bfloat16), torch.zeros(n // block),
+                      torch.zeros(n // block), torch.zeros(n, dtype=torch.uint8), cb, step=1, lr=1e-3, beta1=0.9,
+                      beta2=0.999, eps=1e-8, weight_decay=0.0, block=block, bits=8, tables=code_table(cb),
+                      ws=[torch.zeros(block)])
     data = ("S", "BLOCK_V", "NLUT", "NCMP", "HAS_DUP")  # block length and codebook table: data
     listed = [(la.kernel, _without(la.kwargs, data)) for la in gefen_all]
-    for name in ("_gefen_step_kernel", "_gefen_step4_kernel"):
+    for name, calls in (("_gefen_step_kernel", 2), ("_gefen_step4_kernel", 1), ("_factor_stats_kernel", 1),
+                        ("_factor_finalize_kernel", 1)):
         rec = getattr(gefen, name)
-        assert len(rec.calls) == 1 and (rec.kernel, _without(rec.calls[0], data)) in listed, (name, rec.calls)
+        assert len(rec.calls) == calls and all((rec.kernel, _without(c, data)) in listed for c in rec.calls), \
+            (name, rec.calls)
 
 
 def _without(kwargs, keys):

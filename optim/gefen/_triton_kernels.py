@@ -49,6 +49,17 @@ Why the kernel looks the way it does
   reference's exactly (they depend only on g and the stored first moment), and p and v agree to
   fp32 rounding (the block sum of g**2 is added in another order); the kernel is memory-bound,
   so the extra arithmetic is hidden behind its memory traffic.
+* The factored second moment's per-offset factor ``w`` needs a reduction over every block of a
+  tensor before any block's step can read it, so it is two kernels launched before the step, each
+  over every tensor of the call at once: ``_factor_stats_kernel`` sums g**2 per offset over a
+  range of block rows (a program's rows in a loop, its partial sums into a scratch row of its own:
+  no atomics, so the sums do not depend on the order programs run in), and
+  ``_factor_finalize_kernel`` adds each tensor's partial rows in a fixed order and updates w in
+  place. A statistics program sums ``FACTOR_ITERS`` iterations of rows, and at least
+  ``FACTOR_ROWS`` rows (a tensor's last program fewer), so the scratch holds S floats per tensor
+  and beyond that at most 1/``FACTOR_ROWS`` of the gradients' elements. Alignment is read from the
+  gradient's address at run time (one branch a program), so misaligned tiles cost no launch of
+  their own.
 """
 
 import torch
@@ -60,6 +71,12 @@ from .._triton_common import round_bf16, round_stochastic
 TILE = 2048  # elements per program (R blocks x next_pow2(S) lanes); see module docstring
 ELEMS_PER_THREAD = 4  # sets num_warps (see module docstring)
 MAX_TILE_WIDTH = 16384  # largest next_pow2(lanes) of a tile row in one program (checks.data_fallback)
+FACTOR_TILE = 2048  # elements a statistics program sums per loop iteration (R rows x BW offsets)
+FACTOR_WIDTH = 2048  # most offsets of a block one statistics program holds (longer blocks: column chunks)
+FACTOR_ITERS = 16  # loop iterations of a statistics program (its work beside its start and partial row) ...
+FACTOR_ROWS = 128  # ... and at least this many block rows (bounds the scratch; module docstring)
+FINAL_TILE = 1024  # partial sums a finalize program adds per loop iteration (IB items x FW offsets)
+FINAL_WIDTH = 128  # most offsets one finalize program updates
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
@@ -321,3 +338,66 @@ def _gefen_step4_kernel(
     tl.store(c_ptr + byte, (q0 | (q1 << 4)).to(tl.uint8), mask=m0)
     _apply(p_ptr, fe, me, _unpairs(val0 * s0, val1 * s1, R, WIDTH), _unpairs(d0, d1, R, WIDTH),
            decay, neg_step, seed_tab, t, SR)
+
+
+@triton.jit
+def _sum_squares(g_ptr, row0, row1, cols, cmask, S: tl.constexpr, R: tl.constexpr, BW: tl.constexpr):
+    """Sum over block rows row0..row1-1 of g**2 at block offsets ``cols`` ([1, BW]): R rows an
+    iteration, each lane adding its rows in order, then one tree sum over the R lanes."""
+    acc = tl.zeros([R, BW], dtype=tl.float32)
+    for r in range(row0, row1, R):
+        rows = r + tl.arange(0, R)[:, None]
+        g = tl.load(g_ptr + rows * S + cols, mask=cmask & (rows < row1), other=0.0).to(tl.float32)
+        acc += g * g
+    return tl.sum(acc, axis=0)
+
+
+@triton.jit
+def _factor_stats_kernel(item_tab, ptr_tab, part_ptr, G_DT: tl.constexpr, S: tl.constexpr,
+                         R: tl.constexpr, BW: tl.constexpr):
+    """Partial column sums of g**2: program (i, c) sums block rows [row0, row1) of tensor t (its
+    n elements seen as (n / S, S)) at offsets c*BW .. c*BW + BW - 1 of the blocks, into row
+    ``slot`` of the (slots, S) fp32 scratch ``part_ptr``. ``item_tab``: (t, row0, row1, slot) a
+    program; ``ptr_tab``: the step's (T, 5) pointer table, g in column 1."""
+    pid = tl.program_id(0)
+    t = tl.load(item_tab + 4 * pid)
+    row0 = tl.load(item_tab + 4 * pid + 1)
+    row1 = tl.load(item_tab + 4 * pid + 2)
+    slot = tl.load(item_tab + 4 * pid + 3)
+    cols = tl.program_id(1) * BW + tl.arange(0, BW)
+    cmask = cols < S
+    g_addr = tl.load(ptr_tab + 5 * t + 1)
+    # 128-bit loads where the address is aligned (S keeps the rows so). The pointer is made in each
+    # branch: multiple_of marks the operation that defines its argument, wherever that is used.
+    if g_addr % 16 == 0:
+        g_ptr = tl.multiple_of(g_addr.to(tl.pointer_type(G_DT)), 16)
+        part = _sum_squares(g_ptr, row0, row1, cols[None, :], cmask[None, :], S, R, BW)
+    else:
+        g_ptr = g_addr.to(tl.pointer_type(G_DT))
+        part = _sum_squares(g_ptr, row0, row1, cols[None, :], cmask[None, :], S, R, BW)
+    tl.store(part_ptr + slot * S + cols, part, mask=cmask)
+
+
+@triton.jit
+def _factor_finalize_kernel(fin_tab, numel_tab, w_tab, part_ptr, beta2, omb2, S: tl.constexpr,
+                            IB: tl.constexpr, FW: tl.constexpr):
+    """w <- beta2*w + (1 - beta2) * colsum / rows at offsets c*FW .. c*FW + FW - 1 of tensor t
+    (program (t, c)), keeping an offset's old w where the new one is not finite
+    (``reference.factor_update``). colsum: the tensor's ``count`` scratch rows from ``first``
+    (``fin_tab``: (first, count) a tensor) added IB at a time in a fixed order."""
+    t = tl.program_id(0)
+    first = tl.load(fin_tab + 2 * t)
+    count = tl.load(fin_tab + 2 * t + 1)
+    rows = (tl.load(numel_tab + t) // S).to(tl.float32)
+    j = tl.program_id(1) * FW + tl.arange(0, FW)
+    jmask = j < S
+    acc = tl.zeros([IB, FW], dtype=tl.float32)
+    for i in range(0, count, IB):
+        items = i + tl.arange(0, IB)[:, None]
+        acc += tl.load(part_ptr + (first + items) * S + j[None, :], mask=(items < count) & jmask[None, :],
+                       other=0.0)
+    mean = tl.div_rn(tl.sum(acc, axis=0), rows)
+    w_ptr = tl.load(w_tab + t).to(tl.pointer_type(tl.float32))
+    w = tl.load(w_ptr + j, mask=jmask, other=0.0)
+    new = beta2 * w + omb2 * mean
+    tl.store(w_ptr + j, tl.where(tl.abs(new) < float("inf"), new, w), mask=jmask)

@@ -11,20 +11,26 @@ scale blocks of ``S = block`` or ``S = CHUNK = 256`` when ``block == 1`` with a 
 Each of ``ps, gs, vs, scales, codes`` is a list (a group of tensors that share ``block``, ``bits``
 and the hyperparameters) or one tensor: the whole group is one kernel launch per kind of tensor,
 because a model's step is many small tensors whose one launch each would leave the GPU waiting on
-the host. The launch tables are cached per set of tensors (``optim._cache.BoundedCache``), so a
-repeated call only reads a few attributes of each tensor.
+the host. With ``ws`` (a factored second moment) two launches before the step, again over every
+tensor at once, update the per-offset factors w from the gradients (``_factor_stats_kernel``,
+``_factor_finalize_kernel``). The launch tables, the pointer tables and the factors' scratch are
+built once per set of tensors and cached (``_Plan``, ``optim._cache.BoundedCache``): a repeated
+call reads a few attributes of each tensor and issues no torch operation, or two (one small
+host-to-device copy) when the gradients moved, and two more for stochastic rounding's seeds.
 
 Runs on CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1`` (how the tests run it).
 
 Agreement with the reference: one step from the same state gives the reference's scales and codes
 exactly; p and v only to fp32 rounding, because v's block mean of g**2 is summed in another order
 than ``torch.mean``, and torch's CPU ``sqrt`` is not always correctly rounded where ``tl.sqrt_rn``
-is. Over a training run those ulps change the next gradients, and once a value m~/s of the two runs
-falls on the two sides of a code boundary the runs hold different codes: m^ then differs by one
-codebook gap times the scale, and the weights part by more than rounding from then on. The numba
-backend, also correct to rounding, parts from the torch one the same way. 4-bit codebooks have
-gaps 16 times wider, so such a crossing is rarer there. ``experiments/correctness.py`` measures
-both over a training run (``results/README.md``, "Correctness against independent references").
+is; w also to fp32 rounding, its column sums of g**2 being added in another order than
+``torch_ops.factor_update_``'s. Over a training run those ulps change the next gradients, and once
+a value m~/s of the two runs falls on the two sides of a code boundary the runs hold different
+codes: m^ then differs by one codebook gap times the scale, and the weights part by more than
+rounding from then on. The numba backend, also correct to rounding, parts from the torch one the
+same way. 4-bit codebooks have gaps 16 times wider, so such a crossing is rarer there.
+``experiments/correctness.py`` measures both over a training run (``results/README.md``,
+"Correctness against independent references").
 """
 
 from __future__ import annotations
@@ -39,9 +45,9 @@ import triton.language as tl
 from .._cache import BoundedCache
 from .._triton_common import KernelLaunch, axis_pairs, next_pow2, prev_pow2
 from ..backends import triton_interpreted
-from ._triton_kernels import (ELEMS_PER_THREAD, MAX_TILE_WIDTH, TILE, _TL_DTYPES,
-                              _gefen_step4_kernel, _gefen_step_kernel)
-from . import torch_ops
+from ._triton_kernels import (ELEMS_PER_THREAD, FACTOR_ITERS, FACTOR_ROWS, FACTOR_TILE, FACTOR_WIDTH,
+                              FINAL_TILE, FINAL_WIDTH, MAX_TILE_WIDTH, TILE, _TL_DTYPES, _factor_finalize_kernel,
+                              _factor_stats_kernel, _gefen_step4_kernel, _gefen_step_kernel)
 from .checks import check_factors
 from .codebook import code_table
 from .reference import num_code_bytes, num_scales, scale_block_length
@@ -83,17 +89,34 @@ class StepPlan(NamedTuple):
     lanes: int  # live lanes of a tile row: elements, or bytes for packed 4-bit codes
 
 
+class FactorPlan(NamedTuple):
+    """What ``factor_plan`` chooses for the factor's two launches."""
+
+    stats: dict  # constexprs and launch options of _factor_stats_kernel
+    final: dict  # constexprs and launch options of _factor_finalize_kernel
+    rows_per_item: int  # block rows one statistics program sums
+    stats_chunks: int  # column chunks of a block (grid axis 1 of the statistics launch)
+    final_chunks: int  # offset chunks of a block (grid axis 1 of the finalize launch)
+
+
 class Launch(NamedTuple):
-    """One kernel launch of a plan: tensors of one kind (dtypes, alignment, exactness)."""
+    """One step-kernel launch of a plan: tensors of one kind (dtypes, alignment, exactness)."""
 
     kernel: object
-    tiles: torch.Tensor  # (n_tiles, 2) int64: (tensor, first tile row) of each program
-    ptrs: torch.Tensor  # (n, 5) int64: addresses of p, g, v, scales, codes
-    numels: torch.Tensor  # (n,) int64
+    tiles: torch.Tensor  # (n_tiles, 2) int64: (tensor in the plan's tables, first tile row) a program
     grid: tuple
     constexprs: dict
     indices: list  # position of each of its tensors in the call
-    factor_ptrs: torch.Tensor  # (n,) int64 addresses of w (``numels`` when not factored: unused)
+
+
+class FactorPass(NamedTuple):
+    """The launches that update every w of a plan before its step (``factor_plan``)."""
+
+    stats: list  # (items: (k, 4) int64 (tensor, row0, row1, slot), grid, constexprs) a gradient dtype
+    fin_tab: torch.Tensor  # (T, 2) int64: (first scratch row, scratch rows) of each tensor
+    fin_grid: tuple
+    final: dict  # constexprs of the finalize launch
+    part: torch.Tensor  # (scratch rows * block,) fp32 partial column sums, rewritten every step
 
 
 class _Row(NamedTuple):
@@ -171,38 +194,74 @@ def step_plan(*, block, bits, quant, p_dtype, g_dtype, align, exact, factor=Fals
     return StepPlan(_gefen_step4_kernel if four else _gefen_step_kernel, const, lanes)
 
 
-def _launch_plan(rows, *, block, bits, quant, tile, num_warps, ws=None, sr=False) -> list:
-    """The ``Launch`` es of ``rows`` (``_Row`` s: flat, contiguous, validated): one per kind of
-    tensor. Tables are built on the host and copied to the device once per set of tensors (see
-    ``gefen_step_``'s plan cache)."""
+def factor_plan(*, block, g_dtype) -> FactorPlan:
+    """The constexprs and warps of the factor's two launches: the launcher's only choice for them.
+    A statistics program sums R block rows x BW offsets an iteration (R*BW = ``FACTOR_TILE``;
+    blocks longer than ``FACTOR_WIDTH`` in column chunks) and at least ``FACTOR_ROWS`` rows in
+    all; a finalize program adds IB scratch rows x FW offsets an iteration."""
+    bw = min(next_pow2(block), FACTOR_WIDTH)
+    rr = max(1, FACTOR_TILE // bw)
+    fw = min(next_pow2(block), FINAL_WIDTH)
+    ib = max(1, FINAL_TILE // fw)
+    stats = dict(G_DT=_TL_DTYPES[g_dtype], S=block, R=rr, BW=bw, enable_fp_fusion=False,
+                 num_warps=max(1, min(16, rr * bw // (32 * ELEMS_PER_THREAD))))
+    final = dict(S=block, IB=ib, FW=fw, enable_fp_fusion=False,
+                 num_warps=max(1, min(8, ib * fw // (32 * ELEMS_PER_THREAD))))
+    rows_per_item = rr * max(FACTOR_ITERS, -(-FACTOR_ROWS // rr))
+    return FactorPlan(stats, final, rows_per_item, -(-block // bw), -(-block // fw))
+
+
+def _step_launches(rows, *, block, bits, quant, tile, num_warps, factor, sr) -> list:
+    """The step's ``Launch`` es of ``rows`` (``_Row`` s: flat, contiguous, validated, on one device):
+    one per kind of tensor, each program naming its tensor by position in ``rows`` (the plan's
+    tables)."""
     s_len = scale_block_length(block)
     four = quant and bits == 4
+    device = rows[0].p.device
     # One launch per (dtypes, alignment, exactness): a misaligned tensor or one whose size is not a
     # whole number of tile rows only de-vectorises its own launch.
     by_kind: dict = {}
-    for r in rows:
+    for k, r in enumerate(rows):
         align = all(t.data_ptr() % 16 == 0 for t in (r.p, r.g, r.v, r.scales, r.codes))
         exact = r.p.numel() % ((2 if four and s_len % 2 else 1) * s_len) == 0
-        by_kind.setdefault((r.p.device, r.p.dtype, r.g.dtype, align, exact), []).append(r)
+        by_kind.setdefault((r.p.dtype, r.g.dtype, align, exact), []).append(k)
     launches = []
-    for (device, pdt, gdt, align, exact), rs in by_kind.items():
+    for (pdt, gdt, align, exact), ks in by_kind.items():
         plan = step_plan(block=block, bits=bits, quant=quant, p_dtype=pdt, g_dtype=gdt, align=align,
-                         exact=exact, factor=ws is not None, sr=sr, tile=tile, num_warps=num_warps)
+                         exact=exact, factor=factor, sr=sr, tile=tile, num_warps=num_warps)
         R = plan.constexprs["R"]
-        numels = [r.p.numel() for r in rs]
+        numels = [rows[k].p.numel() for k in ks]
         trows = [-(-(num_code_bytes(n, 4) if four else n) // plan.lanes) for n in numels]
         ntiles = [-(-t // R) for t in trows]
-        tid = torch.repeat_interleave(torch.arange(len(ntiles)), torch.tensor(ntiles))
+        tid = torch.repeat_interleave(torch.tensor(ks, dtype=torch.int64), torch.tensor(ntiles))
         start = torch.cat([torch.arange(k) * R for k in ntiles])
         tiles = torch.stack([tid, start], dim=1).contiguous().to(device)
-        ptrs = torch.tensor([[t.data_ptr() for t in (r.p, r.g, r.v, r.scales, r.codes)] for r in rs],
-                            dtype=torch.int64).to(device)
-        numel_tab = torch.tensor(numels, dtype=torch.int64).to(device)
-        w_tab = numel_tab if ws is None else torch.tensor(
-            [ws[r.index].data_ptr() for r in rs], dtype=torch.int64).to(device)
-        launches.append(Launch(plan.kernel, tiles, ptrs, numel_tab, (int(tiles.shape[0]),), plan.constexprs,
-                               [r.index for r in rs], w_tab))
+        launches.append(Launch(plan.kernel, tiles, (int(tiles.shape[0]),), plan.constexprs,
+                               [rows[k].index for k in ks]))
     return launches
+
+
+def _factor_pass(rows, *, block) -> FactorPass:
+    """The factor's launches over ``rows``: one statistics launch a gradient dtype (one for a model
+    of one dtype), each tensor cut into programs of ``rows_per_item`` block rows, and one finalize
+    launch over every tensor."""
+    device = rows[0].p.device
+    first = factor_plan(block=block, g_dtype=rows[0].g.dtype)  # all but G_DT is the same for every dtype
+    per = first.rows_per_item
+    by_dtype: dict = {}
+    fin, slot = [], 0
+    for k, r in enumerate(rows):
+        nrows = r.p.numel() // block
+        starts = range(0, nrows, per)
+        by_dtype.setdefault(r.g.dtype, []).extend((k, a, min(a + per, nrows), slot + i) for i, a in enumerate(starts))
+        fin.append((slot, len(starts)))
+        slot += len(starts)
+    stats = []
+    for gdt, items in by_dtype.items():
+        fp = factor_plan(block=block, g_dtype=gdt)
+        stats.append((torch.tensor(items, dtype=torch.int64).to(device), (len(items), fp.stats_chunks), fp.stats))
+    return FactorPass(stats, torch.tensor(fin, dtype=torch.int64).to(device), (len(rows), first.final_chunks),
+                      first.final, torch.empty(slot * block, dtype=torch.float32, device=device))
 
 
 def _kernel_args(tiles, ptrs, numel_tab, tabs, w_tab, *, step, lr, beta1, beta2, eps, weight_decay,
@@ -218,18 +277,53 @@ def _kernel_args(tiles, ptrs, numel_tab, tabs, w_tab, *, step, lr, beta1, beta2,
     return args, dict(NLUT=tabs.nlut, NCMP=tabs.ncmp, HAS_DUP=tabs.has_dup, enable_fp_fusion=False)
 
 
-class _Plan:
-    """Cached launches for one set of (p, v, scales, codes) tensors, and the gradients last seen.
+def _stats_args(items, ptrs, part):
+    """Arguments of a statistics launch: its items, the plan's pointer table, the scratch."""
+    return items, ptrs, part
 
-    Gradients are often re-allocated every step (``zero_grad(set_to_none=True)``), so they are not
-    part of the cache key: when their addresses change, only the pointer table's g column is
-    rewritten (a stream-ordered copy: launches already queued still read the old pointers).
+
+def _final_args(fin_tab, numel_tab, w_tab, part, *, beta2):
+    """Arguments of the finalize launch: the tensors' scratch rows, sizes and factor pointers, the
+    scratch, beta2 and 1 - beta2."""
+    return fin_tab, numel_tab, w_tab, part, float(beta2), 1 - float(beta2)
+
+
+class _Plan:
+    """What a step derives from one set of (p, v, scales, codes, w) tensors, built once: the step's
+    launches, the tables they share (pointers, sizes, factor pointers, seeds), the factor's
+    launches and scratch, and the gradients last seen.
+
+    Tables are indexed by a tensor's position in ``order`` (the call positions of the non-empty
+    tensors). Gradients are often re-allocated every step (``zero_grad(set_to_none=True)``), so
+    they are not part of the cache key: when their addresses change, only the pointer table's g
+    column is rewritten (one stream-ordered copy: launches already queued still read the old
+    pointers).
     """
 
-    __slots__ = ("launches", "gptrs", "gnumels", "gdtypes")
+    __slots__ = ("launches", "factor", "ptrs", "gcol", "numels", "wtab", "seed_tab", "order", "aligned",
+                 "device", "gptrs", "gnumels", "gdtypes")
 
-    def __init__(self, launches, gs):
-        self.launches = launches
+    def __init__(self, rows, gs, ws, *, block, bits, quant, tile, num_warps, sr):
+        device = rows[0].p.device
+        for r in rows:
+            for name, t in (("p", r.p),) + ((("w", ws[r.index]),) if ws is not None else ()):
+                if t.device != device:
+                    raise ValueError(f"{name}[{r.index}] is on {t.device}, p[{rows[0].index}] on {device}: "
+                                     "the tensors of one call must be on one device")
+        self.launches = _step_launches(rows, block=block, bits=bits, quant=quant, tile=tile, num_warps=num_warps,
+                                       factor=ws is not None and block > 1, sr=sr)
+        self.factor = None if ws is None else _factor_pass(rows, block=block)
+        self.ptrs = torch.tensor([[t.data_ptr() for t in (r.p, r.g, r.v, r.scales, r.codes)] for r in rows],
+                                 dtype=torch.int64).to(device)
+        self.gcol = self.ptrs[:, 1]  # column 1: g
+        self.numels = torch.tensor([r.p.numel() for r in rows], dtype=torch.int64).to(device)
+        self.wtab = self.numels if ws is None else torch.tensor(
+            [ws[r.index].data_ptr() for r in rows], dtype=torch.int64).to(device)
+        uses_seeds = any(ln.constexprs["SR"] for ln in self.launches)
+        self.seed_tab = torch.zeros(len(rows), dtype=torch.int64, device=device) if uses_seeds else None
+        self.order = [r.index for r in rows]
+        self.aligned = [i for ln in self.launches if ln.constexprs["ALIGN"] for i in ln.indices]
+        self.device = device
         self.gptrs = tuple(map(_DATA_PTR, gs))
         self.gnumels = tuple(map(_NUMEL, gs))
         self.gdtypes = tuple(g.dtype for g in gs)
@@ -237,14 +331,16 @@ class _Plan:
     def update_grads(self, gs, gptrs) -> bool:
         """Point the launches at new gradients; False if they do not fit this plan."""
         if (tuple(map(_NUMEL, gs)) != self.gnumels or tuple(g.dtype for g in gs) != self.gdtypes
-                or not all(map(_IS_CONTIGUOUS, gs))
-                or any(gptrs[i] % 16 for ln in self.launches if ln.constexprs["ALIGN"] for i in ln.indices)):
+                or not all(map(_IS_CONTIGUOUS, gs)) or any(gptrs[i] % 16 for i in self.aligned)
+                or any(gs[i].device != self.device for i in self.order)):
             return False
-        for launch in self.launches:
-            col = torch.tensor([gptrs[i] for i in launch.indices], dtype=torch.int64)
-            launch.ptrs[:, 1].copy_(col, non_blocking=True)  # column 1: g
+        self.gcol.copy_(torch.tensor([gptrs[i] for i in self.order], dtype=torch.int64), non_blocking=True)
         self.gptrs = gptrs
         return True
+
+    def upload_seeds(self, seeds):
+        """This step's stochastic-rounding seeds into the seed table (one small copy)."""
+        self.seed_tab.copy_(torch.tensor([seeds[i] for i in self.order], dtype=torch.int64), non_blocking=True)
 
 
 _NO_GUARD = contextlib.nullcontext()
@@ -310,14 +406,21 @@ def _plan(ps, gs, vs, ss, cs, *, block, bits, quant, tile, num_warps, ws=None, s
         gptrs = tuple(map(_DATA_PTR, gs))
         if all(map(_IS_CONTIGUOUS, ps)) and (gptrs == plan.gptrs or plan.update_grads(gs, gptrs)):
             return plan, []
+    if ws is not None:
+        check_factors(ps, ws, block=block, device_type=ps[0].device.type if ps else "cpu")
     rows, copies = _validate(ps, gs, vs, ss, cs, block=block, bits=bits, quant=quant)
     if not rows:
         return None, []
-    plan = _Plan(_launch_plan(rows, block=block, bits=bits, quant=quant, tile=tile,
-                              num_warps=num_warps, ws=ws, sr=sr), gs)
-    if not copies:  # a temporary contiguous copy has a new address each call
+    plan = _Plan(rows, gs, ws, block=block, bits=bits, quant=quant, tile=tile, num_warps=num_warps, sr=sr)
+    if not copies and all(map(_IS_CONTIGUOUS, gs)):  # a temporary contiguous copy has a new address each call
         _PLAN_CACHE.put(key, plan)
     return plan, copies
+
+
+def _launch(kernel, grid, args, kwargs, device):
+    """``kernel[grid](*args, **kwargs)`` on ``device``: the one place this module launches a kernel."""
+    with torch.cuda.device(device) if device.type == "cuda" else _NO_GUARD:
+        kernel[grid](*args, **kwargs)
 
 
 def gefen_step_(ps, gs, vs, scales, codes, codebook, *, step, lr, beta1, beta2, eps, weight_decay,
@@ -331,16 +434,19 @@ def gefen_step_(ps, gs, vs, scales, codes, codebook, *, step, lr, beta1, beta2, 
     ``codebook is None``, ``scales`` then unused), which must be contiguous. ``step`` is t, counted
     from 1. ``tables``: ``code_table(codebook)`` (built and cached here when not given). ``tile``
     and ``num_warps`` are tuning knobs for benchmarks. ``ws``: per-offset factors of a factored
-    second moment (contiguous fp32, ``block`` floats each), updated in place by a torch pass over
-    the gradients before the launch (a reduction over every block of a tensor), then read by the
-    kernel (``FACTOR``). ``seeds``: one 32-bit seed per tensor: bf16 and fp16 parameters are then
-    written with stochastic rounding (``optim._rounding``; ``SR``), else rounded to nearest.
-    Returns None.
+    second moment (contiguous fp32, ``block`` floats each), updated in place before the step by
+    the factor's kernels (column means of g**2 over a tensor's blocks), then read by the step
+    kernel (``FACTOR``; with ``block == 1`` only w moves). ``seeds``: one 32-bit seed per tensor:
+    bf16 and fp16 parameters are then written with stochastic rounding (``optim._rounding``;
+    ``SR``), else rounded to nearest. Returns None.
 
-    Host cost: the first call with a set of tensors validates them and builds the launch tables;
-    later calls with the same p, v, scales, codes (same addresses, sizes, dtypes) go straight to
-    the launch after a few attribute reads per tensor; new gradient addresses (re-allocated grads)
-    cost one small host-to-device copy of their pointers.
+    Host cost: the first call with a set of tensors validates them and builds the plan (launch
+    and pointer tables, the factor's scratch); later calls with the same p, v, scales, codes and w
+    (same addresses, sizes, dtypes) go straight to the launches after a few attribute reads per
+    tensor, with no torch operation; new gradient addresses (re-allocated grads) cost one small
+    host-to-device copy of their pointers, and ``seeds`` one more. Launches: with ``ws``, one
+    statistics launch per gradient dtype and one finalize launch, then one step launch per kind
+    of tensor (dtypes, alignment, exactness): three for a model of one dtype.
     """
     ps, gs, vs, ss, cs = (_as_list(x) for x in (ps, gs, vs, scales, codes))
     if not len(ps) == len(gs) == len(vs) == len(ss) == len(cs):
@@ -352,30 +458,25 @@ def gefen_step_(ps, gs, vs, scales, codes, codebook, *, step, lr, beta1, beta2, 
     quant = codebook is not None
     if quant and tables is None:
         tables = _table_of(codebook)
-    if ws is not None:
-        ws = _as_list(ws)
-        check_factors(ps, ws, block=block, device_type=ps[0].device.type if ps else "cpu")
-        torch_ops.factor_update_(ws, gs, block=block, beta2=beta2)
-        if block == 1:  # r == 1: only w moves
-            ws = None
     plan, copies = _plan(ps, gs, vs, ss, cs, block=block, bits=bits, quant=quant, tile=tile,
-                         num_warps=num_warps, ws=ws, sr=seeds is not None)
+                         num_warps=num_warps, ws=None if ws is None else _as_list(ws), sr=seeds is not None)
     if plan is None:
         return
-    launches = plan.launches
-    if not launches:
-        return
-    for ln in launches:
-        device = ln.tiles.device
-        tabs = _device_tables(tables, device, bits) if quant else None
-        seed_tab = None
-        if ln.constexprs["SR"]:  # the seeds change every step: one small copy a launch
-            seed_tab = torch.tensor([seeds[i] for i in ln.indices], dtype=torch.int64).to(device, non_blocking=True)
-        args, table_const = _kernel_args(ln.tiles, ln.ptrs, ln.numels, tabs, ln.factor_ptrs, step=step, lr=lr,
+    device = plan.device
+    if plan.seed_tab is not None:  # the seeds change every step
+        plan.upload_seeds(seeds)
+    if plan.factor is not None:  # w first: every block's step reads its tensor's whole w
+        fp = plan.factor
+        for items, grid, const in fp.stats:
+            _launch(_factor_stats_kernel, grid, _stats_args(items, plan.ptrs, fp.part), const, device)
+        _launch(_factor_finalize_kernel, fp.fin_grid,
+                _final_args(fp.fin_tab, plan.numels, plan.wtab, fp.part, beta2=beta2), fp.final, device)
+    tabs = _device_tables(tables, device, bits) if quant else None
+    for ln in plan.launches:
+        args, table_const = _kernel_args(ln.tiles, plan.ptrs, plan.numels, tabs, plan.wtab, step=step, lr=lr,
                                          beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
-                                         seed_tab=seed_tab)
-        with torch.cuda.device(device) if device.type == "cuda" else _NO_GUARD:
-            ln.kernel[ln.grid](*args, **table_const, **ln.constexprs)
+                                         seed_tab=plan.seed_tab)
+        _launch(ln.kernel, ln.grid, args, dict(table_const, **ln.constexprs), device)
     for pi, pw in copies:
         pi.copy_(pw.view_as(pi))
 
@@ -391,10 +492,13 @@ _DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 _TABLES = [(1, False, 4096), (1, True, 1024), (2, True, 65536), (3, False, 65536)]  # (ncmp, has_dup, nlut)
 _COMMON = dict(block=_BLOCKS, p_dtype=_DTYPES, g_dtype=_DTYPES, align=[True, False], exact=[True, False],
                factor=[False, True], sr=[False, True])
+# The factor's kernels (factor_plan): blocks as the step's, and beyond FACTOR_WIDTH (column chunks,
+# aligned or masked) up to the longest a 4-bit tile row holds.
 PLAN_AXES = {
     "8bit": dict(_COMMON, bits=[8], quant=[True], table=_TABLES),
     "4bit": dict(_COMMON, bits=[4], quant=[True], table=_TABLES),
     "fp32_m": dict(_COMMON, bits=[8], quant=[False]),
+    "factor": dict(block=_BLOCKS + [2047, 2048, 3000, 2 * MAX_TILE_WIDTH], g_dtype=_DTYPES),
 }
 
 
@@ -411,6 +515,9 @@ def launch_configs(cover=axis_pairs) -> list:
     out = []
     tile_tabs = torch.zeros(1, 2, dtype=torch.int64), torch.zeros(1, 5, dtype=torch.int64), torch.ones(1, dtype=torch.int64)
     for mode, axes in PLAN_AXES.items():
+        if mode == "factor":
+            out += _factor_launch_configs(cover(axes), axes)
+            continue
         for c in cover(axes):
             plan = {k: v for k, v in c.items() if k != "table"}
             chosen = step_plan(**plan)
@@ -421,3 +528,19 @@ def launch_configs(cover=axis_pairs) -> list:
                                               if len(axes[k]) > 1)
             out.append(KernelLaunch(name, chosen.kernel, args, dict(chosen.constexprs, **table_const)))
     return out
+
+
+def _factor_launch_configs(configs, axes) -> list:
+    """``KernelLaunch`` of the factor's two kernels at each configuration of ``configs`` (each
+    kernel's in a run of their own, so that every k-th launch of the list holds both)."""
+    i64, part = torch.zeros(1, 5, dtype=torch.int64), torch.zeros(1)
+    stats, final = [], []
+    for c in configs:
+        fp = factor_plan(**c)
+        name = ",".join(f"{k}={str(v).replace('torch.', '')}" for k, v in c.items() if len(axes[k]) > 1)
+        stats.append(KernelLaunch("gefen_factor_stats/" + name, _factor_stats_kernel, _stats_args(i64, i64, part),
+                                  fp.stats))
+        final.append(KernelLaunch("gefen_factor_finalize/" + name, _factor_finalize_kernel,
+                                  _final_args(i64, i64, i64, part, beta2=0.999), fp.final))
+    return stats + final
+
