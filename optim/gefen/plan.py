@@ -74,7 +74,10 @@ class Call:
         call was built on (parameters stepped apart, e.g. under ``step_in_backward``, or state
         replaced through ``optimizer.state``, make the step build a new plan and check them)."""
         step = self.states[0][K.STEP]
-        return all(st[K.STEP] == step and _held(st) == h for st, h in zip(self.states, self.held))
+        for st, h in zip(self.states, self.held):
+            if st[K.STEP] != step or _held(st) != h:
+                return False
+        return True
 
     def hyper(self, step: int) -> Hyper:
         g = self.group
@@ -99,23 +102,24 @@ class Call:
 
 def _held(st) -> tuple:
     """Identities of a parameter's state tensors (the call holds them: no id is reused meanwhile)."""
-    return tuple(id(st.get(k)) for k in K.PER_PARAM_TENSORS)
+    get = st.get
+    return id(get(K.V)), id(get(K.SCALES)), id(get(K.CODES)), id(get(K.M)), id(get(K.W))
 
 
 def signature(groups, local) -> tuple:
     """The key of the plan for ``groups`` as they are now (module docstring). ``local``: the
     local shard of a tensor (DTensor) or the tensor."""
     sig = []
+    add = sig.append
     for group in groups:
-        sig.append(tuple(group[k] for k in STRUCTURAL))
+        add(tuple(group[k] for k in STRUCTURAL))
         for p in group["params"]:
             g = p.grad
             if g is None:
-                sig.append(None)
+                add(None)
                 continue
             x = local(p)
-            sig.append((x.data_ptr(), x.shape, x.dtype, x.device, g.dtype, g.shape, g.layout,
-                        g.is_contiguous()))
+            add((x.data_ptr(), x.shape, x.dtype, x.device, g.dtype, g.shape, g.layout, g.is_contiguous()))
     return tuple(sig)
 
 
