@@ -41,7 +41,7 @@ import sys
 import time
 
 from experiments.common import Results, add_common_args
-from experiments.models import GPT2_SIZES, gpt2_shapes
+from experiments.models import GPT2_SIZES, gpt2_shapes, make_param_set as make_set
 from experiments.registry import make_optimizer
 
 SIZES = GPT2_SIZES
@@ -93,21 +93,6 @@ def copy_bandwidth(device, timer, nbytes, reps):
         dst.copy_(src)
     ts = [timer.ms(timer.time(lambda: dst.copy_(src))) for _ in range(reps)]
     return 2 * n * 4 / (statistics.median(ts) / 1e3)
-
-
-def make_set(shapes, dtype, device, seed):
-    """(params, grads): params ~ 0.02 N(0,1); grads with one random scale per row."""
-    import torch
-
-    gen = torch.Generator(device=device).manual_seed(seed)
-    ps, gs = [], []
-    for sh in shapes:
-        ps.append(torch.randn(sh, generator=gen, device=device).mul_(0.02).to(dtype))
-        g = torch.randn(sh, generator=gen, device=device).mul_(1e-3)
-        if len(sh) == 2:
-            g.mul_(torch.randn(sh[0], 1, generator=gen, device=device).mul_(0.7).exp_())
-        gs.append(g.to(dtype))
-    return ps, gs
 
 
 def tensor_bytes(ts):

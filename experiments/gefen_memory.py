@@ -36,48 +36,9 @@ import time
 import torch
 
 from experiments.common import Results, add_common_args, add_kind_rows
-from experiments.models import char_lm_model
+from experiments.models import MODELS, char_lm_model, model_loss
 from experiments.registry import DENSE, make_optimizer, state_bytes, state_bytes_by_kind
 from experiments.train import CHAR_LM, WEIGHT_DECAY, char_lm_label, char_lm_problem, interleaved, median, train_lm
-
-
-class Encoder(torch.nn.Module):
-    """Token embedding + ``nn.TransformerEncoder`` (tied output): 3.42 M parameters at the defaults."""
-
-    def __init__(self, vocab=1000, d=256, layers=4, heads=8, ff=1024, ctx=64):
-        super().__init__()
-        self.emb = torch.nn.Embedding(vocab, d)
-        # fixed sinusoidal positions: the model is the embedding and the encoder, 3,415,040 params
-        pos = torch.arange(ctx, dtype=torch.float32)[:, None]
-        freq = torch.exp(torch.arange(0, d, 2, dtype=torch.float32) * (-math.log(10000.0) / d))
-        self.register_buffer("pos", torch.cat([torch.sin(pos * freq), torch.cos(pos * freq)], dim=1))
-        layer = torch.nn.TransformerEncoderLayer(d, heads, ff, batch_first=True, dropout=0.0)
-        self.enc = torch.nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
-        self.register_buffer("mask", torch.nn.Transformer.generate_square_subsequent_mask(ctx))
-
-    def forward(self, x):
-        h = self.emb(x) + self.pos[: x.shape[1]]
-        h = self.enc(h, mask=self.mask[: x.shape[1], : x.shape[1]], is_causal=True)
-        return h @ self.emb.weight.t()
-
-
-def make_mlp():
-    return torch.nn.Sequential(torch.nn.Linear(784, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 1024),
-                               torch.nn.GELU(), torch.nn.Linear(1024, 10))
-
-
-# name -> (model, input batch, Adam-mini's (dim, n_heads))
-MODELS = {
-    "transformer": (lambda: Encoder(), lambda: torch.randint(0, 1000, (8, 64)), (256, 8)),
-    "mlp": (make_mlp, lambda: torch.randn(64, 784), (256, 8)),
-}
-
-
-def model_loss(model, x):
-    out = model(x)
-    if isinstance(model, Encoder):
-        return torch.nn.functional.cross_entropy(out[:, :-1].reshape(-1, out.shape[-1]), x[:, 1:].reshape(-1))
-    return out.pow(2).mean()
 
 
 def memory_and_time(res, model_name, names, repeats, seed):

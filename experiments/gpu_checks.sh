@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every GPU check in one command, each step time-limited (about 5 minutes in all on one H200).
+# Every GPU check in one command, each step time-limited (about 8 minutes in all on one H200).
 # Run from the repository root on a CUDA machine:
 #
 #     bash experiments/gpu_checks.sh [RESULTS_DIR]      # Default: results/gpu ("$OUT" on a lent machine)
@@ -14,6 +14,9 @@
 #      bandwidth -> gefen_kernels.csv (upstream gefen left out: it needs nvcc and its own build)
 #   4. experiments/kernel_resources.py with predicted times at that measured copy bandwidth, and its
 #      README section -> kernel_resources.csv, README.md
+#   5. experiments/gefen_speed.py's GPU part: Gefen's whole fp32 step (Triton) against fused AdamW's at
+#      GPT-2 small's shapes, factored against unfactored, and the torch ops and launches per step on
+#      CUDA tensors; its figure and README section -> gefen_speed.csv, gefen_speed.png, README.md
 # plus gpu_checks.log (everything printed) and environment.txt (nvidia-smi, versions).
 set -u
 cd "$(dirname "$0")/.."
@@ -44,5 +47,7 @@ step bench_kernels 200 "$PY" experiments/bench_kernels.py --results-dir "$R" --s
 step kernel_resources 50 "$PY" experiments/kernel_resources.py --results-dir "$R" --workers 12 \
     --bandwidth-from "$R/gefen_kernels.csv"
 step analysis 20 "$PY" analysis/kernel_resources.py --results-dir "$R"
+step gefen_speed 180 "$PY" experiments/gefen_speed.py --results-dir "$R" --parts gpu --gpu-reps 20
+step analysis-speed 30 "$PY" analysis/gefen_speed.py --results-dir "$R" --out "$R/gefen_speed.png"
 echo "=== summary (results in $R)"
 printf '%s\n' "${SUMMARY[@]}"

@@ -45,6 +45,8 @@ step bench_dsa_gpu "$PY" experiments/bench_dsa_gpu.py --dry-run --results-dir "$
 step bench_kernels "$PY" experiments/bench_kernels.py --dry-run --skip-upstream --results-dir "$R"
 step kernel_resources "$PY" experiments/kernel_resources.py --quick --results-dir "$R" --workers 2
 step analysis "$PY" analysis/kernel_resources.py --results-dir "$R"
+step gefen_speed "$PY" experiments/gefen_speed.py --parts gpu --dry-run --results-dir "$R"
+step analysis-speed "$PY" analysis/gefen_speed.py --results-dir "$R" --out "$R/gefen_speed.png"
 VERDICT=("${SUMMARY[@]}")
 step kernel-tests-info "$PY" -m pytest -q -p no:cacheprovider tests/test_dsa_kernels.py tests/test_gefen_kernels.py \
     -k "triton or gefen_kernels"

@@ -1,4 +1,5 @@
-"""The small models experiments train: three character-level causal language models.
+"""The small models experiments train: three character-level causal language models; and the models
+and parameter sets the step-time and memory benchmarks step on fixed gradients.
 
 The GPT is nanoGPT's (Karpathy) pre-LayerNorm decoder without weight tying, with attention
 projections named the way Adam-mini's name rules expect (``wte``, ``attn.q_proj``/``k_proj``/
@@ -11,6 +12,11 @@ initialisation, positional embeddings at zero), and ``LlamaLM``, a Llama-style d
 SwiGLU MLP, rotary position embeddings, no biases; parameters named as Hugging Face's Llama names
 them). Every model maps token ids ``idx`` (batch, time) to logits, or with ``targets`` to the mean
 cross-entropy computed in fp32; ``char_lm_model(cfg)`` builds the model of a config.
+
+Benchmarks: ``MODELS`` (a 3.4 M-parameter ``nn.TransformerEncoder`` and a 2 M-parameter MLP, each
+with its input batch; ``model_loss`` gives a loss to differentiate), ``small_tensor_stack`` (many
+small tensors: host work per tensor), ``gpt2_shapes`` with ``make_param_set`` (GPT-2-shaped
+parameter sets with structured gradients, for GPU steps).
 """
 
 from __future__ import annotations
@@ -282,3 +288,65 @@ def gpt2_shapes(d, layers, vocab=GPT2_VOCAB, ctx=GPT2_CTX):
         shapes += [(d,), (d,), (d, 3 * d), (3 * d,), (d, d), (d,), (d,), (d,), (d, 4 * d), (4 * d,),
                    (4 * d, d), (d,)]
     return shapes + [(d,), (d,)]
+
+
+def make_param_set(shapes, dtype, device, seed):
+    """(params, grads) of the given shapes: params ~ 0.02 N(0, 1); grads ~ 1e-3 N(0, 1) with one
+    random log-normal scale per matrix row (the structure Gefen's block rule finds)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    ps, gs = [], []
+    for sh in shapes:
+        ps.append(torch.randn(sh, generator=gen, device=device).mul_(0.02).to(dtype))
+        g = torch.randn(sh, generator=gen, device=device).mul_(1e-3)
+        if len(sh) == 2:
+            g.mul_(torch.randn(sh[0], 1, generator=gen, device=device).mul_(0.7).exp_())
+        gs.append(g.to(dtype))
+    return ps, gs
+
+
+class Encoder(nn.Module):
+    """Token embedding + ``nn.TransformerEncoder`` (tied output): 3.42 M parameters at the defaults."""
+
+    def __init__(self, vocab=1000, d=256, layers=4, heads=8, ff=1024, ctx=64):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        # fixed sinusoidal positions: the model is the embedding and the encoder, 3,415,040 params
+        pos = torch.arange(ctx, dtype=torch.float32)[:, None]
+        freq = torch.exp(torch.arange(0, d, 2, dtype=torch.float32) * (-math.log(10000.0) / d))
+        self.register_buffer("pos", torch.cat([torch.sin(pos * freq), torch.cos(pos * freq)], dim=1))
+        layer = nn.TransformerEncoderLayer(d, heads, ff, batch_first=True, dropout=0.0)
+        self.enc = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(ctx))
+
+    def forward(self, x):
+        h = self.emb(x) + self.pos[: x.shape[1]]
+        h = self.enc(h, mask=self.mask[: x.shape[1], : x.shape[1]], is_causal=True)
+        return h @ self.emb.weight.t()
+
+
+def make_mlp(hidden=1024):
+    """784 -> hidden -> hidden -> 10 with GELUs: 1.86 M parameters at the default width."""
+    return nn.Sequential(nn.Linear(784, hidden), nn.GELU(), nn.Linear(hidden, hidden), nn.GELU(), nn.Linear(hidden, 10))
+
+
+def small_tensor_stack(tensors: int, width: int = 64):
+    """``tensors`` / 4 blocks of ``nn.Linear(width, width)`` + ``nn.LayerNorm(width)`` (four tensors
+    each: weight, bias, gain, bias); 160 tensors at width 64 are 171,520 parameters."""
+    if tensors <= 0 or tensors % 4:
+        raise ValueError(f"small_tensor_stack: {tensors} tensors is not a positive multiple of 4 (Linear + LayerNorm)")
+    return nn.Sequential(*[m for _ in range(tensors // 4) for m in (nn.Linear(width, width), nn.LayerNorm(width))])
+
+
+# the step-time and memory benchmarks' models: name -> (model, input batch, Adam-mini's (dim, n_heads))
+MODELS = {
+    "transformer": (lambda: Encoder(), lambda: torch.randint(0, 1000, (8, 64)), (256, 8)),
+    "mlp": (make_mlp, lambda: torch.randn(64, 784), (256, 8)),
+}
+
+
+def model_loss(model, x):
+    """A loss to differentiate: next-token cross-entropy for an ``Encoder``, else the mean square output."""
+    out = model(x)
+    if isinstance(model, Encoder):
+        return F.cross_entropy(out[:, :-1].reshape(-1, out.shape[-1]), x[:, 1:].reshape(-1))
+    return out.pow(2).mean()

@@ -39,6 +39,7 @@ EXPERIMENTS = {
     "poincare": ["poincare"],
     "codebook_dp": ["codebook"],
     "gefen_memory": ["gefen_memory"],
+    "gefen_speed": ["gefen_speed"],
     "gefen_peak_memory": ["gefen_peak_memory"],
     "gefen_ablation": ["gefen_ablation", "gefen_ablation_arch"],
     "hessian_alignment": ["hessian_alignment"],
@@ -56,7 +57,7 @@ MORE_RUNS = {
 }
 # analysis script -> the figure it draws (None: a results/README.md section only)
 FIGURE_OF = {"correctness": None, "dsa_fault_injection": None, "dsa_throughput": "dsa_throughput", "dsa_seed_benchmark": "dsa_seed_benchmark", "dsa_billions": None, "dsa_out_of_core": "dsa_out_of_core", "dsa_distributed": "dsa_distributed", "poincare": "poincare", "codebook": "codebook",
-             "gefen_memory": "gefen_memory", "gefen_peak_memory": "gefen_peak_memory", "gefen_ablation": "gefen_ablation", "gefen_ablation_arch": "gefen_ablation_arch",
+             "gefen_memory": "gefen_memory", "gefen_speed": "gefen_speed", "gefen_peak_memory": "gefen_peak_memory", "gefen_ablation": "gefen_ablation", "gefen_ablation_arch": "gefen_ablation_arch",
              "hessian_alignment": "hessian_alignment",
              "convergence": "convergence", "convergence_bf16": "convergence_bf16",
              "convergence_encoder": "convergence_encoder", "convergence_llama": "convergence_llama",

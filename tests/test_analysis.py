@@ -10,7 +10,7 @@ import statistics
 import pytest
 
 from analysis import (codebook, common, convergence, correctness, dsa_throughput, gefen_ablation, gefen_memory,
-                      hessian_alignment, poincare)
+                      gefen_speed, hessian_alignment, poincare)
 from experiments.common import FIELDS
 
 CONFIG = {"config": {"steps": 10}, "git_commit": "abc1234", "device": "cpu:Test CPU x2",
@@ -60,6 +60,39 @@ def gefen_memory_rows():
         for k, (name, bpp, ms) in enumerate((("AdamW", 8.0, 5.0), ("Gefen-8bit", 1.04, 10.0), ("Gefen-4bit", 0.6, 9.0))):
             rows += [(name, "state_bytes_per_param", bpp, "model", m, 0), (name, "step_time_median", ms / 1e3, "model", m, 0),
                      (name, "step_time_vs_adamw", ms / 5.0, "model", m, 0), (name, "threads", 1, "model", m, 0)]
+    return rows
+
+
+SPEED_MS = {"AdamW": 4.0, "Gefen-8bit": 3.6, "Gefen-4bit": 4.4, "Gefen-8bit-factored": 4.0, "Gefen-4bit-factored": 4.62,
+            "torchao-AdamW8bit": 40.0, "gefen-x": 80.0}
+
+
+def gefen_speed_rows():
+    """CPU rows at 1 and 2 threads, the Triton path's counts, and a GPU set."""
+    rows = []
+    for t in (1, 2):
+        for m, scale in (("transformer", 1.0), ("mlp", 0.5), ("small-tensors", 0.25)):
+            for name, ms in SPEED_MS.items():
+                v, s = f"{m}/{name}", ms * scale / 1e3 / t
+                rows += [(v, "step_time_median", s, "threads", t, 0), (v, "threads", t, "threads", t, 0),
+                         (v, "step_time_vs_adamw", ms / SPEED_MS["AdamW"], "threads", t, 0)]
+                if name.endswith("-factored"):
+                    rows.append((v, "step_time_vs_unfactored", ms / SPEED_MS[name.removesuffix("-factored")],
+                                 "threads", t, 0))
+                if m == "small-tensors":
+                    rows.append((v, "host_us_per_tensor", s / 160 * 1e6, "threads", t, 0))
+    counts = {"AdamW": ((2, 0), (2, 0)), "Gefen-8bit": ((0, 3), (0, 2)), "Gefen-8bit-factored": ((4280, 2), (17122, 2))}
+    for name, per_size in counts.items():
+        for k, (ops, launches) in zip((40, 160), per_size):
+            rows += [(name, "device_ops_per_step", ops, "tensors", k, 0), (name, "launches_per_step", launches, "tensors", k, 0),
+                     (name, "aten_ops_per_step", ops + 2, "tensors", k, 0), (name, "host_syncs_per_step", 0, "tensors", k, 0)]
+    for name, ms in (("AdamW", 2.16), ("Gefen-8bit", 12.8), ("Gefen-8bit-factored", 14.0)):
+        v = f"gpt2-125M/{name}"
+        rows += [(v, "step_time_median", ms / 1e3, "params", 124439808, 0),
+                 (v, "step_time_vs_adamw", ms / 2.16, "params", 124439808, 0),
+                 (v, "host_time_median", 0.5e-3, "params", 124439808, 0),
+                 (v, "host_us_per_tensor", 0.5e-3 / 148 * 1e6, "params", 124439808, 0)]
+    rows.append(("gpt2-125M/Gefen-8bit-factored", "step_time_vs_unfactored", 14.0 / 12.8, "params", 124439808, 0))
     return rows
 
 
@@ -123,6 +156,7 @@ def correctness_rows():
 
 
 SCRIPTS = [(poincare, poincare_rows), (convergence, convergence_rows), (gefen_memory, gefen_memory_rows),
+           (gefen_speed, gefen_speed_rows),
            (dsa_throughput, dsa_rows), (gefen_ablation, ablation_rows), (hessian_alignment, hessian_rows),
            (codebook, codebook_rows), (correctness, correctness_rows)]
 
@@ -171,6 +205,90 @@ def test_gefen_memory_numbers_and_verdicts(tmp_path):
     assert _row(section, "**Gefen-8bit**")[1:] == ["1.040", "10", "2"]
     assert "Gefen-4bit on mlp: 0.600 B/param (target ≤ 0.55: missed)" in section
     assert "Gefen-8bit on transformer: 1.040 B/param (target ≤ 1.05: met)" in section
+
+
+def test_gefen_speed_numbers_and_verdicts(tmp_path):
+    write(tmp_path, "gefen_speed", gefen_speed_rows())
+    _, section = run(gefen_speed, tmp_path)
+    cells = _row(section, "**Gefen-4bit**")
+    assert cells[1] == "1.1× (4.4 ms)" and cells[3] == "1.1× (1.1 ms)" and cells[4] == "1.1× (2.2 ms)"
+    counts = section[section.index("The Triton path"):]
+    assert _row(counts, "**Gefen-8bit-factored**")[1:6] == ["4,280", "17,122", "2", "2", "0"]
+    assert _row(counts, "AdamW (fused, reference)")[1:5] == ["2", "2", "0", "0"]
+    assert "- Gefen-8bit on transformer, 1 thread: 0.9× AdamW's (target ≤ 1×: met; stretch ≤ 0.7×: missed)." in section
+    assert "- Gefen-4bit on mlp, 1 thread: 1.1× AdamW's (target ≤ 1×: missed;" in section
+    assert "- Gefen-4bit-factored on transformer, 1 thread: 1.05× Gefen-4bit's (target ≤ 1.1×: met)." in section
+    assert "- Gefen-4bit on 160 small tensors, 1 thread: 1.1× AdamW's (target ≤ 2×: met)." in section
+    assert ("- Gefen-8bit, Triton path: 0 device ops and 3 launches at 40 tensors, 0 device ops and 2 launches at 160 "
+            "tensors (target ≤ 8 each, the same at every tensor count: missed).") in section
+    assert "- Gefen-8bit-factored, Triton path: 4,280 device ops" in section
+    assert "- Gefen-8bit on the GPU, gpt2-125M: 5.93× AdamW's (target ≤ 1×: missed)." in section
+    assert "1.09× the unfactored (target ≤ 1.15×: met)" in section
+
+
+def _spread(rows):
+    """The fixture with ratios over five decades (a loaded machine's, or a slow peer's)."""
+    out = []
+    for v, m, val, xn, xv, seed in rows:
+        if m == "step_time_vs_adamw" and v.endswith("gefen-x"):
+            val *= 20
+        elif m == "step_time_vs_adamw" and xv == 2 and v.endswith("Gefen-8bit"):
+            val *= 0.005
+        out.append((v, m, val, xn, xv, seed))
+    return out
+
+
+@pytest.mark.parametrize("spread", [False, True], ids=["fixture", "wide-ratios"])
+def test_gefen_speed_figure_is_laid_out_without_overlaps(spread):
+    """The figure: constrained layout, every label and legend inside the figure, no two panels (with
+    their legends and labels) overlapping, no tick label on another, no legend over its panel's labels."""
+    import matplotlib.pyplot as plt
+
+    fixture = _spread(gefen_speed_rows()) if spread else gefen_speed_rows()
+    rows = [dict(variant=v, metric=m, value=float(val), x_name=xn, x_value=xv, device="cuda:NVIDIA H100 80GB HBM3")
+            for v, m, val, xn, xv, _ in fixture]
+    fig = gefen_speed.figure(rows)
+    try:
+        assert type(fig.get_layout_engine()).__name__ == "ConstrainedLayoutEngine"
+        fig.canvas.draw()
+        renderer = fig.canvas.get_renderer()
+        assert len(fig.axes) == 3
+        inside = fig.bbox.padded(1)
+
+        def box(a):
+            return a.get_window_extent(renderer)
+
+        def apart(a, b):
+            return not a.overlaps(b) or (a.x1 - b.x0 < 1 or b.x1 - a.x0 < 1 or a.y1 - b.y0 < 1 or b.y1 - a.y0 < 1)
+
+        tight = [ax.get_tightbbox(renderer) for ax in fig.axes]
+        for i in range(len(tight)):
+            assert inside.contains(tight[i].x0, tight[i].y0) and inside.contains(tight[i].x1, tight[i].y1)
+            for j in range(i + 1, len(tight)):
+                assert apart(tight[i], tight[j]), f"panels {i} and {j} overlap"
+        for ax in fig.axes:
+            legend = ax.get_legend()
+            lo, hi = sorted(ax.get_xlim())
+            xticks = [t for t in ax.get_xticklabels() if lo <= t.get_position()[0] <= hi]  # the ones drawn
+            for ticks in (ax.get_yticklabels(), xticks):
+                shown = [t for t in ticks if t.get_text()]
+                for a, b in zip(shown, shown[1:]):
+                    assert apart(box(a), box(b)), (a.get_text(), b.get_text())
+            for t in [ax.xaxis.label, ax.title] + [t for t in ax.get_xticklabels() if t.get_text()]:
+                assert apart(box(legend), box(t)), f"the legend covers {t.get_text()!r}"
+            assert apart(box(legend), ax.bbox), "the legend lies over the data"
+    finally:
+        plt.close(fig)
+
+
+def test_gefen_speed_quick_results_draw_into_quick_figures(tmp_path):
+    write(tmp_path, "gefen_speed", gefen_speed_rows(), config=dict(CONFIG, config={"quick": True, "repeats": 7}))
+    argv = gefen_speed._argv(["--results-dir", str(tmp_path)])
+    assert argv[-2:] == ["--out", str(common.FIGS_DIR / "quick" / "gefen_speed.png")]
+    argv[-1] = str(tmp_path / "fig.png")
+    common.main(gefen_speed.REPORT, argv)
+    section = common.read_section(tmp_path / "README.md", "gefen_speed")
+    assert "no verdicts" in section and "(target" not in section
 
 
 def test_dsa_targets_follow_the_ratios(tmp_path):

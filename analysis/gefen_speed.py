@@ -1,0 +1,377 @@
+"""Figure and README section: Gefen's step time as a ratio to fused AdamW's, and the Triton path's work per step.
+
+    python analysis/gefen_speed.py [--results-dir results] [--out paper_figs/gefen_speed.png]
+
+Reads ``gefen_speed.csv`` (experiments/gefen_speed.py). CPU rows: variant ``<model>/<optimizer>``
+against ``threads``: ``step_time_median`` (s), ``step_time_vs_adamw``, ``step_time_vs_unfactored``,
+``host_us_per_tensor`` (the small-tensor model). Triton path: variant ``<optimizer>`` against
+``tensors``: ``device_ops_per_step``, ``launches_per_step``, ``host_syncs_per_step``. GPU rows, where
+the run had one: variant ``gpt2-<size>/<optimizer>`` against ``params``.
+
+Figure (one row of panels): the CPU step over AdamW's per optimizer (ours in colour by model, the
+peers grey; filled at 1 thread, hollow at 2) with the 1.0x target (transformer, MLP) and the 2x one
+(small tensors); the Triton path's device operations and launches per step at each tensor count
+with the target of 8; the GPU step over AdamW's where there are GPU rows. The section gives the
+same numbers in tables and, for a full run, each target met or missed. Results of a ``--quick`` run
+(its config says so) get no verdicts, and their figure goes to paper_figs/quick unless ``--out``
+says otherwise.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+from analysis.common import OPTIMIZERS, Report, fmt, load_config, main, md_table, select, value
+from experiments.common import RESULTS_DIR, figs_dir
+
+TARGET_CPU = 1.0  # Gefen's step over fused AdamW's at 1 thread on the transformer and the MLP
+STRETCH_CPU = 0.7
+TARGET_FACTORED_4BIT = 1.1  # the 4-bit factored step over the 4-bit unfactored one (CPU, 1 thread)
+TARGET_SMALL = 2.0  # over AdamW's on the model of many small tensors
+TARGET_COUNT = 8  # device operations, and launches, per step of the Triton path
+TARGET_GPU = {"gpt2-125M": 1.0, "gpt2-1.5B": 0.7}  # whole fp32 step over AdamW's
+TARGET_GPU_FACTORED = 1.15
+TARGET_MODELS = ("transformer", "mlp")
+SMALL = "small-tensors"
+MODEL_STYLE = {"transformer": ("o", "tab:blue"), "mlp": ("s", "tab:orange"), SMALL: ("^", "tab:green")}
+PEER = "0.6"
+
+
+def _order(names):
+    """AdamW, ours, then the peers, each in analysis/common.py's order."""
+    def key(n):
+        return (n != "AdamW", not _ours(n), OPTIMIZERS.index(n) if n in OPTIMIZERS else len(OPTIMIZERS), n)
+    return sorted(dict.fromkeys(names), key=key)
+
+
+def _split(variant):
+    prefix, _, name = variant.rpartition("/")
+    return prefix, name
+
+
+def cpu_rows(rows):
+    return [r for r in rows if r["x_name"] == "threads"]
+
+
+def gpu_rows(rows):
+    return [r for r in rows if r["x_name"] == "params"]
+
+
+def count_sets(rows) -> dict:
+    """{device: count rows with the optimizer as variant}: "" for the counts under the interpreter
+    (variant ``<optimizer>``), "cuda" for those on CUDA tensors (``cuda/<optimizer>``)."""
+    out = {}
+    for r in rows:
+        if r["x_name"] == "tensors":
+            prefix, name = _split(r["variant"])
+            out.setdefault(prefix, []).append(dict(r, variant=name))
+    return dict(sorted(out.items()))
+
+
+def count_rows(rows):
+    """The counts the figure shows: the interpreter's, else the first device's."""
+    sets = count_sets(rows)
+    return next(iter(sets.values()), [])
+
+
+COUNT_WHERE = {"": "CPU tensors under `TRITON_INTERPRET=1`", "cuda": "CUDA tensors"}
+COUNT_TITLE = {"": "Triton path (interpreter, CPU tensors)", "cuda": "Triton path on CUDA tensors"}
+
+
+def models(rows):
+    return list(dict.fromkeys(_split(r["variant"])[0] for r in select(cpu_rows(rows), "step_time_vs_adamw")))
+
+
+def threads(rows):
+    return sorted({int(r["x_value"]) for r in select(cpu_rows(rows), "step_time_vs_adamw")})
+
+
+def optimizers(rows, part):
+    return _order(_split(r["variant"])[1] for r in select(part(rows), "step_time_vs_adamw"))
+
+
+def _ours(name):
+    return name.startswith("Gefen")
+
+
+def _ratio_axis(ax, values):
+    """A log axis of ratios labelled 0.5×, 1×, 2×, ...: ticks at powers of two over a narrow range of
+    ``values``, at powers of ten over a wide one."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    vals = [v for v in values if math.isfinite(v) and v > 0]
+    wide = max(vals) / min(vals) > 64 if vals else False
+    ax.set_xscale("log")
+    ax.xaxis.set_major_locator(LogLocator(base=10 if wide else 2))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:.2g}×" if v < 1 else f"{v:g}×"))
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.margins(x=0.08)
+
+
+def _reference(name):
+    return "AdamW (fused, reference)" if name == "AdamW" else name
+
+
+def _cpu_panel(ax, rows):
+    names = [n for n in optimizers(rows, cpu_rows) if n != "AdamW"]
+    ths, mods = threads(rows), models(rows)
+    slots = len(ths) * len(mods)  # one row offset per (model, threads): no two markers on one spot
+    for j, m in enumerate(mods):
+        marker, colour = MODEL_STYLE.get(m, ("D", "tab:purple"))
+        for k, t in enumerate(ths):
+            xs, ys, cs = [], [], []
+            for i, n in enumerate(names):
+                v = value(rows, "step_time_vs_adamw", f"{m}/{n}", x_value=t)
+                if math.isfinite(v):
+                    xs.append(v)
+                    ys.append(i + (j * len(ths) + k - (slots - 1) / 2) * 0.8 / slots)
+                    cs.append(colour if _ours(n) else PEER)
+            filled = k == 0
+            ax.scatter(xs, ys, marker=marker, s=26, facecolors=cs if filled else "none", edgecolors=cs,
+                       linewidths=1.1, zorder=3)
+            ax.scatter([], [], marker=marker, s=26, facecolors=colour if filled else "none", edgecolors=colour,
+                       label=f"{m}, {t} thread{'s' if t > 1 else ''}")
+    ax.axvline(TARGET_CPU, color="tab:red", lw=1.2, label=f"target ≤ {TARGET_CPU:g}× (transformer, MLP)")
+    ax.axvline(TARGET_SMALL, color="tab:red", lw=1.2, ls="--", label=f"target ≤ {TARGET_SMALL:g}× (small tensors)")
+    _ratio_axis(ax, [r["value"] for r in select(cpu_rows(rows), "step_time_vs_adamw")] + [TARGET_CPU, TARGET_SMALL])
+    ax.set_yticks(range(len(names)), names)
+    for label, n in zip(ax.get_yticklabels(), names):
+        label.set(fontweight="bold" if _ours(n) else "normal", color="black" if _ours(n) else PEER)
+    ax.set_ylim(len(names) - 0.5, -0.5)
+    ax.set_xlabel("CPU step time / fused AdamW's (median)")
+    ax.set_title("CPU step, fixed gradients (peers grey)", fontsize=9)
+    ax.grid(alpha=0.3, axis="x", which="both")
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncols=2, frameon=False)
+
+
+def _count_panel(ax, rows):
+    where = next(iter(count_sets(rows)), "")
+    rows = count_rows(rows)
+    names = _order(r["variant"] for r in select(rows, "launches_per_step"))
+    sizes = sorted({int(r["x_value"]) for r in select(rows, "launches_per_step")})
+    styles = {"device_ops_per_step": ("o", "tab:purple", "device ops"), "launches_per_step": ("^", "tab:cyan", "launches")}
+    top = max([r["value"] for r in rows if r["metric"] in styles] + [TARGET_COUNT])
+    for j, (metric, (marker, colour, what)) in enumerate(styles.items()):
+        for k, n_t in enumerate(sizes):
+            vals = [value(rows, metric, n, x_value=n_t) for n in names]
+            ys = [i + (j * len(sizes) + k - (2 * len(sizes) - 1) / 2) * 0.16 for i in range(len(names))]
+            filled = k == len(sizes) - 1
+            ax.scatter(vals, ys, marker=marker, s=34, facecolors=colour if filled else "none", edgecolors=colour,
+                       linewidths=1.2, zorder=3, label=f"{what}, {n_t} tensors")
+    ax.axvline(TARGET_COUNT, color="tab:red", lw=1.2, label=f"target ≤ {TARGET_COUNT}")
+    ax.set_xscale("symlog", linthresh=1)
+    ax.set_xlim(-0.5, top * 3)
+    ax.set_yticks(range(len(names)), [n if _ours(n) else _reference(n) for n in names])
+    for label, n in zip(ax.get_yticklabels(), names):
+        label.set(fontweight="bold" if _ours(n) else "normal", color="black" if _ours(n) else PEER)
+    ax.set_ylim(len(names) - 0.5, -0.5)
+    ax.set_xlabel("per step after the first (symlog scale)")
+    ax.set_title(COUNT_TITLE.get(where, f"Triton path on {where} tensors"), fontsize=9)
+    ax.grid(alpha=0.3, axis="x", which="both")
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncols=2, frameon=False)
+
+
+def _gpu_panel(ax, rows):
+    names = [n for n in optimizers(rows, gpu_rows) if n != "AdamW"]
+    sets = list(dict.fromkeys(_split(r["variant"])[0] for r in select(gpu_rows(rows), "step_time_vs_adamw")))
+    for k, s in enumerate(sets):
+        vals = [value(rows, "step_time_vs_adamw", f"{s}/{n}") for n in names]
+        ys = [i + (k - (len(sets) - 1) / 2) * 0.22 for i in range(len(names))]
+        colours = [f"C{k}" if _ours(n) else PEER for n in names]
+        ax.scatter(vals, ys, marker="o", s=34, c=colours, zorder=3)
+        ax.scatter([], [], marker="o", s=34, c=f"C{k}", label=s)
+    for s in sets:
+        if s in TARGET_GPU:
+            ax.axvline(TARGET_GPU[s], color="tab:red", lw=1.2, ls="-" if TARGET_GPU[s] == 1 else "--",
+                       label=f"target ≤ {TARGET_GPU[s]:g}× ({s})")
+    _ratio_axis(ax, [r["value"] for r in select(gpu_rows(rows), "step_time_vs_adamw")] + [TARGET_CPU])
+    ax.set_yticks(range(len(names)), names)
+    for label, n in zip(ax.get_yticklabels(), names):
+        label.set(fontweight="bold" if _ours(n) else "normal", color="black" if _ours(n) else PEER)
+    ax.set_ylim(len(names) - 0.5, -0.5)
+    ax.set_xlabel("GPU step time / fused AdamW's (median)")
+    ax.set_title(f"GPU step, fp32, GPT-2 shapes\n{_device(gpu_rows(rows))}", fontsize=9)
+    ax.grid(alpha=0.3, axis="x", which="both")
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncols=2, frameon=False)
+
+
+def _device(rows):
+    return rows[0]["device"].removeprefix("cuda:") if rows else "?"
+
+
+def figure(rows):
+    """The figure (not saved): one panel per part the run has."""
+    import matplotlib.pyplot as plt
+
+    panels = [p for p, have in ((_cpu_panel, cpu_rows(rows)), (_count_panel, count_rows(rows)),
+                                (_gpu_panel, gpu_rows(rows))) if have]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.6), layout="constrained", squeeze=False)
+    for ax, panel in zip(axes[0], panels):
+        panel(ax, rows)
+    fig.suptitle("Gefen's step against fused AdamW's", fontsize=10)
+    return fig
+
+
+def draw(rows, out, config):
+    import matplotlib.pyplot as plt
+
+    fig = figure(rows)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=130)  # laid out by the figure's constrained layout (save_figure's tight one replaces it)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------------------- section
+def _cell(rows, variant, t):
+    r, s = value(rows, "step_time_vs_adamw", variant, x_value=t), value(rows, "step_time_median", variant, x_value=t)
+    return f"{fmt(r)}× ({fmt(s * 1e3)} ms)" if math.isfinite(r) else "—"
+
+
+def _cpu_tables(rows):
+    ths, mods = threads(rows), models(rows)
+    head = ["optimizer"] + [f"{m}, {t} thr." for t in ths for m in mods]
+    body = [[f"**{n}**" if _ours(n) else n] + [_cell(rows, f"{m}/{n}", t) for t in ths for m in mods]
+            for n in optimizers(rows, cpu_rows)]
+    text = ["Step time over fused AdamW's (median step in ms):\n\n" + md_table(head, body)]
+    fact = [n for n in optimizers(rows, cpu_rows) if n.endswith("-factored")]
+    if fact:
+        head = ["optimizer"] + [f"{m}, {t} thr." for t in ths for m in mods]
+        body = [[n] + [fmt(value(rows, "step_time_vs_unfactored", f"{m}/{n}", x_value=t)) for t in ths for m in mods]
+                for n in fact]
+        text.append("Factored step over the unfactored one of the same bits:\n\n" + md_table(head, body))
+    if SMALL in mods:
+        body = [[n] + [fmt(value(rows, "host_us_per_tensor", f"{SMALL}/{n}", x_value=t)) for t in ths]
+                for n in optimizers(rows, cpu_rows)]
+        text.append("Microseconds per tensor on the small-tensor model (step median / tensors):\n\n"
+                    + md_table(["optimizer"] + [f"{t} thr." for t in ths], body))
+    return text
+
+
+def _count_table(rows, where=""):
+    names = _order(r["variant"] for r in select(rows, "launches_per_step"))
+    sizes = sorted({int(r["x_value"]) for r in select(rows, "launches_per_step")})
+    head = (["optimizer"] + [f"device ops, {n} tensors" for n in sizes] + [f"launches, {n} tensors" for n in sizes]
+            + ["host syncs"])
+    body = [[f"**{n}**" if _ours(n) else _reference(n)]
+            + [fmt(value(rows, m, n, x_value=s)) for m in ("device_ops_per_step", "launches_per_step") for s in sizes]
+            + [fmt(max(value(rows, "host_syncs_per_step", n, x_value=s) for s in sizes))] for n in names]
+    return (f"The Triton path (`backend=\"triton\"`, {COUNT_WHERE.get(where, where + ' tensors')}): torch operations "
+            "that launch work on a device (views, profiler markers and bare allocations aside), issued outside "
+            "the kernel launches, and launches, per step after the first (the largest of the counted steps); "
+            "host syncs: values read back or shapes that depend on data.\n\n" + md_table(head, body))
+
+
+def _gpu_table(rows):
+    g = gpu_rows(rows)
+    sets = list(dict.fromkeys(_split(r["variant"])[0] for r in select(g, "step_time_vs_adamw")))
+    body = []
+    for s in sets:
+        n_params = select(g, "step_time_median", f"{s}/AdamW") or select(g, "step_time_median")
+        for n in optimizers(rows, gpu_rows):
+            v = f"{s}/{n}"
+            if not select(g, "step_time_median", v):
+                continue
+            body.append([s, f"**{n}**" if _ours(n) else n, fmt(1e3 * value(g, "step_time_median", v)),
+                         fmt(value(g, "step_time_vs_adamw", v)), fmt(value(g, "step_time_vs_unfactored", v)),
+                         fmt(1e3 * value(g, "host_time_median", v))])
+    params = fmt(n_params[0]["x_value"]) if n_params else "?"
+    return (f"GPU ({_device(g)}), fp32 parameters of GPT-2's shapes ({params} in the first set), whole `step()` "
+            "timed with CUDA events, interleaved; host time: the call's wall time without synchronisation:\n\n"
+            + md_table(["set", "optimizer", "step (ms)", "× AdamW", "× unfactored", "host (ms)"], body))
+
+
+def _met(ok):
+    return "met" if ok else "missed"
+
+
+def _count_verdicts(c, where):
+    out = []
+    on = "" if not where else f" on {COUNT_WHERE.get(where, where + ' tensors')}"
+    for n in [n for n in _order(r["variant"] for r in select(c, "launches_per_step")) if _ours(n)]:
+        ops = {int(r["x_value"]): r["value"] for r in select(c, "device_ops_per_step", n)}
+        launches = {int(r["x_value"]): r["value"] for r in select(c, "launches_per_step", n)}
+        ok = (max(ops.values()) <= TARGET_COUNT and max(launches.values()) <= TARGET_COUNT
+              and len(set(ops.values())) == 1 and len(set(launches.values())) == 1)
+        out.append(f"- {n}, Triton path{on}: " + ", ".join(f"{fmt(ops[k])} device ops and {fmt(launches[k])} launches "
+                                                           f"at {k} tensors" for k in sorted(ops))
+                   + f" (target ≤ {TARGET_COUNT} each, the same at every tensor count: {_met(ok)}).")
+    return out
+
+
+def verdicts(rows):
+    out = []
+    gefen = [n for n in optimizers(rows, cpu_rows) if _ours(n)]
+    if 1 in threads(rows):
+        for m in [m for m in models(rows) if m in TARGET_MODELS]:
+            for n in gefen:
+                r = value(rows, "step_time_vs_adamw", f"{m}/{n}", x_value=1)
+                out.append(f"- {n} on {m}, 1 thread: {fmt(r)}× AdamW's (target ≤ {TARGET_CPU:g}×: {_met(r <= TARGET_CPU)}; "
+                           f"stretch ≤ {STRETCH_CPU:g}×: {_met(r <= STRETCH_CPU)}).")
+            r = value(rows, "step_time_vs_unfactored", f"{m}/Gefen-4bit-factored", x_value=1)
+            if math.isfinite(r):
+                out.append(f"- Gefen-4bit-factored on {m}, 1 thread: {fmt(r)}× Gefen-4bit's (target ≤ "
+                           f"{TARGET_FACTORED_4BIT:g}×: {_met(r <= TARGET_FACTORED_4BIT)}).")
+        if SMALL in models(rows):
+            for n in gefen:
+                r = value(rows, "step_time_vs_adamw", f"{SMALL}/{n}", x_value=1)
+                out.append(f"- {n} on 160 small tensors, 1 thread: {fmt(r)}× AdamW's (target ≤ {TARGET_SMALL:g}×: "
+                           f"{_met(r <= TARGET_SMALL)}).")
+    for where, c in count_sets(rows).items():
+        out += _count_verdicts(c, where)
+    g = gpu_rows(rows)
+    for s in dict.fromkeys(_split(r["variant"])[0] for r in select(g, "step_time_vs_adamw")):
+        for n in [n for n in optimizers(rows, gpu_rows) if _ours(n)]:
+            r, f = value(g, "step_time_vs_adamw", f"{s}/{n}"), value(g, "step_time_vs_unfactored", f"{s}/{n}")
+            line = f"- {n} on the GPU, {s}: {fmt(r)}× AdamW's"
+            if s in TARGET_GPU:
+                line += f" (target ≤ {TARGET_GPU[s]:g}×: {_met(r <= TARGET_GPU[s])})"
+            if math.isfinite(f):
+                line += f"; {fmt(f)}× the unfactored (target ≤ {TARGET_GPU_FACTORED:g}×: {_met(f <= TARGET_GPU_FACTORED)})"
+            out.append(line + ".")
+    return out
+
+
+def body(rows, config):
+    c = config.get("config", {})
+    text = []
+    if cpu_rows(rows):
+        text.append(f"CPU: median of {c.get('repeats', '?')} interleaved steps on fixed gradients (every optimizer "
+                    "once per repeat, shuffled), each optimizer on its own copy of the model after its first step, "
+                    "at each torch thread count (ours runs its numba kernels on as many). Models: the transformer and "
+                    "MLP of gefen_memory and 40 × (Linear(64, 64) + LayerNorm(64)), 160 tensors. Ratios are to fused "
+                    "AdamW's median of the same interleaved run.")
+        text += _cpu_tables(rows)
+    for where, counted in count_sets(rows).items():
+        text.append(_count_table(counted, where))
+    if gpu_rows(rows):
+        text.append(_gpu_table(rows))
+    if c.get("dry_run"):
+        text.append("A `--dry-run` (the GPU part's code on CPU tensors under the interpreter): no measurement, "
+                    "no verdicts.")
+    elif c.get("quick"):
+        text.append("A `--quick` run (smaller models, few repeats): a smoke test, no verdicts.")
+    else:
+        text.append("\n".join(verdicts(rows)))
+    return "\n\n".join(t for t in text if t)
+
+
+REPORT = Report("gefen_speed", "gefen_speed", "Gefen: step time against fused AdamW (CPU, Triton path, GPU)", body,
+                draw, metrics=("step_time_vs_adamw",))
+
+
+def _argv(argv):
+    """A quick run's results (its config says so) draw into paper_figs/quick unless --out is given."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--out" in argv:
+        return argv
+    given = argv[argv.index("--results-dir") + 1] if "--results-dir" in argv[:-1] else RESULTS_DIR
+    if load_config("gefen_speed", given).get("config", {}).get("quick"):
+        argv += ["--out", str(figs_dir(True) / "gefen_speed.png")]
+    return argv
+
+
+if __name__ == "__main__":
+    main(REPORT, _argv(None), doc=__doc__)

@@ -1,0 +1,292 @@
+"""Gefen's step time against fused AdamW's: CPU steps, the Triton path's work per step, GPU steps.
+
+    python experiments/gefen_speed.py              # full run -> results/gefen_speed.csv (GPU part where CUDA is)
+    python experiments/gefen_speed.py --quick      # smaller models, 7 repeats -> results/quick/
+    python analysis/gefen_speed.py                 # paper_figs/gefen_speed.png and its results/README.md section
+    python experiments/gefen_speed.py --parts gpu --results-dir results/gpu   # the GPU part (experiments/gpu_checks.sh)
+    python experiments/gefen_speed.py --parts gpu --dry-run --results-dir /tmp/x   # its code on tiny CPU tensors
+
+Targets judged (analysis/gefen_speed.py): at 1 CPU thread every Gefen variant's step at most 1.0x
+fused AdamW's on the transformer and the MLP (stretch 0.7x), the 4-bit factored step at most 1.1x
+the 4-bit unfactored one, at most 2x AdamW's on the model of 160 small tensors; the Triton path at
+most 8 device operations and 8 kernel launches per step after the first, the same at 40 and 160
+tensors, factored included; on a GPU the whole fp32 step at most 1.0x AdamW's at 124 M parameters
+(0.7x at 1.5 B, ``--gpu-sizes 125M 1.5B``) and the factored step at most 1.15x the unfactored.
+
+CPU (``--parts cpu``): the transformer and MLP of experiments/gefen_memory.py (``models.MODELS``:
+3.4 M and 1.9 M parameters) and ``models.small_tensor_stack(160)`` (40 x (Linear(64, 64) +
+LayerNorm(64)): 160 tensors, 171,520 parameters), each optimizer on its own copy of the model with
+fixed gradients (one backward) after its first step (blocks, codebook, compilation). Per model, one
+interleaved run per ``--threads`` count (experiments/train.py's ``interleaved``: every optimizer
+stepped once per repeat, in a shuffled order; ours runs its numba kernels on as many threads), after
+two untimed rounds. Optimizers (registry names): AdamW (fused: the baseline), Gefen-8bit,
+Gefen-4bit, Gefen-8bit-factored, Gefen-4bit-factored, and the peers torchao-AdamW8bit and gefen-x; a
+peer that is missing or fails is reported on stderr and left out. ``--quick``: a d=64 two-layer
+transformer, a 256-wide MLP, the same 160 small tensors.
+
+Triton path (``--parts count``): experiments/op_count.py's counts in a child process with
+TRITON_INTERPRET=1, on CPU tensors of ``small_tensor_stack(n)`` for n in ``--count-tensors``, each
+Gefen variant with ``backend="triton"`` (fused AdamW beside it as the reference), the largest over
+``--count-steps`` steps after the first.
+
+GPU (``--parts gpu``, only where CUDA exists, or ``--dry-run``): parameter sets of GPT-2's shapes
+(``models.gpt2_shapes``, fp32, gradients scaled per row: ``models.make_param_set``), every optimizer
+on its own copy after ``--gpu-warmup`` steps, whole ``step()`` timed with CUDA events in interleaved
+repeats; the host time of each call (wall clock, no synchronisation) beside it; and the counts of
+``--parts count`` on CUDA tensors (variants ``cuda/<optimizer>``).
+
+Rows (long format, experiments/common.py):
+
+* CPU, variant ``<model>/<optimizer>``, x = ``threads``: ``step_time_median`` (s),
+  ``step_time_vs_adamw`` (ratio to AdamW's median of the same interleaved run),
+  ``step_time_vs_unfactored`` (factored variants: ratio to the same bits unfactored), ``threads``
+  (torch's thread count in force), and on the small tensors ``host_us_per_tensor`` (µs: the step's
+  median over its tensors, almost all host work at these sizes).
+* Triton path, variant ``<optimizer>``, x = ``tensors``: ``device_ops_per_step``,
+  ``launches_per_step``, ``aten_ops_per_step`` (views and markers too), ``host_syncs_per_step``.
+* GPU, variant ``gpt2-<size>/<optimizer>``, x = ``params``: ``step_time_median`` (s, CUDA events),
+  ``step_time_vs_adamw``, ``step_time_vs_unfactored``, ``host_time_median`` (s) and
+  ``host_us_per_tensor``; the device column names the GPU.
+"""
+
+import argparse
+import contextlib
+import math
+import os
+import statistics
+import sys
+
+import torch
+
+from experiments.common import Results, add_common_args, device_name
+from experiments.models import (GPT2_SIZES, MODELS, Encoder, gpt2_shapes, make_mlp, make_param_set, model_loss,
+                                small_tensor_stack)
+from experiments.op_count import count_in_child, count_optimizer, optimizer_options
+from experiments.registry import DENSE, make_optimizer
+from experiments.train import WEIGHT_DECAY, interleaved, median
+
+OPTIMIZERS = ["AdamW", "Gefen-8bit", "Gefen-4bit", "Gefen-8bit-factored", "Gefen-4bit-factored", "torchao-AdamW8bit",
+              "gefen-x"]
+GEFEN = [n for n in OPTIMIZERS if n.startswith("Gefen")]
+SMALL_TENSORS = 160
+LR = 1e-3
+
+
+def cpu_models(quick: bool) -> dict:
+    """name -> (make model, make input batch)."""
+    small = (lambda: small_tensor_stack(SMALL_TENSORS), lambda: torch.randn(16, 64))
+    if quick:
+        return {"transformer": (lambda: Encoder(vocab=256, d=64, layers=2, heads=4, ff=256),
+                                lambda: torch.randint(0, 256, (8, 64))),
+                "mlp": (lambda: make_mlp(256), lambda: torch.randn(64, 784)),
+                "small-tensors": small}
+    return {name: (make, data) for name, (make, data, _) in MODELS.items()} | {"small-tensors": small}
+
+
+def build(names, make_model, make_input, seed, label):
+    """{name: optimizer} each on its own model copy with fixed gradients, after its first step;
+    returns (optimizers, tensors in the model)."""
+    torch.manual_seed(seed)
+    x = make_input()
+    opts, tensors = {}, 0
+    for name in names:
+        torch.manual_seed(seed)
+        model = make_model()
+        tensors = sum(1 for _ in model.parameters())
+        try:
+            opt = make_optimizer(name, model, LR, WEIGHT_DECAY)
+            model_loss(model, x).backward()
+            opt.step()
+        except Exception as exc:  # a peer that cannot run here is reported, not fatal
+            print(f"[{label}] {name}: skipped ({type(exc).__name__}: {str(exc)[:300]})", file=sys.stderr)
+            continue
+        opts[name] = opt
+    return opts, tensors
+
+
+def ratio_rows(res, prefix, med, x_, unit_scale=1e3, unit="ms"):
+    """step_time_median, step_time_vs_adamw and step_time_vs_unfactored of one interleaved run."""
+    base = med.get("AdamW", math.nan)
+    for name, t in med.items():
+        res.add(f"{prefix}/{name}", "step_time_median", "s", t, **x_)
+        res.add(f"{prefix}/{name}", "step_time_vs_adamw", "ratio", t / base, **x_)
+        plain = name.removesuffix("-factored")
+        note = ""
+        if plain != name and plain in med:
+            res.add(f"{prefix}/{name}", "step_time_vs_unfactored", "ratio", t / med[plain], **x_)
+            note = f", {t / med[plain]:.3f}x {plain}"
+        print(f"[{prefix} {x_['x_name']}={x_['x_value']}] {name:22s} {t * unit_scale:9.3f} {unit} = "
+              f"{t / base:5.2f}x AdamW{note}", flush=True)
+
+
+def cpu_part(res, args):
+    for model_name, (make_model, make_input) in cpu_models(args.quick).items():
+        if model_name not in args.models:
+            continue
+        opts, tensors = build(args.optimizers, make_model, make_input, args.seed, model_name)
+        steps = {n: o.step for n, o in opts.items()}
+        for threads in args.threads:
+            torch.set_num_threads(threads)
+            interleaved(steps, 2)  # thread pools and caches at this thread count
+            med = median(interleaved(steps, args.repeats, shuffle=True, progress=True,
+                                     desc=f"{model_name} at {threads} thread(s)"))
+            x_ = dict(x_name="threads", x_value=threads)
+            ratio_rows(res, model_name, med, x_)
+            for name, t in med.items():
+                res.add(f"{model_name}/{name}", "threads", "count", torch.get_num_threads(), **x_)
+                if model_name == "small-tensors":
+                    res.add(f"{model_name}/{name}", "host_us_per_tensor", "us", t / tensors * 1e6, **x_)
+            res.flush()
+        del opts, steps
+
+
+def count_rows(res, records, prefix=""):
+    """The largest count over the steps after the first of each (optimizer, tensors) record."""
+    for rec in records:
+        name, n = rec["optimizer"], rec["tensors"]
+        if "error" in rec:
+            print(f"[count {n} tensors] {prefix}{name}: skipped ({rec['error'][:300]})", file=sys.stderr)
+            continue
+        x_ = dict(x_name="tensors", x_value=n)
+        for key in ("device_ops", "launches", "aten_ops", "host_syncs"):
+            res.add(f"{prefix}{name}", f"{key}_per_step", "count", max(s[key] for s in rec["steps"]), **x_)
+        last = rec["steps"][-1]
+        print(f"[count {n} tensors] {prefix}{name:22s} device ops {last['device_ops']:6d}  launches "
+              f"{last['launches']:3d}  host syncs {last['host_syncs']}  top: "
+              + ", ".join(f"{op} {k}" for op, k in last["top_ops"][:4]), flush=True)
+
+
+def count_part(res, args):
+    records = count_in_child(args.count_optimizers, args.count_tensors, args.count_steps, args.seed)
+    count_rows(res, records)
+
+
+@contextlib.contextmanager
+def rows_of_device(res, device):
+    """Rows added inside carry ``device``'s name in their device column."""
+    before = res.device
+    res.device = device_name(device)
+    try:
+        yield
+    finally:
+        res.device = before
+
+
+def gpu_sets(args) -> dict:
+    """label -> parameter shapes of the GPU part."""
+    if args.dry_run:
+        return {"gpt2-tiny": gpt2_shapes(16, 1, vocab=64, ctx=16)}
+    if args.quick:
+        return {"gpt2-d256": gpt2_shapes(256, 4)}
+    return {f"gpt2-{s}": gpt2_shapes(*GPT2_SIZES[s]) for s in args.gpu_sizes}
+
+
+def timed(step, device, events):
+    """``step`` wrapped to record CUDA events around it into ``events`` (on a GPU)."""
+    if device.type != "cuda":
+        return step
+
+    def run():
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        step()
+        b.record()
+        events.append((a, b))
+    return run
+
+
+def gpu_part(res, args):
+    if not torch.cuda.is_available() and not args.dry_run:
+        print("[gpu] no CUDA device: the GPU part is skipped (nothing measured)", flush=True)
+        return
+    device = torch.device("cpu" if args.dry_run else "cuda")
+    with rows_of_device(res, device):
+        for label, shapes in gpu_sets(args).items():
+            n = sum(torch.Size(s).numel() for s in shapes)
+            _, grads = make_param_set(shapes, torch.float32, device, args.seed)
+            opts = {}
+            for name in args.gpu_optimizers:
+                params = [torch.nn.Parameter(p) for p in make_param_set(shapes, torch.float32, device, args.seed)[0]]
+                for p, g in zip(params, grads):
+                    p.grad = g
+                try:
+                    opts[name] = make_optimizer(name, params, LR, WEIGHT_DECAY, **optimizer_options(name))
+                    for _ in range(args.gpu_warmup):
+                        opts[name].step()
+                except Exception as exc:  # a peer missing on the GPU machine is reported, not fatal
+                    print(f"[{label}] {name}: skipped ({type(exc).__name__}: {str(exc)[:300]})", file=sys.stderr)
+                    opts.pop(name, None)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            events = {name: [] for name in opts}
+            host = median(interleaved({name: timed(o.step, device, events[name]) for name, o in opts.items()},
+                                      args.gpu_reps, shuffle=True))
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+                med = {name: statistics.median(a.elapsed_time(b) for a, b in ev) / 1e3 for name, ev in events.items()}
+            else:
+                med = host
+            x_ = dict(x_name="params", x_value=n)
+            ratio_rows(res, label, med, x_)
+            for name, t in host.items():
+                res.add(f"{label}/{name}", "host_time_median", "s", t, **x_)
+                res.add(f"{label}/{name}", "host_us_per_tensor", "us", t / len(shapes) * 1e6, **x_)
+            res.flush()
+            del opts, grads
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        if device.type == "cuda" or args.dry_run:
+            records = []
+            for n in args.count_tensors:
+                for name in args.count_optimizers:
+                    rec = {"optimizer": name, "tensors": n}
+                    try:
+                        rec["steps"] = count_optimizer(name, n, args.count_steps, args.seed, device)
+                    except Exception as exc:
+                        rec["error"] = f"{type(exc).__name__}: {exc}"
+                    records.append(rec)
+            count_rows(res, records, prefix=f"{device.type}/")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_args(parser)
+    parser.add_argument("--parts", nargs="+", default=["cpu", "count", "gpu"], choices=["cpu", "count", "gpu"])
+    parser.add_argument("--threads", type=lambda s: [int(t) for t in s.split(",")], default=[1, 2],
+                        help="comma list of torch thread counts (Default: 1,2)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed CPU steps per optimizer (Default: 61, quick 7)")
+    parser.add_argument("--optimizers", nargs="+", default=OPTIMIZERS, choices=DENSE)
+    parser.add_argument("--models", nargs="+", default=["transformer", "mlp", "small-tensors"],
+                        choices=["transformer", "mlp", "small-tensors"])
+    parser.add_argument("--count-tensors", nargs="+", type=int, default=[40, SMALL_TENSORS],
+                        help="tensor counts of the Triton path's counts (multiples of 4)")
+    parser.add_argument("--count-steps", type=int, default=3, help="counted steps after the first")
+    parser.add_argument("--count-optimizers", nargs="+", default=["AdamW"] + GEFEN, choices=DENSE)
+    parser.add_argument("--gpu-sizes", nargs="+", default=["125M"], choices=list(GPT2_SIZES))
+    parser.add_argument("--gpu-optimizers", nargs="+", default=["AdamW"] + GEFEN + ["gefen-x"], choices=DENSE)
+    parser.add_argument("--gpu-reps", type=int, default=None, help="timed GPU steps per optimizer (Default: 30, quick 10)")
+    parser.add_argument("--gpu-warmup", type=int, default=3)
+    parser.add_argument("--dry-run", action="store_true",
+                        help="the GPU part on tiny CPU tensors under TRITON_INTERPRET=1 (its code, no measurement)")
+    args = parser.parse_args(argv)
+    if args.dry_run:
+        if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+            parser.error("--dry-run needs TRITON_INTERPRET=1 before Triton is imported")
+        os.environ["TRITON_INTERPRET"] = "1"
+        args.gpu_reps, args.gpu_warmup, args.count_tensors, args.count_steps = 2, 1, [8], 2
+    args.repeats = args.repeats or (7 if args.quick else 61)  # millisecond steps: many, to resolve a 10% ratio
+    args.gpu_reps = args.gpu_reps or (10 if args.quick else 30)
+    threads = torch.get_num_threads()
+    with Results("gefen_speed", args, config=vars(args)) as res:
+        try:
+            for part in ("cpu", "count", "gpu"):
+                if part in args.parts:
+                    {"cpu": cpu_part, "count": count_part, "gpu": gpu_part}[part](res, args)
+                    res.flush()
+        finally:
+            torch.set_num_threads(threads)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
