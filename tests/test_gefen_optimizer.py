@@ -339,7 +339,7 @@ def test_auto_falls_back_to_torch_where_a_compiled_step_cannot_run(ran):
 
 @pytest.mark.skipif(not numba_available(), reason="numba is not installed")
 def test_numba_codebook_it_cannot_separate_runs_on_torch(ran):
-    """The data-dependent exception (checks.data_fallback): a codebook with repeated entries is
+    """The data-dependent exception (numba_ops.data_refusal): a codebook with repeated entries is
     known after construction; backend_of then says "torch", and the torch step runs."""
     p = torch.nn.Parameter(torch.randn(16, 96))
     opt = Gefen([p], backend="numba")

@@ -70,7 +70,7 @@ from .._triton_common import round_bf16, round_stochastic
 
 TILE = 2048  # elements per program (R blocks x next_pow2(S) lanes); see module docstring
 ELEMS_PER_THREAD = 4  # sets num_warps (see module docstring)
-MAX_TILE_WIDTH = 16384  # largest next_pow2(lanes) of a tile row in one program (checks.data_fallback)
+MAX_TILE_WIDTH = 16384  # largest next_pow2(lanes) of a tile row in one program (triton_ops.data_refusal)
 FACTOR_TILE = 2048  # elements a statistics program sums per loop iteration (R rows x BW offsets)
 FACTOR_WIDTH = 2048  # most offsets of a block one statistics program holds (longer blocks: column chunks)
 FACTOR_ITERS = 16  # loop iterations of a statistics program (its work beside its start and partial row) ...

@@ -1,7 +1,8 @@
 """Checks of Gefen's arguments and state: at construction, at ``load_state_dict`` and before a
 compiled kernel (numba, Triton) is launched on the state, which must never see a buffer of
-another dtype, size or device than the layout of ``state.py`` it was built for; and what each
-compiled backend cannot take (``backend_refusal`` at construction, ``data_fallback`` after)."""
+another dtype, size or device than the layout of ``state.py`` it was built for. What each backend
+cannot take, each backend module says itself (``refuses``, ``data_refusal``); this module imports
+none of them."""
 
 from __future__ import annotations
 
@@ -22,47 +23,12 @@ def state_dtype(param_dtype: torch.dtype, group) -> torch.dtype:
     return torch.float32
 
 
-_TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def backend_refusal(backend: str, param_dtype: torch.dtype, group) -> str | None:
-    """Why ``backend`` cannot update a parameter of ``param_dtype`` in ``group``, or None: what is
-    known when the parameter is added (``optim.backends.choose_backend`` then falls back to torch
-    under "auto" and refuses a backend asked for by name)."""
-    if backend == "torch":
-        return None
+def float64_state_refusal(param_dtype: torch.dtype, group) -> str | None:
+    """Why a compiled step cannot keep this parameter's moments (float64, ``state_dtype``), or None:
+    the refusal both compiled backends share (their ``refuses``)."""
     if state_dtype(param_dtype, group) == torch.float64:
         return ("its moments are float64 (float64 parameters with share_second_moment=False and "
                 "quantize_first_moment=False, AdamW in float64), which only the torch step keeps")
-    if backend == "triton" and param_dtype not in _TRITON_DTYPES:
-        return f"the Triton kernels take fp32, bf16 or fp16 parameters, got {param_dtype}"
-    return None
-
-
-def data_fallback(backend: str, *, block: int | None, bits: int, quant: bool, tables=None) -> str | None:
-    """Why ``backend``'s kernel hands a step to the torch step, or None: the one place where a
-    compiled path deviates from the backend that was chosen, for what only the data decide, after
-    construction. ``block``: the block length (None before it is chosen); ``tables``: the codebook's
-    ``CodeTable`` (None before it is learned, or for an unquantised first moment).
-
-    * numba, a codebook with repeated entries or with entries closer than its finest lookup table
-      separates (``CodeTable.ncmp > 1``): the kernel's table lookup picks between two values only.
-      ``optimal_codebook`` learns neither from a histogram with enough occupied bins.
-    * Triton, a block longer than one program holds (``triton_ops.tile_row_lanes`` over
-      ``MAX_TILE_WIDTH``): block lengths are fixed at a parameter's first gradient (``partition.py``
-      caps them well below) or come from a loaded state dict.
-
-    The torch step computes the same update, so results agree to rounding. ``Gefen.backend_of``
-    reports the path that runs.
-    """
-    if backend == "numba" and quant and tables is not None and (tables.ncmp > 1 or tables.has_repeats):
-        return "the codebook has repeated or too close entries"
-    if backend == "triton" and block is not None:
-        from ._triton_kernels import MAX_TILE_WIDTH
-        from .triton_ops import tile_row_lanes
-
-        if tile_row_lanes(block, bits, quant) > MAX_TILE_WIDTH:
-            return f"block {block} is longer than one Triton program holds"
     return None
 
 

@@ -6,7 +6,7 @@ fp32 state the same way (codes and an unquantised m exactly, parameters and v to
 moment is looked up in a table that separates the codebook's entries with one comparison a value
 (``CodeTable.ncmp <= 1``, no repeated entries: every codebook ``optimal_codebook`` learns from a
 4096-bin histogram with enough occupied bins); a codebook without that property is known only once
-it is learned, and ``checks.data_fallback`` (the one place a compiled path deviates) hands it to
+it is learned, and ``data_refusal`` (what only the data decide) hands it to
 ``torch_ops.gefen_step_``, which computes the same step. float64 state (``checks.state_dtype``) is
 refused: ``Gefen`` runs it on the torch step.
 
@@ -22,7 +22,7 @@ import torch
 from .._cache import BoundedCache
 from .._threads import numba_threads
 from . import torch_ops
-from .checks import check_factors, check_launch, data_fallback
+from .checks import check_factors, check_launch, float64_state_refusal
 from .._rounding import STOCHASTIC_DTYPES, round_stochastic
 from .codebook import code_table
 from .reference import factor_ratio, scale_block_length
@@ -31,6 +31,22 @@ _JOB_ELEMENTS = 1 << 15  # elements per parallel job (whole scale blocks)
 _JOBS = BoundedCache(256)  # job tables per layout
 _LUTS = BoundedCache(64)  # kernel arrays per CodeTable object
 _NO_RATIO = np.ones((1, 1), dtype=np.float32)
+
+
+def refuses(param_dtype: torch.dtype, group) -> str | None:
+    """Why this step cannot update a parameter of ``param_dtype`` in ``group``, known when it is
+    added (``optim.backends.choose_backend``), or None."""
+    return float64_state_refusal(param_dtype, group)
+
+
+def data_refusal(*, block: int | None, bits: int, quant: bool, tables=None) -> str | None:
+    """Why this step hands a call to the torch step, for what only the data decide, or None: a
+    codebook with repeated entries, or entries closer than its finest lookup table separates
+    (``CodeTable.ncmp > 1``; the kernel's lookup picks between two values only).
+    ``optimal_codebook`` learns neither from a histogram with enough occupied bins."""
+    if quant and tables is not None and (tables.ncmp > 1 or tables.has_repeats):
+        return "the codebook has repeated or too close entries"
+    return None
 
 
 class Addresses(NamedTuple):
@@ -110,13 +126,13 @@ def prepare(ps, gs, vs, scales, codes, codebook, *, block, bits, tables=None, ws
     """The launch of :func:`gefen_step_` for these tensors, checked once (``check_launch``), or
     None where it cannot be prepared: parameters or gradients that are not contiguous fp32 (the
     step then copies pieces), or a codebook the kernel's table cannot separate
-    (``checks.data_fallback``). ``owners``/``offsets``: tensor ``i`` reads gradient
+    (``data_refusal``). ``owners``/``offsets``: tensor ``i`` reads gradient
     ``owners[i]`` of ``run``'s list from element ``offsets[i]`` on (a tile of rows of a
     parameter); by default gradient ``i`` from its start."""
     quant = codebook is not None
     if quant and tables is None:
         tables = code_table(codebook)
-    if data_fallback("numba", block=block, bits=bits, quant=quant, tables=tables) is not None:
+    if data_refusal(block=block, bits=bits, quant=quant, tables=tables) is not None:
         return None
     check_launch(ps, gs, vs, scales, codes, block=block, bits=bits, quant=quant)
     if not all(t.dtype == torch.float32 and t.is_contiguous() for t in (*ps, *gs)):
@@ -185,7 +201,7 @@ def gefen_step_(ps, gs, vs, scales, codes, codebook, *, step, lr, beta1, beta2, 
     quant = codebook is not None
     if quant and tables is None:
         tables = code_table(codebook)
-    if data_fallback("numba", block=block, bits=bits, quant=quant, tables=tables) is not None:
+    if data_refusal(block=block, bits=bits, quant=quant, tables=tables) is not None:
         return torch_ops.gefen_step_(ps, gs, vs, scales, codes, codebook, step=step, lr=lr,
                                      beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
                                      block=block, bits=bits, tables=tables, ws=ws, seeds=seeds)

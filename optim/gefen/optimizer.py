@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import math
 from collections import defaultdict
 from typing import NamedTuple
@@ -12,8 +13,7 @@ from .._checks import check_option
 from .._rounding import STOCHASTIC_DTYPES, step_seed
 from ..backends import BACKENDS, choose_backend
 from . import distributed as _dist, numba_ops, state as K
-from .checks import (backend_refusal, check_adamw_keywords, check_group, check_saved, check_state_fits,
-                     data_fallback, state_dtype)
+from .checks import check_adamw_keywords, check_group, check_saved, check_state_fits, state_dtype
 from .codebook import HIST_BINS, code_table
 from .partition import RULES, choose_block, constant_magnitude, factor_tiles, factored_block, provisional_block
 from .plan import Call, signature, tiles_of
@@ -21,15 +21,10 @@ from .reference import num_code_bytes, num_scales
 from .torch_ops import histogram, requantize_
 
 
-def _step_function(backend: str):
-    """The in-place step of a concrete backend; all three share one signature."""
-    if backend == "triton":
-        from .triton_ops import gefen_step_
-    elif backend == "numba":
-        from .numba_ops import gefen_step_
-    else:
-        from .torch_ops import gefen_step_
-    return gefen_step_
+def _ops(backend: str):
+    """The step module of a concrete backend ("torch", "numba", "triton"), imported when first used:
+    each has ``gefen_step_`` (one signature), ``refuses`` and ``data_refusal``."""
+    return importlib.import_module(f"{__package__}.{backend}_ops")
 
 
 class _Resolved(NamedTuple):
@@ -102,7 +97,7 @@ class Gefen(torch.optim.Optimizer):
             bf16 and fp16 parameters: "auto" runs those on torch, a compiled backend asked for
             by name is refused. What only the data decide (a codebook numba's table cannot
             separate, a block longer than a Triton program) runs on torch
-            (``checks.data_fallback``); :meth:`backend_of` tells which path updates a parameter.
+            (each backend's ``data_refusal``); :meth:`backend_of` tells which path updates a parameter.
             The codebook's histogram is computed with torch on every backend (once per model).
             (Default: "auto")
         fused: upstream's keyword. False is ``backend="torch"``; True or None leave ``backend``
@@ -221,7 +216,7 @@ class Gefen(torch.optim.Optimizer):
         """``choose_backend`` for parameter ``pi`` of group ``gi`` on the device and dtype it has now."""
         local = _local(p)
         name = choose_backend(
-            self.backend, local.device, lambda b: backend_refusal(b, local.dtype, group), owner="Gefen",
+            self.backend, local.device, lambda b: _ops(b).refuses(local.dtype, group), owner="Gefen",
             what=f"parameter {pi} of group {gi} (shape {tuple(p.shape)}, dtype {local.dtype})")
         return _Resolved(name, local.device, local.dtype)
 
@@ -251,7 +246,7 @@ class Gefen(torch.optim.Optimizer):
         """Which path updates ``p``: "torch", "numba" or "triton".
 
         The backend chosen for ``p`` when it was added (chosen again if it moved to another device
-        or dtype since), or "torch" where ``checks.data_fallback`` hands its steps to the torch
+        or dtype since), or "torch" where the backend's ``data_refusal`` hands its steps to the torch
         step. That depends on data: the codebook (learned at the first step) for numba, ``p``'s
         block length (chosen at its first non-zero gradient, or loaded) for Triton; before they
         exist this is the chosen backend, the path unless they deviate.
@@ -264,12 +259,12 @@ class Gefen(torch.optim.Optimizer):
                          "of this optimizer")
 
     def _path(self, backend: str, group, block) -> str:
-        """``backend``, or "torch" where ``checks.data_fallback`` deviates for ``block`` and the codebook."""
+        """``backend``, or "torch" where its ``data_refusal`` deviates for ``block`` and the codebook."""
         if backend == "torch":
             return backend
         quant = group["quantize_first_moment"]
         tables = self._nearest_tables() if quant and self.codebook is not None else None
-        why = data_fallback(backend, block=block, bits=self.bits, quant=quant, tables=tables)
+        why = _ops(backend).data_refusal(block=block, bits=self.bits, quant=quant, tables=tables)
         return backend if why is None else "torch"
 
     def needs_every_gradient(self) -> bool:
@@ -508,21 +503,15 @@ class Gefen(torch.optim.Optimizer):
                 if call.native:
                     numba_ops.run(call.native, grads, **h._asdict())
                     continue
-            tiles, factored = call.tiles, call.group["factor_second_moment"]
-            _step_function(call.path)(
-                [t.p for t in tiles], call.gradients(grads), [t.v for t in tiles],
-                [t.scales for t in tiles] if quant else [t.v.new_zeros(0) for t in tiles],
-                [t.first for t in tiles], codebook, tables=tables, **h._asdict(), block=call.block,
-                bits=self.bits, ws=[t.w for t in tiles] if factored else None, seeds=call.seeds(step))
+            ps, vs, ss, cs, ws = call.lists()
+            _ops(call.path).gefen_step_(ps, call.gradients(grads), vs, ss, cs, codebook, tables=tables, **h._asdict(),
+                                      block=call.block, bits=self.bits, ws=ws, seeds=call.seeds(step))
 
     def _prepare_numba(self, call, grads, codebook, tables):
-        tiles = call.tiles
-        return numba_ops.prepare(
-            [t.p for t in tiles], call.gradients(grads), [t.v for t in tiles],
-            [t.scales if codebook is not None else t.v for t in tiles], [t.first for t in tiles], codebook,
-            block=call.block, bits=self.bits, tables=tables,
-            ws=[t.w for t in tiles] if call.group["factor_second_moment"] else None,
-            owners=[t.owner for t in tiles], offsets=[t.start for t in tiles])
+        ps, vs, ss, cs, ws = call.lists()
+        return numba_ops.prepare(ps, call.gradients(grads), vs, ss, cs, codebook, block=call.block, bits=self.bits,
+                                 tables=tables, ws=ws, owners=[t.owner for t in call.tiles],
+                                 offsets=[t.start for t in call.tiles])
 
     def _codebook_on(self, device):
         """(codebook, its ``CodeTable``) on ``device``; a copy of each per other device, kept while

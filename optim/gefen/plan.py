@@ -61,13 +61,14 @@ class Call:
     """One backend call of a step: parameters of one group sharing block length, step, device,
     state dtype and path, and their tiles. ``native`` is what the backend prepared for it once."""
 
-    __slots__ = ("group", "path", "block", "params", "states", "tiles", "native", "held")
+    __slots__ = ("group", "path", "block", "params", "states", "tiles", "native", "held", "_lists")
 
     def __init__(self, group, path, block, params, states, tiles):
         self.group, self.path, self.block = group, path, block
         self.params, self.states, self.tiles = params, states, tiles
         self.native = None
         self.held = [_held(st) for st in states]
+        self._lists = None
 
     def current(self) -> bool:
         """True while every parameter of the call is at one step and holds the state tensors the
@@ -83,6 +84,16 @@ class Call:
         g = self.group
         beta1, beta2 = g["betas"]
         return Hyper(step, float(g["lr"]), beta1, beta2, g["eps"], g["weight_decay"])
+
+    def lists(self) -> tuple:
+        """(ps, vs, scales, firsts, ws) of the tiles, the backends' list arguments, built once.
+        Unquantised, ``scales`` repeats ``vs`` (an unused slot) and ``ws`` is None unless factored."""
+        if self._lists is None:
+            t = self.tiles
+            quant = self.group["quantize_first_moment"]
+            self._lists = ([x.p for x in t], [x.v for x in t], [x.scales if quant else x.v for x in t],
+                           [x.first for x in t], [x.w for x in t] if self.group["factor_second_moment"] else None)
+        return self._lists
 
     def gradients(self, grads) -> list:
         """Each tile's gradient: the parameter's, or the view of the tile's elements."""

@@ -23,6 +23,16 @@ from .reference import (dequantize, factor_ratio, num_code_bytes, num_scales, pa
                         scale_block_length, unpack_codes)
 
 
+def refuses(param_dtype: torch.dtype, group) -> str | None:
+    """The torch step takes every floating dtype and option: never a refusal."""
+    return None
+
+
+def data_refusal(*, block: int | None, bits: int, quant: bool, tables=None) -> str | None:
+    """The torch step takes every block length and codebook: never a refusal."""
+    return None
+
+
 def _rows(flats, width: int) -> torch.Tensor:
     """Concatenate 1-D tensors, each zero-padded to a multiple of ``width``, as (rows, width)."""
     parts = []

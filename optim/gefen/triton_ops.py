@@ -48,7 +48,7 @@ from ..backends import triton_interpreted
 from ._triton_kernels import (ELEMS_PER_THREAD, FACTOR_ITERS, FACTOR_ROWS, FACTOR_TILE, FACTOR_WIDTH,
                               FINAL_TILE, FINAL_WIDTH, MAX_TILE_WIDTH, TILE, _TL_DTYPES, _factor_finalize_kernel,
                               _factor_stats_kernel, _gefen_step4_kernel, _gefen_step_kernel)
-from .checks import check_factors
+from .checks import check_factors, float64_state_refusal
 from .codebook import code_table
 from .reference import num_code_bytes, num_scales, scale_block_length
 
@@ -209,6 +209,24 @@ def factor_plan(*, block, g_dtype) -> FactorPlan:
                  num_warps=max(1, min(8, ib * fw // (32 * ELEMS_PER_THREAD))))
     rows_per_item = rr * max(FACTOR_ITERS, -(-FACTOR_ROWS // rr))
     return FactorPlan(stats, final, rows_per_item, -(-block // bw), -(-block // fw))
+
+
+def refuses(param_dtype: torch.dtype, group) -> str | None:
+    """Why these kernels cannot update a parameter of ``param_dtype`` in ``group``, known when it is
+    added (``optim.backends.choose_backend``), or None."""
+    if param_dtype not in _TL_DTYPES:
+        return f"the Triton kernels take fp32, bf16 or fp16 parameters, got {param_dtype}"
+    return float64_state_refusal(param_dtype, group)
+
+
+def data_refusal(*, block: int | None, bits: int, quant: bool, tables=None) -> str | None:
+    """Why these kernels hand a call to the torch step, for what only the data decide, or None: a
+    block longer than one program holds (``tile_row_lanes`` over ``MAX_TILE_WIDTH``). Block lengths
+    are fixed at a parameter's first gradient (``partition.py`` caps them well below) or come
+    from a loaded state dict."""
+    if block is not None and tile_row_lanes(block, bits, quant) > MAX_TILE_WIDTH:
+        return f"block {block} is longer than one Triton program holds"
+    return None
 
 
 def _step_launches(rows, *, block, bits, quant, tile, num_warps, factor, sr) -> list:
