@@ -53,7 +53,7 @@ class Addresses(NamedTuple):
     """The kernel's address table and the fp32 working copies it points into (``_addresses``)."""
 
     meta: np.ndarray  # int64 (tensors, 9): addresses of p, g, v, scales, codes; numels of p, v, scales, codes
-    scratch: list  # fp32 copies of parameters and gradients, alive until the kernel returns
+    alive: list  # every tensor ``meta`` points into (the callers' and the fp32 copies), alive while this is
     write_back: list  # (parameter, fp32 copy) pairs copied back after the kernel
 
 
@@ -87,8 +87,9 @@ def _jobs(numels: tuple, S: int, bits: int) -> np.ndarray:
 
 def _addresses(ps, gs, vs, scales, codes) -> Addresses:
     """The address table of a call; non-fp32 or non-contiguous parameters and gradients are copied
-    to fp32 first (parameters are copied back after the kernel)."""
-    rows, scratch, back = [], [], []
+    to fp32 first (parameters are copied back after the kernel). It holds every tensor it points
+    into, so a caller's temporary (a piece sliced from a copy) lives as long as the table."""
+    rows, scratch, back = [], [*ps, *gs, *vs, *scales, *codes], []
     for p, g, v, s, c in zip(ps, gs, vs, scales, codes):
         pw, gw = p, g
         if not (p.dtype == torch.float32 and p.is_contiguous()):
