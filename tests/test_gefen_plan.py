@@ -31,13 +31,15 @@ def _pair(backend, lr=1e-2, wd=0.1, shapes=SHAPES):
     return params, twins, ours, ref
 
 
-def _step_both(params, twins, ours, ref, skip=()):
-    grads = [None if i in skip else torch.randn(p.shape) for i, p in enumerate(params)]
-    for ps in (params, twins):
-        for p, g in zip(ps, grads):
-            p.grad = None if g is None else g.clone()
-    ours.step()
-    ref.step()
+def _step_both(params, twins, ours, ref, skip=(), times=1):
+    """``times`` steps of both on the same fresh gradients; parameters in ``skip`` get none."""
+    for _ in range(times):
+        grads = [None if i in skip else torch.randn(p.shape) for i, p in enumerate(params)]
+        for ps in (params, twins):
+            for p, g in zip(ps, grads):
+                p.grad = None if g is None else g.clone()
+        ours.step()
+        ref.step()
 
 
 def _assert_same(params, twins, what):
@@ -48,13 +50,11 @@ def _assert_same(params, twins, what):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_replaced_data_is_stepped_not_the_old_storage(backend):
     params, twins, ours, ref = _pair(backend)
-    for _ in range(3):
-        _step_both(params, twins, ours, ref)
+    _step_both(params, twins, ours, ref, times=3)
     for p, q in zip(params, twins):  # new storage, same shape: the plan's addresses are stale
         new = torch.randn(p.shape)
         p.data, q.data = new, new.clone()
-    for _ in range(3):
-        _step_both(params, twins, ours, ref)
+    _step_both(params, twins, ours, ref, times=3)
     _assert_same(params, twins, "after p.data was replaced")
 
 
@@ -70,15 +70,13 @@ def test_gradients_that_come_and_go_skip_exactly_those_parameters(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_group_added_later_is_stepped(backend):
     params, twins, ours, ref = _pair(backend)
-    for _ in range(2):
-        _step_both(params, twins, ours, ref)
+    _step_both(params, twins, ours, ref, times=2)
     extra = torch.nn.Parameter(torch.randn(33, 5))
     twin = torch.nn.Parameter(extra.detach().clone())
     ours.add_param_group({"params": [extra], "lr": 3e-3})
     ref.add_param_group({"params": [twin], "lr": 3e-3})
     params, twins = params + [extra], twins + [twin]
-    for _ in range(3):
-        _step_both(params, twins, ours, ref)
+    _step_both(params, twins, ours, ref, times=3)
     _assert_same(params, twins, "after add_param_group")
 
 
@@ -88,28 +86,24 @@ def test_options_edited_in_place_take_effect_at_the_next_step(backend):
     for lr, wd, betas in [(1e-2, 0.1, (0.9, 0.999)), (3e-2, 0.0, (0.8, 0.99)), (1e-3, 0.5, (0.9, 0.9))]:
         for opt in (ours, ref):
             opt.param_groups[0].update(lr=lr, weight_decay=wd, betas=betas)
-        for _ in range(2):
-            _step_both(params, twins, ours, ref)
+        _step_both(params, twins, ours, ref, times=2)
     _assert_same(params, twins, "after lr, weight_decay and betas changed")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_loaded_state_dict_is_what_the_next_step_reads(backend):
     params, twins, ours, ref = _pair(backend)
-    for _ in range(2):
-        _step_both(params, twins, ours, ref)
+    _step_both(params, twins, ours, ref, times=2)
     saved, saved_ref = ours.state_dict(), ref.state_dict()
     weights = [p.detach().clone() for p in params]
-    for _ in range(3):  # steps the load must undo (the plan was built on the state they wrote)
-        _step_both(params, twins, ours, ref)
+    _step_both(params, twins, ours, ref, times=3)  # steps the load undoes (the plan was built on their state)
     ours.load_state_dict(saved)
     ref.load_state_dict(saved_ref)
     with torch.no_grad():
         for p, q, w in zip(params, twins, weights):
             p.copy_(w)
             q.copy_(w)
-    for _ in range(3):
-        _step_both(params, twins, ours, ref)
+    _step_both(params, twins, ours, ref, times=3)
     _assert_same(params, twins, "after load_state_dict")
 
 
@@ -159,7 +153,25 @@ def test_a_parameter_cast_after_the_plan_is_stepped_in_its_new_dtype(backend):
 def test_many_steps_reuse_one_plan(backend):
     """After the first step the plan is built once: the same set of gradients finds it."""
     params, twins, ours, ref = _pair(backend)
-    for _ in range(4):
-        _step_both(params, twins, ours, ref)
+    _step_both(params, twins, ours, ref, times=4)
     assert len(ours._plans) == 1
     _assert_same(params, twins, "four steps on one plan")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gradients_that_change_layout_between_steps(backend):
+    """A transposed (non-contiguous) gradient one step, a contiguous one the next: a plan made for
+    one layout is never launched on the other (a kernel reading the strided one by address would
+    step the transpose)."""
+    params, twins, ours, ref = _pair(backend, shapes=[(16, 16), (24, 24), (50,)])
+    for strided in [False, True, True, False, True, False]:
+        grads = [torch.randn(p.shape) for p in params]
+        if strided:
+            grads = [g.t().contiguous().t() if g.dim() == 2 else g for g in grads]
+        for ps in (params, twins):
+            for p, g in zip(ps, grads):
+                p.grad = g.clone() if not strided else g.t().clone().t()
+        assert params[0].grad.is_contiguous() != strided
+        ours.step()
+        ref.step()
+        _assert_same(params, twins, f"strided={strided}")
