@@ -394,3 +394,43 @@ def test_an_inf_gradient_after_the_first_step_does_not_crash(backend):
             p.grad[10] = float("inf")
         opt.step()
     assert opt.state[p]["step"] == 3
+
+
+# ------------------------------------------------------------------- strided gradients in the kernels
+
+
+@pytest.mark.parametrize("backend", ["numba", "triton"])
+@pytest.mark.parametrize("layout", ["transposed", "column_slice"])
+@pytest.mark.parametrize("quant", [True, False], ids=["codes", "fp32_m"])
+def test_strided_gradients_step_as_their_contiguous_copies(backend, layout, quant):
+    """A gradient that is not contiguous (a transposed dense one, a slice of columns) is stepped from
+    a contiguous copy that must live until the kernel has read it: the step equals the torch
+    step's on the same values. (A copy freed before the launch leaves the kernel reading freed
+    memory: garbage in v and the weights.)"""
+    from optim.gefen import numba_ops, reference as R, torch_ops, triton_ops
+    from optim.gefen.codebook import code_table
+
+    fn = {"numba": numba_ops, "triton": triton_ops}[backend].gefen_step_
+    torch.manual_seed(0)
+    shapes, block = [(48, 40), (40, 64)], 8
+    p0 = [torch.randn(s) for s in shapes]
+    dense = [torch.randn(s) for s in shapes]
+    strided = ([g.t().contiguous().t() for g in dense] if layout == "transposed"
+               else [torch.cat([g, torch.randn(g.shape)], dim=1)[:, :g.shape[1]] for g in dense])
+    assert not any(g.is_contiguous() for g in strided) and all(torch.equal(a, b) for a, b in zip(dense, strided))
+    cb = torch.linspace(-1, 1, 256) if quant else None
+    out = {}
+    for name, step, gs in (("torch", torch_ops.gefen_step_, dense), (backend, fn, strided)):
+        ps = [p.clone() for p in p0]
+        st = [R.init_state(p.numel(), block=block, bits=8, quantized=quant) for p in ps]
+        vs, ss, cs = ([s[0] for s in st], [s[1] if quant else s[0] for s in st], [s[-1] for s in st])
+        for t in (1, 2):
+            step(ps, gs, vs, ss, cs, cb, tables=code_table(cb) if quant else None, step=t, lr=1e-2, beta1=0.9,
+                 beta2=0.999, eps=1e-8, weight_decay=0.1, block=block, bits=8)
+        out[name] = (ps, vs, cs)
+    for (a, va, ca), (b, vb, cb_) in [(out["torch"], out[backend])]:
+        for i in range(len(shapes)):
+            assert_close(b[i], a[i], atol=1e-6, name=f"p[{i}]")
+            assert_close(vb[i], va[i], rtol=1e-5, name=f"v[{i}]")
+            if quant:
+                assert torch.equal(cb_[i], ca[i]), f"codes[{i}] differ"
