@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every GPU check in one command, each step time-limited (about 8 minutes in all on one H200).
+# Every GPU check in one command, each step time-limited (about 9 minutes in all on one H200).
 # Run from the repository root on a CUDA machine:
 #
 #     bash experiments/gpu_checks.sh [RESULTS_DIR]      # Default: results/gpu ("$OUT" on a lent machine)
@@ -9,6 +9,8 @@
 #      tests/test_gefen_kernels.py with the kernels compiled and run on the GPU
 #      (tests/_device_launchers.py) -> kernel_tests.xml
 #   1b. tests/test_device_moves.py: parameters moved to the GPU after the optimizer was built
+#   1c. tests/test_gefen_capturable.py's CUDA-graph tests: Gefen(capturable=True) steps captured in a
+#      CUDA graph and replayed, against eager steps -> capturable.xml
 #   2. experiments/bench_dsa_gpu.py at the seed's configuration -> dsa_gpu.csv
 #   3. experiments/bench_kernels.py at 125M and 1.5B, fp32 and bf16, with the device's copy
 #      bandwidth -> gefen_kernels.csv (upstream gefen left out: it needs nvcc and its own build)
@@ -41,6 +43,8 @@ step kernel-tests 100 env TRITON_INTERPRET=0 "$PY" -m pytest -q -p no:cacheprovi
     tests/test_dsa_kernels.py tests/test_gefen_kernels.py \
     -k "(triton or gefen_kernels) and not bad_inputs and not optimizer" --junitxml="$R/kernel_tests.xml"
 step device-moves 60 env TRITON_INTERPRET=0 "$PY" -m pytest -q -p no:cacheprovider tests/test_device_moves.py --junitxml="$R/device_moves.xml"
+step capturable 90 env TRITON_INTERPRET=0 "$PY" -m pytest -q -p no:cacheprovider tests/test_gefen_capturable.py \
+    -k cuda_graph --junitxml="$R/capturable.xml"
 step bench_dsa_gpu 120 "$PY" experiments/bench_dsa_gpu.py --results-dir "$R" --repeats 3 --steps 50
 step bench_kernels 200 "$PY" experiments/bench_kernels.py --results-dir "$R" --skip-upstream --reps 10 \
     --kernel-tiles 1024x4,4096x16

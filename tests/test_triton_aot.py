@@ -110,10 +110,17 @@ def test_real_launches_use_enumerated_configurations(monkeypatch):
                       torch.zeros(n // block), torch.zeros(n, dtype=torch.uint8), cb, step=1, lr=1e-3, beta1=0.9,
                       beta2=0.999, eps=1e-8, weight_decay=0.0, block=block, bits=8, tables=code_table(cb),
                       ws=[torch.zeros(block)])
+    # capturable: the step scalars' kernel (a tensor lr read on the device, seeds), then a step reading them
+    monkeypatch.setattr(gefen, "_gefen_hyper_kernel", _Recorder(gefen._gefen_hyper_kernel))
+    sc = gefen.StepScalars([torch.zeros(())], [5], [None], "cpu")
+    gefen.advance_(sc, lr=torch.tensor(1e-3), beta1=0.9, beta2=0.999, weight_decay=0.1)
+    gefen.gefen_step_(torch.zeros(n), torch.zeros(n), torch.zeros(n // block), torch.zeros(n // block),
+                      torch.zeros(n, dtype=torch.uint8), cb, step=None, lr=None, beta1=0.9, beta2=0.999, eps=1e-8,
+                      weight_decay=0.0, block=block, bits=8, tables=code_table(cb), hyper=sc.rows)
     data = ("S", "BLOCK_V", "NLUT", "NCMP", "HAS_DUP")  # block length and codebook table: data
     listed = [(la.kernel, _without(la.kwargs, data)) for la in gefen_all]
-    for name, calls in (("_gefen_step_kernel", 2), ("_gefen_step4_kernel", 1), ("_factor_stats_kernel", 1),
-                        ("_factor_finalize_kernel", 1)):
+    for name, calls in (("_gefen_step_kernel", 3), ("_gefen_step4_kernel", 1), ("_factor_stats_kernel", 1),
+                        ("_factor_finalize_kernel", 1), ("_gefen_hyper_kernel", 1)):
         rec = getattr(gefen, name)
         assert len(rec.calls) == calls and all((rec.kernel, _without(c, data)) in listed for c in rec.calls), \
             (name, rec.calls)

@@ -41,8 +41,14 @@ Why the kernel looks the way it does
   scalar accesses, the contiguous tile to 128-bit ones. For an odd block length a byte straddles
   two blocks, so a tile row then holds two blocks (2S elements) reduced separately.
 * Bias corrections, ``1 - lr*wd`` and ``1 - beta1`` are computed on the host in float64 and passed
-  as fp32 scalars; torch's ``lerp`` (two branches on the weight, each one FMA as torch evaluates
-  it on the CPU and CUDA) and ``addcdiv`` order are followed, and divisions and square roots are
+  as fp32 scalars. With HYPER (``Gefen(capturable=True)``) the step-dependent ones (``1 - lr*wd``,
+  ``-lr / (1 - beta1**t)``, ``sqrt(1 - beta2**t)``) and the stochastic-rounding seed are read from a
+  row per tensor that ``_gefen_hyper_kernel`` writes on the device each step from the step counters
+  (float64, from the hyper-parameters' exact bits, rounded to fp32 once: the host's numbers), so a
+  launch captured in a CUDA graph stays right at every replay; each is read where it is used, so it
+  holds no register through the tile's work. Torch's ``lerp`` (two branches on the weight, each one
+  FMA as torch evaluates it on the CPU and CUDA) and ``addcdiv`` order are followed, and divisions
+  and square roots are
   the IEEE-rounded ``tl.div_rn`` / ``tl.sqrt_rn`` (plain ``/`` and ``tl.sqrt`` compile to
   ``div.full``/``div.approx`` and ``sqrt.approx.ftz`` on sm_90). Other FMA contraction is off
   (``enable_fp_fusion=False``; torch rounds each operation). So scales and codes equal the
@@ -66,7 +72,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._triton_common import round_bf16, round_stochastic
+from .._triton_common import hash32, round_bf16, round_stochastic
 
 TILE = 2048  # elements per program (R blocks x next_pow2(S) lanes); see module docstring
 ELEMS_PER_THREAD = 4  # sets num_warps (see module docstring)
@@ -77,6 +83,7 @@ FACTOR_ITERS = 16  # loop iterations of a statistics program (its work beside it
 FACTOR_ROWS = 128  # ... and at least this many block rows (bounds the scratch; module docstring)
 FINAL_TILE = 1024  # partial sums a finalize program adds per loop iteration (IB items x FW offsets)
 FINAL_WIDTH = 128  # most offsets one finalize program updates
+HYPER_BLOCK = 128  # rows of step scalars _gefen_hyper_kernel writes per loop iteration
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
@@ -149,13 +156,31 @@ def _factor_ratio(w_tab, t, offs, mask, S: tl.constexpr, WIDTH: tl.constexpr):
 
 
 @triton.jit
-def _apply(p_ptr, offs, mask, m_hat, denom, decay, neg_step, seed_tab, t, SR: tl.constexpr):
+def _device_scalar(hyper_tab, t, k, value, HYPER: tl.constexpr):
+    """``value`` (a launch argument), or with HYPER word k of tensor t's row of step scalars on the
+    device (``hyper_tab``: one row address a tensor; ``_gefen_hyper_kernel`` wrote the row this step).
+    Read where it is used, so that it holds no register through the tile's work."""
+    if HYPER:
+        return tl.load((tl.load(hyper_tab + t) + 4 * k).to(tl.pointer_type(tl.float32)))
+    return value
+
+
+@triton.jit
+def _apply(p_ptr, offs, mask, m_hat, denom, decay, neg_step, seed_tab, hyper_tab, t, SR: tl.constexpr,
+           HYPER: tl.constexpr):
     """p <- p * (1 - lr*wd); p <- p + (-lr/bc1) * m^ / denom (reference order), stored in p's dtype:
-    rounded to nearest, or with SR (bf16, fp16 p) stochastically with tensor t's seed."""
+    rounded to nearest, or with SR (bf16, fp16 p) stochastically with tensor t's seed (``seed_tab``,
+    or with HYPER word 3 of its row of step scalars)."""
+    decay = _device_scalar(hyper_tab, t, 0, decay, HYPER)
+    neg_step = _device_scalar(hyper_tab, t, 1, neg_step, HYPER)
     p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32) * decay
     p = p + tl.div_rn(neg_step * m_hat, denom)
     if SR:
-        p = round_stochastic(p, tl.load(seed_tab + t), offs, p_ptr.dtype.element_ty)
+        if HYPER:
+            seed = tl.load((tl.load(hyper_tab + t) + 12).to(tl.pointer_type(tl.uint32)))
+        else:
+            seed = tl.load(seed_tab + t)
+        p = round_stochastic(p, seed, offs, p_ptr.dtype.element_ty)
     elif p_ptr.dtype.element_ty == tl.bfloat16:
         p = round_bf16(p)
     tl.store(p_ptr + offs, p, mask=mask)
@@ -163,12 +188,12 @@ def _apply(p_ptr, offs, mask, m_hat, denom, decay, neg_step, seed_tab, t, SR: tl
 
 @triton.jit
 def _gefen_step_kernel(
-    tile_ptr, ptr_tab, numel_tab, cb_ptr, uniq_ptr, mid_ptr, lut_ptr, first_ptr, w_tab, seed_tab,
+    tile_ptr, ptr_tab, numel_tab, cb_ptr, uniq_ptr, mid_ptr, lut_ptr, first_ptr, w_tab, seed_tab, hyper_tab,
     w, beta2, omb2, eps, decay, neg_step, sqrt_bc2,
     P_DT: tl.constexpr, G_DT: tl.constexpr, C_DT: tl.constexpr,
     S: tl.constexpr, BLOCK_V: tl.constexpr, QUANT: tl.constexpr, R: tl.constexpr,
     WIDTH: tl.constexpr, NLUT: tl.constexpr, NCMP: tl.constexpr, HAS_DUP: tl.constexpr,
-    ALIGN: tl.constexpr, EXACT: tl.constexpr, FACTOR: tl.constexpr, SR: tl.constexpr,
+    ALIGN: tl.constexpr, EXACT: tl.constexpr, FACTOR: tl.constexpr, SR: tl.constexpr, HYPER: tl.constexpr,
 ):
     """8-bit codes or unquantised m: a tile of R scale blocks x WIDTH (>= S) element lanes.
 
@@ -202,7 +227,7 @@ def _gefen_step_kernel(
         tl.store(v_ptr + rows, v, mask=rmask)
         if FACTOR:
             v = v * _factor_ratio(w_tab, t, cols, cols < S, S, WIDTH)
-    denom = tl.div_rn(tl.sqrt_rn(v), sqrt_bc2) + eps
+    denom = tl.div_rn(tl.sqrt_rn(v), _device_scalar(hyper_tab, t, 2, sqrt_bc2, HYPER)) + eps
 
     if QUANT:
         rmask = rows * S < n
@@ -219,7 +244,7 @@ def _gefen_step_kernel(
         m = tl.load(c_ptr + offs, mask=mask, other=0.0)
         m_hat = _lerp(m, g, w)
         tl.store(c_ptr + offs, m_hat, mask=mask)
-    _apply(p_ptr, offs, mask, m_hat, denom, decay, neg_step, seed_tab, t, SR)
+    _apply(p_ptr, offs, mask, m_hat, denom, decay, neg_step, seed_tab, hyper_tab, t, SR, HYPER)
 
 
 @triton.jit
@@ -250,12 +275,12 @@ def _half_rows(a0, a1, sub0, sub1, IS_MAX: tl.constexpr):
 # either with the same arguments and constexprs; GROUP replaces QUANT for packed 4-bit codes.
 @triton.jit
 def _gefen_step4_kernel(
-    tile_ptr, ptr_tab, numel_tab, cb_ptr, uniq_ptr, mid_ptr, lut_ptr, first_ptr, w_tab, seed_tab,
+    tile_ptr, ptr_tab, numel_tab, cb_ptr, uniq_ptr, mid_ptr, lut_ptr, first_ptr, w_tab, seed_tab, hyper_tab,
     w, beta2, omb2, eps, decay, neg_step, sqrt_bc2,
     P_DT: tl.constexpr, G_DT: tl.constexpr, C_DT: tl.constexpr,
     S: tl.constexpr, BLOCK_V: tl.constexpr, GROUP: tl.constexpr, R: tl.constexpr,
     WIDTH: tl.constexpr, NLUT: tl.constexpr, NCMP: tl.constexpr, HAS_DUP: tl.constexpr,
-    ALIGN: tl.constexpr, EXACT: tl.constexpr, FACTOR: tl.constexpr, SR: tl.constexpr,
+    ALIGN: tl.constexpr, EXACT: tl.constexpr, FACTOR: tl.constexpr, SR: tl.constexpr, HYPER: tl.constexpr,
 ):
     """Packed 4-bit codes: a tile of R rows x WIDTH byte lanes, each byte = elements (2k, 2k+1).
 
@@ -316,6 +341,7 @@ def _gefen_step4_kernel(
         if FACTOR:  # offset of each element in its block: 2k (+1), less S in a row's second block
             v0 = v0 * _factor_ratio(w_tab, t, 2 * k - S * sub0.to(tl.int32), k < H, S, 2 * WIDTH)
             v1 = v1 * _factor_ratio(w_tab, t, 2 * k + 1 - S * sub1.to(tl.int32), k < H, S, 2 * WIDTH)
+    sqrt_bc2 = _device_scalar(hyper_tab, t, 2, sqrt_bc2, HYPER)
     d0 = tl.div_rn(tl.sqrt_rn(v0), sqrt_bc2) + eps
     d1 = tl.div_rn(tl.sqrt_rn(v1), sqrt_bc2) + eps
 
@@ -337,7 +363,7 @@ def _gefen_step4_kernel(
     q1 = tl.where(m1, q1, 0)  # odd n: the last high nibble is padding 0
     tl.store(c_ptr + byte, (q0 | (q1 << 4)).to(tl.uint8), mask=m0)
     _apply(p_ptr, fe, me, _unpairs(val0 * s0, val1 * s1, R, WIDTH), _unpairs(d0, d1, R, WIDTH),
-           decay, neg_step, seed_tab, t, SR)
+           decay, neg_step, seed_tab, hyper_tab, t, SR, HYPER)
 
 
 @triton.jit
@@ -401,3 +427,72 @@ def _factor_finalize_kernel(fin_tab, numel_tab, w_tab, part_ptr, beta2, omb2, S:
     w = tl.load(w_ptr + j, mask=jmask, other=0.0)
     new = beta2 * w + omb2 * mean
     tl.store(w_ptr + j, tl.where(tl.abs(new) < float("inf"), new, w), mask=jmask)
+
+
+@triton.jit
+def _f64(bits):
+    """The float64 whose IEEE bits are the int ``bits`` (a host float passed exactly: a Python float
+    argument reaches a kernel as fp32)."""
+    return bits.to(tl.int64).to(tl.float64, bitcast=True)
+
+
+@triton.jit
+def _powers(b1, b2, t, BLOCK: tl.constexpr):
+    """(b1**t, b2**t) in float64 by binary powering over the 25 low bits of int32 ``t`` (fp32 step
+    counters are exact below 2**24): fixed IEEE multiplications, so the interpreter and every GPU
+    give the same bits."""
+    r1 = tl.full([BLOCK], 1.0, tl.float64)
+    r2 = tl.full([BLOCK], 1.0, tl.float64)
+    for k in tl.static_range(25):
+        bit = ((t >> k) & 1) != 0
+        r1 = tl.where(bit, r1 * b1, r1)
+        r2 = tl.where(bit, r2 * b2, r2)
+        b1 = b1 * b1
+        b2 = b2 * b2
+    return r1, r2
+
+
+@triton.jit(do_not_specialize=["n_rows", "lr_bits", "b1_bits", "b2_bits", "wd_bits"])
+def _gefen_hyper_kernel(row_tab, out_ptr, seed_out, lr_ptr, n_rows: tl.int32, lr_bits: tl.int64,
+                        b1_bits: tl.int64, b2_bits: tl.int64, wd_bits: tl.int64, LR_ON_DEVICE: tl.constexpr,
+                        SR: tl.constexpr, BLOCK: tl.constexpr):
+    """One program: advance the step counters of a group's tensors and write each tensor's row of
+    step scalars, ``[1 - lr*wd, -lr / (1 - beta1**t), sqrt(1 - beta2**t), seed]`` (fp32, the seed's
+    32 bits through ``seed_out``, the same buffer as int32), which the step kernels read with HYPER.
+
+    ``row_tab``: (n_rows, 4) int64 a row: address of its parameter's fp32 step counter, 1 where this
+    row advances it (one row a counter: a parameter's tiles share it), the stochastic-rounding seed
+    constant ``hash32(hash32(seed))`` and the tile index (-1 for a whole tensor). t = counter + 1.
+    The scalars are computed in float64 from the hyper-parameters' exact bits, as the host computes
+    them, and rounded to fp32 once; lr is read from ``lr_ptr`` (LR_ON_DEVICE) or given. All rows
+    read their counters before any is written (a barrier between the two loops: one program)."""
+    b1 = _f64(b1_bits)
+    b2 = _f64(b2_bits)
+    if LR_ON_DEVICE:
+        lr = tl.load(lr_ptr).to(tl.float64)
+    else:
+        lr = _f64(lr_bits)
+    decay = (1.0 - lr * _f64(wd_bits)).to(tl.float32)
+    for start in range(0, n_rows, BLOCK):
+        r = start + tl.arange(0, BLOCK)
+        m = r < n_rows
+        addr = tl.load(row_tab + 4 * r, mask=m, other=0)
+        step = tl.load(addr.to(tl.pointer_type(tl.float32)), mask=m, other=0.0) + 1.0
+        t = step.to(tl.int32)
+        p1, p2 = _powers(b1, b2, t, BLOCK)
+        tl.store(out_ptr + 4 * r, tl.full([BLOCK], 0.0, tl.float32) + decay, mask=m)
+        tl.store(out_ptr + 4 * r + 1, ((-lr) / (1.0 - p1)).to(tl.float32), mask=m)
+        tl.store(out_ptr + 4 * r + 2, tl.sqrt(1.0 - p2).to(tl.float32), mask=m)
+        if SR:  # optim._rounding.step_seed(seed, 0, t), then step_seed(that, tile, 0) for a tile
+            c = tl.load(row_tab + 4 * r + 2, mask=m, other=0).to(tl.uint32)
+            k = tl.load(row_tab + 4 * r + 3, mask=m, other=-1)
+            per = hash32(c + t.to(tl.uint32) * 0x9E3779B9)
+            tile = hash32(hash32(hash32(per) ^ k.to(tl.uint32)))
+            tl.store(seed_out + 4 * r + 3, tl.where(k >= 0, tile, per).to(tl.int32, bitcast=True), mask=m)
+    tl.debug_barrier()
+    for start in range(0, n_rows, BLOCK):
+        r = start + tl.arange(0, BLOCK)
+        m = r < n_rows
+        addr = tl.load(row_tab + 4 * r, mask=m, other=0).to(tl.pointer_type(tl.float32))
+        writes = tl.load(row_tab + 4 * r + 1, mask=m, other=0) != 0
+        tl.store(addr, tl.load(addr, mask=m & writes, other=0.0) + 1.0, mask=m & writes)

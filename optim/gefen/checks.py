@@ -80,17 +80,17 @@ def check_group(group, gi):
 
 
 FLAGS = ("share_second_moment", "quantize_first_moment", "factor_second_moment", "maximize",
-         "stochastic_rounding")
+         "stochastic_rounding", "capturable")
 
 
 def check_adamw_keywords(*, amsgrad, foreach, capturable, differentiable):
     """``torch.optim.AdamW``'s keywords that Gefen takes at their defaults (so a config written for
     AdamW runs unchanged) and refuses by name otherwise. ``foreach`` chooses among AdamW's
-    implementations; Gefen has its own backends, so any value is taken."""
+    implementations; Gefen has its own backends, so any value is taken. ``capturable`` is Gefen's
+    own too (``check_capturable`` per parameter)."""
     check_option("foreach", foreach, (None, True, False), "None, True or False")
+    check_flags(capturable=capturable)
     refused = {"amsgrad": (amsgrad, "it keeps a per-element maximum of v, which the shared v has no room for"),
-               "capturable": (capturable, "the step is not captured in CUDA graphs (it chooses blocks and "
-                                          "learns the codebook from data)"),
                "differentiable": (differentiable, "the quantised first moment has no gradient")}
     for name, (value, why) in refused.items():
         check_flags(**{name: value})
@@ -98,15 +98,27 @@ def check_adamw_keywords(*, amsgrad, foreach, capturable, differentiable):
             raise ValueError(f"Gefen does not implement {name}=True: {why}; leave {name}=False")
 
 
+def check_capturable(backend: str, where: str):
+    """Raise ``ValueError`` unless a parameter of a ``capturable=True`` optimizer is stepped by the
+    Triton kernels, the one path that reads its step count, lr and bias corrections on the device."""
+    if backend != "triton":
+        raise ValueError(f"Gefen does not implement capturable=True for {where}: its step would run on "
+                         f"{backend}; capturable needs the Triton step for every parameter (CUDA tensors with "
+                         "backend 'auto' or 'triton'; CPU tensors only under TRITON_INTERPRET=1)")
+
+
 def check_saved(st, p, group, bits, k):
     """Raise ``ValueError`` unless a saved per-parameter state fits parameter ``p`` of ``group``
     exactly (keys, step, block, and each tensor's dtype and 1-D size); device and memory layout
-    are converted at load (a copy is exact). Returns the state with ``step`` as an int."""
+    are converted at load (a copy is exact). Returns the state with ``step`` as an int: a saved step
+    may be an int or a one-element tensor holding one (a capturable optimizer's float32 counter, as
+    torch's capturable AdamW saves it)."""
     n, shape = p.numel(), tuple(p.shape)
     where = f"Gefen.load_state_dict: the state of parameter {k} (shape {shape})"
     step, block = st.get(K.STEP), st.get(K.BLOCK)
-    if torch.is_tensor(step) and step.numel() == 1 and not step.is_floating_point():
-        step = int(step)
+    if torch.is_tensor(step) and step.numel() == 1 and step.dtype != torch.bool:
+        value = step.item()
+        step = int(value) if float(value).is_integer() else value
     if not (isinstance(step, int) and 0 <= step < 2**62):
         raise ValueError(f"{where} has step {step!r}; expected a non-negative int")
     seed = st.get(K.SEED)

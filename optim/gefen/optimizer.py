@@ -13,7 +13,8 @@ from .._checks import check_option
 from .._rounding import STOCHASTIC_DTYPES, step_seed
 from ..backends import BACKENDS, choose_backend
 from . import distributed as _dist, numba_ops, state as K
-from .checks import check_adamw_keywords, check_group, check_saved, check_state_fits, state_dtype
+from .checks import (check_adamw_keywords, check_capturable, check_group, check_saved, check_state_fits,
+                     state_dtype)
 from .codebook import HIST_BINS, code_table
 from .partition import RULES, choose_block, constant_magnitude, factor_tiles, factored_block, provisional_block
 from .plan import Call, signature, tiles_of
@@ -78,7 +79,9 @@ class Gefen(torch.optim.Optimizer):
         params: parameters or param groups (dicts); groups may set ``lr``, ``betas``, ``eps``,
             ``weight_decay``, ``share_second_moment``, ``quantize_first_moment``,
             ``factor_second_moment``, ``stochastic_rounding``.
-        lr: learning rate. (Default: 1e-3)
+        lr: learning rate: a float, or a one-element tensor that LR schedulers update in place (read
+            with ``float`` at each step, which waits for the device where it lives there, unless
+            ``capturable``, which reads it on the device). (Default: 1e-3)
         betas: coefficients of the first and second moment averages. (Default: (0.9, 0.999))
         eps: added to the denominator. (Default: 1e-8)
         weight_decay: decoupled weight decay, as AdamW. (Default: 0.0)
@@ -120,12 +123,28 @@ class Gefen(torch.optim.Optimizer):
             torch, numba and Triton steps draw the same bits. fp32 parameters are not affected.
             (Default: False)
         maximize: maximize the objective (each step is that of -g), as AdamW's. (Default: False)
-        amsgrad, foreach, capturable, differentiable: AdamW's keywords, taken at AdamW's defaults so
-            that a configuration written for AdamW runs unchanged; ``foreach`` may be anything (it
-            picks among AdamW's implementations), the others are refused when True.
+        capturable: keep each parameter's step count on the device (``state["step"]`` a float32
+            tensor, as torch's capturable AdamW keeps it) and compute the bias corrections,
+            ``1 - lr*weight_decay`` and the stochastic-rounding seeds there, in one small kernel a
+            parameter group a step (``triton_ops.advance_``), so that a step after the first reads
+            nothing back to the host and can be captured in a CUDA graph (``torch.cuda.graph``)
+            and replayed. ``lr`` may then be a one-element tensor on the parameters' device, read at
+            every step and replay (LR schedulers write it in place); a float lr, betas, eps and
+            weight decay are baked into a captured graph: changing them needs a new capture, as
+            with torch. The first step (block lengths, codebook) and any step that meets a new set
+            of tensors build their plan on the host and may synchronise: capture after a few eager
+            steps. Every parameter must be on the Triton path (CUDA tensors; CPU tensors under
+            ``TRITON_INTERPRET=1``), or it is refused by name. The numbers equal the host's: the
+            scalars are computed in float64 and rounded to fp32 once, ``beta**t`` by binary
+            powering, within one fp32 ulp of the host's ``pow`` and equal to it at every step the
+            tests enumerate. Steps count exactly up to 2**24. State dicts load into an optimizer
+            of either setting. (Default: False)
+        amsgrad, foreach, differentiable: AdamW's keywords, taken at AdamW's defaults so that a
+            configuration written for AdamW runs unchanged; ``foreach`` may be anything (it picks
+            among AdamW's implementations), the others are refused when True.
 
-    Every option is also in ``defaults`` and every parameter group (``bits``, ``backend`` and
-    ``block_rule`` one value per optimizer), so re-creating the optimizer from
+    Every option is also in ``defaults`` and every parameter group (``bits``, ``backend``,
+    ``block_rule`` and ``capturable`` one value per optimizer), so re-creating the optimizer from
     ``state_dict()["param_groups"][0]`` gives the same one. The step always runs eagerly
     (``torch.compiler.disable``): under ``torch.compile`` a training step compiles around it.
     """
@@ -145,6 +164,7 @@ class Gefen(torch.optim.Optimizer):
                              "for a compiled one; pass one of them")
         self.backend = "torch" if fused is False else backend
         self.fused = fused
+        self.capturable = capturable
         self.verbose = verbose
         self.bits = bits
         self.block_rule = block_rule
@@ -156,7 +176,7 @@ class Gefen(torch.optim.Optimizer):
                         quantize_first_moment=quantize_first_moment,
                         factor_second_moment=factor_second_moment,
                         stochastic_rounding=stochastic_rounding, maximize=maximize,
-                        bits=bits, backend=self.backend, block_rule=block_rule)
+                        bits=bits, backend=self.backend, block_rule=block_rule, capturable=capturable)
         super().__init__(params, defaults)
         self.codebook = None
         self._tables = None
@@ -174,6 +194,7 @@ class Gefen(torch.optim.Optimizer):
         super().__setstate__(state)
         self.__dict__.setdefault("_tables", None)
         self.__dict__.setdefault("_seed", None)
+        self.__dict__.setdefault("capturable", False)
         self._drop_plans()
         for group in self.param_groups:  # pickled before a keyword existed: its old meaning
             group.setdefault("factor_second_moment", False)
@@ -191,7 +212,7 @@ class Gefen(torch.optim.Optimizer):
 
     def _drop_plans(self):
         """Forget every step plan (``plan.py``) and codebook copy: what they hold may be stale."""
-        self._plans = {}  # plan.signature -> [plan.Call]
+        self._plans = {}  # plan.signature -> ([plan.Call], [(group, triton_ops.StepScalars)] when capturable)
         self._codebook_copies = {}  # device -> (codebook, CodeTable) of another device than its own
 
     def add_param_group(self, param_group):
@@ -205,6 +226,10 @@ class Gefen(torch.optim.Optimizer):
                                      f"({self.defaults[key]!r}): one codebook and one backend choice serve "
                                      "every group; use a second optimizer for another")
             chosen = {p: self._resolve(p, group, gi, pi) for pi, p in enumerate(group["params"])}
+            if group["capturable"]:
+                for pi, p in enumerate(group["params"]):
+                    check_capturable(chosen[p].backend, f"parameter {pi} of group {gi} (shape {tuple(p.shape)}, "
+                                                        f"on {chosen[p].device})")
         except Exception:
             self.param_groups.pop()  # a refused group is not added
             raise
@@ -332,6 +357,8 @@ class Gefen(torch.optim.Optimizer):
         self._drop_plans()
         dev = g.device
         st[K.STEP] = st.get(K.STEP, 0)  # steps with all-zero gradients before this one
+        if self.capturable:  # a counter on the device, as torch's capturable AdamW keeps it
+            st[K.STEP] = torch.tensor(float(st[K.STEP]), dtype=torch.float32, device=dev)
         st[K.BLOCK] = block
         dtype = state_dtype(_local(p).dtype, group)
         st[K.V] = torch.zeros(n // block, device=dev, dtype=dtype)
@@ -445,9 +472,9 @@ class Gefen(torch.optim.Optimizer):
 
     def _step(self):
         key = signature(self.param_groups, _local)
-        calls = self._plans.get(key)
-        if calls is not None and all(c.current() for c in calls):
-            self._run(calls)
+        plan = self._plans.get(key)
+        if plan is not None and all(c.current() for c in plan[0]):
+            self._run(*plan)
             return
         work = self._gather()
         quantized = {p: _local(g) for group, items in work if group["quantize_first_moment"]
@@ -461,38 +488,72 @@ class Gefen(torch.optim.Optimizer):
             counts = _dist.global_histogram(self.codebook_histogram, quantized, qparams)
             self.learn_codebook(counts, device=dev)
         calls = [call for group, items in work for call in self._calls(group, items)]
-        self._run(calls)
+        scalars = self._step_scalars(calls) if self.capturable else []
+        self._run(calls, scalars)
         settled = all(K.BLOCK in self.state[p] and not self.state[p].get(K.PROVISIONAL)
                       for group in self.param_groups for p in group["params"]
                       if p.grad is not None and _local(p).numel())
         if settled:  # a plan holds no parameter whose block or state may still change
             if len(self._plans) > 4 * sum(len(g["params"]) for g in self.param_groups) + 16:
                 self._plans.clear()
-            self._plans[key] = calls
+            self._plans[key] = (calls, scalars)
 
     def _calls(self, group, items) -> list:
         """The ``plan.Call`` s of one group's parameters with gradients (``_gather``'s items): one a
         bucket of block length, step, device, state dtype and path."""
         buckets = defaultdict(list)
         for p, _, backend in items:
-            st = self.state[p]
-            buckets[(st[K.BLOCK], st[K.STEP], _local(p).device, st[K.V].dtype, backend)].append(p)
+            st = self.state[p]  # device step counters are each read on the device: no split by step
+            step = None if self.capturable else st[K.STEP]
+            buckets[(st[K.BLOCK], step, _local(p).device, st[K.V].dtype, backend)].append(p)
         calls = []
-        for (block, step, _, _, backend), params in buckets.items():
+        for (block, _, _, _, backend), params in buckets.items():
             states = [self.state[p] for p in params]
             self._draw_seeds(group, params, states)
             tiles = [t for k, (p, st) in enumerate(zip(params, states))
                      for t in tiles_of(k, _local(p), st, bits=self.bits)]
-            calls.append(Call(group, self._path(backend, group, block), block, params, states, tiles))
+            path = self._path(backend, group, block)
+            if self.capturable:
+                gi = next(i for i, g in enumerate(self.param_groups) if g is group)
+                pi = next(i for i, q in enumerate(group["params"]) if q is params[0])
+                check_capturable(path, f"parameter {pi} of group {gi} (shape {tuple(params[0].shape)}, block {block})")
+            calls.append(Call(group, path, block, params, states, tiles))
         return calls
 
-    def _run(self, calls):
-        """Advance each call's step count and step its tiles on its path."""
+    def _step_scalars(self, calls) -> list:
+        """[(group, ``triton_ops.StepScalars``)]: one a group and device, holding the step counters and
+        rows of step scalars of its calls' tiles (capturable); each call gets its tiles' rows."""
+        ops, by = _ops("triton"), {}
+        for call in calls:
+            by.setdefault((id(call.group), call.tiles[0].p.device), (call.group, []))[1].append(call)
+        out = []
+        for (_, device), (group, cs) in by.items():
+            tiles = [(call, t) for call in cs for t in call.tiles]
+            sc = ops.StepScalars([call.states[t.owner][K.STEP] for call, t in tiles],
+                                 [call.states[t.owner][K.SEED] if call.sr else None for call, t in tiles],
+                                 [t.tile for _, t in tiles], device)
+            start = 0
+            for call in cs:
+                call.rows, start = sc.rows[start:start + len(call.tiles)], start + len(call.tiles)
+            out.append((group, sc))
+        return out
+
+    def _run(self, calls, scalars=()):
+        """Advance each call's step count and step its tiles on its path: on the host, or with
+        ``scalars`` (capturable) one launch a group that advances the device counters and writes
+        the rows of step scalars the calls read."""
+        for group, sc in scalars:
+            beta1, beta2 = group["betas"]
+            _ops("triton").advance_(sc, lr=group["lr"], beta1=beta1, beta2=beta2,
+                                    weight_decay=group["weight_decay"])
         for call in calls:
             states = call.states
-            step = states[0][K.STEP] + 1
-            for st in states:
-                st[K.STEP] = step
+            if call.rows is None:
+                step = states[0][K.STEP] + 1
+                for st in states:
+                    st[K.STEP] = step
+            else:
+                step = None
             grads = [_local(p.grad) for p in call.params]
             quant = call.group["quantize_first_moment"]
             codebook, tables = self._codebook_on(call.tiles[0].p.device) if quant else (None, None)
@@ -504,8 +565,12 @@ class Gefen(torch.optim.Optimizer):
                     numba_ops.run(call.native, grads, **h._asdict())
                     continue
             ps, vs, ss, cs, ws = call.lists()
+            if call.rows is None:
+                extra = dict(seeds=call.seeds(step))
+            else:
+                extra = dict(seeds=True if call.sr else None, hyper=call.rows)
             _ops(call.path).gefen_step_(ps, call.gradients(grads), vs, ss, cs, codebook, tables=tables, **h._asdict(),
-                                      block=call.block, bits=self.bits, ws=ws, seeds=call.seeds(step))
+                                      block=call.block, bits=self.bits, ws=ws, **extra)
 
     def _prepare_numba(self, call, grads, codebook, tables):
         ps, vs, ss, cs, ws = call.lists()
@@ -606,12 +671,16 @@ class Gefen(torch.optim.Optimizer):
         super().load_state_dict(sd)
         # torch casts floating state to the parameter's dtype (bf16 would round v and scales,
         # and uint8 codes would become floats): put back the checked tensors as they were,
-        # as contiguous copies on the parameter's device.
+        # as contiguous copies on the parameter's device; the step an int, or with capturable a
+        # float32 counter on that device once the parameter has state.
         for pid, (p, _) in zip(ids, groups):
             if pid in saved:
                 dev = _local(p).device
-                self.state[p] = {k: (v.detach().to(dev).clone(memory_format=torch.contiguous_format)
-                                     if torch.is_tensor(v) else v) for k, v in saved[pid].items()}
+                st = {k: (v.detach().to(dev).clone(memory_format=torch.contiguous_format)
+                          if torch.is_tensor(v) else v) for k, v in saved[pid].items()}
+                if self.capturable and K.BLOCK in st:
+                    st[K.STEP] = torch.tensor(float(st[K.STEP]), dtype=torch.float32, device=dev)
+                self.state[p] = st
         params = [p for p, _ in groups]
         self._drop_plans()
         if codebook is None:
@@ -620,8 +689,8 @@ class Gefen(torch.optim.Optimizer):
             self.set_codebook(codebook.to(_local(params[0]).device) if params else codebook)
 
 
-_SETTINGS = ("backend", "fused", "verbose", "bits", "block_rule", "codebook")
-OPTIMIZER_WIDE = ("bits", "backend", "block_rule")  # in every group, one value per optimizer
+_SETTINGS = ("backend", "fused", "verbose", "bits", "block_rule", "codebook", "capturable")
+OPTIMIZER_WIDE = ("bits", "backend", "block_rule", "capturable")  # in every group, one value per optimizer
 
 
 def _refill(t: torch.Tensor, size: int) -> torch.Tensor:

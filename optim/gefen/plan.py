@@ -5,7 +5,9 @@ tensors sharing group, block length, step, device, state dtype and path) and in 
 records the kernels step: a parameter, or with a factored second moment one tile of its rows
 (``partition.factor_tiles``), with views of its state. A later step only reads each parameter's
 gradient and advances its step count; the backends keep their own launch tables for a call
-(``numba_ops.prepare``, ``triton_ops``' plan cache).
+(``numba_ops.prepare``, ``triton_ops``' plan cache). With ``capturable`` the step counts are
+device tensors that a kernel advances (``triton_ops.StepScalars``, one a group and device, whose
+rows each call's tiles read: ``Call.rows``), and a call is not split by step.
 
 The plan is keyed by ``signature``: per group its structural options, per parameter whether it
 has a gradient and the address, shape, dtype and device of its data and its gradient's dtype,
@@ -47,10 +49,10 @@ class Tile(NamedTuple):
 
 
 class Hyper(NamedTuple):
-    """The hyper-parameters of one call at one step."""
+    """The hyper-parameters of one call at one step (step None: on the device, ``Call.rows``)."""
 
-    step: int
-    lr: float
+    step: int | None
+    lr: float | torch.Tensor
     beta1: float
     beta2: float
     eps: float
@@ -58,32 +60,44 @@ class Hyper(NamedTuple):
 
 
 class Call:
-    """One backend call of a step: parameters of one group sharing block length, step, device,
-    state dtype and path, and their tiles. ``native`` is what the backend prepared for it once."""
+    """One backend call of a step: parameters of one group sharing block length, step (unless the
+    steps are on the device), device, state dtype and path, and their tiles. ``native`` is what the
+    backend prepared for it once; ``rows`` each tile's row of step scalars on the device
+    (capturable), None where the host passes them."""
 
-    __slots__ = ("group", "path", "block", "params", "states", "tiles", "native", "held", "_lists")
+    __slots__ = ("group", "path", "block", "params", "states", "tiles", "native", "held", "rows", "_lists")
 
     def __init__(self, group, path, block, params, states, tiles):
         self.group, self.path, self.block = group, path, block
         self.params, self.states, self.tiles = params, states, tiles
         self.native = None
         self.held = [_held(st) for st in states]
+        self.rows = None
         self._lists = None
 
     def current(self) -> bool:
         """True while every parameter of the call is at one step and holds the state tensors the
         call was built on (parameters stepped apart, e.g. under ``step_in_backward``, or state
-        replaced through ``optimizer.state``, make the step build a new plan and check them)."""
+        replaced through ``optimizer.state``, make the step build a new plan and check them). Step
+        counters on the device are compared by identity only: each is read where it lives."""
         step = self.states[0][K.STEP]
+        on_device = torch.is_tensor(step)
         for st, h in zip(self.states, self.held):
-            if st[K.STEP] != step or _held(st) != h:
+            if (not on_device and st[K.STEP] != step) or _held(st) != h:
                 return False
         return True
 
-    def hyper(self, step: int) -> Hyper:
+    def hyper(self, step: int | None) -> Hyper:
+        """The call's hyper-parameters at ``step``; None: the step and lr are read on the device, so
+        a tensor lr stays a tensor (``float`` would wait for the device)."""
         g = self.group
         beta1, beta2 = g["betas"]
-        return Hyper(step, float(g["lr"]), beta1, beta2, g["eps"], g["weight_decay"])
+        return Hyper(step, g["lr"] if step is None else float(g["lr"]), beta1, beta2, g["eps"], g["weight_decay"])
+
+    @property
+    def sr(self) -> bool:
+        """True where the call's parameters are written with stochastic rounding (seeds drawn)."""
+        return bool(self.group["stochastic_rounding"]) and K.SEED in self.states[0]
 
     def lists(self) -> tuple:
         """(ps, vs, scales, firsts, ws) of the tiles, the backends' list arguments, built once.
@@ -105,16 +119,19 @@ class Call:
 
     def seeds(self, step: int) -> list | None:
         """Each tile's stochastic-rounding seed at ``step`` (``optim._rounding``), or None."""
-        if not self.group["stochastic_rounding"] or K.SEED not in self.states[0]:
+        if not self.sr:
             return None
         per = [step_seed(st[K.SEED], 0, step) for st in self.states]
         return [per[t.owner] if t.tile is None else step_seed(per[t.owner], t.tile, 0) for t in self.tiles]
 
 
 def _held(st) -> tuple:
-    """Identities of a parameter's state tensors (the call holds them: no id is reused meanwhile)."""
+    """Identities of a parameter's state tensors, its step counter among them where that is a
+    tensor (the call holds them: no id is reused meanwhile)."""
     get = st.get
-    return id(get(K.V)), id(get(K.SCALES)), id(get(K.CODES)), id(get(K.M)), id(get(K.W))
+    step = get(K.STEP)
+    return (id(get(K.V)), id(get(K.SCALES)), id(get(K.CODES)), id(get(K.M)), id(get(K.W)),
+            id(step) if torch.is_tensor(step) else None)
 
 
 def signature(groups, local) -> tuple:

@@ -18,6 +18,13 @@ built once per set of tensors and cached (``_Plan``, ``optim._cache.BoundedCache
 call reads a few attributes of each tensor and issues no torch operation, or two (one small
 host-to-device copy) when the gradients moved, and two more for stochastic rounding's seeds.
 
+For ``Gefen(capturable=True)`` the step count, lr and bias corrections live on the device:
+``StepScalars`` holds a group's step counters and one row of step scalars per tensor, ``advance_``
+(one launch of ``_gefen_hyper_kernel``) advances the counters and writes the rows, and
+``gefen_step_(..., hyper=rows)`` launches kernels that read them (``HYPER``). No launch then reads a
+host value that changes between steps, and none waits for the device: the step can be captured in a
+CUDA graph (a gradient moved inside a capture is written into the pointer table by device fills).
+
 Runs on CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1`` (how the tests run it).
 
 Agreement with the reference: one step from the same state gives the reference's scales and codes
@@ -37,17 +44,20 @@ from __future__ import annotations
 
 import contextlib
 import math
+import struct
 from typing import NamedTuple
 
 import torch
 import triton.language as tl
 
 from .._cache import BoundedCache
+from .._rounding import hash32_int
 from .._triton_common import KernelLaunch, axis_pairs, next_pow2, prev_pow2
 from ..backends import triton_interpreted
 from ._triton_kernels import (ELEMS_PER_THREAD, FACTOR_ITERS, FACTOR_ROWS, FACTOR_TILE, FACTOR_WIDTH,
-                              FINAL_TILE, FINAL_WIDTH, MAX_TILE_WIDTH, TILE, _TL_DTYPES, _factor_finalize_kernel,
-                              _factor_stats_kernel, _gefen_step4_kernel, _gefen_step_kernel)
+                              FINAL_TILE, FINAL_WIDTH, HYPER_BLOCK, MAX_TILE_WIDTH, TILE, _TL_DTYPES,
+                              _factor_finalize_kernel, _factor_stats_kernel, _gefen_hyper_kernel,
+                              _gefen_step4_kernel, _gefen_step_kernel)
 from .checks import check_factors, float64_state_refusal
 from .codebook import code_table
 from .reference import num_code_bytes, num_scales, scale_block_length
@@ -161,8 +171,8 @@ def tile_row_lanes(block: int, bits: int, quant: bool) -> int:
     return s_len if s_len % 2 else s_len // 2
 
 
-def step_plan(*, block, bits, quant, p_dtype, g_dtype, align, exact, factor=False, sr=False, tile=TILE,
-              num_warps=None) -> StepPlan:
+def step_plan(*, block, bits, quant, p_dtype, g_dtype, align, exact, factor=False, sr=False, hyper=False,
+              tile=TILE, num_warps=None) -> StepPlan:
     """The kernel, constexprs and warps of one launch: the launcher's only choice. A tile is R
     whole tile rows of WIDTH = next_pow2(lanes) lanes, R*WIDTH ~ ``tile`` elements (bytes for
     packed 4-bit codes), ELEMS_PER_THREAD elements a thread."""
@@ -187,7 +197,8 @@ def step_plan(*, block, bits, quant, p_dtype, g_dtype, align, exact, factor=Fals
     warps = num_warps or max(1, min(most, rr * width * (2 if four else 1) // (32 * per_thread)))
     const = dict(P_DT=_TL_DTYPES[p_dtype], G_DT=_TL_DTYPES[g_dtype], C_DT=tl.uint8 if quant else tl.float32,
                  S=s_len, BLOCK_V=1 if block == 1 else s_len, R=rr, WIDTH=width, ALIGN=align,
-                 EXACT=exact, FACTOR=factor, SR=bool(sr) and p_dtype != torch.float32, num_warps=warps)
+                 EXACT=exact, FACTOR=factor, SR=bool(sr) and p_dtype != torch.float32, HYPER=hyper,
+                 num_warps=warps)
     if warps > 16:
         const["maxnreg"] = 64
     const.update({"GROUP": group} if four else {"QUANT": quant})
@@ -229,7 +240,7 @@ def data_refusal(*, block: int | None, bits: int, quant: bool, tables=None) -> s
     return None
 
 
-def _step_launches(rows, *, block, bits, quant, tile, num_warps, factor, sr) -> list:
+def _step_launches(rows, *, block, bits, quant, tile, num_warps, factor, sr, hyper) -> list:
     """The step's ``Launch`` es of ``rows`` (``_Row`` s: flat, contiguous, validated, on one device):
     one per kind of tensor, each program naming its tensor by position in ``rows`` (the plan's
     tables)."""
@@ -246,7 +257,7 @@ def _step_launches(rows, *, block, bits, quant, tile, num_warps, factor, sr) -> 
     launches = []
     for (pdt, gdt, align, exact), ks in by_kind.items():
         plan = step_plan(block=block, bits=bits, quant=quant, p_dtype=pdt, g_dtype=gdt, align=align,
-                         exact=exact, factor=factor, sr=sr, tile=tile, num_warps=num_warps)
+                         exact=exact, factor=factor, sr=sr, hyper=hyper, tile=tile, num_warps=num_warps)
         R = plan.constexprs["R"]
         numels = [rows[k].p.numel() for k in ks]
         trows = [-(-(num_code_bytes(n, 4) if four else n) // plan.lanes) for n in numels]
@@ -283,15 +294,22 @@ def _factor_pass(rows, *, block) -> FactorPass:
 
 
 def _kernel_args(tiles, ptrs, numel_tab, tabs, w_tab, *, step, lr, beta1, beta2, eps, weight_decay,
-                 seed_tab=None):
+                 seed_tab=None, hyper_tab=None):
     """(args, table constexprs) of one launch; ``tabs``: ``DeviceTables``, None unquantised;
     ``w_tab``: the factor pointer table (any int64 tensor when FACTOR is off: unused);
-    ``seed_tab``: int64 stochastic-rounding seed of each tensor (unused, None, when SR is off)."""
+    ``seed_tab``: int64 stochastic-rounding seed of each tensor (unused, None, when SR is off);
+    ``hyper_tab``: each tensor's row address of step scalars on the device (HYPER; None: the
+    step-dependent scalars are computed here from ``step`` and ``lr``, in float64, and passed as
+    fp32 arguments, as ``_gefen_hyper_kernel`` computes them on the device)."""
     if tabs is None:
         tabs = DeviceTables(*[numel_tab] * 5, ncmp=0, has_dup=False, nlut=1)  # unused pointers
+    if hyper_tab is None:
+        scalars = 1 - lr * weight_decay, -lr / (1 - beta1**step), math.sqrt(1 - beta2**step)
+    else:
+        scalars = 0.0, 0.0, 0.0  # read from the rows
     args = (tiles, ptrs, numel_tab, tabs.codebook, tabs.uniq, tabs.mid, tabs.lut, tabs.first, w_tab,
-            numel_tab if seed_tab is None else seed_tab, 1 - beta1, beta2, 1 - beta2, eps, 1 - lr * weight_decay, -lr / (1 - beta1**step),
-            math.sqrt(1 - beta2**step))
+            numel_tab if seed_tab is None else seed_tab, numel_tab if hyper_tab is None else hyper_tab,
+            1 - beta1, beta2, 1 - beta2, eps, *scalars)
     return args, dict(NLUT=tabs.nlut, NCMP=tabs.ncmp, HAS_DUP=tabs.has_dup, enable_fp_fusion=False)
 
 
@@ -318,18 +336,21 @@ class _Plan:
     pointers).
     """
 
-    __slots__ = ("launches", "factor", "ptrs", "gcol", "numels", "wtab", "seed_tab", "order", "aligned",
-                 "device", "gptrs", "gnumels", "gdtypes")
+    __slots__ = ("launches", "factor", "ptrs", "gcol", "numels", "wtab", "seed_tab", "hyper_tab", "order",
+                 "aligned", "device", "gptrs", "gnumels", "gdtypes", "temporaries")
 
-    def __init__(self, rows, gs, ws, *, block, bits, quant, tile, num_warps, sr):
+    def __init__(self, rows, gs, ws, *, block, bits, quant, tile, num_warps, sr, hyper=None):
         device = rows[0].p.device
         for r in rows:
             for name, t in (("p", r.p),) + ((("w", ws[r.index]),) if ws is not None else ()):
                 if t.device != device:
                     raise ValueError(f"{name}[{r.index}] is on {t.device}, p[{rows[0].index}] on {device}: "
                                      "the tensors of one call must be on one device")
+        for r in rows:
+            if hyper is not None and hyper[r.index].device != device:
+                raise ValueError(f"hyper[{r.index}] is on {hyper[r.index].device}, p[{r.index}] on {device}")
         self.launches = _step_launches(rows, block=block, bits=bits, quant=quant, tile=tile, num_warps=num_warps,
-                                       factor=ws is not None and block > 1, sr=sr)
+                                       factor=ws is not None and block > 1, sr=sr, hyper=hyper is not None)
         self.factor = None if ws is None else _factor_pass(rows, block=block)
         self.ptrs = torch.tensor([[t.data_ptr() for t in (r.p, r.g, r.v, r.scales, r.codes)] for r in rows],
                                  dtype=torch.int64).to(device)
@@ -337,22 +358,39 @@ class _Plan:
         self.numels = torch.tensor([r.p.numel() for r in rows], dtype=torch.int64).to(device)
         self.wtab = self.numels if ws is None else torch.tensor(
             [ws[r.index].data_ptr() for r in rows], dtype=torch.int64).to(device)
-        uses_seeds = any(ln.constexprs["SR"] for ln in self.launches)
+        uses_seeds = hyper is None and any(ln.constexprs["SR"] for ln in self.launches)
         self.seed_tab = torch.zeros(len(rows), dtype=torch.int64, device=device) if uses_seeds else None
+        self.hyper_tab = None if hyper is None else torch.tensor(
+            [hyper[r.index].data_ptr() for r in rows], dtype=torch.int64).to(device)
         self.order = [r.index for r in rows]
         self.aligned = [i for ln in self.launches if ln.constexprs["ALIGN"] for i in ln.indices]
         self.device = device
         self.gptrs = tuple(map(_DATA_PTR, gs))
         self.gnumels = tuple(map(_NUMEL, gs))
         self.gdtypes = tuple(g.dtype for g in gs)
+        # contiguous copies of strided gradients, which the pointer table names: alive as long as the
+        # plan (such a plan is used once, never cached)
+        self.temporaries = [r.g for r in rows if r.g is not gs[r.index]]
 
     def update_grads(self, gs, gptrs) -> bool:
-        """Point the launches at new gradients; False if they do not fit this plan."""
-        if (tuple(map(_NUMEL, gs)) != self.gnumels or tuple(g.dtype for g in gs) != self.gdtypes
-                or not all(map(_IS_CONTIGUOUS, gs)) or any(gptrs[i] % 16 for i in self.aligned)
-                or any(gs[i].device != self.device for i in self.order)):
+        """Point the launches at the gradients ``gs`` (addresses ``gptrs``) where they moved; False if
+        they do not fit this plan. A gradient at the address of the last one may still be another
+        tensor (a freed gradient's memory reused), so sizes, dtypes and layout are checked always."""
+        if (not all(map(_IS_CONTIGUOUS, gs)) or tuple(map(_NUMEL, gs)) != self.gnumels
+                or tuple(g.dtype for g in gs) != self.gdtypes):
             return False
-        self.gcol.copy_(torch.tensor([gptrs[i] for i in self.order], dtype=torch.int64), non_blocking=True)
+        if gptrs == self.gptrs:
+            return True
+        if any(gptrs[i] % 16 for i in self.aligned) or any(gs[i].device != self.device for i in self.order):
+            return False
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            # a copy from host memory cannot be captured in a CUDA graph: a fill a moved gradient
+            # (gradients made by a backward inside the capture)
+            for k, i in enumerate(self.order):
+                if gptrs[i] != self.gptrs[i]:
+                    self.gcol[k].fill_(gptrs[i])
+        else:
+            self.gcol.copy_(torch.tensor([gptrs[i] for i in self.order], dtype=torch.int64), non_blocking=True)
         self.gptrs = gptrs
         return True
 
@@ -410,7 +448,7 @@ def _validate(ps, gs, vs, ss, cs, *, block, bits, quant):
     return rows, copies
 
 
-def _plan(ps, gs, vs, ss, cs, *, block, bits, quant, tile, num_warps, ws=None, sr=False):
+def _plan(ps, gs, vs, ss, cs, *, block, bits, quant, tile, num_warps, ws=None, sr=False, hyper=None):
     """(cached or new ``_Plan``, contiguous copies of parameters to write back); (None, []) when
     every tensor is empty."""
     # state tensors by address, size, dtype and layout: a view at a cached address (another
@@ -418,18 +456,22 @@ def _plan(ps, gs, vs, ss, cs, *, block, bits, quant, tile, num_warps, ws=None, s
     key = (block, bits, quant, tile, num_warps, sr, tuple(map(_DATA_PTR, ps)), tuple(map(_NUMEL, ps)),
            tuple(p.dtype for p in ps), tuple(map(_state_key, vs)), tuple(map(_state_key, cs)),
            tuple(map(_state_key, ss)) if quant else None,
-           tuple(map(_state_key, ws)) if ws is not None else None)
+           tuple(map(_state_key, ws)) if ws is not None else None,
+           tuple(map(_state_key, hyper)) if hyper is not None else None)
     plan = _PLAN_CACHE.get(key)
     if plan is not None:
         gptrs = tuple(map(_DATA_PTR, gs))
-        if all(map(_IS_CONTIGUOUS, ps)) and (gptrs == plan.gptrs or plan.update_grads(gs, gptrs)):
+        if all(map(_IS_CONTIGUOUS, ps)) and plan.update_grads(gs, gptrs):
             return plan, []
     if ws is not None:
         check_factors(ps, ws, block=block, device_type=ps[0].device.type if ps else "cpu")
+    if hyper is not None:
+        check_rows(hyper, len(ps))
     rows, copies = _validate(ps, gs, vs, ss, cs, block=block, bits=bits, quant=quant)
     if not rows:
         return None, []
-    plan = _Plan(rows, gs, ws, block=block, bits=bits, quant=quant, tile=tile, num_warps=num_warps, sr=sr)
+    plan = _Plan(rows, gs, ws, block=block, bits=bits, quant=quant, tile=tile, num_warps=num_warps, sr=sr,
+                 hyper=hyper)
     if not copies and all(map(_IS_CONTIGUOUS, gs)):  # a temporary contiguous copy has a new address each call
         _PLAN_CACHE.put(key, plan)
     return plan, copies
@@ -442,7 +484,7 @@ def _launch(kernel, grid, args, kwargs, device):
 
 
 def gefen_step_(ps, gs, vs, scales, codes, codebook, *, step, lr, beta1, beta2, eps, weight_decay,
-                block, bits, tables=None, tile=TILE, num_warps=None, ws=None, seeds=None):
+                block, bits, tables=None, tile=TILE, num_warps=None, ws=None, seeds=None, hyper=None):
     """One Gefen step in place: the rule and state layout of :func:`optim.gefen.reference.gefen_step`.
 
     ``ps, gs, vs, scales, codes`` are tensors of one parameter, or equal-length lists of them (a
@@ -456,7 +498,11 @@ def gefen_step_(ps, gs, vs, scales, codes, codebook, *, step, lr, beta1, beta2, 
     the factor's kernels (column means of g**2 over a tensor's blocks), then read by the step
     kernel (``FACTOR``; with ``block == 1`` only w moves). ``seeds``: one 32-bit seed per tensor:
     bf16 and fp16 parameters are then written with stochastic rounding (``optim._rounding``;
-    ``SR``), else rounded to nearest. Returns None.
+    ``SR``), else rounded to nearest. ``hyper``: each tensor's row of step scalars on the device
+    (``StepScalars.rows``, written by :func:`advance_` before this call): the kernels read
+    ``1 - lr*wd``, the bias corrections and the seed there (``HYPER``) and ``step`` and ``lr``
+    are not read, so a captured launch stays valid at every replay; ``seeds`` is then True (any
+    value but None) to round stochastically with the rows' seeds. Returns None.
 
     Host cost: the first call with a set of tensors validates them and builds the plan (launch
     and pointer tables, the factor's scratch); later calls with the same p, v, scales, codes and w
@@ -477,7 +523,8 @@ def gefen_step_(ps, gs, vs, scales, codes, codebook, *, step, lr, beta1, beta2, 
     if quant and tables is None:
         tables = _table_of(codebook)
     plan, copies = _plan(ps, gs, vs, ss, cs, block=block, bits=bits, quant=quant, tile=tile,
-                         num_warps=num_warps, ws=None if ws is None else _as_list(ws), sr=seeds is not None)
+                         num_warps=num_warps, ws=None if ws is None else _as_list(ws), sr=seeds is not None,
+                         hyper=None if hyper is None else _as_list(hyper))
     if plan is None:
         return
     device = plan.device
@@ -493,11 +540,85 @@ def gefen_step_(ps, gs, vs, scales, codes, codebook, *, step, lr, beta1, beta2, 
     for ln in plan.launches:
         args, table_const = _kernel_args(ln.tiles, plan.ptrs, plan.numels, tabs, plan.wtab, step=step, lr=lr,
                                          beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
-                                         seed_tab=plan.seed_tab)
+                                         seed_tab=plan.seed_tab, hyper_tab=plan.hyper_tab)
         _launch(ln.kernel, ln.grid, args, dict(table_const, **ln.constexprs), device)
     for pi, pw in copies:
         pi.copy_(pw.view_as(pi))
 
+
+
+# ------------------------------------------------------------------------------ step scalars
+def check_rows(rows, n: int):
+    """Raise ``ValueError`` unless ``rows`` holds one contiguous fp32 row of 4 step scalars per tensor."""
+    if len(rows) != n:
+        raise ValueError(f"Gefen kernel: {len(rows)} rows of step scalars for {n} parameters")
+    for i, r in enumerate(rows):
+        if r.dtype != torch.float32 or r.numel() != 4 or not r.is_contiguous():
+            raise ValueError(f"Gefen kernel: hyper[{i}] must be a contiguous float32 tensor of 4 elements, "
+                             f"got {r.dtype} {tuple(r.shape)}")
+
+
+class StepScalars:
+    """A parameter group's step counters and rows of step scalars on one device, for steps whose
+    every launch reads its step-dependent numbers on the device (a CUDA graph replays launches with
+    the arguments they were captured with).
+
+    ``steps``: each tile's fp32 step counter (its parameter's one-element ``state["step"]``, shared
+    by the tiles of a parameter); ``seeds``: each tile's stochastic-rounding seed (``state.SEED``)
+    or None; ``tiles``: each tile's index among its parameter's tiles, None for a whole tensor.
+    ``rows`` (one (4,) fp32 view a tile: ``1 - lr*wd``, ``-lr / (1 - beta1**t)``,
+    ``sqrt(1 - beta2**t)``, the seed's bits) go to :func:`gefen_step_` as ``hyper``; built once.
+    """
+
+    __slots__ = ("buf", "bits", "rows", "tab", "device", "sr")
+
+    def __init__(self, steps, seeds, tiles, device):
+        device = torch.device(device)
+        first, table = set(), []
+        for i, (st, seed, k) in enumerate(zip(steps, seeds, tiles)):
+            if st.dtype != torch.float32 or st.numel() != 1 or st.device != device:
+                raise ValueError(f"step[{i}] must be a one-element float32 tensor on {device}, got "
+                                 f"{st.dtype} {tuple(st.shape)} on {st.device}")
+            writes = st.data_ptr() not in first  # one row advances each counter
+            first.add(st.data_ptr())
+            c = 0 if seed is None else hash32_int(hash32_int(seed))  # step_seed(seed, 0, t)'s constant
+            table.append((st.data_ptr(), int(writes), c, -1 if k is None else k))
+        self.buf = torch.zeros(len(table), 4, dtype=torch.float32, device=device)
+        self.bits = self.buf.view(torch.int32)  # the seeds' words
+        self.rows = list(self.buf.unbind(0))
+        self.tab = torch.tensor(table, dtype=torch.int64).reshape(-1, 4).to(device)
+        self.device = device
+        self.sr = any(seed is not None for seed in seeds)
+
+
+def _bits(x) -> int:
+    """The IEEE float64 bits of ``x`` as a signed int: how a host float reaches a kernel exactly."""
+    return struct.unpack("<q", struct.pack("<d", float(x)))[0]
+
+
+def _hyper_args(sc: StepScalars, *, lr, beta1, beta2, weight_decay):
+    """(args, constexprs) of ``_gefen_hyper_kernel`` for ``sc``: a tensor lr on the rows' device is
+    read there (LR_ON_DEVICE), any other lr on the host (a Python float: a captured launch keeps it)."""
+    on_device = torch.is_tensor(lr) and lr.device == sc.device
+    if on_device and lr.numel() != 1:
+        raise ValueError(f"a tensor lr must have one element, got shape {tuple(lr.shape)}")
+    args = (sc.tab, sc.buf, sc.bits, lr if on_device else sc.buf, len(sc.rows),
+            0 if on_device else _bits(lr), _bits(beta1), _bits(beta2), _bits(weight_decay))
+    return args, dict(LR_ON_DEVICE=on_device, SR=sc.sr, BLOCK=HYPER_BLOCK, num_warps=4, enable_fp_fusion=False)
+
+
+def advance_(sc: StepScalars, *, lr, beta1, beta2, weight_decay):
+    """One launch: add 1 to every step counter of ``sc`` and write each row's scalars for the new
+    step t, computed in float64 from the hyper-parameters' bits and rounded to fp32 once, as
+    :func:`gefen_step_` computes them on the host without rows; ``beta**t`` by binary powering
+    instead of the C library's ``pow`` (within a few float64 ulps: the fp32 scalars are the host's
+    except where one lies within that of a rounding boundary). No host synchronisation, so a CUDA
+    graph can capture it: betas, weight decay and a float lr are then fixed at capture, a tensor
+    lr on the device is read at every replay. Step counters are fp32 (exact up to 2**24)."""
+    if not sc.rows:
+        return
+    args, const = _hyper_args(sc, lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay)
+    _launch(_gefen_hyper_kernel, (1,), args, const, sc.device)
 
 # Every configuration step_plan can choose, one list of values per axis; one value of each is one
 # compiled kernel. A new constexpr is one more line here (and its keyword in step_plan). Blocks: every
@@ -509,14 +630,16 @@ _BLOCKS = [1] + [b for k in range(1, 11) for b in ((1 << k), (1 << k) - 1) if b 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 _TABLES = [(1, False, 4096), (1, True, 1024), (2, True, 65536), (3, False, 65536)]  # (ncmp, has_dup, nlut)
 _COMMON = dict(block=_BLOCKS, p_dtype=_DTYPES, g_dtype=_DTYPES, align=[True, False], exact=[True, False],
-               factor=[False, True], sr=[False, True])
+               factor=[False, True], sr=[False, True], hyper=[False, True])
 # The factor's kernels (factor_plan): blocks as the step's, and beyond FACTOR_WIDTH (column chunks,
-# aligned or masked) up to the longest a 4-bit tile row holds.
+# aligned or masked) up to the longest a 4-bit tile row holds. The step scalars' kernel (advance_): lr
+# a host float or a tensor on the device (fp32, or fp64), stochastic rounding's seeds or none.
 PLAN_AXES = {
     "8bit": dict(_COMMON, bits=[8], quant=[True], table=_TABLES),
     "4bit": dict(_COMMON, bits=[4], quant=[True], table=_TABLES),
     "fp32_m": dict(_COMMON, bits=[8], quant=[False]),
     "factor": dict(block=_BLOCKS + [2047, 2048, 3000, 2 * MAX_TILE_WIDTH], g_dtype=_DTYPES),
+    "scalars": dict(lr=["float", torch.float32, torch.float64], sr=[False, True]),
 }
 
 
@@ -536,12 +659,15 @@ def launch_configs(cover=axis_pairs) -> list:
         if mode == "factor":
             out += _factor_launch_configs(cover(axes), axes)
             continue
+        if mode == "scalars":
+            out += _scalars_launch_configs(cover(axes), axes)
+            continue
         for c in cover(axes):
             plan = {k: v for k, v in c.items() if k != "table"}
             chosen = step_plan(**plan)
             tabs = _stand_in_tables(c["bits"], *c["table"]) if c["quant"] else None
             args, table_const = _kernel_args(*tile_tabs, tabs, tile_tabs[2], step=1, lr=1e-3, beta1=0.9, beta2=0.999,
-                                             eps=1e-8, weight_decay=0.0)
+                                             eps=1e-8, weight_decay=0.0, hyper_tab=tile_tabs[2] if c["hyper"] else None)
             name = f"gefen_{mode}/" + ",".join(f"{k}={str(v).replace('torch.', '')}" for k, v in c.items()
                                               if len(axes[k]) > 1)
             out.append(KernelLaunch(name, chosen.kernel, args, dict(chosen.constexprs, **table_const)))
@@ -562,3 +688,14 @@ def _factor_launch_configs(configs, axes) -> list:
                                   _final_args(i64, i64, i64, part, beta2=0.999), fp.final))
     return stats + final
 
+
+def _scalars_launch_configs(configs, axes) -> list:
+    """``KernelLaunch`` of ``_gefen_hyper_kernel`` at each configuration of ``configs``."""
+    out = []
+    for c in configs:
+        sc = StepScalars([torch.zeros(1)], [1 if c["sr"] else None], [None], "cpu")
+        lr = 1e-3 if c["lr"] == "float" else torch.zeros(1, dtype=c["lr"])
+        args, const = _hyper_args(sc, lr=lr, beta1=0.9, beta2=0.999, weight_decay=0.0)
+        name = ",".join(f"{k}={str(v).replace('torch.', '')}" for k, v in c.items() if len(axes[k]) > 1)
+        out.append(KernelLaunch("gefen_scalars/" + name, _gefen_hyper_kernel, args, const))
+    return out
