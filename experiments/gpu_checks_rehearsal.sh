@@ -41,6 +41,7 @@ step() {  # step NAME COMMAND...: runs every step, lists every status
 step scripts-dry-run "$PY" -m pytest -q -p no:cacheprovider tests/test_gpu_scripts_dry_run.py
 step launcher-plugin env LAUNCHER_DEVICE=cpu "$PY" -m pytest -q -p no:cacheprovider -p tests._device_launchers \
     tests/test_dsa_kernels.py -k "triton and not bad_inputs and not optimizer"
+step capturable "$PY" -m pytest -q -p no:cacheprovider tests/test_gefen_capturable.py -k "cuda_graph or no_host"
 step bench_dsa_gpu "$PY" experiments/bench_dsa_gpu.py --dry-run --results-dir "$R"
 step bench_kernels "$PY" experiments/bench_kernels.py --dry-run --skip-upstream --results-dir "$R"
 step kernel_resources "$PY" experiments/kernel_resources.py --quick --results-dir "$R" --workers 2
