@@ -6,43 +6,64 @@ tensor) and a job table (tensor, first and last scale block); jobs run in parall
 (``prange``, numba threads = ``torch.get_num_threads()``). A job is a run of whole scale blocks,
 so every block's v, absmax and codes are computed exactly as in the serial loop (results do not
 depend on the thread count); with 4-bit codes and an odd scale-block length, jobs start at even
-blocks so that no two jobs write the same code byte.
+blocks so that no two jobs write the same code byte. A job's scratch (a few block-sized buffers)
+lives on its thread's stack, so a job allocates nothing; the call's lookup tables are built once
+(``_tables``).
 
-Every compiled function is top level with one signature: the code width, ``block == 1`` and an
-unquantised first moment are run-time flags tested once per scale block, not per element. Top-level functions have one on-disk
-cache entry each, so processes compiling at the same time cannot load each other's variants.
+Every compiled function is top level with one signature: the code width, ``block == 1``, an
+unquantised first moment and the instruction set are run-time flags tested once per scale block,
+not per element. Top-level functions have one on-disk cache entry each, so processes compiling
+at the same time cannot load each other's variants.
 
-Passes: each scale block (S <= 1024 elements, so its buffers stay in L1) goes through short
-loops, each written so that LLVM vectorises it or, where it cannot (table lookups are gathers,
-which LLVM keeps scalar), so that the scalar loop holds nothing but the lookup. A single loop
-doing everything per element compiles to scalar code (a scalar division per element);
-``experiments/bench_kernels.py`` times the passes against ``torch.optim.AdamW``:
+A scale block (S <= 1024 elements, so its buffers stay in L1) goes through a few passes. Its
+table lookups are what costs: a gather costs about a cycle an element on x86 whichever way it is
+done (scalar loads or vgather), against a fraction of a cycle for the arithmetic around it. So
+there are two forms of the passes, chosen when the kernel is compiled, with the same codes,
+scales, p and v (``experiments/gefen_speed.py`` times the step against ``torch.optim.AdamW``):
 
-1. decode ``C[code] * s`` into a block buffer (scalar lookup; 4 bits: nibbles unpacked first);
-2. lerp with g in place (vector; an FMA, exactly torch's vectorised CPU ``lerp``);
-3. absmax as an integer max over the buffer's bit patterns (vector; exact: for non-negative
-   floats the integer order is the float order, and a NaN stays the largest);
-4. v: sum of g**2 (block > 1; vector, in 8 interleaved lanes: the order of the sum differs from
-   torch's, so v is equal to fp32 rounding) or per element (block == 1);
-5. q = m / absmax (vector ``vdivps``, exact) and its lookup-table bin (8 bits), or its code
-   counted against the 15 decision boundaries with the value selected alongside (4 bits, vector,
-   no table);
-6. (8 bits) code = ``lut_code[u] + (q > lut_bound[u])``, value ``lut_values[2u + up]`` (scalar);
-7. parameter update (vector) and, at 4 bits, packing two codes a byte.
+AVX-512 (the CPU has AVX-512 F, BW and VBMI: ``_SIMD``): the passes are LLVM IR (``_v*``
+intrinsics) over groups of 128 elements (64 for blocks of up to 64; a partial last group reads
+copies padded with zeros). The 256 codebook entries are held as 4 byte planes and looked up with
+byte permutes, 64 at a time (``_lut256_ir``); the 16 entries of 4 bits are one register (vpermps).
 
-An unquantised first moment (fp32 m in place of codes and scales) skips 1, 3, 5 and 6: the lerp
-runs on the stored m and the update reads it.
+1. decode, lerp, absmax and v's sum (``_vdecode8``/``_vdecode4``): C[code] * s, lerp with g (one
+   FMA, torch's formula), max |m| as an integer max over the bit patterns (exact: for
+   non-negative floats the integer order is the float order, and a NaN stays the largest), g**2
+   into 64 lane sums (added in a fixed tree after the block: ``_vsum``);
+2. codes and their entries (``_vquantize8``): q = m / absmax (an exact division), q's bin in
+   ``codebook.nearest_code``'s table, the code below the bin (byte permutes over the 1024 bins;
+   larger tables: scalar lookups and ``_vchoose8``), that code's boundary, code = below + (q >
+   boundary), C[code]; at 4 bits (``_vquantize4``) the code is #{boundaries < q} by a binary
+   search over the 15 boundaries in a register;
+3. the parameter update (a vector loop) and, at 4 bits, packing two codes a byte. Lines 2048
+   elements ahead are prefetched into L2 a few per group (the passes over a block are too far
+   apart for the hardware prefetcher; a burst of prefetches a block would be dropped).
 
-Arithmetic: as ``reference.gefen_step`` in fp32, scalars passed as float32. Multiply-adds may be
-fused (``fastmath={"contract"}``) only where the reference's value does not depend on it: the
-decode ``C[code] * s`` is a pass of its own, compiled without ``contract``, so it is rounded
-before the lerp as torch rounds it; ``lerp`` is then exactly torch's vectorised CPU lerp (an
-FMA); the v and parameter updates are compiled without ``contract`` (a multiply-add with two
-products may be fused either way, differently in the serial and the parallel copy); p and v
-can differ from the reference in the last bits (block > 1: the update is ``m^ * (value /
-denom)``, one division per block). Codes do not depend on that (the lookup table's margin
-absorbs the rounding of the bin index, the final boundary comparison is exact; the 4-bit count
-``#{boundaries < q}`` is ``codebook.nearest_code``'s definition).
+Portable (any other CPU; plain numba loops that LLVM vectorises):
+
+1. decode, lerp and absmax in one vector loop whose lookup is a gather from a copy of the
+   codebook on the stack (so LLVM knows the stores cannot change it); 4 bits: nibbles unpacked
+   first;
+2. v's sum: 64 lanes, a row of 64 at a time, then a fixed tree;
+3. 8 bits: q and its bin (vector), then code = lower code + (q > boundary) with both read from
+   one uint64 a bin, and C[code] (the only scalar loop); 4 bits: the count of boundaries below q
+   as compares and blends over boundaries held in registers (vector);
+4. the parameter update (vector), 4-bit packing.
+
+With block == 1 (S = 256) v is per element, updated in the parameter-update loop. An
+unquantised first moment (fp32 m in place of codes and scales) takes the portable lerp on the
+stored m and the update.
+
+Arithmetic: as ``reference.gefen_step`` in fp32, scalars passed as float32, no fast-math flags:
+multiply-adds are fused only where written (``_fma``, ``llvm.fma``) and only where the
+reference's value does not depend on it, so the serial and the parallel copy of a kernel round
+alike. The decode ``C[code] * s`` is rounded before the lerp as torch rounds it; ``lerp`` is
+torch's vectorised CPU lerp (an FMA); v's sum of squares is a chain of FMAs per lane in a fixed
+order (not torch's order: v is equal to fp32 rounding); p can differ from the reference in the
+last bits (block > 1: the update is ``m^ * (value / denom)``, one division per block; block == 1:
+sqrt(v) times 1 / sqrt(bc2)). Codes do not depend on that: the lookup table's margin absorbs the
+rounding of the bin index, the final boundary comparison is on the exact quotient, and the 4-bit
+count ``#{boundaries < q}`` is ``codebook.nearest_code``'s definition.
 """
 
 import functools
@@ -50,11 +71,60 @@ from functools import partial
 
 import numpy as np
 from numba import carray, njit, prange, types
+from numba.core import cgutils
 from numba.extending import intrinsic
+from llvmlite import ir
 
-_FMA = {"contract"}
+_I8, _I32 = ir.IntType(8), ir.IntType(32)
+MAX_S = 1024  # longest scale block with stack scratch (partition.MAX_BLOCK); longer ones get heap arrays
+_LANES = 64  # lane sums of v's sum of squares
+_TABLE = 256  # entries of the portable path's stack copy of the codebook
+_AHEAD = 2  # scale blocks prefetched ahead (portable path)
+_AHEAD_ELEMENTS = 2048  # elements prefetched ahead (AVX-512 path)
+_GROUP = 128  # elements an AVX-512 call works on: two vectors of 64 bytes, each table register serving both
+_PAD = _GROUP  # scratch past S: the AVX-512 calls work on whole groups
+_BUF = MAX_S + _PAD
+_CB_PLANES, _BOUND_PLANES, _CB16, _BOUNDS16, _TABS = 0, 1024, 2048, 2112, 2176  # byte offsets in ``tabs``
 
 
+@functools.cache
+def kernel(bits: int, per_element_v: bool, parallel: bool = True, factored: bool = False, quant: bool = True):
+    """The compiled step for 8- or 4-bit codes and block == 1 (per-element v) or block > 1.
+
+    ``parallel=False``: the same jobs run in order on the calling thread, without starting
+    numba's OpenMP pool (at one thread its barrier would only add waiting).
+
+    ``factored``: the second moment of element j of a block is ``v_b * r_j`` (block > 1), with
+    ``ratio[t, j] = sqrt(r_j)``.
+
+    ``quant=False``: the codes column of ``meta`` is the address of an fp32 first moment (one float
+    an element), updated in place; scales, codebook and tables are not read (``bits`` is ignored).
+
+    ``kernel(...)(meta, jobs, ratio, cb, bounds, lut_code, lut_bound, lut_values, lut_scale, block,
+    S, w1, beta2, one_minus_beta2, decay, neg_step, bc2_sqrt, eps)``: ``meta`` int64 (tensors, 9) =
+    addresses of p, g, v, scales, codes (contiguous fp32, fp32, fp32, fp32, uint8) and their
+    element counts; ``jobs`` int64 (jobs, 3) = tensor row, first scale block, end scale block;
+    ``cb`` the codebook's distinct entries, ``bounds`` its fp32 decision boundaries
+    (``CodeTable.boundaries``: levels - 1 and a trailing +inf), ``lut_code``/``lut_bound`` the
+    table's lower code and boundary a bin (``lut_values`` is not read: the entries come from
+    ``cb``); ``ratio`` fp32 (tensors, block), ``factor_kernel``'s output (read only when
+    ``factored``).
+    """
+    return partial(_step_parallel if parallel else _step_serial, _SIMD, quant and bits == 4, per_element_v,
+                   factored and not per_element_v, quant)
+
+
+def factor_kernel(parallel: bool = True):
+    """The factored second moment's first pass: ``(meta, jobs, wptrs, block, S, beta2,
+    one_minus_beta2, partial, ratio)`` updates each tensor's ``w`` (address ``wptrs[t]``, fp32
+    ``block`` floats) with the mean over its blocks of g**2 per offset and writes ``ratio[t] =
+    w / mean(w)`` (ones where the mean is 0). Column sums run per job into ``partial`` (jobs,
+    block) and are added per tensor in job order, so the result does not depend on the threads.
+    ``ratio`` holds sqrt(r), what the step multiplies by."""
+    return _factor_parallel if parallel else _factor_serial
+
+
+# ------------------------------------------------------------------------------ helpers
 # _f32_ptr and _u8_ptr are written out (a deliberate duplicate of shape): an intrinsic built by a
 # factory would be a closure, which numba's on-disk cache cannot key reliably.
 @intrinsic
@@ -75,53 +145,431 @@ def _u8_ptr(typingctx, addr):
     return sig, codegen
 
 
-@functools.cache
-def kernel(bits: int, per_element_v: bool, parallel: bool = True, factored: bool = False, quant: bool = True):
-    """The compiled step for 8- or 4-bit codes and block == 1 (per-element v) or block > 1.
+@intrinsic
+def _alloca(typingctx, dtype, n):
+    """A pointer to ``n`` (a literal) elements of ``dtype`` on the calling function's stack."""
+    if not isinstance(n, types.IntegerLiteral):
+        return None
+    ty, size = dtype.instance_type, n.literal_value
+    sig = types.CPointer(ty)(dtype, n)
 
-    ``parallel=False``: the same jobs run in order on the calling thread, without starting
-    numba's OpenMP pool (at one thread its barrier would only add waiting).
-
-    ``factored``: the second moment of element j of a block is ``v_b * r_j`` (block > 1), with
-    ``ratio[t, j] = sqrt(r_j)``.
-
-    ``quant=False``: the codes column of ``meta`` is the address of an fp32 first moment (one float
-    an element), updated in place; scales, codebook and tables are not read (``bits`` is ignored).
-
-    ``kernel(...)(meta, jobs, ratio, cb, bounds, lut_code, lut_bound, lut_values, lut_scale, block,
-    S, w1, beta2, one_minus_beta2, decay, neg_step, bc2_sqrt, eps)``: ``meta`` int64 (tensors, 9) =
-    addresses of p, g, v, scales, codes (contiguous fp32, fp32, fp32, fp32, uint8) and their
-    element counts; ``jobs`` int64 (jobs, 3) = tensor row, first scale block, end scale block;
-    ``bounds`` the fp32 decision boundaries (``CodeTable.boundaries``, levels - 1 and a trailing
-    +inf; used at 4 bits); ``ratio`` fp32 (tensors, block), ``factor_kernel``'s output (read only
-    when ``factored``).
-    """
-    return partial(_step_parallel if parallel else _step_serial, quant and bits == 4, per_element_v,
-                   factored and not per_element_v, quant)
+    def codegen(context, builder, signature, args):
+        return cgutils.alloca_once(builder, context.get_value_type(ty), size=size)
+    return sig, codegen
 
 
-def factor_kernel(parallel: bool = True):
-    """The factored second moment's first pass: ``(meta, jobs, wptrs, block, S, beta2,
-    one_minus_beta2, partial, ratio)`` updates each tensor's ``w`` (address ``wptrs[t]``, fp32
-    ``block`` floats) with the mean over its blocks of g**2 per offset and writes ``ratio[t] =
-    w / mean(w)`` (ones where the mean is 0). Column sums run per job into ``partial`` (jobs,
-    block) and are added per tensor in job order, so the result does not depend on the threads.
-    ``ratio`` holds sqrt(r), what the step multiplies by."""
-    return _factor_parallel if parallel else _factor_serial
+@intrinsic
+def _data(typingctx, arr):
+    """The address of an array's first element (``arr.ctypes.data`` spills the array's descriptor
+    to memory, which then keeps LLVM from vectorising loops near the call)."""
+    sig = types.intp(arr)
+
+    def codegen(context, builder, signature, args):
+        ary = context.make_array(signature.args[0])(context, builder, args[0])
+        return builder.ptrtoint(ary.data, context.get_value_type(types.intp))
+    return sig, codegen
+
+
+@intrinsic
+def _prefetch(typingctx, addr):
+    """Ask for the cache line at ``addr`` (an integer) ahead of its use (``llvm.prefetch`` into L2:
+    the block being worked on and its scratch fill L1)."""
+    sig = types.void(addr)
+
+    def codegen(context, builder, signature, args):
+        fn = builder.module.globals.get("llvm.prefetch.p0")
+        if fn is None:
+            fn = ir.Function(builder.module, ir.FunctionType(ir.VoidType(), [ir.PointerType(), _I32, _I32, _I32]),
+                             name="llvm.prefetch.p0")
+        builder.call(fn, [builder.inttoptr(args[0], ir.PointerType()), ir.Constant(_I32, 0),
+                          ir.Constant(_I32, 1), ir.Constant(_I32, 1)])  # read, into L2 (prefetcht2), data
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+@njit(nogil=True, error_model="numpy", cache=True, inline="always")
+def _prefetch_block(p, g, codes, bits4, quant, start, stop):
+    """Prefetch elements start..stop-1 of p, g and the codes (a scale block ``_AHEAD`` blocks on):
+    the passes over a block are too far apart for the hardware prefetcher to run ahead of them."""
+    for a in range(_data(p) + 4 * start, _data(p) + 4 * stop, 64):
+        _prefetch(a)
+    for a in range(_data(g) + 4 * start, _data(g) + 4 * stop, 64):
+        _prefetch(a)
+    if quant:
+        lo, hi = (start >> 1, (stop + 1) >> 1) if bits4 else (start, stop)
+        for a in range(_data(codes) + lo, _data(codes) + hi, 64):
+            _prefetch(a)
+
+
+@intrinsic
+def _fma(typingctx, a, b, c):
+    """a * b + c rounded once (``llvm.fma``: one instruction where the CPU has FMA)."""
+    sig = types.float32(types.float32, types.float32, types.float32)
+
+    def codegen(context, builder, signature, args):
+        return builder.fma(*args)
+    return sig, codegen
+
+
+@intrinsic
+def _low_f32(typingctx, x):
+    """The float32 whose bit pattern is the low 32 bits of a uint64."""
+    sig = types.float32(types.uint64)
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(builder.trunc(args[0], ir.IntType(32)), ir.FloatType())
+    return sig, codegen
+
+
+@intrinsic
+def _bits_f32(typingctx, x):
+    """The float32 whose bit pattern is the int32 x."""
+    sig = types.float32(types.int32)
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.FloatType())
+    return sig, codegen
+
+
+# ------------------------------------------------------------------------- AVX-512 passes
+# LLVM IR written with llvmlite (numba has no vector types). ``_SIMD`` says whether the compile
+# target has the instructions; numba's cache is keyed by the CPU's features, so a cached kernel
+# never runs on a CPU without them.
+
+def _target_has(*features) -> bool:
+    """Whether numba compiles for a CPU with all of ``features`` (LLVM's names)."""
+    from numba.core.registry import cpu_target
+
+    have = set(getattr(cpu_target.target_context.codegen(), "_tm_features", "").split(","))
+    return all(f"+{f}" in have for f in features)
+
+
+_SIMD = _target_has("avx512f", "avx512bw", "avx512vbmi")
+_V64I8, _V16I32, _V16F32 = ir.VectorType(_I8, 64), ir.VectorType(_I32, 16), ir.VectorType(ir.FloatType(), 16)
+
+
+def _x86(builder, name, ret, args):
+    """The declaration of LLVM intrinsic ``name`` in the current module."""
+    fn = builder.module.globals.get(name)
+    return fn if fn is not None else ir.Function(builder.module, ir.FunctionType(ret, args), name=name)
+
+
+def _consts(ty, values):
+    return ir.Constant(ty, [ir.Constant(ty.element, int(x)) for x in values])
+
+
+def _ptr(builder, addr, ty):
+    return builder.inttoptr(addr, ty.as_pointer())
+
+
+def _trap(builder):
+    """The body of an intrinsic compiled for a CPU without AVX-512 (never called: ``_SIMD`` is False)."""
+    builder.call(_x86(builder, "llvm.trap", ir.VoidType(), []), [])
+
+
+def _splat(ty, x):
+    return ir.Constant(ty, [ir.Constant(ty.element, x)] * ty.count)
+
+
+def _load(builder, addr, ty, offset=0):
+    """The ``ty`` vector at byte address ``addr`` + ``offset`` (unaligned)."""
+    p = builder.add(addr, ir.Constant(addr.type, offset)) if offset else addr
+    return builder.load(_ptr(builder, p, ty), align=1)
+
+
+def _store(builder, value, addr, offset=0):
+    p = builder.add(addr, ir.Constant(addr.type, offset)) if offset else addr
+    builder.store(value, _ptr(builder, p, value.type), align=1)
+
+
+# Two unpack steps (bytes, then words, within 128-bit lanes) turn 4 byte planes into floats with
+# element 16X + 4L + d at lane L, dword d of output X; the indices are permuted beforehand so that
+# this is element order: byte 16L + 4X + d of the permuted indices is index 16X + 4L + d.
+_LANE_ORDER = [16 * X + 4 * L + d for L in range(4) for X in range(4) for d in range(4)]
+
+
+def _lut256_ir(builder, planes, idxs):
+    """T[idx] for each vector of 64 byte indices in ``idxs`` and the 256-entry fp32 table T at
+    address ``planes`` as 4 byte planes (byte k of entry e at 256 k + e): per vector, 4 vectors of
+    16 floats. Each table register is loaded once for all of ``idxs``."""
+    permb = _x86(builder, "llvm.x86.avx512.permvar.qi.512", _V64I8, [_V64I8, _V64I8])
+    permi2b = _x86(builder, "llvm.x86.avx512.vpermi2var.qi.512", _V64I8, [_V64I8, _V64I8, _V64I8])
+    idxs = [builder.call(permb, [idx, _consts(_V64I8, _LANE_ORDER)]) for idx in idxs]
+    uppers = [builder.icmp_signed("<", idx, ir.Constant(_V64I8, None)) for idx in idxs]  # entries 128..255
+    planes_out = [[] for _ in idxs]
+    for k in range(4):
+        t = [_load(builder, planes, _V64I8, 64 * (4 * k + q)) for q in range(4)]
+        for out, idx, upper in zip(planes_out, idxs, uppers):
+            out.append(builder.select(upper, builder.call(permi2b, [t[2], idx, t[3]]),
+                                      builder.call(permi2b, [t[0], idx, t[1]])))
+
+    def unpack(a, b, width, high):
+        n, half = 64 // width, 8 // width
+        lanes = ir.VectorType(ir.IntType(8 * width), n)
+        a, b = builder.bitcast(a, lanes), builder.bitcast(b, lanes)
+        order = [x for L in range(4) for j in range(half)
+                 for x in (L * 2 * half + high * half + j, n + L * 2 * half + high * half + j)]
+        return builder.shuffle_vector(a, b, _consts(ir.VectorType(_I32, n), order))
+
+    result = []
+    for p in planes_out:
+        b01 = [unpack(p[0], p[1], 1, h) for h in (0, 1)]
+        b23 = [unpack(p[2], p[3], 1, h) for h in (0, 1)]
+        result.append([builder.bitcast(unpack(b01[h8], b23[h8], 2, h16), _V16F32)
+                       for h8, h16 in ((0, 0), (0, 1), (1, 0), (1, 1))])
+    return result
+
+
+def _simd_intrinsic(body, returns=types.void):
+    """The typer of an intrinsic whose first argument is the group size (a literal, 64 or 128) and
+    whose others are integer addresses and scalars; its IR ``body(builder, group, args)`` needs
+    AVX-512 (and returns an i32 where ``returns`` is int32). On a CPU without AVX-512 the body
+    is a trap (``_SIMD`` keeps it from being called)."""
+    def typer(typingctx, group, *args):
+        if not isinstance(group, types.IntegerLiteral):
+            return None
+
+        def codegen(context, builder, signature, llargs):
+            if not _SIMD:
+                _trap(builder)
+                out = ir.Constant(_I32, 0)
+            else:
+                out = body(builder, group.literal_value, llargs[1:])
+            return out if returns is types.int32 else context.get_dummy_value()
+        return returns(group, *args), codegen
+    return typer
+
+
+def _bcast(builder, x, ty):
+    """A vector of ``ty`` holding the scalar ``x`` in every lane."""
+    v = builder.insert_element(ir.Constant(ty, None), x, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, ty.count), None))
+
+
+def _concat(builder, parts):
+    """One vector of the 4 equal vectors ``parts``, in order."""
+    n = parts[0].type.count
+    lo = builder.shuffle_vector(parts[0], parts[1], _consts(ir.VectorType(_I32, 2 * n), range(2 * n)))
+    hi = builder.shuffle_vector(parts[2], parts[3], _consts(ir.VectorType(_I32, 2 * n), range(2 * n)))
+    return builder.shuffle_vector(lo, hi, _consts(ir.VectorType(_I32, 4 * n), range(4 * n)))
+
+
+def _fma_ir(builder, a, b, c):
+    return builder.call(_x86(builder, "llvm.fma.v16f32", _V16F32, [_V16F32] * 3), [a, b, c])
+
+
+def _perm16(builder, table, idx):
+    """table[idx] for a 16-entry fp32 table in a register (vpermps)."""
+    fn = _x86(builder, "llvm.x86.avx512.permvar.sf.512", _V16F32, [_V16F32, _V16I32])
+    return builder.call(fn, [table, idx])
+
+
+def _code_below_ir(builder, qs, scale, lut):
+    """lut[bin(q)] for each group of 64 floats in ``qs`` (4 vectors each) with ``_bins``' bin
+    floor(q * s + s) (NaN and values past the ends in the last bin) and a 1024-entry byte table at
+    ``lut``: 8 byte permutes of 128 entries each, then a select tree on the bin's bits 7-9."""
+    permi2b = _x86(builder, "llvm.x86.avx512.vpermi2var.qi.512", _V64I8, [_V64I8, _V64I8, _V64I8])
+    scale, top = _bcast(builder, scale, _V16F32), _splat(_V16F32, 1023.0)
+    lows, segs = [], []
+    for q in qs:
+        bins = []
+        for x in (_fma_ir(builder, v, scale, scale) for v in q):
+            u = builder.fptoui(builder.select(builder.fcmp_ordered("<", x, top), x, top), _V16I32)  # no poison
+            bins.append(builder.select(builder.fcmp_ordered(">=", x, _splat(_V16F32, 0.0)), u, _splat(_V16I32, 1023)))
+        u = _concat(builder, bins)
+        lows.append(builder.trunc(u, _V64I8))  # the permutes read its low 7 bits
+        segs.append(builder.trunc(builder.lshr(u, _splat(u.type, 7)), _V64I8))
+    rs = [[] for _ in qs]
+    for k in range(8):
+        t0, t1 = _load(builder, lut, _V64I8, 128 * k), _load(builder, lut, _V64I8, 128 * k + 64)
+        for r, low in zip(rs, lows):
+            r.append(builder.call(permi2b, [t0, low, t1]))
+    out = []
+    for r, seg in zip(rs, segs):
+        for bit in (1, 2, 4):
+            on = builder.icmp_unsigned("!=", builder.and_(seg, _splat(_V64I8, bit)), ir.Constant(_V64I8, None))
+            r = [builder.select(on, r[2 * i + 1], r[2 * i]) for i in range(len(r) // 2)]
+        out.append(r[0])
+    return out
+
+
+def _choose_ir(builder, qs, belows, tabs):
+    """code = below + (q > B[below]) and its entry C[code] for each group of 64 (``tabs``: the
+    tables of ``_tables``): per group the code (64 bytes) and 4 vectors of 16 floats."""
+    bounds = _lut256_ir(builder, builder.add(tabs, ir.Constant(tabs.type, _BOUND_PLANES)), belows)
+    codes = []
+    for q, below, bound in zip(qs, belows, bounds):
+        up = _concat(builder, [builder.fcmp_ordered(">", qx, bx) for qx, bx in zip(q, bound)])
+        codes.append(builder.add(below, builder.zext(up, _V64I8)))
+    return codes, _lut256_ir(builder, builder.add(tabs, ir.Constant(tabs.type, _CB_PLANES)), codes)
+
+
+def _lerp_ir(builder, m0, g, w, small):
+    """torch's lerp(m0, g, w1): fma(w1, g - m0, m0) (``small``: |w1| < 0.5) or fma(w1 - 1, g - m0, g)
+    (``w`` holds w1 or w1 - 1)."""
+    return _fma_ir(builder, w, builder.fsub(g, m0), builder.select(small, m0, g))
+
+
+def _decode_tail(builder, m, g, n, acc):
+    """The end of a decode: acc[lane] += g**2 (fma) over the first ``n`` of len(m) * 16 lanes (acc:
+    64 floats, lane i % 64), and max |m| over them as int32 bits (0 for n == 0)."""
+    nv = _bcast(builder, builder.trunc(n, _I32) if n.type != _I32 else n, _V16I32)
+    zero = ir.Constant(_V16I32, None)
+    acc_v = [_load(builder, acc, _V16F32, 64 * X) for X in range(4)]
+    top = zero
+    for X in range(len(m)):
+        live = builder.icmp_signed("<", _consts(_V16I32, range(16 * X, 16 * X + 16)), nv)
+        acc_v[X % 4] = builder.select(live, _fma_ir(builder, g[X], g[X], acc_v[X % 4]), acc_v[X % 4])
+        bits = builder.select(live, builder.and_(builder.bitcast(m[X], _V16I32), _splat(_V16I32, 0x7FFFFFFF)), zero)
+        top = builder.select(builder.icmp_signed(">", bits, top), bits, top)
+    for X in range(4):
+        _store(builder, acc_v[X], acc, 64 * X)
+    return builder.call(_x86(builder, "llvm.vector.reduce.smax.v16i32", _I32, [_V16I32]), [top])
+
+
+def _decode_ir(builder, values, args):
+    """m = lerp(value * s, g, w1) for the decoded ``values`` (vectors of 16) and the tail."""
+    _, _, s, g, w, small, n, m, acc = args
+    sv, wv = _bcast(builder, s, _V16F32), _bcast(builder, w, _V16F32)
+    gs = [_load(builder, g, _V16F32, 64 * X) for X in range(len(values))]
+    out = [_lerp_ir(builder, builder.fmul(v, sv), gx, wv, small) for v, gx in zip(values, gs)]
+    for X, v in enumerate(out):
+        _store(builder, v, m, 64 * X)
+    return _decode_tail(builder, out, gs, n, acc)
+
+
+@intrinsic
+def _vdecode8(typingctx, group, codes, tabs, s, g, w, small, n, m, acc):
+    """A group of elements, 8 bits: m = lerp(C[code] * s, g, w1) (``_lerp_ir``) into ``m``; over
+    the first ``n``: acc[i % 64] += g**2 (``acc``: 64 floats) and returns max |m| as int32 bits.
+    ``codes``, ``g``: a group of readable elements."""
+    def body(builder, group, args):
+        idxs = [_load(builder, args[0], _V64I8, 64 * k) for k in range(group // 64)]
+        planes = builder.add(args[1], ir.Constant(args[1].type, _CB_PLANES))
+        return _decode_ir(builder, [v for vs in _lut256_ir(builder, planes, idxs) for v in vs], args)
+    return _simd_intrinsic(body, types.int32)(typingctx, group, codes, tabs, s, g, w, small, n, m, acc)
+
+
+@intrinsic
+def _vdecode4(typingctx, group, codes, tabs, s, g, w, small, n, m, acc):
+    """``_vdecode8`` at 4 bits: ``codes`` one byte < 16 an element, C a register (vpermps)."""
+    def body(builder, group, args):
+        cb = _load(builder, args[1], _V16F32, _CB16)
+        values = [_perm16(builder, cb, builder.zext(_load(builder, args[0], ir.VectorType(_I8, 16), 16 * X), _V16I32))
+                  for X in range(group // 16)]
+        return _decode_ir(builder, values, args)
+    return _simd_intrinsic(body, types.int32)(typingctx, group, codes, tabs, s, g, w, small, n, m, acc)
+
+
+def _store_codes(builder, codes, entries, out_codes, out_values):
+    for k, (code, entry) in enumerate(zip(codes, entries)):
+        _store(builder, code, out_codes, 64 * k)
+        for X, v in enumerate(entry):
+            _store(builder, v, out_values, 256 * k + 64 * X)
+
+
+@intrinsic
+def _vquantize8(typingctx, group, m, div, scale, lut, tabs, codes, value):
+    """A group, 8 bits: q = m / div (exact), code = lut[bin(q)] + (q > B[that code]) into ``codes``
+    and C[code] into ``value`` (``codebook.nearest_code``'s table rule)."""
+    def body(builder, group, args):
+        m, div, scale, lut, tabs, codes, value = args
+        dv = _bcast(builder, div, _V16F32)
+        qs = [[builder.fdiv(_load(builder, m, _V16F32, 256 * k + 64 * X), dv) for X in range(4)]
+              for k in range(group // 64)]
+        _store_codes(builder, *_choose_ir(builder, qs, _code_below_ir(builder, qs, scale, lut), tabs), codes, value)
+    return _simd_intrinsic(body)(typingctx, group, m, div, scale, lut, tabs, codes, value)
+
+
+@intrinsic
+def _vchoose8(typingctx, group, q, below, tabs, codes, value):
+    """``_vquantize8`` after the division and the bin's lookup (``q``, ``below``: a group of floats
+    and bytes in memory), for tables of more than 1024 bins."""
+    def body(builder, group, args):
+        q, below, tabs, codes, value = args
+        qs = [[_load(builder, q, _V16F32, 256 * k + 64 * X) for X in range(4)] for k in range(group // 64)]
+        belows = [_load(builder, below, _V64I8, 64 * k) for k in range(group // 64)]
+        _store_codes(builder, *_choose_ir(builder, qs, belows, tabs), codes, value)
+    return _simd_intrinsic(body)(typingctx, group, q, below, tabs, codes, value)
+
+
+@intrinsic
+def _vquantize4(typingctx, group, m, div, tabs, codes, value):
+    """A group, 4 bits: q = m / div, code = #{boundaries < q} by a binary search over the 15 sorted
+    boundaries (a NaN compares false everywhere: code 0, as the count) into ``codes`` (a byte an
+    element), C[code] into ``value``."""
+    def body(builder, group, args):
+        m, div, tabs, codes, value = args
+        dv = _bcast(builder, div, _V16F32)
+        cb, bnd = _load(builder, tabs, _V16F32, _CB16), _load(builder, tabs, _V16F32, _BOUNDS16)
+        for X in range(group // 16):
+            q = builder.fdiv(_load(builder, m, _V16F32, 64 * X), dv)
+            c = ir.Constant(_V16I32, None)
+            for step in (8, 4, 2, 1):
+                up = builder.fcmp_ordered(">", q, _perm16(builder, bnd, builder.add(c, _splat(_V16I32, step - 1))))
+                c = builder.add(c, builder.select(up, _splat(_V16I32, step), ir.Constant(_V16I32, None)))
+            _store(builder, builder.trunc(c, ir.VectorType(_I8, 16)), codes, 16 * X)
+            _store(builder, _perm16(builder, cb, c), value, 64 * X)
+    return _simd_intrinsic(body)(typingctx, group, m, div, tabs, codes, value)
+
+
+@intrinsic
+def _vsum(typingctx, group, acc):
+    """The sum of the 64 floats at ``acc`` in a fixed tree: halves added as vectors, then pairs of
+    lanes (``group`` unused: the calling convention of the others)."""
+    def body(builder, group, args):
+        v = [_load(builder, args[0], _V16F32, 64 * X) for X in range(4)]
+        x = builder.fadd(builder.fadd(v[0], v[2]), builder.fadd(v[1], v[3]))
+        for width in (8, 4, 2, 1):
+            hi = builder.shuffle_vector(x, x, _consts(_V16I32, [(i + width) % 16 for i in range(16)]))
+            x = builder.fadd(x, hi)
+        return builder.bitcast(builder.extract_element(x, ir.Constant(_I32, 0)), _I32)
+    return _simd_intrinsic(body, types.int32)(typingctx, group, acc)
 
 
 # ------------------------------------------------------------------------------ passes
-# Each takes block-sized slices (indices from 0, so numba adds no negative-index wrap-around,
-# which kept LLVM from vectorising).
+# Numba loops over block-sized slices (indices from 0, so numba adds no negative-index
+# wrap-around, which kept LLVM from vectorising); inlined into ``_blocks``, so that LLVM sees the
+# stack buffers they work on.
 
-@njit(nogil=True, error_model="numpy", cache=True)
-def _decode(codes, cb, s, m):
-    """m = C[code] * s (rounded as torch rounds it: no ``contract`` here)."""
-    for i in range(codes.size):
-        m[i] = cb[codes[i]] * s
+@njit(nogil=True, error_model="numpy", cache=True, inline="always")
+def _decode_lerp(codes, table, s, g, w1, m):
+    """m = lerp(table[code] * s, g, w1), torch's formula; returns max |m| as an int32 bit pattern.
+
+    ``table`` is a copy of the codebook on the caller's stack: LLVM then knows that the stores
+    cannot change it and vectorises the loop, the lookup included (a gather)."""
+    bits = m.view(np.int32)
+    a = np.int32(0)
+    if abs(w1) < 0.5:
+        for i in range(g.size):
+            m0 = table[codes[i]] * s
+            m[i] = _fma(w1, g[i] - m0, m0)
+            a = max(a, np.int32(bits[i] & np.int32(0x7FFFFFFF)))
+    else:
+        w1m = w1 - np.float32(1.0)
+        for i in range(g.size):
+            gi = g[i]
+            m0 = table[codes[i]] * s
+            m[i] = _fma(w1m, gi - m0, gi)
+            a = max(a, np.int32(bits[i] & np.int32(0x7FFFFFFF)))
+    return a
 
 
-@njit(nogil=True, error_model="numpy", cache=True)
+@njit(nogil=True, error_model="numpy", cache=True, inline="always")
+def _lerp_fp32(g, w1, m):
+    """m = lerp(m, g, w1) in place (the unquantised first moment)."""
+    if abs(w1) < 0.5:
+        for i in range(g.size):
+            m0 = m[i]
+            m[i] = _fma(w1, g[i] - m0, m0)
+    else:
+        w1m = w1 - np.float32(1.0)
+        for i in range(g.size):
+            gi = g[i]
+            m[i] = _fma(w1m, gi - m[i], gi)
+
+
+@njit(nogil=True, error_model="numpy", cache=True, inline="always")
 def _unpack4(codes, start, stop, out):
     """Nibble codes of elements start..stop-1 (two a byte, low nibble first) into ``out``."""
     i, o = start, 0
@@ -138,7 +586,7 @@ def _unpack4(codes, start, stop, out):
         out[stop - start - 1] = codes[(stop - 1) >> 1] & 15
 
 
-@njit(nogil=True, error_model="numpy", cache=True)
+@njit(nogil=True, error_model="numpy", cache=True, inline="always")
 def _pack4(src_codes, start, stop, codes):
     """Inverse of ``_unpack4``; the other nibble of a shared end byte is kept."""
     i, o = start, 0
@@ -155,76 +603,125 @@ def _pack4(src_codes, start, stop, codes):
         codes[k] = (codes[k] & 240) | src_codes[stop - start - 1]
 
 
-@njit(nogil=True, error_model="numpy", fastmath=_FMA, cache=True)
-def _lerp(g, w1, m):
-    """m = lerp(m, g, w1) in place, torch's formula (an FMA either way)."""
-    if abs(w1) < 0.5:
-        for i in range(g.size):
-            m0 = m[i]
-            m[i] = w1 * (g[i] - m0) + m0
-    else:
-        w1m = w1 - np.float32(1.0)
-        for i in range(g.size):
-            gi = g[i]
-            m[i] = w1m * (gi - m[i]) + gi
-
-
 @njit(nogil=True, error_model="numpy", cache=True)
 def _absmax_bits(bits, n):
-    """max |x| over the first n floats, as an int32 bit pattern (vectorised integer max)."""
+    """max |x| over the first n floats, as an int32 bit pattern (vectorised integer max): the rule
+    the decode passes apply on their way."""
     a = np.int32(0)
     for i in range(n):
         a = max(a, bits[i] & np.int32(0x7FFFFFFF))
     return a
 
 
-@njit(nogil=True, error_model="numpy", cache=True)
+@njit(nogil=True, error_model="numpy", cache=True, inline="always")
 def _sum_sq(g, acc):
-    """sum(g**2) in 8 interleaved lanes (``acc``: 8 floats of scratch), then a fixed tree.
+    """sum(g**2): element i goes to lane i % 64 of ``acc`` (64 floats of scratch), whole rows of
+    64 at a time (a vector loop over the lanes), then the lanes are added in a fixed tree.
 
     Vectorised without ``reassoc``: LLVM may order a ``reassoc`` sum differently in each
     compiled copy (serial and parallel kernels), which would break the bitwise equality of one
     and two threads.
     """
-    for k in range(8):
+    for k in range(_LANES):
         acc[k] = np.float32(0.0)
-    n8 = g.size - g.size % 8
-    for i in range(0, n8, 8):
-        for k in range(8):
-            acc[k] += g[i + k] * g[i + k]
-    for i in range(n8, g.size):
-        acc[0] += g[i] * g[i]
-    return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]))
+    rows = g.size // _LANES
+    for r in range(rows):
+        gr = g[r * _LANES:(r + 1) * _LANES]
+        for k in range(_LANES):
+            acc[k] = _fma(gr[k], gr[k], acc[k])
+    tail = g[rows * _LANES:]
+    for k in range(tail.size):
+        acc[k] = _fma(tail[k], tail[k], acc[k])
+    return _fold(acc)
 
 
-@njit(nogil=True, error_model="numpy", cache=True)  # no contract: see _step_serial
-def _v_per_element(v, g, beta2, one_minus_beta2):
-    for i in range(g.size):
-        v[i] = beta2 * v[i] + one_minus_beta2 * (g[i] * g[i])
+@njit(nogil=True, error_model="numpy", cache=True, inline="always")
+def _fold(acc):
+    """The sum of the 64 lanes of ``acc`` in a fixed tree (destroys ``acc``)."""
+    h = _LANES // 2
+    while h >= 1:
+        for k in range(h):
+            acc[k] = acc[k] + acc[k + h]
+        h //= 2
+    return acc[0]
 
 
-@njit(nogil=True, error_model="numpy", fastmath=_FMA, cache=True)
+@njit(nogil=True, error_model="numpy", cache=True, inline="always")  # see _step_serial: no multiply-add choices
+def _v_update_per_element(p, value, amax, v, g, beta2, one_minus_beta2, decay, neg_step, bc2_sqrt, eps):
+    """v and p of block == 1; sqrt(v / bc2) as sqrt(v) * (1 / sqrt(bc2)): one division an element
+    (equal to fp32 rounding)."""
+    inv_bc2_sqrt = np.float32(1.0) / bc2_sqrt
+    for i in range(p.size):
+        gi = g[i]
+        vi = beta2 * v[i] + one_minus_beta2 * (gi * gi)
+        v[i] = vi
+        m_hat = value[i] * amax
+        denom = np.sqrt(vi) * inv_bc2_sqrt + eps
+        p[i] = p[i] * decay + (neg_step * m_hat) / denom
+
+
+@njit(nogil=True, error_model="numpy", cache=True, inline="always")
 def _bins(m, n, amax, lut_scale, top, u):
     """q = m / amax in place (exact division; m == 0 where amax == 0) and q's table bin."""
     div = amax if amax > np.float32(0.0) else np.float32(1.0)
     for i in range(n):
         q = m[i] / div
         m[i] = q
-        x = q * lut_scale + lut_scale  # >= 0 for |q| <= 1; only q == 1 overflows the table
+        x = _fma(q, lut_scale, lut_scale)  # >= 0 for |q| <= 1; only q == 1 overflows the table
         u[i] = min(np.uint32(x), top) if x >= np.float32(0.0) else top  # NaN (an inf gradient): the last bin
 
 
-@njit(nogil=True, error_model="numpy", cache=True)
-def _lookup8(codes, q, u, lut_code, lut_bound, lut_values):
-    """Code of q (``codebook.nearest_code``'s table) into ``codes``, its value into q."""
+@njit(nogil=True, error_model="numpy", cache=True, inline="always")
+def _lookup(codes, q, u, lut, table, value):
+    """Code of q (``codebook.nearest_code``'s table, ``lut[bin]`` = the bin's boundary's bits |
+    its lower code << 32: one load) into ``codes``, its entry ``table[code]`` into ``value``."""
     for i in range(codes.size):
-        b = u[i]
-        up = np.uint32(q[i] > lut_bound[b])
-        q[i] = lut_values[np.uint32(2) * b + up]  # indexed, not selected: no branch
-        codes[i] = np.uint8(lut_code[b] + up)
+        e = lut[u[i]]
+        c = np.uint32(e >> np.uint64(32)) + np.uint32(q[i] > _low_f32(e))
+        codes[i] = np.uint8(c)
+        value[i] = table[c]
 
 
-@njit(nogil=True, error_model="numpy", fastmath=_FMA, cache=True)
+@njit(nogil=True, error_model="numpy", cache=True)
+def _pack_lut(lut_code, lut_bound):
+    """The table ``_lookup`` reads: boundary bits | code << 32, one uint64 a bin."""
+    out = np.empty(lut_code.size, dtype=np.uint64)
+    b = lut_bound.view(np.uint32)
+    for i in range(out.size):
+        out[i] = np.uint64(b[i]) | (np.uint64(lut_code[i]) << np.uint64(32))
+    return out
+
+
+@njit(nogil=True, error_model="numpy", cache=True)
+def _lookup8(codes, m, u, lut_code, lut_bound, lut_values):
+    """The 8-bit lookup after ``_bins`` (q in ``m``, bins in ``u``) on the tables of
+    ``numba_ops._luts``, as the kernel does it (AVX-512: ``_vchoose8``, else ``_lookup``): codes
+    into ``codes``, q -> its entry in place."""
+    n = codes.size
+    cb = np.zeros(lut_code.max() + 2, dtype=np.float32)
+    bounds = np.full(cb.size, np.inf, dtype=np.float32)
+    for b in range(lut_code.size):
+        cb[lut_code[b]] = lut_values[2 * b]
+        cb[lut_code[b] + 1] = lut_values[2 * b + 1]
+        bounds[lut_code[b]] = lut_bound[b]
+    lut, tabs, lut8 = _tables(_SIMD, True, cb, bounds, lut_code, lut_bound)
+    value = np.zeros(n + _PAD, dtype=np.float32)
+    if _SIMD:
+        q = np.zeros(n + _PAD, dtype=np.float32)
+        below = np.zeros(n + _PAD, dtype=np.uint8)
+        c = np.zeros(n + _PAD, dtype=np.uint8)
+        for i in range(n):
+            q[i] = m[i]
+            below[i] = lut8[u[i]]
+        for k in range(0, n, _GROUP):
+            _vchoose8(_GROUP, _data(q) + 4 * k, _data(below) + k, _data(tabs), _data(c) + k, _data(value) + 4 * k)
+        codes[:] = c[:n]
+    else:
+        _lookup(codes, m, u, lut, cb, value)
+    m[:n] = value[:n]
+
+
+@njit(nogil=True, error_model="numpy", cache=True, inline="always")
 def _quantize4(m, n, amax, bounds, cb, codes):
     """4 bits: code = #{boundaries < m / amax} and its value C[code] (into m), vectorised.
 
@@ -274,22 +771,14 @@ def _quantize4(m, n, amax, bounds, cb, codes):
         m[i] = v
 
 
-@njit(nogil=True, error_model="numpy", cache=True)  # no contract: see _step_serial
+@njit(nogil=True, error_model="numpy", cache=True, inline="always")  # no contract: see _step_serial
 def _update_shared(p, value, amax, decay, step_over_denom):
     for i in range(p.size):
         m_hat = value[i] * amax
         p[i] = p[i] * decay + m_hat * step_over_denom
 
 
-@njit(nogil=True, error_model="numpy", cache=True)  # no contract: see _step_serial
-def _update_per_element(p, value, amax, v, decay, neg_step, bc2_sqrt, eps):
-    for i in range(p.size):
-        m_hat = value[i] * amax
-        denom = np.float32(np.sqrt(v[i]) / bc2_sqrt) + eps
-        p[i] = p[i] * decay + (neg_step * m_hat) / denom
-
-
-@njit(nogil=True, error_model="numpy", cache=True)  # no contract: see _step_serial
+@njit(nogil=True, error_model="numpy", cache=True, inline="always")  # no contract: see _step_serial
 def _update_factored(p, value, amax, sv, sr, decay, neg_step, eps):
     """Block > 1, factored: denominator sqrt(v_b / bc2) * sqrt(r_j) + eps, with sqrt(r_j) from
     ``factor_kernel`` (one multiply a element where the reference takes a square root of v_b r_j:
@@ -337,8 +826,8 @@ def _factor_job(meta, jobs, k, block, S, partial):
     n = meta[t, 5]
     g = carray(_f32_ptr(meta[t, 1]), (n,))
     gk = g[jobs[k, 1] * S:min(jobs[k, 2] * S, n)]
-    if block == 1:  # one column: the 8-lane sum (a single accumulator would be latency-bound)
-        partial[k, 0] = _sum_sq(gk, np.empty(8, dtype=np.float32))
+    if block == 1:  # one column: the lane sum (a single accumulator would be latency-bound)
+        partial[k, 0] = _sum_sq(gk, carray(_alloca(np.float32, _LANES), (_LANES,)))
     else:
         _colsum_sq(gk, block, partial[k])
 
@@ -357,59 +846,152 @@ def _factor_serial(meta, jobs, wptrs, block, S, beta2, one_minus_beta2, partial,
     _factor_reduce(meta, jobs, wptrs, block, beta2, one_minus_beta2, partial, ratio)
 
 
+@njit(nogil=True, error_model="numpy", cache=True, inline="always")
+def _decode_simd(bits4, per_element, codes, start, stop, tabs, s, p, g, v, w1, m, c, pad, acc):
+    """AVX-512: m = lerp(C[code] * s, g, w1) for elements start..stop-1 (into m from 0), a group at
+    a time (64 elements for blocks of up to 64, else ``_GROUP``); returns max |m| as int32 bits and
+    sum(g**2). The last, partial group reads padded copies (``pad``: a group of floats), zeros past
+    the end (garbage there could be subnormal floats, whose arithmetic is slow)."""
+    L = stop - start
+    grp = 64 if L <= 64 else _GROUP
+    small = abs(w1) < 0.5
+    w = w1 if small else w1 - np.float32(1.0)
+    if bits4:
+        _unpack4(codes, start, stop, c)
+    for k in range(_LANES):
+        acc[k] = np.float32(0.0)
+    a = np.int32(0)
+    for k in range(0, L, grp):
+        n = min(grp, L - k)
+        ahead = start + k + _AHEAD_ELEMENTS  # a few lines a group: a burst of prefetches would be dropped
+        for line in range(0, 4 * grp, 64):
+            _prefetch(_data(g) + 4 * ahead + line)
+            _prefetch(_data(p) + 4 * ahead + line)
+            if per_element:
+                _prefetch(_data(v) + 4 * ahead + line)
+        _prefetch(_data(codes) + (ahead >> 1 if bits4 else ahead))
+        src, gs = _data(codes) + start + k, _data(g) + 4 * (start + k)
+        if n < grp:
+            for i in range(n):
+                pad[i] = g[start + k + i]
+            for i in range(n, grp):
+                pad[i] = np.float32(0.0)
+            gs = _data(pad)
+            if not bits4:
+                for i in range(n):
+                    c[k + i] = codes[start + k + i]
+            for i in range(n, grp):
+                c[k + i] = np.uint8(0)
+        if bits4 or n < grp:
+            src = _data(c) + k
+        if bits4 and grp == 64:
+            a = max(a, _vdecode4(64, src, _data(tabs), s, gs, w, small, n, _data(m) + 4 * k, _data(acc)))
+        elif bits4:
+            a = max(a, _vdecode4(_GROUP, src, _data(tabs), s, gs, w, small, n, _data(m) + 4 * k, _data(acc)))
+        elif grp == 64:
+            a = max(a, _vdecode8(64, src, _data(tabs), s, gs, w, small, n, _data(m) + 4 * k, _data(acc)))
+        else:
+            a = max(a, _vdecode8(_GROUP, src, _data(tabs), s, gs, w, small, n, _data(m) + 4 * k, _data(acc)))
+    return a
+
+
+@njit(nogil=True, error_model="numpy", cache=True, inline="always")
+def _quantize_simd(bits4, codes, start, stop, amax, tabs, lut8, lut_scale, m, u, c, value):
+    """AVX-512: the codes of q = m / amax into ``codes`` (elements start..stop-1; ``m`` from 0) and
+    their entries into ``value``, a group at a time (the last one through ``c``)."""
+    L = stop - start
+    grp = 64 if L <= 64 else _GROUP
+    div = amax if amax > np.float32(0.0) else np.float32(1.0)  # NaN: 1, as _bins
+    if bits4:
+        for k in range(0, L, grp):
+            if grp == 64:
+                _vquantize4(64, _data(m) + 4 * k, div, _data(tabs), _data(c) + k, _data(value) + 4 * k)
+            else:
+                _vquantize4(_GROUP, _data(m) + 4 * k, div, _data(tabs), _data(c) + k, _data(value) + 4 * k)
+        _pack4(c, start, stop, codes)
+        return
+    wide = lut8.size == 1024  # else a table of more bins (entries closer than 2^-9): scalar lookups
+    if not wide:
+        _bins(m, L, amax, lut_scale, np.uint32(lut8.size - 1), u)
+        for i in range(L):
+            c[i] = lut8[u[i]]
+    for k in range(0, L, grp):
+        dst = _data(codes) + start + k if k + grp <= L else _data(c) + k
+        if wide and grp == 64:
+            _vquantize8(64, _data(m) + 4 * k, div, lut_scale, _data(lut8), _data(tabs), dst, _data(value) + 4 * k)
+        elif wide:
+            _vquantize8(_GROUP, _data(m) + 4 * k, div, lut_scale, _data(lut8), _data(tabs), dst, _data(value) + 4 * k)
+        elif grp == 64:
+            _vchoose8(64, _data(m) + 4 * k, _data(c) + k, _data(tabs), dst, _data(value) + 4 * k)
+        else:
+            _vchoose8(_GROUP, _data(m) + 4 * k, _data(c) + k, _data(tabs), dst, _data(value) + 4 * k)
+    for i in range(L - L % grp, L):
+        codes[start + i] = c[i]
+
+
 @njit(nogil=True, error_model="numpy", cache=True)
-def _blocks(bits4, per_element, factored, quant, p, g, v, scales, codes, m_fp32, r, j0, j1, cb, bounds, lut_code,
-            lut_bound, lut_values, lut_scale, block, S, w1, beta2, one_minus_beta2, decay, neg_step,
-            bc2_sqrt, eps):
+def _blocks(simd, bits4, per_element, factored, quant, p, g, v, scales, codes, m_fp32, r, j0, j1, cb, lut, tabs,
+            lut8, lut_scale, block, S, w1, beta2, one_minus_beta2, decay, neg_step, bc2_sqrt, eps, m, u, value, c):
     """Scale blocks j0..j1-1 of one tensor, pass by pass (see the module docstring). ``m_fp32``: the
-    unquantised first moment (``quant`` False; codes and scales are then empty)."""
+    unquantised first moment (``quant`` False; codes and scales are then empty). ``m``, ``u``,
+    ``value``, ``c``: scratch of S + 64 elements or more."""
     n = p.size
-    m = np.empty(S, dtype=np.float32)
-    bits = m.view(np.int32)
-    u = np.empty(S, dtype=np.uint32)
-    c = np.empty(S, dtype=np.uint8)
-    acc8 = np.empty(8, dtype=np.float32)
-    amax_bits = np.empty(1, dtype=np.int32)
-    amax_f = amax_bits.view(np.float32)
-    top = np.uint32(lut_code.size - 1)
-    # tuples: registers in _quantize4 (used at 4 bits; prange cannot pass tuples in)
-    bounds16 = (bounds[0], bounds[1], bounds[2], bounds[3], bounds[4], bounds[5], bounds[6],
-                bounds[7], bounds[8], bounds[9], bounds[10], bounds[11], bounds[12], bounds[13],
-                bounds[14], bounds[15])
-    cb16 = (cb[0], cb[1], cb[2], cb[3], cb[4], cb[5], cb[6], cb[7], cb[8], cb[9], cb[10], cb[11],
-            cb[12], cb[13], cb[14], cb[15])
+    tabs16 = tabs[_CB16:_TABS].view(np.float32)
+    acc = carray(_alloca(np.float32, _LANES), (_LANES,))
+    pad = carray(_alloca(np.float32, _PAD), (_PAD,))
+    table = carray(_alloca(np.float32, _TABLE), (_TABLE,))
+    if not simd:
+        for k in range(_TABLE):
+            table[k] = np.float32(0.0)
+        for k in range(min(cb.size, _TABLE)):
+            table[k] = cb[k]
+    top = np.uint32(lut.size - 1)
+    # tuples: registers in _quantize4 (portable 4-bit path; 16 entries even where unused)
+    bounds16 = (tabs16[16], tabs16[17], tabs16[18], tabs16[19], tabs16[20], tabs16[21], tabs16[22], tabs16[23],
+                tabs16[24], tabs16[25], tabs16[26], tabs16[27], tabs16[28], tabs16[29], tabs16[30], tabs16[31])
+    cb16 = (tabs16[0], tabs16[1], tabs16[2], tabs16[3], tabs16[4], tabs16[5], tabs16[6], tabs16[7], tabs16[8],
+            tabs16[9], tabs16[10], tabs16[11], tabs16[12], tabs16[13], tabs16[14], tabs16[15])
     for j in range(j0, j1):
         start = j * S
         stop = min(start + S, n)
         L = stop - start
         gj = g[start:stop]
+        summed = False  # the AVX-512 decode sums g**2 into acc on its way
+        if j + _AHEAD < j1 and not (simd and quant):
+            _prefetch_block(p, g, codes, bits4, quant, start + _AHEAD * S, min(start + (_AHEAD + 1) * S, n))
         if not quant:  # m^ is the stored m after the lerp (times 1: exact)
             mj = m_fp32[start:stop]
-            _lerp(gj, w1, mj)
+            _lerp_fp32(gj, w1, mj)
             amax = np.float32(1.0)
+        elif simd:
+            amax = _bits_f32(_decode_simd(bits4, per_element, codes, start, stop, tabs, scales[j], p, g, v, w1, m, c,
+                                                       pad, acc))
+            summed = True
+            scales[j] = amax
+            _quantize_simd(bits4, codes, start, stop, amax, tabs, lut8, lut_scale, m, u, c, value)
+            mj = value[:L]
         else:
             mj = m[:L]
             if bits4:
                 _unpack4(codes, start, stop, c)
-                _decode(c[:L], cb, scales[j], mj)
+                a = _decode_lerp(c[:L], table, scales[j], gj, w1, mj)
             else:
-                _decode(codes[start:stop], cb, scales[j], mj)
-            _lerp(gj, w1, mj)
-            amax_bits[0] = _absmax_bits(bits, L)
-            amax = amax_f[0]
+                a = _decode_lerp(codes[start:stop], table, scales[j], gj, w1, mj)
+            amax = _bits_f32(a)
             scales[j] = amax
             if bits4:
-                _quantize4(m, L, amax, bounds16, cb16, c)
+                _quantize4(mj, L, amax, bounds16, cb16, c)
                 _pack4(c, start, stop, codes)
             else:
-                _bins(m, L, amax, lut_scale, top, u)
-                _lookup8(codes[start:stop], mj, u, lut_code, lut_bound, lut_values)
+                _bins(mj, L, amax, lut_scale, top, u)
+                _lookup(codes[start:stop], mj, u, lut, table, value)
+                mj = value[:L]
         if per_element:
-            vj = v[start:stop]
-            _v_per_element(vj, gj, beta2, one_minus_beta2)
-            _update_per_element(p[start:stop], mj, amax, vj, decay, neg_step, bc2_sqrt, eps)
+            _v_update_per_element(p[start:stop], mj, amax, v[start:stop], gj, beta2, one_minus_beta2, decay,
+                                  neg_step, bc2_sqrt, eps)
         else:  # S == block: one v per scale block, one division per block
-            vb = beta2 * v[j] + one_minus_beta2 * (_sum_sq(gj, acc8) / np.float32(block))
+            vb = beta2 * v[j] + one_minus_beta2 * ((_bits_f32(_vsum(0, _data(acc))) if summed else _sum_sq(gj, acc))
+                                                   / np.float32(block))
             v[j] = vb
             if factored:
                 sv = np.float32(np.sqrt(vb) / bc2_sqrt)
@@ -420,8 +1002,8 @@ def _blocks(bits4, per_element, factored, quant, p, g, v, scales, codes, m_fp32,
 
 
 @njit(nogil=True, error_model="numpy", cache=True)
-def _job(bits4, per_element, factored, quant, meta, jobs, k, ratio, cb, bounds, lut_code, lut_bound, lut_values,
-         lut_scale, block, S, w1, beta2, one_minus_beta2, decay, neg_step, bc2_sqrt, eps):
+def _job(simd, bits4, per_element, factored, quant, meta, jobs, k, ratio, cb, lut, tabs, lut8, lut_scale, block, S,
+         w1, beta2, one_minus_beta2, decay, neg_step, bc2_sqrt, eps):
     t = jobs[k, 0]
     p = carray(_f32_ptr(meta[t, 0]), (meta[t, 5],))
     g = carray(_f32_ptr(meta[t, 1]), (meta[t, 5],))
@@ -429,28 +1011,71 @@ def _job(bits4, per_element, factored, quant, meta, jobs, k, ratio, cb, bounds, 
     scales = carray(_f32_ptr(meta[t, 3]), (meta[t, 7] if quant else 0,))
     codes = carray(_u8_ptr(meta[t, 4]), (meta[t, 8] if quant else 0,))
     m_fp32 = carray(_f32_ptr(meta[t, 4]), (0 if quant else meta[t, 8],))
-    _blocks(bits4, per_element, factored, quant, p, g, v, scales, codes, m_fp32, ratio[t if factored else 0],
-            jobs[k, 1], jobs[k, 2], cb, bounds,
-            lut_code, lut_bound, lut_values, lut_scale, block, S, w1, beta2, one_minus_beta2,
-            decay, neg_step, bc2_sqrt, eps)
-
-
-@njit(nogil=True, error_model="numpy", parallel=True, cache=True)
-def _step_parallel(bits4, per_element, factored, quant, meta, jobs, ratio, cb, bounds, lut_code, lut_bound,
-                   lut_values, lut_scale, block, S, w1, beta2, one_minus_beta2, decay, neg_step, bc2_sqrt, eps):
-    for k in prange(jobs.shape[0]):
-        _job(bits4, per_element, factored, quant, meta, jobs, k, ratio, cb, bounds, lut_code, lut_bound, lut_values,
-             lut_scale, block, S, w1, beta2, one_minus_beta2, decay, neg_step, bc2_sqrt, eps)
+    r = ratio[t if factored else 0]
+    if S <= MAX_S:
+        m = carray(_alloca(np.float32, _BUF), (_BUF,))
+        u = carray(_alloca(np.uint16, _BUF), (_BUF,))
+        value = carray(_alloca(np.float32, _BUF), (_BUF,))
+        c = carray(_alloca(np.uint8, _BUF), (_BUF,))
+        _blocks(simd, bits4, per_element, factored, quant, p, g, v, scales, codes, m_fp32, r, jobs[k, 1],
+                jobs[k, 2], cb, lut, tabs, lut8, lut_scale, block, S, w1, beta2, one_minus_beta2, decay, neg_step,
+                bc2_sqrt, eps, m, u, value, c)
+    else:
+        mh, uh = np.empty(S + _PAD, dtype=np.float32), np.empty(S + _PAD, dtype=np.uint16)
+        vh, ch = np.empty(S + _PAD, dtype=np.float32), np.empty(S + _PAD, dtype=np.uint8)
+        _blocks(simd, bits4, per_element, factored, quant, p, g, v, scales, codes, m_fp32, r, jobs[k, 1],
+                jobs[k, 2], cb, lut, tabs, lut8, lut_scale, block, S, w1, beta2, one_minus_beta2, decay, neg_step,
+                bc2_sqrt, eps, mh, uh, vh, ch)
 
 
 @njit(nogil=True, error_model="numpy", cache=True)
-def _step_serial(bits4, per_element, factored, quant, meta, jobs, ratio, cb, bounds, lut_code, lut_bound,
+def _tables(simd, quant, cb, bounds, lut_code, lut_bound):
+    """The call's lookup tables: ``lut`` (portable path, 8 bits: boundary bits | code << 32 a bin),
+    ``tabs`` (the codebook and the boundaries as 16 floats each; AVX-512 path: also as byte planes)
+    and ``lut8`` (AVX-512 path: the code below each bin, a byte)."""
+    lut = np.zeros(1, dtype=np.uint64)
+    tabs = np.zeros(_TABS, dtype=np.uint8)
+    lut8 = np.zeros(1, dtype=np.uint8)
+    if not quant:
+        return lut, tabs, lut8
+    f = tabs[_CB16:_TABS].view(np.float32)
+    f[:] = np.float32(np.inf)
+    for e in range(min(cb.size, 16)):
+        f[e] = cb[e]
+    for e in range(min(bounds.size, 16)):
+        f[16 + e] = bounds[e]
+    if not simd:
+        return _pack_lut(lut_code, lut_bound), tabs, lut8
+    cbb, bb = cb.view(np.uint8), bounds.view(np.uint8)
+    inf = np.array([np.inf], dtype=np.float32).view(np.uint8)
+    for e in range(256):
+        for k in range(4):
+            tabs[_CB_PLANES + 256 * k + e] = cbb[4 * e + k] if e < cb.size else 0
+            tabs[_BOUND_PLANES + 256 * k + e] = bb[4 * e + k] if e < bounds.size else inf[k]
+    lut8 = np.empty(lut_code.size, dtype=np.uint8)
+    for i in range(lut8.size):
+        lut8[i] = np.uint8(lut_code[i])
+    return lut, tabs, lut8
+
+
+@njit(nogil=True, error_model="numpy", parallel=True, cache=True)
+def _step_parallel(simd, bits4, per_element, factored, quant, meta, jobs, ratio, cb, bounds, lut_code, lut_bound,
+                   lut_values, lut_scale, block, S, w1, beta2, one_minus_beta2, decay, neg_step, bc2_sqrt, eps):
+    lut, tabs, lut8 = _tables(simd, quant, cb, bounds, lut_code, lut_bound)
+    for k in prange(jobs.shape[0]):
+        _job(simd, bits4, per_element, factored, quant, meta, jobs, k, ratio, cb, lut, tabs, lut8, lut_scale, block,
+             S, w1, beta2, one_minus_beta2, decay, neg_step, bc2_sqrt, eps)
+
+
+@njit(nogil=True, error_model="numpy", cache=True)
+def _step_serial(simd, bits4, per_element, factored, quant, meta, jobs, ratio, cb, bounds, lut_code, lut_bound,
                  lut_values, lut_scale, block, S, w1, beta2, one_minus_beta2, decay, neg_step, bc2_sqrt, eps):
     # the same passes compiled again: every pass is written so that its rounding cannot depend on
     # the copy (no multiply-add with two products to choose from, no reassoc)
+    lut, tabs, lut8 = _tables(simd, quant, cb, bounds, lut_code, lut_bound)
     for k in range(jobs.shape[0]):
-        _job(bits4, per_element, factored, quant, meta, jobs, k, ratio, cb, bounds, lut_code, lut_bound, lut_values,
-             lut_scale, block, S, w1, beta2, one_minus_beta2, decay, neg_step, bc2_sqrt, eps)
+        _job(simd, bits4, per_element, factored, quant, meta, jobs, k, ratio, cb, lut, tabs, lut8, lut_scale, block,
+             S, w1, beta2, one_minus_beta2, decay, neg_step, bc2_sqrt, eps)
 
 
 # ------------------------------------------------------------------------- stochastic rounding
