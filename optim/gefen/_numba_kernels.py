@@ -16,15 +16,17 @@ not per element. Top-level functions have one on-disk cache entry each, so proce
 at the same time cannot load each other's variants.
 
 A scale block (S <= 1024 elements, so its buffers stay in L1) goes through a few passes. Its
-table lookups are what costs: a gather costs about a cycle an element on x86 whichever way it is
-done (scalar loads or vgather), against a fraction of a cycle for the arithmetic around it. So
-there are two forms of the passes, chosen when the kernel is compiled, with the same codes,
-scales, p and v (``experiments/gefen_speed.py`` times the step against ``torch.optim.AdamW``):
+table lookups are what costs: on x86 a gather is a load an element whichever way it is done
+(scalar loads or vgather), against a fraction of an instruction for the arithmetic around it. So
+there are two forms of the passes, chosen when the kernel is compiled; they give the same codes,
+scales, p and v bit for bit (``experiments/gefen_speed.py`` times the step against
+``torch.optim.AdamW``).
 
 AVX-512 (the CPU has AVX-512 F, BW and VBMI: ``_SIMD``): the passes are LLVM IR (``_v*``
-intrinsics) over groups of 128 elements (64 for blocks of up to 64; a partial last group reads
-copies padded with zeros). The 256 codebook entries are held as 4 byte planes and looked up with
-byte permutes, 64 at a time (``_lut256_ir``); the 16 entries of 4 bits are one register (vpermps).
+intrinsics) over groups of 128 elements, a block's last 127 or fewer in groups of 64 with masked
+loads and stores (nothing outside the block is read or written). The 256 codebook entries are
+held as 4 byte planes and looked up with byte permutes, 64 at a time (``_lut256_ir``); the 16
+entries of 4 bits are one register (vpermps).
 
 1. decode, lerp, absmax and v's sum (``_vdecode8``/``_vdecode4``): C[code] * s, lerp with g (one
    FMA, torch's formula), max |m| as an integer max over the bit patterns (exact: for
@@ -35,9 +37,11 @@ byte permutes, 64 at a time (``_lut256_ir``); the 16 entries of 4 bits are one r
    larger tables: scalar lookups and ``_vchoose8``), that code's boundary, code = below + (q >
    boundary), C[code]; at 4 bits (``_vquantize4``) the code is #{boundaries < q} by a binary
    search over the 15 boundaries in a register;
-3. the parameter update (a vector loop) and, at 4 bits, packing two codes a byte. Lines 2048
-   elements ahead are prefetched into L2 a few per group (the passes over a block are too far
-   apart for the hardware prefetcher; a burst of prefetches a block would be dropped).
+3. the parameter update (a vector loop) and, at 4 bits, packing two codes a byte.
+
+Lines 2048 elements ahead are prefetched into L2 a few per group (the passes over a block are too
+far apart for the hardware prefetcher to run ahead of them; a burst of prefetches a block would be
+dropped).
 
 Portable (any other CPU; plain numba loops that LLVM vectorises):
 
@@ -48,7 +52,7 @@ Portable (any other CPU; plain numba loops that LLVM vectorises):
 3. 8 bits: q and its bin (vector), then code = lower code + (q > boundary) with both read from
    one uint64 a bin, and C[code] (the only scalar loop); 4 bits: the count of boundaries below q
    as compares and blends over boundaries held in registers (vector);
-4. the parameter update (vector), 4-bit packing.
+4. the parameter update (vector), 4-bit packing; the next blocks prefetched one block at a time.
 
 With block == 1 (S = 256) v is per element, updated in the parameter-update loop. An
 unquantised first moment (fp32 m in place of codes and scales) takes the portable lerp on the
@@ -170,21 +174,31 @@ def _data(typingctx, arr):
     return sig, codegen
 
 
+def _prefetch_ir(builder, addr, lines):
+    """``llvm.prefetch`` (read, into L2: the block being worked on and its scratch fill L1) of
+    ``lines`` cache lines from the integer address ``addr`` on."""
+    fn = _declare(builder, "llvm.prefetch.p0", ir.VoidType(), [ir.PointerType(), _I32, _I32, _I32])
+    for line in range(lines):
+        p = builder.inttoptr(builder.add(addr, ir.Constant(addr.type, 64 * line)), ir.PointerType())
+        builder.call(fn, [p, ir.Constant(_I32, 0), ir.Constant(_I32, 1), ir.Constant(_I32, 1)])
+
+
 @intrinsic
 def _prefetch(typingctx, addr):
-    """Ask for the cache line at ``addr`` (an integer) ahead of its use (``llvm.prefetch`` into L2:
-    the block being worked on and its scratch fill L1)."""
-    sig = types.void(addr)
-
+    """Ask for the cache line at ``addr`` (an integer) ahead of its use."""
     def codegen(context, builder, signature, args):
-        fn = builder.module.globals.get("llvm.prefetch.p0")
-        if fn is None:
-            fn = ir.Function(builder.module, ir.FunctionType(ir.VoidType(), [ir.PointerType(), _I32, _I32, _I32]),
-                             name="llvm.prefetch.p0")
-        builder.call(fn, [builder.inttoptr(args[0], ir.PointerType()), ir.Constant(_I32, 0),
-                          ir.Constant(_I32, 1), ir.Constant(_I32, 1)])  # read, into L2 (prefetcht2), data
+        _prefetch_ir(builder, args[0], 1)
         return context.get_dummy_value()
-    return sig, codegen
+    return types.void(addr), codegen
+
+
+@intrinsic
+def _prefetch8(typingctx, addr):
+    """Ask for the 8 lines (512 bytes) from ``addr`` on."""
+    def codegen(context, builder, signature, args):
+        _prefetch_ir(builder, args[0], 8)
+        return context.get_dummy_value()
+    return types.void(addr), codegen
 
 
 @njit(nogil=True, error_model="numpy", cache=True, inline="always")
@@ -248,8 +262,8 @@ _SIMD = _target_has("avx512f", "avx512bw", "avx512vbmi")
 _V64I8, _V16I32, _V16F32 = ir.VectorType(_I8, 64), ir.VectorType(_I32, 16), ir.VectorType(ir.FloatType(), 16)
 
 
-def _x86(builder, name, ret, args):
-    """The declaration of LLVM intrinsic ``name`` in the current module."""
+def _declare(builder, name, ret, args):
+    """The declaration of the LLVM intrinsic ``name`` in the current module."""
     fn = builder.module.globals.get(name)
     return fn if fn is not None else ir.Function(builder.module, ir.FunctionType(ret, args), name=name)
 
@@ -264,7 +278,7 @@ def _ptr(builder, addr, ty):
 
 def _trap(builder):
     """The body of an intrinsic compiled for a CPU without AVX-512 (never called: ``_SIMD`` is False)."""
-    builder.call(_x86(builder, "llvm.trap", ir.VoidType(), []), [])
+    builder.call(_declare(builder, "llvm.trap", ir.VoidType(), []), [])
 
 
 def _splat(ty, x):
@@ -282,6 +296,32 @@ def _store(builder, value, addr, offset=0):
     builder.store(value, _ptr(builder, p, value.type), align=1)
 
 
+def _lanes_below(builder, n, first, count, width=32):
+    """The mask of ``count`` lanes first..first+count-1 that are below ``n`` (an i64)."""
+    ty = ir.IntType(width)
+    nv = builder.trunc(builder.select(builder.icmp_signed("<", n, ir.Constant(n.type, 255)), n,
+                                      ir.Constant(n.type, 255)), ty)
+    return builder.icmp_unsigned("<", _consts(ir.VectorType(ty, count), range(first, first + count)),
+                                 _bcast(builder, nv, ir.VectorType(ty, count)))
+
+
+def _masked_load(builder, addr, ty, mask, offset=0):
+    """The ``ty`` vector at ``addr`` + ``offset`` where ``mask`` is set, 0 elsewhere (masked-off
+    lanes are not read: no fault past the end of an array)."""
+    p = builder.add(addr, ir.Constant(addr.type, offset)) if offset else addr
+    name = f"llvm.masked.load.v{ty.count}{'f32' if ty.element == ir.FloatType() else f'i{ty.element.width}'}.p0"
+    fn = _declare(builder, name, ty, [ir.PointerType(), _I32, mask.type, ty])
+    return builder.call(fn, [builder.inttoptr(p, ir.PointerType()), ir.Constant(_I32, 1), mask, ir.Constant(ty, None)])
+
+
+def _masked_store(builder, value, addr, mask, offset=0):
+    p = builder.add(addr, ir.Constant(addr.type, offset)) if offset else addr
+    ty = value.type
+    name = f"llvm.masked.store.v{ty.count}{'f32' if ty.element == ir.FloatType() else f'i{ty.element.width}'}.p0"
+    fn = _declare(builder, name, ir.VoidType(), [ty, ir.PointerType(), _I32, mask.type])
+    builder.call(fn, [value, builder.inttoptr(p, ir.PointerType()), ir.Constant(_I32, 1), mask])
+
+
 # Two unpack steps (bytes, then words, within 128-bit lanes) turn 4 byte planes into floats with
 # element 16X + 4L + d at lane L, dword d of output X; the indices are permuted beforehand so that
 # this is element order: byte 16L + 4X + d of the permuted indices is index 16X + 4L + d.
@@ -292,8 +332,8 @@ def _lut256_ir(builder, planes, idxs):
     """T[idx] for each vector of 64 byte indices in ``idxs`` and the 256-entry fp32 table T at
     address ``planes`` as 4 byte planes (byte k of entry e at 256 k + e): per vector, 4 vectors of
     16 floats. Each table register is loaded once for all of ``idxs``."""
-    permb = _x86(builder, "llvm.x86.avx512.permvar.qi.512", _V64I8, [_V64I8, _V64I8])
-    permi2b = _x86(builder, "llvm.x86.avx512.vpermi2var.qi.512", _V64I8, [_V64I8, _V64I8, _V64I8])
+    permb = _declare(builder, "llvm.x86.avx512.permvar.qi.512", _V64I8, [_V64I8, _V64I8])
+    permi2b = _declare(builder, "llvm.x86.avx512.vpermi2var.qi.512", _V64I8, [_V64I8, _V64I8, _V64I8])
     idxs = [builder.call(permb, [idx, _consts(_V64I8, _LANE_ORDER)]) for idx in idxs]
     uppers = [builder.icmp_signed("<", idx, ir.Constant(_V64I8, None)) for idx in idxs]  # entries 128..255
     planes_out = [[] for _ in idxs]
@@ -355,12 +395,12 @@ def _concat(builder, parts):
 
 
 def _fma_ir(builder, a, b, c):
-    return builder.call(_x86(builder, "llvm.fma.v16f32", _V16F32, [_V16F32] * 3), [a, b, c])
+    return builder.call(_declare(builder, "llvm.fma.v16f32", _V16F32, [_V16F32] * 3), [a, b, c])
 
 
 def _perm16(builder, table, idx):
     """table[idx] for a 16-entry fp32 table in a register (vpermps)."""
-    fn = _x86(builder, "llvm.x86.avx512.permvar.sf.512", _V16F32, [_V16F32, _V16I32])
+    fn = _declare(builder, "llvm.x86.avx512.permvar.sf.512", _V16F32, [_V16F32, _V16I32])
     return builder.call(fn, [table, idx])
 
 
@@ -368,7 +408,7 @@ def _code_below_ir(builder, qs, scale, lut):
     """lut[bin(q)] for each group of 64 floats in ``qs`` (4 vectors each) with ``_bins``' bin
     floor(q * s + s) (NaN and values past the ends in the last bin) and a 1024-entry byte table at
     ``lut``: 8 byte permutes of 128 entries each, then a select tree on the bin's bits 7-9."""
-    permi2b = _x86(builder, "llvm.x86.avx512.vpermi2var.qi.512", _V64I8, [_V64I8, _V64I8, _V64I8])
+    permi2b = _declare(builder, "llvm.x86.avx512.vpermi2var.qi.512", _V64I8, [_V64I8, _V64I8, _V64I8])
     scale, top = _bcast(builder, scale, _V16F32), _splat(_V16F32, 1023.0)
     lows, segs = [], []
     for q in qs:
@@ -410,87 +450,90 @@ def _lerp_ir(builder, m0, g, w, small):
     return _fma_ir(builder, w, builder.fsub(g, m0), builder.select(small, m0, g))
 
 
-def _decode_tail(builder, m, g, n, acc):
-    """The end of a decode: acc[lane] += g**2 (fma) over the first ``n`` of len(m) * 16 lanes (acc:
-    64 floats, lane i % 64), and max |m| over them as int32 bits (0 for n == 0)."""
-    nv = _bcast(builder, builder.trunc(n, _I32) if n.type != _I32 else n, _V16I32)
+def _decode_ir(builder, values, g, args):
+    """m = lerp(value * s, g, w1) for the decoded ``values`` and the gradients ``g`` (vectors of
+    16), stored to m; acc[lane] += g**2 (fma; acc: 64 floats, lane i % 64) and max |m| as int32
+    bits (0 for n == 0) over the first ``n`` lanes."""
+    _, _, s, _, w, small, n, m, acc = args
+    sv, wv = _bcast(builder, s, _V16F32), _bcast(builder, w, _V16F32)
     zero = ir.Constant(_V16I32, None)
-    acc_v = [_load(builder, acc, _V16F32, 64 * X) for X in range(4)]
+    sums = [_load(builder, acc, _V16F32, 64 * X) for X in range(4)]
     top = zero
-    for X in range(len(m)):
-        live = builder.icmp_signed("<", _consts(_V16I32, range(16 * X, 16 * X + 16)), nv)
-        acc_v[X % 4] = builder.select(live, _fma_ir(builder, g[X], g[X], acc_v[X % 4]), acc_v[X % 4])
-        bits = builder.select(live, builder.and_(builder.bitcast(m[X], _V16I32), _splat(_V16I32, 0x7FFFFFFF)), zero)
+    for X, (v, gx) in enumerate(zip(values, g)):
+        out = _lerp_ir(builder, builder.fmul(v, sv), gx, wv, small)
+        _store(builder, out, m, 64 * X)
+        live = _lanes_below(builder, n, 16 * X, 16)
+        sums[X % 4] = builder.select(live, _fma_ir(builder, gx, gx, sums[X % 4]), sums[X % 4])
+        bits = builder.select(live, builder.and_(builder.bitcast(out, _V16I32), _splat(_V16I32, 0x7FFFFFFF)), zero)
         top = builder.select(builder.icmp_signed(">", bits, top), bits, top)
     for X in range(4):
-        _store(builder, acc_v[X], acc, 64 * X)
-    return builder.call(_x86(builder, "llvm.vector.reduce.smax.v16i32", _I32, [_V16I32]), [top])
+        _store(builder, sums[X], acc, 64 * X)
+    return builder.call(_declare(builder, "llvm.vector.reduce.smax.v16i32", _I32, [_V16I32]), [top])
 
 
-def _decode_ir(builder, values, args):
-    """m = lerp(value * s, g, w1) for the decoded ``values`` (vectors of 16) and the tail."""
-    _, _, s, g, w, small, n, m, acc = args
-    sv, wv = _bcast(builder, s, _V16F32), _bcast(builder, w, _V16F32)
-    gs = [_load(builder, g, _V16F32, 64 * X) for X in range(len(values))]
-    out = [_lerp_ir(builder, builder.fmul(v, sv), gx, wv, small) for v, gx in zip(values, gs)]
-    for X, v in enumerate(out):
-        _store(builder, v, m, 64 * X)
-    return _decode_tail(builder, out, gs, n, acc)
+def _gradients(builder, g, n, count):
+    """``count`` vectors of 16 gradients at ``g``, lanes from ``n`` on read as 0 (not read)."""
+    return [_masked_load(builder, g, _V16F32, _lanes_below(builder, n, 16 * X, 16), 64 * X) for X in range(count)]
 
 
 @intrinsic
 def _vdecode8(typingctx, group, codes, tabs, s, g, w, small, n, m, acc):
-    """A group of elements, 8 bits: m = lerp(C[code] * s, g, w1) (``_lerp_ir``) into ``m``; over
-    the first ``n``: acc[i % 64] += g**2 (``acc``: 64 floats) and returns max |m| as int32 bits.
-    ``codes``, ``g``: a group of readable elements."""
+    """A group of elements, 8 bits: m = lerp(C[code] * s, g, w1) (``_lerp_ir``) into ``m`` (a group
+    of floats); over the first ``n``: acc[i % 64] += g**2 (``acc``: 64 floats) and returns max |m|
+    as int32 bits. Codes and gradients from ``n`` on are not read (they count as 0)."""
     def body(builder, group, args):
-        idxs = [_load(builder, args[0], _V64I8, 64 * k) for k in range(group // 64)]
+        n = args[6]
+        idxs = [_masked_load(builder, args[0], _V64I8, _lanes_below(builder, n, 64 * k, 64, 8), 64 * k)
+                for k in range(group // 64)]
         planes = builder.add(args[1], ir.Constant(args[1].type, _CB_PLANES))
-        return _decode_ir(builder, [v for vs in _lut256_ir(builder, planes, idxs) for v in vs], args)
+        values = [v for vs in _lut256_ir(builder, planes, idxs) for v in vs]
+        return _decode_ir(builder, values, _gradients(builder, args[3], n, group // 16), args)
     return _simd_intrinsic(body, types.int32)(typingctx, group, codes, tabs, s, g, w, small, n, m, acc)
 
 
 @intrinsic
 def _vdecode4(typingctx, group, codes, tabs, s, g, w, small, n, m, acc):
-    """``_vdecode8`` at 4 bits: ``codes`` one byte < 16 an element, C a register (vpermps)."""
+    """``_vdecode8`` at 4 bits: ``codes`` one byte an element (a group of them readable), C a
+    register (vpermps)."""
     def body(builder, group, args):
         cb = _load(builder, args[1], _V16F32, _CB16)
         values = [_perm16(builder, cb, builder.zext(_load(builder, args[0], ir.VectorType(_I8, 16), 16 * X), _V16I32))
                   for X in range(group // 16)]
-        return _decode_ir(builder, values, args)
+        return _decode_ir(builder, values, _gradients(builder, args[3], args[6], group // 16), args)
     return _simd_intrinsic(body, types.int32)(typingctx, group, codes, tabs, s, g, w, small, n, m, acc)
 
 
-def _store_codes(builder, codes, entries, out_codes, out_values):
+def _store_codes(builder, codes, entries, out_codes, out_values, n):
+    """The codes of a group to ``out_codes`` (the first ``n`` only), their entries to ``out_values``."""
     for k, (code, entry) in enumerate(zip(codes, entries)):
-        _store(builder, code, out_codes, 64 * k)
+        _masked_store(builder, code, out_codes, _lanes_below(builder, n, 64 * k, 64, 8), 64 * k)
         for X, v in enumerate(entry):
             _store(builder, v, out_values, 256 * k + 64 * X)
 
 
 @intrinsic
-def _vquantize8(typingctx, group, m, div, scale, lut, tabs, codes, value):
+def _vquantize8(typingctx, group, m, div, scale, lut, tabs, codes, value, n):
     """A group, 8 bits: q = m / div (exact), code = lut[bin(q)] + (q > B[that code]) into ``codes``
-    and C[code] into ``value`` (``codebook.nearest_code``'s table rule)."""
+    (the first ``n``) and C[code] into ``value`` (``codebook.nearest_code``'s table rule)."""
     def body(builder, group, args):
-        m, div, scale, lut, tabs, codes, value = args
+        m, div, scale, lut, tabs, codes, value, n = args
         dv = _bcast(builder, div, _V16F32)
         qs = [[builder.fdiv(_load(builder, m, _V16F32, 256 * k + 64 * X), dv) for X in range(4)]
               for k in range(group // 64)]
-        _store_codes(builder, *_choose_ir(builder, qs, _code_below_ir(builder, qs, scale, lut), tabs), codes, value)
-    return _simd_intrinsic(body)(typingctx, group, m, div, scale, lut, tabs, codes, value)
+        _store_codes(builder, *_choose_ir(builder, qs, _code_below_ir(builder, qs, scale, lut), tabs), codes, value, n)
+    return _simd_intrinsic(body)(typingctx, group, m, div, scale, lut, tabs, codes, value, n)
 
 
 @intrinsic
-def _vchoose8(typingctx, group, q, below, tabs, codes, value):
+def _vchoose8(typingctx, group, q, below, tabs, codes, value, n):
     """``_vquantize8`` after the division and the bin's lookup (``q``, ``below``: a group of floats
     and bytes in memory), for tables of more than 1024 bins."""
     def body(builder, group, args):
-        q, below, tabs, codes, value = args
+        q, below, tabs, codes, value, n = args
         qs = [[_load(builder, q, _V16F32, 256 * k + 64 * X) for X in range(4)] for k in range(group // 64)]
         belows = [_load(builder, below, _V64I8, 64 * k) for k in range(group // 64)]
-        _store_codes(builder, *_choose_ir(builder, qs, belows, tabs), codes, value)
-    return _simd_intrinsic(body)(typingctx, group, q, below, tabs, codes, value)
+        _store_codes(builder, *_choose_ir(builder, qs, belows, tabs), codes, value, n)
+    return _simd_intrinsic(body)(typingctx, group, q, below, tabs, codes, value, n)
 
 
 @intrinsic
@@ -709,13 +752,12 @@ def _lookup8(codes, m, u, lut_code, lut_bound, lut_values):
     if _SIMD:
         q = np.zeros(n + _PAD, dtype=np.float32)
         below = np.zeros(n + _PAD, dtype=np.uint8)
-        c = np.zeros(n + _PAD, dtype=np.uint8)
         for i in range(n):
             q[i] = m[i]
             below[i] = lut8[u[i]]
         for k in range(0, n, _GROUP):
-            _vchoose8(_GROUP, _data(q) + 4 * k, _data(below) + k, _data(tabs), _data(c) + k, _data(value) + 4 * k)
-        codes[:] = c[:n]
+            _vchoose8(_GROUP, _data(q) + 4 * k, _data(below) + k, _data(tabs), _data(codes) + k, _data(value) + 4 * k,
+                      n - k)
     else:
         _lookup(codes, m, u, lut, cb, value)
     m[:n] = value[:n]
@@ -847,13 +889,11 @@ def _factor_serial(meta, jobs, wptrs, block, S, beta2, one_minus_beta2, partial,
 
 
 @njit(nogil=True, error_model="numpy", cache=True, inline="always")
-def _decode_simd(bits4, per_element, codes, start, stop, tabs, s, p, g, v, w1, m, c, pad, acc):
-    """AVX-512: m = lerp(C[code] * s, g, w1) for elements start..stop-1 (into m from 0), a group at
-    a time (64 elements for blocks of up to 64, else ``_GROUP``); returns max |m| as int32 bits and
-    sum(g**2). The last, partial group reads padded copies (``pad``: a group of floats), zeros past
-    the end (garbage there could be subnormal floats, whose arithmetic is slow)."""
+def _decode_simd(bits4, per_element, codes, start, stop, tabs, s, p, g, v, w1, m, c, acc):
+    """AVX-512: m = lerp(C[code] * s, g, w1) for elements start..stop-1 (into m from 0); returns
+    max |m| as int32 bits, and sum(g**2) in the 64 lane sums ``acc``. Groups of ``_GROUP``, the
+    last under ``_GROUP`` elements in groups of 64 (masked: nothing past the block is read)."""
     L = stop - start
-    grp = 64 if L <= 64 else _GROUP
     small = abs(w1) < 0.5
     w = w1 if small else w1 - np.float32(1.0)
     if bits4:
@@ -861,72 +901,58 @@ def _decode_simd(bits4, per_element, codes, start, stop, tabs, s, p, g, v, w1, m
     for k in range(_LANES):
         acc[k] = np.float32(0.0)
     a = np.int32(0)
-    for k in range(0, L, grp):
-        n = min(grp, L - k)
+    k = 0
+    while k < L:
         ahead = start + k + _AHEAD_ELEMENTS  # a few lines a group: a burst of prefetches would be dropped
-        for line in range(0, 4 * grp, 64):
-            _prefetch(_data(g) + 4 * ahead + line)
-            _prefetch(_data(p) + 4 * ahead + line)
-            if per_element:
-                _prefetch(_data(v) + 4 * ahead + line)
+        _prefetch8(_data(g) + 4 * ahead)
+        _prefetch8(_data(p) + 4 * ahead)
+        if per_element:
+            _prefetch8(_data(v) + 4 * ahead)
         _prefetch(_data(codes) + (ahead >> 1 if bits4 else ahead))
-        src, gs = _data(codes) + start + k, _data(g) + 4 * (start + k)
-        if n < grp:
-            for i in range(n):
-                pad[i] = g[start + k + i]
-            for i in range(n, grp):
-                pad[i] = np.float32(0.0)
-            gs = _data(pad)
-            if not bits4:
-                for i in range(n):
-                    c[k + i] = codes[start + k + i]
-            for i in range(n, grp):
-                c[k + i] = np.uint8(0)
-        if bits4 or n < grp:
-            src = _data(c) + k
-        if bits4 and grp == 64:
-            a = max(a, _vdecode4(64, src, _data(tabs), s, gs, w, small, n, _data(m) + 4 * k, _data(acc)))
+        _prefetch(_data(codes) + (ahead >> 1 if bits4 else ahead) + 64)
+        src = _data(c) + k if bits4 else _data(codes) + start + k
+        gs, dst = _data(g) + 4 * (start + k), _data(m) + 4 * k
+        if L - k >= _GROUP and bits4:
+            a = max(a, _vdecode4(_GROUP, src, _data(tabs), s, gs, w, small, _GROUP, dst, _data(acc)))
+        elif L - k >= _GROUP:
+            a = max(a, _vdecode8(_GROUP, src, _data(tabs), s, gs, w, small, _GROUP, dst, _data(acc)))
         elif bits4:
-            a = max(a, _vdecode4(_GROUP, src, _data(tabs), s, gs, w, small, n, _data(m) + 4 * k, _data(acc)))
-        elif grp == 64:
-            a = max(a, _vdecode8(64, src, _data(tabs), s, gs, w, small, n, _data(m) + 4 * k, _data(acc)))
+            a = max(a, _vdecode4(64, src, _data(tabs), s, gs, w, small, min(64, L - k), dst, _data(acc)))
         else:
-            a = max(a, _vdecode8(_GROUP, src, _data(tabs), s, gs, w, small, n, _data(m) + 4 * k, _data(acc)))
+            a = max(a, _vdecode8(64, src, _data(tabs), s, gs, w, small, min(64, L - k), dst, _data(acc)))
+        k += _GROUP if L - k >= _GROUP else 64
     return a
 
 
 @njit(nogil=True, error_model="numpy", cache=True, inline="always")
 def _quantize_simd(bits4, codes, start, stop, amax, tabs, lut8, lut_scale, m, u, c, value):
     """AVX-512: the codes of q = m / amax into ``codes`` (elements start..stop-1; ``m`` from 0) and
-    their entries into ``value``, a group at a time (the last one through ``c``)."""
+    their entries into ``value``, in the groups of ``_decode_simd``."""
     L = stop - start
-    grp = 64 if L <= 64 else _GROUP
     div = amax if amax > np.float32(0.0) else np.float32(1.0)  # NaN: 1, as _bins
-    if bits4:
-        for k in range(0, L, grp):
-            if grp == 64:
-                _vquantize4(64, _data(m) + 4 * k, div, _data(tabs), _data(c) + k, _data(value) + 4 * k)
-            else:
-                _vquantize4(_GROUP, _data(m) + 4 * k, div, _data(tabs), _data(c) + k, _data(value) + 4 * k)
-        _pack4(c, start, stop, codes)
-        return
-    wide = lut8.size == 1024  # else a table of more bins (entries closer than 2^-9): scalar lookups
-    if not wide:
+    if not bits4 and lut8.size != 1024:  # a table of more bins (entries closer than 2^-9): scalar lookups
         _bins(m, L, amax, lut_scale, np.uint32(lut8.size - 1), u)
         for i in range(L):
             c[i] = lut8[u[i]]
-    for k in range(0, L, grp):
-        dst = _data(codes) + start + k if k + grp <= L else _data(c) + k
-        if wide and grp == 64:
-            _vquantize8(64, _data(m) + 4 * k, div, lut_scale, _data(lut8), _data(tabs), dst, _data(value) + 4 * k)
-        elif wide:
-            _vquantize8(_GROUP, _data(m) + 4 * k, div, lut_scale, _data(lut8), _data(tabs), dst, _data(value) + 4 * k)
-        elif grp == 64:
-            _vchoose8(64, _data(m) + 4 * k, _data(c) + k, _data(tabs), dst, _data(value) + 4 * k)
+    k = 0
+    while k < L:
+        q, cs, vs = _data(m) + 4 * k, _data(codes) + start + k, _data(value) + 4 * k
+        n = min(_GROUP if L - k >= _GROUP else 64, L - k)
+        if bits4 and L - k >= _GROUP:
+            _vquantize4(_GROUP, q, div, _data(tabs), _data(c) + k, vs)
+        elif bits4:
+            _vquantize4(64, q, div, _data(tabs), _data(c) + k, vs)
+        elif lut8.size == 1024 and L - k >= _GROUP:
+            _vquantize8(_GROUP, q, div, lut_scale, _data(lut8), _data(tabs), cs, vs, n)
+        elif lut8.size == 1024:
+            _vquantize8(64, q, div, lut_scale, _data(lut8), _data(tabs), cs, vs, n)
+        elif L - k >= _GROUP:
+            _vchoose8(_GROUP, q, _data(c) + k, _data(tabs), cs, vs, n)
         else:
-            _vchoose8(_GROUP, _data(m) + 4 * k, _data(c) + k, _data(tabs), dst, _data(value) + 4 * k)
-    for i in range(L - L % grp, L):
-        codes[start + i] = c[i]
+            _vchoose8(64, q, _data(c) + k, _data(tabs), cs, vs, n)
+        k += _GROUP if L - k >= _GROUP else 64
+    if bits4:
+        _pack4(c, start, stop, codes)
 
 
 @njit(nogil=True, error_model="numpy", cache=True)
@@ -934,11 +960,10 @@ def _blocks(simd, bits4, per_element, factored, quant, p, g, v, scales, codes, m
             lut8, lut_scale, block, S, w1, beta2, one_minus_beta2, decay, neg_step, bc2_sqrt, eps, m, u, value, c):
     """Scale blocks j0..j1-1 of one tensor, pass by pass (see the module docstring). ``m_fp32``: the
     unquantised first moment (``quant`` False; codes and scales are then empty). ``m``, ``u``,
-    ``value``, ``c``: scratch of S + 64 elements or more."""
+    ``value``, ``c``: scratch of S + ``_PAD`` elements or more."""
     n = p.size
     tabs16 = tabs[_CB16:_TABS].view(np.float32)
     acc = carray(_alloca(np.float32, _LANES), (_LANES,))
-    pad = carray(_alloca(np.float32, _PAD), (_PAD,))
     table = carray(_alloca(np.float32, _TABLE), (_TABLE,))
     if not simd:
         for k in range(_TABLE):
@@ -965,7 +990,7 @@ def _blocks(simd, bits4, per_element, factored, quant, p, g, v, scales, codes, m
             amax = np.float32(1.0)
         elif simd:
             amax = _bits_f32(_decode_simd(bits4, per_element, codes, start, stop, tabs, scales[j], p, g, v, w1, m, c,
-                                                       pad, acc))
+                                          acc))
             summed = True
             scales[j] = amax
             _quantize_simd(bits4, codes, start, stop, amax, tabs, lut8, lut_scale, m, u, c, value)
