@@ -10,16 +10,17 @@ blocks so that no two jobs write the same code byte. A job's scratch (a few bloc
 lives on its thread's stack, so a job allocates nothing; the call's lookup tables are built once
 (``_tables``).
 
-Every compiled function is top level with one signature: the code width, ``block == 1``, an
-unquantised first moment and the instruction set are run-time flags tested once per scale block,
-not per element. Top-level functions have one on-disk cache entry each, so processes compiling
-at the same time cannot load each other's variants.
+Every compiled function is top level with one signature: the code width, ``block == 1`` and an
+unquantised first moment are run-time flags tested once per scale block, not per element; the
+instruction set (``_SIMD``) is a constant, so only its form of the passes is compiled. Top-level
+functions have one on-disk cache entry each, so processes compiling at the same time cannot load
+each other's variants.
 
 A scale block (S <= 1024 elements, so its buffers stay in L1) goes through a few passes. Its
 table lookups are what costs: on x86 a gather is a load an element whichever way it is done
 (scalar loads or vgather), against a fraction of an instruction for the arithmetic around it. So
-there are two forms of the passes, chosen when the kernel is compiled; they give the same codes,
-scales, p and v bit for bit (``experiments/gefen_speed.py`` times the step against
+there are two forms of the passes, chosen by the CPU numba compiles for; they give the same
+codes, scales, p and v bit for bit (``experiments/gefen_speed.py`` times the step against
 ``torch.optim.AdamW``).
 
 AVX-512 (the CPU has AVX-512 F, BW and VBMI: ``_SIMD``): the passes are LLVM IR (``_v*``
@@ -114,7 +115,7 @@ def kernel(bits: int, per_element_v: bool, parallel: bool = True, factored: bool
     ``cb``); ``ratio`` fp32 (tensors, block), ``factor_kernel``'s output (read only when
     ``factored``).
     """
-    return partial(_step_parallel if parallel else _step_serial, _SIMD, quant and bits == 4, per_element_v,
+    return partial(_step_parallel if parallel else _step_serial, quant and bits == 4, per_element_v,
                    factored and not per_element_v, quant)
 
 
@@ -747,7 +748,7 @@ def _lookup8(codes, m, u, lut_code, lut_bound, lut_values):
         cb[lut_code[b]] = lut_values[2 * b]
         cb[lut_code[b] + 1] = lut_values[2 * b + 1]
         bounds[lut_code[b]] = lut_bound[b]
-    lut, tabs, lut8 = _tables(_SIMD, True, cb, bounds, lut_code, lut_bound)
+    lut, tabs, lut8 = _tables(True, cb, bounds, lut_code, lut_bound)
     value = np.zeros(n + _PAD, dtype=np.float32)
     if _SIMD:
         q = np.zeros(n + _PAD, dtype=np.float32)
@@ -956,7 +957,7 @@ def _quantize_simd(bits4, codes, start, stop, amax, tabs, lut8, lut_scale, m, u,
 
 
 @njit(nogil=True, error_model="numpy", cache=True)
-def _blocks(simd, bits4, per_element, factored, quant, p, g, v, scales, codes, m_fp32, r, j0, j1, cb, lut, tabs,
+def _blocks(bits4, per_element, factored, quant, p, g, v, scales, codes, m_fp32, r, j0, j1, cb, lut, tabs,
             lut8, lut_scale, block, S, w1, beta2, one_minus_beta2, decay, neg_step, bc2_sqrt, eps, m, u, value, c):
     """Scale blocks j0..j1-1 of one tensor, pass by pass (see the module docstring). ``m_fp32``: the
     unquantised first moment (``quant`` False; codes and scales are then empty). ``m``, ``u``,
@@ -965,7 +966,7 @@ def _blocks(simd, bits4, per_element, factored, quant, p, g, v, scales, codes, m
     tabs16 = tabs[_CB16:_TABS].view(np.float32)
     acc = carray(_alloca(np.float32, _LANES), (_LANES,))
     table = carray(_alloca(np.float32, _TABLE), (_TABLE,))
-    if not simd:
+    if not _SIMD:
         for k in range(_TABLE):
             table[k] = np.float32(0.0)
         for k in range(min(cb.size, _TABLE)):
@@ -982,13 +983,13 @@ def _blocks(simd, bits4, per_element, factored, quant, p, g, v, scales, codes, m
         L = stop - start
         gj = g[start:stop]
         summed = False  # the AVX-512 decode sums g**2 into acc on its way
-        if j + _AHEAD < j1 and not (simd and quant):
+        if j + _AHEAD < j1 and not (_SIMD and quant):
             _prefetch_block(p, g, codes, bits4, quant, start + _AHEAD * S, min(start + (_AHEAD + 1) * S, n))
         if not quant:  # m^ is the stored m after the lerp (times 1: exact)
             mj = m_fp32[start:stop]
             _lerp_fp32(gj, w1, mj)
             amax = np.float32(1.0)
-        elif simd:
+        elif _SIMD:
             amax = _bits_f32(_decode_simd(bits4, per_element, codes, start, stop, tabs, scales[j], p, g, v, w1, m, c,
                                           acc))
             summed = True
@@ -1027,7 +1028,7 @@ def _blocks(simd, bits4, per_element, factored, quant, p, g, v, scales, codes, m
 
 
 @njit(nogil=True, error_model="numpy", cache=True)
-def _job(simd, bits4, per_element, factored, quant, meta, jobs, k, ratio, cb, lut, tabs, lut8, lut_scale, block, S,
+def _job(bits4, per_element, factored, quant, meta, jobs, k, ratio, cb, lut, tabs, lut8, lut_scale, block, S,
          w1, beta2, one_minus_beta2, decay, neg_step, bc2_sqrt, eps):
     t = jobs[k, 0]
     p = carray(_f32_ptr(meta[t, 0]), (meta[t, 5],))
@@ -1042,19 +1043,19 @@ def _job(simd, bits4, per_element, factored, quant, meta, jobs, k, ratio, cb, lu
         u = carray(_alloca(np.uint16, _BUF), (_BUF,))
         value = carray(_alloca(np.float32, _BUF), (_BUF,))
         c = carray(_alloca(np.uint8, _BUF), (_BUF,))
-        _blocks(simd, bits4, per_element, factored, quant, p, g, v, scales, codes, m_fp32, r, jobs[k, 1],
+        _blocks(bits4, per_element, factored, quant, p, g, v, scales, codes, m_fp32, r, jobs[k, 1],
                 jobs[k, 2], cb, lut, tabs, lut8, lut_scale, block, S, w1, beta2, one_minus_beta2, decay, neg_step,
                 bc2_sqrt, eps, m, u, value, c)
     else:
         mh, uh = np.empty(S + _PAD, dtype=np.float32), np.empty(S + _PAD, dtype=np.uint16)
         vh, ch = np.empty(S + _PAD, dtype=np.float32), np.empty(S + _PAD, dtype=np.uint8)
-        _blocks(simd, bits4, per_element, factored, quant, p, g, v, scales, codes, m_fp32, r, jobs[k, 1],
+        _blocks(bits4, per_element, factored, quant, p, g, v, scales, codes, m_fp32, r, jobs[k, 1],
                 jobs[k, 2], cb, lut, tabs, lut8, lut_scale, block, S, w1, beta2, one_minus_beta2, decay, neg_step,
                 bc2_sqrt, eps, mh, uh, vh, ch)
 
 
 @njit(nogil=True, error_model="numpy", cache=True)
-def _tables(simd, quant, cb, bounds, lut_code, lut_bound):
+def _tables(quant, cb, bounds, lut_code, lut_bound):
     """The call's lookup tables: ``lut`` (portable path, 8 bits: boundary bits | code << 32 a bin),
     ``tabs`` (the codebook and the boundaries as 16 floats each; AVX-512 path: also as byte planes)
     and ``lut8`` (AVX-512 path: the code below each bin, a byte)."""
@@ -1069,7 +1070,7 @@ def _tables(simd, quant, cb, bounds, lut_code, lut_bound):
         f[e] = cb[e]
     for e in range(min(bounds.size, 16)):
         f[16 + e] = bounds[e]
-    if not simd:
+    if not _SIMD:
         return _pack_lut(lut_code, lut_bound), tabs, lut8
     cbb, bb = cb.view(np.uint8), bounds.view(np.uint8)
     inf = np.array([np.inf], dtype=np.float32).view(np.uint8)
@@ -1084,22 +1085,22 @@ def _tables(simd, quant, cb, bounds, lut_code, lut_bound):
 
 
 @njit(nogil=True, error_model="numpy", parallel=True, cache=True)
-def _step_parallel(simd, bits4, per_element, factored, quant, meta, jobs, ratio, cb, bounds, lut_code, lut_bound,
+def _step_parallel(bits4, per_element, factored, quant, meta, jobs, ratio, cb, bounds, lut_code, lut_bound,
                    lut_values, lut_scale, block, S, w1, beta2, one_minus_beta2, decay, neg_step, bc2_sqrt, eps):
-    lut, tabs, lut8 = _tables(simd, quant, cb, bounds, lut_code, lut_bound)
+    lut, tabs, lut8 = _tables(quant, cb, bounds, lut_code, lut_bound)
     for k in prange(jobs.shape[0]):
-        _job(simd, bits4, per_element, factored, quant, meta, jobs, k, ratio, cb, lut, tabs, lut8, lut_scale, block,
+        _job(bits4, per_element, factored, quant, meta, jobs, k, ratio, cb, lut, tabs, lut8, lut_scale, block,
              S, w1, beta2, one_minus_beta2, decay, neg_step, bc2_sqrt, eps)
 
 
 @njit(nogil=True, error_model="numpy", cache=True)
-def _step_serial(simd, bits4, per_element, factored, quant, meta, jobs, ratio, cb, bounds, lut_code, lut_bound,
+def _step_serial(bits4, per_element, factored, quant, meta, jobs, ratio, cb, bounds, lut_code, lut_bound,
                  lut_values, lut_scale, block, S, w1, beta2, one_minus_beta2, decay, neg_step, bc2_sqrt, eps):
     # the same passes compiled again: every pass is written so that its rounding cannot depend on
     # the copy (no multiply-add with two products to choose from, no reassoc)
-    lut, tabs, lut8 = _tables(simd, quant, cb, bounds, lut_code, lut_bound)
+    lut, tabs, lut8 = _tables(quant, cb, bounds, lut_code, lut_bound)
     for k in range(jobs.shape[0]):
-        _job(simd, bits4, per_element, factored, quant, meta, jobs, k, ratio, cb, lut, tabs, lut8, lut_scale, block,
+        _job(bits4, per_element, factored, quant, meta, jobs, k, ratio, cb, lut, tabs, lut8, lut_scale, block,
              S, w1, beta2, one_minus_beta2, decay, neg_step, bc2_sqrt, eps)
 
 
