@@ -175,3 +175,32 @@ def test_gradients_that_change_layout_between_steps(backend):
         ours.step()
         ref.step()
         _assert_same(params, twins, f"strided={strided}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("option", ["quantize_first_moment", "factor_second_moment", "share_second_moment"])
+def test_a_state_option_flipped_in_place_is_refused_by_name(backend, option):
+    """An option that decides the state's layout, edited in the group after the state was made, is
+    refused naming the parameter (never a kernel on state of another layout)."""
+    ps = [torch.nn.Parameter(torch.randn(32, 64)), torch.nn.Parameter(torch.randn(64))]
+    opt = Gefen(ps, backend=backend)
+    row_scaled = torch.randn(32, 64) * torch.exp(2 * torch.randn(32, 1))  # rows of other scales: blocks > 1
+    set_grads(ps, [row_scaled, torch.randn(64)])
+    opt.step()
+    assert opt.state[ps[0]][K.BLOCK] > 1
+    opt.param_groups[0][option] = not opt.param_groups[0][option]
+    set_grads(ps, [torch.randn(p.shape) for p in ps])
+    with pytest.raises(ValueError, match="parameter 0 of group 0"):
+        opt.step()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_maximize_and_rounding_flipped_in_place_take_effect(backend):
+    """Options that leave the state's layout alone are read at the next step: maximize flipped on
+    and off steps as AdamW with maximize flipped the same way."""
+    params, twins, ours, ref = _pair(backend)
+    for flag in (False, True, True, False):
+        for opt in (ours, ref):
+            opt.param_groups[0]["maximize"] = flag
+        _step_both(params, twins, ours, ref)
+        _assert_same(params, twins, f"maximize={flag}")

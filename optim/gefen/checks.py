@@ -49,17 +49,21 @@ def expected_state(n: int, block: int, bits: int, quant: bool, dtype: torch.dtyp
 
 def check_state_fits(st, p, group, bits, where: str):
     """Raise ``ValueError`` unless parameter ``p``'s existing state (``st``, with a block) has the
-    sizes and dtypes of its shape now: a parameter replaced by one of another size or shape after
-    its state was made (``p.data = ...``) is refused before any kernel sees the state."""
+    layout of its shape and group options now: a parameter replaced by one of another size or
+    shape after its state was made (``p.data = ...``), or an option that decides the layout
+    (``share_second_moment``, ``quantize_first_moment``, ``factor_second_moment``) edited in the
+    group since, is refused before any kernel sees the state."""
     n, block = p.numel(), st[K.BLOCK]
     tiles = len(factor_tiles(tuple(p.shape), block)) if n % block == 0 else 0
     want = expected_state(n, block, bits, group["quantize_first_moment"], state_dtype(p.dtype, group),
                           group["factor_second_moment"], tiles) if tiles else {}
-    if not want or any(key not in st or st[key].numel() != size for key, (_, size) in want.items()):
+    per_element = not group["share_second_moment"] and block != 1  # its blocks say otherwise
+    if per_element or not want or any(key not in st or st[key].numel() != size for key, (_, size) in want.items()):
         made = st[K.V].numel() * block
         raise ValueError(f"Gefen: {where} is now {tuple(p.shape)} ({n} elements), its state was made for "
-                         f"{made} elements of another shape or group options: a parameter must keep its shape; "
-                         "replace it by one of the same shape, or build a new optimizer for the new one")
+                         f"{made} elements, of another shape or under other group options (block {block}): a "
+                         "parameter keeps its shape, and its group its share_second_moment, quantize_first_moment "
+                         "and factor_second_moment, once its state exists; build a new optimizer for another")
 
 
 def check_group(group, gi):
