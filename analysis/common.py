@@ -32,7 +32,8 @@ README_HEAD = """# Results
 
 Every section below is written by one analysis script from one experiment's CSV and config in this
 folder; rerunning the script replaces its section. The setup line names the commit, machine, torch
-version, wall time and the command of the run that wrote the CSV.
+version, wall time and the command of the run that wrote the CSV. The contents list is written
+with every section.
 """
 
 # One colour per optimizer, so every figure reads the same.
@@ -224,8 +225,29 @@ def write_section(readme, name: str, text: str) -> Path:
     else:
         doc = doc.rstrip("\n") + "\n\n" + block + "\n"
     readme.parent.mkdir(parents=True, exist_ok=True)
-    readme.write_text(doc)
+    readme.write_text(with_contents(doc))
     return readme
+
+
+def with_contents(doc: str) -> str:
+    """``doc`` with its contents list (a link to every ``## `` section, in order) between the
+    ``contents`` markers, put before the first section or block where there is none: made from the
+    headings each time a section is written, so it never lists a section that is gone."""
+    begin, end = _markers("contents")
+    pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end) + r"\n*", re.S)
+    doc = pattern.sub("", doc)
+    titles = [line[3:].strip() for line in doc.splitlines() if line.startswith("## ")]
+    if not titles:
+        return doc
+    items = "\n".join(f"- [{t}](#{_anchor(t)})" for t in titles)
+    block = f"{begin}\nContents:\n\n{items}\n{end}\n\n"
+    first = re.search(r"^(## |<!-- begin )", doc, re.M)  # before the first section, outside every block
+    return doc[:first.start()] + block + doc[first.start():]
+
+
+def _anchor(title: str) -> str:
+    """The anchor GitHub gives a heading: lower case, punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", title.lower()).replace(" ", "-")
 
 
 def read_section(readme, name: str) -> str | None:

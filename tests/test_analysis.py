@@ -391,3 +391,22 @@ def test_convergence_long_compares_the_gap_with_the_short_run_on_the_same_seeds(
         assert cells[1:4] == [f"{at_short - 1:+.2%}", f"{at_long - 1:+.2%}", f"{at_long - at_short:+.2%}"]
         assert cells[4] == ("**met**" if at_long <= at_short else "**not met**")
     assert "AdamW's best lr 0.004) and at 3,000 steps (this run, AdamW's best lr 0.002)" in section
+
+
+def test_the_results_book_lists_every_section_once_after_each_write(tmp_path):
+    """write_section keeps one contents list, made from the headings: a new section is listed in
+    order, a rewritten one once, with GitHub's anchors."""
+    from analysis.common import write_section
+
+    readme = tmp_path / "README.md"
+    readme.write_text("# Results\n\nIntro.\n\n## Claims in detail\n\nText.\n")
+    write_section(readme, "a", "## Gefen: step time (CPU, 1 thread)\n\nx")
+    write_section(readme, "b", "## The seed's own benchmark\n\ny")
+    write_section(readme, "a", "## Gefen: step time (CPU, 1 thread)\n\nz")
+    doc = readme.read_text()
+    assert doc.count("<!-- begin contents -->") == 1 and doc.index("<!-- end contents -->") < doc.index("## Claims")
+    listed = [line for line in doc.splitlines() if line.startswith("- [")]
+    assert listed == ["- [Claims in detail](#claims-in-detail)",
+                      "- [Gefen: step time (CPU, 1 thread)](#gefen-step-time-cpu-1-thread)",
+                      "- [The seed's own benchmark](#the-seeds-own-benchmark)"]
+    assert "\nz\n" in doc and "\nx\n" not in doc
