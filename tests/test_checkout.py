@@ -1,0 +1,102 @@
+"""A script of a second checkout runs that checkout's code and writes only into it.
+
+Two copies of this working tree, A and B (each its own git repository), and a virtual environment
+with A installed editable (``pip install -e A``, as requirements.txt does): a script of B must import
+B's code, write its results, W&B run and caches into B, and leave every file of A as it was.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+COPIED = ["optim", "experiments", "analysis", "pyproject.toml", "README.md", ".gitignore"]
+
+
+def _git(cwd, *args) -> str:
+    return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, check=True).stdout
+
+
+def _copy_checkout(dest: Path, message: str) -> str:
+    """The working tree's files under COPIED (tracked and untracked, not ignored) in a new git
+    repository at ``dest`` with one commit; returns its short hash."""
+    files = _git(REPO, "ls-files", "--cached", "--others", "--exclude-standard", "-z", "--", *COPIED).split("\0")
+    for rel in filter(None, files):
+        if (REPO / rel).is_file():
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / rel, dest / rel)
+    _git(dest, "init", "-q")
+    _git(dest, "add", "-A")
+    _git(dest, "-c", "user.name=test", "-c", "user.email=test@example.com", "commit", "-q", "-m", message)
+    return _git(dest, "rev-parse", "--short", "HEAD").strip()
+
+
+def _snapshot(root: Path) -> dict:
+    """Every file under ``root`` (ignored ones included), with its size and modification time."""
+    return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns)
+            for p in root.rglob("*") if p.is_file() and ".git" not in p.relative_to(root).parts}
+
+
+@pytest.fixture(scope="module")
+def two_checkouts(tmp_path_factory):
+    """(python of a venv with A installed editable, A, B, B's commit, environment for its runs)."""
+    if shutil.which("git") is None:
+        pytest.skip("git is needed to make the two checkouts")
+    tmp = tmp_path_factory.mktemp("checkouts")
+    first, second = tmp / "A", tmp / "B"
+    _copy_checkout(first, "first checkout")
+    commit = _copy_checkout(second, "second checkout")
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", str(tmp / "venv")],
+                   check=True)
+    python = str(tmp / "venv" / "bin" / "python")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "WANDB_DIR", "WANDB_MODE")}
+    subprocess.run([python, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-build-isolation",
+                    "--disable-pip-version-check", "-e", str(first)], check=True, env=env, capture_output=True)
+    imported = subprocess.run([python, "-c", "import experiments.common as c; print(c.REPO_ROOT)"], cwd=tmp,
+                              env=env, capture_output=True, text=True, check=True).stdout.strip()
+    assert Path(imported) == first, f"the editable install should map experiments to {first}, not {imported}"
+    return python, first, second, commit, env
+
+
+@pytest.mark.timeout(120)
+def test_a_second_checkouts_experiment_runs_its_own_code_and_leaves_the_installed_one_untouched(two_checkouts):
+    python, first, second, commit, env = two_checkouts
+    status_before, files_before = _git(first, "status", "--ignored", "--porcelain"), _snapshot(first)
+    # run from inside A, the installed checkout: nothing may depend on the working directory either
+    proc = subprocess.run([python, str(second / "experiments" / "convergence.py"), "--tiny", "--optimizers", "AdamW",
+                           "--seeds", "1", "--protocol", "best", "--no-progress", "--wandb", "offline"],
+                          cwd=first, env=env, capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+
+    config = json.loads((second / "results" / "quick" / "convergence.config.json").read_text())
+    assert config["git_commit"].split("+")[0] == commit, config["git_commit"]
+    assert config["command"].startswith("python experiments/convergence.py --tiny"), config["command"]
+    assert (second / "results" / "quick" / "convergence.csv").is_file()
+    assert (second / "wandb").is_dir(), "the offline W&B run should be written into the second checkout"
+
+    assert _git(first, "status", "--ignored", "--porcelain") == status_before
+    files_after = _snapshot(first)
+    changed = sorted(set(files_after) ^ set(files_before)) + sorted(
+        k for k in set(files_after) & set(files_before) if files_after[k] != files_before[k])
+    assert not changed, f"the installed checkout was written to: {changed[:10]}"
+
+
+@pytest.mark.timeout(60)
+def test_a_rerun_that_still_imports_the_other_checkout_stops_naming_both_and_the_fix(two_checkouts):
+    """A re-run under the second checkout that still imports the first (here: told it already was
+    re-run) stops with an error instead of running the wrong code or re-running again."""
+    from experiments.checkout import RERUN_MARKER
+
+    python, first, second, _, env = two_checkouts
+    proc = subprocess.run([python, str(second / "analysis" / "codebook.py"), "--help"], cwd=second,
+                          env=dict(env, **{RERUN_MARKER: str(second)}), capture_output=True, text=True, timeout=50)
+    assert proc.returncode != 0, "the script ran with the other checkout's code:\n" + proc.stdout[-1000:]
+    assert str(first) in proc.stderr and str(second) in proc.stderr, proc.stderr
+    assert f"pip install --no-deps -e {second}" in proc.stderr, proc.stderr
