@@ -311,3 +311,88 @@ def test_a_compact_state_larger_than_memory_saves_without_a_copy(tmp_path, monke
         assert torch.equal(torch.as_tensor(back[key]), torch.as_tensor(st[key])), key
     opt.close()
     twin.close()
+
+
+@pytest.mark.parametrize("first,cast", [(torch.float32, "double"), (torch.float64, "float")],
+                         ids=["float32-then-double", "float64-then-float"])
+def test_a_dtype_cast_of_the_table_after_construction_is_refused(tmp_path, first, cast):
+    """``emb.double()`` (or ``.float()``) after the optimizer was built: the step is refused naming
+    the cast, in a subprocess since the kernels once ran over the mismatched buffers (heap overflow,
+    segfault, NaN); the recipe the error gives (state_dict into a new optimizer) then steps as
+    ``torch.optim.SparseAdam`` does after loading the same state dict into the cast table."""
+    out = _run(f"""
+        import torch, torch.nn as nn
+        from optim import DiskSparseAdam
+        torch.manual_seed(0)
+        emb = nn.Embedding(20000, 64, sparse=True).to({first})
+        opt = DiskSparseAdam(emb.parameters(), lr=0.1, backend="numba", state_dir={str(tmp_path / "s")!r})
+        def step(o, idx):
+            o.zero_grad()
+            emb(idx).pow(2).sum().backward()
+            o.step()
+        step(opt, torch.randint(0, 20000, (4096,)))
+        emb.{cast}()
+        try:
+            step(opt, torch.randint(0, 20000, (4096,)))
+            print("stepped", torch.isfinite(emb.weight).all().item())
+        except RuntimeError as exc:
+            print("refused:", exc)
+        sd = opt.state_dict()
+        ref = torch.optim.SparseAdam(emb.parameters(), lr=0.1)
+        ref.load_state_dict(sd)
+        new = DiskSparseAdam(emb.parameters(), lr=0.1, backend="numba", state_dir={str(tmp_path / "t")!r})
+        new.load_state_dict(sd)
+        opt.close()
+        w0 = emb.weight.detach().clone()
+        idx = torch.randint(0, 20000, (4096,))
+        step(ref, idx)
+        w_ref = emb.weight.detach().clone()
+        with torch.no_grad():
+            emb.weight.copy_(w0)
+        step(new, idx)
+        print("recipe equal:", torch.equal(emb.weight, w_ref))
+    """)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "refused:" in out.stdout and "dtype changed" in out.stdout and "load_state_dict" in out.stdout, out.stdout
+    assert "recipe equal: True" in out.stdout, out.stdout
+
+
+def test_the_numba_kernels_refuse_buffers_of_mismatched_dtype_or_shape():
+    """The kernels index without bounds checks and call torch's sqrt on raw pointers: a mismatch at
+    their boundary is a TypeError or ValueError, never a run over the buffers."""
+    pytest.importorskip("numba")
+    from optim.disk_sparse import numba_ops
+
+    w = torch.randn(50, 8, dtype=torch.float64)
+    idx, vals = torch.tensor([1, 2, 2]), torch.randn(3, 8, dtype=torch.float64)
+    hyper = dict(lr=0.1, beta1=0.9, beta2=0.999, eps=1e-8)
+    with pytest.raises(TypeError, match="one dtype"):
+        numba_ops.adam_sparse_(w, idx, vals, torch.zeros(50, 16), 1, **hyper)
+    with pytest.raises(ValueError, match=r"records \(50, 16\)"):
+        numba_ops.adam_sparse_(w, idx, vals, torch.zeros(50, 8, dtype=torch.float64), 1, **hyper)
+    with pytest.raises(ValueError, match=r"records \(50, 16\)"):
+        numba_ops.adam_sparse_(w, idx, vals, torch.zeros(10, 16, dtype=torch.float64), 1, **hyper)
+    with pytest.raises(ValueError, match="int64"):
+        numba_ops.adam_sparse_(w, idx.int(), vals, torch.zeros(50, 16, dtype=torch.float64), 1, **hyper)
+    with pytest.raises(TypeError, match="one dtype"):
+        numba_ops.adam_rows_(w[:3], vals.float(), torch.zeros(3, 16, dtype=torch.float64), 1, **hyper)
+    with pytest.raises(TypeError, match="one dtype"):
+        numba_ops.riemannian_adam_rows_(w[:3] * 0.01, vals.float(), torch.zeros(3, 9, dtype=torch.float64), 1,
+                                        c=1.0, exact=False, **hyper)
+
+
+def test_a_table_materialised_into_new_parameters_is_refused_at_the_step():
+    """``module.to_empty`` without swapping gives the module new Parameter objects: the optimizer
+    built on the meta table would step nothing, silently; its step is refused, saying to build the
+    optimizer after ``to_empty``."""
+    with torch.device("meta"):
+        emb = nn.Embedding(ROWS, DIM, sparse=True)
+    opt = DiskSparseAdam(emb.parameters(), lr=0.1)
+    emb.to_empty(device="cpu")
+    nn.init.normal_(emb.weight)
+    before = emb.weight.detach().clone()
+    emb(torch.tensor([1, 2])).sum().backward()
+    with pytest.raises(RuntimeError, match="still on the meta device.*Build the optimizer after module.to_empty"):
+        opt.step()
+    assert torch.equal(emb.weight, before)
+    opt.close()

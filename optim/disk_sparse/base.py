@@ -41,6 +41,12 @@ class Route(NamedTuple):
 FILE_OPTIONS = ("state_dir", "state_format", "backend", "staging", "huge_pages")
 
 
+def _meta_message(k):
+    return (f"parameter {k} is still on the meta device, so it can never be trained: module.to_empty(device=...) "
+            "gives the module new Parameter objects (unless torch.__future__.set_swap_module_params_on_conversion"
+            "(True)), and this optimizer holds the old ones. Build the optimizer after module.to_empty(...)")
+
+
 def _cols(p):
     """Values per row: a 1-D table is kept as N rows of one value."""
     return p.shape[1] if p.dim() == 2 else 1
@@ -86,6 +92,7 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
         self._weight_files: dict = {}  # parameter -> weights.WeightFile, for weights in a file
         self._routes: dict = {}  # parameter -> Route for the device it was last stepped on (None: not yet)
         self._step_counts: dict = {}  # parameter -> int
+        self._layouts: dict = {}  # parameter -> (dtype, shape) its state file was made for
         self._executor = None  # the background gather thread of the staged pipeline
         self._torn = False  # a step or load was interrupted: the files hold no one step
         self._closed = False
@@ -167,6 +174,7 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
             self._executor = pipeline.make_executor()
         self._routes[p] = None if backend is None else self._new_route(p, backend)
         self._step_counts[p] = store.step
+        self._layouts[p] = (p.dtype, tuple(p.shape))
         if resumed:  # the file's records are this parameter's state (SparseAdam has none before a step)
             self.state[p] = {STEP: store.step}
 
@@ -201,15 +209,33 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
                 f"(it is now a {p.dtype} tensor on {p.device}: share_memory(), .to() or a dtype cast "
                 "copied it), so its training would be lost. Keep a mapped weight where it is, or use "
                 "an ordinary nn.Embedding(sparse=True)")
+        self._check_layout(p, k)
         route = self._routes[p]
         if route is None or route.stager.device != p.device:
             if p.is_meta:
-                raise RuntimeError(f"parameter {k} is on the meta device: materialise it "
-                                   "(module.to_empty(device=...)) before the first step")
+                raise RuntimeError(_meta_message(k))
             if route is not None:
                 route.stager.invalidate()
             route = self._routes[p] = self._new_route(p, self._choose_backend(p, k))
         return route
+
+    def _check_layout(self, p, k):
+        """Refuse a parameter whose dtype or shape changed after its state file was made (a cast such
+        as ``module.double()`` or ``.float()``, or ``p.data = ...``): its records were made for the
+        old one, and no kernel may run over buffers of mismatched dtypes or shapes."""
+        dtype, shape = self._layouts[p]
+        if p.dtype != dtype:
+            raise RuntimeError(
+                f"parameter {k}: its dtype changed from {dtype} to {p.dtype} after {type(self).__name__} was "
+                f"built (a cast such as module.double() or .float()); its state file holds "
+                f"{self._stores[p].dtype} records made for {dtype} weights. Cast the table before building "
+                "the optimizer, or carry the state over: sd = opt.state_dict(); opt.close(); build a new "
+                "optimizer on the cast table and call load_state_dict(sd) (the moments are converted)")
+        if tuple(p.shape) != shape:
+            raise RuntimeError(
+                f"parameter {k}: its shape changed from {shape} to {tuple(p.shape)} after "
+                f"{type(self).__name__} was built (p.data was replaced); its state file holds records for "
+                f"{shape[0]} rows. Build a new optimizer for the new table")
 
     def _views(self, p, records):
         """The rule's state-dict views of ``p``'s ``records``, of ``p``'s shape (a 1-D table is kept
@@ -258,6 +284,8 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
         for group in self.param_groups:
             hyper = self.rule.hyper(group)
             for p in group["params"]:
+                if p.is_meta:  # never gets a gradient: the module trains a new Parameter now
+                    raise RuntimeError(_meta_message(self._index(p)))
                 if p.grad is not None:
                     g = check_grad(p, self._index(p), type(self).__name__, self.rule)
                     work.append((p, g, self._current_route(p), hyper))

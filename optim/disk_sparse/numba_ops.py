@@ -83,6 +83,10 @@ def _sorted_rows(K, indices: torch.Tensor, n_table_rows: int, sort_bufs, counts,
 
 def _uncoalesced(K, indices, values, n_table_rows, dtype, coalesce_order=False):
     """(the sorted unique rows the kernels take, the scratch buffers) of an uncoalesced gradient."""
+    if indices.device.type != "cpu" or indices.dim() != 1 or indices.dtype != torch.int64 \
+            or indices.shape[0] != values.shape[0]:
+        raise ValueError(f"numba kernels take int64 CPU row indices of shape ({values.shape[0]},), one per "
+                         f"gradient row; got {indices.dtype} {tuple(indices.shape)} on {indices.device}")
     bufs = _scratch(indices.shape[0], values.shape[1], dtype)
     starts, sort_bufs, counts = bufs[0], bufs[4], bufs[5]
     keys, perm, n_rows = _sorted_rows(K, indices.contiguous(), n_table_rows, sort_bufs, counts, starts,
@@ -109,6 +113,7 @@ def adam_sparse_(weight: torch.Tensor, indices: torch.Tensor, values: torch.Tens
     """
     from . import _numba_kernels as K
 
+    check_adam_buffers(weight, values, records, values.shape[0])
     rows, bufs = _uncoalesced(K, indices, values, weight.shape[0], weight.dtype, coalesce_order=bitwise)
     _launch(K, rows, values, records, weight, bufs, step,
             lr=lr, beta1=beta1, beta2=beta2, eps=eps, maximize=maximize, bitwise=bitwise)
@@ -123,14 +128,39 @@ def adam_rows_(w, g, state, step, *, lr, beta1, beta2, eps, maximize=False, bitw
             lr=lr, beta1=beta1, beta2=beta2, eps=eps, maximize=maximize, bitwise=bitwise)
 
 
+def check_adam_buffers(weight, values, records, n_values):
+    """Refuse buffers the Adam kernels cannot take: the kernels index without bounds checks and call
+    torch's sqrt on raw pointers of the weights' dtype, so ``weight`` (N, D), ``values``
+    (``n_values``, D) and ``records`` (N, 2D, contiguous) must be CPU tensors of one dtype in
+    ``WEIGHT_DTYPES``."""
+    tensors = dict(weight=weight, values=values, records=records)
+    if any(t.device.type != "cpu" for t in tensors.values()):
+        raise ValueError("numba Adam kernels take CPU tensors, got "
+                         + ", ".join(f"{k} on {t.device}" for k, t in tensors.items()))
+    if weight.dtype not in WEIGHT_DTYPES or values.dtype != weight.dtype or records.dtype != weight.dtype:
+        raise TypeError(f"numba Adam kernels take weights, gradient values and records of one dtype, float32 "
+                        f"or float64; got {weight.dtype}, {values.dtype} and {records.dtype}")
+    if weight.dim() != 2 or values.dim() != 2 or records.dim() != 2:
+        raise ValueError("numba Adam kernels take 2-D weight, values and records, got "
+                         f"{weight.dim()}-D, {values.dim()}-D and {records.dim()}-D")
+    n, d = weight.shape
+    if values.shape != (n_values, d) or records.shape != (n, 2 * d):
+        raise ValueError(f"numba Adam kernels: weight {tuple(weight.shape)} needs values ({n_values}, {d}) and "
+                         f"records ({n}, {2 * d}), got {tuple(values.shape)} and {tuple(records.shape)}")
+    if not records.is_contiguous():
+        raise ValueError("numba Adam kernels need contiguous records")
+
+
 def _launch(K, sorted_rows, values, records, weight, bufs, step, *, lr, beta1, beta2, eps, maximize, bitwise):
     """Run the kernel ``bitwise`` and the machine call for: ``tiled`` (torch's sqrt found),
     ``moments`` + ``Tensor.sqrt_`` + ``weights`` (not found), or ``fused`` (``bitwise=False``)."""
     keys, perm, starts, n_rows = sorted_rows
+    values = values.contiguous()
+    check_adam_buffers(weight, values, records, perm.shape[0])
     threads = numba_threads() if n_rows >= _PARALLEL_MIN_ROWS else 1
     rec, w = records.detach().numpy(), weight.detach().numpy()
     ty = rec.dtype.type
-    vals = values.contiguous().numpy()
+    vals = values.numpy()
     neg_step = ty(float(-(lr * math.sqrt(1 - beta2 ** step) / (1 - beta1 ** step))))  # a tensor lr: its dtype
     c1, c2, eps, maximize = ty(1 - beta1), ty(1 - beta2), ty(eps), bool(maximize)
     parallel = threads > 1
@@ -219,9 +249,9 @@ def _launch_ball(K, sorted_rows, values, records, weight, step, *, lr, beta1, be
 
     keys, perm, starts, n_rows = sorted_rows
     d = values.shape[1]
-    if weight.dtype not in WEIGHT_DTYPES or records.dtype != weight.dtype:
-        raise TypeError(f"the ball's numba kernel takes float32 or float64 weights and records of their dtype, "
-                        f"got {weight.dtype} and {records.dtype}")
+    if weight.dtype not in WEIGHT_DTYPES or records.dtype != weight.dtype or values.dtype != weight.dtype:
+        raise TypeError(f"the ball's numba kernel takes float32 or float64 weights, gradient values and records "
+                        f"of one dtype, got {weight.dtype}, {values.dtype} and {records.dtype}")
     if records.dim() != 2 or records.shape != (weight.shape[0], d + 1) or weight.shape[1] != d \
             or values.shape[0] != perm.shape[0] or not records.is_contiguous():
         raise ValueError(f"the ball's numba kernel: weight {tuple(weight.shape)}, records {tuple(records.shape)} "
