@@ -434,3 +434,132 @@ def test_strided_gradients_step_as_their_contiguous_copies(backend, layout, quan
             assert_close(vb[i], va[i], rtol=1e-5, name=f"v[{i}]")
             if quant:
                 assert torch.equal(cb_[i], ca[i]), f"codes[{i}] differ"
+
+
+# ------------------------------------------------- dtypes, versions and gradients left as given
+
+ADAMW = dict(share_second_moment=False, quantize_first_moment=False)  # Gefen reduced to AdamW
+
+
+def _mlp(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(24, 16, generator=g, dtype=torch.float32)),
+            torch.nn.Parameter(torch.randn(24, generator=g, dtype=torch.float32))]
+
+
+def _grads(step, params):
+    g = torch.Generator().manual_seed(100 + step)
+    return [torch.randn(p.shape, generator=g, dtype=p.dtype) * (1 + torch.arange(p.shape[0]).view(-1, *[1] * (p.dim() - 1)))
+            for p in params]
+
+
+def _steps(opt, params, steps, start=0):
+    for t in range(start, start + steps):
+        for p, g in zip(params, _grads(t, params)):
+            p.grad = g
+        opt.step()
+
+
+@pytest.mark.parametrize("default", [torch.float64, torch.bfloat16], ids=["float64", "bfloat16"])
+@pytest.mark.parametrize("backend", ["torch", "numba"])
+def test_state_dtypes_do_not_follow_the_default_dtype(default, backend):
+    """fp32 parameters stepped under another ``torch.get_default_dtype()`` keep fp32 state and step
+    as under the fp32 default (bit for bit), and a state dict saved there loads; AdamW's
+    reduction with a factor (per element, so a no-op) matches ``torch.optim.AdamW``."""
+    runs = {}
+    for dflt in (torch.float32, default):
+        ps, ps2 = _mlp(), _mlp()
+        old = torch.get_default_dtype()
+        torch.set_default_dtype(dflt)
+        try:
+            opt = Gefen(ps, lr=1e-2, backend=backend, factor_second_moment=True)
+            _steps(opt, ps, 3)
+            sd = opt.state_dict()
+            opt2 = Gefen(ps2, lr=1e-2, backend=backend, factor_second_moment=True)
+            opt2.load_state_dict(sd)
+            ref, ours = _mlp(), _mlp()
+            adamw = Gefen(ours, lr=1e-2, weight_decay=0.1, factor_second_moment=True, backend="torch", **ADAMW)
+            _steps(adamw, ours, 3)
+        finally:
+            torch.set_default_dtype(old)
+        _steps(torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.1), ref, 3)
+        for a, b in zip(ours, ref):
+            assert_close(a, b, atol=1e-6, rtol=1e-5)
+        for st in opt.state.values():
+            for key in (K.SCALES, K.W, K.V):
+                assert st[key].dtype == torch.float32, (key, st[key].dtype)
+        runs[dflt] = [p.detach().clone() for p in ps]
+    for a, b in zip(runs[torch.float32], runs[default]):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("backend", ["torch", "numba"])
+def test_a_step_bumps_the_version_of_the_parameters_as_adamw(backend):
+    """A graph retained over a step (a GAN loop's second backward) must see that the weights
+    changed: autograd's in-place error, as with AdamW, never the new weights silently."""
+    w = torch.nn.Parameter(torch.randn(32, 32))
+    opt = Gefen([w], lr=1e-2, backend=backend)
+    x = torch.randn(4, 32, requires_grad=True)
+    for _ in range(2):  # the first step learns the codebook; the second is the plan's fast path
+        loss = (x @ w).tanh().sum()
+        loss.backward(retain_graph=True)
+        before = w._version
+        opt.step()
+        assert w._version > before
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            loss.backward()
+        opt.zero_grad()
+
+
+@pytest.mark.parametrize("backend", ["torch", "numba"])
+@pytest.mark.parametrize("quant", [True, False], ids=["codes", "adamw"])
+def test_maximize_with_one_gradient_shared_by_two_parameters(backend, quant):
+    """One gradient tensor (or one storage) given to two parameters: each steps on -g once, as
+    AdamW(maximize=True); the gradient is left as it was."""
+    kw = {} if quant else ADAMW
+    a, b = torch.nn.Parameter(torch.randn(16, 8)), torch.nn.Parameter(torch.randn(16, 8))
+    c, d = torch.nn.Parameter(a.detach().clone()), torch.nn.Parameter(b.detach().clone())
+    up = Gefen([a, b], lr=1e-2, maximize=True, backend=backend, **kw)
+    down = Gefen([c, d], lr=1e-2, backend=backend, **kw)
+    for t in range(3):
+        g = _structured_grad((16, 8))
+        a.grad = b.grad = g  # one tensor
+        c.grad, d.grad = -g, -g.clone()
+        kept = g.clone()
+        up.step()
+        down.step()
+        assert torch.equal(g, kept)
+    assert torch.equal(a, c) and torch.equal(b, d)
+    storage = torch.randn(2, 16, 8)
+    e, f = torch.nn.Parameter(torch.randn(16, 8)), torch.nn.Parameter(torch.randn(16, 8))
+    e2, f2 = torch.nn.Parameter(e.detach().clone()), torch.nn.Parameter(f.detach().clone())
+    opt, ref = Gefen([e, f], lr=1e-2, maximize=True, backend=backend, **ADAMW), torch.optim.AdamW([e2, f2], lr=1e-2, weight_decay=0.0, maximize=True)
+    for t in range(3):
+        storage.normal_()
+        e.grad, f.grad = storage[0], storage[0].view(16, 8)  # one storage, two tensors
+        e2.grad, f2.grad = storage[0].clone(), storage[0].clone()
+        opt.step()
+        ref.step()
+    assert_close(e, e2, atol=1e-6, rtol=1e-5, name="e")
+    assert_close(f, f2, atol=1e-6, rtol=1e-5, name="f")
+
+
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
+@pytest.mark.parametrize("backend", ["torch", "numba"])
+def test_maximize_takes_create_graph_and_expanded_gradients_as_adamw(backend):
+    """maximize never writes into ``p.grad``: a gradient that requires grad (``create_graph=True``)
+    and an expanded one (stride 0) step as AdamW(maximize=True) steps them."""
+    ours, ref = _mlp(), _mlp()
+    opt = Gefen(ours, lr=1e-2, maximize=True, backend=backend, **ADAMW)
+    adamw = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.0, maximize=True)
+    x = torch.randn(5, 16)
+    for _ in range(3):
+        for ps, o in ((ours, opt), (ref, adamw)):
+            o.zero_grad()
+            loss = (x @ ps[0].t() + ps[1]).pow(2).sum()
+            loss.backward(create_graph=True)
+            assert ps[0].grad.requires_grad
+            ps[1].grad = torch.randn(1, generator=torch.Generator().manual_seed(3)).expand(24)
+            o.step()
+    for a, b in zip(ours, ref):
+        assert_close(a, b, atol=1e-6, rtol=1e-5)

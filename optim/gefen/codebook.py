@@ -316,7 +316,7 @@ def code_table(codebook: torch.Tensor) -> CodeTable:
     cb = codebook.detach().float()
     dev = cb.device
     uniq = torch.unique_consecutive(cb)
-    inf = torch.tensor([float("inf")], device=dev)
+    inf = torch.tensor([float("inf")], dtype=torch.float32, device=dev)
     bnd = torch.cat([code_boundaries(uniq, torch.float32), inf])
     bnd64 = torch.cat([code_boundaries(uniq, torch.float64), inf.double()])
     b = bnd64[:-1].cpu().numpy()

@@ -226,7 +226,7 @@ def to_distributed(state: dict, params, ids, quantized, *, codebook, bits: int, 
             continue
         st = _to_distributed_one(p, state.get(pid), quantized=quant, bits=bits, factored=fac)
         if quant:  # all zeros before the first step (a learned codebook ends at -1 and +1)
-            st[K.CODEBOOK] = torch.zeros(2**bits) if codebook is None else codebook.detach().clone()
+            st[K.CODEBOOK] = torch.zeros(2**bits, dtype=torch.float32) if codebook is None else codebook.detach().clone()
         state[pid] = st
 
 
@@ -239,14 +239,14 @@ def _to_distributed_one(p, st, *, quantized, bits, factored=False):
         # No state here yet (a fresh optimizer, or an empty local shard): zeros of the same
         # shapes, block 0 in the layout meaning "no state", so that a fresh optimizer presents DCP
         # with every tensor a checkpoint holds, whatever blocks it will choose itself.
-        st = {K.BLOCK: 1, K.V: torch.zeros(n)}
+        st = {K.BLOCK: 1, K.V: torch.zeros(n, dtype=torch.float32)}
         if quantized:
-            st[K.SCALES] = torch.zeros(num_scales(n, 1))
+            st[K.SCALES] = torch.zeros(num_scales(n, 1), dtype=torch.float32)
             st[K.CODES] = torch.zeros(num_code_bytes(n, bits), dtype=torch.uint8)
         else:
-            st[K.M] = torch.zeros(n)
+            st[K.M] = torch.zeros(n, dtype=torch.float32)
         if factored:
-            st[K.W] = torch.zeros(1)
+            st[K.W] = torch.zeros(1, dtype=torch.float32)
     # always both keys (a template made before any step included), so torch.distributed.checkpoint
     # finds in a fresh optimizer every key a checkpoint holds: -1 is no seed, 0 not provisional
     out[K.SEED] = int(st.get(K.SEED, -1))

@@ -321,7 +321,7 @@ class Gefen(torch.optim.Optimizer):
         if int(counts.sum()) == 0:  # all gradients zero: any codebook will do
             counts = counts.clone()
             counts[0] = counts[-1] = 1
-        centers = histogram(torch.zeros(0), bins=counts.numel())[0]
+        centers = histogram(torch.zeros(0, dtype=torch.float32), bins=counts.numel())[0]
         codebook, _ = optimal_codebook(centers, counts, 2**self.bits, fix_endpoints=True)
         self.set_codebook(codebook.float().to(device or "cpu"))
         return self.codebook
@@ -363,12 +363,12 @@ class Gefen(torch.optim.Optimizer):
         dtype = state_dtype(_local(p).dtype, group)
         st[K.V] = torch.zeros(n // block, device=dev, dtype=dtype)
         if group["quantize_first_moment"]:
-            st[K.SCALES] = torch.zeros(num_scales(n, block), device=dev)
+            st[K.SCALES] = torch.zeros(num_scales(n, block), device=dev, dtype=torch.float32)
             st[K.CODES] = torch.zeros(num_code_bytes(n, self.bits), dtype=torch.uint8, device=dev)
         else:
             st[K.M] = torch.zeros(n, device=dev, dtype=dtype)
         if group["factor_second_moment"]:
-            st[K.W] = torch.zeros(len(factor_tiles(g.shape, block)) * block, device=dev)
+            st[K.W] = torch.zeros(len(factor_tiles(g.shape, block)) * block, device=dev, dtype=torch.float32)
         if provisional:
             st[K.PROVISIONAL] = True
 
@@ -460,14 +460,7 @@ class Gefen(torch.optim.Optimizer):
                 loss = closure()
         if _dist.is_state_dict_init_step(self):  # [distributed] torch's zero-grad lr=0 probe
             return loss
-        negated = [p.grad for g in self.param_groups if g["maximize"] for p in g["params"] if p.grad is not None]
-        for grad in negated:  # maximize: the step of -g (negation is exact, undone below)
-            grad.neg_()
-        try:
-            self._step()
-        finally:
-            for grad in negated:
-                grad.neg_()
+        self._step()
         return loss
 
     def _step(self):
@@ -477,7 +470,7 @@ class Gefen(torch.optim.Optimizer):
             self._run(*plan)
             return
         work = self._gather()
-        quantized = {p: _local(g) for group, items in work if group["quantize_first_moment"]
+        quantized = {p: _signed(_local(g), group) for group, items in work if group["quantize_first_moment"]
                      for p, g, _ in items}
         # [distributed] sharded (FSDP2) histograms are summed over the ranks, so every
         # rank learns the same codebook; a rank whose local shards are all empty still joins.
@@ -554,7 +547,7 @@ class Gefen(torch.optim.Optimizer):
                     st[K.STEP] = step
             else:
                 step = None
-            grads = [_local(p.grad) for p in call.params]
+            grads = [_signed(_local(p.grad), call.group) for p in call.params]
             quant = call.group["quantize_first_moment"]
             codebook, tables = self._codebook_on(call.tiles[0].p.device) if quant else (None, None)
             h = call.hyper(step)
@@ -563,6 +556,7 @@ class Gefen(torch.optim.Optimizer):
                     call.native = self._prepare_numba(call, grads, codebook, tables) or False
                 if call.native:
                     numba_ops.run(call.native, grads, **h._asdict())
+                    _written(call)
                     continue
             ps, vs, ss, cs, ws = call.lists()
             if call.rows is None:
@@ -571,6 +565,8 @@ class Gefen(torch.optim.Optimizer):
                 extra = dict(seeds=True if call.sr else None, hyper=call.rows)
             _ops(call.path).gefen_step_(ps, call.gradients(grads), vs, ss, cs, codebook, tables=tables, **h._asdict(),
                                       block=call.block, bits=self.bits, ws=ws, **extra)
+            if call.path != "torch":
+                _written(call)
 
     def _prepare_numba(self, call, grads, codebook, tables):
         ps, vs, ss, cs, ws = call.lists()
@@ -697,6 +693,19 @@ def _refill(t: torch.Tensor, size: int) -> torch.Tensor:
     """A tensor of ``size`` elements holding ``t``'s one value (its mean where its values differ)."""
     value = t[0] if bool((t == t[0]).all()) else t.mean()
     return value.expand(size).clone()
+
+
+def _written(call):
+    """Tell autograd that a compiled kernel wrote the call's parameters through their addresses (a
+    torch op in place does it itself): a graph that saved them then refuses its backward, as after
+    AdamW's step, instead of using the new values."""
+    torch.autograd.graph.increment_version([_local(p) for p in call.params])
+
+
+def _signed(g: torch.Tensor, group) -> torch.Tensor:
+    """The gradient a group steps on: ``g``, or under ``maximize`` a negated copy (exact), so that
+    ``p.grad`` is never written (it may be shared by two parameters, require grad, or be expanded)."""
+    return torch.neg(g) if group["maximize"] else g
 
 
 def _local(t):

@@ -209,7 +209,7 @@ def gefen_step(p, g, v, scales, codes, codebook, *, step, lr, beta1, beta2, eps,
 
 def init_state(numel: int, *, block: int, bits: int, quantized: bool = True):
     """Fresh (v, scales, codes) of an n-element tensor: all zeros, i.e. v = 0 and m = 0."""
-    v = torch.zeros(numel // block)
+    v = torch.zeros(numel // block, dtype=torch.float32)
     if not quantized:
-        return v, torch.zeros(0), torch.zeros(numel)
-    return v, torch.zeros(num_scales(numel, block)), torch.zeros(num_code_bytes(numel, bits), dtype=torch.uint8)
+        return v, torch.zeros(0, dtype=torch.float32), torch.zeros(numel, dtype=torch.float32)
+    return v, torch.zeros(num_scales(numel, block), dtype=torch.float32), torch.zeros(num_code_bytes(numel, bits), dtype=torch.uint8)

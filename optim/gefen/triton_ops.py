@@ -693,7 +693,7 @@ def _scalars_launch_configs(configs, axes) -> list:
     """``KernelLaunch`` of ``_gefen_hyper_kernel`` at each configuration of ``configs``."""
     out = []
     for c in configs:
-        sc = StepScalars([torch.zeros(1)], [1 if c["sr"] else None], [None], "cpu")
+        sc = StepScalars([torch.zeros(1, dtype=torch.float32)], [1 if c["sr"] else None], [None], "cpu")
         lr = 1e-3 if c["lr"] == "float" else torch.zeros(1, dtype=c["lr"])
         args, const = _hyper_args(sc, lr=lr, beta1=0.9, beta2=0.999, weight_decay=0.0)
         name = ",".join(f"{k}={str(v).replace('torch.', '')}" for k, v in c.items() if len(axes[k]) > 1)
