@@ -22,7 +22,9 @@ medians over repeats:
   DiskSparseAdam/direct        the same without the staging pipeline (per-step pinned copies)
   DiskSparseRiemannianAdam     the same on the Poincaré ball (c = 1), record D+1 per row
 
-Reported: samples/s, peak device memory the optimizer step adds above the weights (MiB; the
+Reported: samples/s; per training iteration the host's time (the calls' wall time, no
+synchronisation added), the device's busy time and the time the host waits for the device
+(synchronisations and blocking copies, from a short torch.profiler window), and launches; peak device memory the optimizer step adds above the weights (MiB; the
 optimizer is created after the baseline is read, so its state and staging buffers count), the
 optimizer's persistent device staging buffers (opt.device_staging_bytes(), MiB) and how many steps
 used announced rows (opt.staging_stats()), and agreement after a few steps on the GPU:
@@ -49,7 +51,7 @@ from experiments.common import Results, add_common_args
 from experiments.registry import make_optimizer
 
 MiB = 2**20
-DRY_RUN = dict(rows=400, dim=8, batch=64, steps=2, repeats=2, warmup=2, check_steps=2)
+DRY_RUN = dict(rows=400, dim=8, batch=64, steps=2, repeats=2, warmup=2, check_steps=2, profile_steps=2)
 
 
 def sync(dev):
@@ -162,9 +164,49 @@ def throughput(args, res, dev, embs, opts):
         print(f"{name:28s} {sps[name]:12,.0f} samples/s  ({sps[name] / sps['SparseAdam']:.2f}x SparseAdam)")
 
 
+def where_time_goes(args, res, dev, embs, opts):
+    """Per variant and training iteration: the host's time (the calls' wall time, no synchronisation
+    added; median), the device's busy time, the host's waits and the launches (a short profiled
+    window, experiments/profiling.py)."""
+    from experiments.profiling import profile_steps
+
+    idx = batches(args.rows, args.batch, args.steps + args.profile_steps + 1, dev, args.seed + 50)
+    for name in embs:
+        emb, opt = embs[name], opts[name]
+        pos = iter(range(len(idx) - 1))
+
+        def iteration():
+            i = next(pos)
+            if hasattr(opt, "prefetch"):
+                opt.prefetch(idx[i + 1])
+            emb.weight.grad = None
+            emb(idx[i]).float().pow(2).mean().backward()
+            if opt is not None:
+                opt.step()
+
+        sync(dev)
+        host = []
+        for _ in range(args.steps):
+            t0 = time.perf_counter()
+            iteration()
+            host.append(time.perf_counter() - t0)
+        sync(dev)
+        prof = profile_steps(iteration, args.profile_steps, dev, warmup=0)
+        host_ms = 1e3 * statistics.median(host)
+        for metric, unit, v in (("host_time_per_step", "ms", host_ms),
+                                ("device_time_per_step", "ms", prof.device_busy_ms),
+                                ("host_wait_per_step", "ms", prof.wait_ms),
+                                ("waits_per_step", "count", prof.wait_calls),
+                                ("launches_per_step", "count", prof.launches)):
+            res.add(name, metric, unit, v, "batch", args.batch)
+        print(f"{name:28s} per step: host {host_ms:7.3f} ms, device busy {prof.device_busy_ms:7.3f} ms, "
+              f"host waiting {prof.wait_ms:7.3f} ms in {prof.wait_calls:g} call(s), {prof.launches:g} launches")
+
+
 def measure(args, res, dev, tmp):
     embs, opts = memory(args, res, dev, tmp)
     throughput(args, res, dev, embs, opts)
+    where_time_goes(args, res, dev, embs, opts)
     for opt in opts.values():
         if hasattr(opt, "close"):
             opt.close()
@@ -241,6 +283,8 @@ def parse_args(argv=None):
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--check-steps", type=int, default=10)
+    parser.add_argument("--profile-steps", type=int, default=10,
+                        help="profiled iterations per variant for the device time and the host's waits")
     parser.add_argument("--dry-run", action="store_true",
                         help="tiny sizes on the CPU, Triton under TRITON_INTERPRET=1: runs every code path of "
                              "the script and writes its CSV (no measurement)")

@@ -1,4 +1,4 @@
-"""Gefen's fused Triton step against fused AdamW and upstream gefen's CUDA kernels, on one GPU.
+"""Gefen's fused Triton step against fused AdamW, upstream gefen's CUDA kernels and the 8-bit peers, on one GPU.
 
     python experiments/bench_kernels.py                  # 125M and 1.5B, fp32 and bf16 -> results/gefen_kernels.csv
     python experiments/bench_kernels.py --quick          # 10M elements, fp32 only -> results/quick/
@@ -30,8 +30,12 @@ length capped at 1024, P = 1 for vectors). For each optimizer, in one run, inter
 Variants (experiments/registry.py's names): ``Gefen-8bit`` and ``Gefen-4bit`` (``backend="triton"``),
 ``Gefen-8bit/kernel`` (``triton_ops.gefen_step_`` on the same state without the optimizer's Python
 work: the kernels' own time; ``/kernel-t{TILE}w{WARPS}`` at other tile sizes and warp counts),
-``AdamW`` (fused) and ``gefen-upstream`` (its CUDA extension, built with nvcc on first use). Rows
-are written after each (size, dtype) set, so a run stopped by a time limit keeps what it measured.
+``AdamW`` (fused), ``gefen-upstream`` (its CUDA extension, built with nvcc on first use) and the
+8-bit peers of ``registry.GPU_PEERS``: FlashOptim's ``FlashAdamW`` (8-bit moments, fused Triton),
+bitsandbytes' ``AdamW8bit``, torchao's ``AdamW8bit`` and gefen-x's fused step (its CUDA extension,
+built on first use). A peer that cannot be built or run is skipped and its reason recorded under
+``unavailable`` in the run's config. Rows are written after each (size, dtype) set, so a run
+stopped by a time limit keeps what it measured.
 """
 
 import argparse
@@ -42,7 +46,7 @@ import time
 
 from experiments.common import Results, add_common_args
 from experiments.models import GPT2_SIZES, gpt2_shapes, make_param_set as make_set
-from experiments.registry import make_optimizer
+from experiments.registry import GPU_PEERS, make_optimizer
 
 SIZES = GPT2_SIZES
 LR, BETAS, EPS, WD = 1e-3, (0.9, 0.999), 1e-8, 0.01
@@ -164,7 +168,7 @@ def agreement(shapes, dtype, device, seed, steps=5):
     return maxd, (num / max(den, 1e-300)) ** 0.5, eq / tot
 
 
-def build_variants(label, dname, shapes, dtype, device, args, grads):
+def build_variants(label, dname, shapes, dtype, device, args, grads, unavailable):
     """{variant: (optimizer, step function)}: each optimizer built on a fresh parameter set holding
     ``grads`` and warmed up; Gefen-8bit also as its kernels alone at each ``--kernel-tiles``."""
     import torch
@@ -186,9 +190,13 @@ def build_variants(label, dname, shapes, dtype, device, args, grads):
                 torch.cuda.synchronize()
             print(f"  {label}/{dname} {name}: built and warmed up in {time.perf_counter() - t0:.1f} s",
                   flush=True)
-        except Exception as exc:  # upstream needs nvcc and its own build; never lose the others
-            print(f"  {label}/{dname} {name}: unavailable ({type(exc).__name__}: {str(exc)[:300]})",
-                  flush=True)
+        except Exception as exc:  # a peer missing, or needing nvcc and its own build; never lose the others
+            reason = f"{type(exc).__name__}: {str(exc)[:300]}"
+            unavailable[f"{name}/{dname}"] = reason
+            print(f"  {label}/{dname} {name}: unavailable ({reason})", flush=True)
+            params = opt = None  # free what a failed build allocated before the next variant
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
             continue
         out[name] = (opt, opt.step)
         if name == "Gefen-8bit":
@@ -254,12 +262,12 @@ def bench_set(res, label, shapes, dtype, device, args, copy_bw, timer):
     dname = {torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype]
     n = sum(torch.Size(s).numel() for s in shapes)
     _, grads = make_set(shapes, dtype, device, args.seed)
-    variants = build_variants(label, dname, shapes, dtype, device, args, grads)
+    variants = build_variants(label, dname, shapes, dtype, device, args, grads, res.config.setdefault("unavailable", {}))
     floor = floor_rows(res, dname, variants, grads, n, copy_bw)
     peak_memory_rows(res, dname, variants, n, device)
     med = timing_rows(res, label, dname, variants, floor, n, args, copy_bw, timer)
     for ours in ("Gefen-8bit", "Gefen-8bit/kernel"):
-        for other in ("AdamW", "gefen-upstream"):
+        for other in ["AdamW", "gefen-upstream"] + GPU_PEERS:
             if ours in med and other in med:
                 res.add(f"{ours}/{dname}", f"speedup_vs_{other}", "x", med[other] / med[ours],
                         "params", n)
@@ -277,7 +285,7 @@ def main(argv=None):
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--skip-upstream", action="store_true")
-    parser.add_argument("--variants", default="Gefen-8bit,Gefen-4bit,AdamW,gefen-upstream",
+    parser.add_argument("--variants", default=",".join(["Gefen-8bit", "Gefen-4bit", "AdamW", "gefen-upstream"] + GPU_PEERS),
                         help="comma list of registry names; Gefen-8bit/kernel is timed whenever Gefen-8bit is")
     parser.add_argument("--kernel-tiles", default="1024x4,4096x8,4096x16,8192x16",
                         help="extra Gefen-8bit/kernel timings at TILExNUM_WARPS")
@@ -300,6 +308,8 @@ def main(argv=None):
         sets = {"smoke": quick_shapes(2**12)}
         args.dtypes, args.reps, args.warmup, args.kernel_tiles = "fp32,bf16", 1, 1, "4096x8"
         args.skip_upstream = True
+        # one peer that runs on a CPU and one that needs CUDA (its skip is recorded), no compiles
+        args.variants = "Gefen-8bit,Gefen-4bit,AdamW,gefen-x,flashoptim-AdamW"
     elif args.quick:
         sets = {"10M": quick_shapes(10_000_000)}
         args.dtypes = "fp32"

@@ -38,12 +38,13 @@ step() {  # step NAME COMMAND...: runs every step, lists every status
     "$@" || rc=$?
     SUMMARY+=("$(printf '%-18s exit %-4s %5ss' "$name" "$rc" "$((SECONDS - start))")")
 }
-step scripts-dry-run "$PY" -m pytest -q -p no:cacheprovider tests/test_gpu_scripts_dry_run.py
+step scripts-dry-run "$PY" -m pytest -q -p no:cacheprovider tests/test_gpu_scripts_dry_run.py tests/test_profiling.py
 step launcher-plugin env LAUNCHER_DEVICE=cpu "$PY" -m pytest -q -p no:cacheprovider -p tests._device_launchers \
     tests/test_dsa_kernels.py -k "triton and not bad_inputs and not optimizer"
 step capturable "$PY" -m pytest -q -p no:cacheprovider tests/test_gefen_capturable.py -k "cuda_graph or no_host"
 step bench_dsa_gpu "$PY" experiments/bench_dsa_gpu.py --dry-run --results-dir "$R"
 step bench_kernels "$PY" experiments/bench_kernels.py --dry-run --skip-upstream --results-dir "$R"
+step profile_step "$PY" experiments/profile_step.py --dry-run --results-dir "$R"
 step kernel_resources "$PY" experiments/kernel_resources.py --quick --results-dir "$R" --workers 2
 step analysis "$PY" analysis/kernel_resources.py --results-dir "$R"
 step gefen_speed "$PY" experiments/gefen_speed.py --parts gpu --dry-run --results-dir "$R"

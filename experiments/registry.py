@@ -7,7 +7,8 @@
 dicts); optimizers that need parameter names (Adam-mini) need a module. Keyword options go to the
 constructor. Dense peers: AdamW (torch, fused), Adam-mini, torchao's AdamW8bit / AdamW4bit,
 upstream ``gefen``, its maintained fork ``gefen-x`` (installed beside it, see ``gefen_x``), ours at 8
-and 4 bits (and with the factored second moment). Sparse: torch's SparseAdam, ours on disk (Euclidean and
+and 4 bits (and with the factored second moment); on a GPU also FlashOptim's FlashAdamW and
+bitsandbytes' AdamW8bit (``GPU_PEERS``). Sparse: torch's SparseAdam, ours on disk (Euclidean and
 Poincaré ball), geoopt's SparseRiemannianAdam (its parameter must be a ``geoopt.ManifoldParameter``).
 
 State bytes (``state_bytes``) are the tensor bytes of ``optimizer.state_dict()``, tensor subclasses
@@ -122,6 +123,21 @@ def _gefen_x(params, named, lr, weight_decay, **kw):
     return mod.Gefen(named if named is not None else params, lr=lr, weight_decay=weight_decay, fused=fused, **kw)
 
 
+def _flashoptim_adamw(params, named, lr, weight_decay, **kw):
+    import flashoptim
+
+    # 24-bit master weights (its default) apply to bf16 parameters; fp32 ones keep their own bits
+    if all(p.dtype == torch.float32 for p in _tensors(params)):
+        kw.setdefault("master_weight_bits", None)
+    return flashoptim.FlashAdamW(params, lr=lr, weight_decay=weight_decay, **kw)
+
+
+def _bnb_adamw8bit(params, named, lr, weight_decay, **kw):
+    import bitsandbytes
+
+    return bitsandbytes.optim.AdamW8bit(params, lr=lr, weight_decay=weight_decay, **kw)
+
+
 def _gefen(bits, factored=False):
     def make(params, named, lr, weight_decay, **kw):
         from optim import Gefen
@@ -160,6 +176,8 @@ OPTIMIZERS = {
     "torchao-AdamW4bit": _torchao("AdamW4bit"),
     "gefen-upstream": _gefen_upstream,
     "gefen-x": _gefen_x,
+    "flashoptim-AdamW": _flashoptim_adamw,
+    "bnb-AdamW8bit": _bnb_adamw8bit,
     "Gefen-8bit": _gefen(8),
     "Gefen-4bit": _gefen(4),
     "Gefen-8bit-factored": _gefen(8, factored=True),
@@ -171,6 +189,9 @@ OPTIMIZERS = {
 }
 DENSE = ["AdamW", "Adam-mini", "torchao-AdamW8bit", "torchao-AdamW4bit", "gefen-upstream", "gefen-x", "Gefen-8bit",
          "Gefen-4bit", "Gefen-8bit-factored", "Gefen-4bit-factored"]
+# 8-bit peers with CUDA-only kernels, timed by experiments/bench_kernels.py on a GPU (not in
+# requirements.txt: carried to a GPU machine as wheels, see experiments/gpu_checks.sh)
+GPU_PEERS = ["flashoptim-AdamW", "bnb-AdamW8bit", "torchao-AdamW8bit", "gefen-x"]
 
 
 def _tensors(params):

@@ -7,6 +7,8 @@ staged and direct DSA paths equal bit for bit, DSA's Triton path within fp32 rou
 path and of ``torch.optim.SparseAdam``, Gefen's Triton codes equal to its torch backend's.
 """
 
+import importlib.util
+import json
 import math
 
 import pytest
@@ -47,6 +49,10 @@ def test_bench_dsa_gpu_dry_run(tmp_path):
             assert _get(rows, v, "max_abs_diff_state_triton_vs_torch") <= 1e-6
     assert _get(rows, "DiskSparseAdam/float32", "max_abs_diff_weights_triton_vs_SparseAdam") <= 1e-6
     assert _get(rows, "DiskSparseAdam/float32", "max_abs_diff_state_triton_vs_SparseAdam") <= 1e-6
+    for name in names:  # where the time goes: on a CPU the host does everything and never waits
+        assert _get(rows, name, "host_time_per_step") > 0
+        assert _get(rows, name, "device_time_per_step") == 0
+        assert _get(rows, name, "host_wait_per_step") == 0
 
 
 @pytest.mark.timeout(300)
@@ -64,6 +70,25 @@ def test_bench_kernels_dry_run(tmp_path):
         _get(rows, f"Gefen-8bit/{dtype}", "speedup_vs_AdamW")
         assert _get(rows, f"triton-vs-torch/{dtype}", "agree_codes_equal") == 1
         assert _get(rows, f"triton-vs-torch/{dtype}", "agree_rel_rms_p") <= 1e-6
+    config = json.loads((tmp_path / "gefen_kernels.config.json").read_text())["config"]
+    if importlib.util.find_spec("flashoptim") is None:  # a peer that cannot run is reported with its reason
+        assert "flashoptim" in config["unavailable"]["flashoptim-AdamW/fp32"]
+        assert not any(r["variant"].startswith("flashoptim") for r in rows)
+
+
+@pytest.mark.timeout(300)
+def test_profile_step_dry_run(tmp_path):
+    from experiments import profile_step
+
+    assert profile_step.main(["--dry-run", "--results-dir", str(tmp_path)]) == 0
+    dsa = (tmp_path / "dsa_profile.txt").read_text()
+    for name in profile_step.DSA_VARIANTS:
+        assert f"## {name}\n" in dsa
+    assert "Optimizer.step#DiskSparseAdam.step" in dsa and "Optimizer.step#SparseAdam.step" in dsa
+    gefen = (tmp_path / "gefen_profile.txt").read_text()
+    for name in profile_step.GEFEN_VARIANTS:
+        for dtype in ("fp32", "bf16"):
+            assert f"## {name} {dtype}\n" in gefen
 
 
 @pytest.mark.parametrize("bits", [8, 4])
