@@ -563,3 +563,49 @@ def test_maximize_takes_create_graph_and_expanded_gradients_as_adamw(backend):
             o.step()
     for a, b in zip(ours, ref):
         assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("cast", ["float", "double"])
+def test_a_cast_after_construction_is_followed_as_a_state_dict_loaded_after_it(cast):
+    """AdamW's reduction keeps float64 moments for float64 parameters; ``model.float()`` (or
+    ``.double()``) after the optimizer was built casts them with the parameter, as
+    ``torch.optim.AdamW.load_state_dict`` does for a state dict loaded after the cast."""
+    start, end = (torch.float64, torch.float32) if cast == "float" else (torch.float32, torch.float64)
+    ours = [torch.nn.Parameter(p.detach().to(start)) for p in _mlp()]
+    ref = [torch.nn.Parameter(p.detach().to(start)) for p in _mlp()]
+    opt = Gefen(ours, lr=1e-2, weight_decay=0.1, **ADAMW)
+    adamw = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.1)
+    _steps(opt, ours, 2)
+    _steps(adamw, ref, 2)
+    for p in ours + ref:
+        p.data = p.data.to(end)
+    sd = adamw.state_dict()
+    adamw = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.1)
+    adamw.load_state_dict(sd)  # casts the moments to the parameters' dtype
+    _steps(opt, ours, 2, start=2)
+    _steps(adamw, ref, 2, start=2)
+    for p, q in zip(ours, ref):
+        assert opt.state[p][K.STEP] == 4 and opt.state[p][K.V].dtype == end
+        assert_close(p, q, atol=1e-6, rtol=1e-5)
+
+
+def test_a_step_the_kernel_refuses_is_not_counted():
+    """A step refused by the compiled kernel's checks (a state tensor replaced by a strided one)
+    leaves the step count alone; with the state put back, the next step is the uninterrupted run's."""
+    ps, ref = _mlp(), _mlp()
+    opt, opt_ref = Gefen(ps, lr=1e-2, backend="numba"), Gefen(ref, lr=1e-2, backend="numba")
+    _steps(opt, ps, 1)
+    _steps(opt_ref, ref, 2)
+    st = opt.state[ps[0]]
+    good = st[K.V]
+    st[K.V] = torch.zeros(2 * good.numel())[::2]
+    for p, g in zip(ps, _grads(1, ps)):
+        p.grad = g
+    with pytest.raises(ValueError, match="contiguous"):
+        opt.step()
+    assert st[K.STEP] == 1
+    st[K.V] = good
+    _steps(opt, ps, 1, start=1)
+    for p, q in zip(ps, ref):
+        assert opt.state[p][K.STEP] == 2
+        assert torch.equal(p, q)

@@ -419,6 +419,17 @@ class Gefen(torch.optim.Optimizer):
                   f"block {st[K.BLOCK]} ({g.numel() // st[K.BLOCK]} second moments)")
         return True
 
+    def _follow_cast(self, st, p, group):
+        """Moments kept in the parameter's precision (``state_dtype``: float64 for AdamW's reduction
+        of a float64 parameter) follow a cast of the parameter made after they were created
+        (``model.float()``, ``model.double()``), as a state dict loaded after the cast would be."""
+        want = state_dtype(p.dtype, group)
+        if st[K.V].dtype != want:
+            for key in (K.V, K.M):
+                if key in st:
+                    st[key] = st[key].to(want)
+            self._drop_plans()
+
     def _gather(self):
         """[(group, [(p, grad, backend)])] of parameters with gradients; checks them; creates state."""
         out = []
@@ -441,6 +452,7 @@ class Gefen(torch.optim.Optimizer):
                         continue
                 else:
                     check_state_fits(st, _local(p), group, self.bits, f"parameter {pi} of group {gi}")
+                    self._follow_cast(st, _local(p), group)
                 if st.get(K.PROVISIONAL) and not constant_magnitude(_local(p.grad)):
                     self._recut(p, p.grad, group)
                 items.append((p, p.grad, backend))
@@ -540,33 +552,34 @@ class Gefen(torch.optim.Optimizer):
             _ops("triton").advance_(sc, lr=group["lr"], beta1=beta1, beta2=beta2,
                                     weight_decay=group["weight_decay"])
         for call in calls:
-            states = call.states
-            if call.rows is None:
-                step = states[0][K.STEP] + 1
-                for st in states:
+            step = None if call.rows is not None else call.states[0][K.STEP] + 1
+            self._run_call(call, step)
+            if step is not None:  # counted once the kernel has taken it: a refused step is not
+                for st in call.states:
                     st[K.STEP] = step
-            else:
-                step = None
-            grads = [_signed(_local(p.grad), call.group) for p in call.params]
-            quant = call.group["quantize_first_moment"]
-            codebook, tables = self._codebook_on(call.tiles[0].p.device) if quant else (None, None)
-            h = call.hyper(step)
-            if call.path == "numba" and call.native is not False:
-                if call.native is None:
-                    call.native = self._prepare_numba(call, grads, codebook, tables) or False
-                if call.native:
-                    numba_ops.run(call.native, grads, **h._asdict())
-                    _written(call)
-                    continue
-            ps, vs, ss, cs, ws = call.lists()
-            if call.rows is None:
-                extra = dict(seeds=call.seeds(step))
-            else:
-                extra = dict(seeds=True if call.sr else None, hyper=call.rows)
-            _ops(call.path).gefen_step_(ps, call.gradients(grads), vs, ss, cs, codebook, tables=tables, **h._asdict(),
-                                      block=call.block, bits=self.bits, ws=ws, **extra)
-            if call.path != "torch":
+
+    def _run_call(self, call, step):
+        """Step one call's tiles on its path at ``step`` (None: the step count is on the device)."""
+        grads = [_signed(_local(p.grad), call.group) for p in call.params]
+        quant = call.group["quantize_first_moment"]
+        codebook, tables = self._codebook_on(call.tiles[0].p.device) if quant else (None, None)
+        h = call.hyper(step)
+        if call.path == "numba" and call.native is not False:
+            if call.native is None:
+                call.native = self._prepare_numba(call, grads, codebook, tables) or False
+            if call.native:
+                numba_ops.run(call.native, grads, **h._asdict())
                 _written(call)
+                return
+        ps, vs, ss, cs, ws = call.lists()
+        if call.rows is None:
+            extra = dict(seeds=call.seeds(step))
+        else:
+            extra = dict(seeds=True if call.sr else None, hyper=call.rows)
+        _ops(call.path).gefen_step_(ps, call.gradients(grads), vs, ss, cs, codebook, tables=tables, **h._asdict(),
+                                  block=call.block, bits=self.bits, ws=ws, **extra)
+        if call.path != "torch":
+            _written(call)
 
     def _prepare_numba(self, call, grads, codebook, tables):
         ps, vs, ss, cs, ws = call.lists()
