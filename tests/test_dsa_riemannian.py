@@ -158,3 +158,48 @@ def test_triton_backend_matches_torch_backend(n, d, batch, dtype, which, monkeyp
                  name="state records")
     if which != "adam":
         assert (w_k.double().norm(dim=-1) < 1 / kw["c"] ** 0.5).all()
+
+
+@pytest.mark.parametrize("c", [1e38, 1e300, 1e-300, 1e16])
+def test_a_curvature_outside_the_finite_range_is_refused(tmp_path, c):
+    """c = 1e38 or 1e300 was accepted, then gave non-finite rows or an OverflowError: refused at
+    construction, in a new group, in a loaded state dict and when a group is edited in place."""
+    emb = nn.Embedding(10, 4, sparse=True)
+    with pytest.raises(ValueError, match=r"c \(the ball's curvature.*\[1e-15, 1e\+15\]"):
+        DiskSparseRiemannianAdam(emb.parameters(), c=c)
+    opt = DiskSparseRiemannianAdam([emb.weight], c=1.0)
+    with pytest.raises(ValueError, match="must be a number in"):
+        opt.add_param_group({"params": [nn.Embedding(10, 4, sparse=True).weight], "c": c})
+    sd = opt.state_dict()
+    sd["param_groups"][0]["c"] = c
+    with pytest.raises(ValueError, match="must be a number in"):
+        opt.load_state_dict(sd)
+    opt.param_groups[0]["c"] = c
+    emb(torch.tensor([1])).sum().backward()
+    with pytest.raises(ValueError, match="must be a number in"):
+        opt.step()
+    opt.close()
+
+
+@pytest.mark.parametrize("backend", ["torch", "numba"])
+@pytest.mark.parametrize("c", [1e-15, 1e15])
+def test_curvatures_at_the_ends_of_the_range_train_finite_float32_rows(backend, c):
+    """The float32 update stays finite and inside the ball at both ends of ``CURVATURE_RANGE``."""
+    if backend == "numba":
+        pytest.importorskip("numba")
+    gen = torch.Generator().manual_seed(3)
+    w0 = torch.randn(40, 8, generator=gen)
+    w0 *= torch.rand(40, 1, generator=gen) * 0.99 / c**0.5 / w0.norm(dim=1, keepdim=True)
+    emb = nn.Embedding(40, 8, sparse=True)
+    with torch.no_grad():
+        emb.weight.copy_(w0)
+    opt = DiskSparseRiemannianAdam(emb.parameters(), lr=0.01 / c**0.5, c=c, backend=backend)
+    for _ in range(3):
+        opt.zero_grad()
+        (emb(torch.randint(0, 40, (64,), generator=gen)) * torch.randn(64, 8, generator=gen)).sum().backward()
+        opt.step()
+    st = opt.state_dict()["state"][0]
+    assert torch.isfinite(emb.weight).all() and (emb.weight.double().norm(dim=1) < 1 / c**0.5).all()
+    assert torch.isfinite(st["exp_avg"]).all() and torch.isfinite(st["exp_avg_sq"]).all()
+    assert not torch.equal(emb.weight, w0)
+    opt.close()

@@ -109,7 +109,7 @@ def _adam_hyper(group):
 
 def _ball_hyper(group):
     beta1, beta2 = group["betas"]
-    return dict(lr=scalar(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"], c=group["c"],
+    return dict(lr=scalar(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"], c=check_curvature(group["c"]),
                 exact=group["exact"])
 
 
@@ -121,9 +121,25 @@ def _check_adam(group):
 def _check_ball(group):
     check_hyper(group["lr"], group["betas"], group["eps"])
     check_flags(exact=group["exact"])
-    c = group["c"]
-    if isinstance(c, bool) or not isinstance(c, (int, float)) or not (math.isfinite(c) and c > 0):
-        raise ValueError(f"c (the ball's curvature is -c) must be a finite number > 0, got {c!r}")
+    check_curvature(group["c"])
+
+
+# The curvatures the update is finite for: the ball's radius 1/sqrt(c) enters the float32 update
+# squared and squared again (|x|^2, lambda_x^2 |r|^2), and float32 spans about 1e-38..3e38, so past
+# c = 1e20 (or below the smallest normal float32 on the numba path) rows and moments become non-finite;
+# the range leaves five orders of magnitude to spare on each side, for every dtype and backend.
+CURVATURE_RANGE = (1e-15, 1e15)
+
+
+def check_curvature(c):
+    """``c`` as a number in ``CURVATURE_RANGE``, or a ValueError naming the range and why."""
+    lo, hi = CURVATURE_RANGE
+    if isinstance(c, bool) or not isinstance(c, (int, float)) or not (math.isfinite(c) and lo <= c <= hi):
+        raise ValueError(f"c (the ball's curvature is -c, its radius 1/sqrt(c)) must be a number in [{lo:g}, "
+                         f"{hi:g}], got {c!r}: outside it the float32 update underflows or overflows (non-finite "
+                         "rows). Rescale the embedding instead (a ball of curvature -c is the unit ball scaled "
+                         "by 1/sqrt(c))")
+    return c
 
 
 _COMPACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # updated in float32
