@@ -127,3 +127,17 @@ def test_a_model_materialised_after_the_optimizer_trains_as_adamw():
             torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
     finally:
         torch.__future__.set_swap_module_params_on_conversion(False)
+
+
+def test_meta_parameters_left_behind_by_to_empty_are_refused_at_the_step():
+    """``module.to_empty`` (without swapping) gives the module new Parameters: an optimizer built
+    on the meta model holds dead ones and would train nothing. Its first step says so."""
+    with torch.device("meta"):
+        model = _model()
+    opt = Gefen(model.parameters(), lr=1e-2)
+    model.to_empty(device="cpu")
+    model.load_state_dict(_model().state_dict())
+    assert not any(p.is_meta for p in model.parameters())
+    model(torch.randn(8, 16)).pow(2).mean().backward()
+    with pytest.raises(RuntimeError, match="build the optimizer after to_empty"):
+        opt.step()

@@ -436,6 +436,13 @@ class Gefen(torch.optim.Optimizer):
         for gi, group in enumerate(self.param_groups):
             items = []
             for pi, p in enumerate(group["params"]):
+                if p.is_meta:
+                    raise RuntimeError(
+                        f"Gefen: parameter {pi} of group {gi} (shape {tuple(p.shape)}) is on the meta device, "
+                        "so it holds no data and is never trained: module.to_empty(...) gives a module new "
+                        "Parameters, and this optimizer holds the old ones; build the optimizer after "
+                        "to_empty (or set torch.__future__.set_swap_module_params_on_conversion(True) "
+                        "before it, which keeps the Parameter objects)")
                 if p.grad is None:
                     continue
                 if p.grad.is_sparse:
