@@ -13,7 +13,7 @@ torch version, the command line and the run's wall time. ``--quick`` runs always
 Usage inside an experiment::
 
     parser = argparse.ArgumentParser(description=__doc__)
-    add_common_args(parser)              # --quick, --wandb, --results-dir, --seed
+    add_common_args(parser)              # --quick, --wandb*, --results-dir, --seed
     args = parser.parse_args()
     with Results("dsa_throughput", args, config=vars(args)) as res:
         res.add("seed/DiskSparseAdam/warm", "throughput", "samples/s", 1.2e5, x_name="config", x_value="seed")
@@ -29,6 +29,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from experiments import tracking
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = REPO_ROOT / "results"
@@ -54,10 +56,7 @@ def add_common_args(parser, default_seed: int = 0):
     """Flags every experiment takes."""
     parser.add_argument("--quick", action="store_true",
                         help="small sizes; outputs go to results/quick (unless --results-dir)")
-    parser.add_argument(
-        "--wandb", choices=["offline", "online", "disabled"], default=None,
-        help="Weights & Biases mode (default: $WANDB_MODE, else offline; `wandb sync` uploads later)",
-    )
+    tracking.add_args(parser)  # --wandb, --wandb-project, --wandb-entity, --wandb-dir
     parser.add_argument("--results-dir", type=Path, default=None,
                         help="where the CSV goes (default: results, or results/quick with --quick)")
     parser.add_argument("--seed", type=int, default=default_seed)
@@ -102,19 +101,21 @@ def device_name(device=None) -> str:
     return f"{model} x{os.cpu_count()}"
 
 
-def wandb_mode(args) -> str:
-    return getattr(args, "wandb", None) or os.environ.get("WANDB_MODE") or "offline"
-
-
 class Results:
-    """Collects the rows of one experiment run, writes its CSV and config, mirrors rows to W&B.
+    """Collects the rows of one experiment run, writes its CSV and config, and keeps its W&B runs.
 
     Every ``flush()`` (and the context's exit, also on an exception, so a run that fails late keeps
     what it measured) rewrites the CSV with all rows of this run. The output folder is
     ``args.results_dir`` if given, else ``results/quick`` for ``args.quick``, else ``results``.
+
+    W&B (experiments/tracking.py): ``self.tracking`` is the experiment's W&B settings, for training
+    runs of its configurations (``self.tracking.train_run(...)``, in this or a worker process). The
+    experiment's results run gets each row as ``add`` makes it, unless ``wandb_rows=False`` (for
+    experiments whose training runs log their curves), and at the exit the CSV and config.json as an
+    artifact. config.json records the versions of torch and the peers and where the W&B runs went.
     """
 
-    def __init__(self, experiment: str, args=None, config: dict | None = None, device=None):
+    def __init__(self, experiment: str, args=None, config: dict | None = None, device=None, wandb_rows: bool = True):
         import torch
 
         self.experiment = experiment
@@ -130,19 +131,11 @@ class Results:
         self.timestamp = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
         self._start = time.perf_counter()
         self.rows: list[dict] = []
-        self._run = None
-        mode = wandb_mode(args)
-        if mode != "disabled":
-            try:
-                import wandb
-
-                self._run = wandb.init(
-                    project="memory-light-optimizers", job_type=experiment, mode=mode,
-                    config=self.config, dir=str(REPO_ROOT), reinit="finish_previous",
-                )
-            except Exception as exc:  # W&B must never cost a measurement
-                print(f"[{experiment}] W&B logging disabled: {exc}", file=sys.stderr)
-                self._run = None
+        self.versions = tracking.versions()
+        env = {"git_commit": self.commit, "device": self.device, "command": self.command, "versions": self.versions}
+        self.tracking = tracking.Tracking.from_args(experiment, args, root=REPO_ROOT, env=env, config=self.config)
+        self._wandb_rows = wandb_rows
+        self._run = self.tracking.results_run()
 
     @property
     def path(self) -> Path:
@@ -161,18 +154,9 @@ class Results:
             "timestamp": self.timestamp,
         }
         self.rows.append(row)
-        if self._run is not None:
-            data = {f"{variant}/{metric}": float(value)}
-            if x_name:
-                data[x_name] = x_value
-            self._run.log(data)
+        if self._wandb_rows:
+            self._run.row(row, self.seed)
         return row
-
-    def log_figure(self, path):
-        if self._run is not None:
-            import wandb
-
-            self._run.log({Path(path).stem: wandb.Image(str(path))})
 
     @property
     def wall_seconds(self) -> float:
@@ -186,7 +170,8 @@ class Results:
             w.writerows(self.rows)
         meta = {"config": self.config, "git_commit": self.commit, "device": self.device,
                 "torch_version": self.torch_version, "command": self.command,
-                "wall_seconds": round(self.wall_seconds, 1), "timestamp": self.timestamp}
+                "wall_seconds": round(self.wall_seconds, 1), "timestamp": self.timestamp,
+                "versions": self.versions, "wandb": self.tracking.record(self._run, REPO_ROOT)}
         self.config_path.write_text(json.dumps(meta, indent=2, sort_keys=True, default=str) + "\n")
 
     def __enter__(self):
@@ -194,8 +179,9 @@ class Results:
 
     def __exit__(self, *exc):
         self.flush()
-        if self._run is not None:
-            self._run.finish()
+        self._run.summary({"rows": len(self.rows), "wall_seconds": self.wall_seconds})
+        self._run.artifact(f"{self.experiment}-results", "results", [self.path, self.config_path])
+        self._run.finish()
         print(f"[{self.experiment}] {len(self.rows)} rows in {self.path}; wall time {self.wall_seconds:.1f} s",
               flush=True)
         return False

@@ -91,8 +91,9 @@ from experiments import data
 from experiments.common import Results, add_common_args, add_kind_rows
 from experiments.models import char_lm_model
 from experiments.pool import RunPool
-from experiments.registry import DENSE, make_optimizer, state_bytes_by_kind
-from experiments.train import CHAR_LM, WEIGHT_DECAY, char_lm_label, char_lm_problem, train_lm
+from experiments.registry import DENSE, make_optimizer, state_bytes, state_bytes_by_kind
+from experiments.tracking import Run, Tracking, curve_summary, live_logger
+from experiments.train import CHAR_LM, GRAD_CLIP, WEIGHT_DECAY, char_lm_label, char_lm_problem, train_lm
 
 EXPERIMENT = "convergence"
 # bf16 weights: "<registry name>+bf16" (rounding to nearest) or "+bf16-sr" (Gefen's stochastic rounding)
@@ -145,24 +146,35 @@ def make_model(name, cfg):
     return model.to(torch.bfloat16) if "+bf16" in name else model
 
 
-def train_one(name, lr, seed, size, cfg, corpus, progress):
+def train_one(name, lr, seed, size, cfg, corpus, progress, tracking: Tracking | None = None):
+    """One run of optimizer ``name`` at ``lr`` and ``seed``; with ``tracking``, its own W&B run (the
+    curves live at every evaluation, the summary at the end)."""
     torch.manual_seed(seed)
     model = make_model(name, cfg)
     opt = build(name, model, lr, cfg)
-    out = train_lm(model, opt, corpus[0], corpus[1], lr=lr, steps=size["steps"], batch=size["batch"], seed=seed,
-                   eval_every=size["eval_every"], progress=progress, desc=f"{name} lr={lr:g} seed={seed}")
-    out["params"] = sum(p.numel() for p in model.parameters())
-    out["state_bytes_by_kind"] = state_bytes_by_kind(opt, model)
-    out["state_bytes"] = sum(nbytes for nbytes, _ in out["state_bytes_by_kind"].values())  # state_bytes(opt)
+    params = sum(p.numel() for p in model.parameters())
+    run = tracking.train_run(model=char_lm_label(size), optimizer=name, lr=lr, seed=seed, config=dict(
+        {k: v for k, v in size.items() if k not in ("lrs", "seeds")}, model=vars(cfg), params=params, weight_decay=WEIGHT_DECAY, grad_clip=GRAD_CLIP,
+        schedule="5% linear warm-up, cosine to 10%", threads=torch.get_num_threads())) if tracking else Run()
+    with run:
+        out = train_lm(model, opt, corpus[0], corpus[1], lr=lr, steps=size["steps"], batch=size["batch"], seed=seed,
+                       eval_every=size["eval_every"], progress=progress, desc=f"{name} lr={lr:g} seed={seed}",
+                       on_eval=live_logger(run, lambda: {"state/bytes": state_bytes(opt)}))
+        out["params"] = params
+        out["state_bytes_by_kind"] = state_bytes_by_kind(opt, model)
+        out["state_bytes"] = sum(nbytes for nbytes, _ in out["state_bytes_by_kind"].values())  # state_bytes(opt)
+        run.summary(curve_summary(out["val"], out["train"], out.pop("step_times"), extra={
+            "final/state_bytes": out["state_bytes"], "final/state_bytes_per_param": out["state_bytes"] / params,
+            "params": params, "wall_seconds": out["wall"]}))
     return out
 
 
-def _job(name, lr, seed, size, progress):
+def _job(name, lr, seed, size, progress, tracking=None):
     """One training run; the problem is built once per process."""
     cfg, corpus, _ = char_lm_problem(size)
     try:
         build(name, make_model(name, cfg), 1e-3, cfg)
-        out = train_one(name, lr, seed, size, cfg, corpus, progress)
+        out = train_one(name, lr, seed, size, cfg, corpus, progress, tracking)
     except Exception as exc:  # a peer that cannot run here is skipped, not fatal
         return {"error": f"{type(exc).__name__}: {exc}"}
     print(f"[convergence] {cfg.n_embd}d {name} lr={lr:g} seed={seed}: final val loss {out['final']:.4f} "
@@ -185,7 +197,7 @@ def dropin_names(names):
     return out
 
 
-def run_all(names, size, lrs, seeds, jobs, progress, protocol="best"):
+def run_all(names, size, lrs, seeds, jobs, progress, protocol="best", tracking=None):
     """Train one configuration under ``protocol`` ("best", "dropin" or "both"), ``jobs`` runs at a
     time, a run shared by the protocols (the same optimizer, lr and seed) trained once.
 
@@ -202,7 +214,7 @@ def run_all(names, size, lrs, seeds, jobs, progress, protocol="best"):
         def run(n, lr, s):
             key = (n.partition("@")[0], lr, s)
             if key not in futs:
-                futs[key] = pool.submit(_job, key[0], lr, s, size, progress)
+                futs[key] = pool.submit(_job, key[0], lr, s, size, progress, tracking)
             return futs[key]
 
         def failed(p, n, err):
@@ -352,7 +364,7 @@ def run_config(res, names, size, lrs, seeds, jobs, progress, prefix="", protocol
     keyed by variant (drop-in variants ``<prefix>dropin/<name>``)."""
     summary, skipped, ratios = [], {}, {}
     label = char_lm_label(size)
-    for p, (done, skipped_p) in run_all(names, size, lrs, seeds, jobs, progress, protocol).items():
+    for p, (done, skipped_p) in run_all(names, size, lrs, seeds, jobs, progress, protocol, res.tracking).items():
         pre = prefix + (DROPIN if p == "dropin" else "")
         finals = {}
         for name in (dropin_names(names) if p == "dropin" else names):
@@ -411,7 +423,7 @@ def main(argv=None):
     print(f"[convergence] {model_label} size={size_name} model={vars(cfg)} steps={size['steps']} "
           f"batch={size['batch']} lrs={lrs} seeds={seeds} jobs={jobs}", flush=True)
     progress = not args.no_progress and jobs == 1
-    with Results(args.experiment, args, config=config) as res:
+    with Results(args.experiment, args, config=config, wandb_rows=False) as res:
         summary, skipped, ratios = run_config(res, args.optimizers, size, lrs, seeds, jobs, progress,
                                               protocol=args.protocol)
         for extra, ec in extras:

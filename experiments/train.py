@@ -104,12 +104,25 @@ def set_lr(opt, lr: float):
             g["lr"] = lr
 
 
-def train_lm(model, opt, train_ids, val_xy, *, lr, steps, batch, seed, eval_every, progress=False, desc=""):
+def interval_metrics(step, train_loss, val_loss, lr, step_times, seconds, tokens) -> dict:
+    """The numbers a training run logs at one evaluation: losses, the lr of the last step, the median
+    ``opt.step()`` time and the wall time per step over the interval (ms, evaluation excluded), and
+    tokens per second over it."""
+    n = max(1, len(step_times))
+    return {"train/step": step, "train/loss": train_loss, "val/loss": val_loss, "train/lr": lr,
+            "train/step_time_ms": 1e3 * statistics.median(step_times) if step_times else float("nan"),
+            "train/iter_time_ms": 1e3 * seconds / n, "train/tokens_per_s": tokens / seconds if seconds > 0 else 0.0}
+
+
+def train_lm(model, opt, train_ids, val_xy, *, lr, steps, batch, seed, eval_every, progress=False, desc="",
+             on_eval=None):
     """Train ``model`` (``model(x, y)`` returns the loss) with ``opt``; returns curves and timings.
 
     Batches come from a generator seeded with ``seed``, so every optimizer of one seed sees the same
     ones. Returns ``val`` and ``train`` as [(step, loss)], ``final`` (NaN if the loss diverged),
-    ``step_time`` (median seconds of ``opt.step()``) and ``wall`` (seconds of the whole run).
+    ``step_time`` (median seconds of ``opt.step()``), ``step_times`` (every step's seconds) and
+    ``wall`` (seconds of the whole run). ``on_eval(metrics)``, if given, gets ``interval_metrics``
+    at every evaluation (experiments/tracking.py logs them live); it runs outside every timed region.
     """
     vx, vy = val_xy
     block = vx.shape[1]
@@ -117,7 +130,7 @@ def train_lm(model, opt, train_ids, val_xy, *, lr, steps, batch, seed, eval_ever
     val_curve = [(0, evaluate(model, vx, vy))]
     train_curve, window, step_times = [], [], []
     diverged = False
-    start = time.perf_counter()
+    start = window_start = time.perf_counter()
     for step in tqdm(range(steps), desc=desc, leave=False, disable=not progress, mininterval=2.0):
         set_lr(opt, lr * lr_factor(step, steps))
         x, y = data.get_batch(train_ids, batch, block, gen)
@@ -134,15 +147,20 @@ def train_lm(model, opt, train_ids, val_xy, *, lr, steps, batch, seed, eval_ever
         step_times.append(time.perf_counter() - t0)
         window.append(loss.item())
         if (step + 1) % eval_every == 0 or step + 1 == steps:
+            seconds = time.perf_counter() - window_start
             train_curve.append((step + 1, statistics.fmean(window)))
-            window = []
             val_curve.append((step + 1, evaluate(model, vx, vy)))
+            if on_eval is not None:
+                on_eval(interval_metrics(step + 1, train_curve[-1][1], val_curve[-1][1], lr * lr_factor(step, steps),
+                                         step_times[-len(window):], seconds, len(window) * batch * block))
+            window = []
             if not math.isfinite(val_curve[-1][1]):
                 diverged = True
                 break
+            window_start = time.perf_counter()
     return dict(val=val_curve, train=train_curve, final=float("nan") if diverged else val_curve[-1][1],
                 step_time=statistics.median(step_times) if step_times else float("nan"),
-                wall=time.perf_counter() - start)
+                step_times=step_times, wall=time.perf_counter() - start)
 
 
 def interleaved(fns: dict, repeats: int, *, shuffle: bool = False, before=None, progress=False, desc=""):
