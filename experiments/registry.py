@@ -60,7 +60,7 @@ def _gefen_upstream(params, named, lr, weight_decay, **kw):
 
 
 GEFEN_X_DIR = Path(__file__).resolve().parents[1] / "third_party" / "gefen_x"
-GEFEN_X_INSTALL = "python -m pip install --no-deps --target third_party/gefen_x gefen-x==0.5.0"
+GEFEN_X_INSTALL = "python -m pip install --no-deps --upgrade --target third_party/gefen_x gefen-x==0.5.0"
 
 
 class _Renamed(importlib.abc.MetaPathFinder):
