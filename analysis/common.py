@@ -24,7 +24,8 @@ from typing import Callable
 
 import matplotlib
 
-from experiments.common import FIGS_DIR, RESULTS_DIR, read_results
+from experiments import tracking
+from experiments.common import FIGS_DIR, REPO_ROOT, RESULTS_DIR, read_results
 
 matplotlib.use("Agg")  # before any script imports pyplot: figures are files, never windows
 
@@ -289,6 +290,7 @@ def main(report: Report, argv=None, doc=None):
     parts = [f"## {report.title}", setup_line(config, rows)]
     if report.draw is not None:
         report.draw(rows, args.out, config)
+        tracking.log_figure(config, args.out, report.name, root=REPO_ROOT)  # a run in the experiment's W&B group
         rel = Path(os.path.relpath(Path(args.out).resolve(), readme.parent.resolve())).as_posix()
         parts.append(f"![{report.name}]({rel})")
         print(f"wrote {args.out}")

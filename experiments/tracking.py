@@ -342,14 +342,12 @@ def log_figure(config: dict, path, name: str, root: Path | None = None):
     results' config.json (``config``, as analysis.common.load_config reads it) recorded under
     "wandb"; nothing when it recorded none, it was disabled, or $WANDB_MODE is "disabled".
 
-    The run goes into the recorded folder when it lies inside ``root`` (the analysing checkout),
-    else into ``root``: an analysis writes only into its own checkout."""
+    The run goes into the recorded folder: a relative one (the experiment's checkout) inside ``root``,
+    the analysing checkout; an absolute one (given with ``--wandb-dir``) as it is."""
     rec = config.get("wandb") or {}
     if not rec or rec.get("mode", "disabled") == "disabled" or os.environ.get("WANDB_MODE") == "disabled":
         return
-    where = Path(root or ".") / rec.get("dir", ".")  # a relative dir is the checkout's
-    if root is not None and not where.resolve().is_relative_to(Path(root).resolve()):
-        where = Path(root)
+    where = Path(root or ".") / rec.get("dir", ".")
     tracking = Tracking(rec.get("group") or name, rec["mode"], rec.get("project") or PROJECT, rec.get("entity"),
                         str(where), env={"figure": name, "results_run_id": rec.get("results_run_id")})
     with tracking.start(f"{tracking.experiment}/figure/{name}", "figure") as run:

@@ -182,6 +182,32 @@ def test_benchmark_rows_go_against_their_numeric_x_and_strings_to_the_summary(tm
     assert all(isinstance(v, (int, float)) for h in run["history"] for v in h.values())
 
 
+def test_the_figure_is_logged_as_an_image_in_the_experiments_group(tmp_path, monkeypatch):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from experiments.tracking import log_figure
+
+    fig, ax = plt.subplots(figsize=(2, 2))
+    ax.plot([0, 1], [1, 0])
+    fig.savefig(tmp_path / "probe.png")
+    plt.close(fig)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    recorded = {"wandb": {"mode": "offline", "project": "p", "entity": None, "dir": ".", "group": "probe",
+                          "results_run_id": "abc"}}
+    log_figure(recorded, tmp_path / "probe.png", "probe", root=tmp_path)
+    (run,) = read_runs(tmp_path).values()
+    assert (run["run"].display_name, run["run"].run_group, run["run"].job_type) == ("probe/figure/probe", "probe", "figure")
+    assert run["config"]["results_run_id"] == "abc"
+    (img,) = [h for h in run["history"] if "figure/probe/_type" in h]
+    assert img["figure/probe/_type"] == "image-file" and img["figure/probe/path"].endswith(".png")
+    log_figure({"wandb": dict(recorded["wandb"], mode="disabled")}, tmp_path / "probe.png", "probe", root=tmp_path)
+    log_figure({}, tmp_path / "probe.png", "probe", root=tmp_path)
+    assert len(read_runs(tmp_path)) == 1, "a disabled or unrecorded experiment got a figure run"
+
+
 def test_a_failing_wandb_costs_no_measurement(tmp_path, monkeypatch, capsys):
     from experiments.common import Results, read_results
 
