@@ -1,7 +1,7 @@
 """What every experiment shares: command-line flags, where outputs go, the results CSV, W&B logging.
 
 A run of an experiment writes ``results/<experiment>.csv`` (replacing the file: one CSV is one run
-of one commit) with the columns of DESIGN.md::
+of one commit) with the columns of docs/DESIGN.md::
 
     experiment, variant, metric, unit, x_name, x_value, value, seed, device, torch_version,
     git_commit, timestamp
@@ -223,7 +223,7 @@ def read_results(name_or_path, results_dir: Path | None = None):
         rows = list(csv.DictReader(f))
     missing = set(FIELDS) - set(rows[0].keys()) if rows else set()
     if missing:
-        raise ValueError(f"{p}: not a results file of DESIGN.md's format, missing columns {sorted(missing)}")
+        raise ValueError(f"{p}: not a results file of docs/DESIGN.md's format, missing columns {sorted(missing)}")
     for r in rows:
         r["value"] = float(r["value"])
         try:

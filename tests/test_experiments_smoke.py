@@ -1,7 +1,7 @@
 """The experiment harness, every experiment at a tiny size, and reproduce.py's command assembly.
 
 Each experiment runs in-process (its ``main``) on the smallest size its flags allow, into tmp_path;
-the CSV must have DESIGN.md's columns, the expected variants (registry names) and metrics, finite
+the CSV must have docs/DESIGN.md's columns, the expected variants (registry names) and metrics, finite
 values, and the numbers that can be restated independently (state bytes of AdamW, SparseAdam's RAM
 state, the reconstruction metrics of Nickel & Kiela 2017) must match that restatement. Where an
 experiment has a figure, its analysis script draws it from the tiny CSV.
@@ -53,7 +53,7 @@ def _analysis(name, results, out):
 def _rows(path, experiment):
     with open(path, newline="") as f:
         header = next(csv.reader(f))
-    assert header == FIELDS, f"{path}: columns {header} != DESIGN.md's {FIELDS}"
+    assert header == FIELDS, f"{path}: columns {header} != docs/DESIGN.md's {FIELDS}"
     rows = read_results(path)
     assert rows, f"{path}: no rows"
     for r in rows:

@@ -1,7 +1,7 @@
 """The GPU scripts run end to end on the CPU (``--dry-run``: tiny sizes, Triton under
 TRITON_INTERPRET=1), so a first run on a lent GPU cannot fail on the scripts' own code.
 
-Each writes its CSV under ``--results-dir`` in DESIGN.md's columns with every variant and metric of a
+Each writes its CSV under ``--results-dir`` in docs/DESIGN.md's columns with every variant and metric of a
 real run (device memory, which only CUDA reports, aside), and the agreements it measures hold: the
 staged and direct DSA paths equal bit for bit, DSA's Triton path within fp32 rounding of its torch
 path and of ``torch.optim.SparseAdam``, Gefen's Triton codes equal to its torch backend's.

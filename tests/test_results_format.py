@@ -1,4 +1,4 @@
-"""The results format of DESIGN.md that analysis relies on: one CSV per run, its config beside it."""
+"""The results format of docs/DESIGN.md that analysis relies on: one CSV per run, its config beside it."""
 
 import argparse
 import csv
