@@ -609,3 +609,25 @@ def test_a_step_the_kernel_refuses_is_not_counted():
     for p, q in zip(ps, ref):
         assert opt.state[p][K.STEP] == 2
         assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("option", ["quantize_first_moment", "factor_second_moment"])
+def test_a_saved_group_that_contradicts_its_state_is_named(option):
+    p = torch.nn.Parameter(torch.randn(16, 8))
+    opt = Gefen([p], lr=1e-2, factor_second_moment=True)
+    p.grad = _structured_grad((16, 8))
+    opt.step()
+    sd = opt.state_dict()
+    sd["param_groups"][0][option] = False
+    with pytest.raises(ValueError, match=f"saved group says {option}=False"):
+        Gefen([p], factor_second_moment=True).load_state_dict(sd)
+
+
+def test_an_adamw_state_dict_is_refused_as_adamws():
+    """AdamW's state (float step tensor, exp_avg, exp_avg_sq) into the Gefen that reduces to AdamW."""
+    q = torch.nn.Parameter(torch.randn(16, 8))
+    adamw = torch.optim.AdamW([q])
+    q.grad = torch.randn(16, 8)
+    adamw.step()
+    with pytest.raises(ValueError, match="AdamW's .*not Gefen's.*into torch.optim.AdamW"):
+        Gefen([q], **ADAMW).load_state_dict(adamw.state_dict())

@@ -137,6 +137,12 @@ def check_saved(st, p, group, bits, k):
             raise ValueError(f"{where} has {K.PROVISIONAL!r} = {st[K.PROVISIONAL]!r}; expected True (or no key)")
         if K.BLOCK not in st:
             raise ValueError(f"{where} has {K.PROVISIONAL!r} but no {K.BLOCK!r}")
+    if {"exp_avg", "exp_avg_sq"} & set(st):
+        raise ValueError(f"{where} is torch.optim.Adam's or AdamW's (keys {sorted(st)}), not Gefen's: Gefen "
+                         "keeps its own state layout (state.py), even where it reduces to AdamW "
+                         "(share_second_moment=False, quantize_first_moment=False); load an AdamW state dict "
+                         "into torch.optim.AdamW, or start Gefen without it")
+    _check_group_matches(st, group, where)
     extra = {K.SEED, K.PROVISIONAL} & set(st)
     if K.BLOCK not in st:  # a tensor that has only seen zero gradients
         if set(st) - extra != {K.STEP}:
@@ -164,6 +170,24 @@ def check_saved(st, p, group, bits, k):
                              "state dict as it was saved (no dtype casts), into the model it was "
                              "saved from")
     return dict(st, **{K.STEP: step})
+
+
+def _check_group_matches(st, group, where: str):
+    """The saved group's layout options say what the saved state holds (quantised codes or a plain
+    first moment, a factor or none): a group edited apart from its state is named, not guessed."""
+    if K.BLOCK not in st:
+        return
+    quant = K.CODES in st or K.SCALES in st
+    found = []
+    if (quant or K.M in st) and quant != bool(group["quantize_first_moment"]):
+        found.append(("quantize_first_moment", "codes and scales (a quantised first moment)" if quant
+                      else "an fp32 first moment 'm'"))
+    if (K.W in st) != bool(group["factor_second_moment"]):
+        found.append(("factor_second_moment", "a factor 'w'" if K.W in st else "no factor 'w'"))
+    for option, holds in found:
+        raise ValueError(f"{where} holds {holds}, but its saved group says {option}={group[option]}: the "
+                         "groups of the state dict do not describe its state (edited apart from it); load "
+                         f"it as it was saved, or set the saved group's {option} to what its state holds")
 
 
 def _is_vector(t, size) -> bool:

@@ -424,7 +424,7 @@ class Gefen(torch.optim.Optimizer):
         of a float64 parameter) follow a cast of the parameter made after they were created
         (``model.float()``, ``model.double()``), as a state dict loaded after the cast would be."""
         want = state_dtype(p.dtype, group)
-        if st[K.V].dtype != want:
+        if st[K.V].dtype != want and st[K.V].dtype in (torch.float32, torch.float64):  # others: refused
             for key in (K.V, K.M):
                 if key in st:
                     st[key] = st[key].to(want)
