@@ -111,16 +111,37 @@ def main(argv=None):
         return worker(args)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
     config = {**vars(args), "seed_loss": SEED_LOSS, "seed_throughput": SEED_THROUGHPUT}
-    with Results("dsa_seed_benchmark", args, config=config) as res:
+    with Results("dsa_seed_benchmark", args, config=config, wandb_rows=False) as res:
         for name in args.optimizers.split(","):
             cmd = [sys.executable, "-m", "experiments.dsa_seed_benchmark", "--worker", name, "--rows", str(args.rows),
                    "--dim", str(args.dim), "--batch", str(args.batch), "--epochs", str(args.epochs),
                    "--lr", str(args.lr), "--seed", str(args.seed), "--threads", str(args.threads),
                    "--device", args.device]
-            out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO_ROOT, check=False)
-            if out.returncode != 0:
-                raise RuntimeError(f"{name} failed:\n{out.stderr[-3000:]}")
-            for line in out.stdout.splitlines():
+            steps_per_epoch = -(-args.rows // args.batch)
+            run = res.tracking.train_run(model=f"emb{args.rows}x{args.dim}", optimizer=name, lr=args.lr, seed=args.seed,
+                                         config=dict(steps_per_epoch=steps_per_epoch))
+            with run, tempfile.TemporaryFile("w+") as err:
+                # the worker's lines are read as it prints them, so each epoch reaches W&B live; W&B stays
+                # in this process, out of the worker whose memory is measured
+                proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env, cwd=REPO_ROOT)
+                lines = []
+                for line in proc.stdout:
+                    lines.append(line)
+                    if line.startswith("epoch "):
+                        epoch, loss, rate, peak, disk, acc = map(float, line.split()[1:])
+                        run.log({"train/loss": loss, "train/samples_per_s": rate, "sys/peak_rss_mib": peak,
+                                 "state/bytes_on_disk": disk, "sys/accelerator_mib": acc, "train/epoch": epoch},
+                                step=int(epoch) * steps_per_epoch)
+                if proc.wait() != 0:
+                    err.seek(0)
+                    raise RuntimeError(f"{name} failed:\n{err.read()[-3000:]}")
+                epochs = [line.split()[1:] for line in lines if line.startswith("epoch ")]
+                if epochs:
+                    last = [float(v) for v in epochs[-1]]
+                    run.summary({"final/loss": last[1], "final/epoch": last[0], "max/peak_rss_mib": last[3],
+                                 "mean/samples_per_s": sum(float(e[2]) for e in epochs) / len(epochs),
+                                 "final/bytes_on_disk": last[4]})
+            for line in lines:
                 if not line.startswith("epoch "):
                     continue
                 epoch, loss, rate, peak, disk, acc = line.split()[1:]

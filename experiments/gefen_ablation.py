@@ -58,8 +58,9 @@ import torch
 from experiments.common import Results, add_common_args
 from experiments.models import char_lm_model
 from experiments.pool import RunPool
-from experiments.registry import make_optimizer
-from experiments.train import CHAR_LM, WEIGHT_DECAY, char_lm_label, char_lm_problem, train_lm
+from experiments.registry import make_optimizer, state_bytes
+from experiments.tracking import Run, Tracking, curve_summary, live_logger
+from experiments.train import CHAR_LM, GRAD_CLIP, WEIGHT_DECAY, char_lm_label, char_lm_problem, train_lm
 
 # variant -> regular expression of the parameter names (of experiments/models.py's GPT) that get a
 # per-element v (None: no tensor). Names select the tensors of the ablation only; the optimizer
@@ -133,19 +134,30 @@ def variant_groups(model, variant: str, arch: str = "gpt"):
     return per_element_v_groups(model, None if own == FACTORED else PATTERNS[arch][own], factored)
 
 
-def final_loss(size: dict, variant: str | None, seed: int, lr: float) -> float:
+def final_loss(size: dict, variant: str | None, seed: int, lr: float, tracking: Tracking | None = None) -> float:
     """Final validation loss of one run: AdamW (``variant`` None), a peer (a registry name of
     ``PEERS``) or 8-bit Gefen with the variant's tensors per element (and the rest factored for
-    ``factored...``). The problem is built once per process."""
-    cfg, corpus, _ = char_lm_problem(size)
+    ``factored...``). The problem is built once per process. With ``tracking``, the run is its own
+    W&B run (optimizer "Gefen-8bit[<variant>]" for an ablation variant), its curves logged at the
+    size's evaluation interval."""
+    cfg, corpus, n_params = char_lm_problem(size)
     torch.manual_seed(seed)
     model = char_lm_model(cfg)
     if variant is None or variant in PEERS:
-        opt = make_optimizer(variant or "AdamW", model, lr, WEIGHT_DECAY)
+        name = variant or "AdamW"
+        opt = make_optimizer(name, model, lr, WEIGHT_DECAY)
     else:
+        name = f"Gefen-8bit[{variant}]"
         opt = make_optimizer("Gefen-8bit", variant_groups(model, variant, size.get("arch", "gpt")), lr, WEIGHT_DECAY)
-    return train_lm(model, opt, corpus[0], corpus[1], lr=lr, steps=size["steps"], batch=size["batch"], seed=seed,
-                    eval_every=size["steps"])["final"]
+    run = tracking.train_run(model=char_lm_label(size), optimizer=name, lr=lr, seed=seed, config=dict(
+        {k: v for k, v in size.items() if k not in ("lrs", "seeds")}, model=vars(cfg), params=n_params,
+        variant=variant or "AdamW", weight_decay=WEIGHT_DECAY, grad_clip=GRAD_CLIP)) if tracking else Run()
+    with run:
+        out = train_lm(model, opt, corpus[0], corpus[1], lr=lr, steps=size["steps"], batch=size["batch"], seed=seed,
+                       eval_every=size["eval_every"], on_eval=live_logger(run, lambda: {"state/bytes": state_bytes(opt)}))
+        run.summary(curve_summary(out["val"], out["train"], out["step_times"],
+                                  extra={"params": n_params, "wall_seconds": out["wall"]}))
+    return out["final"]
 
 
 def variants_of(size_name: str, args) -> list[str]:
@@ -214,7 +226,8 @@ def main(argv=None):
                                              for v in variants})))
     config = dict(vars(args), jobs=jobs, **configs[0][1], extra={c["label"]: c for _, c in configs[1:]})
     with Results(args.experiment, args, config=config) as res, RunPool(jobs) as pool:
-        runs = [(c, {v: [pool.submit(final_loss, size, None if v == "AdamW" else v, s, c["lr"]) for s in c["seeds"]]
+        runs = [(c, {v: [pool.submit(final_loss, size, None if v == "AdamW" else v, s, c["lr"], res.tracking)
+                         for s in c["seeds"]]
                      for v in ["AdamW", *c["variants"]]}) for size, c in configs]
         for c, futs in runs:
             add_rows(res, c, {v: [f.result() for f in fs] for v, fs in futs.items()})

@@ -275,7 +275,7 @@ class Tracking:
         given = getattr(args, "wandb_dir", None)
         return cls(experiment, mode, getattr(args, "wandb_project", None) or PROJECT,
                    getattr(args, "wandb_entity", None), str(Path(given) if given else root),
-                   bool(getattr(args, "quick", False)), dict(env), dict(config))
+                   bool(getattr(args, "quick", False) or getattr(args, "tiny", False)), dict(env), dict(config))
 
     @property
     def enabled(self) -> bool:
