@@ -8,6 +8,11 @@ the README cannot drift from the data.
 
 A script declares a ``Report`` (name, experiment, title, how to draw, how to write the body) and
 calls ``main``; ``--results-dir R --out F`` read from R and draw into F.
+
+Only the committed ``results/`` draws into ``paper_figs/`` and writes ``results/README.md``; results
+anywhere else get their figure and README beside them. A quick run's outputs (its config says
+``quick`` or ``tiny``, or they lie in ``results/quick``) carry ``QUICK_BANNER`` in the figure's title
+and the section, and no verdict: one seed and a few steps are a smoke test, not evidence.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import operator
 import os
 import re
 import statistics
@@ -37,6 +43,16 @@ version, wall time and the command of the run that wrote the CSV. The contents l
 with every section.
 """
 
+QUICK_BANNER = "quick: a smoke test, not evidence"
+QUICK_README_HEAD = f"""# Results (quick)
+
+**{QUICK_BANNER}.** These sections come from `--quick` runs: one seed, small sizes and few steps. They
+show that each experiment and analysis runs; they judge no claim. The committed results and their
+verdicts are in the repository's `results/README.md`.
+"""
+# The verdict words a section of a full run may use; a quick section shows none of them.
+VERDICT_WORDS = re.compile(r"\*{0,2}\b(?:not met|met|missed|not reproduced|reproduced)\b\*{0,2}", re.I)
+
 # One colour per optimizer, so every figure reads the same.
 OPTIMIZERS = ["AdamW", "Adam-mini", "torchao-AdamW8bit", "torchao-AdamW4bit", "gefen-upstream",
               "Gefen-8bit", "Gefen-4bit", "Gefen-8bit-factored", "Gefen-4bit-factored", "gefen-x"]
@@ -44,6 +60,37 @@ OPTIMIZERS = ["AdamW", "Adam-mini", "torchao-AdamW8bit", "torchao-AdamW4bit", "g
 
 class ResultsError(ValueError):
     """A results file that an analysis script cannot use; the message names the file."""
+
+
+# ----------------------------------------------------------------------------------------- routing
+def is_committed(results_dir) -> bool:
+    """Whether ``results_dir`` is the repository's committed ``results/``."""
+    return Path(results_dir).resolve() == RESULTS_DIR.resolve()
+
+
+def is_quick(config: dict, results_dir) -> bool:
+    """Whether these results are a smoke test: the run's config says ``quick`` or ``tiny``, or they
+    lie in ``results/quick``."""
+    run = config.get("config") or {}
+    return bool(run.get("quick") or run.get("tiny")) or Path(results_dir).resolve().is_relative_to(
+        (RESULTS_DIR / "quick").resolve())
+
+
+def without_verdicts(text: str) -> str:
+    """``text`` with every verdict word (met, not met, missed, reproduced, not reproduced) as "—"."""
+    return VERDICT_WORDS.sub("—", text)
+
+
+def figure_path(name: str, results_dir, out=None, quick=False) -> Path:
+    """Where the figure of results in ``results_dir`` goes: ``out`` if given, else ``paper_figs/`` for
+    the committed results of a full run and beside the results for any other. A figure of other
+    results is refused inside ``paper_figs/``, which holds only the committed results' figures."""
+    committed = is_committed(results_dir) and not quick
+    path = Path(out) if out is not None else (FIGS_DIR if committed else Path(results_dir)) / f"{name}.png"
+    if not committed and path.resolve().is_relative_to(FIGS_DIR.resolve()):
+        raise ResultsError(f"{path}: paper_figs/ holds the figures of the committed results/ only; the figure of "
+                           f"{'a quick run' if quick else results_dir} goes beside its results (leave out --out)")
+    return path
 
 
 # ----------------------------------------------------------------------------------------- reading
@@ -79,7 +126,11 @@ def select(rows, metric=None, variant=None, **where):
         where["metric"] = metric
     if variant is not None:
         where["variant"] = variant
-    return [r for r in rows if all(r[k] == v for k, v in where.items())]
+    if not where:
+        return list(rows)
+    columns = operator.itemgetter(*where)  # one C-level lookup per row: sections select thousands of times
+    want = tuple(where.values()) if len(where) > 1 else next(iter(where.values()))
+    return [r for r in rows if columns(r) == want]
 
 
 def value(rows, metric, variant, **where) -> float:
@@ -195,12 +246,24 @@ def colour(name, i=0):
     return cmap(OPTIMIZERS.index(name)) if name in OPTIMIZERS else cmap(i % 10)
 
 
+# Set by ``main`` while a quick run's figure is drawn: ``save_figure`` puts it above the title.
+_figure_banner: str | None = None
+
+
+def suptitle(fig, title=None, fontsize=9):
+    """Set ``fig``'s title, with the quick banner as its first line while one is set."""
+    if _figure_banner:
+        title = _figure_banner + ("\n" + title if title else "")
+    if title:
+        fig.suptitle(title, fontsize=fontsize)
+
+
 def save_figure(fig, out, title=None, dpi=130, rect=None):
-    """Give ``fig`` its title, lay it out, write it to ``out`` (a PNG path), close it."""
+    """Give ``fig`` its title (see ``suptitle``), lay it out, write it to ``out`` (a PNG path), close it."""
     import matplotlib.pyplot as plt
 
-    if title:
-        fig.suptitle(title, fontsize=9)
+    if title or fig._suptitle is None:  # a title the draw set itself was set through suptitle
+        suptitle(fig, title)
     fig.tight_layout(rect=rect) if rect else fig.tight_layout()
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -214,12 +277,13 @@ def _markers(name):
     return f"<!-- begin {name} -->", f"<!-- end {name} -->"
 
 
-def write_section(readme, name: str, text: str) -> Path:
-    """Put ``text`` between ``name``'s markers in ``readme``: replaced in place, else appended."""
+def write_section(readme, name: str, text: str, head: str = README_HEAD) -> Path:
+    """Put ``text`` between ``name``'s markers in ``readme``: replaced in place, else appended to
+    ``head`` (a new README's first lines)."""
     readme = Path(readme)
     begin, end = _markers(name)
     block = f"{begin}\n{text.strip()}\n{end}"
-    doc = readme.read_text() if readme.exists() else README_HEAD
+    doc = readme.read_text() if readme.exists() else head
     pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end), re.S)
     if pattern.search(doc):
         doc = pattern.sub(lambda _: block, doc, count=1)
@@ -275,27 +339,42 @@ class Report:
 
 
 def main(report: Report, argv=None, doc=None):
-    """Command line of every analysis script: read, draw, write the README section."""
+    """Command line of every analysis script: read, draw, write the README section (see the module
+    docstring for where a figure and section go, and what a quick run's show)."""
+    global _figure_banner
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR,
                         help="where the CSVs are; the section goes into its README.md")
     if report.draw is not None:
-        parser.add_argument("--out", type=Path, default=FIGS_DIR / f"{report.name}.png", help="PNG to write")
+        parser.add_argument("--out", type=Path, default=None,
+                            help="PNG to write (default: paper_figs/NAME.png for the committed results/, "
+                                 "else beside the results)")
     args = parser.parse_args(argv)
     rows = load_rows(report.experiment, args.results_dir, report.metrics)
     config = load_config(report.experiment, args.results_dir)
+    quick = is_quick(config, args.results_dir)
+    if quick and is_committed(args.results_dir):
+        raise ResultsError(f"{Path(args.results_dir) / report.experiment}.csv: a quick run's results in the committed "
+                           "results/; rerun the experiment without --quick, or with --results-dir results/quick")
     config["other_rows"] = {name: load_rows(name, args.results_dir) for name in report.reads
                             if (Path(args.results_dir) / f"{name}.csv").exists()}
     readme = Path(args.results_dir) / "README.md"
-    parts = [f"## {report.title}", setup_line(config, rows)]
+    parts = [f"## {report.title}"] + [f"**{QUICK_BANNER}** (small sizes, few steps: no verdicts)."] * quick
+    parts.append(setup_line(config, rows))
     if report.draw is not None:
-        report.draw(rows, args.out, config)
-        tracking.log_figure(config, args.out, report.name, root=REPO_ROOT)  # a run in the experiment's W&B group
-        rel = Path(os.path.relpath(Path(args.out).resolve(), readme.parent.resolve())).as_posix()
+        out = figure_path(report.name, args.results_dir, args.out, quick)
+        _figure_banner = QUICK_BANNER if quick else None
+        try:
+            report.draw(rows, out, config)
+        finally:
+            _figure_banner = None
+        tracking.log_figure(config, out, report.name, root=REPO_ROOT)  # a run in the experiment's W&B group
+        rel = Path(os.path.relpath(out.resolve(), readme.parent.resolve())).as_posix()
         parts.append(f"![{report.name}]({rel})")
-        print(f"wrote {args.out}")
-    parts.append(report.body(rows, config).strip())
-    write_section(readme, report.name, "\n\n".join(parts))
+        print(f"wrote {out}")
+    body = report.body(rows, config).strip()
+    parts.append(without_verdicts(body) if quick else body)
+    write_section(readme, report.name, "\n\n".join(parts), head=QUICK_README_HEAD if quick else README_HEAD)
     print(f"wrote section {report.name} of {readme}")
     return readme
 

@@ -12,19 +12,15 @@ Figure (one row of panels): the CPU step over AdamW's per optimizer (ours in col
 peers grey; filled at 1 thread, hollow at 2) with the 1.0x target (transformer, MLP) and the 2x one
 (small tensors); the Triton path's device operations and launches per step at each tensor count
 with the target of 8; the GPU step over AdamW's where there are GPU rows. The section gives the
-same numbers in tables and, for a full run, each target met or missed. Results of a ``--quick`` run
-(its config says so) get no verdicts, and their figure goes to paper_figs/quick unless ``--out``
-says otherwise.
+same numbers in tables and, for a full run, each target met or missed.
 """
 
 from __future__ import annotations
 
 import math
-import sys
 from pathlib import Path
 
-from analysis.common import OPTIMIZERS, Report, fmt, load_config, main, md_table, select, value
-from experiments.common import RESULTS_DIR, figs_dir
+from analysis.common import OPTIMIZERS, Report, fmt, main, md_table, select, suptitle, value
 
 TARGET_CPU = 1.0  # Gefen's step over fused AdamW's at 1 thread on the transformer and the MLP
 STRETCH_CPU = 0.7
@@ -210,7 +206,7 @@ def figure(rows):
     fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.6), layout="constrained", squeeze=False)
     for ax, panel in zip(axes[0], panels):
         panel(ax, rows)
-    fig.suptitle("Gefen's step against fused AdamW's", fontsize=10)
+    suptitle(fig, "Gefen's step against fused AdamW's", fontsize=10)
     return fig
 
 
@@ -367,16 +363,5 @@ REPORT = Report("gefen_speed", "gefen_speed", "Gefen: step time against fused Ad
                 draw, metrics=("step_time_vs_adamw",))
 
 
-def _argv(argv):
-    """A quick run's results (its config says so) draw into paper_figs/quick unless --out is given."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if "--out" in argv:
-        return argv
-    given = argv[argv.index("--results-dir") + 1] if "--results-dir" in argv[:-1] else RESULTS_DIR
-    if load_config("gefen_speed", given).get("config", {}).get("quick"):
-        argv += ["--out", str(figs_dir(True) / "gefen_speed.png")]
-    return argv
-
-
 if __name__ == "__main__":
-    main(REPORT, _argv(None), doc=__doc__)
+    main(REPORT, doc=__doc__)

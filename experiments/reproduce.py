@@ -3,7 +3,7 @@
     # the full CPU run whose CSVs and figures are committed (results/*.csv, paper_figs/*.png)
     python experiments/reproduce.py
 
-    # small sizes; writes results/quick/*.csv and paper_figs/quick/*.png
+    # small sizes, a smoke test: writes results/quick/ (CSVs, figures and a README without verdicts)
     python experiments/reproduce.py --quick
 
     # one or a few experiments only
@@ -11,8 +11,10 @@
 
 Experiments run one after another, each in its own process (a crash or an out-of-memory in one
 does not take the others down, and no two measurements share the CPU); then each analysis script
-draws its figure and writes its section of results/README.md. The exit status is non-zero if any
-step failed; a summary lists each step's status and time, and the total. GPU-only scripts
+draws its figure and writes its README section: into paper_figs/ and results/README.md for the
+committed results/ only; any other results folder, the quick one included, gets them beside its CSVs
+(see analysis/common.py). The exit status is non-zero if any step failed; a summary lists each
+step's status and time, and the total. GPU-only scripts
 (bench_dsa_gpu, bench_kernels) are not part of this run: they are the prepared checks for a GPU.
 """
 
@@ -25,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-from experiments.common import REPO_ROOT, figs_dir, results_dir
+from experiments.common import FIGS_DIR, REPO_ROOT, RESULTS_DIR, results_dir
 
 # experiment script -> the analysis scripts that read its CSV
 EXPERIMENTS = {
@@ -81,20 +83,21 @@ def _run(cmd, log, timeout):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="small sizes, into results/quick and paper_figs/quick")
+    parser.add_argument("--quick", action="store_true",
+                        help="small sizes, a smoke test: CSVs, figures and README into results/quick")
     parser.add_argument("--only", nargs="+", choices=sorted(EXPERIMENTS), help="run just these experiments")
     parser.add_argument("--wandb", choices=["offline", "online", "disabled"], default=None)
     parser.add_argument("--results-dir", type=Path, default=None,
                         help="default: results/quick for --quick, else results")
     parser.add_argument("--figs-dir", type=Path, default=None,
-                        help="default: paper_figs/quick for --quick, else paper_figs")
+                        help="default: paper_figs for the committed results/, else beside the results")
     parser.add_argument("--timeout", type=int, default=None, help="seconds per step (default 900 quick, none full)")
     args = parser.parse_args(argv)
 
     results = args.results_dir or results_dir(args.quick)
-    figs = args.figs_dir or figs_dir(args.quick)
     results.mkdir(parents=True, exist_ok=True)
-    figs.mkdir(parents=True, exist_ok=True)
+    if args.figs_dir:
+        args.figs_dir.mkdir(parents=True, exist_ok=True)
     timeout = args.timeout or (900 if args.quick else None)
     names = args.only or list(EXPERIMENTS)
     env_py = sys.executable
@@ -111,8 +114,8 @@ def main(argv=None):
     for name in names:
         for fig in EXPERIMENTS[name]:
             cmd = [env_py, REPO_ROOT / "analysis" / f"{fig}.py", "--results-dir", results]
-            if FIGURE_OF[fig] is not None:
-                cmd += ["--out", figs / f"{FIGURE_OF[fig]}.png"]
+            if args.figs_dir and FIGURE_OF[fig] is not None:
+                cmd += ["--out", args.figs_dir / f"{FIGURE_OF[fig]}.png"]
             _run(cmd, log, timeout)
 
     print("\nstep                                             status          seconds")
@@ -120,6 +123,8 @@ def main(argv=None):
         print(f"{step[-48:]:<48} {status:<15} {secs:8.1f}")
     failed = [s for s in log if s[1] != "ok"]
     print(f"{'total':<48} {'':<15} {time.perf_counter() - start:8.1f}")
+    committed = not args.quick and results.resolve() == RESULTS_DIR.resolve()
+    figs = args.figs_dir or (FIGS_DIR if committed else results)
     print(f"\n{len(log) - len(failed)}/{len(log)} steps ok; results in {results}, figures in {figs}")
     return 1 if failed else 0
 

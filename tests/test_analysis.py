@@ -282,12 +282,10 @@ def test_gefen_speed_figure_is_laid_out_without_overlaps(spread):
         plt.close(fig)
 
 
-def test_gefen_speed_quick_results_draw_into_quick_figures(tmp_path):
+def test_gefen_speed_quick_results_draw_beside_them_without_verdicts(tmp_path):
     write(tmp_path, "gefen_speed", gefen_speed_rows(), config=dict(CONFIG, config={"quick": True, "repeats": 7}))
-    argv = gefen_speed._argv(["--results-dir", str(tmp_path)])
-    assert argv[-2:] == ["--out", str(common.FIGS_DIR / "quick" / "gefen_speed.png")]
-    argv[-1] = str(tmp_path / "fig.png")
-    common.main(gefen_speed.REPORT, argv)
+    common.main(gefen_speed.REPORT, ["--results-dir", str(tmp_path)])
+    assert (tmp_path / "gefen_speed.png").read_bytes()[:4] == b"\x89PNG"
     section = common.read_section(tmp_path / "README.md", "gefen_speed")
     assert "no verdicts" in section and "(target" not in section
 
