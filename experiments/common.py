@@ -8,7 +8,7 @@ of one commit) with the columns of docs/DESIGN.md::
 
 and ``results/<experiment>.config.json`` beside it: the resolved config, the commit, the device, the
 torch version, the command line and the run's wall time. ``--quick`` runs always write under
-``results/quick/`` (and figures under ``paper_figs/quick/``), never over the committed files.
+``results/quick/`` (their analysis draws beside them), never over the committed files.
 
 Usage inside an experiment::
 
@@ -45,11 +45,6 @@ FIELDS = [
 def results_dir(quick: bool) -> Path:
     """The default results folder: ``results/quick`` for --quick runs, else ``results``."""
     return RESULTS_DIR / "quick" if quick else RESULTS_DIR
-
-
-def figs_dir(quick: bool) -> Path:
-    """The default figures folder: ``paper_figs/quick`` for --quick runs, else ``paper_figs``."""
-    return FIGS_DIR / "quick" if quick else FIGS_DIR
 
 
 def add_common_args(parser, default_seed: int = 0):

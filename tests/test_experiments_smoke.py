@@ -561,7 +561,6 @@ def test_quick_runs_write_under_quick(monkeypatch):
     parse = common.add_common_args(argparse.ArgumentParser()).parse_args
     assert common.Results("x", parse(["--quick", "--wandb", "disabled"])).results_dir == common.RESULTS_DIR / "quick"
     assert common.Results("x", parse(["--wandb", "disabled"])).results_dir == common.RESULTS_DIR
-    assert common.figs_dir(True) == common.FIGS_DIR / "quick" and common.figs_dir(False) == common.FIGS_DIR
 
 
 def test_registry_names_are_the_canonical_ones():
