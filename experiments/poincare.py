@@ -133,7 +133,9 @@ def make_variant(name, weight0, args):
     raise ValueError(name)
 
 
-def train(name, dim, names, edges, rel, args, pbar):
+def train(name, dim, names, edges, rel, args, pbar, run=None):
+    """One variant at one dimension; with ``run`` (experiments/tracking.Run), each epoch's mean loss
+    and lr logged live, the logging's time left out of ``seconds``."""
     n = len(names)
     gen = torch.Generator().manual_seed(args.seed * 1000 + dim)  # same data order for every variant
     weight0 = (torch.rand(n, dim, generator=gen, dtype=torch.float64) * 2 - 1) * 1e-3
@@ -142,7 +144,7 @@ def train(name, dim, names, edges, rel, args, pbar):
     dist = euclidean_distance if euclid else ball_distance(args.c)
     E = len(edges)
     t0 = time.perf_counter()
-    losses = []
+    losses, logged = [], 0.0
     for epoch in range(args.epochs):
         lr = args.lr / 10 if epoch < args.burnin else args.lr
         for group in opt.param_groups:
@@ -164,7 +166,14 @@ def train(name, dim, names, edges, rel, args, pbar):
                 after(idx.unique())
             losses.append(float(loss.detach()))
         pbar.update(1)
-    seconds = time.perf_counter() - t0
+        if run:
+            t = time.perf_counter()
+            per_epoch = -(-E // args.batch)  # batches in an epoch
+            epoch_losses = losses[-per_epoch:]
+            run.log({"train/loss": sum(epoch_losses) / len(epoch_losses), "train/lr": lr, "train/epoch": epoch + 1},
+                    step=len(losses))
+            logged += time.perf_counter() - t
+    seconds = time.perf_counter() - t0 - logged
     if hasattr(opt, "close"):
         opt.close()
     w = p.detach()
@@ -208,12 +217,16 @@ def main(argv=None):
     variants = list(args.variants)
 
     config = dict(vars(args), classes=len(names), pairs=len(edges), **info)
-    with Results("poincare", args, config=config) as res:
+    with Results("poincare", args, config=config, wandb_rows=False) as res:
         with tqdm(total=len(args.dims) * len(variants) * args.epochs, desc="poincare", unit="epoch") as pbar:
             for dim in args.dims:
                 for name in variants:
                     pbar.set_postfix_str(f"{name} dim={dim}")
-                    r = train(name, dim, names, edges, rel, args, pbar)
+                    with res.tracking.train_run(model=f"stdlib-{len(names)}classes-dim{dim}", optimizer=name,
+                                                lr=args.lr, seed=args.seed, config=dict(dim=dim)) as run:
+                        r = train(name, dim, names, edges, rel, args, pbar, run)
+                        run.summary({"final/mean_rank": r["mean_rank"], "final/map": r["map"],
+                                     "final/loss": r["loss"], "train_seconds": r["seconds"], "max_norm": r["max_norm"]})
                     tqdm.write(f"dim {dim:2d} {name:28s} mean rank {r['mean_rank']:8.2f}  MAP {r['map']:.3f}  "
                                f"loss {r['loss']:.3f}  max|x| {r['max_norm']:.4f}  {r['seconds']:.1f}s")
                     res.add(name, "mean_rank", "rank", r["mean_rank"], "dim", dim)
