@@ -114,7 +114,7 @@ def gefen_profiles(args, device) -> str:
     out = [f"# Gefen: one optimizer.step(), GPT-2 small's shapes ({n:,} elements); device-to-device "
            f"copy {copy_bw / 1e9:.0f} GB/s (read + write)\n"]
     for dname, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-        for name in GEFEN_VARIANTS:
+        for name in args.gefen_variants:
             ps, gs = make_param_set(shapes, dtype, device, args.seed)
             params = [torch.nn.Parameter(p) for p in ps]
             for p, g in zip(params, gs):
@@ -140,6 +140,7 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=5, help="profiled steps (Default: 5)")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--top", type=int, default=10, help="operations listed per table")
+    parser.add_argument("--gefen-variants", nargs="+", default=list(GEFEN_VARIANTS), choices=GEFEN_VARIANTS)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dry-run", action="store_true",
                         help="tiny sizes on the CPU, Triton under TRITON_INTERPRET=1 (checks the script)")
