@@ -443,6 +443,46 @@ def scenario_hist(opt_name, rank, world, out_dir):
     return {"counts": torch.stack(out), "sharded_full": full, "plain": plain}
 
 
+def sr_run(model, opt, steps, *, rank=0, world=1, hooked=False):
+    """bf16 weights, stochastic rounding: ``steps`` global batches, the ordinary loop (micro-batches
+    accumulated as the ranks' halves) or, ``hooked``, the step inside backward."""
+    from optim import step_in_backward
+
+    handle = step_in_backward(opt) if hooked else None
+    for i in range(steps):
+        x, y = batch(i)
+        x, y = x.chunk(world)[rank], y.chunk(world)[rank]
+        for xm, ym in zip(x.chunk(2 // world), y.chunk(2 // world)):
+            (((model(xm.bfloat16()) - ym.bfloat16()) ** 2).float().mean() * (world / 2)).backward()
+        if not hooked:
+            opt.step()
+            opt.zero_grad()
+    if handle is not None:
+        handle.remove()
+
+
+def sr_optimizer(params):
+    from optim import Gefen
+
+    return Gefen(params, lr=LR, weight_decay=0.1, share_second_moment=False, quantize_first_moment=False,
+                 stochastic_rounding=True, backend="torch")
+
+
+def scenario_fsdp_sr(opt_name, rank, world, out_dir):
+    """FSDP2, bf16 weights with stochastic rounding, each parameter stepped inside backward: rank 1
+    holds an empty shard of the last layer, whose hook comes first; ``opt_name`` "hooked" or "loop"."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = make_model(0).bfloat16()
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=_mesh())
+    fully_shard(model, mesh=_mesh())
+    opt = sr_optimizer(model.parameters())
+    sr_run(model, opt, K1, rank=rank, world=world, hooked=opt_name == "hooked")
+    return {"params": full_params(model)}
+
+
 def scenario_ref(opt_name, rank, world, out_dir):
     """The single-process references (run by rank 0 alone: the same code version as the ranks,
     even while the optimizer's files are being edited)."""
@@ -469,6 +509,7 @@ SCENARIOS = {
     "ddp_to_fsdp": scenario_ddp_to_fsdp,
     "full_sd": scenario_full_state_dict,
     "dcp_flat": scenario_dcp_flat,
+    "fsdp_sr": scenario_fsdp_sr,
 }
 
 

@@ -631,3 +631,76 @@ def test_an_adamw_state_dict_is_refused_as_adamws():
     adamw.step()
     with pytest.raises(ValueError, match="AdamW's .*not Gefen's.*into torch.optim.AdamW"):
         Gefen([q], **ADAMW).load_state_dict(adamw.state_dict())
+
+
+# ------------------------------------------------------------------- stochastic rounding's seed
+
+def _bf16_params():
+    return [torch.nn.Parameter(p.detach().bfloat16()) for p in _mlp()]
+
+
+def _sr_steps(opt, params, steps, start=0, late=2):
+    """Steps of bf16 gradients; the second parameter's are zero before step ``late`` (so it
+    gets its state, and its seed, only then)."""
+    for t in range(start, start + steps):
+        for k, (p, g) in enumerate(zip(params, _grads(t, params))):
+            p.grad = g if k == 0 or t >= late else torch.zeros_like(g)
+        opt.step()
+
+
+@pytest.mark.parametrize("backend", ["torch", "numba"])
+def test_stochastic_rounding_leaves_the_global_random_stream_alone(backend):
+    torch.manual_seed(5)
+    want = torch.rand(4)
+    torch.manual_seed(5)
+    ps = _bf16_params()
+    _sr_steps(Gefen(ps, lr=1e-3, stochastic_rounding=True, backend=backend), ps, 3)
+    assert torch.equal(torch.rand(4), want)
+
+
+@pytest.mark.parametrize("backend", ["torch", "numba"])
+def test_a_resumed_rounding_run_equals_the_uninterrupted_one(backend):
+    """Checkpoint after two steps, before the second parameter has its seed; the resumed process
+    has another random state: the next three steps are the uninterrupted run's, bit for bit."""
+    torch.manual_seed(11)
+    whole = _bf16_params()
+    _sr_steps(Gefen(whole, lr=1e-3, stochastic_rounding=True, backend=backend), whole, 5)
+    torch.manual_seed(11)
+    first = _bf16_params()
+    opt = Gefen(first, lr=1e-3, stochastic_rounding=True, backend=backend)
+    _sr_steps(opt, first, 2)
+    assert K.SEED not in opt.state[first[1]]
+    buf = __import__("io").BytesIO()
+    torch.save({"opt": opt.state_dict(), "params": [p.detach() for p in first]}, buf)
+    buf.seek(0)
+    saved = torch.load(buf)
+    torch.manual_seed(999)  # another process
+    resumed = [torch.nn.Parameter(p.clone()) for p in saved["params"]]
+    opt2 = Gefen(resumed, lr=1e-3, stochastic_rounding=True, backend=backend)
+    opt2.load_state_dict(saved["opt"])
+    _sr_steps(opt2, resumed, 3, start=2)
+    for a, b in zip(resumed, whole):
+        assert torch.equal(a, b)
+
+
+def test_loading_a_checkpoint_saved_without_rounding_keeps_rounding_on():
+    """The group's stochastic_rounding is how this run writes its weights: a checkpoint of a
+    run without it (or saved before the keyword existed) does not turn it off (every parameter
+    gets its seed at the next steps); one that rounded, loaded into a run without, does not turn it on."""
+    ps = _bf16_params()
+    plain = Gefen(ps, lr=1e-3)
+    _sr_steps(plain, ps, 2)
+    sd = plain.state_dict()
+    old = copy.deepcopy(sd)
+    for g in old["param_groups"]:
+        del g["stochastic_rounding"]
+    for saved in (sd, old):
+        qs = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+        opt = Gefen(qs, lr=1e-3, stochastic_rounding=True)
+        opt.load_state_dict(saved)
+        assert opt.param_groups[0]["stochastic_rounding"] is True
+        _sr_steps(opt, qs, 2, start=2)
+        assert all(K.SEED in opt.state[q] for q in qs)
+    off = Gefen([torch.nn.Parameter(p.detach().clone()) for p in ps], lr=1e-3)
+    off.load_state_dict(opt.state_dict())
+    assert off.param_groups[0]["stochastic_rounding"] is False

@@ -10,7 +10,7 @@ from typing import NamedTuple
 import torch
 
 from .._checks import check_option
-from .._rounding import STOCHASTIC_DTYPES, step_seed
+from .._rounding import MASK32, STOCHASTIC_DTYPES, hash32_int, step_seed
 from ..backends import BACKENDS, choose_backend
 from . import distributed as _dist, numba_ops, state as K
 from .checks import (check_adamw_keywords, check_capturable, check_group, check_saved, check_state_fits,
@@ -117,10 +117,13 @@ class Gefen(torch.optim.Optimizer):
             probability of the fraction of the gap, so exact in expectation) instead of to nearest,
             so updates under half a unit in the last place still move a low-precision weight on
             average: the way to train with bf16 weights and no fp32 master copy. The random bits
-            are a hash of each parameter's seed (``state.SEED``, drawn from torch's default
-            generator at the parameter's first step, saved in the state dict), its step and
-            the element (``optim._rounding``): runs repeat given ``torch.manual_seed``, and the
-            torch, numba and Triton steps draw the same bits. fp32 parameters are not affected.
+            are a hash of each parameter's seed (``state.SEED``, from the optimizer's seed, made at
+            its first step from ``torch.initial_seed()`` without drawing from torch's generator,
+            the same on every rank, and saved in the state dict), its step and the element
+            (``optim._rounding``): runs repeat given ``torch.manual_seed``, a resumed run equals
+            the uninterrupted one, and the torch, numba and Triton steps draw the same bits. fp32
+            parameters are not affected. ``load_state_dict`` keeps each group's setting: it says
+            how this run writes its weights, whatever the checkpoint's run did.
             (Default: False)
         maximize: maximize the objective (each step is that of -g), as AdamW's. (Default: False)
         capturable: keep each parameter's step count on the device (``state["step"]`` a float32
@@ -479,6 +482,9 @@ class Gefen(torch.optim.Optimizer):
                 loss = closure()
         if _dist.is_state_dict_init_step(self):  # [distributed] torch's zero-grad lr=0 probe
             return loss
+        if self._seed is None and any(g["stochastic_rounding"] for g in self.param_groups):
+            # [distributed] every rank steps here, with or without a parameter to round
+            self._seed = _dist.shared_seed(fresh_seed())
         self._step()
         return loss
 
@@ -606,16 +612,14 @@ class Gefen(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------- stochastic rounding
     def _draw_seeds(self, group, params, states):
-        """Draw each parameter's stochastic-rounding seed once (``state.SEED``) where the group
+        """Give each parameter its stochastic-rounding seed once (``state.SEED``) where the group
         rounds stochastically and a parameter of the call is bf16 or fp16 (``optim._rounding``;
-        ``plan.Call.seeds`` derives each step's). Drawn from the optimizer's seed, which is drawn
-        from torch's default generator at its first use, the same on every rank."""
+        ``plan.Call.seeds`` derives each step's): a hash of the optimizer's seed (``step`` draws it,
+        ``fresh_seed``) and the parameter's index, so it does not depend on when it is drawn."""
         if not group["stochastic_rounding"] or not any(_local(p).dtype in STOCHASTIC_DTYPES for p in params):
             return
         for p, st in zip(params, states):
             if K.SEED not in st:
-                if self._seed is None:
-                    self._seed = _dist.shared_seed(int(torch.randint(0, 2**31, (1,)).item()))
                 index = next(i for i, q in enumerate(q for g in self.param_groups for q in g["params"]) if q is p)
                 st[K.SEED] = step_seed(self._seed, index, 0)
 
@@ -631,6 +635,7 @@ class Gefen(torch.optim.Optimizer):
             self._optimizer_state_dict_post_hooks = post
         sd[K.CODEBOOK] = None if self.codebook is None else self.codebook.clone()
         sd[K.BITS] = self.bits
+        sd[K.ROUNDING_SEED] = self._seed
         sd = _dist.to_distributed_state_dict(self, sd)  # [distributed] DCP-ready form
         for hook in post.values():
             out = hook(self, sd)
@@ -663,15 +668,25 @@ class Gefen(torch.optim.Optimizer):
     def _load_state_dict(self, state_dict):
         sd = dict(_dist.from_distributed_state_dict(self, state_dict))  # [distributed]
         codebook = sd.pop(K.CODEBOOK, None)
+        seed = sd.pop(K.ROUNDING_SEED, None)
+        if seed is not None and not (isinstance(seed, int) and 0 <= seed < 2**32):
+            raise ValueError(f"Gefen.load_state_dict: {K.ROUNDING_SEED!r} is {seed!r}; expected an int in "
+                             "[0, 2**32) or None")
         bits = sd.pop(K.BITS, self.bits)
         if bits != self.bits:
             raise ValueError(f"Gefen.load_state_dict: the state dict was saved with bits={bits}, "
                              f"this optimizer has bits={self.bits}; construct it with bits={bits}")
         # A keyword a dict was saved before is at its old meaning (the published rule, minimizing);
-        # the optimizer-wide options stay this optimizer's.
-        sd["param_groups"] = [{"factor_second_moment": False, "maximize": False, "stochastic_rounding": False, **g,
+        # the optimizer-wide options stay this optimizer's, and so does each group's
+        # stochastic_rounding: how this run writes its weights, not a property of the saved state.
+        if len(sd["param_groups"]) != len(self.param_groups):
+            raise ValueError(f"Gefen.load_state_dict: the state dict has {len(sd['param_groups'])} parameter "
+                             f"groups, this optimizer {len(self.param_groups)}; load it into the optimizer "
+                             "it was saved from")
+        sd["param_groups"] = [{"factor_second_moment": False, "maximize": False, **g,
+                               "stochastic_rounding": mine["stochastic_rounding"],
                                **{k: self.defaults[k] for k in OPTIMIZER_WIDE}}
-                              for g in sd["param_groups"]]
+                              for g, mine in zip(sd["param_groups"], self.param_groups)]
         saved = dict(sd.get("state", {}))
         groups = [(p, g) for g in self.param_groups for p in g["params"]]
         ids = [i for g in sd["param_groups"] for i in g["params"]]
@@ -698,6 +713,8 @@ class Gefen(torch.optim.Optimizer):
                     st[K.STEP] = torch.tensor(float(st[K.STEP]), dtype=torch.float32, device=dev)
                 self.state[p] = st
         params = [p for p, _ in groups]
+        if seed is not None:
+            self._seed = seed
         self._drop_plans()
         if codebook is None:
             self.codebook, self._tables = None, None
@@ -705,7 +722,7 @@ class Gefen(torch.optim.Optimizer):
             self.set_codebook(codebook.to(_local(params[0]).device) if params else codebook)
 
 
-_SETTINGS = ("backend", "fused", "verbose", "bits", "block_rule", "codebook", "capturable")
+_SETTINGS = ("backend", "fused", "verbose", "bits", "block_rule", "codebook", "capturable", "_seed")
 OPTIMIZER_WIDE = ("bits", "backend", "block_rule", "capturable")  # in every group, one value per optimizer
 
 
@@ -713,6 +730,14 @@ def _refill(t: torch.Tensor, size: int) -> torch.Tensor:
     """A tensor of ``size`` elements holding ``t``'s one value (its mean where its values differ)."""
     value = t[0] if bool((t == t[0]).all()) else t.mean()
     return value.expand(size).clone()
+
+
+def fresh_seed() -> int:
+    """A 32-bit stochastic-rounding seed from the seed of torch's default generator
+    (``torch.initial_seed()``: runs repeat given ``torch.manual_seed``) without drawing from it, so
+    the user's random stream is the same with or without rounding."""
+    s = torch.initial_seed()
+    return hash32_int(hash32_int(s & MASK32) ^ (s >> 32))
 
 
 def _written(call):

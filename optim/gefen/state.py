@@ -13,13 +13,15 @@ Per parameter (``optimizer.state[p]``; layout and shapes in ``reference.py``'s d
     PROVISIONAL  bool, present (True) while every gradient so far had one magnitude everywhere: any
             block length is then exact, BLOCK is the cheapest, and it is chosen again from the
             first gradient that varies (``Gefen._recut``)
-    SEED    int, the seed of stochastic rounding (groups with stochastic_rounding=True), drawn
-            from torch's default generator (broadcast from rank 0 under torch.distributed)
+    SEED    int, the seed of stochastic rounding (groups with stochastic_rounding=True): a hash of
+            the optimizer's ROUNDING_SEED and the parameter's index
 
 Optimizer-wide (top-level keys of ``Gefen.state_dict()``)::
 
     CODEBOOK  fp32 (2**bits,) sorted, or None before the first step
     BITS      int, 8 or 4
+    ROUNDING_SEED  int, the optimizer's stochastic-rounding seed (from ``torch.initial_seed()``,
+            broadcast from rank 0 under torch.distributed), or None before a group rounds
 """
 
 STEP = "step"
@@ -34,5 +36,6 @@ PROVISIONAL = "provisional"
 
 CODEBOOK = "codebook"
 BITS = "bits"
+ROUNDING_SEED = "rounding_seed"
 
 PER_PARAM_TENSORS = (V, SCALES, CODES, M, W)
