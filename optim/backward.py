@@ -14,6 +14,7 @@ This is PyTorch's recipe "How to save memory by fusing the optimizer step into t
 
 from __future__ import annotations
 
+import functools
 import types
 import weakref
 
@@ -24,7 +25,7 @@ __all__ = ["step_in_backward", "StepInBackward"]
 _ACTIVE = weakref.WeakKeyDictionary()  # optimizer -> its installed StepInBackward
 
 
-def step_in_backward(optimizer: torch.optim.Optimizer) -> "StepInBackward":
+def step_in_backward(optimizer: torch.optim.Optimizer, *, local_gradients: bool = False) -> "StepInBackward":
     """Run ``optimizer``'s update of each parameter inside backward, in the parameter's
     post-accumulate-grad hook, and free the gradient there; returns a handle whose ``remove()``
     undoes it (also a context manager).
@@ -54,55 +55,151 @@ def step_in_backward(optimizer: torch.optim.Optimizer) -> "StepInBackward":
     LR schedulers: ``scheduler.step()`` after each backward changes the learning rate the next
     backward's hooks use, as in the ordinary loop, created before or after this call.
 
-    Parameters with ``requires_grad=False`` or that are not leaves when this is called (or when
-    ``add_param_group`` adds them later, which hooks the new ones) are skipped: a gradient they get
-    afterwards is neither stepped nor freed. Refused, with an error saying why:
+    A wrapper that holds the optimizer as ``.optimizer`` (accelerate's ``AcceleratedOptimizer``)
+    is unwrapped: the hooks run the wrapped optimizer's own step (``handle.optimizer``).
 
-    - calling ``optimizer.step()`` yourself (each backward has stepped already), also through
-      ``torch.amp.GradScaler.step``, and ``step(closure)``;
+    Frozen parameters: those with ``requires_grad=False`` or that are not leaves when this is
+    called are not hooked; one unfrozen later (``requires_grad_(True)``, a fine-tuning schedule)
+    is hooked at the next backward that reaches a hooked parameter, and stepped in it (at the end
+    of that backward where its gradient came before any hook ran), as in the ordinary loop. Groups
+    that ``add_param_group`` adds are hooked at once.
+
+    An exception inside a backward (in a hook, or in any op's backward) leaves each parameter
+    whole: those stepped before it keep their step (in backward order, the ones nearest the loss),
+    the others keep their weights and state; the failed backward's gradients are dropped (a held
+    first step is not taken: nothing was stepped), at the latest when the next backward starts,
+    which is then an ordinary step.
+
+    Refused, with an error saying why and what to do instead:
+
+    - calling ``optimizer.step()`` yourself (each backward has stepped already), and
+      ``step(closure)``;
+    - ``torch.amp.GradScaler``: ``scaler.scale(loss)`` is refused while a step runs in backward
+      (before any parameter is stepped). The scaler must see every gradient before the step, to
+      unscale them and skip the step on inf or NaN; a step inside backward cannot wait for that
+      (PyTorch's optimizer-in-backward recipe and FlashOptim's gradient release do not combine
+      with it either). Use bf16 autocast, which needs no scaler, or the ordinary loop;
+    - ``torch.nn.utils.clip_grad_norm_`` / ``clip_grad_value_`` over hooked parameters: their
+      gradients were stepped and freed in backward (the norm would be 0, nothing clipped). Clip
+      each parameter's gradient on its own with a ``p.register_post_accumulate_grad_hook``
+      registered before this call (hooks run in order), or use the ordinary loop;
     - gradient accumulation: a parameter that already has a gradient when backward reaches it
       (from a backward before this call, from ``zero_grad(set_to_none=False)``, set by hand), so
       that this backward's gradient would be added to it. A hook cannot fire twice in one backward
       (torch accumulates each leaf's gradient once per backward), and several backwards before one
-      step cannot be told apart from several steps: each backward steps;
+      step cannot be told apart from several steps: each backward steps, and an accumulation
+      loop's ``optimizer.step()`` is refused the first time it runs;
+    - DDP (plain tensor parameters while a process group of several ranks is initialised, at this
+      call and at each backward): a hook would step on the rank's local gradient, before
+      DistributedDataParallel's all-reduce, and the replicas would drift apart. FSDP2
+      (``fully_shard``, DTensor parameters) is supported: its hooks run on the reduce-scattered
+      gradient. ``local_gradients=True`` says the parameters are meant to be stepped on each rank's
+      own gradient (no data parallelism over them) and skips this check;
+    - parameters on the meta device (build the optimizer after the model is materialised);
     - installing twice on one optimizer.
 
     Not detectable, so not refused; these give results other than the ordinary loop's:
 
-    - clipping by the global gradient norm (``clip_grad_norm_``) needs every gradient before any
-      step: clip each parameter's gradient on its own instead, e.g. with a
-      ``p.register_post_accumulate_grad_hook`` registered before this call (hooks run in order);
-    - DDP: a hook steps with the local gradient, not the one all-reduced over the ranks;
     - reentrant activation checkpointing (``use_reentrant=True``) runs nested backwards, each of
       which ends (and runs a held step) on its own: use ``use_reentrant=False``;
     - an optimizer whose step couples parameters (a norm or trust ratio over all of them, LBFGS).
     """
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"step_in_backward expects a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    optimizer = _unwrap(optimizer)
     if optimizer in _ACTIVE:
         raise RuntimeError(
             f"step_in_backward: the steps of this {type(optimizer).__name__} already run in "
             "backward; call remove() on the handle the first call returned before installing again")
-    return StepInBackward(optimizer)
+    return StepInBackward(optimizer, local_gradients=local_gradients)
+
+
+def _unwrap(optimizer):
+    """The optimizer that steps: ``optimizer``, or the one a wrapper holds as ``.optimizer``."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"step_in_backward expects a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    seen = {id(optimizer)}
+    inner = getattr(optimizer, "optimizer", None)
+    while isinstance(inner, torch.optim.Optimizer) and id(inner) not in seen:
+        optimizer = inner
+        seen.add(id(inner))
+        inner = getattr(optimizer, "optimizer", None)
+    return optimizer
+
+
+def _hooked(params) -> bool:
+    """True if a parameter of ``params`` is stepped inside backward by an installed handle."""
+    handles = list(_ACTIVE.values())
+    return any(p in h._hooks for h in handles for p in params)
+
+
+def _refuse_scaler(scale):
+    @functools.wraps(scale)
+    def scale_unless_stepped_in_backward(self, outputs):
+        if _ACTIVE and self.is_enabled():
+            raise RuntimeError(
+                "torch.amp.GradScaler cannot be used while step_in_backward is installed: the scaler "
+                "must see every gradient before the step (to unscale them and skip the step on inf or "
+                "NaN), and each parameter is stepped inside backward as soon as its gradient is "
+                "complete. Use bf16 autocast (torch.autocast(device_type, dtype=torch.bfloat16)), which "
+                "needs no scaler, or remove() the handle and step in the ordinary loop")
+        return scale(self, outputs)
+    return scale_unless_stepped_in_backward
+
+
+def _refuse_clip(clip):
+    @functools.wraps(clip)
+    def clip_unless_stepped_in_backward(parameters, *args, **kwargs):
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        if _ACTIVE and _hooked(params):
+            raise RuntimeError(
+                f"torch.nn.utils.{clip.__name__} over parameters stepped inside backward "
+                "(step_in_backward): their gradients were stepped and freed in backward, so it would "
+                "clip nothing (the norm would be 0). Clip each parameter's gradient on its own in a "
+                "p.register_post_accumulate_grad_hook registered before step_in_backward, or remove() "
+                "the handle and clip in the ordinary loop")
+        return clip(params, *args, **kwargs)
+    return clip_unless_stepped_in_backward
+
+
+@functools.cache
+def _guard_torch() -> None:
+    """Make ``GradScaler.scale`` and gradient clipping refuse while a step runs in backward (they
+    pass through otherwise); done once, when the first handle is installed."""
+    torch.amp.GradScaler.scale = _refuse_scaler(torch.amp.GradScaler.scale)
+    from torch.nn.utils import clip_grad
+    for name in ("clip_grad_norm_", "clip_grad_value_"):
+        guarded = _refuse_clip(getattr(clip_grad, name))
+        setattr(clip_grad, name, guarded)
+        setattr(torch.nn.utils, name, guarded)
+
+
+def _distributed_replicas(params) -> bool:
+    """True where a process group of several ranks is initialised and a parameter is a plain
+    tensor (DDP's replicas), not a DTensor (FSDP2's shards)."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return False
+    return any(not hasattr(p, "device_mesh") for p in params)
 
 
 class _Backward:
-    """One backward (autograd graph task) seen by the hooks: whether it holds its step, and whose
-    gradients it holds."""
+    """One backward (autograd graph task) seen by the hooks: whether it holds its step, whose
+    gradients it holds, and the parameters hooked while it ran (unfrozen since the last one)."""
 
-    __slots__ = ("held", "fired")
+    __slots__ = ("held", "fired", "late")
 
     def __init__(self, held: bool):
         self.held = held
         self.fired = set()  # id(p) of the parameters whose gradient a held backward keeps
+        self.late = []  # parameters hooked by this backward's first hook
 
 
 class StepInBackward:
     """The handle :func:`step_in_backward` returns: ``remove()`` (idempotent) undoes it; as a
     context manager, leaving the block removes it."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer):
+    def __init__(self, optimizer: torch.optim.Optimizer, *, local_gradients: bool = False):
         self.optimizer = optimizer
+        self._local_gradients = local_gradients
         self._hooks = {}  # p -> (pre-accumulate handle, post-accumulate handle)
         self._task, self._backward = None, None  # the graph task the hooks last ran in, and its entry
         self._inside = False  # True while a hook runs the optimizer's own step
@@ -128,6 +225,15 @@ class StepInBackward:
 
         self._guard = types.MethodType(guarded_step, optimizer)
         self._add_guard = types.MethodType(add_param_group, optimizer)
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        meta = [tuple(p.shape) for p in params if p.is_meta]
+        if meta:
+            raise RuntimeError(
+                f"step_in_backward: {len(meta)} parameters of the {type(optimizer).__name__} are on the meta "
+                f"device (shapes {meta[:3]}...), holding no data; materialise the model "
+                "(module.to_empty(...)) and build the optimizer after it")
+        self._check_distributed(params)
+        _guard_torch()
         _ACTIVE[optimizer] = self
         try:
             self._hook_new()
@@ -180,8 +286,9 @@ class StepInBackward:
             raise RuntimeError(
                 f"{name}.step() was called while step_in_backward is installed: each parameter "
                 "is stepped inside backward already, so the loop is loss.backward() alone (no "
-                "optimizer.step(), no zero_grad(); torch.amp.GradScaler is not supported); call "
-                "remove() on the handle to step by hand again")
+                "optimizer.step(), no zero_grad()). Gradient accumulation over several backwards is "
+                "not possible with it (each backward has been one step): use the ordinary loop for "
+                "that; call remove() on the handle to step by hand again")
         return self._step(*args, **kwargs)
 
     def _run_step(self, keep):
@@ -200,7 +307,18 @@ class StepInBackward:
                 q.grad = grad
 
     # ------------------------------------------------------------------------------- hooks
-    def _hook_new(self):
+    def _check_distributed(self, params):
+        if not self._local_gradients and _distributed_replicas(params):
+            raise RuntimeError(
+                "step_in_backward under DistributedDataParallel (a process group of several ranks and "
+                "plain tensor parameters): each hook would step on this rank's local gradient, before "
+                "DDP's all-reduce, and the replicas would drift apart. Use the ordinary loop under DDP, "
+                "or FSDP2 (torch.distributed.fsdp.fully_shard), whose hooks run on the reduce-scattered "
+                "gradient; pass local_gradients=True if each rank is meant to step on its own gradient")
+
+    def _hook_new(self) -> list:
+        """Hook the optimizer's trainable leaf parameters that have no hooks yet; returns them."""
+        new = []
         for g in self.optimizer.param_groups:
             for p in g["params"]:
                 if p in self._hooks or not p.requires_grad or not p.is_leaf:
@@ -208,20 +326,37 @@ class StepInBackward:
                 ref = weakref.ref(p)
                 self._hooks[p] = (p.register_hook(self._before_hook(ref)),
                                   p.register_post_accumulate_grad_hook(self._after_hook))
+                new.append(p)
+        return new
 
     def _entry(self):
-        """The entry of the backward running now; made (and its end queued) by its first hook."""
+        """The entry of the backward running now; made (and its end queued) by its first hook,
+        which also hooks the parameters unfrozen since the last backward and drops what a backward
+        that raised left behind."""
         task = torch._C._current_graph_task_id()
         if task != self._task or self._backward is None:
+            if self._backward is not None:  # a backward that raised: its end never ran
+                self._drop(self._backward)
             needs = getattr(self.optimizer, "needs_every_gradient", None)
             entry = _Backward(held=bool(needs()) if callable(needs) else False)
             self._task, self._backward = task, entry
             torch.autograd.Variable._execution_engine.queue_callback(lambda: self._end(entry))
+            entry.late = self._hook_new()
+            self._check_distributed(self._hooks)
         return self._backward
+
+    def _drop(self, entry):
+        """Free the gradients a backward that raised left on its parameters (held for its step,
+        or reached before their hooks existed): that backward is not a step."""
+        for p in list(self._hooks):
+            if id(p) in entry.fired or any(p is q for q in entry.late):
+                p.grad = None
 
     def _before_hook(self, ref):
         def before(grad):  # runs before the gradient is accumulated into p.grad
             p = ref()
+            if p is not None and p.grad is not None:
+                self._entry()  # drops what a backward that raised left, if that is where it came from
             if p is not None and p.grad is not None:
                 raise RuntimeError(
                     f"step_in_backward: a parameter of shape {tuple(p.shape)} already has a gradient "
@@ -238,17 +373,29 @@ class StepInBackward:
         if entry.held:
             entry.fired.add(id(p))
             return  # stepped with all the others when this backward ends
-        self._run_step({id(p)})
-        p.grad = None
+        try:
+            self._run_step({id(p)})
+        finally:  # stepped, or refused: this backward's gradient is not added to by the next
+            p.grad = None
 
     def _end(self, entry):
-        """Queued by a backward's first hook: the held step, where there is one."""
+        """Queued by a backward's first hook: the held step, where there is one, and the steps of
+        parameters unfrozen since the last backward whose gradient came before their hook."""
         if self._backward is entry:
             self._task, self._backward = None, None
+        early = [p for p in entry.late if p.grad is not None and id(p) not in entry.fired]
         if not entry.held:
+            for p in early:
+                try:
+                    self._run_step({id(p)})
+                finally:
+                    p.grad = None
             return
-        self._run_step(entry.fired)
-        for g in self.optimizer.param_groups:
-            for q in g["params"]:
-                if id(q) in entry.fired:
-                    q.grad = None
+        entry.fired.update(id(p) for p in early)
+        try:
+            self._run_step(entry.fired)
+        finally:
+            for g in self.optimizer.param_groups:
+                for q in g["params"]:
+                    if id(q) in entry.fired:
+                        q.grad = None

@@ -273,3 +273,172 @@ def test_gradients_are_freed_in_backward():
         with PeakMemory(model.parameters(), opt) as pk:
             loss_of(model, x).backward()
     assert 0 < pk.at_peak["gradients"] <= largest
+
+
+# ------------------------------------------------------------------ misuse: AMP, wrappers, schedules
+
+def test_refuses_grad_scaler_before_any_parameter_is_stepped():
+    """GradScaler must see every gradient before the step (to skip it on inf or NaN); a step inside
+    backward cannot wait: ``scaler.scale`` is refused, and nothing was stepped."""
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    before = [p.detach().clone() for p in model.parameters()]
+    with step_in_backward(opt):
+        with pytest.raises(RuntimeError, match="GradScaler.*bf16"):
+            scaler.scale(loss_of(model, batches(1)[0])).backward()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    scaler.scale(loss_of(model, batches(1)[0]))  # removed: the scaler works again
+
+
+@pytest.mark.parametrize("make_opt", [
+    pytest.param(lambda ps: torch.optim.AdamW(ps, lr=1e-2), id="AdamW"),
+    pytest.param(lambda ps: Gefen(ps, lr=1e-2, backend="torch"), id="Gefen-torch"),
+])
+def test_an_accelerate_wrapped_optimizer_matches_the_ordinary_loop(make_opt):
+    """accelerate's ``AcceleratedOptimizer`` is unwrapped: Gefen's first step still holds every
+    gradient (one codebook from all of them), and the run is the ordinary loop's, bit for bit."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    ref_model, ref_opt, model, inner = twin(make_opt)
+    data = batches()
+    ordinary(ref_model, ref_opt, data)
+    try:
+        wrapped = Accelerator(cpu=True).prepare_optimizer(inner)
+        assert wrapped is not inner
+        with step_in_backward(wrapped) as handle:
+            assert handle.optimizer is inner
+            for x in data:
+                loss_of(model, x).backward()
+            with pytest.raises(RuntimeError, match="called while step_in_backward is installed"):
+                wrapped.step()
+    finally:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+    assert_same(ref_model, ref_opt, model, inner)
+
+
+@pytest.mark.parametrize("layer", [0, -1], ids=["first-layer", "last-layer"])
+@pytest.mark.parametrize("make_opt", [
+    pytest.param(lambda ps: torch.optim.AdamW(ps, lr=1e-2), id="AdamW"),
+    pytest.param(lambda ps: Gefen(ps, lr=1e-2, backend="torch"), id="Gefen-torch"),
+])
+def test_a_layer_unfrozen_later_is_stepped_as_in_the_ordinary_loop(make_opt, layer):
+    """Fine-tuning schedule: a layer frozen when step_in_backward is installed and unfrozen after
+    two backwards is stepped from then on (the last layer's gradient comes first in backward,
+    before any hook of the others runs)."""
+    ref_model, ref_opt, model, opt = twin(make_opt)
+    linears = lambda m: [mod for mod in m if isinstance(mod, nn.Linear)]  # noqa: E731
+    for m in (ref_model, model):
+        linears(m)[layer].requires_grad_(False)
+    data = batches(5)
+    ordinary(ref_model, ref_opt, data[:2])
+    linears(ref_model)[layer].requires_grad_(True)
+    ordinary(ref_model, ref_opt, data[2:])
+    with step_in_backward(opt):
+        for k, x in enumerate(data):
+            if k == 2:
+                linears(model)[layer].requires_grad_(True)
+            loss_of(model, x).backward()
+            assert all(p.grad is None for p in model.parameters())
+    assert_same(ref_model, ref_opt, model, opt)
+
+
+class _Fails(torch.autograd.Function):
+    """Identity whose backward raises while ``armed``."""
+
+    armed = False
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        if _Fails.armed:
+            raise ValueError("failed inside backward")
+        return g
+
+
+@pytest.mark.parametrize("make_opt", [
+    pytest.param(lambda ps: torch.optim.AdamW(ps, lr=1e-2), id="AdamW"),
+    pytest.param(lambda ps: Gefen(ps, lr=1e-2, backend="torch"), id="Gefen-torch-held-first-step"),
+])
+def test_an_exception_inside_backward_leaves_the_next_backward_working(make_opt):
+    """A backward that raises half-way: the parameters stepped before it keep their step (those
+    after the failure in backward order), the others drop this backward's gradient; the next
+    backwards are ordinary steps, equal to the ordinary loop run from the state it left."""
+    model = mlp()
+    opt = make_opt(model.parameters())
+
+    def loss(m, x):
+        h = m[:2](x)
+        return m[2:](_Fails.apply(h)).pow(2).mean()
+
+    data = batches(3)
+    with step_in_backward(opt):
+        _Fails.armed = True
+        try:
+            with pytest.raises(ValueError, match="failed inside backward"):
+                loss(model, data[0]).backward()
+        finally:
+            _Fails.armed = False
+        ref_model = copy.deepcopy(model)
+        ref_model.zero_grad()  # the failed backward's gradients are dropped
+        ref_opt = make_opt(ref_model.parameters())
+        ref_opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # AdamW shares step tensors otherwise
+        for x in data[1:]:
+            loss(model, x).backward()
+    for x in data[1:]:
+        loss(ref_model, x).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    assert_same(ref_model, ref_opt, model, opt)
+
+
+def test_clip_grad_norm_is_refused_on_parameters_stepped_in_backward():
+    """Their gradients were stepped and freed in backward: clip_grad_norm_ would return 0 and clip
+    nothing. Parameters of no installed optimizer clip as usual."""
+    model, other = mlp(), mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with step_in_backward(opt):
+        loss_of(model, batches(1)[0]).backward()
+        with pytest.raises(RuntimeError, match="clip_grad_norm_.*stepped inside backward"):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        loss_of(other, batches(1)[0]).backward()
+        assert float(torch.nn.utils.clip_grad_norm_(other.parameters(), 1.0)) > 0
+    loss_of(model, batches(1)[0]).backward()
+    assert float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)) > 0
+
+
+_DDP_SCRIPT = """
+import os, sys, torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from optim import step_in_backward
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+model = DDP(torch.nn.Linear(4, 2))
+opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+try:
+    step_in_backward(opt)
+except RuntimeError as e:
+    print("REFUSED", e)
+else:
+    print("INSTALLED")
+dist.destroy_process_group()
+"""
+
+
+def test_refuses_ddp_at_setup(tmp_path):
+    """Under DDP a hook would step on the rank's local gradient, before the all-reduce: replicas
+    drift. Refused when installed, naming FSDP2 and the ordinary loop."""
+    from tests.utils import run_gloo_ranks
+
+    script = tmp_path / "ddp.py"
+    script.write_text(_DDP_SCRIPT)
+    logs = [tmp_path / f"rank{r}.txt" for r in range(2)]
+    codes = run_gloo_ranks(2, script, [], logs, timeout=60)
+    out = [log.read_text() for log in logs]
+    assert codes == [0, 0], out
+    assert all("REFUSED" in o and "DistributedDataParallel" in o and "FSDP2" in o for o in out), out
