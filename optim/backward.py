@@ -15,6 +15,7 @@ This is PyTorch's recipe "How to save memory by fusing the optimizer step into t
 from __future__ import annotations
 
 import functools
+import sys
 import types
 import weakref
 
@@ -88,7 +89,8 @@ def step_in_backward(optimizer: torch.optim.Optimizer, *, local_gradients: bool 
       that this backward's gradient would be added to it. A hook cannot fire twice in one backward
       (torch accumulates each leaf's gradient once per backward), and several backwards before one
       step cannot be told apart from several steps: each backward steps, and an accumulation
-      loop's ``optimizer.step()`` is refused the first time it runs;
+      loop's ``optimizer.step()`` is refused the first time it runs; inside accelerate's
+      ``accumulate()`` the first micro-batch's backward is refused, before any step;
     - DDP (plain tensor parameters while a process group of several ranks is initialised, at this
       call and at each backward): a hook would step on the rank's local gradient, before
       DistributedDataParallel's all-reduce, and the replicas would drift apart. FSDP2
@@ -170,6 +172,14 @@ def _guard_torch() -> None:
         guarded = _refuse_clip(getattr(clip_grad, name))
         setattr(clip_grad, name, guarded)
         setattr(torch.nn.utils, name, guarded)
+
+
+def _accumulating() -> bool:
+    """True inside accelerate's ``accumulate()`` on a micro-batch that is not to step (its shared
+    ``GradientState.sync_gradients`` is False); False where accelerate is not in use."""
+    state = sys.modules.get("accelerate.state")
+    shared = getattr(getattr(state, "GradientState", None), "_shared_state", None)
+    return shared is not None and shared.get("sync_gradients", True) is False
 
 
 def _distributed_replicas(params) -> bool:
@@ -341,6 +351,12 @@ class StepInBackward:
             entry = _Backward(held=bool(needs()) if callable(needs) else False)
             self._task, self._backward = task, entry
             torch.autograd.Variable._execution_engine.queue_callback(lambda: self._end(entry))
+            if _accumulating():
+                raise RuntimeError(
+                    "step_in_backward inside accelerate's accumulate() on a micro-batch that should not "
+                    "step: under step_in_backward every backward is one optimizer step, so gradients "
+                    "cannot be accumulated over micro-batches; use the ordinary loop (or "
+                    "gradient_accumulation_steps=1)")
             entry.late = self._hook_new()
             self._check_distributed(self._hooks)
         return self._backward

@@ -442,3 +442,24 @@ def test_refuses_ddp_at_setup(tmp_path):
     out = [log.read_text() for log in logs]
     assert codes == [0, 0], out
     assert all("REFUSED" in o and "DistributedDataParallel" in o and "FSDP2" in o for o in out), out
+
+
+def test_refuses_accelerates_gradient_accumulation_at_the_first_micro_batch():
+    """Inside ``accelerator.accumulate`` a micro-batch that should not step is refused at its
+    backward, before any parameter is stepped (not micro-batches later at ``optimizer.step()``)."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    model = mlp()
+    try:
+        acc = Accelerator(cpu=True, gradient_accumulation_steps=2)
+        opt = acc.prepare_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+        before = [p.detach().clone() for p in model.parameters()]
+        with step_in_backward(opt):
+            with acc.accumulate(model):
+                with pytest.raises(RuntimeError, match="accumulate.*ordinary loop"):
+                    loss_of(model, batches(1)[0]).backward()
+        assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    finally:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
