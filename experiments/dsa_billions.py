@@ -1,7 +1,7 @@
 """Billions of parameters on one small machine: a table larger than RAM trained with Disk Sparse Adam.
 
     python experiments/dsa_billions.py            # 32M x 64 = 2.05e9 parameters, both state formats
-    python experiments/dsa_billions.py --quick    # 2M x 64 -> results/quick/
+    python experiments/dsa_billions.py --quick    # 1M x 64 -> results/quick/
     python analysis/dsa_billions.py               # its section of results/README.md
 
 The weights live in a memory-mapped file (``optim.mapped_embedding``), the moments in state files
@@ -129,7 +129,7 @@ def sparse_adam_outcome(rows, dim, limit_bytes):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(parser)
-    parser.add_argument("--rows", type=int, default=None, help="main table rows (default 32M, --quick 2M)")
+    parser.add_argument("--rows", type=int, default=None, help="main table rows (default 32M, --quick 1M)")
     parser.add_argument("--steps", type=int, default=None, help="steps per format (default 100, --quick 20)")
     parser.add_argument("--formats", default="exact,compact")
     parser.add_argument("--scale-rows", default=None, help="rows of the scaling curve (default 1e6,1e7,1e8; "
@@ -140,7 +140,7 @@ def main(argv=None):
                         help="run in a memory cgroup of this size, page cache included, SparseAdam too "
                              "(as root; default 4, --quick none)")
     args = parser.parse_args(argv)
-    args.rows = args.rows or (2_000_000 if args.quick else 32_000_000)
+    args.rows = args.rows or (1_000_000 if args.quick else 32_000_000)
     args.steps = args.steps or (20 if args.quick else 100)
     scale = [int(float(x)) for x in (args.scale_rows or ("1e5,1e6" if args.quick else "1e6,1e7,1e8")).split(",")]
     formats = args.formats.split(",")

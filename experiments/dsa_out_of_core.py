@@ -18,7 +18,7 @@ Parts (``--parts``; each writes its own rows):
   threads doing ``pread`` (queue depth 32). Bound of a cold step: one page read per touched record
   page at that rate. Then warm steps of both formats (state files read into the cache), interleaved.
 - ``limits``: a 2M x 128 table (1 GiB of float32 weights in RAM; --quick 500k x 64), batch 2048
-  uniform rows, under memory cgroup (v1) limits: each run is a child process in a fresh cgroup
+  uniform rows, under memory cgroup (v1) limits (--quick: 1 GiB only, at most 100 steps): each run is a child process in a fresh cgroup
   (removed afterwards) that reads the state file once (keeping what the limit allows), then steps
   with the next batch announced for ``--limit-seconds`` (or ``--limit-steps``), reporting samples/s
   after the first steps. ``SparseAdam`` (moments in RAM), exact and compact DSA. A run the kernel
@@ -26,8 +26,8 @@ Parts (``--parts``; each writes its own rows):
 - ``quality``: a knowledge-graph task (the KG configuration's DistMult scorer: 64 dims, Zipf-skewed
   heads, 4 negatives, batch 1024; 5,000 entities, 100 relations, 500k training triples, 8 epochs;
   the tail of a triple is the best of 32 random entities under a planted rank-16 DistMult teacher;
-  --quick 2,000 entities, 100k triples) trained with exact and compact DSA from the same start
-  on the same batches, 3 seeds; final validation loss (held-out triples of the same teacher) per seed. Also the first moments' reconstruction error of the compact format's
+  --quick 2,000 entities, 50k triples, 3 epochs, 1 seed) trained with exact and compact DSA from the
+  same start on the same batches, 3 seeds; final validation loss (held-out triples of the same teacher) per seed. Also the first moments' reconstruction error of the compact format's
   linear int8 code against a 256-level codebook learned from their histogram (Gefen's exact DP), on
   the exact run's final moments.
 
@@ -422,10 +422,10 @@ def code_errors(m):
 def run_quality(args, res, tmp):
     # a few hundred triples per entity: with tens per entity DistMult memorises and never generalises
     cfg = dict(entities=2_000 if args.quick else 5_000, relations=100, dim=64, batch=1024, lr=1e-2,
-               epochs=5 if args.quick else 8, train=100_000 if args.quick else 500_000, val=20_000)
+               epochs=3 if args.quick else 8, train=50_000 if args.quick else 500_000, val=20_000)
     x = dict(x_name="config", x_value="kg")
     finals = {"exact": [], "compact": []}
-    for seed in range(args.seed, args.seed + 3):
+    for seed in range(args.seed, args.seed + (1 if args.quick else 3)):
         gen = torch.Generator().manual_seed(1000 + seed)
         teacher = (torch.randn(cfg["entities"], 16, generator=gen), torch.randn(cfg["relations"], 16, generator=gen))
         train = kg_triples(cfg["train"], cfg["entities"], cfg["relations"], gen, teacher)
@@ -457,15 +457,17 @@ def main(argv=None):
     parser.add_argument("--warm-steps", type=int, default=20, help="steps per warm repeat")
     parser.add_argument("--disk-reads", type=int, default=4000)
     parser.add_argument("--limits", default=None,
-                        help="memory limits in GiB (default 1.75,2,2.5,3,4; --quick 0.75,1,1.5); no limit is always run")
-    parser.add_argument("--limit-seconds", type=float, default=None, help="seconds per limited run (default 25, --quick 10)")
-    parser.add_argument("--limit-steps", type=int, default=400, help="at most this many steps per limited run")
+                        help="memory limits in GiB (default 1.75,2,2.5,3,4; --quick 1); no limit is always run")
+    parser.add_argument("--limit-seconds", type=float, default=None, help="seconds per limited run (default 25, --quick 5)")
+    parser.add_argument("--limit-steps", type=int, default=None,
+                        help="at most this many steps per limited run (default 400, --quick 100)")
     parser.add_argument("--state-dir", default=None, help="where the state files go (default: a temp dir)")
     args = parser.parse_args(argv)
     args.reps = args.reps or (2 if args.quick else 5)
     args.cold_steps = args.cold_steps or (4 if args.quick else 16)
-    args.limits = args.limits or ("0.75,1,1.5" if args.quick else "1.75,2,2.5,3,4")
-    args.limit_seconds = args.limit_seconds or (10.0 if args.quick else 25.0)
+    args.limits = args.limits or ("1" if args.quick else "1.75,2,2.5,3,4")
+    args.limit_steps = args.limit_steps or (100 if args.quick else 400)
+    args.limit_seconds = args.limit_seconds or (5.0 if args.quick else 25.0)
     torch.set_num_threads(1)
     parts = args.parts.split(",")
     with Results("dsa_out_of_core", args, config=vars(args)) as res, \

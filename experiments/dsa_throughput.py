@@ -8,8 +8,8 @@ Two configurations, each measured side by side in one process and reported as me
 the warm variants are interleaved within every repeat (in a shuffled order), the cold one follows
 (dropping the cache also drops the mapping's page tables, which would tax an interleaved warm step):
 
-- ``seed``: the Disk Sparse Adam seed's setup, ``nn.Embedding(1_000_000, 128, sparse=True)``, batch
-  2048 uniform indices, loss ``mean(x**2)``, lr 1e-3.
+- ``seed``: the Disk Sparse Adam seed's setup, ``nn.Embedding(1_000_000, 128, sparse=True)`` (--quick:
+  200k rows), batch 2048 uniform indices, loss ``mean(x**2)``, lr 1e-3.
 - ``kg``: a knowledge-graph scorer (DistMult), entity table 2M x 64 (--quick: 200k) with Zipf-skewed
   entity frequencies plus a 1000 x 64 relation table, 1024 triples with 4 negative tails each,
   logistic loss: two tables, heavy duplicates.
@@ -302,7 +302,7 @@ def main(argv=None):
                         help="steps of each fresh optimizer, the first 10 untimed for the rate (default 160, --quick 30)")
     parser.add_argument("--fresh-reps", type=int, default=None, help="fresh optimizers of each kind (default 5, --quick 2)")
     parser.add_argument("--rows", type=int, default=None,
-                        help="table rows of every config (default: seed 1M, kg 2M, --quick kg 200k); for smoke runs")
+                        help="table rows of every config (default: seed 1M, kg 2M, --quick 200k each); for smoke runs")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch (and so numba) threads for every variant; >1 tags the configs, e.g. seed@2t")
     parser.add_argument("--state-dir", default=None, help="where the state files go (default: a temp dir)")
@@ -316,7 +316,7 @@ def main(argv=None):
         parser.error("--fresh-steps must be > 10 (the first 10 are not in the rate)")
     torch.set_num_threads(args.threads)
     configs = {
-        "seed": dict(name="seed", rows=1_000_000, dim=128, batch=2048),
+        "seed": dict(name="seed", rows=200_000 if args.quick else 1_000_000, dim=128, batch=2048),
         "kg": dict(name="kg", rows=200_000 if args.quick else 2_000_000, dim=64, batch=1024),
     }
     chosen = [configs[c] for c in args.configs.split(",")]
