@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import copy
 import os
-import tempfile
+import warnings
 import weakref
 from typing import NamedTuple
 
@@ -23,8 +23,9 @@ from ..backends import BACKENDS, choose_backend
 from . import pipeline
 from .checks import check_flags, check_grad, check_option, check_param, loaded_columns, saved_state_by_param
 from .state import STEP
-from .store import (RowStateFile, StateFileError, fits_in_page_cache, locked_state_file, make_state_dir,
-                    remove_dir_of, state_files_in)
+from .state_dirs import check_ram_state, filesystem_type, make_private_dir, memory_available
+from .store import (HEADER_BYTES, RowStateFile, StateFileError, fits_in_page_cache, locked_state_file,
+                    make_state_dir, memory_limit_bytes, remove_dir_of, state_files_in)
 from .torch_ops import coalesce_rows
 from .weights import weight_file
 
@@ -81,7 +82,7 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
         defaults = dict(defaults, state_dir=None if state_dir is None else os.fspath(state_dir),
                         state_format=rule.state_format, backend=backend, staging=staging, huge_pages=huge_pages)
         if state_dir is None:
-            state_dir = tempfile.mkdtemp(prefix="disk-sparse-adam-")
+            state_dir = make_private_dir()  # under $TMPDIR; orphans of killed processes removed first
             # Removed by close(), and at interpreter exit if close() never ran (at shutdown __del__
             # may not run, which would leave a table-sized file in /tmp). Holds the path only.
             self._remove_own_dir = weakref.finalize(self, remove_dir_of, os.getpid(), state_dir)
@@ -96,7 +97,11 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
         self._executor = None  # the background gather thread of the staged pipeline
         self._torn = False  # a step or load was interrupted: the files hold no one step
         self._closed = False
+        self._created: list = []  # state files this optimizer made: removed if its constructor fails
+        self._new_bytes = 0  # their size: on a RAM filesystem, memory (see state_dirs.check_ram_state)
+        self._ram_warned = False
         make_state_dir(self.state_dir)
+        self._fs_type = filesystem_type(self.state_dir)
         if not self._own_dir:
             busy = locked_state_file(self.state_dir)
             if busy is not None:
@@ -120,7 +125,14 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
                     f"({', '.join(extra)}): it would resume only some of them. Give every parameter that was "
                     "trained with it, or restore a checkpoint into a new state_dir")
         except BaseException:
-            self.close()
+            try:
+                self.close()
+            finally:
+                for path in self._created:  # zero state, made by this call: nothing worth keeping
+                    try:
+                        os.unlink(path)
+                    except OSError:
+                        pass
             raise
 
     # -- parameters and their files ----------------------------------------------------------------
@@ -158,8 +170,12 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
             raise StateFileError(f"parameter {k}: the mapped_embedding {wf.path} is already trained by another "
                                  f"optimizer (on state_dir {trainer.state_dir}); close that one first")
         backend = None if p.is_meta else self._choose_backend(p, k)  # a meta table: at its first step
+        if not resumed:
+            self._check_ram(HEADER_BYTES + p.shape[0] * width * torch.empty((), dtype=sdtype).element_size())
         store = RowStateFile(path, p.shape[0], _cols(p), width, sdtype, huge_pages=huge,
                              state_format=self.state_format, stays_in_memory=fits, name=name)
+        if not resumed:
+            self._created.append(path)
         if wf is not None and resumed and wf.step != store.step:
             store.close()
             raise StateFileError(
@@ -177,6 +193,18 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
         self._layouts[p] = (p.dtype, tuple(p.shape))
         if resumed:  # the file's records are this parameter's state (SparseAdam has none before a step)
             self.state[p] = {STEP: store.step}
+
+    def _check_ram(self, nbytes):
+        """Before a new state file of ``nbytes`` is made: refuse (or warn once about) state a RAM
+        filesystem would hold in memory (``state_dirs.check_ram_state``)."""
+        if self._fs_type is None:
+            return
+        message = check_ram_state(self.state_dir, self._new_bytes + nbytes, self._fs_type, memory_available(),
+                                  memory_limit_bytes())
+        self._new_bytes += nbytes
+        if message and not self._ram_warned:
+            self._ram_warned = True
+            warnings.warn(message, UserWarning, stacklevel=5)
 
     def _choose_backend(self, p, k):
         return choose_backend(self.backend, p.device, lambda name: self.rule.refuses(name, p),

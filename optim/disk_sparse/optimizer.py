@@ -47,8 +47,11 @@ class DiskSparseAdam(DiskSparseOptimizer):
         eps (float): added to ``sqrt(v)`` in the denominator. (Default: 1e-8)
         maximize (bool): maximize the objective instead of minimizing. (Default: False)
         state_dir (str or None): directory of the state files; ``None`` makes a private temporary
-            directory removed by ``close()``. A directory that already holds state files is refused
-            unless ``resume=True``. (Default: None)
+            directory under ``tempfile.gettempdir()`` (``$TMPDIR``, else ``/tmp``) removed by
+            ``close()``; those of killed processes are removed when the next one is made
+            (``state_dirs.py``). A directory that already holds state files is refused unless
+            ``resume=True``. On a RAM filesystem (tmpfs, ramfs) the state lives in memory: refused
+            beyond the memory available, warned about beyond a quarter of the limit. (Default: None)
         resume (bool): continue from the state files in ``state_dir`` (each must be clean and match
             its parameter; its header holds the step it continues from; missing ones start fresh).
             Without it an existing state_dir raises: a second run of a script must not silently
