@@ -493,7 +493,7 @@ def test_state_dtypes_do_not_follow_the_default_dtype(default, backend):
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("backend", ["torch", "numba"])
+@pytest.mark.parametrize("backend", ["torch", "numba", "triton"])
 def test_a_step_bumps_the_version_of_the_parameters_as_adamw(backend):
     """A graph retained over a step (a GAN loop's second backward) must see that the weights
     changed: autograd's in-place error, as with AdamW, never the new weights silently."""
