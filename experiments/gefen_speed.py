@@ -22,7 +22,7 @@ stepped once per repeat, in a shuffled order; ours runs its numba kernels on as 
 two untimed rounds. Optimizers (registry names): AdamW (fused: the baseline), Gefen-8bit,
 Gefen-4bit, Gefen-8bit-factored, Gefen-4bit-factored, and the peers torchao-AdamW8bit and gefen-x; a
 peer that is missing or fails is reported on stderr and left out. ``--quick``: a d=64 two-layer
-transformer, a 256-wide MLP, the same 160 small tensors.
+transformer, a 256-wide MLP, the same 160 small tensors, torchao left out (it compiles on first use).
 
 Triton path (``--parts count``): experiments/op_count.py's counts in a child process with
 TRITON_INTERPRET=1, on CPU tensors of ``small_tensor_stack(n)`` for n in ``--count-tensors``, each
@@ -255,12 +255,14 @@ def main(argv=None):
     parser.add_argument("--threads", type=lambda s: [int(t) for t in s.split(",")], default=[1, 2],
                         help="comma list of torch thread counts (Default: 1,2)")
     parser.add_argument("--repeats", type=int, default=None, help="timed CPU steps per optimizer (Default: 61, quick 7)")
-    parser.add_argument("--optimizers", nargs="+", default=OPTIMIZERS, choices=DENSE)
+    parser.add_argument("--optimizers", nargs="+", default=None, choices=DENSE,
+                        help="CPU part (Default: all of OPTIMIZERS; quick: all but torchao's)")
     parser.add_argument("--models", nargs="+", default=["transformer", "mlp", "small-tensors"],
                         choices=["transformer", "mlp", "small-tensors"])
-    parser.add_argument("--count-tensors", nargs="+", type=int, default=[40, SMALL_TENSORS],
-                        help="tensor counts of the Triton path's counts (multiples of 4)")
-    parser.add_argument("--count-steps", type=int, default=3, help="counted steps after the first")
+    parser.add_argument("--count-tensors", nargs="+", type=int, default=None,
+                        help="tensor counts of the Triton path's counts, multiples of 4 (Default: 40 160; quick 8 32: "
+                             "the interpreter runs every program)")
+    parser.add_argument("--count-steps", type=int, default=None, help="counted steps after the first (Default: 3, quick 1)")
     parser.add_argument("--count-optimizers", nargs="+", default=["AdamW"] + GEFEN, choices=DENSE)
     parser.add_argument("--gpu-sizes", nargs="+", default=["125M"], choices=list(GPT2_SIZES))
     parser.add_argument("--gpu-optimizers", nargs="+", default=["AdamW"] + GEFEN + ["gefen-x"], choices=DENSE)
@@ -276,6 +278,9 @@ def main(argv=None):
         args.gpu_reps, args.gpu_warmup, args.count_tensors, args.count_steps = 2, 1, [8], 2
     args.repeats = args.repeats or (7 if args.quick else 61)  # millisecond steps: many, to resolve a 10% ratio
     args.gpu_reps = args.gpu_reps or (10 if args.quick else 30)
+    args.optimizers = args.optimizers or [n for n in OPTIMIZERS if not (args.quick and n.startswith("torchao"))]
+    args.count_tensors = args.count_tensors or ([8, 32] if args.quick else [40, SMALL_TENSORS])
+    args.count_steps = args.count_steps or (1 if args.quick else 3)
     threads = torch.get_num_threads()
     with Results("gefen_speed", args, config=vars(args)) as res:
         try:

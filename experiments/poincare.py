@@ -192,7 +192,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(parser)
     parser.add_argument("--dims", type=int, nargs="+", default=[2, 5, 10])
-    parser.add_argument("--epochs", type=int, default=None, help="(Default: 100; 20 with --quick)")
+    parser.add_argument("--epochs", type=int, default=None, help="(Default: 100; 10 with --quick)")
     parser.add_argument("--burnin", type=int, default=None, help="epochs at lr/10 (Default: 10; 2 with --quick)")
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--batch", type=int, default=256)
@@ -206,7 +206,7 @@ def main(argv=None):
                              "tests use e.g. `--modules numbers collections.abc` for a tiny run)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    args.epochs = args.epochs or (20 if args.quick else 100)
+    args.epochs = args.epochs or (10 if args.quick else 100)
     args.burnin = args.burnin if args.burnin is not None else (2 if args.quick else 10)
     torch.manual_seed(args.seed)
 
