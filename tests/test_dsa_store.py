@@ -258,11 +258,29 @@ def test_huge_pages_default_follows_the_size_rule(tmp_path, monkeypatch):
     limit = store.memory_limit_bytes()
     assert store.fits_in_page_cache(int(0.2 * limit)) and not store.fits_in_page_cache(int(0.3 * limit))
     monkeypatch.setattr(base, "fits_in_page_cache", lambda nbytes: nbytes < 10_000)  # where the optimizer calls it
-    small, big = _emb(10, 6), _emb(1000, 6)  # state files of 480 and 48,000 bytes
-    opt = DiskSparseAdam([small.weight, big.weight], state_dir=tmp_path)
-    assert opt.state_file(small.weight).huge_pages == hasattr(__import__("mmap"), "MADV_HUGEPAGE")
-    assert not opt.state_file(big.weight).huge_pages
+    small, big = _emb(10, 6), _emb(1000, 6)  # state files of 480 and 48,000 bytes after the header
+    alone = DiskSparseAdam([small.weight], state_dir=tmp_path / "alone")
+    assert alone.state_file(small.weight).huge_pages == hasattr(__import__("mmap"), "MADV_HUGEPAGE")
+    alone.close()
+    opt = DiskSparseAdam([small.weight, big.weight], state_dir=tmp_path / "both")  # decided over the total
+    assert not opt.state_file(small.weight).huge_pages and not opt.state_file(big.weight).huge_pages
     assert opt.state_files() == [opt.state_file(small.weight), opt.state_file(big.weight)]
     opt.close()
     with pytest.raises(ValueError, match="huge_pages"):
         DiskSparseAdam(small.parameters(), huge_pages="yes")
+
+
+def test_staying_in_the_page_cache_is_decided_over_the_optimizers_total(tmp_path, monkeypatch):
+    """Four tables of 22% of the memory limit each do not all stay in the page cache (88%): none is
+    populated or huge-paged; one alone (22%) is."""
+    from optim.disk_sparse import store as store_mod
+
+    tables = [nn.Embedding(1000, 8, sparse=True) for _ in range(4)]
+    file_bytes = store_mod.HEADER_BYTES + 1000 * 16 * 4
+    monkeypatch.setattr(store_mod, "memory_limit_bytes", lambda *a, **k: int(file_bytes / 0.22))
+    four = DiskSparseAdam([t.weight for t in tables], state_dir=tmp_path / "four")
+    assert not any(s.in_memory or s.huge_pages for s in four.state_files())
+    four.close()
+    one = DiskSparseAdam([tables[0].weight], state_dir=tmp_path / "one")
+    assert one.state_file(tables[0].weight).in_memory
+    one.close()

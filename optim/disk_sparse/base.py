@@ -48,6 +48,23 @@ def _meta_message(k):
             "(True)), and this optimizer holds the old ones. Build the optimizer after module.to_empty(...)")
 
 
+def _listed(params):
+    """``params`` as a list (a generator can be read once), as torch's Optimizer reads it."""
+    return params if isinstance(params, torch.Tensor) else list(params)  # a tensor: torch's error
+
+
+def _tensors_of(params):
+    """The tensors of a parameter list, of groups (dicts) or of (name, tensor) pairs."""
+    for item in params:
+        if isinstance(item, dict):
+            yield from _tensors_of(item.get("params", []) if not isinstance(item.get("params"), torch.Tensor)
+                                   else [item["params"]])
+        elif isinstance(item, tuple) and len(item) == 2:
+            yield item[1]
+        else:
+            yield item
+
+
 def _cols(p):
     """Values per row: a 1-D table is kept as N rows of one value."""
     return p.shape[1] if p.dim() == 2 else 1
@@ -117,6 +134,11 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
                 "...). Pass resume=True to continue from them (at the step their headers hold), or "
                 "restore a checkpoint: give a new (or emptied) state_dir and call load_state_dict")
         try:
+            params = _listed(params)
+            self._opened_bytes = 0
+            self._planned_bytes = 0 if isinstance(params, torch.Tensor) else sum(
+                self._state_bytes(p) for p in _tensors_of(params)
+                if isinstance(p, torch.Tensor) and p.dim() in rule.table_dims)
             super().__init__(params, defaults)
             extra = sorted(set(state_files_in(self.state_dir)) - {os.path.basename(s.path) for s in self._stores.values()})
             if resume and extra:
@@ -160,7 +182,11 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
         check_param(p, k, type(self).__name__, self.rule.table_dims)
         sdtype = self.rule.record_dtype(p.dtype)
         width = self.rule.width(_cols(p))
-        fits = fits_in_page_cache(p.shape[0] * width * torch.empty((), dtype=sdtype).element_size())
+        nbytes = self._state_bytes(p)
+        # whether the optimizer's state as a whole stays in the page cache: the tables so far, this one
+        # and those the constructor was given after it
+        self._opened_bytes += nbytes
+        fits = fits_in_page_cache(max(self._opened_bytes, self._planned_bytes))
         huge = fits if self.huge_pages is None else self.huge_pages
         path = os.path.join(self.state_dir, f"param{k:04d}.dsa")
         resumed = os.path.exists(path)
@@ -171,7 +197,7 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
                                  f"optimizer (on state_dir {trainer.state_dir}); close that one first")
         backend = None if p.is_meta else self._choose_backend(p, k)  # a meta table: at its first step
         if not resumed:
-            self._check_ram(HEADER_BYTES + p.shape[0] * width * torch.empty((), dtype=sdtype).element_size())
+            self._check_ram(nbytes)
         store = RowStateFile(path, p.shape[0], _cols(p), width, sdtype, huge_pages=huge,
                              state_format=self.state_format, stays_in_memory=fits, name=name)
         if not resumed:
@@ -193,6 +219,11 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
         self._layouts[p] = (p.dtype, tuple(p.shape))
         if resumed:  # the file's records are this parameter's state (SparseAdam has none before a step)
             self.state[p] = {STEP: store.step}
+
+    def _state_bytes(self, p):
+        """The size of ``p``'s state file."""
+        esize = torch.empty((), dtype=self.rule.record_dtype(p.dtype)).element_size()
+        return HEADER_BYTES + p.shape[0] * self.rule.width(_cols(p)) * esize
 
     def _check_ram(self, nbytes):
         """Before a new state file of ``nbytes`` is made: refuse (or warn once about) state a RAM

@@ -64,8 +64,8 @@ class DiskSparseAdam(DiskSparseOptimizer):
         huge_pages (bool or None): map the state files with transparent huge pages (2 MiB), which
             makes warm steps faster (fewer TLB misses) where the kernel supports huge pages for file
             mappings, but makes every page-cache miss read 2 MiB: only for state that stays in RAM.
-            ``None``: for each state file of at most a quarter of the memory limit (physical RAM,
-            or the container's cgroup limit if smaller).
+            ``None``: when the optimizer's state files together are at most a quarter of the memory
+            limit (physical RAM, or the container's cgroup limit if smaller).
             (Default: None)
         bitwise (bool): on CPU, give every bit of ``torch.optim.SparseAdam``: the square root is
             torch's own (MKL's vector sqrt, not always correctly rounded; called on tiles of rows
