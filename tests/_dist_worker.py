@@ -483,6 +483,19 @@ def scenario_fsdp_sr(opt_name, rank, world, out_dir):
     return {"params": full_params(model)}
 
 
+def scenario_ddp_hooked(opt_name, rank, world, out_dir):
+    """step_in_backward on a DDP model's optimizer: the refusal's message, or None where it
+    installed."""
+    from optim import step_in_backward
+
+    opt = make_optimizer(opt_name, _ddp_model(0).parameters())
+    try:
+        step_in_backward(opt).remove()
+    except RuntimeError as exc:
+        return {"refused": str(exc)}
+    return {"refused": None}
+
+
 def scenario_ref(opt_name, rank, world, out_dir):
     """The single-process references (run by rank 0 alone: the same code version as the ranks,
     even while the optimizer's files are being edited)."""
@@ -510,6 +523,7 @@ SCENARIOS = {
     "full_sd": scenario_full_state_dict,
     "dcp_flat": scenario_dcp_flat,
     "fsdp_sr": scenario_fsdp_sr,
+    "ddp_hooked": scenario_ddp_hooked,
 }
 
 

@@ -67,7 +67,7 @@ def runs(tmp_path_factory):
     # 2-rank checkpoints onto 1 rank; full Gefen only from the "aligned" one (blocks agree)
     specs += [f"reshard:{o}@1" for o in OPTS if o != "gefen"]
     specs += ["reshard_aligned:gefen@1", "reshard_mismatch:gefen@1", "reshard_aligned:gefenf@1"]
-    specs += ["fsdp_sr:hooked", "fsdp_sr:loop"]  # last: before every rank joined the seed, they hung
+    specs += ["ddp_hooked:adamw", "fsdp_sr:hooked", "fsdp_sr:loop"]  # last: before every rank joined the seed, they hung
     launch(2, specs, out)
     yield out
     shutil.rmtree(out, ignore_errors=True)  # checkpoints and logs
@@ -443,3 +443,10 @@ def test_fsdp2_stochastic_rounding_with_an_empty_shard_trains_as_one_process(run
         got = res["params"][name]
         assert got.dtype == torch.bfloat16 and bool(torch.isfinite(got).all())
         assert_close(got.float(), p.detach().float(), atol=2e-2, rtol=2e-2, name=name)
+
+
+def test_step_in_backward_under_ddp_is_refused_at_setup(runs):
+    """Under DDP a hook would step on the rank's local gradient, before the all-reduce, and the
+    replicas would drift apart: refused when installed, naming FSDP2 and the ordinary loop."""
+    msg = result(runs, "ddp_hooked:adamw")["refused"]
+    assert msg is not None and "DistributedDataParallel" in msg and "FSDP2" in msg and "ordinary loop" in msg

@@ -412,38 +412,6 @@ def test_clip_grad_norm_is_refused_on_parameters_stepped_in_backward():
     assert float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)) > 0
 
 
-_DDP_SCRIPT = """
-import os, sys, torch, torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
-from optim import step_in_backward
-dist.init_process_group("gloo")
-torch.manual_seed(0)
-model = DDP(torch.nn.Linear(4, 2))
-opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-try:
-    step_in_backward(opt)
-except RuntimeError as e:
-    print("REFUSED", e)
-else:
-    print("INSTALLED")
-dist.destroy_process_group()
-"""
-
-
-def test_refuses_ddp_at_setup(tmp_path):
-    """Under DDP a hook would step on the rank's local gradient, before the all-reduce: replicas
-    drift. Refused when installed, naming FSDP2 and the ordinary loop."""
-    from tests.utils import run_gloo_ranks
-
-    script = tmp_path / "ddp.py"
-    script.write_text(_DDP_SCRIPT)
-    logs = [tmp_path / f"rank{r}.txt" for r in range(2)]
-    codes = run_gloo_ranks(2, script, [], logs, timeout=60)
-    out = [log.read_text() for log in logs]
-    assert codes == [0, 0], out
-    assert all("REFUSED" in o and "DistributedDataParallel" in o and "FSDP2" in o for o in out), out
-
-
 def test_refuses_accelerates_gradient_accumulation_at_the_first_micro_batch():
     """Inside ``accelerator.accumulate`` a micro-batch that should not step is refused at its
     backward, before any parameter is stepped (not micro-batches later at ``optimizer.step()``)."""
