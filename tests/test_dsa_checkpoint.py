@@ -192,3 +192,15 @@ def test_sigkill_restart_from_checkpoint_is_identical(tmp_path):
         for key in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(resumed["state"][key], st[key]), key
         assert int(resumed["state"]["step"]) == int(st["step"]) == TOTAL
+
+
+def test_a_dirty_state_file_names_a_restore_that_streams_a_checkpoint_larger_than_memory(tmp_path):
+    """The dirty-file error's recipe is torch.load(checkpoint, mmap=True): without mmap the whole
+    checkpoint is read into memory before load_state_dict writes it back in chunks."""
+    from optim.disk_sparse.store import RowStateFile, StateFileError
+
+    f = RowStateFile(tmp_path / "p.dsa", 10, 4, 8, torch.float32)
+    f.mark_dirty()
+    f._release()  # as a process killed in the middle of a step leaves it
+    with pytest.raises(StateFileError, match=r"dirty.*torch\.load\(checkpoint, mmap=True\)"):
+        RowStateFile(tmp_path / "p.dsa", 10, 4, 8, torch.float32)

@@ -301,7 +301,9 @@ class RowStateFile:
                 f"state file {self.path} is dirty: the process using it stopped in the middle of "
                 "training, so its records may mix steps. Restore the last checkpoint instead: create "
                 "the optimizer with a new (or emptied) state_dir and call "
-                "load_state_dict(torch.load(checkpoint)).")
+                "load_state_dict(torch.load(checkpoint, mmap=True)) (mmap=True streams a checkpoint larger "
+                "than memory; save one with torch.save(opt.state_dict(), path), which reads the files "
+                "without a copy in RAM).")
         if os.fstat(self._fd).st_size < self.nbytes:
             raise StateFileError(f"state file {self.path} is truncated ({os.fstat(self._fd).st_size} < "
                                  f"{self.nbytes} bytes); restore the last checkpoint into a new state_dir")
