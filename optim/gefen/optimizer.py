@@ -744,7 +744,7 @@ def _written(call):
     """Tell autograd that a compiled kernel wrote the call's parameters through their addresses (a
     torch op in place does it itself): a graph that saved them then refuses its backward, as after
     AdamW's step, instead of using the new values."""
-    torch.autograd.graph.increment_version([_local(p) for p in call.params])
+    torch.autograd.graph.increment_version(call.lists()[0])  # views share their base's counter
 
 
 def _signed(g: torch.Tensor, group) -> torch.Tensor:
