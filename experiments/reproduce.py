@@ -57,6 +57,25 @@ MORE_RUNS = {
                     ["--experiment", "convergence_long"], ["--experiment", "convergence_long_lr"]],
     "gefen_ablation": [["--experiment", "gefen_ablation_arch"]],
 }
+# arguments of MORE_RUNS that set a full run's size: a quick run leaves them out and gets its quick size
+FULL_SIZE_FLAGS = ("--size",)
+
+
+def run_arguments(extra, quick):
+    """``extra`` (one of MORE_RUNS), less its FULL_SIZE_FLAGS and their values for a quick run."""
+    if not quick:
+        return list(extra)
+    out, skip = [], False
+    for arg in extra:
+        if skip:
+            skip = False
+        elif arg in FULL_SIZE_FLAGS:
+            skip = True
+        else:
+            out.append(arg)
+    return out
+
+
 # analysis script -> the figure it draws (None: a results/README.md section only)
 FIGURE_OF = {"correctness": None, "dsa_fault_injection": None, "dsa_throughput": "dsa_throughput", "dsa_seed_benchmark": "dsa_seed_benchmark", "dsa_billions": None, "dsa_out_of_core": "dsa_out_of_core", "dsa_distributed": "dsa_distributed", "poincare": "poincare", "codebook": "codebook",
              "gefen_memory": "gefen_memory", "gefen_speed": "gefen_speed", "gefen_peak_memory": "gefen_peak_memory", "gefen_ablation": "gefen_ablation", "gefen_ablation_arch": "gefen_ablation_arch",
@@ -105,7 +124,8 @@ def main(argv=None):
     log: list[tuple[str, str, float]] = []
     for name in names:
         for extra in [[]] + MORE_RUNS.get(name, []):
-            cmd = [env_py, REPO_ROOT / "experiments" / f"{name}.py", "--results-dir", results, *extra]
+            cmd = [env_py, REPO_ROOT / "experiments" / f"{name}.py", "--results-dir", results,
+                   *run_arguments(extra, args.quick)]
             if args.quick:
                 cmd.append("--quick")
             if args.wandb:

@@ -131,3 +131,19 @@ def test_reproduce_quick_routes_figures_beside_the_results(tmp_path, monkeypatch
     analysis = [c for c in calls if "analysis" in c[1]]
     assert analysis == [[reproduce.sys.executable, str(REPO / "analysis" / "dsa_throughput.py"),
                          "--results-dir", str(tmp_path)]], "an analysis was told to draw elsewhere than its default"
+
+
+def test_reproduce_quick_runs_every_experiment_at_its_quick_size(tmp_path, monkeypatch):
+    """A quick reproduction passes no full run's size (convergence_bf16's full run is ``--size large``)."""
+    import subprocess
+
+    calls = []
+    monkeypatch.setattr(reproduce.subprocess, "run",
+                        lambda cmd, cwd=None, timeout=None: calls.append(cmd) or subprocess.CompletedProcess(cmd, 0))
+    reproduce.main(["--quick", "--only", "convergence", "--results-dir", str(tmp_path)])
+    runs = [c for c in calls if "experiments" in c[1]]
+    assert len(runs) == 1 + len(reproduce.MORE_RUNS["convergence"])
+    assert all("--quick" in c and "--size" not in c for c in runs), runs
+    calls.clear()
+    reproduce.main(["--only", "convergence", "--results-dir", str(tmp_path)])
+    assert any(c[c.index("--size") + 1] == "large" for c in calls if "--size" in c)
