@@ -125,7 +125,9 @@ class Gefen(torch.optim.Optimizer):
             parameters are not affected. ``load_state_dict`` keeps each group's setting: it says
             how this run writes its weights, whatever the checkpoint's run did.
             (Default: False)
-        maximize: maximize the objective (each step is that of -g), as AdamW's. (Default: False)
+        maximize: maximize the objective (each step is that of -g), as AdamW's. ``p.grad`` is never
+            written: each kernel call reads a negated copy of its gradients (shared, expanded and
+            ``create_graph`` gradients step as with AdamW). (Default: False)
         capturable: keep each parameter's step count on the device (``state["step"]`` a float32
             tensor, as torch's capturable AdamW keeps it) and compute the bias corrections,
             ``1 - lr*weight_decay`` and the stochastic-rounding seeds there, in one small kernel a
