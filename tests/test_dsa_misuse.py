@@ -396,3 +396,24 @@ def test_a_table_materialised_into_new_parameters_is_refused_at_the_step():
         opt.step()
     assert torch.equal(emb.weight, before)
     opt.close()
+
+
+def test_a_resume_of_unnamed_tables_in_another_order_is_refused(tmp_path):
+    """Two same-shape tables given without names: resumed in the other order they would swap
+    moments and steps silently; the weights' fingerprints recorded at close tell, and the resume
+    is refused naming both files. In the trained order it resumes."""
+    a, b = nn.Embedding(ROWS, DIM, sparse=True), nn.Embedding(ROWS, DIM, sparse=True)
+    opt = DiskSparseAdam([a.weight, b.weight], state_dir=tmp_path / "s")
+    for _ in range(2):
+        opt.zero_grad()
+        (a(torch.tensor([1, 5])).sum() + b(torch.tensor([2])).sum()).backward()
+        opt.step()
+    opt.zero_grad()
+    a(torch.tensor([3])).sum().backward()
+    opt.step()
+    opt.close()
+    with pytest.raises(StateFileError, match=r"parameter 0.*param0001\.dsa \(parameter 1\).*another order"):
+        DiskSparseAdam([b.weight, a.weight], state_dir=tmp_path / "s", resume=True)
+    again = DiskSparseAdam([a.weight, b.weight], state_dir=tmp_path / "s", resume=True)
+    assert (again.step_count(a.weight), again.step_count(b.weight)) == (3, 2)
+    again.close()

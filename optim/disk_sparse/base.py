@@ -25,7 +25,7 @@ from .checks import check_flags, check_grad, check_option, check_param, loaded_c
 from .state import STEP
 from .state_dirs import check_ram_state, filesystem_type, make_private_dir, memory_available
 from .store import (HEADER_BYTES, RowStateFile, StateFileError, fits_in_page_cache, locked_state_file,
-                    make_state_dir, memory_limit_bytes, remove_dir_of, state_files_in)
+                    make_state_dir, memory_limit_bytes, remove_dir_of, state_files_in, weights_fingerprint)
 from .torch_ops import coalesce_rows
 from .weights import weight_file
 
@@ -140,6 +140,8 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
                 self._state_bytes(p) for p in _tensors_of(params)
                 if isinstance(p, torch.Tensor) and p.dim() in rule.table_dims)
             super().__init__(params, defaults)
+            if resume:
+                self._check_resumed_order()
             extra = sorted(set(state_files_in(self.state_dir)) - {os.path.basename(s.path) for s in self._stores.values()})
             if resume and extra:
                 raise StateFileError(
@@ -219,6 +221,37 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
         self._layouts[p] = (p.dtype, tuple(p.shape))
         if resumed:  # the file's records are this parameter's state (SparseAdam has none before a step)
             self.state[p] = {STEP: store.step}
+
+    def _check_resumed_order(self):
+        """Refuse a resume whose tables come in another order than they were saved in: a table
+        whose weights differ from those its file was flushed with, but match those another file of
+        the same shape and dtype was flushed with, would take over that table's moments and steps."""
+        held = {p: s.fingerprint() for p, s in self._stores.items()}
+        owner = {fp: p for p, fp in held.items() if fp is not None}
+        for p in self._stores:
+            if p.is_meta or held[p] is None:
+                continue
+            mine = weights_fingerprint(p)
+            other = owner.get(mine)
+            if mine != held[p] and other is not None and other is not p:
+                k, j = self._index(p), self._index(other)
+                raise StateFileError(
+                    f"state_dir {self.state_dir}: the weights of parameter {k} ({tuple(p.shape)}) are those "
+                    f"{os.path.basename(self._stores[other].path)} (parameter {j}) was saved with, not those of "
+                    f"{os.path.basename(self._stores[p].path)}: were the tables given in another order? Give "
+                    "them in the order they were trained in (or by name: named_parameters()), or restore a "
+                    "checkpoint into a new state_dir")
+
+    def _fingerprint(self, p, store):
+        """Record ``p``'s weights' fingerprint in its state file before a clean point that follows
+        writes (a constructor that failed, or an optimizer that never stepped, leaves it as it was)."""
+        if p.is_meta or not store.owned() or store.closed or not store.dirty:
+            return
+        try:
+            digest = weights_fingerprint(p)
+        except RuntimeError:  # weights that cannot be read now (a lost device): no check at resume
+            return
+        store.write_fingerprint(digest)
 
     def _state_bytes(self, p):
         """The size of ``p``'s state file."""
@@ -598,6 +631,7 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
         for p, store in self._stores.items():
             if p in self._weight_files:  # the weights first: a clean state file implies clean weights
                 self._weight_files[p].flush(self._step_counts[p])
+            self._fingerprint(p, store)
             store.flush(self._step_counts[p])
 
     def close(self):
@@ -628,6 +662,8 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
                         errors.append(exc)
                         clean = False
                 try:
+                    if clean:
+                        self._fingerprint(p, store)
                     store.close(self._step_counts[p], clean=clean)
                 except StateFileError as exc:
                     errors.append(exc)

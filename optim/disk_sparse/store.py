@@ -75,6 +75,7 @@ _CODES = {v: k for k, v in _DTYPES.items()}
 _NP_DTYPES = {torch.float32: np.float32, torch.float64: np.float64, torch.uint8: np.uint8}
 STATE_FORMATS = ("exact", "compact")
 NAME_OFFSET, NAME_BYTES = 512, 256  # the parameter's name, where the optimizer knows it (UTF-8, zero padded)
+PRINT_OFFSET, PRINT_BYTES = 768, 16  # a fingerprint of the weights at the last clean point (zeros: none)
 _FILE_FORMATS = STATE_FORMATS + ("weights",)  # the header's format field; "weights": weights.py's files
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14+ (older kernels: EINVAL)
 WRITE_CHUNK_BYTES = 64 << 20  # write_all writes back this much at a time
@@ -170,6 +171,21 @@ def remove_dir_of(owner: int, path):
     """Remove a private state_dir, in the process that made it only (not in a forked child)."""
     if os.getpid() == owner:
         shutil.rmtree(path, ignore_errors=True)
+
+
+def weights_fingerprint(weight: torch.Tensor, rows: int = 16) -> bytes:
+    """``PRINT_BYTES`` that identify a table's weights: a hash of up to ``rows`` evenly spaced rows
+    (with its shape and dtype), cheap for any table size and device."""
+    import hashlib
+
+    n = weight.shape[0]
+    idx = torch.linspace(0, max(n - 1, 0), min(rows, n)).round().long().to(weight.device)
+    sample = weight.detach().index_select(0, idx).to("cpu").contiguous()
+    h = hashlib.blake2b(digest_size=PRINT_BYTES)
+    h.update(repr((tuple(weight.shape), str(weight.dtype))).encode())
+    h.update(sample.view(torch.uint8).numpy().tobytes() if sample.numel() else b"")
+    digest = h.digest()
+    return digest if digest != bytes(PRINT_BYTES) else b"\1" + digest[1:]
 
 
 class StateFileError(RuntimeError):
@@ -426,6 +442,23 @@ class RowStateFile:
         if (now.st_dev, now.st_ino) != (have.st_dev, have.st_ino):
             raise StateFileError(f"state file {self.path} was replaced by another file while open: this "
                                  "optimizer's records are not in it. Save a checkpoint (state_dict) now and restore it")
+
+    @property
+    def dirty(self) -> bool:
+        """Whether records were written since the last clean point."""
+        return self._dirty
+
+    def write_fingerprint(self, digest: bytes):
+        """Record ``digest`` (``PRINT_BYTES``, ``weights_fingerprint`` of the weights at this clean
+        point) in the header, so a resume can tell whose weights it is given."""
+        self._check_open()
+        os.pwrite(self._fd, digest[:PRINT_BYTES].ljust(PRINT_BYTES, b"\0"), PRINT_OFFSET)
+
+    def fingerprint(self) -> bytes | None:
+        """The weights' fingerprint recorded at the last clean point (None: never recorded)."""
+        self._check_open()
+        raw = os.pread(self._fd, PRINT_BYTES, PRINT_OFFSET)
+        return None if raw == bytes(PRINT_BYTES) else raw
 
     def flush(self, step: int | None = None):
         """Write the records to disk and mark the file clean at ``step`` (a consistent point)."""
