@@ -6,7 +6,10 @@ Layout (little endian)::
                  magic b"DSAROWS\\0", format version u32, dtype code u32, rows u64, cols u64,
                  record width u64, step u64, clean flag u32, state format u32; at offset 512 the
                  parameter's name (UTF-8, 256 bytes, zero padded; empty where the optimizer was
-                 given no names: then a resume can check shapes only)
+                 given no names: then a resume can check shapes only); at offset 768 a 16-byte
+                 fingerprint of the table's weights at the last clean point after writes
+                 (``weights_fingerprint``; zeros in files without one), which tells a resume that
+                 gives same-shape tables in another order
     HEADER_BYTES rows x width values of the state dtype; row i's record is contiguous
 
 The state format names what a record holds: 0 ``exact`` (float32/float64 moments, the layout of
