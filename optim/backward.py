@@ -23,7 +23,19 @@ import torch
 
 __all__ = ["step_in_backward", "StepInBackward"]
 
-_ACTIVE = weakref.WeakKeyDictionary()  # optimizer -> its installed StepInBackward
+# optimizer -> weak reference to its installed StepInBackward. Both weak: a model and optimizer
+# dropped with the handle still installed are collected, and their handle stops counting.
+_ACTIVE = weakref.WeakKeyDictionary()
+
+
+def _installed(optimizer) -> "StepInBackward | None":
+    ref = _ACTIVE.get(optimizer)
+    return None if ref is None else ref()
+
+
+def _handles() -> list:
+    """The installed handles that are alive."""
+    return [h for h in (ref() for ref in list(_ACTIVE.values())) if h is not None]
 
 
 def step_in_backward(optimizer: torch.optim.Optimizer, *, local_gradients: bool = False) -> "StepInBackward":
@@ -107,7 +119,7 @@ def step_in_backward(optimizer: torch.optim.Optimizer, *, local_gradients: bool 
     - an optimizer whose step couples parameters (a norm or trust ratio over all of them, LBFGS).
     """
     optimizer = _unwrap(optimizer)
-    if optimizer in _ACTIVE:
+    if _installed(optimizer) is not None:
         raise RuntimeError(
             f"step_in_backward: the steps of this {type(optimizer).__name__} already run in "
             "backward; call remove() on the handle the first call returned before installing again")
@@ -129,14 +141,13 @@ def _unwrap(optimizer):
 
 def _hooked(params) -> bool:
     """True if a parameter of ``params`` is stepped inside backward by an installed handle."""
-    handles = list(_ACTIVE.values())
-    return any(p in h._hooks for h in handles for p in params)
+    return any(p in h._hooks for h in _handles() for p in params)
 
 
 def _refuse_scaler(scale):
     @functools.wraps(scale)
     def scale_unless_stepped_in_backward(self, outputs):
-        if _ACTIVE and self.is_enabled():
+        if self.is_enabled() and _handles():
             raise RuntimeError(
                 "torch.amp.GradScaler cannot be used while step_in_backward is installed: the scaler "
                 "must see every gradient before the step (to unscale them and skip the step on inf or "
@@ -244,7 +255,7 @@ class StepInBackward:
                 "(module.to_empty(...)) and build the optimizer after it")
         self._check_distributed(params)
         _guard_torch()
-        _ACTIVE[optimizer] = self
+        _ACTIVE[optimizer] = weakref.ref(self)
         try:
             self._hook_new()
         except BaseException:
@@ -273,7 +284,7 @@ class StepInBackward:
                     setattr(opt, name, original)
                 else:
                     del opt.__dict__[name]
-        if _ACTIVE.get(opt) is self:
+        if _installed(opt) is self:
             del _ACTIVE[opt]
 
     def __enter__(self) -> "StepInBackward":
@@ -327,15 +338,23 @@ class StepInBackward:
                 "gradient; pass local_gradients=True if each rank is meant to step on its own gradient")
 
     def _hook_new(self) -> list:
-        """Hook the optimizer's trainable leaf parameters that have no hooks yet; returns them."""
+        """Hook the optimizer's trainable leaf parameters that have no hooks yet; returns them.
+        The hooks hold the handle weakly: a tensor's hooks live in C++, out of the garbage
+        collector's sight, and would keep the handle, its optimizer and model alive for good."""
         new = []
+        me = weakref.ref(self)
+
+        def after(p):
+            handle = me()
+            if handle is not None:
+                handle._after_hook(p)
+
         for g in self.optimizer.param_groups:
             for p in g["params"]:
                 if p in self._hooks or not p.requires_grad or not p.is_leaf:
                     continue
-                ref = weakref.ref(p)
-                self._hooks[p] = (p.register_hook(self._before_hook(ref)),
-                                  p.register_post_accumulate_grad_hook(self._after_hook))
+                self._hooks[p] = (p.register_hook(_before_hook(me, weakref.ref(p))),
+                                  p.register_post_accumulate_grad_hook(after))
                 new.append(p)
         return new
 
@@ -367,20 +386,6 @@ class StepInBackward:
         for p in list(self._hooks):
             if id(p) in entry.fired or any(p is q for q in entry.late):
                 p.grad = None
-
-    def _before_hook(self, ref):
-        def before(grad):  # runs before the gradient is accumulated into p.grad
-            p = ref()
-            if p is not None and p.grad is not None:
-                self._entry()  # drops what a backward that raised left, if that is where it came from
-            if p is not None and p.grad is not None:
-                raise RuntimeError(
-                    f"step_in_backward: a parameter of shape {tuple(p.shape)} already has a gradient "
-                    "when backward reaches it; this backward's would be added to it (gradient "
-                    "accumulation), which step_in_backward does not support: each backward is one "
-                    "step. Call optimizer.zero_grad() (set_to_none=True) before the first backward "
-                    "with step_in_backward")
-        return before
 
     def _after_hook(self, p):
         if p.grad is None:  # consumed by another hook (a parameter shared with another optimizer)
@@ -415,3 +420,21 @@ class StepInBackward:
                 for q in g["params"]:
                     if id(q) in entry.fired:
                         q.grad = None
+
+
+def _before_hook(me, ref):
+    """The hook that runs before a gradient is accumulated into ``p.grad`` (``ref``: weak, as
+    ``me``, the handle): refuses adding to a gradient already there."""
+    def before(grad):
+        handle, p = me(), ref()
+        if handle is None or p is None or p.grad is None:
+            return
+        handle._entry()  # drops what a backward that raised left, if that is where it came from
+        if p.grad is not None:
+            raise RuntimeError(
+                f"step_in_backward: a parameter of shape {tuple(p.shape)} already has a gradient "
+                "when backward reaches it; this backward's would be added to it (gradient "
+                "accumulation), which step_in_backward does not support: each backward is one "
+                "step. Call optimizer.zero_grad() (set_to_none=True) before the first backward "
+                "with step_in_backward")
+    return before

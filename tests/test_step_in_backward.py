@@ -431,3 +431,21 @@ def test_refuses_accelerates_gradient_accumulation_at_the_first_micro_batch():
     finally:
         AcceleratorState._reset_state(True)
         GradientState._reset_state()
+
+
+def test_a_dropped_model_with_its_handle_installed_is_collected():
+    """A handle never removed does not keep its model and optimizer alive (nor refuse a GradScaler
+    of another model) once they are dropped."""
+    import gc
+    import weakref
+
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step_in_backward(opt)
+    loss_of(model, batches(1)[0]).backward()
+    gone = weakref.ref(opt)
+    del model, opt
+    gc.collect()
+    assert gone() is None
+    other = mlp()
+    torch.amp.GradScaler("cpu").scale(loss_of(other, batches(1)[0])).backward()
