@@ -202,9 +202,9 @@ def main(argv=None):
     full = not (args.tiny or args.quick)
     small = "tiny" if args.tiny else "quick"
     arch = args.experiment == "gefen_ablation_arch"
-    if arch:
+    if arch:  # the architecture ablation's settings; a quick or tiny run keeps its size's one seed
         for key, value in ARCH_ABLATION.items():
-            if key != "sizes" and getattr(args, key) in (None, False):
+            if key != "sizes" and (full or key != "seeds") and getattr(args, key) in (None, False):
                 setattr(args, key, value)
     args.peers = args.peers or []
     size_names = args.sizes or (ARCH_ABLATION["sizes"] if arch else FULL_SIZES if full else [small])

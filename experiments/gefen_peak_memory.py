@@ -1,7 +1,7 @@
 """Gefen's peak memory of a training step on CPU, next to its peers, and what each trains in a budget.
 
     python experiments/gefen_peak_memory.py            # full run -> results/gefen_peak_memory.csv
-    python experiments/gefen_peak_memory.py --quick    # small models, one budget -> results/quick/
+    python experiments/gefen_peak_memory.py --quick    # small models, one budget, no ranks -> results/quick/
     python analysis/gefen_peak_memory.py               # paper_figs/gefen_peak_memory.png + its section
 
     # gefen-x (the maintained fork of upstream gefen) installs as module ``gefen``, as upstream does;
@@ -90,12 +90,14 @@ SIZES = {  # models of the peaks (name -> spec, micro-batches), the budget searc
         peaks=[(dict(kind="mlp", width=2048, depth=12), (8, 64)), (dict(kind="mlp", width=2896, depth=12), (8, 64)),
                (dict(kind="gpt", n_embd=512, n_layer=4, n_head=8, block=64), (4, 16))],
         ladder=dict(kind="mlp", depth=12, micro_batch=8, max_width=16384), max_micro_batch=512,
-        mb_budgets=[0.5], model_budgets=[0.5, 1.0], equal_micro_batch=8, dist_steps=(1, 3), timeout=900),
+        mb_budgets=[0.5], model_budgets=[0.5, 1.0], equal_micro_batch=8, dist_steps=(1, 3), timeout=900,
+        search_trials=8),
     "quick": dict(
         peaks=[(dict(kind="mlp", width=256, depth=12), (8, 64)),
                (dict(kind="gpt", n_embd=64, n_layer=2, n_head=4, block=32), (4, 16))],
         ladder=dict(kind="mlp", depth=4, micro_batch=8, max_width=4096), max_micro_batch=128,
-        mb_budgets=[0.03125], model_budgets=[0.125], equal_micro_batch=4, dist_steps=(1, 2), timeout=300),
+        mb_budgets=[0.03125], model_budgets=[0.125], equal_micro_batch=4, dist_steps=(1, 2), timeout=300,
+        search_trials=2),
 }
 # (optimizer, weights, step in backward); "bf16" for ours means stochastic rounding
 PEERS = [("AdamW", "fp32", False), ("AdamW", "bf16", False), ("Adam-mini", "fp32", False),
@@ -108,7 +110,7 @@ OURS = [("Gefen-8bit", "fp32", False), ("Gefen-8bit", "fp32", True), ("Gefen-4bi
 FIT = ["AdamW", "AdamW+bf16", "torchao-AdamW8bit", "torchao-AdamW4bit", "gefen-upstream", "gefen-x", "Gefen-8bit",
        LEAN]
 DIST = ["AdamW", "AdamW+bf16", "torchao-AdamW8bit", "gefen-upstream", "Gefen-8bit", LEAN]
-QUICK = dict(peaks=["AdamW", "AdamW+bf16", "gefen-x", "Gefen-8bit", "Gefen-8bit+in-backward", LEAN],
+QUICK = dict(peaks=["AdamW", "Gefen-8bit", LEAN],
              fit=["AdamW", LEAN], dist=["AdamW"])
 
 
@@ -457,9 +459,10 @@ def fit_search(args, size, config, what, budget, start):
         return None if code < 0 else code == 1
 
     if what == "micro_batch":
-        ok, bad = search(fits, start, 1, size["max_micro_batch"], grow=1.5)
+        ok, bad = search(fits, start, 1, size["max_micro_batch"], grow=1.5, max_trials=size["search_trials"])
     else:  # on the width in steps of WIDTH_STEP: 6% in width is about 12% in parameters
-        ok, bad = search(fits, start / WIDTH_STEP, 1, ladder["max_width"] // WIDTH_STEP, grow=1.25, tol=1.06)
+        ok, bad = search(fits, start / WIDTH_STEP, 1, ladder["max_width"] // WIDTH_STEP, grow=1.25, tol=1.06,
+                         max_trials=size["search_trials"])
         ok, bad = WIDTH_STEP * ok, bad and WIDTH_STEP * bad
         trials = [(WIDTH_STEP * x, *rest) for x, *rest in trials]
     return ok, bad, trials
@@ -620,10 +623,10 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(parser)
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--parts", nargs="+", default=["peaks", "budgets", "distributed"],
-                        choices=["peaks", "budgets", "distributed"])
+    parser.add_argument("--parts", nargs="+", default=None, choices=["peaks", "budgets", "distributed"],
+                        help="default: all (--quick: peaks and budgets; its ranks would run AdamW only)")
     parser.add_argument("--optimizers", nargs="+", default=None, choices=list(CONFIGS),
-                        help="peaks (default: all; --quick: fewer, torchao left out as it compiles)")
+                        help="peaks (default: all; --quick: AdamW, Gefen-8bit and the lean configuration)")
     parser.add_argument("--fit-optimizers", nargs="+", default=None, choices=list(CONFIGS))
     parser.add_argument("--dist-optimizers", nargs="+", default=None, choices=list(CONFIGS))
     parser.add_argument("--mb-budgets-gib", type=float, nargs="+", default=None)
@@ -635,6 +638,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.worker is not None:
         return worker(json.loads(args.worker))
+    args.parts = args.parts or (["peaks", "budgets"] if args.quick else ["peaks", "budgets", "distributed"])
     size = dict(SIZES["quick" if args.quick else "full"])
     size["mb_budgets"] = args.mb_budgets_gib or size["mb_budgets"]
     size["model_budgets"] = args.model_budgets_gib or size["model_budgets"]
