@@ -264,12 +264,81 @@ def save_figure(fig, out, title=None, dpi=130, rect=None):
 
     if title or fig._suptitle is None:  # a title the draw set itself was set through suptitle
         suptitle(fig, title)
-    fig.tight_layout(rect=rect) if rect else fig.tight_layout()
+    if fig.get_layout_engine() is None:  # a constrained figure lays itself out when it is saved
+        fig.tight_layout(rect=rect) if rect else fig.tight_layout()
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=dpi)
     plt.close(fig)
     return out
+
+
+# ------------------------------------------------------------------------------------ figure style
+# The library's own optimizers are drawn in colour and heavier; peers in greys; the baseline black.
+OURS_PREFIXES = ("Gefen", "DiskSparse", "DSA")
+OURS_COLOURS = ["#d62728", "#1f77b4", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf"]
+PEER_GREYS = ["0.4", "0.55", "0.3", "0.62", "0.48", "0.35"]
+BASELINE = "black"
+TARGET_BAND = dict(color="#2ca02c", alpha=0.12, linewidth=0)  # the span a claim's target allows
+
+
+def is_ours(name: str) -> bool:
+    """Whether ``name`` (an optimizer or variant, any ``<config>/`` prefix dropped) is this library's."""
+    return name.rsplit("/", 1)[-1].startswith(OURS_PREFIXES)
+
+
+def style(name: str, rank: int = 0, baseline: str = "AdamW") -> dict:
+    """Plot keywords of optimizer ``name``, the ``rank``-th of its kind: ours in colour and heavier,
+    the baseline black, peers grey and thin."""
+    if name == baseline:
+        return dict(color=BASELINE, linewidth=1.6, zorder=3)
+    if is_ours(name):
+        return dict(color=OURS_COLOURS[rank % len(OURS_COLOURS)], linewidth=2.0, zorder=4)
+    return dict(color=PEER_GREYS[rank % len(PEER_GREYS)], linewidth=1.0, zorder=2)
+
+
+def styles(names, baseline: str = "AdamW") -> dict:
+    """{name: ``style``} with ours and peers each ranked in the given order."""
+    ours = [n for n in names if is_ours(n)]
+    peers = [n for n in names if not is_ours(n) and n != baseline]
+    return {n: style(n, ours.index(n) if n in ours else peers.index(n) if n in peers else 0, baseline) for n in names}
+
+
+def new_figure(nrows=1, ncols=1, width=6.4, height=3.6, **kwargs):
+    """``plt.subplots`` laid out by matplotlib's constrained engine (titles, labels and outside legends
+    kept inside the canvas); ``width`` and ``height`` are the whole figure's, in inches."""
+    import matplotlib.pyplot as plt
+
+    kwargs.setdefault("squeeze", False)
+    return plt.subplots(nrows, ncols, figsize=(width, height), layout="constrained", **kwargs)
+
+
+def legend_below(ax, ncols=2, fontsize=7, **kwargs):
+    """A legend under ``ax``'s axis label, never on its data (constrained layout makes room)."""
+    kwargs.setdefault("frameon", False)
+    return ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), ncols=ncols, fontsize=fontsize, **kwargs)
+
+
+def figure_legend(fig, handles=None, labels=None, ncols=3, fontsize=7, **kwargs):
+    """One legend for the whole figure, below every panel."""
+    kwargs.setdefault("frameon", False)
+    if handles is None:
+        handles, labels = fig.axes[0].get_legend_handles_labels()
+    return fig.legend(handles, labels, loc="outside lower center", ncols=ncols, fontsize=fontsize, **kwargs)
+
+
+def finding_title(finding: str, setup: str = "", fig=None) -> str:
+    """A figure title: the finding (from the data) first, then the setup it holds in, on its own line;
+    wrapped to ``fig``'s width (given) so that it stays on the canvas."""
+    import textwrap
+
+    width = int(fig.get_figwidth() * 12) if fig is not None else 10 ** 6  # characters of a 9-point title
+    return "\n".join(textwrap.fill(part, width) for part in (finding, setup) if part)
+
+
+def signed_pct(ratio: float, digits: int = 1) -> str:
+    """A ratio to a baseline as a signed percentage ("+0.3%")."""
+    return "—" if not math.isfinite(ratio) else f"{(ratio - 1) * 100:+.{digits}f}%"
 
 
 # ------------------------------------------------------------------------------- README sections

@@ -104,56 +104,105 @@ def ratios(rows):
     return out
 
 
+def target_of(name: str) -> float | None:
+    """The loss target of optimizer ``name`` relative to AdamW's (0.03: within +3%), None for a peer."""
+    base = name.removesuffix("@0.6")
+    return FACTORED_TARGET.get(base) or BF16_TARGET.get(base) or (TARGET if base in ("Gefen-8bit", "Gefen-4bit") else None)
+
+
+def paired_ratios(rows, prefix):
+    """{optimizer: [final loss / AdamW's, per seed both ran]} of the configuration ``prefix``, AdamW's
+    own left out; optimizers in the run's order."""
+    def by_seed(name):
+        return {r["seed"]: r["value"] for r in select(rows, "final_val_loss", prefix + name)}
+
+    base = by_seed("AdamW")
+    out = {}
+    for short in summarise(rows, prefix):
+        if short != "AdamW":
+            finals = by_seed(short)
+            out[short] = [finals[s] / base[s] for s in sorted(finals, key=str) if s in base and base[s]]
+    return out
+
+
+def panel_label(rows, prefix):
+    label = prefix.removesuffix(DROPIN).rstrip("/") or _main_label(rows)
+    return label + (", drop-in: AdamW's lr" if is_dropin(prefix) else ", each at its best lr")
+
+
 def draw(rows, out, config):
-    import matplotlib.pyplot as plt
+    """One panel per configuration: each optimizer's final validation loss relative to AdamW's
+    (paired by seed; dots the seeds, a bar the median), its target band shaded; ours in colour."""
+    from analysis.common import finding_title, new_figure, signed_pct
 
     prefixes = prefixes_of(rows)
-    fig, axes = plt.subplots(len(prefixes), 2, figsize=(12, 4.6 * len(prefixes)), squeeze=False)
-    for (ax1, ax2), prefix in zip(axes, prefixes):
-        label = prefix.removesuffix(DROPIN).rstrip("/") or _main_label(rows)
-        how = "every optimizer at AdamW's best lr (drop-in)" if is_dropin(prefix) else "each optimizer at its best lr"
-        _draw_one(plt, ax1, ax2, summarise(rows, prefix), label, how)
-    save_figure(fig, out)
+    ncols = 2 if len(prefixes) > 1 else 1
+    nrows = math.ceil(len(prefixes) / ncols)
+    per = [paired_ratios(rows, p) for p in prefixes]
+    height = max(len(r) for r in per) * 0.3 + 1.5
+    fig, axes = new_figure(nrows, ncols, width=6.2 * ncols, height=height * nrows + 0.8)
+    worst = None
+    for ax, prefix, ratios_ in zip(axes.flat, prefixes, per):
+        summary = summarise(rows, prefix)
+        _draw_ratios(ax, ratios_, {n: s["bpp"] for n, s in summary.items()}, panel_label(rows, prefix))
+        for name, seeds in ratios_.items():
+            if target_of(name) is not None and seeds:
+                med = statistics.median(seeds)
+                if worst is None or med - target_of(name) > worst[0] - target_of(worst[1]):
+                    worst = (med, name, panel_label(rows, prefix))
+    for ax in list(axes.flat)[len(prefixes):]:
+        ax.set_axis_off()
+    if worst:
+        med, name, where = worst
+        t = target_of(name)
+        if med - 1 <= t:
+            finding = (f"Every Gefen median within its target; the closest: {name} at {signed_pct(med)} over "
+                       f"AdamW's loss (target at most {t:+.1%}; {where})")
+        else:
+            finding = f"{name}: median {signed_pct(med)} over AdamW's loss, past its {t:+.1%} target ({where})"
+    else:
+        finding = "Final validation loss relative to AdamW's"
+    save_figure(fig, out, finding_title(finding, "dots: seeds, bar: median, green: the target's span, "
+                                                 "B/p: optimizer state bytes per parameter", fig))
 
 
 def _main_label(rows):
     return next(iter(ratios(rows)), "main model")
 
 
-def _draw_one(plt, ax1, ax2, summary, label, how="each optimizer at its best lr"):
-    lows, highs = [], []
-    for i, (name, s) in enumerate(summary.items()):
-        c = colour(name, i)
-        by_step = defaultdict(list)
-        for curve in s["curves"].values():
-            for x, v in curve:
-                by_step[x].append(v)
-        steps = sorted(by_step)
-        ax1.plot(steps, [statistics.fmean(by_step[x]) for x in steps], color=c,
-                 label=f"{name} (lr {s['lr']:g}, {len(s['curves'])} seeds)")
-        ax1.fill_between(steps, [min(by_step[x]) for x in steps], [max(by_step[x]) for x in steps], color=c,
-                         alpha=0.2, linewidth=0)
-        # the untrained model's loss squashes the interesting part: the y axis starts at 10% of training
-        highs += [by_step[x][0] for x in steps if x >= 0.1 * steps[-1]][:1]
-        mean, std = mean_std(s["finals"])
-        lows.append(mean)
-        ax2.errorbar([s["bpp"]], [mean], yerr=[std], fmt="o", color=c, capsize=4)
-        # alternate label sides: optimizers with the same state size would overprint
-        ax2.annotate(name, (s["bpp"], mean), textcoords="offset points", fontsize=7, color=c,
-                     xytext=(6, 4) if i % 2 == 0 else (-6, -10), ha="left" if i % 2 == 0 else "right")
-    ax1.set(xlabel="training step", ylabel="validation loss (nats/char)",
-            title=f"{label}: validation loss, {how}")
-    if lows and highs:
-        ax1.set_ylim(min(lows) - 0.05, max(highs) + 0.05)
-    ax1.legend(fontsize=7)
-    ax1.grid(alpha=0.3)
-    ax2.set_xscale("log")
-    ticks = [t for t in (0.25, 0.5, 1, 2, 4, 8, 16) if any(t / 2 < s["bpp"] < t * 2 for s in summary.values())]
-    ax2.set_xticks(ticks, [f"{t:g}" for t in ticks])
-    ax2.xaxis.set_minor_formatter(plt.NullFormatter())
-    ax2.set(xlabel="optimizer state (bytes / parameter, tensor bytes of state_dict)",
-            ylabel="final validation loss (nats/char)", title=f"{label}: final loss vs memory (mean ± std, seeds)")
-    ax2.grid(alpha=0.3, which="both")
+def _draw_ratios(ax, per, bpp, label):
+    """A dot plot of ``per`` ({optimizer: ratios per seed}) as percent over AdamW's, one row each."""
+    from matplotlib.collections import PolyCollection
+
+    from analysis.common import styles
+
+    names = list(per)
+    look = styles(names + ["AdamW"])
+    ys = range(len(names))
+    seeds = [(100 * (r - 1), y) for y, n in zip(ys, names) for r in per[n]]
+    colours = [look[n]["color"] for n in names for _ in per[n]]
+    if seeds:
+        ax.scatter(*zip(*seeds), s=14, c=colours, alpha=0.6, linewidths=0, zorder=3)
+    meds = [(100 * (statistics.median(per[n]) - 1), y) for y, n in zip(ys, names) if per[n]]
+    if meds:
+        ax.scatter(*zip(*meds), marker="|", s=260, linewidths=2.2, zorder=4,
+                   c=[look[n]["color"] for n in names if per[n]])
+    bands = [[(0, y - 0.35), (0, y + 0.35), (100 * target_of(n), y + 0.35), (100 * target_of(n), y - 0.35)]
+             for y, n in zip(ys, names) if target_of(n) is not None]
+    ax.add_collection(PolyCollection(bands, facecolor="#2ca02c", alpha=0.18, linewidth=0, zorder=1))
+    ax.axvline(0, color="black", linewidth=1, zorder=2)
+    ax.set_yticks(list(ys), [f"{n} · {fmt(bpp.get(n, math.nan), 2)} B/p" for n in names], fontsize=8)
+    for tick, n in zip(ax.get_yticklabels(), names):
+        tick.set_color(look[n]["color"])
+        tick.set_fontweight("bold" if n in GEFEN or n.removesuffix("@0.6") in GEFEN else "normal")
+    ax.set_ylim(len(names) - 0.5, -0.5)
+    xs = [x for x, _ in seeds] + [0, 100 * max((target_of(n) or 0) for n in names)]
+    pad = 0.08 * (max(xs) - min(xs) or 1)
+    ax.set_xlim(min(xs) - pad, max(xs) + pad)
+    ax.set_xlabel("final validation loss over AdamW's (%, paired by seed)", fontsize=8)
+    ax.set_title(label, fontsize=9)
+    ax.tick_params(axis="x", labelsize=8)
+    ax.grid(alpha=0.3, axis="x")
 
 
 def _table(rows, summary, prefix, rel):
