@@ -22,7 +22,7 @@ import math
 
 import numpy as np
 
-from analysis.common import Report, colour, fmt, main, md_table, save_figure, select, value
+from analysis.common import Report, fmt, main, md_table, save_figure, select, value
 
 PARTS = ("weights", "gradients", "state", "rest")
 PART_COLOURS = {"weights": "#4c72b0", "gradients": "#dd8452", "state": "#55a868", "rest": "#c44e52"}
@@ -153,111 +153,160 @@ def verdicts(rows, target_model):
 
 
 # ------------------------------------------------------------------------------------------ figure
+# the optimizers the figure draws (the results table lists every one)
+FIGURE_SET = ["AdamW", "AdamW+bf16", "Adam-mini", "torchao-AdamW8bit", "gefen-x", "Gefen-8bit", "Gefen-8bit-factored", LEAN]
+
+
+def label_of(name: str) -> str:
+    return "Gefen lean mode" if name == LEAN else name
+
+
+def _names_axis(ax, names):
+    """Optimizer names down the y axis, ours in colour and bold (one colour per optimizer in every
+    panel), the first at the top."""
+    from analysis.common import styles
+
+    look = styles(list(dict.fromkeys(FIGURE_SET + GEFENS + names)))
+    ax.set_yticks(range(len(names)), [label_of(n) for n in names], fontsize=7)
+    for tick, n in zip(ax.get_yticklabels(), names):
+        tick.set_color(look[n]["color"])
+        tick.set_fontweight("bold" if n.startswith("Gefen") else "normal")
+    ax.set_ylim(len(names) - 0.5, -0.5)
+
+
+def highest_step(rows, model, mb, name):
+    steps = per_step(rows, model, mb, name)
+    return max(steps, key=steps.get) if steps else None
+
+
 def _stacked(ax, rows, model, mb):
-    names = configs(rows, model, mb)
-    x = np.arange(len(names))
-    for k, name in enumerate(names):
-        later = later_peak_step(rows, model, mb, name)
-        for dx, step, hatch in ((-0.2, 0, "//"), (0.2, later, None)):
-            if step is None:
-                continue
-            split, bottom = split_at(rows, model, mb, name, step), 0.0
-            for part in PARTS:
-                v = split[part]
-                if math.isfinite(v) and v > 0:
-                    ax.bar(x[k] + dx, v, 0.4, bottom=bottom, color=PART_COLOURS[part], hatch=hatch,
-                           edgecolor="white", linewidth=0.3)
-                    bottom += v
-            rss = per_step(rows, model, mb, name, "rss_total_per_param").get(step, math.nan)
-            ax.plot(x[k] + dx, rss, "k_", markersize=7)
-    ax.set_xticks(x, names, rotation=60, ha="right", fontsize=6)
-    top = 1.3 * max((sum(split_at(rows, model, mb, n, s)[p] for p in PARTS)
-                     for n in names for s in per_step(rows, model, mb, n)), default=1.0)
-    ax.set_ylim(0, top)
-    for line in ax.lines:  # RSS marks above the bars' scale sit at the top, labelled
-        (px,), (py,) = line.get_data()
-        if py > top:
-            line.set_ydata([top * 0.985])
-            ax.annotate(f"↑{py:.0f}", (px, top * 0.985), ha="center", va="top", fontsize=5)
-    ax.set(ylabel="bytes / parameter at the peak", title=f"{model}, micro-batch {mb} (hatched: first step; "
-                                                           f"—: RSS)")
-    ax.title.set_fontsize(8)
-    ax.grid(alpha=0.3, axis="y")
+    """Each drawn optimizer's tensor peak at its highest step, split into weights, gradients, state
+    and the rest; its resident set a black tick; the lean mode's target a dashed line."""
+    names = [n for n in FIGURE_SET if n in configs(rows, model, mb)]
+    splits = [split_at(rows, model, mb, n, highest_step(rows, model, mb, n)) for n in names]
+    left = np.zeros(len(names))
+    for part in PARTS:
+        vals = np.array([sp[part] if math.isfinite(sp[part]) else 0.0 for sp in splits])
+        ax.barh(range(len(names)), vals, 0.7, left=left, color=PART_COLOURS[part], label=part)
+        left += vals
+    rss = [per_step(rows, model, mb, n, "rss_total_per_param").get(highest_step(rows, model, mb, n), math.nan)
+           for n in names]
+    ax.scatter(rss, range(len(names)), marker="|", s=120, color="black", linewidths=1.5, zorder=4,
+               label="resident set (RSS)")
+    ax.axvline(TARGET_LEAN_BPP, color="#2ca02c", linestyle="--", linewidth=1.2,
+               label=f"lean mode's target ({TARGET_LEAN_BPP:g} B/param)")
+    _names_axis(ax, names)
+    ax.set_xlabel("bytes / parameter at the step's peak", fontsize=8)
+    ax.set_title(f"{model}, micro-batch {mb}", fontsize=9)
+    ax.tick_params(axis="x", labelsize=7)
+    ax.grid(alpha=0.3, axis="x")
 
 
-def _budget_bars(ax, rows, prefix, metric, scale, ylabel, title):
-    names = [r["variant"].split("/", 1)[1] for r in select(rows, metric) if r["variant"].startswith(prefix)]
-    names = list(dict.fromkeys(names))
+def _budget_ratios(ax, rows, prefix, metric, title):
+    """Each optimizer's largest model or micro-batch under each budget, × fused AdamW's, the 1× line
+    and the ×3 target (of the model ladder) marked."""
+    names = list(dict.fromkeys(r["variant"].split("/", 1)[1] for r in select(rows, metric)
+                               if r["variant"].startswith(prefix)))
     budgets = sorted({r["x_value"] for r in select(rows, metric)})
     if not names:
         ax.set_axis_off()
         return
-    width = 0.8 / max(len(budgets), 1)
-    x = np.arange(len(names))
+    height = 0.8 / max(len(budgets), 1)
     for j, b in enumerate(budgets):
-        vals = [value(rows, metric, f"{prefix}{n}", x_value=b) * scale for n in names]
-        ax.bar(x + (j - (len(budgets) - 1) / 2) * width, vals, width, label=f"{b:g} GiB")
-    ax.set_xticks(x, names, rotation=60, ha="right", fontsize=6)
-    ax.set(ylabel=ylabel, title=title)
-    ax.title.set_fontsize(8)
-    ax.legend(fontsize=6, title="budget", title_fontsize=6)
-    ax.grid(alpha=0.3, axis="y")
+        base = value(rows, metric, f"{prefix}AdamW", x_value=b)
+        vals = [value(rows, metric, f"{prefix}{n}", x_value=b) / base if base else math.nan for n in names]
+        ax.barh(np.arange(len(names)) + (j - (len(budgets) - 1) / 2) * height, vals, height,
+                color=["#9ecae1", "#3182bd", "#08519c"][j % 3], label=f"{b:g} GiB budget")
+    ax.axvline(1, color="black", linewidth=1)
+    if metric == "largest_model_params":
+        ax.axvline(TARGET_MODEL_RATIO, color="#2ca02c", linestyle="--", linewidth=1.2)
+    _names_axis(ax, names)
+    ax.set_xlabel("× fused AdamW's", fontsize=8)
+    ax.set_title(title, fontsize=9)
+    ax.tick_params(axis="x", labelsize=7)
+    ax.grid(alpha=0.3, axis="x")
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncols=2, frameon=False)
 
 
 def _throughput(ax, rows):
+    """Tokens per second of the GPT on two gloo ranks, DDP and FSDP2, at an equal and at each
+    optimizer's budget micro-batch; × a run that failed, ≠ ranks whose weights differ."""
     names = list(dict.fromkeys(r["variant"].split("/", 1)[1] for r in rows
                                if r["metric"].startswith("outcome_") and "/" in r["variant"]))
     if not names:
         ax.set_axis_off()
         return
-    x = np.arange(len(names))
     bars = [("ddp", "equal"), ("ddp", "budget"), ("fsdp2", "equal"), ("fsdp2", "budget")]
-    width = 0.8 / len(bars)
+    height = 0.8 / len(bars)
     for j, (strategy, kind) in enumerate(bars):
         vals = [value(rows, f"tokens_per_s_{kind}_micro_batch", f"{strategy}/{n}") for n in names]
-        pos = x + (j - (len(bars) - 1) / 2) * width
-        ax.bar(pos, [v if math.isfinite(v) else 0 for v in vals], width, label=f"{strategy}, {kind} micro-batch",
-               color=colour("", j))
+        pos = np.arange(len(names)) + (j - (len(bars) - 1) / 2) * height
+        ax.barh(pos, [v if math.isfinite(v) else 0 for v in vals], height, label=f"{strategy}, {kind} micro-batch",
+                color=["#c6dbef", "#6baed6", "#fdd0a2", "#fd8d3c"][j])
         agree = [value(rows, f"ranks_agree_{kind}_micro_batch", f"{strategy}/{n}") for n in names]
         for p, v, a in zip(pos, vals, agree):
             if not math.isfinite(v):
-                ax.annotate("×", (p, 0), ha="center", va="bottom", fontsize=7, color="red")
+                ax.annotate("×", (0, p), ha="left", va="center", fontsize=6, color="red")
             elif a == 0:
-                ax.annotate("≠", (p, v), ha="center", va="bottom", fontsize=8, color="red")
-    ax.set_xticks(x, names, rotation=60, ha="right", fontsize=6)
-    ax.set(ylabel="tokens / s, 2 gloo ranks",
-           title="GPT on 2 ranks (×: failed or killed; ≠: the DDP ranks' weights differ after the steps)")
-    ax.title.set_fontsize(8)
-    ax.legend(fontsize=6)
-    ax.grid(alpha=0.3, axis="y")
+                ax.annotate("≠", (v, p), xytext=(2, 0), textcoords="offset points", ha="left", va="center",
+                            fontsize=6, color="red")
+    _names_axis(ax, names)
+    ax.set_xlabel("tokens / s, 2 gloo ranks on CPU", fontsize=8)
+    ax.set_title("GPT on 2 ranks (×: failed; ≠: ranks differ)", fontsize=9)
+    ax.tick_params(axis="x", labelsize=7)
+    ax.grid(alpha=0.3, axis="x")
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncols=2, frameon=False)
+
+
+def finding(rows):
+    """The figure's title: the lean mode's highest peak against its target, and its largest model
+    under the largest budget against fused AdamW's."""
+    drawn = {m: b for m, b in reversed(runs(rows))}  # each model's first micro-batch, as drawn
+    tops = [max(per_step(rows, m, b, LEAN).values()) for m, b in drawn.items() if per_step(rows, m, b, LEAN)]
+    parts = []
+    if tops:
+        parts.append(f"Gefen lean mode ({LEAN}): highest peak {max(tops):.2f} B/param (target "
+                     f"{TARGET_LEAN_BPP:g})")
+    adamw, ours = (budget_values(rows, "largest_model_params", f"model/{n}") for n in ("AdamW", LEAN))
+    common_budgets = sorted(set(adamw) & set(ours))
+    if common_budgets and adamw[common_budgets[-1]]:
+        b = common_budgets[-1]
+        parts.append(f"trains a {ours[b] / adamw[b]:.1f}× larger MLP than fused AdamW in {b:g} GiB "
+                     f"(target {TARGET_MODEL_RATIO:g}×)")
+    return "; ".join(parts) or "Peak memory of a training step"
 
 
 def draw(rows, out, config):
-    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    from analysis.common import finding_title, new_figure
 
     models = []
     for model, mb in runs(rows):
         if model not in [m for m, _ in models]:
             models.append((model, mb))
     top = max(len(models), 3)
-    fig, axes = plt.subplots(2, top, figsize=(5.2 * top, 10))
+    fig, axes = new_figure(2, top, width=5.0 * top, height=8.6)
     for ax, (model, mb) in zip(axes[0], models):
         _stacked(ax, rows, model, mb)
-    from matplotlib.patches import Patch
-
-    axes[0][0].legend(handles=[Patch(color=PART_COLOURS[p], label=p) for p in PARTS]
-                      + [Patch(facecolor="white", edgecolor="grey", hatch="//", label="first step")], fontsize=7)
     for ax in axes[0][len(models):]:
         ax.set_axis_off()
-    _budget_bars(axes[1][0], rows, "model/", "largest_model_params", 1e-6, "parameters (millions)",
-                 "largest MLP trained (3 steps) under the budget")
-    _budget_bars(axes[1][1], rows, "micro_batch/", "largest_micro_batch", 1, "samples",
-                 "largest GPT micro-batch under the budget")
+    _budget_ratios(axes[1][0], rows, "model/", "largest_model_params",
+                   f"largest MLP trained under the budget (dashed: the {TARGET_MODEL_RATIO:g}× target)")
+    _budget_ratios(axes[1][1], rows, "micro_batch/", "largest_micro_batch", "largest GPT micro-batch under the budget")
     _throughput(axes[1][2], rows)
     for ax in axes[1][3:]:
         ax.set_axis_off()
-    save_figure(fig, out, title="Peak memory of a training step on CPU (live tensor bytes split at the peak) "
-                                "and what each optimizer trains in a memory budget")
+    handles = [Patch(color=PART_COLOURS[p], label=p) for p in PARTS] + [
+        Line2D([], [], marker="|", color="black", linestyle="none", markersize=9, label="resident set (RSS)"),
+        Line2D([], [], color="#2ca02c", linestyle="--", label=f"lean mode's target, {TARGET_LEAN_BPP:g} B/param")]
+    # the parts' legend sits between the rows: under the peaks it explains, above the budgets
+    axes[0][1].legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncols=6, fontsize=7,
+                      frameon=False)
+    save_figure(fig, out, title=finding_title(finding(rows), "Live tensor bytes at the peak of a CPU training step "
+                                              "(the highest of its steps), and what each optimizer trains in a "
+                                              "memory budget; every optimizer is in the results table", fig))
 
 
 # ------------------------------------------------------------------------------------------ section
