@@ -304,6 +304,19 @@ def styles(names, baseline: str = "AdamW") -> dict:
     return {n: style(n, ours.index(n) if n in ours else peers.index(n) if n in peers else 0, baseline) for n in names}
 
 
+def names_axis(ax, names, labels=None, order=(), fontsize=7):
+    """Optimizer ``names`` down ``ax``'s y axis, the first at the top, ours in colour and bold (one
+    colour per optimizer, ranked over ``order`` then ``names``, so that panels agree); ``labels``
+    the texts shown (default the names)."""
+    look = styles(list(dict.fromkeys([*order, *names])))
+    ax.set_yticks(range(len(names)), labels or names, fontsize=fontsize)
+    for tick, n in zip(ax.get_yticklabels(), names):
+        tick.set_color(look[n]["color"])
+        tick.set_fontweight("bold" if is_ours(n) else "normal")
+    ax.set_ylim(len(names) - 0.5, -0.5)
+    return look
+
+
 def new_figure(nrows=1, ncols=1, width=6.4, height=3.6, **kwargs):
     """``plt.subplots`` laid out by matplotlib's constrained engine (titles, labels and outside legends
     kept inside the canvas); ``width`` and ``height`` are the whole figure's, in inches."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 
+import matplotlib.ticker
 import numpy as np
 
 from analysis.common import (GEFEN_TARGET_BPP as TARGET_BPP, OPTIMIZERS, Report, fixed, fmt, kind_table, main, md_table, save_figure,
@@ -31,39 +32,66 @@ def optimizers(rows):
     return sorted(names, key=lambda n: OPTIMIZERS.index(n) if n in OPTIMIZERS else len(OPTIMIZERS))
 
 
-def _bars(ax, rows, metric, scale=1.0, labels=None):
-    names, mods = optimizers(rows), models(rows)
-    width = 0.8 / len(mods)
-    x = np.arange(len(names))
-    for j, m in enumerate(mods):
+def _dots(ax, rows, metric, names, scale=1.0):
+    """One row per optimizer, a marker per model: ``metric`` × ``scale`` on a log axis."""
+    from analysis.common import names_axis
+
+    names_axis(ax, names, order=OPTIMIZERS)
+    for j, (m, marker) in enumerate(zip(models(rows), "oDs^v")):
         vals = [value(rows, metric, n, x_value=m) * scale for n in names]
-        bars = ax.bar(x + (j - (len(mods) - 1) / 2) * width, vals, width, label=m)
-        for n, b, v in zip(names, bars, vals):
-            if math.isfinite(v):
-                text = labels(n, m) if labels else f"{v:.2f}"
-                ax.annotate(text, (b.get_x() + b.get_width() / 2, v), textcoords="offset points", xytext=(0, 2),
-                            ha="center", fontsize=6, rotation=90 if labels else 0)
-    ax.set_xticks(x, names, rotation=30, ha="right", fontsize=8)
-    ax.set_yscale("log")
-    ax.grid(alpha=0.3, axis="y", which="both")
-    ax.legend(fontsize=7, title="model", title_fontsize=7)
+        ax.scatter(vals, range(len(names)), marker=marker, s=28, facecolors="none" if j else "#333333",
+                   edgecolors="#333333", linewidths=1.1, zorder=4, label=m)
+    ax.set_xscale("log")
+    ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _: f"{x:g}"))
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    ax.grid(alpha=0.3, axis="x", which="both")
+    ax.tick_params(axis="x", labelsize=8)
+
+
+def finding(rows):
+    """The title: the Gefen variant nearest its byte target, and the slowest Gefen step × AdamW's."""
+    parts = []
+    over = [(value(rows, "state_bytes_per_param", n, x_value=m) - t, n, m) for n, t in TARGET_BPP.items()
+            for m in models(rows) if math.isfinite(value(rows, "state_bytes_per_param", n, x_value=m))]
+    if over:
+        d, n, m = max(over)
+        v = value(rows, "state_bytes_per_param", n, x_value=m)
+        parts.append(f"every Gefen's state {'within' if d <= 0 else 'not within'} its byte target (closest: {n}, "
+                     f"{v:.2f} of {TARGET_BPP[n]:g} B/param, {m})")
+    steps = [(value(rows, "step_time_vs_adamw", n, x_value=m), n, m) for n in optimizers(rows) if n.startswith("Gefen")
+             for m in models(rows)]
+    steps = [s for s in steps if math.isfinite(s[0])]
+    if steps:
+        v, n, m = max(steps)
+        parts.append(f"slowest Gefen CPU step {v:.1f}× AdamW's ({n}, {m}; target at most {TARGET_STEP:g}×)")
+    return ("; ".join(parts) or "Gefen's state bytes and step time").capitalize()
 
 
 def draw(rows, out, config):
-    import matplotlib.pyplot as plt
+    from matplotlib.collections import PolyCollection
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12.4, 5))
-    _bars(ax1, rows, "state_bytes_per_param")
-    for (name, y), style in zip(TARGET_BPP.items(), ["--", ":"]):
-        ax1.axhline(y, color="grey", linestyle=style, linewidth=1)
-    ax1.set_ylim(top=ax1.get_ylim()[1] * 2)
-    ax1.set(ylabel="optimizer state (bytes / parameter, log scale)",
-            title="state bytes per parameter (dashed: Gefen's 8- and 4-bit targets)")
-    _bars(ax2, rows, "step_time_median", 1e3,
-          labels=lambda n, m: f"{value(rows, 'step_time_vs_adamw', n, x_value=m):.1f}x")
-    ax2.set_ylim(top=ax2.get_ylim()[1] * 3)
-    ax2.set(ylabel="CPU step time, median (ms)", title="one optimizer step on CPU (label: × AdamW)")
-    save_figure(fig, out)
+    from analysis.common import finding_title, new_figure
+
+    names = optimizers(rows)
+    fig, axes = new_figure(1, 2, width=11, height=0.3 * len(names) + 2.2)
+    ax1, ax2 = axes[0]
+    _dots(ax1, rows, "state_bytes_per_param", names)
+    bands = [[(0.01, y - 0.35), (0.01, y + 0.35), (TARGET_BPP[n], y + 0.35), (TARGET_BPP[n], y - 0.35)]
+             for y, n in enumerate(names) if n in TARGET_BPP]
+    lo = min(value(rows, "state_bytes_per_param", n, x_value=m) for n in names for m in models(rows))
+    ax1.add_collection(PolyCollection(bands, facecolor="#2ca02c", alpha=0.18, linewidth=0, zorder=1))
+    ax1.set_xlim(lo / 1.5, 16)
+    ax1.set_xlabel("optimizer state (bytes / parameter, log scale)", fontsize=8)
+    ax1.set_title("state bytes (green: each Gefen's target span)", fontsize=9)
+    _dots(ax2, rows, "step_time_vs_adamw", names)
+    ax2.axvline(1, color="black", linewidth=1)
+    ax2.axvline(TARGET_STEP, color="#2ca02c", linestyle="--", linewidth=1.2)
+    ax2.set_xlabel("CPU step time × AdamW's (median, log scale)", fontsize=8)
+    ax2.set_title(f"step time (black: AdamW's; dashed: the {TARGET_STEP:g}× target)", fontsize=9)
+    ax2.tick_params(axis="y", labelleft=False)
+    ax1.legend(title="model", fontsize=7, title_fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14),
+               ncols=len(models(rows)), frameon=False)
+    save_figure(fig, out, title=finding_title(finding(rows), "one marker per model; values in the table", fig))
 
 
 def body(rows, config):
