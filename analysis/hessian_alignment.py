@@ -25,7 +25,7 @@ import math
 import statistics
 from collections import defaultdict
 
-from analysis.common import Report, fmt, main, md_table, save_figure, select
+from analysis.common import Report, finding_title, fmt, legend_below, main, md_table, new_figure, save_figure, select
 
 SCHEMES = ["gefen", "random_gefen", "gefen_var", "random_gefen_var", "adam_mini", "per_tensor", "gefen_factored"]
 LABELS = {"gefen": "Gefen", "random_gefen": "random\n(Gefen sizes)", "gefen_var": "Gefen\nvariance rule",
@@ -84,51 +84,71 @@ def _curves(ax, kind, d):
     ax.set_xlabel("coupling |H_ij| / sqrt|H_ii H_jj|  (decile median)")
     ax.set_ylabel("median over pairs")
     rho = ", ".join(f"{v:+.2f}" for _, v in sorted(d["rho"].items()))
-    ax.set_title(f"{kind}: std log(g_i²/g_j²) vs coupling\nSpearman per checkpoint: {rho}", fontsize=10)
-    ax.legend(fontsize=7)
+    ax.set_title(f"{kind}: std log(g_i²/g_j²) vs coupling\nSpearman per checkpoint: {rho}", fontsize=9)
+    legend_below(ax, ncols=2, fontsize=7)
+
+
+def _scheme_axis(ax, names):
+    ax.set_yticks(range(len(names)), [LABELS[s].replace("\n", " ") for s in names], fontsize=7)
+    for tick, s in zip(ax.get_yticklabels(), names):
+        tick.set_fontweight("bold" if s.startswith("gefen") else "normal")
+    ax.set_ylim(len(names) - 0.5, -0.5)
+    ax.tick_params(axis="x", labelsize=7)
+    ax.grid(alpha=0.3, axis="x")
 
 
 def _block_bars(ax, kind, d, metric, title):
+    """Per block scheme, ``metric`` at initialisation (light) and at the last checkpoint (full)."""
     names = [s for s in SCHEMES if (s, metric) in d["blocks"]]
     if not names:
         return ax.set_visible(False)
     all_steps = sorted({x for s in names for x in d["blocks"][(s, metric)]})
-    for j, s in enumerate(names):
-        vals = d["blocks"][(s, metric)]
-        for x, step, alpha in ((j - 0.19, all_steps[0], 0.55), (j + 0.19, all_steps[-1], 1.0)):
-            ax.bar(x, vals.get(step, math.nan), 0.38, color=COLORS[s], alpha=alpha,
-                   label=f"step {step:g}" if j == 0 else None)
-    ax.set_xticks(range(len(names)), [LABELS[s] for s in names], fontsize=7, rotation=30)
-    ax.set_title(f"{kind}: {title}", fontsize=10)
-    ax.legend(fontsize=7)
+    for dy, step, alpha in ((-0.19, all_steps[0], 0.45), (0.19, all_steps[-1], 1.0)):
+        vals = [d["blocks"][(s, metric)].get(step, math.nan) for s in names]
+        ax.barh([j + dy for j in range(len(names))], vals, 0.38, color=[COLORS[s] for s in names], alpha=alpha,
+                label=f"step {step:g}")
+    _scheme_axis(ax, names)
+    ax.set_title(f"{kind}: {title}", fontsize=9)
+    legend_below(ax, ncols=2, fontsize=7)
 
 
 def _loss_bars(ax, kind, d):
+    """Per scheme, the final validation loss minus AdamW's: mean over seeds, a min-max bar."""
     names = [s for s in SCHEMES if loss_vs_adamw(d, s)]
     if not names:
         return ax.set_visible(False)
-    for j, s in enumerate(names):
-        diffs = loss_vs_adamw(d, s)
-        mu = statistics.fmean(diffs)
-        ax.bar(j, mu, color=COLORS[s], yerr=[[mu - min(diffs)], [max(diffs) - mu]], capsize=3)
-    ax.axhline(0, color="k", lw=0.8)
-    ax.set_xticks(range(len(names)), [LABELS[s] for s in names], fontsize=7, rotation=30)
+    diffs = [loss_vs_adamw(d, s) for s in names]
+    mus = [statistics.fmean(x) for x in diffs]
+    ax.barh(range(len(names)), mus, 0.7, color=[COLORS[s] for s in names],
+            xerr=[[m - min(x) for m, x in zip(mus, diffs)], [max(x) - m for m, x in zip(mus, diffs)]], capsize=3)
+    ax.axvline(0, color="k", lw=0.8)
+    _scheme_axis(ax, names)
+    ax.set_xlabel("nats", fontsize=8)
     base = d["loss"]["adamw"]
-    ax.set_title(f"{kind}: final val loss − AdamW's ({statistics.fmean(base.values()):.3f} nats), "
-                 f"{len(base)} seeds", fontsize=10)
+    ax.set_title(f"{kind}: final val loss − AdamW's\n({statistics.fmean(base.values()):.3f} nats, {len(base)} "
+                 "seeds; bar: min to max)", fontsize=9)
+
+
+def finding(data):
+    """The title: Gefen's blocks against random blocks of the same sizes at the last checkpoint."""
+    parts = []
+    for kind, d in data.items():
+        g, r = (_last(d, s, "coupling_within") for s in ("gefen", "random_gefen"))
+        if math.isfinite(g) and math.isfinite(r):
+            parts.append(f"{kind}: within-block coupling {g:.2f} in Gefen's blocks vs {r:.2f} in random ones")
+    return "; ".join(parts) or "Hessian coupling and Gefen's blocks"
 
 
 def draw(rows, out, config):
-    import matplotlib.pyplot as plt
-
     data = collect(rows)
-    fig, axes = plt.subplots(len(data), 4, figsize=(20, 4.4 * len(data)), squeeze=False)
+    fig, axes = new_figure(len(data), 4, width=18, height=4.8 * len(data))
     for row, (kind, d) in zip(axes, data.items()):
         _curves(row[0], kind, d)
         _block_bars(row[1], kind, d, "coupling_within", "within-block coupling (mean)")
-        _block_bars(row[2], kind, d, "dispersion", "within-block dispersion RMS log(v_i / v_block)")
+        _block_bars(row[2], kind, d, "dispersion", "within-block dispersion\nRMS log(v_i / v_block)")
         _loss_bars(row[3], kind, d)
-    save_figure(fig, out, dpi=110)
+    save_figure(fig, out, title=finding_title(finding(data), "at initialisation and at the last checkpoint", fig),
+                dpi=110)
 
 
 def _last(d, scheme, metric):
