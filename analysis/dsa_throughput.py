@@ -12,6 +12,8 @@ measured interleaved in one run, and each target met or missed.
 
 from __future__ import annotations
 
+import matplotlib.ticker
+
 from analysis.common import Report, fmt, main, md_table, save_figure, select, value
 
 BARS = [("ceiling", "no optimizer (ceiling)"), ("SparseAdam", "SparseAdam (RAM)"),
@@ -38,32 +40,52 @@ def get(rows, config, what, metric):
     return value(rows, metric, f"{config}/{what}", x_value=config)
 
 
-def _grouped_bars(ax, rows, cfgs, series):
-    width = 0.8 / len(series)
-    for i, (what, metric, scale, label) in enumerate(series):
-        xs = [j + (i - (len(series) - 1) / 2) * width for j in range(len(cfgs))]
-        ax.bar(xs, [get(rows, c, what, metric) * scale for c in cfgs], width, label=label)
-    ax.set_xticks(range(len(cfgs)), cfgs)
-    ax.legend(fontsize=8)
+CONFIG_COLOURS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd"]
+
+
+def _rows_of_bars(ax, rows, cfgs, items, value_of):
+    """Horizontal bars: one row per item (label down the y axis), one bar per config."""
+    height = 0.8 / len(cfgs)
+    for i, c in enumerate(cfgs):
+        ys = [j + (i - (len(cfgs) - 1) / 2) * height for j in range(len(items))]
+        ax.barh(ys, [value_of(c, item) for item in items], height, color=CONFIG_COLOURS[i % 4], label=c)
+    ax.set_ylim(len(items) - 0.5, -0.5)
+    ax.set_xscale("log")
+    ax.grid(alpha=0.3, axis="x", which="both")
+    ax.tick_params(labelsize=8)
+
+
+def finding(rows, cfgs):
+    """The title: Disk Sparse Adam's warm throughput × SparseAdam's, and its anonymous memory."""
+    warm = [get(rows, c, "ratio", "DiskSparseAdam_warm/SparseAdam") for c in cfgs]
+    anon = [get(rows, c, "DiskSparseAdam", "rss_anon_delta") for c in cfgs]  # MiB
+    ram = [get(rows, c, "SparseAdam", "state_bytes_in_ram") / 2**20 for c in cfgs]
+    return (f"Disk Sparse Adam warm: {min(warm):.1f}-{max(warm):.1f}× SparseAdam's samples/s, with "
+            f"{max(anon):.2g} MiB of anonymous memory at most where SparseAdam holds {min(ram):,.0f} MiB")
 
 
 def draw(rows, out, config):
-    import matplotlib.pyplot as plt
+    from analysis.common import finding_title, legend_below, new_figure
 
     cfgs = configs(rows)
-    fig, (ax, axm) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [3, 2]})
-    _grouped_bars(ax, rows, cfgs, [(w, "throughput", 1.0, label.replace("`", "")) for w, label in BARS])
-    for j, c in enumerate(cfgs):
-        ax.plot([j - 0.45, j + 0.45], [get(rows, c, "disk", "cold_bound")] * 2, "k--", lw=1,
-                label="cold bound from 4 KiB random reads" if j == 0 else None)
-    ax.legend(fontsize=8)
-    ax.set_yscale("log")
-    ax.set_ylabel("samples / s (median, log scale)")
-    ax.set_title("throughput")
-    _grouped_bars(axm, rows, cfgs, [(w, m, s / 2**20, label) for w, m, s, label in MEMORY])
-    axm.set_ylabel("MiB")
-    axm.set_title("optimizer state memory")
-    save_figure(fig, out, "Disk Sparse Adam")
+    fig, axes = new_figure(1, 2, width=12, height=3.9, gridspec_kw={"width_ratios": [3, 2]})
+    ax, axm = axes[0]
+    _rows_of_bars(ax, rows, cfgs, TARGETS, lambda c, t: get(rows, c, "ratio", t[0]))
+    ax.set_yticks(range(len(TARGETS)), [f"{label} (target ≥ {least:g}×)" for _, label, least in TARGETS], fontsize=8)
+    ax.scatter([least for _, _, least in TARGETS], range(len(TARGETS)), marker="|", s=500, color="#2ca02c",
+               linewidths=2, zorder=4, label="target")
+    ax.axvline(1, color="black", linewidth=1)
+    ax.set_xlabel("Disk Sparse Adam's samples/s ÷ the reference (log scale; black: 1×)", fontsize=8)
+    ax.set_title("throughput relative to SparseAdam, the ceiling and the disk's bound", fontsize=9)
+    ax.set_xticks([0.25, 0.5, 1, 2, 4], ["0.25×", "0.5×", "1×", "2×", "4×"])
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    legend_below(ax, ncols=len(cfgs) + 1)
+    _rows_of_bars(axm, rows, cfgs, MEMORY, lambda c, m: get(rows, c, m[0], m[1]) * m[2] / 2**20)
+    axm.set_yticks(range(len(MEMORY)), [label.replace("DiskSparseAdam", "DSA") for *_, label in MEMORY], fontsize=8)
+    axm.set_xlabel("MiB (log scale)", fontsize=8)
+    axm.set_title("optimizer state memory", fontsize=9)
+    legend_below(axm, ncols=len(cfgs))
+    save_figure(fig, out, title=finding_title(finding(rows, cfgs), "configs: " + ", ".join(cfgs), fig))
 
 
 def _describe(cfg):
