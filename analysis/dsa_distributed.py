@@ -22,9 +22,10 @@ def _ranks(rows, variant, metric):
 
 
 def draw(rows, out, config):
-    import matplotlib.pyplot as plt
+    from analysis.common import legend_below, new_figure
 
-    fig, (ax, axb) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, axes = new_figure(1, 2, width=12, height=4.8)
+    ax, axb = axes[0]
     measured = sorted({int(r["x_value"]) for r in select(rows, "throughput")})
     width = 0.8 / len(SETUPS)
     for i, (name, label) in enumerate(SETUPS):
@@ -33,8 +34,7 @@ def draw(rows, out, config):
     ax.set_xticks(range(len(measured)), [f"{w} rank{'s' * (w > 1)}" for w in measured])
     ax.set_ylabel("samples / s (all ranks, median step)")
     ax.set_title("measured: the ranks share one machine's cores")
-    ax.set_ylim(top=ax.get_ylim()[1] * 1.3)  # room for the legend above the bars
-    ax.legend(fontsize=8, loc="upper right")
+    legend_below(ax, ncols=3, fontsize=8)
     step = value(rows, "step_time", "paper")
     for i, name in enumerate(("sharded", "ddp")):
         ws = _ranks(rows, f"paper/{name}", "bytes_per_step")
@@ -48,7 +48,7 @@ def draw(rows, out, config):
     axb.set_xlabel("ranks")
     axb.set_ylabel("bytes sent per rank and step")
     axb.set_title("exchange volume, seed setup (1M x 128, 2048 per rank)")
-    axb.legend(fontsize=8, loc="upper left")
+    legend_below(axb, ncols=2, fontsize=8)
     right = axb.twinx()
     lo, hi = axb.get_ylim()
     right.set_yscale("log")

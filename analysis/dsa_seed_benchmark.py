@@ -10,7 +10,7 @@ Section: a table per epoch and the verdict on the seed's numbers.
 
 from __future__ import annotations
 
-from analysis.common import Report, colour, fmt, main, md_table, save_figure, select, variants
+from analysis.common import Report, fmt, main, md_table, save_figure, select, variants
 
 OURS, GEOOPT = "DiskSparseRiemannianAdam", "geoopt-SparseRiemannianAdam"
 
@@ -20,24 +20,40 @@ def series(rows, metric, variant):
 
 
 def draw(rows, out, config):
-    import matplotlib.pyplot as plt
+    from analysis.common import figure_legend, finding_title, new_figure, styles
 
     seed_loss = {int(k): v for k, v in config.get("config", {}).get("seed_loss", {}).items()}
-    fig, (ax, axt) = plt.subplots(1, 2, figsize=(11, 4))
-    for i, v in enumerate(variants(rows, "loss")):
-        ax.plot(*zip(*series(rows, "loss", v)), "o-" if v == OURS else "x--", color=colour(v, i), label=v)
-        axt.plot(*zip(*series(rows, "throughput", v)), "o-" if v == OURS else "x--", color=colour(v, i), label=v)
+    fig, axes = new_figure(1, 2, width=11, height=4.2)
+    ax, axt = axes[0]
+    names = variants(rows, "loss")
+    look = styles(names, baseline="SparseAdam")
+    base = dict(series(rows, "throughput", "SparseAdam"))
+    for v in names:
+        ax.plot(*zip(*series(rows, "loss", v)), "o-" if v == OURS else "x--", label=v, **look[v])
+        pts = [(e, t / base[e]) for e, t in series(rows, "throughput", v) if base.get(e)]
+        if pts:
+            axt.plot(*zip(*pts), "o-" if v == OURS else "x--", **look[v])
     if seed_loss:
         ax.plot(list(seed_loss), list(seed_loss.values()), "k*", ms=12, label="the seed's reported loss")
     ax.set_yscale("log")
-    ax.set_xlabel("epoch")
-    ax.set_ylabel("mean loss over the epoch")
-    axt.set_xlabel("epoch")
-    axt.set_ylabel("samples / s")
+    ax.set(xlabel="epoch", ylabel="mean loss over the epoch (log scale)")
+    axt.axhline(1, color="black", linewidth=1)
+    axt.set(xlabel="epoch", ylabel="samples / s ÷ SparseAdam's (black: 1×)")
     for a in (ax, axt):
         a.grid(alpha=0.3)
-        a.legend(fontsize=8)
-    save_figure(fig, out, "The seed's benchmark: 1M x 128 on the Poincaré ball, batch 2048")
+    figure_legend(fig, ncols=4, fontsize=8)
+    save_figure(fig, out, finding_title(finding(rows), "The seed's benchmark: 1M x 128 on the Poincaré ball, "
+                                                       "batch 2048", fig))
+
+
+def finding(rows):
+    """The title: our samples/s × SparseAdam's, median over epochs."""
+    import statistics
+
+    base = dict(series(rows, "throughput", "SparseAdam"))
+    ratio = [t / base[e] for e, t in series(rows, "throughput", OURS) if base.get(e)]
+    return (f"{OURS}: {statistics.median(ratio):.2f}× SparseAdam's samples/s (median over epochs)" if ratio
+            else "The seed's benchmark")
 
 
 def body(rows, config):

@@ -140,8 +140,9 @@ def _marks(ax, renderer):
                 yield line.get_label(), (x, y)
     for patch in ax.patches:
         if patch.get_visible() and isinstance(patch, Rectangle) and _is_data(patch, ax):
-            if patch.get_width() and patch.get_height():
-                yield patch.get_label() or "bar", patch.get_window_extent(renderer)
+            box = patch.get_window_extent(renderer)
+            if patch.get_width() and patch.get_height() and np.isfinite(box.extents).all():  # a NaN bar is not drawn
+                yield patch.get_label() or "bar", box
     for coll in ax.collections:
         if coll.get_visible() and isinstance(coll, PathCollection):
             offsets = coll.get_offset_transform().transform(np.asarray(coll.get_offsets(), float))

@@ -9,7 +9,7 @@ one line per optimizer. Section: both per optimizer and dimension.
 
 from __future__ import annotations
 
-from analysis.common import Report, colour, fmt, main, md_table, save_figure, select, variants
+from analysis.common import Report, fmt, main, md_table, save_figure, select, variants
 
 RIEMANNIAN, GEOOPT = "DiskSparseRiemannianAdam", "geoopt-SparseRiemannianAdam"
 FP32 = "DiskSparseRiemannianAdam-fp32"
@@ -33,23 +33,33 @@ def series(rows, metric):
 
 
 def draw(rows, out, config):
-    import matplotlib.pyplot as plt
+    from analysis.common import figure_legend, finding_title, new_figure, styles
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
-    for ax, metric, label in [(axes[0], "mean_rank", "mean rank (lower is better)"),
-                              (axes[1], "map", "MAP (higher is better)")]:
-        for i, (variant, pts) in enumerate(series(rows, metric).items()):
-            ax.plot(*zip(*pts), MARKERS.get(variant, "o-"), color=colour(variant, i), label=variant)
+    fig, axes = new_figure(1, 2, width=10, height=4.4)
+    look = styles(variants(rows), baseline=GEOOPT)
+    for ax, metric, label in [(axes[0][0], "mean_rank", "mean rank (log scale; lower is better)"),
+                              (axes[0][1], "map", "MAP (higher is better)")]:
+        for variant, pts in series(rows, metric).items():
+            ax.plot(*zip(*pts), MARKERS.get(variant, "o-"), label=variant, **look[variant])
         ax.set_xlabel("embedding dimension")
         ax.set_ylabel(label)
         ax.set_xticks(sorted({r["x_value"] for r in select(rows, x_name="dim")}))
         ax.grid(alpha=0.3)
-    axes[0].set_yscale("log")
-    axes[1].set_ylim(0, 1)
-    handles, labels = axes[0].get_legend_handles_labels()
-    fig.legend(handles, labels, fontsize=8, loc="lower center", ncol=len(labels), frameon=False)
-    save_figure(fig, out, "Poincaré embeddings of the Python stdlib class hierarchy (reconstruction)",
-                rect=(0, 0.07, 1, 1))
+    axes[0][0].set_yscale("log")
+    axes[0][1].set_ylim(0, 1)
+    figure_legend(fig, ncols=2, fontsize=8)
+    save_figure(fig, out, finding_title(finding(rows), "Poincaré embeddings of the Python stdlib class hierarchy "
+                                                       "(reconstruction); geoopt black", fig))
+
+
+def finding(rows):
+    """The title: our MAP against geoopt's at the largest dimension both ran."""
+    ours, theirs = (dict(series(rows, "map").get(v, [])) for v in (RIEMANNIAN, GEOOPT))
+    dims = sorted(set(ours) & set(theirs))
+    if not dims:
+        return "Poincaré embeddings: MAP and mean rank per dimension"
+    d = dims[-1]
+    return f"{RIEMANNIAN}: MAP {ours[d]:.3f} at dimension {d:g}, geoopt's {theirs[d]:.3f}"
 
 
 def body(rows, config):
