@@ -13,6 +13,7 @@ is the first moment in fp32 on every tensor. Section: the same means, deviations
 
 from __future__ import annotations
 
+import math
 import statistics
 
 from analysis.common import (CORPUS_TEXT, Report, configurations, fmt, in_configuration, main, md_table, mean_std, pm, save_figure,
@@ -49,16 +50,29 @@ def _label(name: str) -> str:
 
 
 def draw(rows, out, config, target=TARGET, title="Gefen 8-bit: v per element on one kind of tensor"):
-    import matplotlib.pyplot as plt
+    from analysis.common import finding_title, legend_below, new_figure
 
     prefixes = configurations(rows, "val_loss_vs_adamw")
     data = [collect(rows, p) for p in prefixes]
-    heights = [0.42 * len(d) + 1.2 for d in data]
-    fig, axes = plt.subplots(len(prefixes), 1, figsize=(7.6, sum(heights) + 0.6), squeeze=False,
-                             gridspec_kw={"height_ratios": heights})
+    heights = [0.26 * len(d) + 1.3 for d in data]
+    fig, axes = new_figure(len(prefixes), 1, width=8, height=sum(heights) + 0.9,
+                           gridspec_kw={"height_ratios": heights})
     for ax, prefix, d in zip(axes[:, 0], prefixes, data):
         _draw_one(ax, d, prefix.rstrip("/") or _main_label(config), target)
-    save_figure(fig, out, title)
+    legend_below(axes[-1, 0], ncols=4)
+    save_figure(fig, out, finding_title(_figure_finding(data, prefixes, config), title + "; rows as the table's", fig))
+
+
+def _figure_finding(data, prefixes, config):
+    """The title: the variant nearest AdamW's loss in each configuration (mean ratio)."""
+    parts = []
+    for prefix, d in zip(prefixes, data):
+        kinds = {n: v[0] for n, v in d.items() if n != "gefen-x" and math.isfinite(v[0])}
+        if kinds:
+            best = min(kinds, key=kinds.get)
+            parts.append(f"{prefix.rstrip('/') or _main_label(config)}: nearest AdamW's loss with "
+                         f"{_label(best).replace('`', '')} ({(kinds[best] - 1):+.2%})")
+    return "; ".join(parts) or "Gefen: the loss relative to AdamW's per variant"
 
 
 def _color(name):
@@ -67,22 +81,24 @@ def _color(name):
 
 
 def _draw_one(ax, data, label, target=TARGET):
+    """A dot plot: per variant its seeds' ratios to AdamW's (dots) and their mean (a bar), the 1× and
+    target lines."""
     names = list(data)
     means = [data[n][0] for n in names]
-    ax.barh(range(len(names)), [m - 1 for m in means], left=1, xerr=[data[n][1] for n in names],
-            color=[_color(n) for n in names], alpha=0.7, capsize=3)
-    for k, n in enumerate(names):
-        ax.plot(data[n][2], [k] * len(data[n][2]), "k.", ms=4)
-        ax.annotate(f"{means[k]:.3f}", (max(means[k], 1) + 0.002, k), va="center", fontsize=7)
+    seeds = [(x, k) for k, n in enumerate(names) for x in data[n][2]]
+    ax.scatter([x for x, _ in seeds], [k for _, k in seeds], s=10, color="black", alpha=0.6, linewidths=0, zorder=3,
+               label="seeds")
+    ax.scatter(means, range(len(names)), marker="|", s=200, linewidths=2.2, c=[_color(n) for n in names], zorder=4,
+               label="mean (blue: on Gefen, orange: on the factored)")
     ax.axvline(1.0, color="k", lw=1, label="AdamW")
-    ax.axvline(target, color="tab:red", ls="--", lw=1, label=f"{target - 1:.1%} target")
+    ax.axvline(target, color="tab:green", ls="--", lw=1.2, label=f"{target - 1:+.1%} target")
     ax.set_yticks(range(len(names)), [_label(n).replace("`", "") for n in names], fontsize=7)
-    ax.invert_yaxis()
-    ax.set_xlabel("final validation loss / AdamW's (paired by seed)")
+    ax.set_ylim(len(names) - 0.5, -0.5)
+    ax.set_xlabel("final validation loss / AdamW's (paired by seed)", fontsize=8)
     ax.set_title(label, fontsize=9)
-    seeds = [x for n in names for x in data[n][2]]
-    ax.set_xlim(min(0.99, min(seeds) - 0.005), max(target + 0.005, max(seeds)) + 0.012)
-    ax.legend(fontsize=7, loc="lower right", frameon=False)
+    xs = [x for x, _ in seeds]
+    ax.set_xlim(min(0.99, min(xs) - 0.005), max(target + 0.005, max(xs)) + 0.005)
+    ax.tick_params(axis="x", labelsize=8)
     ax.grid(alpha=0.3, axis="x")
 
 
