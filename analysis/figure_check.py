@@ -136,7 +136,7 @@ def _marks(ax, renderer):
     """(name, display box or point) of every data mark in ``ax``: line points, bars, scatter points."""
     for line in ax.lines:
         if line.get_visible() and _is_data(line, ax):
-            for x, y in _points(line, ax):
+            for x, y in _along(line, ax):
                 yield line.get_label(), (x, y)
     for patch in ax.patches:
         if patch.get_visible() and isinstance(patch, Rectangle) and _is_data(patch, ax):
@@ -148,6 +148,16 @@ def _marks(ax, renderer):
             offsets = coll.get_offset_transform().transform(np.asarray(coll.get_offsets(), float))
             for x, y in offsets[np.isfinite(offsets).all(axis=1)]:
                 yield coll.get_label(), (x, y)
+
+
+def _along(line: Line2D, ax, per_segment=16) -> np.ndarray:
+    """A line's points, and where it is drawn between them ``per_segment`` points per segment."""
+    pts = _points(line, ax)
+    if len(pts) < 2 or line.get_linestyle() in ("None", "none", " ", ""):
+        return pts
+    t = np.linspace(0, 1, per_segment, endpoint=False)[None, :, None]
+    between = pts[:-1, None, :] + t * (pts[1:, None, :] - pts[:-1, None, :])
+    return np.concatenate([between.reshape(-1, 2), pts[-1:]])
 
 
 def _under(box, mark) -> bool:
@@ -177,7 +187,8 @@ def _series(ax) -> int:
     n += len(bars) if len(bars) > 1 else sum(bars)
     n += sum(1 for line in ax.lines if id(line) not in contained and line.get_visible() and _is_data(line, ax)
              and len(_points(line, ax)) > 0)
-    n += sum(1 for c in ax.collections if id(c) not in contained and isinstance(c, PathCollection) and c.get_visible())
+    n += sum(1 for c in ax.collections if id(c) not in contained and isinstance(c, PathCollection) and c.get_visible()
+             and len(c.get_offsets()))  # an empty scatter is a legend's proxy: nothing drawn
     return n
 
 
