@@ -277,6 +277,43 @@ def scenario_bad_input(arg, rank, world, out):
     return {"messages": messages, "rows": out_rows.detach(), "table": full_table()}
 
 
+def scenario_one_rank_eval(arg, rank, world, out):
+    """Rank 0 alone looks rows up between training steps (an evaluation), first under
+    ``torch.no_grad()``, then with gradients on: its lookup pairs with the other ranks' next
+    training lookup, so each case must raise on every rank naming the calls (never an abort inside
+    gloo). Two tables looked up in another order on each rank are refused the same way. Then every
+    rank looks up together (no gradient) and trains one step as usual."""
+    from optim.disk_sparse.sharded import open_optimizer
+
+    emb = _sharded_table()
+    messages = {}
+    with open_optimizer(emb, out / "one_rank_eval", lr=LR, backend=BACKEND) as opt:
+        _train(emb, opt, 0, 1, rank, world)
+        for what in ("no_grad", "grad"):
+            try:
+                if rank == 0:
+                    with torch.set_grad_enabled(what == "grad"):
+                        emb(torch.tensor([0, ROWS - 1]))
+                _train(emb, opt, 1, 1, rank, world)
+                messages[what] = "no error"
+            except RuntimeError as exc:
+                messages[what] = f"{type(exc).__name__}: {exc}"
+            opt.zero_grad()
+        other = _sharded_table(rows=5)
+        try:
+            with torch.no_grad():
+                for table in ((emb, other) if rank == 0 else (other, emb)):
+                    table(torch.tensor([1]))
+            messages["order"] = "no error"
+        except RuntimeError as exc:
+            messages["order"] = f"{type(exc).__name__}: {exc}"
+        with torch.no_grad():
+            rows = emb(torch.tensor([[ROWS - 1, 0], [0, 3]]) if rank == 0 else torch.tensor([], dtype=torch.int64))
+        at_lookup = emb.weight.detach().clone()
+        _train(emb, opt, 1, 1, rank, world)
+        return {"messages": messages, "looked_up": rows, "at_lookup": at_lookup, **_local_state(emb, opt)}
+
+
 def scenario_crash(arg, rank, world, out):
     """Train a few steps with state in ``out/crash``; the last rank is SIGKILLed after a step (its
     files dirty), the others close cleanly. Must be the last scenario of its launch."""
@@ -311,7 +348,8 @@ def scenario_restart(arg, rank, world, out):
 
 SCENARIOS = {"train": scenario_train, "dcp": scenario_dcp, "steps_differ": scenario_steps_differ,
              "weight_file": scenario_weight_file, "reshard": scenario_reshard, "ddp": scenario_ddp,
-             "bad_input": scenario_bad_input, "crash": scenario_crash, "restart": scenario_restart}
+             "bad_input": scenario_bad_input,
+             "one_rank_eval": scenario_one_rank_eval, "crash": scenario_crash, "restart": scenario_restart}
 
 
 def main(argv):

@@ -12,6 +12,7 @@ after 50 steps the weights and moments stay within 1e-6. Same ranks, same order:
 """
 
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -24,7 +25,8 @@ from tests.utils import assert_close, run_gloo_ranks
 HERE = Path(__file__).resolve().parent
 TIMEOUT_S = 60  # one launch, with room for a loaded machine
 TOL = 1e-6
-FIRST = ["train:37-float32", "train:37-float64", "dcp", "ddp", "steps_differ", "weight_file", "bad_input", "crash"]  # crash last: a rank dies
+FIRST = ["train:37-float32", "train:37-float64", "dcp", "ddp", "steps_differ", "weight_file", "bad_input", "one_rank_eval",
+         "crash"]  # crash last: a rank dies
 SECOND = ["train:37-float32", "train:4-float32", "reshard:2", "dcp:4", "restart:2"]
 
 
@@ -98,9 +100,10 @@ def test_sharded_training_equals_sparse_adam(runs, world, spec):
 
 @pytest.mark.parametrize("world,spec", [(2, "train:37-float32"), (3, "train:37-float32"), (2, "train:37-float64")])
 def test_exchanged_bytes_are_what_the_batches_need(runs, world, spec):
-    """Bytes a rank sends per step, recounted from the batches: a (count, flag) header to each other
-    rank, 8 B per unique id it needs from another owner, and one row (dim values) per such id in
-    the backward and per id another rank asks it for in the forward."""
+    """Bytes a rank sends per step, recounted from the batches: a header of 4 int64 (count, flag,
+    table, kind) to each other rank in the forward and in the backward, 8 B per unique id it needs
+    from another owner, and one row (dim values) per such id in the backward and per id another
+    rank asks it for in the forward."""
     itemsize = torch.empty((), dtype=getattr(torch, spec.split("-")[1])).element_size()
     ranks = result(runs, spec, world)
     for step in range(W.STEPS):
@@ -109,7 +112,7 @@ def test_exchanged_bytes_are_what_the_batches_need(runs, world, spec):
         for r, res in enumerate(ranks):
             remote = int((owner[r] != r).sum())
             asked = sum(int((owner[q] == r).sum()) for q in range(world) if q != r)
-            expected = 16 * (world - 1) + 8 * remote + (remote + asked) * W.DIM * itemsize
+            expected = 2 * 32 * (world - 1) + 8 * remote + (remote + asked) * W.DIM * itemsize
             assert int(res["sent"][step]) == expected, (step, r, int(res["sent"][step]), expected)
 
 
@@ -183,6 +186,28 @@ def test_bad_indices_raise_on_every_rank(runs):
         assert "ranks build different tables" in res["messages"]["dim"], res["messages"]  # on every rank
         table = res["table"]
         assert torch.equal(res["rows"], table[torch.tensor([[36, 0], [0, 3]])])
+
+
+def test_a_lookup_on_one_rank_alone_raises_on_every_rank_naming_the_calls(runs):
+    """Rank 0 alone looks rows up between training steps (an evaluation): under no_grad its lookup
+    meets rank 1's training lookup, with gradients on its next training lookup meets rank 1's
+    backward; two tables looked up in another order on each rank meet each other. Each raises a
+    RuntimeError on both ranks naming both calls (it aborted rank 0 inside gloo); afterwards a
+    lookup of every rank gives the table's rows and a training step runs."""
+    ranks = result(runs, "one_rank_eval", 2)
+    for res in ranks:
+        m = res["messages"]
+        assert "rank 0 in a lookup without gradient of table" in m["no_grad"], m["no_grad"]
+        assert "rank 1 in a lookup with gradient of table" in m["no_grad"], m["no_grad"]
+        assert "rank 0 in a lookup with gradient" in m["grad"] and "rank 1 in a backward" in m["grad"], m["grad"]
+        assert "under torch.no_grad()" in m["grad"], m["grad"]
+        tables = re.findall(r"rank (\d) in a lookup without gradient of table (\d+)", m["order"])
+        assert len(tables) == 2 and tables[0][1] != tables[1][1], m["order"]
+    at_lookup = torch.cat([r["at_lookup"] for r in ranks])
+    assert torch.equal(ranks[0]["looked_up"], at_lookup[torch.tensor([[36, 0], [0, 3]])])
+    assert ranks[1]["looked_up"].shape == (0, W.DIM)
+    assert [r["step"] for r in ranks] == [2, 2]  # the refused steps were not taken, the last one was
+    assert not torch.equal(torch.cat([r["weight"] for r in ranks]), at_lookup)
 
 
 def test_ddp_with_disk_sparse_adam_equals_sparse_adam(runs):

@@ -7,13 +7,22 @@ is an ordinary local ``nn.Parameter`` with sparse gradients, so ``DiskSparseAdam
 its state in that rank's own directory.
 
 A lookup (``ShardedEmbedding.forward``) is three ``all_to_all_single`` calls (gloo and NCCL both have
-it): the counts of unique rows each rank needs from each owner (with an error flag, so a bad index
-on one rank raises on every rank instead of leaving the others blocked in the next collective), the
-row ids, and the rows coming back. The backward sums each rank's gradient rows per unique row and
-sends them to their owners (one more ``all_to_all_single``), where they form the local shard's
-sparse gradient; a row that several ranks looked up appears once per rank and the optimizer's
-coalesce sums them, as ``torch.optim.SparseAdam`` sums duplicates. Every rank must call forward and
-backward the same number of times in the same order (as with DDP), also with an empty batch.
+it): a header, the row ids, and the rows coming back. The header carries the counts of unique rows
+each rank needs from each owner, an error flag (so a bad index on one rank raises on every rank
+instead of leaving the others blocked in the next collective) and the call's tag (below). The
+backward exchanges a header too, then sums each rank's gradient rows per unique row and sends them
+to their owners (one more ``all_to_all_single``), where they form the local shard's sparse
+gradient; a row that several ranks looked up appears once per rank and the optimizer's coalesce
+sums them, as ``torch.optim.SparseAdam`` sums duplicates.
+
+Every lookup and its backward are collective: every rank must call forward and backward of a table
+the same number of times, in the same order and in the same grad mode (as with DDP), also with an
+empty batch. A rank cannot read another rank's rows on its own, so an evaluation on one rank
+between training steps would pair its lookup with the other ranks' next step. The tag, (table,
+kind) with kind one of "lookup with gradient", "lookup without gradient" and
+"backward", makes such a mismatch an error raised on every rank that names each rank's call,
+instead of an abort inside gloo or rows sent to the wrong call. To evaluate, every rank looks up
+together under ``torch.no_grad()``; ranks with nothing to evaluate pass an empty index tensor.
 
 Checkpoints (:func:`dcp_state_dict`, :func:`load_dcp_state_dict`) present the weight shards and the
 optimizer's moments as DTensors, so ``dcp.save`` writes each rank's rows and ``dcp.load`` reads them
@@ -37,6 +46,12 @@ from .store import StateFileError
 
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 _OK, _OUT_OF_RANGE, _BAD_DTYPE = 0, 1, 2
+# the header's columns (one row per destination rank) and the kinds of call a tag names
+_COUNT, _ERROR, _TABLE, _KIND = range(4)
+_LOOKUP_GRAD, _LOOKUP_NO_GRAD, _BACKWARD = 1, 2, 3
+_KIND_NAMES = {_LOOKUP_GRAD: "a lookup with gradient", _LOOKUP_NO_GRAD: "a lookup without gradient",
+               _BACKWARD: "a backward"}
+_next_serial = 0  # the serial the next table of this process proposes (the ranks take the largest)
 
 
 def row_range(num_rows: int, world: int, rank: int) -> tuple[int, int]:
@@ -64,7 +79,7 @@ class _Lookup(torch.autograd.Function):
     """Rows of a table sharded over ``mod.group`` for this rank's indices; sparse gradients back."""
 
     @staticmethod
-    def forward(ctx, weight, indices, mod):
+    def forward(ctx, weight, indices, mod, with_grad):
         flat = indices.reshape(-1)
         err = _index_error(flat, mod.num_rows)
         if err == _OK:
@@ -72,11 +87,9 @@ class _Lookup(torch.autograd.Function):
         else:
             uniq = inverse = torch.zeros(0, dtype=torch.int64)
             send = torch.zeros(mod.world, dtype=torch.int64)
-        head = torch.stack([send, torch.full_like(send, err)], 1)  # per destination: count, error
-        got = torch.empty_like(head)
-        dist.all_to_all_single(got, head, group=mod.group)
-        _raise_if_any(got[:, 1], indices, mod)
-        recv, send = got[:, 0].tolist(), send.tolist()
+        got = _exchange_header(mod, _LOOKUP_GRAD if with_grad else _LOOKUP_NO_GRAD, send, err)
+        _raise_if_any(got[:, _ERROR], indices, mod)
+        recv, send = got[:, _COUNT].tolist(), send.tolist()
         ids = torch.empty(sum(recv), dtype=torch.int64)
         dist.all_to_all_single(ids, uniq, recv, send, group=mod.group)
         local = ids - mod.row_start
@@ -84,7 +97,6 @@ class _Lookup(torch.autograd.Function):
         dist.all_to_all_single(rows, weight.detach().index_select(0, local), send, recv, group=mod.group)
         ctx.mod, ctx.splits = mod, (send, recv)
         ctx.save_for_backward(inverse, local)
-        mod._sent(head.shape[1] * head.element_size(), [1] * mod.world)  # the header row
         mod._sent(ids.element_size(), send)  # ids to their owners
         mod._sent(rows.element_size() * mod.dim, recv)  # rows back to the ranks that asked
         return rows.index_select(0, inverse).reshape(*indices.shape, mod.dim)
@@ -93,6 +105,7 @@ class _Lookup(torch.autograd.Function):
     def backward(ctx, grad_out):
         mod, (send, recv) = ctx.mod, ctx.splits
         inverse, local = ctx.saved_tensors
+        _exchange_header(mod, _BACKWARD, torch.zeros(mod.world, dtype=torch.int64), _OK)
         grad_out = grad_out.reshape(-1, mod.dim)
         summed = torch.zeros(sum(send), mod.dim, dtype=grad_out.dtype)
         summed.index_add_(0, inverse, grad_out)  # one row per unique index of this rank
@@ -101,7 +114,39 @@ class _Lookup(torch.autograd.Function):
         mod._sent(got.element_size() * mod.dim, send)  # gradient rows to their owners
         grad = torch.sparse_coo_tensor(local.unsqueeze(0), got, (mod.row_end - mod.row_start, mod.dim),
                                        check_invariants=False)  # ids were checked in the forward
-        return grad, None, None
+        return grad, None, None, None
+
+
+def _exchange_header(mod, kind: int, counts: torch.Tensor, err: int) -> torch.Tensor:
+    """Send every rank this rank's header row (``counts[r]`` to rank ``r``, the error flag, and the
+    tag of this call: table and kind) and return every rank's row to this one. Raises on every rank
+    if the ranks' tags differ: their calls were paired by mistake."""
+    tag = torch.tensor([mod.serial, kind], dtype=torch.int64)
+    head = torch.cat([counts.unsqueeze(1), torch.full_like(counts, err).unsqueeze(1), tag.expand(mod.world, 2)], 1)
+    got = torch.empty_like(head)
+    dist.all_to_all_single(got, head, group=mod.group)
+    mod._sent(head.shape[1] * head.element_size(), [1] * mod.world)
+    tags = [tuple(row) for row in got[:, _TABLE:].tolist()]
+    if len(set(tags)) > 1:
+        raise RuntimeError(_mismatch_message(mod, tags))
+    return got
+
+
+def _mismatch_message(mod, tags: list) -> str:
+    def call(table, kind):
+        return f"{_KIND_NAMES.get(kind, f'an unknown call ({kind})')} of table {table}"
+
+    by_call = {}
+    for r, tag in enumerate(tags):
+        by_call.setdefault(tag, []).append(r)
+    ranks = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))} in {call(*tag)}"
+                      for tag, rs in by_call.items())
+    return (f"ShardedEmbedding: the ranks' collective calls do not match ({ranks}; here rank {mod.rank}). "
+            "Every rank must call forward and backward of each table the same number of times, in the same "
+            "order and the same grad mode; a lookup on one rank alone (an evaluation between training steps) "
+            "pairs with the other ranks' next call. Evaluate on every rank together under torch.no_grad() "
+            "(ranks with nothing to look up pass an empty index tensor). Every rank raises this error, so "
+            "none goes on alone")
 
 
 def _raise_if_any(errors: torch.Tensor, indices: torch.Tensor, mod):
@@ -126,6 +171,12 @@ class ShardedEmbedding(nn.Module):
     ``DiskSparseAdam`` (:func:`open_optimizer`) or any optimizer that takes them. Initialised
     N(0, 1) like ``nn.Embedding``; to start from a given full table ``T``, copy
     ``T[row_start:row_end]`` into ``weight``.
+
+    Collective: every rank calls ``forward`` (and its backward) of the table the same number of
+    times, in the same order and the same grad mode; a call paired with another kind of call on
+    another rank (a lookup on one rank alone, say an evaluation between training steps) raises
+    ``RuntimeError`` on every rank naming each rank's call. To evaluate, look up on every rank under
+    ``torch.no_grad()``, with an empty index tensor where a rank has nothing to look up.
 
     Not for tables that fit on every rank with their state (plain ``nn.Embedding(sparse=True)`` under
     DDP is simpler, see README); ``padding_idx``, ``max_norm`` and bags are not supported.
@@ -155,11 +206,16 @@ class ShardedEmbedding(nn.Module):
         dtype = dtype or torch.get_default_dtype()
         # Collective: the ranks exchange rows by index, so a table of other sizes on one rank would
         # abort the group inside gloo at the first lookup; every rank refuses it here instead.
-        tables = _everyone(self.group, (int(num_rows), int(dim), str(dtype)))
-        if len(set(tables)) > 1:
+        global _next_serial
+        tables = _everyone(self.group, ((int(num_rows), int(dim), str(dtype)), _next_serial))
+        if len({t for t, _ in tables}) > 1:
             raise ValueError("ShardedEmbedding: the ranks build different tables (num_rows, dim, dtype by rank: "
-                             + "; ".join(f"{r}: {t}" for r, t in enumerate(tables))
+                             + "; ".join(f"{r}: {t}" for r, (t, _) in enumerate(tables))
                              + "); every rank must give the same")
+        # the table's name in the tags of its calls: the same on every rank of the group, distinct
+        # from the other tables this process has made
+        self.serial = max(n for _, n in tables)
+        _next_serial = self.serial + 1
         self.num_rows, self.dim, self.chunk = int(num_rows), int(dim), math.ceil(num_rows / self.world)
         self.row_start, self.row_end = row_range(self.num_rows, self.world, self.rank)
         shape = (self.row_end - self.row_start, self.dim)
@@ -182,7 +238,8 @@ class ShardedEmbedding(nn.Module):
         self.exchanged_bytes = 0
 
     def forward(self, indices: torch.Tensor) -> torch.Tensor:
-        return _Lookup.apply(self.weight, indices, self)
+        with_grad = torch.is_grad_enabled() and self.weight.requires_grad  # then a backward follows
+        return _Lookup.apply(self.weight, indices, self, with_grad)
 
     def _sent(self, item_bytes: int, counts: list):
         """Count ``counts[r]`` items of ``item_bytes`` sent to each rank ``r`` other than this one."""
