@@ -1,7 +1,8 @@
 """Disk Sparse Adam against what a careless user or an adversary does: a kill while a weight file is
 filled, state files deleted or replaced under an open optimizer, ``prefetch`` from a loader thread
 while the main thread steps, odd indices and state dicts, a second optimizer on one mapped weight,
-a mapped module collected or pickled, a resume on another number of ranks. Each case either works
+a mapped module collected or pickled, a resume on another number of ranks, a save and restore of a
+state larger than the memory limit, a table cast under ``step_in_backward``. Each case either works
 as the reference does (``torch.optim.SparseAdam``, or the same run without the misuse) or is refused
 with an error that says what happened and what to do.
 """
@@ -238,53 +239,63 @@ def test_sharded_weight_files_are_flushed_with_the_state(tmp_path):
         WeightFile(str(tmp_path / "w" / "rank0-of-1.float32.weight"), 100, 4, torch.float32)
 
 
-def _memory_cgroup_or_skip():
-    root = "/sys/fs/cgroup/memory"
-    if os.geteuid() != 0 or not os.path.isdir(root):
-        pytest.skip("needs root and the cgroup v1 memory controller")
-    return root
+def _run_in_memory_cgroup(code, limit_bytes, timeout=120):
+    """Run ``code`` in a child that joins a new memory cgroup of ``limit_bytes`` (page cache
+    included) once it has imported what an optimizer needs (a throwaway DiskSparseAdam pulls in
+    torch's optimizer machinery, some 250 MiB of imports), so that only what ``code`` allocates
+    counts; the cgroup is removed after. Returns the CompletedProcess and the cgroup's peak usage."""
+    from experiments.memcg import make_memory_cgroup, remove_memory_cgroup
 
-
-def test_a_checkpoint_larger_than_the_memory_limit_loads(tmp_path):
-    """A 1.5 GiB state restored (torch.load with mmap=True, then load_state_dict) by a process in a
-    memory cgroup of 1 GiB, page cache included: the rows are written back in chunks, so the
-    load completes (a single copy of the whole state was killed for memory)."""
-    root = _memory_cgroup_or_skip()
-    rows, dim = 3_000_000, 64
-    ckpt = tmp_path / "ckpt.pt"
-    m = torch.full((rows, dim), 0.5)
-    torch.save({"state": {0: {"step": 7, "exp_avg": m, "exp_avg_sq": m}},
-                "param_groups": [{"lr": 0.1, "betas": (0.9, 0.999), "eps": 1e-8, "maximize": False, "params": [0]}]},
-               ckpt)
-    del m
-    cg = os.path.join(root, f"dsa-test-{os.getpid()}")
-    os.makedirs(cg)
+    cg = make_memory_cgroup("dsa-test", limit_bytes)
+    if cg is None:
+        pytest.skip("needs root and the cgroup v1 memory controller at /sys/fs/cgroup/memory")
+    prelude = f"""
+        import os, torch
+        from optim import DiskSparseAdam
+        DiskSparseAdam([torch.nn.Parameter(torch.zeros(2, 2))]).close()
+        with open({os.path.join(cg, "cgroup.procs")!r}, "w") as f:
+            f.write(str(os.getpid()))
+    """
     try:
-        with open(os.path.join(cg, "memory.limit_in_bytes"), "w") as f:
-            f.write(str(int(1.0 * 2**30)))
-        code = textwrap.dedent(f"""
-            import os, torch
-            with open({os.path.join(cg, "cgroup.procs")!r}, "w") as f:
-                f.write(str(os.getpid()))
-            from optim import DiskSparseAdam, mapped_embedding
-            emb = mapped_embedding({str(tmp_path / "w.dsa")!r}, {rows}, {dim})
-            opt = DiskSparseAdam(emb.parameters(), state_dir={str(tmp_path / "s")!r})
-            opt.load_state_dict(torch.load({str(ckpt)!r}, mmap=True))
-            print("loaded at step", opt.step_count(emb.weight), flush=True)
-            opt.close()
-        """)
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                             env=dict(os.environ, PYTHONPATH=ROOT))
+        out = subprocess.run([sys.executable, "-c", textwrap.dedent(prelude) + textwrap.dedent(code)],
+                             capture_output=True, text=True, timeout=timeout, env=dict(os.environ, PYTHONPATH=ROOT))
+        with open(os.path.join(cg, "memory.max_usage_in_bytes")) as f:
+            peak = int(f.read())
     finally:
-        for _ in range(50):
-            try:
-                os.rmdir(cg)
-                break
-            except OSError:
-                import time
+        assert remove_memory_cgroup(cg), f"memory cgroup {cg} could not be removed"
+    return out, peak
 
-                time.sleep(0.1)
-    assert out.returncode == 0 and "loaded at step 7" in out.stdout, (out.returncode, out.stderr[-2000:])
+
+def test_a_state_larger_than_the_memory_limit_restores_and_saves_within_it(tmp_path):
+    """The routes the error messages give for an out-of-core table, in a child whose memory cgroup
+    (64 MiB, page cache included) is half the state (128 MiB, exact format): the restore
+    ``opt.load_state_dict(torch.load(ckpt, mmap=True))`` writes the rows back in chunks, and
+    ``torch.save(opt.state_dict(), ...)`` streams the copy-on-write views of the files; the child
+    exits 0 and the saved state equals the checkpoint on 500 random rows. A restore that copies
+    the whole state at once is killed for memory."""
+    rows, dim, limit = 262_144, 64, 64 << 20
+    gen = torch.Generator().manual_seed(3)
+    exp_avg = torch.rand(rows, dim, generator=gen) - 0.5
+    exp_avg_sq = torch.rand(rows, dim, generator=gen)
+    group = {"lr": 0.1, "betas": (0.9, 0.999), "eps": 1e-8, "maximize": False, "params": [0]}
+    torch.save({"state": {0: {"step": 7, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}}, "param_groups": [group]},
+               tmp_path / "ckpt.pt")
+    out, peak = _run_in_memory_cgroup(f"""
+        from optim import DiskSparseAdam, mapped_embedding
+        emb = mapped_embedding({str(tmp_path / "w.dsa")!r}, {rows}, {dim})
+        opt = DiskSparseAdam(emb.parameters(), state_dir={str(tmp_path / "s")!r})
+        opt.load_state_dict(torch.load({str(tmp_path / "ckpt.pt")!r}, mmap=True))
+        torch.save(opt.state_dict(), {str(tmp_path / "saved.pt")!r})
+        print("restored and saved at step", opt.step_count(emb.weight), flush=True)
+        opt.close()
+    """, limit)
+    assert out.returncode == 0 and "at step 7" in out.stdout, (out.returncode, peak, out.stderr[-2000:])
+    assert peak <= limit
+    saved = torch.load(tmp_path / "saved.pt", mmap=True)["state"][0]
+    sample = torch.randint(0, rows, (500,), generator=gen)
+    assert int(saved["step"]) == 7
+    assert torch.equal(saved["exp_avg"][sample], exp_avg[sample])
+    assert torch.equal(saved["exp_avg_sq"][sample], exp_avg_sq[sample])
 
 
 def test_a_compact_state_larger_than_memory_saves_without_a_copy(tmp_path, monkeypatch):
@@ -417,3 +428,36 @@ def test_a_resume_of_unnamed_tables_in_another_order_is_refused(tmp_path):
     again = DiskSparseAdam([a.weight, b.weight], state_dir=tmp_path / "s", resume=True)
     assert (again.step_count(a.weight), again.step_count(b.weight)) == (3, 2)
     again.close()
+
+
+@pytest.mark.parametrize("backend", ["torch", "numba"])
+@pytest.mark.parametrize("change", ["double", "bfloat16", "shape"])
+def test_a_table_changed_under_step_in_backward_is_refused_at_its_backward(tmp_path, backend, change):
+    """The step inside backward runs the step's checks in each parameter's hook: a cast of the table
+    (``emb.double()``, ``emb.bfloat16()``) or a replaced ``p.data`` after ``step_in_backward`` was
+    installed is refused at the next backward naming the change, and the weights and step count
+    stay as they were (the kernels never see the mismatched buffers)."""
+    if backend == "numba":
+        pytest.importorskip("numba")
+    from optim import step_in_backward
+
+    emb = nn.Embedding(ROWS, DIM, sparse=True)
+    opt = DiskSparseAdam(emb.parameters(), lr=0.1, backend=backend, state_dir=tmp_path / "s")
+    idx = torch.tensor([1, 2, 2, ROWS - 1])
+    with step_in_backward(opt):
+        emb(idx).pow(2).sum().backward()
+        stepped = emb.weight.detach().clone()
+        assert opt.step_count(emb.weight) == 1 and not torch.equal(stepped[1], torch.zeros(DIM))
+        if change == "shape":
+            emb.weight.data = torch.zeros(ROWS + 3, DIM)
+        else:
+            getattr(emb, change)()
+        expected = {"double": "dtype changed from torch.float32 to torch.float64",
+                    "bfloat16": "dtype changed from torch.float32 to torch.bfloat16",
+                    "shape": r"shape changed from \(300, 6\) to \(303, 6\)"}[change]
+        with pytest.raises(RuntimeError, match=expected):
+            emb(idx).pow(2).sum().backward()
+    assert opt.step_count(emb.weight) == 1
+    if change in ("double", "bfloat16"):
+        assert torch.equal(emb.weight.detach().float(), stepped.to(emb.weight.dtype).float())
+    opt.close()

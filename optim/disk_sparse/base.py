@@ -551,6 +551,8 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
         (groups, parameters, keys, shapes, dtypes, steps) before anything is written, so a bad one
         leaves every file as it was, and every table is marked dirty before any is written, so a
         load cut short leaves a directory that is refused on reopening, never one at mixed steps.
+        The rows are written in chunks, so ``load_state_dict(torch.load(path, mmap=True))`` restores
+        a state larger than memory (as ``torch.save(opt.state_dict(), path)`` saves one).
         """
         self._check_open()
         if not isinstance(state_dict, dict):
