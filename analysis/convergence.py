@@ -139,7 +139,7 @@ def draw(rows, out, config):
     ncols = 2 if len(prefixes) > 1 else 1
     nrows = math.ceil(len(prefixes) / ncols)
     per = [paired_ratios(rows, p) for p in prefixes]
-    height = max(len(r) for r in per) * 0.3 + 1.5
+    height = max((len(r) for r in per), default=1) * 0.3 + 1.5
     fig, axes = new_figure(nrows, ncols, width=6.2 * ncols, height=height * nrows + 0.8)
     worst = None
     for ax, prefix, ratios_ in zip(axes.flat, prefixes, per):
@@ -177,6 +177,10 @@ def _draw_ratios(ax, per, bpp, label):
     from analysis.common import styles
 
     names = list(per)
+    ax.set_title(label, fontsize=9)
+    if not names:  # AdamW alone: nothing to compare
+        ax.set_axis_off()
+        return
     look = styles(names + ["AdamW"])
     ys = range(len(names))
     seeds = [(100 * (r - 1), y) for y, n in zip(ys, names) for r in per[n]]
@@ -200,7 +204,6 @@ def _draw_ratios(ax, per, bpp, label):
     pad = 0.08 * (max(xs) - min(xs) or 1)
     ax.set_xlim(min(xs) - pad, max(xs) + pad)
     ax.set_xlabel("final validation loss over AdamW's (%, paired by seed)", fontsize=8)
-    ax.set_title(label, fontsize=9)
     ax.tick_params(axis="x", labelsize=8)
     ax.grid(alpha=0.3, axis="x")
 
