@@ -45,18 +45,13 @@ import tempfile
 import time
 
 import torch
-import torch.nn as nn
 
 from experiments.common import Results, add_common_args
+from experiments.gpu import batches, make_table, sync
 from experiments.registry import make_optimizer
 
 MiB = 2**20
 DRY_RUN = dict(rows=400, dim=8, batch=64, steps=2, repeats=2, warmup=2, check_steps=2, profile_steps=2)
-
-
-def sync(dev):
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
 
 
 def allocated(dev, peak=False):
@@ -74,20 +69,6 @@ def reset_peak(dev):
 def free(dev):
     if dev.type == "cuda":
         torch.cuda.empty_cache()
-
-
-def make_table(rows, dim, dtype, device, seed, scale):
-    """A fresh table, identical for equal (rows, dim, seed, scale): uniform in ±scale."""
-    g = torch.Generator(device=device).manual_seed(seed)
-    emb = nn.Embedding(rows, dim, sparse=True, device=device, dtype=dtype)
-    with torch.no_grad():
-        emb.weight.copy_(((torch.rand(rows, dim, generator=g, device=device) * 2 - 1) * scale).to(dtype))
-    return emb
-
-
-def batches(rows, batch, n, device, seed):
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    return [torch.randint(0, rows, (batch,), generator=g).to(device) for _ in range(n)]
 
 
 def train_steps(emb, opt, idx_list):

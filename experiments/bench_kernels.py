@@ -45,62 +45,12 @@ import sys
 import time
 
 from experiments.common import Results, add_common_args
+from experiments.gpu import Timer, copy_bandwidth, quick_shapes, tensor_bytes
 from experiments.models import GPT2_SIZES, gpt2_shapes, make_param_set as make_set
 from experiments.registry import GPU_PEERS, make_optimizer
 
 SIZES = GPT2_SIZES
 LR, BETAS, EPS, WD = 1e-3, (0.9, 0.999), 1e-8, 0.01
-
-
-def quick_shapes(total):
-    """~total elements in 16 matrices of 1024 columns plus vectors."""
-    rows = max(1, total // (16 * 1024))
-    return [(rows, 1024)] * 16 + [(1024,)] * 4
-
-
-class Timer:
-    """CUDA events on a GPU (device time of the enqueued work), wall clock on the CPU."""
-
-    def __init__(self, device):
-        self.cuda = device.type == "cuda"
-
-    def time(self, fn):
-        import torch
-
-        if self.cuda:
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            return (a, b)
-        t0 = time.perf_counter()
-        fn()
-        return time.perf_counter() - t0
-
-    def ms(self, h):
-        import torch
-
-        if self.cuda:
-            torch.cuda.synchronize()
-            return h[0].elapsed_time(h[1])
-        return h * 1e3
-
-
-def copy_bandwidth(device, timer, nbytes, reps):
-    """Bytes read + written per second by a device-to-device copy (median of reps)."""
-    import torch
-
-    n = nbytes // 4
-    src = torch.empty(n, device=device).normal_()
-    dst = torch.empty_like(src)
-    for _ in range(2):
-        dst.copy_(src)
-    ts = [timer.ms(timer.time(lambda: dst.copy_(src))) for _ in range(reps)]
-    return 2 * n * 4 / (statistics.median(ts) / 1e3)
-
-
-def tensor_bytes(ts):
-    return sum(t.numel() * t.element_size() for t in ts)
 
 
 def state_tensors(opt):

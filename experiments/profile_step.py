@@ -48,7 +48,7 @@ def _header(args, device) -> str:
 
 
 def dsa_profiles(args, device, tmp) -> str:
-    from experiments.bench_dsa_gpu import batches, make_table
+    from experiments.gpu import batches, make_table
     from experiments.registry import make_optimizer
 
     out = [f"# Disk Sparse Adam: one training iteration, {args.rows:,} x {args.dim}, batch {args.batch}\n"]
@@ -84,27 +84,24 @@ def dsa_profiles(args, device, tmp) -> str:
     return "\n".join(out)
 
 
-def _tensor_bytes(ts) -> int:
-    return sum(t.numel() * t.element_size() for t in ts)
-
-
 def gefen_kernel_bytes(opt, params, grads) -> dict[str, float]:
     """{kernel-name substring: bytes all of that kernel's calls in one step read or write, each once}."""
+    from experiments.gpu import tensor_bytes
     from optim.gefen import state as K
 
     state = [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v) and v.dim() > 0]
-    step = 2 * _tensor_bytes(params) + _tensor_bytes(grads) + 2 * _tensor_bytes(state)
+    step = 2 * tensor_bytes(params) + tensor_bytes(grads) + 2 * tensor_bytes(state)
     if not hasattr(opt, "codebook"):  # fused AdamW: torch's multi-tensor kernel
         return {"multi_tensor_apply_kernel": step}
     factored = [p.grad for p in params if K.W in opt.state.get(p, {})]
     out = {"_gefen_step": step}
     if factored:
-        out["_factor_stats_kernel"] = _tensor_bytes(factored)
+        out["_factor_stats_kernel"] = tensor_bytes(factored)
     return out
 
 
 def gefen_profiles(args, device) -> str:
-    from experiments.bench_kernels import copy_bandwidth, Timer, quick_shapes
+    from experiments.gpu import Timer, copy_bandwidth, quick_shapes
     from experiments.models import GPT2_SIZES, gpt2_shapes, make_param_set
     from experiments.registry import make_optimizer
 

@@ -287,17 +287,19 @@ def test_correctness_tiny_triton_case(tmp_path, monkeypatch, capsys):
 # -------------------------------------------------------------------------------- reproduce
 # The shared harness (and the ahead-of-time compile tool kernel_resources uses): not experiments.
 HARNESS = {"common", "data", "models", "registry", "train", "pool", "triton_aot", "peak", "memcg", "op_count",
-           "checkout"}
+           "checkout", "tracking", "profiling", "gpu", "child"}
 
 
 def test_reproduce_covers_every_experiment_and_analysis():
     from experiments import reproduce
 
-    gpu_only = {"bench_dsa_gpu", "bench_kernels"}  # prepared GPU checks, documented as not in the run
+    gpu_only = {"bench_dsa_gpu", "bench_kernels", "profile_step"}  # prepared GPU checks, not in the run
     scripts = {p.stem for p in (REPO / "experiments").glob("*.py")
                if not p.stem.startswith("_") and p.stem not in HARNESS | {"reproduce"} | gpu_only}
     assert set(reproduce.EXPERIMENTS) == scripts
-    analyses = {p.stem for p in (REPO / "analysis").glob("*.py") if p.stem not in {"common", "__init__"}}
+    # claims.py writes the README's table from every CSV; figure_check.py measures drawn figures
+    analyses = {p.stem for p in (REPO / "analysis").glob("*.py")
+                if p.stem not in {"common", "__init__", "claims", "figure_check"}}
     drawn = {a for figs in reproduce.EXPERIMENTS.values() for a in figs}
     assert drawn == analyses
     assert set(reproduce.FIGURE_OF) == analyses
@@ -546,7 +548,8 @@ def test_results_replace_the_csv_and_write_the_run_config(tmp_path, monkeypatch)
     rows = _rows(tmp_path / "x.csv", "x")
     assert [(r["variant"], r["value"], r["seed"]) for r in rows] == [("AdamW", 3.0, "3")]  # replaced
     meta = json.loads((tmp_path / "x.config.json").read_text())
-    assert set(meta) == {"config", "git_commit", "device", "torch_version", "command", "wall_seconds", "timestamp"}
+    assert set(meta) == {"config", "git_commit", "device", "torch_version", "command", "wall_seconds", "timestamp",
+                         "versions", "wandb"}
     assert meta["config"] == {"size": 1, "path": str(tmp_path)}
     # a command that reruns the experiment from the repository root, whatever the absolute paths were
     assert meta["command"] == "python experiments/x.py --seed 3 --results-dir results/quick" and meta["wall_seconds"] >= 0
@@ -564,12 +567,13 @@ def test_quick_runs_write_under_quick(monkeypatch):
 
 
 def test_registry_names_are_the_canonical_ones():
-    from experiments.registry import DENSE, OPTIMIZERS
+    from experiments.registry import DENSE, GPU_PEERS, OPTIMIZERS
 
     assert DENSE == ["AdamW", "Adam-mini", "torchao-AdamW8bit", "torchao-AdamW4bit", "gefen-upstream", "gefen-x",
                      "Gefen-8bit", "Gefen-4bit", "Gefen-8bit-factored", "Gefen-4bit-factored"]
-    assert set(OPTIMIZERS) == set(DENSE) | {"SparseAdam", "DiskSparseAdam", "DiskSparseRiemannianAdam",
-                                            "geoopt-SparseRiemannianAdam"}
+    assert GPU_PEERS == ["flashoptim-AdamW", "bnb-AdamW8bit", "torchao-AdamW8bit", "gefen-x"]
+    assert set(OPTIMIZERS) == set(DENSE) | set(GPU_PEERS) | {"SparseAdam", "DiskSparseAdam",
+                                                             "DiskSparseRiemannianAdam", "geoopt-SparseRiemannianAdam"}
 
 
 def test_experiments_do_not_import_each_other():
