@@ -37,6 +37,7 @@ import matplotlib  # noqa: E402
 matplotlib.use("Agg")
 from matplotlib.container import BarContainer, ErrorbarContainer  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
+from matplotlib.transforms import Bbox  # noqa: E402
 from matplotlib.legend import Legend  # noqa: E402
 from matplotlib.lines import Line2D  # noqa: E402
 from matplotlib.patches import Rectangle  # noqa: E402
@@ -133,21 +134,27 @@ def _points(line: Line2D, ax) -> np.ndarray:
 
 
 def _marks(ax, renderer):
-    """(name, display box or point) of every data mark in ``ax``: line points, bars, scatter points."""
+    """(name, display box or point) of every data mark in ``ax``: line points, bars, scatter points,
+    each as drawn (clipped to the panel)."""
+    clip = ax.bbox
     for line in ax.lines:
         if line.get_visible() and _is_data(line, ax):
             for x, y in _along(line, ax):
-                yield line.get_label(), (x, y)
+                if not line.get_clip_on() or (clip.x0 <= x <= clip.x1 and clip.y0 <= y <= clip.y1):
+                    yield line.get_label(), (x, y)
     for patch in ax.patches:
         if patch.get_visible() and isinstance(patch, Rectangle) and _is_data(patch, ax):
             box = patch.get_window_extent(renderer)
             if patch.get_width() and patch.get_height() and np.isfinite(box.extents).all():  # a NaN bar is not drawn
-                yield patch.get_label() or "bar", box
+                box = Bbox.intersection(box, clip) if patch.get_clip_on() else box
+                if box is not None:
+                    yield patch.get_label() or "bar", box
     for coll in ax.collections:
         if coll.get_visible() and isinstance(coll, PathCollection):
             offsets = coll.get_offset_transform().transform(np.asarray(coll.get_offsets(), float))
             for x, y in offsets[np.isfinite(offsets).all(axis=1)]:
-                yield coll.get_label(), (x, y)
+                if not coll.get_clip_on() or (clip.x0 <= x <= clip.x1 and clip.y0 <= y <= clip.y1):
+                    yield coll.get_label(), (x, y)
 
 
 def _along(line: Line2D, ax, per_segment=16) -> np.ndarray:

@@ -206,8 +206,19 @@ def figure(rows):
     fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.6), layout="constrained", squeeze=False)
     for ax, panel in zip(axes[0], panels):
         panel(ax, rows)
-    suptitle(fig, "Gefen's step against fused AdamW's", fontsize=10)
+    suptitle(fig, finding(rows), fontsize=10)
     return fig
+
+
+def finding(rows):
+    """The title: Gefen's slowest and fastest CPU step at one thread over fused AdamW's."""
+    ours = [(r["value"], r["variant"]) for r in select(cpu_rows(rows), "step_time_vs_adamw")
+            if r["x_value"] == 1 and _ours(r["variant"].split("/", 1)[-1]) and math.isfinite(r["value"])]
+    if not ours:
+        return "Gefen's step against fused AdamW's"
+    (lo, lo_at), (hi, hi_at) = min(ours), max(ours)
+    return (f"Gefen's CPU step at one thread: {lo:.2f}× ({lo_at}) to {hi:.2f}× ({hi_at}) fused AdamW's\n"
+            f"(targets ≤ {TARGET_CPU:g}× on the transformer and MLP, ≤ {TARGET_SMALL:g}× on small tensors)")
 
 
 def draw(rows, out, config):
