@@ -213,25 +213,28 @@ if {impl!r} == "upstream":
 else:
     from optim.gefen.codebook import optimal_codebook
     optimal_codebook(centers, counts, {K}, backend={impl!r}.split("-")[1])
-print(time.perf_counter() - t1, time.process_time() - c1)
+wall, cpu = time.perf_counter() - t1, time.process_time() - c1
+from experiments.child import emit_result
+emit_result([wall, cpu])
 """
 
 
 def cold_start(res, norm_g1, args, bins, K):
     """First call in a fresh process (imports, numba's cache load or compile), in a subprocess."""
-    import subprocess
     import tempfile
+
+    from experiments.child import child_env, run_child
 
     with tempfile.TemporaryDirectory() as tmp:
         path = str(Path(tmp) / "values.pt")
         torch.save(norm_g1, path)
         for impl in ("ours-numba", "ours-numpy", "upstream"):
             code = _COLD.format(path=path, bins=bins, K=K, impl=impl)
-            out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
-            if out.returncode != 0:
-                tqdm.write(f"cold start of {impl} failed: {out.stderr[-500:]}")
+            run = run_child([sys.executable, "-c", code], env=child_env(), timeout=600)
+            if run.result is None:
+                tqdm.write(f"cold start of {impl} failed ({run.outcome}): {run.stderr[-500:]}")
                 continue
-            wall, cpu = map(float, out.stdout.split()[-2:])
+            wall, cpu = run.result
             res.add(f"{impl}/K{K}", "cold_first_call_time", "s", wall, "bins", bins)
             res.add(f"{impl}/K{K}", "cold_first_call_cpu_time", "s", cpu, "bins", bins)
             tqdm.write(f"cold first call, {bins} bins x {K} levels, {impl}: {wall:.2f} s wall, {cpu:.2f} s CPU")

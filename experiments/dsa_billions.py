@@ -33,7 +33,8 @@ import time
 import torch
 
 from experiments.common import Results, add_common_args
-from experiments.memcg import cgroups_usable, enter_memory_cgroup, leave_memory_cgroup, run_limited
+from experiments.child import run_child
+from experiments.memcg import cgroups_usable, enter_memory_cgroup, leave_memory_cgroup
 
 DIM, BATCH, SCALE_DIM = 64, 8192, 16
 
@@ -115,7 +116,7 @@ def sparse_adam_outcome(rows, dim, limit_bytes):
         return {"outcome": "not run (needs root for a memory cgroup)", "needed_bytes": need, "exit": 0}
     code = ("import torch; e = torch.nn.Embedding(%d, %d, sparse=True); o = torch.optim.SparseAdam(e.parameters());"
             "e(torch.randint(0, %d, (8192,))).pow(2).sum().backward(); o.step(); print('stepped')") % (rows, dim, rows)
-    run = run_limited([sys.executable, "-c", code], limit_bytes, name="dsa-billions-sparse-adam", timeout=600)
+    run = run_child([sys.executable, "-c", code], memory=("dsa-billions-sparse-adam", limit_bytes), timeout=600)
     if run.returncode == 0 and "stepped" in run.stdout:
         outcome = "stepped"
     elif run.oom_killed or run.returncode in (-9, 137):

@@ -33,7 +33,6 @@ import argparse
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -42,7 +41,8 @@ from pathlib import Path
 
 import torch
 
-from experiments.common import REPO_ROOT, Results, add_common_args
+from experiments.child import child_env, free_port
+from experiments.common import Results, add_common_args
 
 CLAIMED_SAMPLES_PER_S = 134_212  # the seed's GPU claim (README), for the bandwidth on paper
 PAPER_RANKS = (2, 8, 64, 512)
@@ -158,16 +158,10 @@ def _timed_step(setup, batch, log, keep):
             log["bytes"].append(table.exchanged_bytes - before)
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(world, cfg, backend, tmp, timeout):
     """Run ``world`` worker processes; return rank 0's measurements (each rank writes its own)."""
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(world),
-               OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", PYTHONPATH=str(REPO_ROOT))
+    env = child_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port(), WORLD_SIZE=world, OMP_NUM_THREADS=1,
+                    GLOO_SOCKET_IFNAME="lo")
     outs = [Path(tmp) / f"w{world}.rank{r}.json" for r in range(world)]
     procs = [subprocess.Popen([sys.executable, __file__, "--worker", json.dumps(cfg), str(outs[r]), backend],
                               env=dict(env, RANK=str(r))) for r in range(world)]

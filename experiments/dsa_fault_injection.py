@@ -47,6 +47,7 @@ from pathlib import Path
 
 import torch
 
+from experiments.child import child_env
 from experiments.common import REPO_ROOT, Results, add_common_args
 
 ROWS, DIM, BATCH, HOT = 2000, 16, 512, 200
@@ -252,7 +253,7 @@ def verify(trial_dir: Path, final, seed: int):
 
 
 def start_server(seed: int):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
+    env = child_env()
     srv = subprocess.Popen([sys.executable, "-m", "experiments.dsa_fault_injection", "--server", "--seed", str(seed)],
                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=REPO_ROOT)
     if srv.stdout.readline().strip() != "ready":

@@ -42,7 +42,6 @@ import os
 import random
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -52,11 +51,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from experiments import memcg
+from experiments.child import emit_result, module_cmd, run_child
 from experiments.common import Results, add_common_args
 from experiments.registry import make_optimizer
-
-CGROUP_ROOT = "/sys/fs/cgroup/memory"
-
 
 # -- the disk --------------------------------------------------------------------------------------
 def _dropped(path):
@@ -193,21 +191,17 @@ def _warm(args, res, x, embs, opts, gen, rows, batch):
 
 
 # -- memory limits ---------------------------------------------------------------------------------
-def _cgroup_usable():
-    probe = os.path.join(CGROUP_ROOT, f"dsa-probe-{os.getpid()}")
-    try:
-        os.mkdir(probe)
-        os.rmdir(probe)
+def _cgroups_usable():
+    if memcg.cgroups_usable():
         return True
-    except OSError as exc:
-        print(f"[limits] skipped: cannot create a memory cgroup under {CGROUP_ROOT} ({exc}); run as root on "
-              "a machine with the cgroup v1 memory controller, or use systemd-run --user --scope -p "
-              "MemoryMax=... for one run")
-        return False
+    print(f"[limits] skipped: cannot create a memory cgroup under {memcg.CGROUP_ROOT}; run as root on "
+          "a machine with the cgroup v1 memory controller, or use systemd-run --user --scope -p "
+          "MemoryMax=... for one run")
+    return False
 
 
 def _child_main(spec):
-    """One run inside a cgroup: build the table, read the state file once, step, print JSON."""
+    """One run inside a cgroup: build the table, read the state file once, step, print the result line."""
     torch.manual_seed(0)
     torch.set_num_threads(1)
     rows, dim, batch = spec["rows"], spec["dim"], spec["batch"]
@@ -235,55 +229,22 @@ def _child_main(spec):
         opt.close()
     steady = times[spec["warmup"]:] or times
     t1 = os.times()
-    print(json.dumps(dict(steps=len(times), samples_per_s=batch * len(steady) / sum(steady),
-                          user_s_per_step=(t1.user - t0.user) / len(times), sys_s_per_step=(t1.system - t0.system) / len(times),
-                          wall_s_per_step=sum(times) / len(times))), flush=True)
+    emit_result(dict(steps=len(times), samples_per_s=batch * len(steady) / sum(steady),
+                     user_s_per_step=(t1.user - t0.user) / len(times), sys_s_per_step=(t1.system - t0.system) / len(times),
+                     wall_s_per_step=sum(times) / len(times)))
 
 
 def _run_limited(spec, limit_bytes, timeout):
-    """Run ``_child_main(spec)`` in a fresh memory cgroup (no limit for None); removes the cgroup."""
-    cg = os.path.join(CGROUP_ROOT, f"dsa-ooc-{os.getpid()}-{int(time.time() * 1e3)}")
-    os.mkdir(cg)
-    try:
-        if limit_bytes is not None:
-            with open(os.path.join(cg, "memory.limit_in_bytes"), "w") as f:
-                f.write(str(int(limit_bytes)))
-        procs = os.path.join(cg, "cgroup.procs")
-
-        def enter():
-            with open(procs, "w") as f:
-                f.write(str(os.getpid()))
-
-        cmd = [sys.executable, "-m", "experiments.dsa_out_of_core", "--child", json.dumps(spec)]
-        try:
-            out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, preexec_fn=enter)
-            rc, stdout, stderr = out.returncode, out.stdout, out.stderr
-        except subprocess.TimeoutExpired as exc:
-            rc, stdout, stderr = "timeout", exc.stdout or "", exc.stderr or ""
-        with open(os.path.join(cg, "memory.max_usage_in_bytes")) as f:
-            peak = int(f.read())
-    finally:
-        _remove_cgroup(cg)
-    result = None
-    if rc == 0 and stdout.strip():
-        result = json.loads(stdout.strip().splitlines()[-1])
-    elif rc not in (0, -signal.SIGKILL, "timeout"):
-        print(f"[limits] child failed ({rc}): {stderr[-2000:]}")
-    return result, rc, peak
-
-
-def _remove_cgroup(cg):
-    for _ in range(50):
-        try:
-            os.rmdir(cg)
-            return
-        except OSError:
-            time.sleep(0.1)  # the killed child's exit is still being accounted
-    print(f"[limits] could not remove cgroup {cg}; remove it with rmdir")
+    """Run ``_child_main(spec)`` in a fresh memory cgroup (no limit for None): (result or None, the run)."""
+    run = run_child(module_cmd("experiments.dsa_out_of_core", "--child", json.dumps(spec)), timeout=timeout,
+                    memory=("dsa-ooc", limit_bytes))
+    if run.returncode not in (0, -signal.SIGKILL, None):
+        print(f"[limits] child failed ({run.returncode}): {run.stderr[-2000:]}")
+    return run.result, run
 
 
 def run_limits(args, res, tmp):
-    if not _cgroup_usable():
+    if not _cgroups_usable():
         return
     from optim import DiskSparseAdam
 
@@ -305,8 +266,9 @@ def run_limits(args, res, tmp):
             if fmt is not None:
                 _drop_file_cache(dirs[fmt])
             limit_bytes = None if limit is None else limit * 2**30
-            out, rc, peak = _run_limited(spec, limit_bytes, timeout=args.limit_seconds + 300)
-            if fmt is not None and rc != 0:
+            out, run = _run_limited(spec, limit_bytes, timeout=args.limit_seconds + 300)
+            peak = run.peak_bytes
+            if fmt is not None and run.outcome != "ok":
                 _reset_state(dirs[fmt], rows, dim, fmt)
             xv = "none" if limit is None else limit
             done = out is not None
@@ -314,7 +276,7 @@ def run_limits(args, res, tmp):
             res.add(variant, "throughput", "samples/s", out["samples_per_s"] if done else 0.0, x_name=x_name, x_value=xv)
             res.add(variant, "peak_memory", "bytes", peak, x_name=x_name, x_value=xv)
             print(f"[limits] {variant} @ {xv} GiB: " + (f"{out['samples_per_s']:,.0f} samples/s over {out['steps']} steps"
-                                                       if done else f"not completed ({rc})")
+                                                       if done else f"not completed ({run.outcome})")
                   + f", peak {peak / 2**30:.2f} GiB")
     from optim.disk_sparse import compact
 

@@ -34,6 +34,7 @@ import time
 
 import torch
 
+from experiments.child import child_env, module_cmd
 from experiments.common import REPO_ROOT, Results, add_common_args
 
 OPTIMIZERS = ("DiskSparseRiemannianAdam", "geoopt-SparseRiemannianAdam", "SparseAdam")
@@ -109,14 +110,13 @@ def main(argv=None):
     args.epochs = args.epochs or (3 if args.quick else 20)
     if args.worker:
         return worker(args)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
+    env = child_env()
     config = {**vars(args), "seed_loss": SEED_LOSS, "seed_throughput": SEED_THROUGHPUT}
     with Results("dsa_seed_benchmark", args, config=config, wandb_rows=False) as res:
         for name in args.optimizers.split(","):
-            cmd = [sys.executable, "-m", "experiments.dsa_seed_benchmark", "--worker", name, "--rows", str(args.rows),
-                   "--dim", str(args.dim), "--batch", str(args.batch), "--epochs", str(args.epochs),
-                   "--lr", str(args.lr), "--seed", str(args.seed), "--threads", str(args.threads),
-                   "--device", args.device]
+            cmd = module_cmd("experiments.dsa_seed_benchmark", "--worker", name, "--rows", args.rows, "--dim", args.dim,
+                             "--batch", args.batch, "--epochs", args.epochs, "--lr", args.lr, "--seed", args.seed,
+                             "--threads", args.threads, "--device", args.device)
             steps_per_epoch = -(-args.rows // args.batch)
             run = res.tracking.train_run(model=f"emb{args.rows}x{args.dim}", optimizer=name, lr=args.lr, seed=args.seed,
                                          config=dict(steps_per_epoch=steps_per_epoch))

@@ -64,7 +64,6 @@ import io
 import json
 import math
 import os
-import socket
 import statistics
 import sys
 import time
@@ -73,7 +72,8 @@ import torch
 import torch.nn as nn
 
 from experiments.common import REPO_ROOT, Results, add_common_args
-from experiments.memcg import CGROUP_ROOT, cgroups_usable, join_memory_cgroup, run_limited
+from experiments.child import child_env, emit_result, free_port, module_cmd, run_child
+from experiments.memcg import CGROUP_ROOT, cgroups_usable, join_memory_cgroup
 from experiments.models import GPT, GPTConfig
 from experiments.peak import PeakMemory, _hwm, _reset_hwm, _rss
 from experiments.registry import GEFEN_X_DIR, GEFEN_X_INSTALL, gefen_x, gefen_x_version, make_optimizer, state_bytes
@@ -248,7 +248,7 @@ def measure_peaks(config, spec, micro_batch, seed):
 
 # ---------------------------------------------------------------------------------------- workers
 def worker(spec):
-    """One subprocess's job (``--worker JSON``); prints ``RESULT <json>`` last."""
+    """One subprocess's job (``--worker JSON``); its result line last (experiments/child.py)."""
     torch.set_num_threads(1)
     task = spec["task"]
     if task == "peaks":
@@ -270,7 +270,7 @@ def worker(spec):
         out = dict(ok=True)
     else:
         out = distributed_rank(spec)
-    print("RESULT " + json.dumps(out), flush=True)
+    emit_result(out)
 
 
 def distributed_rank(spec):
@@ -323,30 +323,19 @@ def distributed_rank(spec):
 
 
 def _worker_cmd(spec):
-    return [sys.executable, "-m", "experiments.gefen_peak_memory", "--worker", json.dumps(spec)]
+    return module_cmd("experiments.gefen_peak_memory", "--worker", json.dumps(spec))
 
 
-def _env():
+def _env(**extra):
     # one thread everywhere, torch.compile (torchao) without a pool of compile processes
-    return dict(os.environ, OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1", TORCHINDUCTOR_COMPILE_THREADS="1",
-                PYTHONPATH=str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-
-
-def _result(stdout):
-    lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")]
-    return json.loads(lines[-1][len("RESULT "):]) if lines else None
-
-
-def _why(run) -> str:
-    err = [ln for ln in run.stderr.strip().splitlines() if ln.strip()]
-    return f"{run.outcome}: {err[-1][:300]}" if err and run.outcome.startswith("exit") else run.outcome
+    return child_env(OMP_NUM_THREADS=1, NUMBA_NUM_THREADS=1, TORCHINDUCTOR_COMPILE_THREADS=1, **extra)
 
 
 def run_worker(spec, limit_bytes=None, timeout=None, join_at_start=False):
-    """(result dict or None, memcg.Limited) of one worker process."""
-    run = run_limited(_worker_cmd(spec), limit_bytes, name="gefen-peak", timeout=timeout, env=_env(),
-                      join_at_start=join_at_start)
-    return (_result(run.stdout) if run.returncode == 0 else None), run
+    """(result dict or None, child.ChildRun) of one worker process, in a memory cgroup of ``limit_bytes``."""
+    run = run_child(_worker_cmd(spec), memory=("gefen-peak", limit_bytes), timeout=timeout, env=_env(),
+                    join_at_start=join_at_start)
+    return run.result, run
 
 
 # ------------------------------------------------------------------------------------ availability
@@ -383,7 +372,7 @@ def peaks(res, args, size, configs, pool):
         config, js = runs[fut]
         out, run = fut.result()
         if out is None:
-            note(res, f"peaks {config} on {', '.join(j['name'] for j in js)}: {_why(run)}")
+            note(res, f"peaks {config} on {', '.join(j['name'] for j in js)}: {run.why()}")
             continue
         for r in out["results"]:
             found[(r["name"], r["micro_batch"], config)] = r
@@ -452,7 +441,7 @@ def fit_search(args, size, config, what, budget, start):
                         model=dict(kind="mlp", width=WIDTH_STEP * x, depth=ladder["depth"]))
         out, run = run_worker(spec, int(budget * 2**30), size["timeout"])
         code = 1 if out else (0 if run.oom_killed else -1)
-        trials.append((x, code, run.peak_bytes, None if code >= 0 else _why(run)))
+        trials.append((x, code, run.peak_bytes, None if code >= 0 else run.why()))
         print(f"[budget {budget:g} GiB] {config} {what}={x if what == 'micro_batch' else WIDTH_STEP * x}: "
               f"{run.outcome} (cgroup peak "
               f"{run.peak_bytes / 2**20:.0f} MiB)", flush=True)
@@ -535,20 +524,14 @@ def budgets(res, args, size, configs, found, pool):
     return largest
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_ranks(spec, limit_bytes, timeout, world=2):
     """Both ranks of one distributed run, each in its own memory cgroup of ``limit_bytes``."""
-    port = _free_port()
+    port = free_port()
 
     def rank(r):
-        env = dict(_env(), RANK=str(r), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        return run_limited(_worker_cmd(spec), limit_bytes, name="gefen-peak-rank", timeout=timeout, env=env,
-                           join_at_start=False)
+        env = _env(RANK=r, WORLD_SIZE=world, MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        return run_child(_worker_cmd(spec), memory=("gefen-peak-rank", limit_bytes), timeout=timeout, env=env,
+                         join_at_start=False)
 
     with futures.ThreadPoolExecutor(world) as ex:
         return list(ex.map(rank, range(world)))
@@ -577,7 +560,7 @@ def distributed_run(res, args, size, strategy, config, kind, mb, limit, budget):
     spec = dict(task="dist", config=config, model=size["peaks"][-1][0], micro_batch=mb, strategy=strategy,
                 steps=size["dist_steps"], seed=args.seed, timeout=size["timeout"])
     ranks = run_ranks(spec, limit, size["timeout"])
-    outs = [_result(r.stdout) if r.returncode == 0 else None for r in ranks]
+    outs = [r.result for r in ranks]
     v, x = f"{strategy}/{config}", dict(x_name="micro_batch", x_value=mb)
     if any(r.oom_killed for r in ranks):
         code = 1
@@ -587,7 +570,7 @@ def distributed_run(res, args, size, strategy, config, kind, mb, limit, budget):
         code = 3 if any(r.returncode is None for r in ranks) else 2
     res.add(v, f"outcome_{kind}_micro_batch", "code", code, **x)
     if code:
-        why = ("; ".join(f"rank {i}: {_why(r)}" for i, r in enumerate(ranks) if r.outcome != "ok")
+        why = ("; ".join(f"rank {i}: {r.why()}" for i, r in enumerate(ranks) if r.outcome != "ok")
                if code != 1 else ", ".join(f"rank {i}" for i, r in enumerate(ranks) if r.oom_killed)
                + " killed for memory (a rank left alive then fails in its next collective)")
         note(res, f"{strategy} {config} at micro-batch {mb} ({kind}{f', {budget:g} GiB a rank' if limit else ''}): "

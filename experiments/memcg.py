@@ -1,8 +1,8 @@
-"""Memory cgroups (v1): run a process, or the rest of this one, under a memory budget.
+"""Memory cgroups (v1): put a process, or the rest of this one, under a memory budget.
 
     path = make_memory_cgroup("my-run", 2 * 2**30)    # None where no cgroup can be made
-    run = run_limited([sys.executable, "-c", code], 2 * 2**30, name="my-run", timeout=600)
-    run.outcome        # "ok", "killed for memory", "timeout" or "exit N"
+    path = enter_memory_cgroup("my-run", 2 * 2**30)   # this process from now on
+    # a child process in one: experiments/child.py, run_child(cmd, memory=("my-run", 2 * 2**30))
 
 A cgroup's limit counts the process's anonymous memory and the page cache it brings in. Making one
 needs root and the v1 memory controller at ``CGROUP_ROOT``; every helper here returns None (or
@@ -14,9 +14,7 @@ from __future__ import annotations
 import itertools
 import os
 import subprocess
-import sys
 import time
-from dataclasses import dataclass
 
 CGROUP_ROOT = "/sys/fs/cgroup/memory"
 _SERIAL = itertools.count()
@@ -106,50 +104,3 @@ def oom_kills(path) -> int:
     except (OSError, ValueError, TypeError):
         pass
     return 0
-
-
-@dataclass
-class Limited:
-    """How a process run under a memory limit ended."""
-
-    returncode: int | None  # None: timed out
-    stdout: str
-    stderr: str
-    peak_bytes: int  # the cgroup's peak charge (0 without a cgroup)
-    oom_killed: bool
-    limited: bool  # False where no cgroup could be made (the process ran without a limit)
-
-    @property
-    def outcome(self) -> str:
-        if self.oom_killed:
-            return "killed for memory"
-        if self.returncode is None:
-            return "timeout"
-        return "ok" if self.returncode == 0 else f"exit {self.returncode}"
-
-
-def run_limited(cmd, limit_bytes, *, name, timeout=None, env=None, join_at_start=True) -> Limited:
-    """Run ``cmd`` in a fresh memory cgroup of ``limit_bytes`` and remove the cgroup after.
-
-    ``join_at_start``: the process starts inside the cgroup. Otherwise it starts outside and joins
-    it itself (``join_memory_cgroup(os.environ["MEMCG_PATH"])``), so that what it allocates before
-    (imports, warm-up) is not counted. ``MEMCG_PATH`` is set in both cases ("" without a cgroup).
-    """
-    path = make_memory_cgroup(name, limit_bytes)
-    env = dict(os.environ if env is None else env, MEMCG_PATH=path or "")
-    pre = (lambda: join_memory_cgroup(path)) if (path and join_at_start) else None
-    proc = subprocess.Popen(list(map(str, cmd)), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env, preexec_fn=pre)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-        code = proc.returncode
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, err = proc.communicate()
-        code = None
-    try:
-        killed = bool(path) and oom_kills(path) > 0
-        return Limited(code, out, err, peak_usage(path) if path else 0, killed, path is not None)
-    finally:
-        if not remove_memory_cgroup(path):
-            print(f"[memcg] could not remove {path}; remove it with rmdir", file=sys.stderr)

@@ -31,14 +31,12 @@ import argparse
 import collections
 import contextlib
 import importlib.util
-import json
-import os
-import subprocess
 import sys
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from experiments.child import child_env, emit_result, module_cmd, run_child
 from experiments.common import REPO_ROOT
 
 # operations that wait for the device: a value read on the host, or an output shape that depends on data
@@ -210,14 +208,10 @@ def count_in_child(names, tensor_counts, steps: int = 3, seed: int = 0, timeout:
     """``count_optimizer`` of each name at each tensor count on CPU tensors, in a child process with
     TRITON_INTERPRET=1 (the Triton path on the CPU). Records ``{"optimizer", "tensors", "steps": [summary]}``,
     or ``{"optimizer", "tensors", "error"}`` for one that failed."""
-    cmd = [sys.executable, "-m", "experiments.op_count", "--optimizers", *names,
-           "--tensors", *map(str, tensor_counts), "--steps", str(steps), "--seed", str(seed)]
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(
-        filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
-    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    cmd = module_cmd("experiments.op_count", "--optimizers", *names, "--tensors", *tensor_counts,
+                     "--steps", steps, "--seed", seed)
+    run = run_child(cmd, cwd=REPO_ROOT, env=child_env(TRITON_INTERPRET=1), timeout=timeout)
+    return run.check(" ".join(cmd)).result
 
 
 def main(argv=None):
@@ -229,6 +223,7 @@ def main(argv=None):
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    records = []
     for n in args.tensors:
         for name in args.optimizers:
             record = {"optimizer": name, "tensors": n}
@@ -236,7 +231,8 @@ def main(argv=None):
                 record["steps"] = count_optimizer(name, n, args.steps, args.seed, args.device)
             except Exception as exc:  # one optimizer that cannot run is reported, not fatal
                 record["error"] = f"{type(exc).__name__}: {exc}"
-            print(json.dumps(record), flush=True)
+            records.append(record)
+    emit_result(records)
     return 0
 
 

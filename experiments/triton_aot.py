@@ -212,18 +212,15 @@ def reports(plan: dict, workers: int = 2, timeout: float = 3600) -> dict:
     cover one of "each" / "pairs" / "all" (``_triton_common.axis_*``), every ``stride``-th launch.
     Capabilities this Triton cannot target are left out. Returns {caps, kernels, rows}."""
     import json
-    import sys
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # this checkout's root
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    from experiments.child import child_env, module_cmd, run_child
+    from experiments.common import REPO_ROOT
+
+    env = child_env({k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9's default, stated (silences its warning)
     arg = json.dumps({"plan": {str(k): list(v) for k, v in plan.items()}, "workers": workers})
-    out = subprocess.run([sys.executable, "-m", "experiments.triton_aot", arg], env=env, cwd=root,
-                         capture_output=True, text=True, timeout=timeout)
-    if out.returncode:
-        raise RuntimeError(f"ahead-of-time compilation failed:\n{out.stderr[-4000:]}")
-    return json.loads(out.stdout)
+    run = run_child(module_cmd("experiments.triton_aot", arg), env=env, cwd=REPO_ROOT, timeout=timeout)
+    return run.check("ahead-of-time compilation").result
 
 
 def _main(arg: str) -> dict:
@@ -239,7 +236,8 @@ def _main(arg: str) -> dict:
 
 
 if __name__ == "__main__":
-    import json
     import sys
 
-    json.dump(_main(sys.argv[1]), sys.stdout)
+    from experiments.child import emit_result
+
+    emit_result(_main(sys.argv[1]))

@@ -1,0 +1,93 @@
+"""The experiments' shared harness: child processes (experiments/child.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+
+import pytest
+
+from experiments.child import child_env, emit_result, free_port, module_cmd, parse_result, run_child
+from experiments.common import REPO_ROOT
+
+
+def _py(code):
+    return [sys.executable, "-c", code]
+
+
+def test_child_result_is_its_last_result_line_among_other_output():
+    value = {"rate": 1.5, "steps": [1, 2], "name": "RESULT {not json}"}
+    code = ("import json, sys\n"
+            "print('{\"a looks\": \"like json\"}'); print('RESULT ' + json.dumps(0))\n"
+            "print('progress', file=sys.stderr)\n"
+            "from experiments.child import emit_result\n"
+            f"emit_result({value!r}); print('done')\n")
+    run = run_child(_py(code), env=child_env(), timeout=60)
+    assert run.outcome == "ok" and run.result == value
+    assert "progress" in run.stderr and not run.limited and run.peak_bytes == 0
+
+
+def test_child_without_a_result_line_gives_none():
+    assert parse_result("{\"x\": 1}\n42\n") is None
+    assert run_child(_py("print(3)"), timeout=60).result is None
+
+
+def test_emit_result_round_trips_through_parse(capsys):
+    emit_result([1, {"b": None}])
+    assert parse_result("noise\n" + capsys.readouterr().out) == [1, {"b": None}]
+
+
+def test_child_failure_names_what_failed_and_its_stderr():
+    run = run_child(_py("import sys; print('RESULT 1'); sys.exit('broken input')"), timeout=60)
+    assert run.outcome == "exit 1" and run.result is None  # a result printed before a failure is not one
+    assert run.why() == "exit 1: broken input"
+    with pytest.raises(RuntimeError, match=r"(?s)the probe failed \(exit 1\).*broken input"):
+        run.check("the probe")
+
+
+def test_child_past_its_timeout_is_killed_and_says_timeout():
+    run = run_child(_py("import time; time.sleep(30)"), timeout=0.5)
+    assert run.returncode is None and run.outcome == "timeout" and run.result is None
+    with pytest.raises(RuntimeError, match="timeout"):
+        run.check("sleeper")
+
+
+def test_child_env_puts_this_checkout_first_and_sets_extras(monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    env = child_env(RANK=3, EXTRA="x")
+    assert env["PYTHONPATH"].split(os.pathsep) == [str(REPO_ROOT), "/elsewhere"]
+    assert env["RANK"] == "3" and env["EXTRA"] == "x"
+    assert child_env({"PATH": "/bin"}) == {"PATH": "/bin", "PYTHONPATH": str(REPO_ROOT)}
+
+
+def test_module_cmd_runs_a_module_of_this_checkout_with_this_interpreter():
+    cmd = module_cmd("experiments.child", "--x", 3)
+    assert cmd == [sys.executable, "-m", "experiments.child", "--x", "3"]
+
+
+def test_free_port_can_be_listened_on():
+    port = free_port()
+    assert 0 < port < 65536
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", port))
+        s.listen()
+
+
+def test_child_in_a_memory_cgroup_sets_its_path_or_runs_unlimited():
+    """Without the rights to make a cgroup the child still runs, unlimited, with MEMCG_PATH empty;
+    with them it runs inside one (its peak measured) that is removed afterwards."""
+    from experiments import memcg
+
+    code = "import os, json; from experiments.child import emit_result; emit_result(os.environ['MEMCG_PATH'])"
+    run = run_child(_py(code), env=child_env(), memory=("harness-test", 256 * 2**20), timeout=60)
+    assert run.outcome == "ok" and run.limited == memcg.cgroups_usable()
+    if run.limited:
+        assert run.result and run.peak_bytes > 0 and not os.path.exists(run.result)
+    else:
+        assert run.result == "" and run.peak_bytes == 0
+
+
+def test_parse_result_reads_json_values():
+    assert parse_result("RESULT " + json.dumps({"x": [1.0]})) == {"x": [1.0]}
