@@ -75,7 +75,7 @@ from experiments.common import REPO_ROOT, Results, add_common_args
 from experiments.child import child_env, emit_result, free_port, module_cmd, run_child
 from experiments.memcg import CGROUP_ROOT, cgroups_usable, join_memory_cgroup
 from experiments.models import GPT, GPTConfig
-from experiments.peak import PeakMemory, _hwm, _reset_hwm, _rss
+from experiments.peak import PeakMemory, peak_rss_bytes, reset_peak_rss, rss_bytes
 from experiments.registry import GEFEN_X_DIR, GEFEN_X_INSTALL, gefen_x, gefen_x_version, make_optimizer, state_bytes
 
 LR = 1e-3
@@ -224,7 +224,7 @@ def measure_peaks(config, spec, micro_batch, seed):
     """One model and micro-batch: PeakMemory of each of ``STEPS`` steps (bytes per parameter)."""
     weights = CONFIGS[config][1]
     release()
-    base = _rss()
+    base = rss_bytes()
     torch.manual_seed(seed)
     model = build_model(spec, weights)
     opt, handle = build_optimizer(config, model, spec)
@@ -237,7 +237,7 @@ def measure_peaks(config, spec, micro_batch, seed):
         with PeakMemory(params, opt) as peak:
             train_step(model, opt, handle, batch)
         rec = peak.report(n)
-        rec["rss_total_per_param"] = max(0, _hwm() - base) / n
+        rec["rss_total_per_param"] = max(0, peak_rss_bytes() - base) / n
         steps.append(rec)
     out = dict(params=n, steps=steps, state_bytes_per_param=state_bytes(opt) / n, baseline_rss_bytes=base,
                largest_tensor_bytes=max(p.numel() * p.element_size() for p in params))
@@ -283,8 +283,8 @@ def distributed_rank(spec):
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=spec["timeout"]))
     rank, world = dist.get_rank(), dist.get_world_size()
     warm_up(config, model_spec, weights)
-    base = _rss()
-    _reset_hwm()
+    base = rss_bytes()
+    reset_peak_rss()
     if os.environ.get("MEMCG_PATH"):
         join_memory_cgroup(os.environ["MEMCG_PATH"])
     torch.manual_seed(spec["seed"])
@@ -319,7 +319,7 @@ def distributed_rank(spec):
     dist.destroy_process_group()
     step = statistics.median(times)
     return dict(tokens_per_s=world * spec["micro_batch"] * model_spec["block"] / step, step_s=step,
-                ranks_agree=agree, rss_peak_bytes=max(0, _hwm() - base), rank=rank)
+                ranks_agree=agree, rss_peak_bytes=max(0, peak_rss_bytes() - base), rank=rank)
 
 
 def _worker_cmd(spec):

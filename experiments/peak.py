@@ -5,6 +5,7 @@
     peak.tensor_peak          # bytes: weights + gradients + state + the rest, at the peak
     peak.at_peak              # {"weights", "gradients", "state", "rest"}: the peak split
     peak.rss_peak             # bytes the process's resident set rose to above where it started
+    rss_bytes(), peak_rss_bytes(), reset_peak_rss()   # the resident set now, its high-water mark, reset it
 
 ``tensor_peak`` is what CUDA's ``torch.cuda.max_memory_allocated`` reports for the same step on a
 GPU (less the allocator's rounding): the largest sum, at any moment, of the bytes of distinct tensor
@@ -76,12 +77,14 @@ def _tensors(obj) -> list:
     return out
 
 
-def _rss() -> int:
+def rss_bytes() -> int:
+    """The process's resident set now (bytes)."""
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * _PAGE
 
 
-def _hwm() -> int:
+def peak_rss_bytes() -> int:
+    """The resident set's high-water mark (bytes; Linux VmHWM, 0 where unknown)."""
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith("VmHWM:"):
@@ -89,7 +92,7 @@ def _hwm() -> int:
     return 0
 
 
-def _reset_hwm() -> bool:
+def reset_peak_rss() -> bool:
     """Reset the resident-set high-water mark to the current RSS (Linux: write 5 to clear_refs)."""
     try:
         with open("/proc/self/clear_refs", "w") as f:
@@ -241,14 +244,14 @@ class PeakMemory(TorchDispatchMode):
         self.tensor_peak = self.current
         self.at_peak = self.split()
         self.transient = self.at_peak["rest"]
-        self._rss0 = _rss()
-        self._hwm_ok = _reset_hwm()
+        self._rss0 = rss_bytes()
+        self._hwm_ok = reset_peak_rss()
         return super().__enter__()
 
     def __exit__(self, *exc):
         out = super().__exit__(*exc)
         self._settle()
-        hwm = _hwm() if self._hwm_ok else _rss()
+        hwm = peak_rss_bytes() if self._hwm_ok else rss_bytes()
         self.rss_peak = max(0, hwm - self._rss0)
         return out
 

@@ -91,3 +91,20 @@ def test_child_in_a_memory_cgroup_sets_its_path_or_runs_unlimited():
 
 def test_parse_result_reads_json_values():
     assert parse_result("RESULT " + json.dumps({"x": [1.0]})) == {"x": [1.0]}
+
+
+def test_resident_set_helpers_see_memory_touched_and_freed():
+    """experiments/peak.py's public RSS helpers against a 64 MiB buffer this test touches and frees."""
+    import numpy as np
+
+    from experiments.peak import peak_rss_bytes, reset_peak_rss, rss_bytes
+
+    size = 64 * 2**20
+    before = rss_bytes()
+    buf = np.ones(size, dtype=np.uint8)  # every page written
+    held = rss_bytes()
+    assert held - before > 0.9 * size
+    assert peak_rss_bytes() >= held
+    del buf
+    if reset_peak_rss():  # Linux with clear_refs: the mark drops back to what is resident now
+        assert peak_rss_bytes() < held - 0.5 * size
