@@ -44,7 +44,6 @@ import signal
 import statistics
 import sys
 import tempfile
-import threading
 import time
 
 import torch
@@ -54,41 +53,8 @@ import torch.nn.functional as F
 from experiments import memcg
 from experiments.child import emit_result, module_cmd, run_child
 from experiments.common import Results, add_common_args
+from experiments.disk import drop_cache, random_read_rate
 from experiments.registry import make_optimizer
-
-# -- the disk --------------------------------------------------------------------------------------
-def _dropped(path):
-    fd = os.open(path, os.O_RDONLY)
-    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    return fd
-
-
-def read_rate(path, n_reads, threads, seed):
-    """4 KiB ``pread``s per second at random page offsets of ``path`` (its cache dropped first),
-    ``threads`` of them in flight."""
-    fd = _dropped(path)
-    try:
-        pages = os.fstat(fd).st_size // 4096
-        rng = random.Random(seed)
-        offsets = [rng.randrange(1, pages) * 4096 for _ in range(n_reads)]
-
-        def work(part):
-            for off in part:
-                os.pread(fd, 4096, off)
-
-        t = time.perf_counter()
-        if threads == 1:
-            work(offsets)
-        else:
-            pool = [threading.Thread(target=work, args=(offsets[k::threads],)) for k in range(threads)]
-            for th in pool:
-                th.start()
-            for th in pool:
-                th.join()
-        return n_reads / (time.perf_counter() - t)
-    finally:
-        os.close(fd)
-
 
 # -- cold steps ------------------------------------------------------------------------------------
 def _seed_step(emb, opt, idx, announce=None):
@@ -141,7 +107,7 @@ def run_cold(args, res, tmp):
             pages_per_step[fmt] += [int(st._page_runs(torch.unique(b).numpy())[1].sum()) for b in batches[:2]]
         path = opts["exact"].state_files()[0].path
         for qd in reads:
-            reads[qd].append(read_rate(path, args.disk_reads, qd, args.seed + rep))
+            reads[qd].append(random_read_rate(path, args.disk_reads, args.seed + rep, threads=qd))
     _warm(args, res, x, embs, opts, gen, rows, batch)
     for opt in opts.values():
         opt.close()
@@ -291,8 +257,7 @@ def run_limits(args, res, tmp):
 
 def _drop_file_cache(state_dir):
     for f in os.listdir(state_dir):
-        fd = _dropped(os.path.join(state_dir, f))
-        os.close(fd)
+        drop_cache(os.path.join(state_dir, f))
 
 
 def _reset_state(state_dir, rows, dim, fmt):

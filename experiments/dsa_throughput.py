@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import random
 import shutil
 import statistics
 import tempfile
@@ -50,6 +49,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from experiments.common import Results, add_common_args
+from experiments.disk import random_read_rate
 from experiments.registry import make_optimizer
 from experiments.train import interleaved
 
@@ -98,22 +98,6 @@ def make_batches(cfg, n, gen):
 
     return [(zipf((b,)), torch.randint(0, 1000, (b,), generator=gen), zipf((b,)), zipf((b, 4)))
             for _ in range(n)]
-
-
-def disk_random_read_rate(path, n_reads, seed):
-    """Synchronous 4 KiB reads per second at random page offsets of ``path`` after dropping its cache."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        size = os.fstat(fd).st_size
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        rng = random.Random(seed)
-        offsets = [rng.randrange(size // 4096) * 4096 for _ in range(n_reads)]
-        t = time.perf_counter()
-        for off in offsets:
-            os.pread(fd, 4096, off)
-        return n_reads / (time.perf_counter() - t)
-    finally:
-        os.close(fd)
 
 
 def run_config(cfg, args, res, tmp):
@@ -247,7 +231,7 @@ def _cold(args, cfg, dsa, dsa_step):
         t = interleaved({"cold": lambda: dsa_step(next(batch_ids))}, args.cold_steps, before=drop)["cold"]
         walls.append(samples / sum(t["wall"]))
         cpus.append(samples / sum(t["cpu"]))
-        reads.append(disk_random_read_rate(stores[0].path, args.disk_reads, args.seed + rep))
+        reads.append(random_read_rate(stores[0].path, args.disk_reads, args.seed + rep))
     return walls, cpus, reads
 
 

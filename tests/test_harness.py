@@ -108,3 +108,29 @@ def test_resident_set_helpers_see_memory_touched_and_freed():
     del buf
     if reset_peak_rss():  # Linux with clear_refs: the mark drops back to what is resident now
         assert peak_rss_bytes() < held - 0.5 * size
+
+
+def test_random_offsets_are_page_aligned_inside_the_file_past_its_header():
+    from experiments.disk import PAGE, random_offsets
+
+    size = 37 * PAGE + 100  # the tail's partial page is not a whole page to read
+    offs = random_offsets(size, 2000, seed=3)
+    assert len(offs) == 2000 and all(o % PAGE == 0 and PAGE <= o <= size - PAGE for o in offs)
+    assert len(set(offs)) == 36  # every page but the header is drawn (2000 draws of 36)
+    assert offs == random_offsets(size, 2000, seed=3) != random_offsets(size, 2000, seed=4)
+    with pytest.raises(ValueError, match="two pages or more"):
+        random_offsets(PAGE + 1, 1, seed=0)
+
+
+@pytest.mark.parametrize("threads", [1, 4])
+def test_random_read_rate_reads_the_file_and_counts_the_reads(tmp_path, monkeypatch, threads):
+    """Every offset is read once, with one 4 KiB pread, on the file asked for, whatever the threads."""
+    from experiments import disk
+
+    path = tmp_path / "f"
+    path.write_bytes(os.urandom(64 * disk.PAGE))
+    seen, real = [], os.pread
+    monkeypatch.setattr(disk.os, "pread", lambda fd, n, off: seen.append((n, off)) or real(fd, n, off))
+    rate = disk.random_read_rate(path, 500, seed=1, threads=threads)
+    assert rate > 0
+    assert sorted(seen) == sorted((disk.PAGE, o) for o in disk.random_offsets(64 * disk.PAGE, 500, seed=1))
