@@ -21,6 +21,8 @@ import weakref
 
 import torch
 
+from ._torch_private import at_backward_end, graph_task_id, is_lr_scheduler_wrapped, mark_lr_scheduler_wrapped
+
 __all__ = ["step_in_backward", "StepInBackward"]
 
 # optimizer -> weak reference to its installed StepInBackward. Both weak: a model and optimizer
@@ -233,10 +235,10 @@ class StepInBackward:
         def guarded_step(opt, *args, **kwargs):
             return self._guarded_step(*args, **kwargs)
 
-        if hasattr(self._step, "_wrapped_by_lr_sched"):
+        if is_lr_scheduler_wrapped(self._step):
             # An LR scheduler's mark: a scheduler warns at its first step where it is gone, and
             # wraps (again) a step that lacks it.
-            guarded_step._wrapped_by_lr_sched = True
+            mark_lr_scheduler_wrapped(guarded_step)
 
         def add_param_group(opt, param_group):
             out = self._add(param_group)
@@ -362,14 +364,14 @@ class StepInBackward:
         """The entry of the backward running now; made (and its end queued) by its first hook,
         which also hooks the parameters unfrozen since the last backward and drops what a backward
         that raised left behind."""
-        task = torch._C._current_graph_task_id()
+        task = graph_task_id()
         if task != self._task or self._backward is None:
             if self._backward is not None:  # a backward that raised: its end never ran
                 self._drop(self._backward)
             needs = getattr(self.optimizer, "needs_every_gradient", None)
             entry = _Backward(held=bool(needs()) if callable(needs) else False)
             self._task, self._backward = task, entry
-            torch.autograd.Variable._execution_engine.queue_callback(lambda: self._end(entry))
+            at_backward_end(lambda: self._end(entry))
             if _accumulating():
                 raise RuntimeError(
                     "step_in_backward inside accelerate's accumulate() on a micro-batch that should not "

@@ -60,6 +60,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .._torch_private import is_dcp_init_step, local_shape_and_offset
 from . import state as K
 from .partition import tile_elements
 from .reference import num_code_bytes, num_scales, pack_codes, quantize, scale_block_length, unpack_codes
@@ -104,9 +105,7 @@ def shard_rows(p):
     if not is_sharded(p):
         return 0, rows, rows, row_len
     _check_placements(p)
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    shape, offset = local_shape_and_offset(p)
     return offset[0], offset[0] + shape[0], rows, row_len
 
 
@@ -167,10 +166,7 @@ def is_state_dict_init_step(opt) -> bool:
     its codebook from an all-zero histogram, for good. Gefen's distributed state dict needs no
     such step (it presents zeros of the saved shapes), so the step is skipped.
     """
-    if opt.state or any(float(g["lr"]) != 0.0 for g in opt.param_groups):
-        return False
-    grads = [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]
-    return bool(grads) and not any(bool(local_shard(g).any()) for g in grads)
+    return is_dcp_init_step(opt, lambda g: not bool(local_shard(g).any()))
 
 
 # --------------------------------------------------------------------------------- checkpoints

@@ -1,0 +1,90 @@
+"""Each private PyTorch API ``optim`` uses (``optim/_torch_private.py``), checked on its own: a torch
+upgrade that changes one fails here, naming it."""
+
+import torch
+import torch.distributed as dist
+
+from optim import _torch_private as tp
+
+
+def _sgd():
+    return torch.optim.SGD([torch.nn.Parameter(torch.randn(3))], lr=0.1)
+
+
+def test_state_dict_hooks_are_the_registered_ones_in_order():
+    opt = _sgd()
+    made = {}
+    for kind in ("state_dict_pre", "state_dict_post", "load_state_dict_pre", "load_state_dict_post"):
+        register = getattr(opt, f"register_{kind}_hook")
+        first, second = (lambda *a: None), (lambda *a: None)
+        register(first)
+        register(second, prepend=True)
+        made[kind] = [second, first]
+    for kind, hooks in made.items():
+        assert tp.state_dict_hooks(opt, kind) == hooks, kind
+
+
+def test_graph_task_id_differs_between_backwards_and_is_negative_outside():
+    p = torch.randn(3, requires_grad=True)
+    seen = []
+    p.register_hook(lambda g: seen.append(tp.graph_task_id()))
+    (p * 2).sum().backward()
+    (p * 3).sum().backward()
+    assert len(seen) == 2 and seen[0] >= 0 and seen[1] >= 0 and seen[0] != seen[1]
+    assert tp.graph_task_id() < 0
+
+
+def test_at_backward_end_runs_after_every_gradient_is_accumulated():
+    a, b = torch.randn(3, requires_grad=True), torch.randn(3, requires_grad=True)
+    grads_at_end = []
+    a.register_post_accumulate_grad_hook(
+        lambda p: tp.at_backward_end(lambda: grads_at_end.append((a.grad is not None, b.grad is not None))))
+    (a.sum() + (b * 2).sum()).backward()
+    assert grads_at_end == [(True, True)]
+
+
+def test_an_lr_scheduler_keeps_a_step_marked_as_its_wrapper():
+    opt = _sgd()
+
+    def step(*args, **kwargs):
+        return None
+
+    tp.mark_lr_scheduler_wrapped(step)
+    opt.step = step
+    torch.optim.lr_scheduler.StepLR(opt, step_size=1)
+    assert opt.step is step  # not wrapped again
+    plain = _sgd()
+    assert not tp.is_lr_scheduler_wrapped(plain.step)
+    torch.optim.lr_scheduler.StepLR(plain, step_size=1)
+    assert tp.is_lr_scheduler_wrapped(plain.step)
+
+
+def test_local_shape_and_offset_of_a_row_shard(tmp_path):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rdv", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        full = torch.randn(5, 2)
+        d = DTensor.from_local(full, mesh, [Shard(0)], run_check=False)
+        shape, offset = tp.local_shape_and_offset(d)
+        assert tuple(shape) == (5, 2) and tuple(offset) == (0, 0)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_is_dcp_init_step_recognises_torchs_state_init_step():
+    from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+    class Recording(torch.optim.SGD):
+        def step(self, closure=None):
+            seen.append(tp.is_dcp_init_step(self, lambda g: not bool(g.any())))
+
+    seen = []
+    opt = Recording([torch.nn.Parameter(torch.randn(3))], lr=0.1)
+    _init_optim_state(opt)
+    assert seen == [True]
+    opt.param_groups[0]["params"][0].grad = torch.zeros(3)
+    opt.step()  # lr 0.1: an ordinary step
+    assert seen == [True, False]
