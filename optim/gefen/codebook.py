@@ -361,3 +361,80 @@ def nearest_code(x: torch.Tensor, codebook, dtype=torch.int64) -> torch.Tensor:
         b = torch.mul(xf, s).add_(s).nan_to_num_(nan=top).clamp_(0, top).to(torch.int64)
         u = table.lut[b].add_(xf > (table.lut_bound64 if f64 else table.lut_bound)[b])
     return (u if not table.has_repeats else table.first[u]).to(dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# one optimizer's codebook
+
+
+class Codebook:
+    """The model-wide codebook of one Gefen optimizer, and what it takes to learn and read it.
+
+    Learned once, at the first step, from a histogram of every quantised parameter's gradients
+    divided by their scale block's absmax (``histogram_of``; the step needs every gradient before
+    then: ``needs_every_gradient``), as the exact ``2**bits``-level optimum with ends -1 and +1
+    (``learn``). Every step reads it with its lookup table (``on``): one ``CodeTable`` for its own
+    device and a copy of both per other device, kept until ``forget_copies``.
+
+    ``block_histogram(grads, block=, bins=)`` counts block-normalised gradients of one block length
+    (``torch_ops.histogram``; passed in, so this module depends on no step module).
+    """
+
+    def __init__(self, bits: int, block_histogram):
+        self.bits = bits
+        self.values = None  # fp32 (2**bits,) sorted, or None before it is learned
+        self._block_histogram = block_histogram
+        self._table = None
+        self._copies = {}  # device -> (values, CodeTable) on a device other than its own
+
+    def needs_every_gradient(self, param_groups) -> bool:
+        """True while it is not learned and a group quantises its first moment."""
+        return self.values is None and any(g["quantize_first_moment"] and g["params"] for g in param_groups)
+
+    def histogram_of(self, grads_by_block) -> torch.Tensor:
+        """``HIST_BINS`` counts (int64, CPU) of ``{block length: [gradients]}`` normalised by block."""
+        counts = torch.zeros(HIST_BINS, dtype=torch.int64)
+        for block, gs in grads_by_block.items():
+            counts += self._block_histogram(gs, block=block, bins=HIST_BINS).cpu()
+        return counts
+
+    def learn(self, counts: torch.Tensor, device=None) -> torch.Tensor:
+        """Set the exact optimal ``2**bits``-level codebook (ends -1, +1) of a histogram; returns it."""
+        counts = counts.cpu()
+        if int(counts.sum()) == 0:  # all gradients zero: any codebook will do
+            counts = counts.clone()
+            counts[0] = counts[-1] = 1
+        centers = histogram(torch.zeros(0, dtype=torch.float32), bins=counts.numel())[0]
+        values, _ = optimal_codebook(centers, counts, 2**self.bits, fix_endpoints=True)
+        self.set(values.float().to(device or "cpu"))
+        return self.values
+
+    def set(self, values: torch.Tensor) -> None:
+        """Use ``values`` (``2**bits`` sorted values) as the codebook; None forgets it."""
+        self._table, self._copies = None, {}
+        if values is None:
+            self.values = None
+            return
+        if values.numel() != 2**self.bits or not bool((values.diff() >= 0).all()):
+            raise ValueError(f"Gefen: the codebook must be {2**self.bits} sorted values for "
+                             f"bits={self.bits}, got shape {tuple(values.shape)}")
+        self.values = values.detach().float().contiguous()
+
+    def table(self) -> CodeTable:
+        """The lookup table of the codebook on its own device."""
+        if self._table is None or self._table.codebook.device != self.values.device:
+            self._table = code_table(self.values)
+        return self._table
+
+    def on(self, device) -> tuple:
+        """(codebook, its ``CodeTable``) on ``device``."""
+        if self.values.device == device:
+            return self.values, self.table()
+        if device not in self._copies:
+            values = self.values.to(device)
+            self._copies[device] = (values, code_table(values))
+        return self._copies[device]
+
+    def forget_copies(self) -> None:
+        """Drop the copies on other devices (what they were made from may be stale)."""
+        self._copies = {}

@@ -3,23 +3,21 @@
 from __future__ import annotations
 
 import importlib
-import math
 from collections import defaultdict
-from typing import NamedTuple
 
 import torch
 
+from .._base import OptimizerBase, local_tensor
 from .._checks import check_option
 from .._rounding import MASK32, STOCHASTIC_DTYPES, hash32_int, step_seed
-from ..backends import BACKENDS, choose_backend
+from ..backends import BACKENDS
 from . import distributed as _dist, numba_ops, state as K
 from .checks import (check_adamw_keywords, check_capturable, check_group, check_saved, check_state_fits,
                      state_dtype)
-from .codebook import HIST_BINS, code_table
-from .partition import RULES, choose_block, constant_magnitude, factor_tiles, factored_block, provisional_block
+from .codebook import Codebook
+from .partition import RULES, constant_magnitude
 from .plan import Call, signature, tiles_of
-from .reference import num_code_bytes, num_scales
-from .torch_ops import histogram, requantize_
+from .torch_ops import histogram
 
 
 def _ops(backend: str):
@@ -28,15 +26,10 @@ def _ops(backend: str):
     return importlib.import_module(f"{__package__}.{backend}_ops")
 
 
-class _Resolved(NamedTuple):
-    """The backend chosen for a parameter, and the device and dtype it was chosen for."""
-
-    backend: str  # "torch", "numba" or "triton"
-    device: torch.device
-    dtype: torch.dtype
+OPTIMIZER_WIDE = ("bits", "backend", "block_rule", "capturable")  # in every group, one value per optimizer
 
 
-class Gefen(torch.optim.Optimizer):
+class Gefen(OptimizerBase):
     r"""AdamW with about one byte of state per parameter (Gefen, arXiv 2606.13894; upstream
     PyPI package ``gefen``).
 
@@ -154,6 +147,9 @@ class Gefen(torch.optim.Optimizer):
     (``torch.compiler.disable``): under ``torch.compile`` a training step compiles around it.
     """
 
+    OPTIMIZER_WIDE = OPTIMIZER_WIDE
+    WIDE_REASON = "one codebook and one backend choice serve every group"
+
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, bits=8,
                  share_second_moment=True, quantize_first_moment=True, backend="auto",
                  block_rule="adjacent_log", *, factor_second_moment=False, stochastic_rounding=False,
@@ -173,7 +169,7 @@ class Gefen(torch.optim.Optimizer):
         self.verbose = verbose
         self.bits = bits
         self.block_rule = block_rule
-        self._backends = {}  # param -> _Resolved, filled by add_param_group
+        self._codebook = Codebook(bits, histogram)
         # Every option lives in the groups, so a framework that re-creates the optimizer from
         # ``param_groups[0]`` gets this one back; bits, backend and block_rule are one per optimizer.
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
@@ -183,8 +179,6 @@ class Gefen(torch.optim.Optimizer):
                         stochastic_rounding=stochastic_rounding, maximize=maximize,
                         bits=bits, backend=self.backend, block_rule=block_rule, capturable=capturable)
         super().__init__(params, defaults)
-        self.codebook = None
-        self._tables = None
         self._seed = None  # the optimizer's stochastic-rounding seed, drawn at its first use
         self._drop_plans()
 
@@ -193,11 +187,16 @@ class Gefen(torch.optim.Optimizer):
         # (deepcopy, pickle). Backends (keyed by parameter) and lookup tables are rebuilt.
         out = super().__getstate__()
         out.update({k: self.__dict__[k] for k in _SETTINGS})
+        out["codebook"] = self.codebook
         return out
 
     def __setstate__(self, state):
+        state = dict(state)
+        values = state.pop("codebook", None)
         super().__setstate__(state)
-        self.__dict__.setdefault("_tables", None)
+        if "_codebook" not in self.__dict__:  # unpickled or copied
+            self._codebook = Codebook(self.bits, histogram)
+            self._codebook.set(values)
         self.__dict__.setdefault("_seed", None)
         self.__dict__.setdefault("capturable", False)
         self._drop_plans()
@@ -212,88 +211,46 @@ class Gefen(torch.optim.Optimizer):
         self.defaults.setdefault("maximize", False)
         self.defaults.setdefault("stochastic_rounding", False)
         if "_backends" not in self.__dict__:  # unpickled or copied (load_state_dict keeps them)
-            self._backends = {p: self._resolve(p, group, gi, pi) for gi, group in enumerate(self.param_groups)
-                              for pi, p in enumerate(group["params"])}
+            self._resolve_all()
 
     def _drop_plans(self):
         """Forget every step plan (``plan.py``) and codebook copy: what they hold may be stale."""
         self._plans = {}  # plan.signature -> ([plan.Call], [(group, triton_ops.StepScalars)] when capturable)
-        self._codebook_copies = {}  # device -> (codebook, CodeTable) of another device than its own
+        self._codebook.forget_copies()
 
-    def add_param_group(self, param_group):
-        super().add_param_group(param_group)
-        gi, group = len(self.param_groups) - 1, self.param_groups[-1]
-        try:
-            check_group(group, gi)
-            for key in OPTIMIZER_WIDE:
-                if group[key] != self.defaults[key]:
-                    raise ValueError(f"Gefen: group {gi}'s {key} ({group[key]!r}) must be the optimizer's "
-                                     f"({self.defaults[key]!r}): one codebook and one backend choice serve "
-                                     "every group; use a second optimizer for another")
-            chosen = {p: self._resolve(p, group, gi, pi) for pi, p in enumerate(group["params"])}
-            if group["capturable"]:
-                for pi, p in enumerate(group["params"]):
-                    check_capturable(chosen[p].backend, f"parameter {pi} of group {gi} (shape {tuple(p.shape)}, "
-                                                        f"on {chosen[p].device})")
-        except Exception:
-            self.param_groups.pop()  # a refused group is not added
-            raise
-        self._backends.update(chosen)
+    # --------------------------------------------------------------- groups and backends
+    def _check_new_group(self, group, gi):
+        check_group(group, gi)
+
+    def _check_backends(self, group, gi, chosen):
+        if group["capturable"]:
+            for pi, p in enumerate(group["params"]):
+                check_capturable(chosen[p].backend, f"parameter {pi} of group {gi} (shape {tuple(p.shape)}, "
+                                                    f"on {chosen[p].device})")
+
+    def _group_added(self, group):
         self._drop_plans()
 
-    # ------------------------------------------------------------------------------ backends
-    def _resolve(self, p, group, gi, pi) -> _Resolved:
-        """``choose_backend`` for parameter ``pi`` of group ``gi`` on the device and dtype it has now."""
-        local = _local(p)
-        name = choose_backend(
-            self.backend, local.device, lambda b: _ops(b).refuses(local.dtype, group), owner="Gefen",
-            what=f"parameter {pi} of group {gi} (shape {tuple(p.shape)}, dtype {local.dtype})")
-        return _Resolved(name, local.device, local.dtype)
+    def _refusal(self, backend, p, group):
+        return _ops(backend).refuses(p.dtype, group)
 
-    def _backend(self, p, group, gi, pi) -> str:
-        """The backend chosen for ``p``; chosen again for a parameter moved to another device or
-        dtype since (as torch's optimizers create their state lazily), unless its state already
-        lives on the old device."""
-        chosen = self._backends.get(p)
-        local = _local(p)
-        if chosen is None or chosen.device != local.device or chosen.dtype != local.dtype:
-            st = self.state.get(p, {})
-            if chosen is not None and K.V in st and st[K.V].device != local.device:
-                raise RuntimeError(
-                    f"Gefen: parameter {pi} of group {gi} (shape {tuple(p.shape)}) is on {local.device}, "
-                    f"its state on {st[K.V].device}, where it was at its first step; move parameters "
-                    "before the first step, or load the state dict again after moving them")
-            try:
-                chosen = self._backends[p] = self._resolve(p, group, gi, pi)
-            except (RuntimeError, ValueError) as exc:
-                if chosen is None:
-                    raise
-                raise type(exc)(f"{exc} (it was a {chosen.dtype} tensor on {chosen.device} when the optimizer "
-                                f"was built, it is a {local.dtype} tensor on {local.device} now)") from exc
-        return chosen.backend
+    def _state_device(self, p):
+        st = self.state.get(p, {})
+        return st[K.V].device if K.V in st else None
 
-    def backend_of(self, p) -> str:
-        """Which path updates ``p``: "torch", "numba" or "triton".
-
-        The backend chosen for ``p`` when it was added (chosen again if it moved to another device
-        or dtype since), or "torch" where the backend's ``data_refusal`` hands its steps to the torch
-        step. That depends on data: the codebook (learned at the first step) for numba, ``p``'s
-        block length (chosen at its first non-zero gradient, or loaded) for Triton; before they
-        exist this is the chosen backend, the path unless they deviate.
-        """
-        for gi, group in enumerate(self.param_groups):
-            for pi, q in enumerate(group["params"]):
-                if q is p:
-                    return self._path(self._backend(p, group, gi, pi), group, self.state.get(p, {}).get(K.BLOCK))
-        raise ValueError(f"Gefen.backend_of: the tensor (shape {tuple(p.shape)}) is not a parameter "
-                         "of this optimizer")
+    def _path_of(self, p, group, backend) -> str:
+        """The chosen backend, or "torch" where the backend's ``data_refusal`` hands ``p``'s steps to
+        the torch step. That depends on data: the codebook (learned at the first step) for numba,
+        ``p``'s block length (chosen at its first non-zero gradient, or loaded) for Triton; before
+        they exist this is the chosen backend, the path unless they deviate."""
+        return self._path(backend, group, self.state.get(p, {}).get(K.BLOCK))
 
     def _path(self, backend: str, group, block) -> str:
         """``backend``, or "torch" where its ``data_refusal`` deviates for ``block`` and the codebook."""
         if backend == "torch":
             return backend
         quant = group["quantize_first_moment"]
-        tables = self._nearest_tables() if quant and self.codebook is not None else None
+        tables = self._codebook.table() if quant and self.codebook is not None else None
         why = _ops(backend).data_refusal(block=block, bits=self.bits, quant=quant, tables=tables)
         return backend if why is None else "torch"
 
@@ -301,10 +258,14 @@ class Gefen(torch.optim.Optimizer):
         """True while the next step must see every parameter's gradient at once: before the
         codebook exists (groups with ``quantize_first_moment``), which the first step learns from
         all of them. ``step_in_backward`` holds the gradients of that one step until backward ends."""
-        return self.codebook is None and any(g["quantize_first_moment"] and g["params"]
-                                             for g in self.param_groups)
+        return self._codebook.needs_every_gradient(self.param_groups)
 
     # ----------------------------------------------------------------------------- codebook
+    @property
+    def codebook(self) -> torch.Tensor | None:
+        """The model-wide codebook, fp32 (2**bits,) sorted; None before the first step learns it."""
+        return self._codebook.values
+
     def codebook_histogram(self, grads) -> torch.Tensor:
         """``HIST_BINS`` counts (int64, CPU) of block-normalised gradients of ``grads`` ({param: grad}).
 
@@ -313,127 +274,41 @@ class Gefen(torch.optim.Optimizer):
         by_block = defaultdict(list)
         for p, g in grads.items():
             by_block[self.state[p][K.BLOCK]].append(g)
-        counts = torch.zeros(HIST_BINS, dtype=torch.int64)
-        for block, gs in by_block.items():
-            counts += histogram(gs, block=block, bins=HIST_BINS).cpu()
-        return counts
+        return self._codebook.histogram_of(by_block)
 
     def learn_codebook(self, counts: torch.Tensor, device=None) -> torch.Tensor:
         """Exact optimal ``2**bits``-level codebook (ends -1, +1) of a histogram; sets it."""
-        from .codebook import histogram, optimal_codebook
-
-        counts = counts.cpu()
-        if int(counts.sum()) == 0:  # all gradients zero: any codebook will do
-            counts = counts.clone()
-            counts[0] = counts[-1] = 1
-        centers = histogram(torch.zeros(0, dtype=torch.float32), bins=counts.numel())[0]
-        codebook, _ = optimal_codebook(centers, counts, 2**self.bits, fix_endpoints=True)
-        self.set_codebook(codebook.float().to(device or "cpu"))
+        self._codebook.learn(counts, device)
+        self._drop_plans()
         return self.codebook
 
     def set_codebook(self, codebook: torch.Tensor):
-        if codebook.numel() != 2**self.bits or not bool((codebook.diff() >= 0).all()):
-            raise ValueError(f"Gefen: the codebook must be {2**self.bits} sorted values for "
-                             f"bits={self.bits}, got shape {tuple(codebook.shape)}")
-        self.codebook = codebook.detach().float().contiguous()
-        self._tables = None
+        """Use ``codebook`` (``2**bits`` sorted values) from the next step on."""
+        self._codebook.set(codebook)
         self._drop_plans()
-
-    def _nearest_tables(self):
-        if self._tables is None or self._tables.codebook.device != self.codebook.device:
-            self._tables = code_table(self.codebook)
-        return self._tables
 
     # -------------------------------------------------------------------------------- state
-    def _choose_block(self, g, group, provisional=False) -> int:
-        # factored, a vector keeps v per element: it has no columns for the factor, and blocks
-        # of a norm gain or a bias share v between unrelated elements
-        if not group["share_second_moment"] or (group["factor_second_moment"] and g.dim() < 2):
-            return 1
-        block = provisional_block(g.numel()) if provisional else choose_block(g, self.block_rule)
-        return factored_block(block, g.shape) if group["factor_second_moment"] else block
-
-    def _init_state(self, p, grad, group):
-        g = _local(grad)
-        n = g.numel()
-        provisional = group["share_second_moment"] and constant_magnitude(g)
-        block = self._choose_block(g, group, provisional)
-        st = self.state[p]
-        self._drop_plans()
-        dev = g.device
-        st[K.STEP] = st.get(K.STEP, 0)  # steps with all-zero gradients before this one
-        if self.capturable:  # a counter on the device, as torch's capturable AdamW keeps it
-            st[K.STEP] = torch.tensor(float(st[K.STEP]), dtype=torch.float32, device=dev)
-        st[K.BLOCK] = block
-        dtype = state_dtype(_local(p).dtype, group)
-        st[K.V] = torch.zeros(n // block, device=dev, dtype=dtype)
-        if group["quantize_first_moment"]:
-            st[K.SCALES] = torch.zeros(num_scales(n, block), device=dev, dtype=torch.float32)
-            st[K.CODES] = torch.zeros(num_code_bytes(n, self.bits), dtype=torch.uint8, device=dev)
-        else:
-            st[K.M] = torch.zeros(n, device=dev, dtype=dtype)
-        if group["factor_second_moment"]:
-            st[K.W] = torch.zeros(len(factor_tiles(g.shape, block)) * block, device=dev, dtype=torch.float32)
-        if provisional:
-            st[K.PROVISIONAL] = True
-
-    def _recut(self, p, grad, group):
-        """Choose ``p``'s block length again from its first gradient whose magnitude varies, after
-        gradients of one magnitude everywhere (``state.PROVISIONAL``). Until now every block mean
-        of g**2 was the same, so v (and the factor w) is one value everywhere: it is kept exactly
-        at the new length. The first moment is requantised once into the new scale blocks."""
-        st = self.state[p]
-        del st[K.PROVISIONAL]
-        self._drop_plans()
-        g = _local(grad)
-        old, new = st[K.BLOCK], self._choose_block(g, group)
-        if new == old:
-            return
-        n = g.numel()
-        st[K.BLOCK] = new
-        st[K.V] = _refill(st[K.V], n // new)
-        if K.W in st:
-            st[K.W] = _refill(st[K.W], len(factor_tiles(g.shape, new)) * new)
-        if K.CODES in st:
-            requantize_(st, self.codebook, n=n, old=old, new=new, bits=self.bits)
-
     def _first_gradient(self, p, group, gi, pi) -> bool:
         """Create ``p``'s state from its first non-zero gradient; True once it exists.
 
         An all-zero gradient (a zero-initialised layer) says nothing about blocks: it only
         counts the step and applies weight decay, which is AdamW's whole update at g = 0 with
         m = v = 0, so the state created later is AdamW's after those steps. A gradient with NaN
-        or inf is refused: blocks and codebook would be chosen from it for good.
+        or inf is refused (``state.gradient_magnitude``).
         """
-        g = _local(p.grad)
-        lo, hi = g.detach().aminmax()  # NaN if any is NaN; no copy of g
-        amax = abs(float(lo)) + abs(float(hi))  # 0 exactly when g is; inf or NaN when one is
-        if not math.isfinite(amax):
-            raise ValueError(
-                f"Gefen: the first gradient of parameter {pi} of group {gi} (shape "
-                f"{tuple(p.shape)}) contains NaN or inf; its block length and the codebook are "
-                "chosen from it: skip this step (as torch.amp.GradScaler does) or fix the loss")
+        g = local_tensor(p.grad)
         st = self.state[p]
-        if amax == 0.0:
+        if K.gradient_magnitude(g, f"parameter {pi} of group {gi} (shape {tuple(p.shape)})") == 0.0:
             st[K.STEP] = st.get(K.STEP, 0) + 1
-            _local(p).mul_(1 - float(group["lr"]) * group["weight_decay"])
+            local_tensor(p).mul_(1 - float(group["lr"]) * group["weight_decay"])
             return False
-        self._init_state(p, p.grad, group)
+        K.create(st, g, group, dtype=state_dtype(local_tensor(p).dtype, group), bits=self.bits,
+                 block_rule=self.block_rule, capturable=self.capturable)
+        self._drop_plans()
         if self.verbose:
             print(f"Gefen: parameter {pi} of group {gi}, shape {tuple(p.shape)}: "
                   f"block {st[K.BLOCK]} ({g.numel() // st[K.BLOCK]} second moments)")
         return True
-
-    def _follow_cast(self, st, p, group):
-        """Moments kept in the parameter's precision (``state_dtype``: float64 for AdamW's reduction
-        of a float64 parameter) follow a cast of the parameter made after they were created
-        (``model.float()``, ``model.double()``), as a state dict loaded after the cast would be."""
-        want = state_dtype(p.dtype, group)
-        if st[K.V].dtype != want and st[K.V].dtype in (torch.float32, torch.float64):  # others: refused
-            for key in (K.V, K.M):
-                if key in st:
-                    st[key] = st[key].to(want)
-            self._drop_plans()
 
     def _gather(self):
         """[(group, [(p, grad, backend)])] of parameters with gradients; checks them; creates state."""
@@ -455,7 +330,7 @@ class Gefen(torch.optim.Optimizer):
                         f"Gefen does not support sparse gradients (group {gi}, parameter {pi}, "
                         f"shape {tuple(p.shape)}); for nn.Embedding(sparse=True) use "
                         "optim.DiskSparseAdam, or build the embedding with sparse=False")
-                if _local(p).numel() == 0:
+                if local_tensor(p).numel() == 0:
                     continue
                 backend = self._backend(p, group, gi, pi)
                 st = self.state[p]
@@ -463,10 +338,13 @@ class Gefen(torch.optim.Optimizer):
                     if not self._first_gradient(p, group, gi, pi):
                         continue
                 else:
-                    check_state_fits(st, _local(p), group, self.bits, f"parameter {pi} of group {gi}")
-                    self._follow_cast(st, _local(p), group)
-                if st.get(K.PROVISIONAL) and not constant_magnitude(_local(p.grad)):
-                    self._recut(p, p.grad, group)
+                    check_state_fits(st, local_tensor(p), group, self.bits, f"parameter {pi} of group {gi}")
+                    if K.follow_cast(st, state_dtype(local_tensor(p).dtype, group)):
+                        self._drop_plans()
+                if st.get(K.PROVISIONAL) and not constant_magnitude(local_tensor(p.grad)):
+                    K.recut(st, local_tensor(p.grad), group, codebook=self.codebook, bits=self.bits,
+                            block_rule=self.block_rule)
+                    self._drop_plans()
                 items.append((p, p.grad, backend))
             out.append((group, items))
         return out
@@ -491,20 +369,20 @@ class Gefen(torch.optim.Optimizer):
         return loss
 
     def _step(self):
-        key = signature(self.param_groups, _local)
+        key = signature(self.param_groups, local_tensor)
         plan = self._plans.get(key)
         if plan is not None and all(c.current() for c in plan[0]):
             self._run(*plan)
             return
         work = self._gather()
-        quantized = {p: _signed(_local(g), group) for group, items in work if group["quantize_first_moment"]
+        quantized = {p: _signed(local_tensor(g), group) for group, items in work if group["quantize_first_moment"]
                      for p, g, _ in items}
         # [distributed] sharded (FSDP2) histograms are summed over the ranks, so every
         # rank learns the same codebook; a rank whose local shards are all empty still joins.
         qparams = [p for g in self.param_groups if g["quantize_first_moment"] for p in g["params"]
                    if p.grad is not None]
         if self.codebook is None and (quantized or _dist.joins_codebook(qparams)):
-            dev = next(iter(quantized.values())).device if quantized else _local(qparams[0]).device
+            dev = next(iter(quantized.values())).device if quantized else local_tensor(qparams[0]).device
             counts = _dist.global_histogram(self.codebook_histogram, quantized, qparams)
             self.learn_codebook(counts, device=dev)
         calls = [call for group, items in work for call in self._calls(group, items)]
@@ -512,7 +390,7 @@ class Gefen(torch.optim.Optimizer):
         self._run(calls, scalars)
         settled = all(K.BLOCK in self.state[p] and not self.state[p].get(K.PROVISIONAL)
                       for group in self.param_groups for p in group["params"]
-                      if p.grad is not None and _local(p).numel())
+                      if p.grad is not None and local_tensor(p).numel())
         if settled:  # a plan holds no parameter whose block or state may still change
             if len(self._plans) > 4 * sum(len(g["params"]) for g in self.param_groups) + 16:
                 self._plans.clear()
@@ -525,13 +403,13 @@ class Gefen(torch.optim.Optimizer):
         for p, _, backend in items:
             st = self.state[p]  # device step counters are each read on the device: no split by step
             step = None if self.capturable else st[K.STEP]
-            buckets[(st[K.BLOCK], step, _local(p).device, st[K.V].dtype, backend)].append(p)
+            buckets[(st[K.BLOCK], step, local_tensor(p).device, st[K.V].dtype, backend)].append(p)
         calls = []
         for (block, _, _, _, backend), params in buckets.items():
             states = [self.state[p] for p in params]
             self._draw_seeds(group, params, states)
             tiles = [t for k, (p, st) in enumerate(zip(params, states))
-                     for t in tiles_of(k, _local(p), st, bits=self.bits)]
+                     for t in tiles_of(k, local_tensor(p), st, bits=self.bits)]
             path = self._path(backend, group, block)
             if self.capturable:
                 gi = next(i for i, g in enumerate(self.param_groups) if g is group)
@@ -575,9 +453,9 @@ class Gefen(torch.optim.Optimizer):
 
     def _run_call(self, call, step):
         """Step one call's tiles on its path at ``step`` (None: the step count is on the device)."""
-        grads = [_signed(_local(p.grad), call.group) for p in call.params]
+        grads = [_signed(local_tensor(p.grad), call.group) for p in call.params]
         quant = call.group["quantize_first_moment"]
-        codebook, tables = self._codebook_on(call.tiles[0].p.device) if quant else (None, None)
+        codebook, tables = self._codebook.on(call.tiles[0].p.device) if quant else (None, None)
         h = call.hyper(step)
         if call.path == "numba" and call.native is not False:
             if call.native is None:
@@ -602,23 +480,13 @@ class Gefen(torch.optim.Optimizer):
                                  tables=tables, ws=ws, owners=[t.owner for t in call.tiles],
                                  offsets=[t.start for t in call.tiles])
 
-    def _codebook_on(self, device):
-        """(codebook, its ``CodeTable``) on ``device``; a copy of each per other device, kept while
-        the codebook is."""
-        if self.codebook.device == device:
-            return self.codebook, self._nearest_tables()
-        if device not in self._codebook_copies:
-            cb = self.codebook.to(device)
-            self._codebook_copies[device] = (cb, code_table(cb))
-        return self._codebook_copies[device]
-
     # ------------------------------------------------------------------- stochastic rounding
     def _draw_seeds(self, group, params, states):
         """Give each parameter its stochastic-rounding seed once (``state.SEED``) where the group
         rounds stochastically and a parameter of the call is bf16 or fp16 (``optim._rounding``;
         ``plan.Call.seeds`` derives each step's): a hash of the optimizer's seed (``step`` draws it,
         ``fresh_seed``) and the parameter's index, so it does not depend on when it is drawn."""
-        if not group["stochastic_rounding"] or not any(_local(p).dtype in STOCHASTIC_DTYPES for p in params):
+        if not group["stochastic_rounding"] or not any(local_tensor(p).dtype in STOCHASTIC_DTYPES for p in params):
             return
         for p, st in zip(params, states):
             if K.SEED not in st:
@@ -626,48 +494,13 @@ class Gefen(torch.optim.Optimizer):
                 st[K.SEED] = step_seed(self._seed, index, 0)
 
     # --------------------------------------------------------------------------- state dict
-    def state_dict(self):
-        # torch's post-hooks run inside Optimizer.state_dict, before the codebook is added: run
-        # them here instead, on the complete dict (pre-hooks stay in torch's call).
-        post = self._optimizer_state_dict_post_hooks
-        self._optimizer_state_dict_post_hooks = type(post)()
-        try:
-            sd = super().state_dict()
-        finally:
-            self._optimizer_state_dict_post_hooks = post
+    def _pack_state(self, sd):
         sd[K.CODEBOOK] = None if self.codebook is None else self.codebook.clone()
         sd[K.BITS] = self.bits
         sd[K.ROUNDING_SEED] = self._seed
-        sd = _dist.to_distributed_state_dict(self, sd)  # [distributed] DCP-ready form
-        for hook in post.values():
-            out = hook(self, sd)
-            if out is not None:
-                sd = out
-        return sd
+        return _dist.to_distributed_state_dict(self, sd)  # [distributed] DCP-ready form
 
-    def load_state_dict(self, state_dict):
-        # torch runs the load hooks inside Optimizer.load_state_dict, which here sits between
-        # the checks and the restoring of the checked state and codebook. Pre-hooks run first
-        # (a returned dict replaces the argument, so it is what is checked and loaded) and
-        # post-hooks last, on the complete state; torch's own call runs with none.
-        pre = self._optimizer_load_state_dict_pre_hooks
-        post = self._optimizer_load_state_dict_post_hooks
-        state_dict = state_dict.copy()  # shallow, as torch's
-        for hook in pre.values():
-            out = hook(self, state_dict)
-            if out is not None:
-                state_dict = out
-        self._optimizer_load_state_dict_pre_hooks = type(pre)()
-        self._optimizer_load_state_dict_post_hooks = type(post)()
-        try:
-            self._load_state_dict(state_dict)
-        finally:
-            self._optimizer_load_state_dict_pre_hooks = pre
-            self._optimizer_load_state_dict_post_hooks = post
-        for hook in post.values():
-            hook(self)
-
-    def _load_state_dict(self, state_dict):
+    def _unpack_state(self, state_dict):
         sd = dict(_dist.from_distributed_state_dict(self, state_dict))  # [distributed]
         codebook = sd.pop(K.CODEBOOK, None)
         seed = sd.pop(K.ROUNDING_SEED, None)
@@ -700,38 +533,32 @@ class Gefen(torch.optim.Optimizer):
             check_group(dict(g, params=[]), gi)
         for k, (pid, (p, group)) in enumerate(zip(ids, groups)):
             if pid in saved:  # everything is checked before anything is written, against the loaded group
-                saved[pid] = check_saved(saved[pid], _local(p), loaded_group[pid], self.bits, k)
-        super().load_state_dict(sd)
-        # torch casts floating state to the parameter's dtype (bf16 would round v and scales,
-        # and uint8 codes would become floats): put back the checked tensors as they were,
-        # as contiguous copies on the parameter's device; the step an int, or with capturable a
-        # float32 counter on that device once the parameter has state.
-        for pid, (p, _) in zip(ids, groups):
-            if pid in saved:
-                dev = _local(p).device
-                st = {k: (v.detach().to(dev).clone(memory_format=torch.contiguous_format)
-                          if torch.is_tensor(v) else v) for k, v in saved[pid].items()}
-                if self.capturable and K.BLOCK in st:
-                    st[K.STEP] = torch.tensor(float(st[K.STEP]), dtype=torch.float32, device=dev)
-                self.state[p] = st
+                saved[pid] = check_saved(saved[pid], local_tensor(p), loaded_group[pid], self.bits, k)
+        checked = {id(p): saved[pid] for pid, (p, _) in zip(ids, groups) if pid in saved}
+        self._restore_layout(sd, lambda p, _: self._restored(p, checked[id(p)]))
         params = [p for p, _ in groups]
         if seed is not None:
             self._seed = seed
         self._drop_plans()
         if codebook is None:
-            self.codebook, self._tables = None, None
+            self.set_codebook(None)
         else:
-            self.set_codebook(codebook.to(_local(params[0]).device) if params else codebook)
+            self.set_codebook(codebook.to(local_tensor(params[0]).device) if params else codebook)
+
+    def _restored(self, p, st: dict) -> dict:
+        """A checked saved state as ``p``'s: its tensors as they were (not cast to ``p``'s dtype as
+        torch's restore does: bf16 would round v and scales, uint8 codes would become floats), as
+        contiguous copies on ``p``'s device; the step an int, or with capturable a float32 counter on
+        that device once the parameter has state."""
+        dev = local_tensor(p).device
+        st = {k: (v.detach().to(dev).clone(memory_format=torch.contiguous_format)
+                  if torch.is_tensor(v) else v) for k, v in st.items()}
+        if self.capturable and K.BLOCK in st:
+            st[K.STEP] = torch.tensor(float(st[K.STEP]), dtype=torch.float32, device=dev)
+        return st
 
 
-_SETTINGS = ("backend", "fused", "verbose", "bits", "block_rule", "codebook", "capturable", "_seed")
-OPTIMIZER_WIDE = ("bits", "backend", "block_rule", "capturable")  # in every group, one value per optimizer
-
-
-def _refill(t: torch.Tensor, size: int) -> torch.Tensor:
-    """A tensor of ``size`` elements holding ``t``'s one value (its mean where its values differ)."""
-    value = t[0] if bool((t == t[0]).all()) else t.mean()
-    return value.expand(size).clone()
+_SETTINGS = ("backend", "fused", "verbose", "bits", "block_rule", "capturable", "_seed")
 
 
 def fresh_seed() -> int:
@@ -754,7 +581,3 @@ def _signed(g: torch.Tensor, group) -> torch.Tensor:
     ``p.grad`` is never written (it may be shared by two parameters, require grad, or be expanded)."""
     return torch.neg(g) if group["maximize"] else g
 
-
-def _local(t):
-    """The local shard of a DTensor, the tensor itself otherwise (state lives with the shard)."""
-    return t.to_local() if hasattr(t, "to_local") else t

@@ -1,4 +1,5 @@
-"""Names of Gefen's optimizer state, in one place (state dicts, kernels and tests use these).
+"""Gefen's per-parameter state: the names of its keys, in one place (state dicts, kernels and tests
+use these), and the functions of its lifecycle (below the names).
 
 Per parameter (``optimizer.state[p]``; layout and shapes in ``reference.py``'s docstring)::
 
@@ -12,7 +13,7 @@ Per parameter (``optimizer.state[p]``; layout and shapes in ``reference.py``'s d
             (``partition.factor_tiles``; groups with factor_second_moment=True)
     PROVISIONAL  bool, present (True) while every gradient so far had one magnitude everywhere: any
             block length is then exact, BLOCK is the cheapest, and it is chosen again from the
-            first gradient that varies (``Gefen._recut``)
+            first gradient that varies (``recut``)
     SEED    int, the seed of stochastic rounding (groups with stochastic_rounding=True): a hash of
             the optimizer's ROUNDING_SEED and the parameter's index
 
@@ -23,6 +24,14 @@ Optimizer-wide (top-level keys of ``Gefen.state_dict()``)::
     ROUNDING_SEED  int, the optimizer's stochastic-rounding seed (from ``torch.initial_seed()``,
             broadcast from rank 0 under torch.distributed), or None before a group rounds
 """
+
+import math
+
+import torch
+
+from .partition import choose_block, constant_magnitude, factor_tiles, factored_block, provisional_block
+from .reference import num_code_bytes, num_scales
+from .torch_ops import requantize_
 
 STEP = "step"
 BLOCK = "block"
@@ -39,3 +48,93 @@ BITS = "bits"
 ROUNDING_SEED = "rounding_seed"
 
 PER_PARAM_TENSORS = (V, SCALES, CODES, M, W)
+
+
+# --------------------------------------------------------------------------------- lifecycle
+# A parameter's state is created from its first non-zero gradient (``first_gradient``, ``create``),
+# chosen again once from the first gradient whose magnitude varies where every earlier one had
+# one magnitude (``recut``), and follows a cast of the parameter (``follow_cast``).
+
+
+def block_length(g: torch.Tensor, group: dict, block_rule: str, provisional: bool = False) -> int:
+    """The block length P of a parameter's second moment, from its gradient ``g`` (local shard)."""
+    # factored, a vector keeps v per element: it has no columns for the factor, and blocks of a
+    # norm gain or a bias share v between unrelated elements
+    if not group["share_second_moment"] or (group["factor_second_moment"] and g.dim() < 2):
+        return 1
+    block = provisional_block(g.numel()) if provisional else choose_block(g, block_rule)
+    return factored_block(block, g.shape) if group["factor_second_moment"] else block
+
+
+def create(st: dict, g: torch.Tensor, group: dict, *, dtype: torch.dtype, bits: int, block_rule: str,
+           capturable: bool) -> None:
+    """Fill ``st`` with zero moments for the gradient ``g`` (local shard): the block length chosen
+    from it (provisional where it has one magnitude everywhere), v and m in ``dtype``
+    (``checks.state_dtype``), the step kept (steps with all-zero gradients before this one), on the
+    device as a float32 counter with ``capturable`` (as torch's capturable AdamW keeps it)."""
+    n, dev = g.numel(), g.device
+    provisional = group["share_second_moment"] and constant_magnitude(g)
+    block = block_length(g, group, block_rule, provisional)
+    st[STEP] = st.get(STEP, 0)
+    if capturable:
+        st[STEP] = torch.tensor(float(st[STEP]), dtype=torch.float32, device=dev)
+    st[BLOCK] = block
+    st[V] = torch.zeros(n // block, device=dev, dtype=dtype)
+    if group["quantize_first_moment"]:
+        st[SCALES] = torch.zeros(num_scales(n, block), device=dev, dtype=torch.float32)
+        st[CODES] = torch.zeros(num_code_bytes(n, bits), dtype=torch.uint8, device=dev)
+    else:
+        st[M] = torch.zeros(n, device=dev, dtype=dtype)
+    if group["factor_second_moment"]:
+        st[W] = torch.zeros(len(factor_tiles(g.shape, block)) * block, device=dev, dtype=torch.float32)
+    if provisional:
+        st[PROVISIONAL] = True
+
+
+def recut(st: dict, g: torch.Tensor, group: dict, *, codebook, bits: int, block_rule: str) -> None:
+    """Choose the block length again from ``g``, the first gradient whose magnitude varies after
+    gradients of one magnitude everywhere (``PROVISIONAL``). Until now every block mean of g**2 was
+    the same, so v (and the factor w) is one value everywhere: it is kept exactly at the new length.
+    The first moment is requantised once into the new scale blocks."""
+    del st[PROVISIONAL]
+    old, new = st[BLOCK], block_length(g, group, block_rule)
+    if new == old:
+        return
+    n = g.numel()
+    st[BLOCK] = new
+    st[V] = refill(st[V], n // new)
+    if W in st:
+        st[W] = refill(st[W], len(factor_tiles(g.shape, new)) * new)
+    if CODES in st:
+        requantize_(st, codebook, n=n, old=old, new=new, bits=bits)
+
+
+def gradient_magnitude(g: torch.Tensor, where: str) -> float:
+    """|min| + |max| of a first gradient: 0 exactly when it is all zeros. A gradient with NaN or inf
+    is refused (``where`` names the parameter): blocks and codebook would be chosen from it for good."""
+    lo, hi = g.detach().aminmax()  # NaN if any is NaN; no copy of g
+    amax = abs(float(lo)) + abs(float(hi))  # inf or NaN when an element is
+    if not math.isfinite(amax):
+        raise ValueError(
+            f"Gefen: the first gradient of {where} contains NaN or inf; its block length and the "
+            "codebook are chosen from it: skip this step (as torch.amp.GradScaler does) or fix the loss")
+    return amax
+
+
+def follow_cast(st: dict, want: torch.dtype) -> bool:
+    """Moments kept in the parameter's precision (``want``, ``checks.state_dtype``: float64 for
+    AdamW's reduction of a float64 parameter) follow a cast of the parameter made after they were
+    created (``model.float()``, ``model.double()``), as a state dict loaded after the cast would be.
+    True if they were cast."""
+    if st[V].dtype == want or st[V].dtype not in (torch.float32, torch.float64):  # others: refused
+        return False
+    for key in (V, M):
+        if key in st:
+            st[key] = st[key].to(want)
+    return True
+
+
+def refill(t: torch.Tensor, size: int) -> torch.Tensor:
+    """A tensor of ``size`` elements holding ``t``'s one value (its mean where its values differ)."""
+    value = t[0] if bool((t == t[0]).all()) else t.mean()
+    return value.expand(size).clone()
