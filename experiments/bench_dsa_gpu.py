@@ -38,7 +38,6 @@ the published DSA claims 134,212 samples/s on a Kaggle GPU.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import tempfile
@@ -47,7 +46,7 @@ import time
 import torch
 
 from experiments.common import Results, add_common_args
-from experiments.gpu import batches, make_table, sync
+from experiments.gpu import batches, make_table, script_device, sync
 from experiments.registry import make_optimizer
 
 MiB = 2**20
@@ -279,18 +278,14 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    dev = script_device(args.dry_run, "bench_dsa_gpu")
+    if dev is None:
+        return 0
     if args.dry_run:
-        os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are first imported
         from optim.disk_sparse import _triton_kernels
 
         if hasattr(_triton_kernels._adam_rows_kernel, "params"):  # a JITFunction: compiled, not interpreted
             raise SystemExit("--dry-run: the Triton kernels were imported before TRITON_INTERPRET=1 was set")
-        dev = torch.device("cpu")
-    elif not torch.cuda.is_available():
-        print("[bench_dsa_gpu] no CUDA device: this is the GPU check, nothing to measure here; exiting.")
-        return 0
-    else:
-        dev = torch.device("cuda")
     torch.manual_seed(args.seed)
     with tempfile.TemporaryDirectory(prefix="dsa-gpu-") as tmp, \
             Results("dsa_gpu", args, config=vars(args), device=dev) as res:

@@ -39,13 +39,12 @@ stopped by a time limit keeps what it measured.
 """
 
 import argparse
-import os
 import statistics
 import sys
 import time
 
 from experiments.common import Results, add_common_args
-from experiments.gpu import Timer, copy_bandwidth, quick_shapes, tensor_bytes
+from experiments.gpu import Timer, copy_bandwidth, quick_shapes, script_device, tensor_bytes
 from experiments.models import GPT2_SIZES, gpt2_shapes, make_param_set as make_set
 from experiments.registry import GPU_PEERS, make_optimizer
 
@@ -244,14 +243,11 @@ def main(argv=None):
                              "CSV (no measurement)")
     args = parser.parse_args(argv)
 
-    if args.dry_run:
-        os.environ["TRITON_INTERPRET"] = "1"
     import torch
 
-    if not torch.cuda.is_available() and not args.dry_run:
-        print("bench_kernels: no CUDA device; this benchmark needs a GPU (nothing measured).")
+    device = script_device(args.dry_run, "bench_kernels")
+    if device is None:
         return 0
-    device = torch.device("cuda" if not args.dry_run else "cpu")
     timer = Timer(device)
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
     if args.dry_run:

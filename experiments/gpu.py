@@ -4,6 +4,7 @@ of the step alone. Everything also runs on CPU tensors, for the scripts' ``--dry
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 
@@ -76,3 +77,15 @@ def copy_bandwidth(device, timer, nbytes, reps):
 def tensor_bytes(ts):
     """Bytes of the given tensors' elements."""
     return sum(t.numel() * t.element_size() for t in ts)
+
+
+def script_device(dry_run: bool, script: str):
+    """The device a GPU script runs on: the CPU for ``--dry-run`` (Triton interpreted: the variable is
+    set here, before any kernel is imported), else CUDA; None, after saying so, where there is none."""
+    if dry_run:
+        os.environ["TRITON_INTERPRET"] = "1"
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        print(f"[{script}] no CUDA device: this is a GPU check, nothing to measure here; exiting.")
+        return None
+    return torch.device("cuda")

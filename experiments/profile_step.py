@@ -24,13 +24,13 @@ one of experiments/gpu_checks.sh's steps.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
+from experiments.gpu import script_device
 from experiments.profiling import format_profile, profile_steps
 
 DSA_VARIANTS = ("SparseAdam", "DiskSparseAdam", "DiskSparseAdam/direct", "DiskSparseRiemannianAdam")
@@ -142,15 +142,11 @@ def main(argv=None):
     parser.add_argument("--dry-run", action="store_true",
                         help="tiny sizes on the CPU, Triton under TRITON_INTERPRET=1 (checks the script)")
     args = parser.parse_args(argv)
-    if args.dry_run:
-        os.environ["TRITON_INTERPRET"] = "1"
-        args.rows, args.dim, args.batch, args.steps, args.warmup = 400, 8, 64, 2, 1
-        device = torch.device("cpu")
-    elif not torch.cuda.is_available():
-        print("[profile_step] no CUDA device: these are GPU profiles, nothing to measure here; exiting.")
+    device = script_device(args.dry_run, "profile_step")
+    if device is None:
         return 0
-    else:
-        device = torch.device("cuda")
+    if args.dry_run:
+        args.rows, args.dim, args.batch, args.steps, args.warmup = 400, 8, 64, 2, 1
     args.results_dir.mkdir(parents=True, exist_ok=True)
     header = _header(args, device)
     with tempfile.TemporaryDirectory(prefix="dsa-profile-") as tmp:
