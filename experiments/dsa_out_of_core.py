@@ -48,12 +48,12 @@ import time
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from experiments import memcg
 from experiments.child import emit_result, module_cmd, run_child
 from experiments.common import Results, add_common_args
 from experiments.disk import drop_cache, random_read_rate
+from experiments.models import DistMult
 from experiments.registry import make_optimizer
 
 # -- cold steps ------------------------------------------------------------------------------------
@@ -271,22 +271,6 @@ def _reset_state(state_dir, rows, dim, fmt):
 
 
 # -- quality of the compact format -----------------------------------------------------------------
-class DistMult(nn.Module):
-    def __init__(self, entities, relations, dim):
-        super().__init__()
-        self.ent = nn.Embedding(entities, dim, sparse=True)
-        self.rel = nn.Embedding(relations, dim, sparse=True)
-        with torch.no_grad():
-            self.ent.weight.normal_(0, 0.1)
-            self.rel.weight.normal_(0, 0.1)
-
-    def loss(self, h, r, t, neg):
-        eh, er = self.ent(h), self.rel(r)
-        pos = (eh * er * self.ent(t)).sum(-1)
-        negs = ((eh * er).unsqueeze(1) * self.ent(neg)).sum(-1)
-        return F.softplus(-pos).mean() + F.softplus(negs).mean()
-
-
 def kg_triples(n, entities, relations, gen, teacher, candidates=32, chunk=50_000):
     """(h, r, t, negatives): Zipf-skewed heads, uniform relations, and as tail the best of
     ``candidates`` random entities under a planted DistMult ``teacher`` (entity and relation
@@ -305,7 +289,7 @@ def kg_triples(n, entities, relations, gen, teacher, candidates=32, chunk=50_000
 
 def _train_kg(fmt, data, cfg, seed, tmp):
     torch.manual_seed(seed)
-    model = DistMult(cfg["entities"], cfg["relations"], cfg["dim"])
+    model = DistMult(cfg["entities"], cfg["relations"], cfg["dim"], init_std=0.1)
     opt = make_optimizer("DiskSparseAdam", model.parameters(), lr=cfg["lr"], state_format=fmt,
                          state_dir=os.path.join(tmp, f"kg-{fmt}-{seed}"))
     train, val = data

@@ -45,11 +45,10 @@ import tempfile
 import time
 
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 
 from experiments.common import Results, add_common_args
 from experiments.disk import random_read_rate
+from experiments.models import DistMult, EmbeddingSquare
 from experiments.registry import make_optimizer
 from experiments.train import interleaved
 
@@ -64,32 +63,9 @@ def rss_mib():
     return out
 
 
-class SeedModel(nn.Module):
-    def __init__(self, rows, dim):
-        super().__init__()
-        self.emb = nn.Embedding(rows, dim, sparse=True)
-
-    def loss(self, batch):
-        return (self.emb(batch) ** 2).mean()
-
-
-class KGModel(nn.Module):
-    def __init__(self, rows, dim, relations=1000):
-        super().__init__()
-        self.ent = nn.Embedding(rows, dim, sparse=True)
-        self.rel = nn.Embedding(relations, dim, sparse=True)
-
-    def loss(self, batch):
-        h, r, t, neg = batch
-        eh, er = self.ent(h), self.rel(r)
-        pos = (eh * er * self.ent(t)).sum(-1)
-        negs = ((eh * er).unsqueeze(1) * self.ent(neg)).sum(-1)
-        return F.softplus(-pos).mean() + F.softplus(negs).mean()
-
-
 def make_batches(cfg, n, gen):
     if cfg["name"] == "seed":
-        return [torch.randint(0, cfg["rows"], (cfg["batch"],), generator=gen) for _ in range(n)]
+        return [(torch.randint(0, cfg["rows"], (cfg["batch"],), generator=gen),) for _ in range(n)]
     rows, b = cfg["rows"], cfg["batch"]
     perm = torch.randperm(rows, generator=gen)
 
@@ -103,7 +79,7 @@ def make_batches(cfg, n, gen):
 def run_config(cfg, args, res, tmp):
     torch.manual_seed(args.seed)
     gen = torch.Generator().manual_seed(args.seed)
-    model = SeedModel(cfg["rows"], cfg["dim"]) if cfg["name"] == "seed" else KGModel(cfg["rows"], cfg["dim"])
+    model = EmbeddingSquare(cfg["rows"], cfg["dim"]) if cfg["name"] == "seed" else DistMult(cfg["rows"], 1000, cfg["dim"])
     batches = make_batches(cfg, 32, gen)
     # Runs on more than one torch thread are configs of their own ("seed@2t"): ceiling and optimizers
     # all get the threads, and the 1-thread rows stay comparable across commits.
@@ -114,7 +90,7 @@ def run_config(cfg, args, res, tmp):
     def fwd_bwd(k):
         for p in params:
             p.grad = None
-        model.loss(batches[k % len(batches)]).backward()
+        model.loss(*batches[k % len(batches)]).backward()
 
     sparse_adam, dsa = _memory(res, tag, x, params, fwd_bwd, tmp)
     fresh, fresh_first = _fresh(args, cfg, params, fwd_bwd, os.path.join(tmp, f"{tag}-fresh"))
@@ -267,8 +243,9 @@ def _report(res, tag, x, args, walls, cpus, reads, batch, rows_per_step):
 
 
 def _tensors(b):
-    if isinstance(b, torch.Tensor):
-        return [b]
+    """A batch's index tensors, one per table: (rows,) or (entities, relations)."""
+    if len(b) == 1:
+        return [b[0]]
     return [torch.cat([b[0], b[2], b[3].flatten()]), b[1]]
 
 

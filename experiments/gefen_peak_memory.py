@@ -74,7 +74,7 @@ import torch.nn as nn
 from experiments.common import REPO_ROOT, Results, add_common_args
 from experiments.child import child_env, emit_result, free_port, module_cmd, run_child
 from experiments.memcg import CGROUP_ROOT, cgroups_usable, join_memory_cgroup
-from experiments.models import GPT, GPTConfig
+from experiments.models import GPT, GPTConfig, mlp_stack
 from experiments.peak import PeakMemory, peak_rss_bytes, reset_peak_rss, rss_bytes
 from experiments.registry import GEFEN_X_DIR, GEFEN_X_INSTALL, gefen_x, gefen_x_version, make_optimizer, state_bytes
 
@@ -139,10 +139,7 @@ def build_model(spec, weights):
     torch.set_default_dtype(dtype)
     try:
         if spec["kind"] == "mlp":
-            layers = []
-            for _ in range(spec["depth"]):
-                layers += [nn.Linear(spec["width"], spec["width"]), nn.ReLU()]
-            return nn.Sequential(*layers[:-1])
+            return mlp_stack(spec["width"], spec["depth"])
         return GPT(GPTConfig(block=spec["block"], n_layer=spec["n_layer"], n_head=spec["n_head"],
                              n_embd=spec["n_embd"]))
     finally:

@@ -15,8 +15,13 @@ cross-entropy computed in fp32; ``char_lm_model(cfg)`` builds the model of a con
 
 Benchmarks: ``MODELS`` (a 3.4 M-parameter ``nn.TransformerEncoder`` and a 2 M-parameter MLP, each
 with its input batch; ``model_loss`` gives a loss to differentiate), ``small_tensor_stack`` (many
-small tensors: host work per tensor), ``gpt2_shapes`` with ``make_param_set`` (GPT-2-shaped
-parameter sets with structured gradients, for GPU steps).
+small tensors: host work per tensor), ``mlp_stack`` (square layers, sized by width and depth, for
+memory budgets), ``gpt2_shapes`` with ``make_param_set`` (GPT-2-shaped parameter sets with structured
+gradients, for GPU steps).
+
+Sparse embeddings (Disk Sparse Adam): ``EmbeddingSquare`` (one ``nn.Embedding(sparse=True)``, loss
+the mean square of the looked-up rows: Disk Sparse Adam's seed configuration) and ``DistMult``, a
+knowledge-graph scorer with an entity and a relation table.
 """
 
 from __future__ import annotations
@@ -329,6 +334,15 @@ def make_mlp(hidden=1024):
     return nn.Sequential(nn.Linear(784, hidden), nn.GELU(), nn.Linear(hidden, hidden), nn.GELU(), nn.Linear(hidden, 10))
 
 
+def mlp_stack(width: int, depth: int) -> nn.Sequential:
+    """``depth`` layers ``nn.Linear(width, width)`` with ReLUs between them: depth * (width² + width)
+    parameters, so a memory budget's largest model is a search over one number."""
+    layers = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*layers[:-1])
+
+
 def small_tensor_stack(tensors: int, width: int = 64):
     """``tensors`` / 4 blocks of ``nn.Linear(width, width)`` + ``nn.LayerNorm(width)`` (four tensors
     each: weight, bias, gain, bias); 160 tensors at width 64 are 171,520 parameters."""
@@ -350,3 +364,37 @@ def model_loss(model, x):
     if isinstance(model, Encoder):
         return F.cross_entropy(out[:, :-1].reshape(-1, out.shape[-1]), x[:, 1:].reshape(-1))
     return out.pow(2).mean()
+
+
+# ------------------------------------------------------------------------------ sparse embeddings
+class EmbeddingSquare(nn.Module):
+    """``nn.Embedding(rows, dim, sparse=True)``; ``loss(idx)`` is the mean square of the rows looked up."""
+
+    def __init__(self, rows, dim):
+        super().__init__()
+        self.emb = nn.Embedding(rows, dim, sparse=True)
+
+    def loss(self, idx):
+        return (self.emb(idx) ** 2).mean()
+
+
+class DistMult(nn.Module):
+    """DistMult (Yang et al. 2015): score(h, r, t) = sum(e_h * w_r * e_t) over sparse entity and
+    relation tables. ``loss(h, r, t, neg)``: logistic loss of the true tails against the negative
+    tails ``neg`` (batch, k). ``init_std``: both tables drawn from N(0, init_std²) after construction
+    (None: nn.Embedding's N(0, 1))."""
+
+    def __init__(self, entities, relations, dim, init_std=None):
+        super().__init__()
+        self.ent = nn.Embedding(entities, dim, sparse=True)
+        self.rel = nn.Embedding(relations, dim, sparse=True)
+        if init_std is not None:
+            with torch.no_grad():
+                self.ent.weight.normal_(0, init_std)
+                self.rel.weight.normal_(0, init_std)
+
+    def loss(self, h, r, t, neg):
+        eh, er = self.ent(h), self.rel(r)
+        pos = (eh * er * self.ent(t)).sum(-1)
+        negs = ((eh * er).unsqueeze(1) * self.ent(neg)).sum(-1)
+        return F.softplus(-pos).mean() + F.softplus(negs).mean()

@@ -134,3 +134,53 @@ def test_random_read_rate_reads_the_file_and_counts_the_reads(tmp_path, monkeypa
     rate = disk.random_read_rate(path, 500, seed=1, threads=threads)
     assert rate > 0
     assert sorted(seen) == sorted((disk.PAGE, o) for o in disk.random_offsets(64 * disk.PAGE, 500, seed=1))
+
+
+def test_distmult_loss_is_the_logistic_loss_of_its_triple_scores():
+    """experiments/models.py's DistMult against the formula written out per triple."""
+    import torch
+    import torch.nn.functional as F
+
+    from experiments.models import DistMult
+
+    torch.manual_seed(0)
+    model = DistMult(50, 7, 8, init_std=0.1)
+    assert model.ent.sparse and model.rel.sparse
+    assert 0.05 < float(model.ent.weight.detach().std()) < 0.15
+    h, r, t = torch.randint(0, 50, (5,)), torch.randint(0, 7, (5,)), torch.randint(0, 50, (5,))
+    neg = torch.randint(0, 50, (5, 3))
+    E, R = model.ent.weight.detach(), model.rel.weight.detach()
+    pos = [float((E[h[i]] * R[r[i]] * E[t[i]]).sum()) for i in range(5)]
+    negs = [float((E[h[i]] * R[r[i]] * E[neg[i, j]]).sum()) for i in range(5) for j in range(3)]
+    want = (sum(F.softplus(torch.tensor(-s)) for s in pos) / 5 + sum(F.softplus(torch.tensor(s)) for s in negs) / 15)
+    torch.testing.assert_close(model.loss(h, r, t, neg).detach(), want.float(), rtol=1e-5, atol=1e-6)
+
+
+def test_sparse_embedding_models_give_sparse_gradients_on_the_rows_used():
+    import torch
+
+    from experiments.models import DistMult, EmbeddingSquare
+
+    torch.manual_seed(0)
+    model = EmbeddingSquare(100, 4)
+    idx = torch.tensor([3, 3, 9])
+    model.loss(idx).backward()
+    w = model.emb.weight
+    torch.testing.assert_close(model.loss(idx).detach(), (w[idx] ** 2).mean().detach())
+    g = model.emb.weight.grad
+    assert g.is_sparse and set(g.coalesce().indices()[0].tolist()) == {3, 9}
+    kg = DistMult(20, 3, 4)  # nn.Embedding's N(0, 1) without init_std
+    assert 0.7 < float(kg.ent.weight.detach().std()) < 1.3
+
+
+@pytest.mark.parametrize("width,depth", [(8, 1), (16, 3)])
+def test_mlp_stack_has_depth_square_layers(width, depth):
+    import torch
+
+    from experiments.models import mlp_stack
+
+    model = mlp_stack(width, depth)
+    assert sum(p.numel() for p in model.parameters()) == depth * (width * width + width)
+    linears = [m for m in model if isinstance(m, torch.nn.Linear)]
+    assert len(linears) == depth and len(model) == 2 * depth - 1  # no activation after the last layer
+    assert model(torch.randn(2, width)).shape == (2, width)
