@@ -204,3 +204,34 @@ def test_a_dirty_state_file_names_a_restore_that_streams_a_checkpoint_larger_tha
     f._release()  # as a process killed in the middle of a step leaves it
     with pytest.raises(StateFileError, match=r"dirty.*torch\.load\(checkpoint, mmap=True\)"):
         RowStateFile(tmp_path / "p.dsa", 10, 4, 8, torch.float32)
+
+
+def test_a_restore_writes_back_at_most_an_eighth_of_the_memory_limit_at_a_time(tmp_path, monkeypatch):
+    """write_all (load_state_dict's writer) writes the records back in pieces of at most an eighth
+    of the memory limit (under 64 MiB), each before the next is dirtied: a memory cgroup cannot
+    reclaim dirty pages before they are written, so a 64 MiB piece in a small cgroup was killed
+    for memory. The records then hold the loaded columns exactly."""
+    from optim.disk_sparse import store
+
+    limit = 8 << 20
+    monkeypatch.setattr(store, "memory_limit_bytes", lambda: limit)
+    rows, cols = 40_000, 16  # 5 MiB of [m | v] records
+    f = store.RowStateFile(tmp_path / "s.dsa", rows, cols, 2 * cols, torch.float32)
+    mapping, flushed = f._mm, []
+
+    class Recording:  # the mapping, recording the byte ranges written back
+        def flush(self, *span):
+            flushed.append(span)
+            return mapping.flush(*span)
+
+        def __getattr__(self, name):
+            return getattr(mapping, name)
+
+    f._mm = Recording()
+    m, v = torch.randn(rows, cols), torch.rand(rows, cols)
+    f.write_all([m, v], step=5)
+    f._mm = mapping
+    pieces = [span[1] for span in flushed if span]
+    assert len(pieces) >= 5 and max(pieces) <= limit // 8 + 4096, pieces
+    assert torch.equal(f.records[:, :cols], m) and torch.equal(f.records[:, cols:], v) and f.step == 5
+    f.close()

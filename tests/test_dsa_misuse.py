@@ -266,36 +266,51 @@ def _run_in_memory_cgroup(code, limit_bytes, timeout=120):
     return out, peak
 
 
-def test_a_state_larger_than_the_memory_limit_restores_and_saves_within_it(tmp_path):
-    """The routes the error messages give for an out-of-core table, in a child whose memory cgroup
-    (64 MiB, page cache included) is half the state (128 MiB, exact format): the restore
-    ``opt.load_state_dict(torch.load(ckpt, mmap=True))`` writes the rows back in chunks, and
-    ``torch.save(opt.state_dict(), ...)`` streams the copy-on-write views of the files; the child
-    exits 0 and the saved state equals the checkpoint on 500 random rows. A restore that copies
-    the whole state at once is killed for memory."""
-    rows, dim, limit = 262_144, 64, 64 << 20
-    gen = torch.Generator().manual_seed(3)
-    exp_avg = torch.rand(rows, dim, generator=gen) - 0.5
-    exp_avg_sq = torch.rand(rows, dim, generator=gen)
-    group = {"lr": 0.1, "betas": (0.9, 0.999), "eps": 1e-8, "maximize": False, "params": [0]}
-    torch.save({"state": {0: {"step": 7, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}}, "param_groups": [group]},
-               tmp_path / "ckpt.pt")
-    out, peak = _run_in_memory_cgroup(f"""
-        from optim import DiskSparseAdam, mapped_embedding
-        emb = mapped_embedding({str(tmp_path / "w.dsa")!r}, {rows}, {dim})
-        opt = DiskSparseAdam(emb.parameters(), state_dir={str(tmp_path / "s")!r})
-        opt.load_state_dict(torch.load({str(tmp_path / "ckpt.pt")!r}, mmap=True))
-        torch.save(opt.state_dict(), {str(tmp_path / "saved.pt")!r})
-        print("restored and saved at step", opt.step_count(emb.weight), flush=True)
-        opt.close()
-    """, limit)
-    assert out.returncode == 0 and "at step 7" in out.stdout, (out.returncode, peak, out.stderr[-2000:])
+def _random_state(state_format: str, rows: int, dim: int, gen) -> dict:
+    """A state of ``state_format`` for a ``rows x dim`` table, drawn from ``gen``."""
+    if state_format == "exact":
+        return {"exp_avg": torch.rand(rows, dim, generator=gen) - 0.5, "exp_avg_sq": torch.rand(rows, dim, generator=gen)}
+    return {"exp_avg_codes": torch.randint(-127, 128, (rows, dim), generator=gen, dtype=torch.int8),
+            "exp_avg_scale": torch.rand(rows, 1, generator=gen), "exp_avg_sq": torch.rand(rows, 1, generator=gen)}
+
+
+def test_states_larger_than_the_memory_limit_restore_and_save_within_it(tmp_path):
+    """The routes the error messages give for out-of-core tables, in a child whose memory cgroup
+    (16 MiB, page cache included) is a fraction of each state (exact 64 MiB, compact 36 MiB): the
+    restore ``opt.load_state_dict(torch.load(ckpt, mmap=True))`` checks and writes the rows in
+    chunks, and ``torch.save(opt.state_dict(), ...)`` streams mappings of the files; the child
+    exits 0 and each saved state equals its checkpoint on 500 random rows. A restore that holds a
+    whole state at once (torch.load without mmap; the compact codes' range checked in one mask)
+    is killed for memory."""
+    from optim import mapped_embedding
+
+    gen, limit = torch.Generator().manual_seed(3), 16 << 20
+    tables = {"exact": (131_072, 64), "compact": (524_288, 64)}
+    states, lines = {}, []
+    for fmt, (rows, dim) in tables.items():
+        states[fmt] = _random_state(fmt, rows, dim, gen)
+        groups = DiskSparseAdam([nn.Parameter(torch.zeros(2, dim))], state_format=fmt).state_dict()["param_groups"]
+        torch.save({"state": {0: {"step": 7, **states[fmt]}}, "param_groups": groups}, tmp_path / f"{fmt}.pt")
+        close_mapped(mapped_embedding(tmp_path / f"{fmt}.w", rows, dim))  # the weights, in a file, made here
+        lines.append(f"""
+            emb = mapped_embedding({str(tmp_path / f"{fmt}.w")!r}, {rows}, {dim})
+            opt = DiskSparseAdam(emb.parameters(), state_dir={str(tmp_path / fmt)!r}, state_format={fmt!r})
+            opt.load_state_dict(torch.load({str(tmp_path / f"{fmt}.pt")!r}, mmap=True))
+            torch.save(opt.state_dict(), {str(tmp_path / f"{fmt}.saved.pt")!r})
+            print({fmt!r}, "restored and saved at step", opt.step_count(emb.weight), flush=True)
+            opt.close()
+        """)
+    out, peak = _run_in_memory_cgroup("from optim import DiskSparseAdam, mapped_embedding\n"
+                                      + "".join(textwrap.dedent(line) for line in lines), limit)
+    assert out.returncode == 0, (out.returncode, peak, out.stdout, out.stderr[-2000:])
     assert peak <= limit
-    saved = torch.load(tmp_path / "saved.pt", mmap=True)["state"][0]
-    sample = torch.randint(0, rows, (500,), generator=gen)
-    assert int(saved["step"]) == 7
-    assert torch.equal(saved["exp_avg"][sample], exp_avg[sample])
-    assert torch.equal(saved["exp_avg_sq"][sample], exp_avg_sq[sample])
+    for fmt, (rows, _) in tables.items():
+        assert f"{fmt} restored and saved at step 7" in out.stdout, out.stdout
+        saved = torch.load(tmp_path / f"{fmt}.saved.pt", mmap=True)["state"][0]
+        sample = torch.randint(0, rows, (500,), generator=gen)
+        assert int(saved["step"]) == 7
+        for key, value in states[fmt].items():
+            assert torch.equal(saved[key][sample], value[sample]), (fmt, key)
 
 
 def test_a_compact_state_larger_than_memory_saves_without_a_copy(tmp_path, monkeypatch):

@@ -85,6 +85,18 @@ def checked_step(value, where: str) -> int:
     return int(value)
 
 
+CHECK_CHUNK_ELEMENTS = 1 << 22  # a value check looks at this many loaded values at a time
+
+
+def _holds(ok, val: torch.Tensor) -> bool:
+    """``ok(val).all()``, a chunk of rows at a time: a state larger than memory (a checkpoint
+    loaded with ``torch.load(mmap=True)``) is checked without a mask of its whole size."""
+    if val.dim() == 0 or val.shape[0] == 0:
+        return bool(ok(val).all())
+    rows = max(1, CHECK_CHUNK_ELEMENTS // max(1, val[0].numel()))
+    return all(bool(ok(val[r:r + rows]).all()) for r in range(0, val.shape[0], rows))
+
+
 def loaded_columns(views: dict, entry, where: str, rule):
     """(the record columns of a saved state ``entry``, its step) checked against the state-dict
     ``views`` of the parameter's records and the value checks of ``rule``; (None, 0) for fresh state."""
@@ -106,7 +118,7 @@ def loaded_columns(views: dict, entry, where: str, rule):
         if key in rule.value_checks:
             val = val.to(view.dtype)  # written as the record's bytes
             ok, must_hold = rule.value_checks[key]
-            if not bool(ok(val).all()):
+            if not _holds(ok, val):
                 raise ValueError(f"{where}: {key!r} must hold {must_hold}")
         columns.append(val if val.dim() == 2 else val.reshape(-1, 1))  # a 1-D table's state as N x 1 records
     if STEP not in entry:

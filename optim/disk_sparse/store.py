@@ -81,7 +81,7 @@ NAME_OFFSET, NAME_BYTES = 512, 256  # the parameter's name, where the optimizer 
 PRINT_OFFSET, PRINT_BYTES = 768, 16  # a fingerprint of the weights at the last clean point (zeros: none)
 _FILE_FORMATS = STATE_FORMATS + ("weights",)  # the header's format field; "weights": weights.py's files
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14+ (older kernels: EINVAL)
-WRITE_CHUNK_BYTES = 64 << 20  # write_all writes back this much at a time
+WRITE_CHUNK_BYTES = 64 << 20  # write_all writes back at most this much, and 1/8 of the memory limit, at a time
 SAMPLE_PAGES = 16  # pages fetch() checks for residency before asking for all of a step's pages (0: never)
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
@@ -408,13 +408,14 @@ class RowStateFile:
         values (other floating dtypes are converted to it); columns of another dtype in a byte
         record (a compact record's codes, scale, v) are written as their bytes. A tensor that already
         is that memory (a state dict of this very file) is left as it is. The rows are written in
-        chunks of about ``WRITE_CHUNK_BYTES``, each written back to the disk before the next, so a
-        state larger than the memory limit loads (the page cache holds one chunk's dirty pages, and
-        a memory-mapped checkpoint's pages are read once and can be dropped).
+        chunks of ``WRITE_CHUNK_BYTES`` or an eighth of the memory limit, whichever is smaller, each
+        written back to the disk before the next, so a state larger than the memory limit loads (the
+        page cache holds one chunk's dirty pages, which a memory cgroup cannot reclaim before they
+        are written, and a memory-mapped checkpoint's pages are read once and can be dropped).
         """
         self.mark_dirty()
         row_bytes = self.width * self.records.element_size()
-        chunk = max(1, WRITE_CHUNK_BYTES // row_bytes)
+        chunk = max(1, min(WRITE_CHUNK_BYTES, (memory_limit_bytes() or WRITE_CHUNK_BYTES * 8) // 8) // row_bytes)
         for r0 in range(0, self.rows, chunk):
             r1 = min(self.rows, r0 + chunk)
             if columns is None:
