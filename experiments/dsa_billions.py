@@ -35,6 +35,7 @@ import torch
 from experiments.common import Results, add_common_args
 from experiments.child import run_child
 from experiments.memcg import cgroups_usable, enter_memory_cgroup, leave_memory_cgroup
+from experiments.registry import dsa_state_bytes_per_row
 
 DIM, BATCH, SCALE_DIM = 64, 8192, 16
 
@@ -57,9 +58,7 @@ def peak_rss_mib() -> float:
 
 def row_bytes(dim, fmt) -> int:
     """Bytes a row takes on disk: float32 weights and its state record."""
-    from optim.disk_sparse import compact
-
-    return dim * 4 + (dim * 8 if fmt == "exact" else compact.record_bytes(dim))
+    return dim * 4 + dsa_state_bytes_per_row(dim, fmt)
 
 
 def needed_bytes(rows, dim, formats) -> int:

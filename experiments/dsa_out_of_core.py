@@ -54,7 +54,7 @@ from experiments.child import emit_result, module_cmd, run_child
 from experiments.common import Results, add_common_args
 from experiments.disk import drop_cache, random_read_rate
 from experiments.models import DistMult
-from experiments.registry import make_optimizer
+from experiments.registry import dsa_state_bytes_per_row, make_optimizer
 
 # -- cold steps ------------------------------------------------------------------------------------
 def _seed_step(emb, opt, idx, announce=None):
@@ -244,15 +244,13 @@ def run_limits(args, res, tmp):
             print(f"[limits] {variant} @ {xv} GiB: " + (f"{out['samples_per_s']:,.0f} samples/s over {out['steps']} steps"
                                                        if done else f"not completed ({run.outcome})")
                   + f", peak {peak / 2**30:.2f} GiB")
-    from optim.disk_sparse import compact
-
     table = dict(x_name="config", x_value=f"{rows}x{dim}")
     res.add("table", "rows", "rows", rows, **table)
     res.add("table", "dim", "values", dim, **table)
     res.add("table", "weights_bytes", "bytes", rows * dim * 4, **table)
-    res.add("table", "exact_state_bytes", "bytes", rows * dim * 8, **table)
-    res.add("table", "compact_state_bytes", "bytes", rows * compact.record_bytes(dim), **table)
-    res.add("table", "compact_bytes_per_row", "bytes", compact.record_bytes(dim), **table)
+    res.add("table", "exact_state_bytes", "bytes", rows * dsa_state_bytes_per_row(dim, "exact"), **table)
+    res.add("table", "compact_state_bytes", "bytes", rows * dsa_state_bytes_per_row(dim, "compact"), **table)
+    res.add("table", "compact_bytes_per_row", "bytes", dsa_state_bytes_per_row(dim, "compact"), **table)
 
 
 def _drop_file_cache(state_dir):

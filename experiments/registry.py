@@ -245,6 +245,16 @@ def state_bytes(opt) -> int:
     return tensor_bytes(opt.state_dict())
 
 
+def dsa_state_bytes_per_row(dim: int, state_format: str) -> int:
+    """Bytes of one table row's Disk Sparse Adam state record on disk: two float32 moments in the
+    "exact" format, the compact format's 8-bit first moment with its scale and row-wise v otherwise."""
+    if state_format == "exact":
+        return 2 * 4 * dim
+    from optim.disk_sparse import compact
+
+    return compact.record_bytes(dim)
+
+
 KINDS = ("matrix", "embedding", "vector", "shared")
 
 

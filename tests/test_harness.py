@@ -184,3 +184,21 @@ def test_mlp_stack_has_depth_square_layers(width, depth):
     linears = [m for m in model if isinstance(m, torch.nn.Linear)]
     assert len(linears) == depth and len(model) == 2 * depth - 1  # no activation after the last layer
     assert model(torch.randn(2, width)).shape == (2, width)
+
+
+def test_dsa_state_bytes_per_row_is_what_a_state_file_grows_by_per_row(tmp_path):
+    """registry.dsa_state_bytes_per_row against the sizes of real state files: each file is one
+    fixed header plus that many bytes a row, in both formats, at dimensions that do and do not
+    divide a record's alignment."""
+    import torch
+
+    from experiments.registry import dsa_state_bytes_per_row
+    from optim import DiskSparseAdam
+
+    headers = set()
+    for fmt in ("exact", "compact"):
+        for rows, dim in ((1000, 64), (3000, 13)):
+            with DiskSparseAdam([torch.empty(rows, dim)], state_dir=tmp_path / f"{fmt}{dim}", state_format=fmt) as opt:
+                size = os.path.getsize(opt.state_files()[0].path)
+            headers.add(size - rows * dsa_state_bytes_per_row(dim, fmt))
+    assert len(headers) == 1 and 0 <= headers.pop() <= 65536
