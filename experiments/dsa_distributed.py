@@ -33,15 +33,13 @@ import argparse
 import json
 import math
 import os
-import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import torch
 
-from experiments.child import child_env, free_port
+from experiments.child import child_env, emit_result, module_cmd, run_ranks
 from experiments.common import Results, add_common_args
 
 CLAIMED_SAMPLES_PER_S = 134_212  # the seed's GPU claim (README), for the bandwidth on paper
@@ -55,11 +53,12 @@ def expected_unique(rows: int, batch: int) -> float:
 
 
 def sharded_bytes(world: int, rows: int, dim: int, batch: int, itemsize: int = 4) -> float:
-    """Bytes a rank sends per step with row sharding: a 16-byte header to every other rank; per
-    remote unique row its 8-byte id and its gradient row; per row of its own another rank asks for,
-    that row (by symmetry as many as its remote rows)."""
+    """Bytes a rank sends per step with row sharding: a header of four int64 (count, error flag, table,
+    kind of call) to every other rank in the forward and again in the backward; per remote unique row
+    its 8-byte id and its gradient row; per row of its own another rank asks for, that row (by
+    symmetry as many as its remote rows)."""
     remote = float(expected_unique(rows, batch)) * (world - 1) / world
-    return 16 * (world - 1) + remote * (8 + 2 * dim * itemsize)
+    return 2 * 4 * 8 * (world - 1) + remote * (8 + 2 * dim * itemsize)
 
 
 def ddp_bytes(world: int, rows: int, dim: int, batch: int, itemsize: int = 4) -> float:
@@ -104,7 +103,7 @@ def _setups(cfg, rank, world, state_root, backend):
     return out
 
 
-def worker(cfg, out_path, backend):
+def worker(cfg, backend):
     """One rank: warm-up steps, then ``reps`` repeats of ``steps`` steps of every setup, in a shuffled
     order per repeat; per step and setup the wall and CPU seconds (wall: the slowest rank's) and the
     bytes sent."""
@@ -139,7 +138,7 @@ def worker(cfg, out_path, backend):
         t["wall"] = wall.tolist()
     dist.barrier()  # no rank tears its connections down while another still uses them
     dist.destroy_process_group()
-    Path(out_path).write_text(json.dumps(times))
+    emit_result(times)
 
 
 def _timed_step(setup, batch, log, keep):
@@ -158,25 +157,11 @@ def _timed_step(setup, batch, log, keep):
             log["bytes"].append(table.exchanged_bytes - before)
 
 
-def launch(world, cfg, backend, tmp, timeout):
-    """Run ``world`` worker processes; return rank 0's measurements (each rank writes its own)."""
-    env = child_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port(), WORLD_SIZE=world, OMP_NUM_THREADS=1,
-                    GLOO_SOCKET_IFNAME="lo")
-    outs = [Path(tmp) / f"w{world}.rank{r}.json" for r in range(world)]
-    procs = [subprocess.Popen([sys.executable, __file__, "--worker", json.dumps(cfg), str(outs[r]), backend],
-                              env=dict(env, RANK=str(r))) for r in range(world)]
-    deadline = time.monotonic() + timeout
-    try:
-        for p in procs:
-            p.wait(timeout=max(deadline - time.monotonic(), 0.1))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    if any(p.returncode for p in procs):
-        raise RuntimeError(f"{world}-rank launch failed: exit codes {[p.returncode for p in procs]}")
-    return [json.loads(o.read_text()) for o in outs]
+def launch(world, cfg, backend, timeout):
+    """Run ``world`` worker processes; every rank's measurements, in rank order."""
+    runs = run_ranks(module_cmd("experiments.dsa_distributed", "--worker", json.dumps(cfg), backend), world,
+                     env=child_env(OMP_NUM_THREADS=1, GLOO_SOCKET_IFNAME="lo"), timeout=timeout)
+    return [run.check(f"rank {r} of a {world}-rank launch").result for r, run in enumerate(runs)]
 
 
 # ----------------------------------------------------------------------------------- report
@@ -217,22 +202,21 @@ def main(argv=None):
     parser.add_argument("--backend", default="auto", help="DiskSparseAdam backend (auto: numba on CPU)")
     parser.add_argument("--timeout", type=int, default=1200, help="seconds per launch")
     parser.add_argument("--state-dir", default=None, help="where the state files go (default: a temp dir)")
-    parser.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
+    parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        cfg, out, backend = args.worker
-        return worker(json.loads(cfg), out, backend)
+        cfg, backend = args.worker
+        return worker(json.loads(cfg), backend)
     q = args.quick
     cfg = dict(rows=args.rows or (20_000 if q else 1_000_000), dim=args.dim or (32 if q else 128),
                batch=args.batch or (256 if q else 2048), steps=args.steps or (3 if q else 12),
                reps=args.reps or (2 if q else 5),
                warmup=args.warmup or (1 if q else 5), seed=args.seed, state_dir=args.state_dir)
     seed_cfg = dict(rows=1_000_000, dim=128, batch=2048)
-    with Results("dsa_distributed", args, config={**vars(args), "measured": cfg, "paper": seed_cfg}) as res, \
-            tempfile.TemporaryDirectory(prefix="dsa-dist-results-") as tmp:
+    with Results("dsa_distributed", args, config={**vars(args), "measured": cfg, "paper": seed_cfg}) as res:
         add_paper_rows(res, seed_cfg)
         for world in map(int, args.ranks.split(",")):
-            report(res, world, launch(world, cfg, args.backend, tmp, args.timeout), cfg)
+            report(res, world, launch(world, cfg, args.backend, args.timeout), cfg)
 
 
 if __name__ == "__main__":

@@ -203,7 +203,7 @@ def test_dsa_distributed_smallest_run(tmp_path, monkeypatch):
     gen = torch.Generator().manual_seed(0)
     uniq = sum(torch.unique(torch.randint(0, 10**6, (2048,), generator=gen)).numel() for _ in range(50)) / 50
     paper = _value(rows, "paper/sharded", "bytes_per_step", 512)
-    assert paper == pytest.approx(16 * 511 + uniq * 511 / 512 * (8 + 2 * 128 * 4), rel=2e-3)
+    assert paper == pytest.approx(64 * 511 + uniq * 511 / 512 * (8 + 2 * 128 * 4), rel=2e-3)
     assert _value(rows, "paper/ddp", "bytes_per_step", 512) == pytest.approx(511 * uniq * (8 + 128 * 4), rel=2e-3)
     assert not list(tmp_path.glob("dsa-dist-*")), "the state files' temporary directory was left behind"
     out = tmp_path / "dsa_distributed.png"
