@@ -231,3 +231,43 @@ def check_launch(ps, gs, vs, scales, codes, *, block, bits, quant, device_type="
             if t.device.type != device_type:
                 raise ValueError(f"Gefen kernel: {name}[{i}] is on {t.device}, expected "
                                  f"{device_type} tensors")
+
+
+def check_state_dict(sd: dict, groups: list, *, bits: int, wide: dict, local) -> tuple:
+    """Check a Gefen state dict against this optimizer's ``groups`` before anything is written.
+
+    Returns (the state dict with its groups completed, {id(param): checked saved state}, codebook,
+    rounding seed). A keyword a dict was saved before is at its old meaning (the published rule,
+    minimizing); the optimizer-wide options (``wide``) stay this optimizer's, and so does each
+    group's stochastic_rounding: how this run writes its weights, not a property of the saved
+    state. ``local``: the local shard of a parameter (DTensor) or the parameter.
+    """
+    sd = dict(sd)
+    codebook = sd.pop(K.CODEBOOK, None)
+    seed = sd.pop(K.ROUNDING_SEED, None)
+    if seed is not None and not (isinstance(seed, int) and 0 <= seed < 2**32):
+        raise ValueError(f"Gefen.load_state_dict: {K.ROUNDING_SEED!r} is {seed!r}; expected an int in "
+                         "[0, 2**32) or None")
+    saved_bits = sd.pop(K.BITS, bits)
+    if saved_bits != bits:
+        raise ValueError(f"Gefen.load_state_dict: the state dict was saved with bits={saved_bits}, "
+                         f"this optimizer has bits={bits}; construct it with bits={saved_bits}")
+    if len(sd["param_groups"]) != len(groups):
+        raise ValueError(f"Gefen.load_state_dict: the state dict has {len(sd['param_groups'])} parameter "
+                         f"groups, this optimizer {len(groups)}; load it into the optimizer "
+                         "it was saved from")
+    sd["param_groups"] = [{"factor_second_moment": False, "maximize": False, **g,
+                           "stochastic_rounding": mine["stochastic_rounding"], **wide}
+                          for g, mine in zip(sd["param_groups"], groups)]
+    saved = sd.get("state", {})
+    params = [(p, g) for g in groups for p in g["params"]]
+    ids = [i for g in sd["param_groups"] for i in g["params"]]
+    if len(ids) != len(params):
+        raise ValueError(f"Gefen.load_state_dict: the state dict has {len(ids)} parameters, "
+                         f"this optimizer {len(params)}; load it into the model it was saved from")
+    loaded_group = {pid: g for g in sd["param_groups"] for pid in g["params"]}
+    for gi, g in enumerate(sd["param_groups"]):
+        check_group(dict(g, params=[]), gi)
+    checked = {id(p): check_saved(saved[pid], local(p), loaded_group[pid], bits, k)
+               for k, (pid, (p, _)) in enumerate(zip(ids, params)) if pid in saved}
+    return sd, checked, codebook, seed

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 from collections import defaultdict
 
 import torch
@@ -11,19 +10,13 @@ from .._base import OptimizerBase, local_tensor
 from .._checks import check_option
 from .._rounding import MASK32, STOCHASTIC_DTYPES, hash32_int, step_seed
 from ..backends import BACKENDS
-from . import distributed as _dist, numba_ops, state as K
-from .checks import (check_adamw_keywords, check_capturable, check_group, check_saved, check_state_fits,
+from . import distributed as _dist, state as K
+from .checks import (check_adamw_keywords, check_capturable, check_group, check_state_dict, check_state_fits,
                      state_dtype)
 from .codebook import Codebook
 from .partition import RULES, constant_magnitude
-from .plan import Call, signature, tiles_of
+from .plan import Call, run, signature, signed, step_module, step_scalars, tiles_of
 from .torch_ops import histogram
-
-
-def _ops(backend: str):
-    """The step module of a concrete backend ("torch", "numba", "triton"), imported when first used:
-    each has ``gefen_step_`` (one signature), ``refuses`` and ``data_refusal``."""
-    return importlib.import_module(f"{__package__}.{backend}_ops")
 
 
 OPTIMIZER_WIDE = ("bits", "backend", "block_rule", "capturable")  # in every group, one value per optimizer
@@ -232,7 +225,7 @@ class Gefen(OptimizerBase):
         self._drop_plans()
 
     def _refusal(self, backend, p, group):
-        return _ops(backend).refuses(p.dtype, group)
+        return step_module(backend).refuses(p.dtype, group)
 
     def _state_device(self, p):
         st = self.state.get(p, {})
@@ -251,7 +244,7 @@ class Gefen(OptimizerBase):
             return backend
         quant = group["quantize_first_moment"]
         tables = self._codebook.table() if quant and self.codebook is not None else None
-        why = _ops(backend).data_refusal(block=block, bits=self.bits, quant=quant, tables=tables)
+        why = step_module(backend).data_refusal(block=block, bits=self.bits, quant=quant, tables=tables)
         return backend if why is None else "torch"
 
     def needs_every_gradient(self) -> bool:
@@ -372,10 +365,10 @@ class Gefen(OptimizerBase):
         key = signature(self.param_groups, local_tensor)
         plan = self._plans.get(key)
         if plan is not None and all(c.current() for c in plan[0]):
-            self._run(*plan)
+            run(*plan, self._codebook, bits=self.bits)
             return
         work = self._gather()
-        quantized = {p: _signed(local_tensor(g), group) for group, items in work if group["quantize_first_moment"]
+        quantized = {p: signed(local_tensor(g), group) for group, items in work if group["quantize_first_moment"]
                      for p, g, _ in items}
         # [distributed] sharded (FSDP2) histograms are summed over the ranks, so every
         # rank learns the same codebook; a rank whose local shards are all empty still joins.
@@ -386,8 +379,8 @@ class Gefen(OptimizerBase):
             counts = _dist.global_histogram(self.codebook_histogram, quantized, qparams)
             self.learn_codebook(counts, device=dev)
         calls = [call for group, items in work for call in self._calls(group, items)]
-        scalars = self._step_scalars(calls) if self.capturable else []
-        self._run(calls, scalars)
+        scalars = step_scalars(calls) if self.capturable else []
+        run(calls, scalars, self._codebook, bits=self.bits)
         settled = all(K.BLOCK in self.state[p] and not self.state[p].get(K.PROVISIONAL)
                       for group in self.param_groups for p in group["params"]
                       if p.grad is not None and local_tensor(p).numel())
@@ -418,68 +411,6 @@ class Gefen(OptimizerBase):
             calls.append(Call(group, path, block, params, states, tiles))
         return calls
 
-    def _step_scalars(self, calls) -> list:
-        """[(group, ``triton_ops.StepScalars``)]: one a group and device, holding the step counters and
-        rows of step scalars of its calls' tiles (capturable); each call gets its tiles' rows."""
-        ops, by = _ops("triton"), {}
-        for call in calls:
-            by.setdefault((id(call.group), call.tiles[0].p.device), (call.group, []))[1].append(call)
-        out = []
-        for (_, device), (group, cs) in by.items():
-            tiles = [(call, t) for call in cs for t in call.tiles]
-            sc = ops.StepScalars([call.states[t.owner][K.STEP] for call, t in tiles],
-                                 [call.states[t.owner][K.SEED] if call.sr else None for call, t in tiles],
-                                 [t.tile for _, t in tiles], device)
-            start = 0
-            for call in cs:
-                call.rows, start = sc.rows[start:start + len(call.tiles)], start + len(call.tiles)
-            out.append((group, sc))
-        return out
-
-    def _run(self, calls, scalars=()):
-        """Advance each call's step count and step its tiles on its path: on the host, or with
-        ``scalars`` (capturable) one launch a group that advances the device counters and writes
-        the rows of step scalars the calls read."""
-        for group, sc in scalars:
-            beta1, beta2 = group["betas"]
-            _ops("triton").advance_(sc, lr=group["lr"], beta1=beta1, beta2=beta2,
-                                    weight_decay=group["weight_decay"])
-        for call in calls:
-            step = None if call.rows is not None else call.states[0][K.STEP] + 1
-            self._run_call(call, step)
-            if step is not None:  # counted once the kernel has taken it: a refused step is not
-                for st in call.states:
-                    st[K.STEP] = step
-
-    def _run_call(self, call, step):
-        """Step one call's tiles on its path at ``step`` (None: the step count is on the device)."""
-        grads = [_signed(local_tensor(p.grad), call.group) for p in call.params]
-        quant = call.group["quantize_first_moment"]
-        codebook, tables = self._codebook.on(call.tiles[0].p.device) if quant else (None, None)
-        h = call.hyper(step)
-        if call.path == "numba" and call.native is not False:
-            if call.native is None:
-                call.native = self._prepare_numba(call, grads, codebook, tables) or False
-            if call.native:
-                numba_ops.run(call.native, grads, **h._asdict())
-                _written(call)
-                return
-        ps, vs, ss, cs, ws = call.lists()
-        if call.rows is None:
-            extra = dict(seeds=call.seeds(step))
-        else:
-            extra = dict(seeds=True if call.sr else None, hyper=call.rows)
-        _ops(call.path).gefen_step_(ps, call.gradients(grads), vs, ss, cs, codebook, tables=tables, **h._asdict(),
-                                  block=call.block, bits=self.bits, ws=ws, **extra)
-        if call.path != "torch":
-            _written(call)
-
-    def _prepare_numba(self, call, grads, codebook, tables):
-        ps, vs, ss, cs, ws = call.lists()
-        return numba_ops.prepare(ps, call.gradients(grads), vs, ss, cs, codebook, block=call.block, bits=self.bits,
-                                 tables=tables, ws=ws, owners=[t.owner for t in call.tiles],
-                                 offsets=[t.start for t in call.tiles])
-
     # ------------------------------------------------------------------- stochastic rounding
     def _draw_seeds(self, group, params, states):
         """Give each parameter its stochastic-rounding seed once (``state.SEED``) where the group
@@ -501,42 +432,11 @@ class Gefen(OptimizerBase):
         return _dist.to_distributed_state_dict(self, sd)  # [distributed] DCP-ready form
 
     def _unpack_state(self, state_dict):
-        sd = dict(_dist.from_distributed_state_dict(self, state_dict))  # [distributed]
-        codebook = sd.pop(K.CODEBOOK, None)
-        seed = sd.pop(K.ROUNDING_SEED, None)
-        if seed is not None and not (isinstance(seed, int) and 0 <= seed < 2**32):
-            raise ValueError(f"Gefen.load_state_dict: {K.ROUNDING_SEED!r} is {seed!r}; expected an int in "
-                             "[0, 2**32) or None")
-        bits = sd.pop(K.BITS, self.bits)
-        if bits != self.bits:
-            raise ValueError(f"Gefen.load_state_dict: the state dict was saved with bits={bits}, "
-                             f"this optimizer has bits={self.bits}; construct it with bits={bits}")
-        # A keyword a dict was saved before is at its old meaning (the published rule, minimizing);
-        # the optimizer-wide options stay this optimizer's, and so does each group's
-        # stochastic_rounding: how this run writes its weights, not a property of the saved state.
-        if len(sd["param_groups"]) != len(self.param_groups):
-            raise ValueError(f"Gefen.load_state_dict: the state dict has {len(sd['param_groups'])} parameter "
-                             f"groups, this optimizer {len(self.param_groups)}; load it into the optimizer "
-                             "it was saved from")
-        sd["param_groups"] = [{"factor_second_moment": False, "maximize": False, **g,
-                               "stochastic_rounding": mine["stochastic_rounding"],
-                               **{k: self.defaults[k] for k in OPTIMIZER_WIDE}}
-                              for g, mine in zip(sd["param_groups"], self.param_groups)]
-        saved = dict(sd.get("state", {}))
-        groups = [(p, g) for g in self.param_groups for p in g["params"]]
-        ids = [i for g in sd["param_groups"] for i in g["params"]]
-        if len(ids) != len(groups):
-            raise ValueError(f"Gefen.load_state_dict: the state dict has {len(ids)} parameters, "
-                             f"this optimizer {len(groups)}; load it into the model it was saved from")
-        loaded_group = {pid: g for g in sd["param_groups"] for pid in g["params"]}
-        for gi, g in enumerate(sd["param_groups"]):
-            check_group(dict(g, params=[]), gi)
-        for k, (pid, (p, group)) in enumerate(zip(ids, groups)):
-            if pid in saved:  # everything is checked before anything is written, against the loaded group
-                saved[pid] = check_saved(saved[pid], local_tensor(p), loaded_group[pid], self.bits, k)
-        checked = {id(p): saved[pid] for pid, (p, _) in zip(ids, groups) if pid in saved}
+        sd = _dist.from_distributed_state_dict(self, state_dict)  # [distributed]
+        sd, checked, codebook, seed = check_state_dict(sd, self.param_groups, bits=self.bits, local=local_tensor,
+                                                       wide={k: self.defaults[k] for k in OPTIMIZER_WIDE})
         self._restore_layout(sd, lambda p, _: self._restored(p, checked[id(p)]))
-        params = [p for p, _ in groups]
+        params = [p for g in self.param_groups for p in g["params"]]
         if seed is not None:
             self._seed = seed
         self._drop_plans()
@@ -567,17 +467,4 @@ def fresh_seed() -> int:
     the user's random stream is the same with or without rounding."""
     s = torch.initial_seed()
     return hash32_int(hash32_int(s & MASK32) ^ (s >> 32))
-
-
-def _written(call):
-    """Tell autograd that a compiled kernel wrote the call's parameters through their addresses (a
-    torch op in place does it itself): a graph that saved them then refuses its backward, as after
-    AdamW's step, instead of using the new values."""
-    torch.autograd.graph.increment_version(call.lists()[0])  # views share their base's counter
-
-
-def _signed(g: torch.Tensor, group) -> torch.Tensor:
-    """The gradient a group steps on: ``g``, or under ``maximize`` a negated copy (exact), so that
-    ``p.grad`` is never written (it may be shared by two parameters, require grad, or be expanded)."""
-    return torch.neg(g) if group["maximize"] else g
 

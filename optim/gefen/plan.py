@@ -20,12 +20,14 @@ codebook, a new group) drops the plans explicitly (``Gefen._drop_plans``).
 from __future__ import annotations
 
 import functools
+import importlib
 from typing import NamedTuple
 
 import torch
 
-from . import state as K
+from .._base import local_tensor
 from .._rounding import step_seed
+from . import numba_ops, state as K
 from .partition import factor_tiles, tile_elements
 
 # Options that change which tensors a call holds or how they are stepped; lr, betas, eps and
@@ -173,3 +175,84 @@ def tile_plan(shape: tuple, block: int, bits: int) -> tuple:
     split at a / P; 4-bit codes at a / 2 (a is even)."""
     return tuple((r0, r1, a, b, *((a // 2, -(-b // 2)) if bits == 4 else (a, b)))
                  for (r0, r1), (a, b) in zip(factor_tiles(shape, block), tile_elements(shape, block)))
+
+
+# ------------------------------------------------------------------------------ running a plan
+def step_module(backend: str):
+    """The step module of a concrete backend ("torch", "numba", "triton"), imported when first used:
+    each has ``gefen_step_`` (one signature), ``refuses`` and ``data_refusal``."""
+    return importlib.import_module(f"{__package__}.{backend}_ops")
+
+
+def step_scalars(calls) -> list:
+    """[(group, ``triton_ops.StepScalars``)]: one a group and device, holding the step counters and
+    rows of step scalars of its calls' tiles (capturable); each call gets its tiles' rows."""
+    ops, by = step_module("triton"), {}
+    for call in calls:
+        by.setdefault((id(call.group), call.tiles[0].p.device), (call.group, []))[1].append(call)
+    out = []
+    for (_, device), (group, cs) in by.items():
+        tiles = [(call, t) for call in cs for t in call.tiles]
+        sc = ops.StepScalars([call.states[t.owner][K.STEP] for call, t in tiles],
+                             [call.states[t.owner][K.SEED] if call.sr else None for call, t in tiles],
+                             [t.tile for _, t in tiles], device)
+        start = 0
+        for call in cs:
+            call.rows, start = sc.rows[start:start + len(call.tiles)], start + len(call.tiles)
+        out.append((group, sc))
+    return out
+
+
+def run(calls, scalars, codebook, *, bits: int) -> None:
+    """Advance each call's step count and step its tiles on its path: on the host, or with
+    ``scalars`` (capturable) one launch a group that advances the device counters and writes
+    the rows of step scalars the calls read. ``codebook``: the optimizer's ``codebook.Codebook``."""
+    for group, sc in scalars:
+        beta1, beta2 = group["betas"]
+        step_module("triton").advance_(sc, lr=group["lr"], beta1=beta1, beta2=beta2,
+                                       weight_decay=group["weight_decay"])
+    for call in calls:
+        step = None if call.rows is not None else call.states[0][K.STEP] + 1
+        run_call(call, step, codebook, bits=bits)
+        if step is not None:  # counted once the kernel has taken it: a refused step is not
+            for st in call.states:
+                st[K.STEP] = step
+
+
+def run_call(call: Call, step: int | None, codebook, *, bits: int) -> None:
+    """Step one call's tiles on its path at ``step`` (None: the step count is on the device)."""
+    grads = [signed(local_tensor(p.grad), call.group) for p in call.params]
+    quant = call.group["quantize_first_moment"]
+    values, tables = codebook.on(call.tiles[0].p.device) if quant else (None, None)
+    h = call.hyper(step)
+    ps, vs, ss, cs, ws = call.lists()
+    if call.path == "numba" and call.native is not False:
+        if call.native is None:
+            call.native = numba_ops.prepare(ps, call.gradients(grads), vs, ss, cs, values, block=call.block,
+                                            bits=bits, tables=tables, ws=ws, owners=[t.owner for t in call.tiles],
+                                            offsets=[t.start for t in call.tiles]) or False
+        if call.native:
+            numba_ops.run(call.native, grads, **h._asdict())
+            written(call)
+            return
+    if call.rows is None:
+        extra = dict(seeds=call.seeds(step))
+    else:
+        extra = dict(seeds=True if call.sr else None, hyper=call.rows)
+    step_module(call.path).gefen_step_(ps, call.gradients(grads), vs, ss, cs, values, tables=tables,
+                                       **h._asdict(), block=call.block, bits=bits, ws=ws, **extra)
+    if call.path != "torch":
+        written(call)
+
+
+def written(call: Call) -> None:
+    """Tell autograd that a compiled kernel wrote the call's parameters through their addresses (a
+    torch op in place does it itself): a graph that saved them then refuses its backward, as after
+    AdamW's step, instead of using the new values."""
+    torch.autograd.graph.increment_version(call.lists()[0])  # views share their base's counter
+
+
+def signed(g: torch.Tensor, group) -> torch.Tensor:
+    """The gradient a group steps on: ``g``, or under ``maximize`` a negated copy (exact), so that
+    ``p.grad`` is never written (it may be shared by two parameters, require grad, or be expanded)."""
+    return torch.neg(g) if group["maximize"] else g
