@@ -5,6 +5,7 @@ memory limit and a timeout, and read back the one result it prints.
     run.outcome     # "ok", "killed for memory", "timeout" or "exit N"
     run.result      # the JSON value of the child's last result line (None: it printed none)
     run = run_child(cmd, memory=("my-run", 2 * 2**30))   # in a fresh memory cgroup (experiments/memcg.py)
+    runs = run_ranks(cmd, 2, timeout=600)                 # the ranks of one torch.distributed job
 
 The child prints its result with ``emit_result(value)``: one line, ``RESULT `` and the value as JSON,
 so whatever else it prints (progress, library chatter) cannot be mistaken for it. A fresh process
@@ -14,6 +15,7 @@ limit or a crash ends the child, never the experiment.
 
 from __future__ import annotations
 
+import concurrent.futures as futures
 import json
 import os
 import socket
@@ -125,3 +127,18 @@ def run_child(cmd, *, timeout=None, env=None, cwd=None, memory=None, join_at_sta
     finally:
         if not memcg.remove_memory_cgroup(path):
             print(f"[child] could not remove the memory cgroup {path}; remove it with rmdir", file=sys.stderr)
+
+
+def run_ranks(cmd, world: int, *, env=None, timeout=None, memory=None, join_at_start=True) -> list[ChildRun]:
+    """``world`` copies of ``cmd`` at once, the ranks of one torch.distributed job on this machine
+    (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and a free ``MASTER_PORT`` set), each a ``run_child``
+    (its own memory cgroup where ``memory`` is given); their runs in rank order."""
+    port = free_port()
+    base = dict(os.environ if env is None else env, WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port))
+
+    def rank(r):
+        return run_child(cmd, env=dict(base, RANK=str(r)), timeout=timeout, memory=memory, join_at_start=join_at_start)
+
+    with futures.ThreadPoolExecutor(world) as pool:
+        return list(pool.map(rank, range(world)))

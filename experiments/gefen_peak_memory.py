@@ -72,7 +72,7 @@ import torch
 import torch.nn as nn
 
 from experiments.common import REPO_ROOT, Results, add_common_args
-from experiments.child import child_env, emit_result, free_port, module_cmd, run_child
+from experiments.child import child_env, emit_result, module_cmd, run_child, run_ranks
 from experiments.memcg import CGROUP_ROOT, cgroups_usable, join_memory_cgroup
 from experiments.models import GPT, GPTConfig, mlp_stack
 from experiments.peak import PeakMemory, peak_rss_bytes, reset_peak_rss, rss_bytes
@@ -323,9 +323,9 @@ def _worker_cmd(spec):
     return module_cmd("experiments.gefen_peak_memory", "--worker", json.dumps(spec))
 
 
-def _env(**extra):
+def _env():
     # one thread everywhere, torch.compile (torchao) without a pool of compile processes
-    return child_env(OMP_NUM_THREADS=1, NUMBA_NUM_THREADS=1, TORCHINDUCTOR_COMPILE_THREADS=1, **extra)
+    return child_env(OMP_NUM_THREADS=1, NUMBA_NUM_THREADS=1, TORCHINDUCTOR_COMPILE_THREADS=1)
 
 
 def run_worker(spec, limit_bytes=None, timeout=None, join_at_start=False):
@@ -521,19 +521,6 @@ def budgets(res, args, size, configs, found, pool):
     return largest
 
 
-def run_ranks(spec, limit_bytes, timeout, world=2):
-    """Both ranks of one distributed run, each in its own memory cgroup of ``limit_bytes``."""
-    port = free_port()
-
-    def rank(r):
-        env = _env(RANK=r, WORLD_SIZE=world, MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-        return run_child(_worker_cmd(spec), memory=("gefen-peak-rank", limit_bytes), timeout=timeout, env=env,
-                         join_at_start=False)
-
-    with futures.ThreadPoolExecutor(world) as ex:
-        return list(ex.map(rank, range(world)))
-
-
 def distributed(res, args, size, configs, largest):
     """Tokens/s on 2 ranks at an equal micro-batch and under the first micro-batch budget: from each
     optimizer's single-process largest, divided by ``DIST_STEP_DOWN`` after each kill for memory."""
@@ -556,7 +543,9 @@ def distributed_run(res, args, size, strategy, config, kind, mb, limit, budget):
     """One run on the ranks; its rows; its outcome code (0 ok, 1 killed for memory, 2 error, 3 timeout)."""
     spec = dict(task="dist", config=config, model=size["peaks"][-1][0], micro_batch=mb, strategy=strategy,
                 steps=size["dist_steps"], seed=args.seed, timeout=size["timeout"])
-    ranks = run_ranks(spec, limit, size["timeout"])
+    # both ranks, each in its own memory cgroup of ``limit`` bytes
+    ranks = run_ranks(_worker_cmd(spec), 2, env=_env(), timeout=size["timeout"], memory=("gefen-peak-rank", limit),
+                      join_at_start=False)
     outs = [r.result for r in ranks]
     v, x = f"{strategy}/{config}", dict(x_name="micro_batch", x_value=mb)
     if any(r.oom_killed for r in ranks):

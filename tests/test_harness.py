@@ -202,3 +202,24 @@ def test_dsa_state_bytes_per_row_is_what_a_state_file_grows_by_per_row(tmp_path)
                 size = os.path.getsize(opt.state_files()[0].path)
             headers.add(size - rows * dsa_state_bytes_per_row(dim, fmt))
     assert len(headers) == 1 and 0 <= headers.pop() <= 65536
+
+
+def test_ranks_run_at_once_with_their_rank_and_one_free_port():
+    """run_ranks' children meet each other (a barrier over files only passes if all run at once) and
+    see the torch.distributed variables of one job."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        code = ("import os, time, pathlib; from experiments.child import emit_result\n"
+                f"d = pathlib.Path({tmp!r}); (d / os.environ['RANK']).touch()\n"
+                "t = time.time()\n"
+                "while len(list(d.iterdir())) < int(os.environ['WORLD_SIZE']) and time.time() - t < 20: time.sleep(0.01)\n"
+                "emit_result({k: os.environ[k] for k in ('RANK', 'WORLD_SIZE', 'MASTER_ADDR', 'MASTER_PORT')}"
+                " | {'met': len(list(d.iterdir()))})")
+        from experiments.child import run_ranks
+
+        runs = run_ranks(_py(code), 3, env=child_env(), timeout=60)
+    outs = [r.check("rank").result for r in runs]
+    assert [o["RANK"] for o in outs] == ["0", "1", "2"]
+    assert all(o["WORLD_SIZE"] == "3" and o["met"] == 3 and o["MASTER_ADDR"] == "127.0.0.1" for o in outs)
+    assert len({o["MASTER_PORT"] for o in outs}) == 1
