@@ -17,8 +17,6 @@ relation closed through ``__mro__`` (``stdlib_hierarchy``), for Poincaré embedd
 from __future__ import annotations
 
 import ast
-import json
-import subprocess
 import sys
 import sysconfig
 from collections import Counter
@@ -201,7 +199,7 @@ for m in mods:
                 seen[id(c)] = c
 name = lambda c: f"{c.__module__}.{c.__qualname__}"
 edges = sorted({(name(c), name(a)) for c in seen.values() for a in c.__mro__[1:]})
-json.dump({"modules": len(mods), "python": sys.version.split()[0], "edges": edges}, sys.stdout)
+print("\nRESULT " + json.dumps({"modules": len(mods), "python": sys.version.split()[0], "edges": edges}), flush=True)
 '''
 
 
@@ -212,11 +210,12 @@ def stdlib_hierarchy(timeout=600, modules=None):
     skipped; modules that fail to import are dropped. ``modules``: import only these (and their
     submodules) instead of the whole standard library.
     """
-    out = subprocess.run([sys.executable, "-I", "-c", _HIERARCHY_CODE, *(modules or [])], capture_output=True,
-                         text=True, timeout=timeout)
-    if out.returncode != 0:
-        raise RuntimeError(f"collecting the class hierarchy failed:\n{out.stderr[-2000:]}")
-    data = json.loads(out.stdout)
+    from experiments.child import run_child
+
+    # -I: the child imports the standard library only (no site-packages, no checkout), and prints
+    # the result line as experiments/child.py's emit_result does
+    run = run_child([sys.executable, "-I", "-c", _HIERARCHY_CODE, *(modules or [])], timeout=timeout)
+    data = run.check("collecting the class hierarchy").result
     names = sorted({n for e in data["edges"] for n in e})
     index = {n: i for i, n in enumerate(names)}
     edges = torch.tensor([[index[a], index[b]] for a, b in data["edges"]], dtype=torch.long)

@@ -223,3 +223,18 @@ def test_ranks_run_at_once_with_their_rank_and_one_free_port():
     assert [o["RANK"] for o in outs] == ["0", "1", "2"]
     assert all(o["WORLD_SIZE"] == "3" and o["met"] == 3 and o["MASTER_ADDR"] == "127.0.0.1" for o in outs)
     assert len({o["MASTER_PORT"] for o in outs}) == 1
+
+
+def test_stdlib_hierarchy_child_gives_the_is_a_edges_of_the_modules_asked_for():
+    """experiments/data.py's class hierarchy, collected in an isolated child, against the same
+    classes' ``__mro__`` read here."""
+    import numbers
+
+    from experiments.data import stdlib_hierarchy
+
+    names, edges, info = stdlib_hierarchy(timeout=60, modules=["numbers"])
+    pairs = {(names[a], names[b]) for a, b in edges.tolist()}
+    for cls in (numbers.Integral, numbers.Real, numbers.Complex):
+        for base in cls.__mro__[1:]:
+            assert (f"numbers.{cls.__qualname__}", f"{base.__module__}.{base.__qualname__}") in pairs
+    assert info["modules"] >= 1 and info["python"] == sys.version.split()[0]
