@@ -19,6 +19,12 @@ small tensors: host work per tensor), ``mlp_stack`` (square layers, sized by wid
 memory budgets), ``gpt2_shapes`` with ``make_param_set`` (GPT-2-shaped parameter sets with structured
 gradients, for GPU steps).
 
+Models whose full Hessian fits on a CPU (experiments/hessian_alignment.py): ``TinyCharTransformer``
+(one pre-norm block, separate q/k/v/o projections with biases, GELU MLP, learned token and position
+tables, untied head; nanoGPT's and Llama's parameter names, so Adam-mini's name rules apply; its
+attention written out so that forward-mode AD runs) and ``CharMLP`` (next character from the one-hot
+codes of the previous ``context`` characters, two tanh layers).
+
 Sparse embeddings (Disk Sparse Adam): ``EmbeddingSquare`` (one ``nn.Embedding(sparse=True)``, loss
 the mean square of the looked-up rows: Disk Sparse Adam's seed configuration) and ``DistMult``, a
 knowledge-graph scorer with an entity and a relation table.
@@ -364,6 +370,87 @@ def model_loss(model, x):
     if isinstance(model, Encoder):
         return F.cross_entropy(out[:, :-1].reshape(-1, out.shape[-1]), x[:, 1:].reshape(-1))
     return out.pow(2).mean()
+
+
+# ---------------------------------------------------------------- models whose full Hessian fits
+class CausalSelfAttention(nn.Module):
+    def __init__(self, d: int, n_heads: int):
+        super().__init__()
+        if d % n_heads:
+            raise ValueError(f"d_model={d} must be a multiple of n_heads={n_heads}")
+        self.n_heads = n_heads
+        self.q_proj, self.k_proj = nn.Linear(d, d), nn.Linear(d, d)
+        self.v_proj, self.o_proj = nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        h = self.n_heads
+
+        def split(z):
+            return z.view(b, t, h, d // h).transpose(1, 2)
+
+        q, k, v = split(self.q_proj(x)), split(self.k_proj(x)), split(self.v_proj(x))
+        # Written out (not scaled_dot_product_attention) so forward-mode AD works everywhere.
+        att = (q @ k.transpose(-1, -2)) / math.sqrt(d // h)
+        mask = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+        att = att.masked_fill(~mask, float("-inf")).softmax(-1)
+        y = (att @ v).transpose(1, 2).reshape(b, t, d)
+        return self.o_proj(y)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, d: int, d_ff: int):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(d, d_ff), nn.Linear(d_ff, d)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
+
+
+class TinyCharTransformer(nn.Module):
+    """One pre-norm transformer block over characters (a few thousand parameters)."""
+
+    kind = "transformer"
+
+    def __init__(self, vocab: int, ctx: int, d: int, n_heads: int, d_ff: int):
+        super().__init__()
+        self.vocab, self.ctx, self.d, self.n_heads = vocab, ctx, d, n_heads
+        self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(ctx, d)
+        nn.init.normal_(self.wte.weight, std=0.5)
+        nn.init.normal_(self.wpe.weight, std=0.1)
+        self.ln1, self.ln2, self.ln_f = nn.LayerNorm(d), nn.LayerNorm(d), nn.LayerNorm(d)
+        self.attn = CausalSelfAttention(d, n_heads)
+        self.mlp = FeedForward(d, d_ff)
+        self.lm_head = nn.Linear(d, vocab)
+
+    def forward(self, x):
+        h = self.wte(x) + self.wpe(torch.arange(x.shape[1], device=x.device))
+        h = h + self.attn(self.ln1(h))
+        h = h + self.mlp(self.ln2(h))
+        return self.lm_head(self.ln_f(h))
+
+
+class CharMLP(nn.Module):
+    """Next character from the one-hot codes of the previous ``context`` characters."""
+
+    kind = "mlp"
+
+    def __init__(self, vocab: int, context: int, hidden: int):
+        super().__init__()
+        self.vocab, self.context = vocab, context
+        self.mlp = nn.Sequential(
+            nn.Linear(context * vocab, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh()
+        )
+        self.lm_head = nn.Linear(hidden, vocab)
+
+    def forward(self, x):
+        # x: [batch, length] of ids; predicts position t+1 from positions t-context+1 .. t, so the
+        # first context-1 positions are dropped by ``loss_fn``.
+        # a comparison, not F.one_hot: one_hot checks its input's range, which vmap cannot trace
+        onehot = (x[..., None] == torch.arange(self.vocab, device=x.device)).to(self.lm_head.weight.dtype)
+        win = onehot.unfold(1, self.context, 1)  # [b, t-c+1, vocab, c]
+        win = win.transpose(-1, -2).reshape(x.shape[0], -1, self.context * self.vocab)
+        return self.lm_head(self.mlp(win))
 
 
 # ------------------------------------------------------------------------------ sparse embeddings
