@@ -73,7 +73,7 @@ import torch.nn as nn
 
 from experiments.common import REPO_ROOT, Results, add_common_args
 from experiments.child import child_env, emit_result, module_cmd, run_child, run_ranks
-from experiments.memcg import CGROUP_ROOT, cgroups_usable, join_memory_cgroup
+from experiments.memcg import CGROUP_ROOT, cgroups_usable, join_memory_cgroup, largest_that_fits
 from experiments.models import GPT, GPTConfig, mlp_stack
 from experiments.peak import PeakMemory, peak_rss_bytes, reset_peak_rss, rss_bytes
 from experiments.registry import GEFEN_X_DIR, GEFEN_X_INSTALL, gefen_x, gefen_x_version, make_optimizer, state_bytes
@@ -396,34 +396,6 @@ def peaks(res, args, size, configs, pool):
     return found
 
 
-def search(fits, start, lo, hi, grow=2.0, tol=1.1, max_trials=8):
-    """Largest integer x in [lo, hi] with fits(x): a geometric ladder from ``start``, then bisection
-    until the smallest failure is within ``tol`` of the largest success; a trial that neither fits
-    nor is killed for memory (fits returns None) ends the search. (largest or 0, smallest failure
-    or None)."""
-    ok, bad, x = 0, None, max(lo, min(hi, int(start)))
-    for _ in range(max_trials):
-        fit = fits(x)
-        if fit is None:
-            break
-        if fit:
-            ok = x
-        else:
-            bad = x
-        if bad is not None and (bad <= lo or (ok and (bad <= ok * tol or bad - ok <= 1))):
-            break
-        if ok >= hi:
-            break
-        if bad is None:
-            nxt = min(hi, max(x + 1, int(x * grow)))
-        elif not ok:
-            nxt = max(lo, min(x - 1, int(x / grow)))
-        else:
-            nxt = min(bad - 1, max(ok + 1, int(round(math.sqrt(ok * bad)))))
-        x = nxt
-    return ok, bad
-
-
 def fit_search(args, size, config, what, budget, start):
     """One optimizer's search under one budget; (largest, smallest failure, trials)."""
     trials = []
@@ -445,9 +417,9 @@ def fit_search(args, size, config, what, budget, start):
         return None if code < 0 else code == 1
 
     if what == "micro_batch":
-        ok, bad = search(fits, start, 1, size["max_micro_batch"], grow=1.5, max_trials=size["search_trials"])
+        ok, bad = largest_that_fits(fits, start, 1, size["max_micro_batch"], grow=1.5, max_trials=size["search_trials"])
     else:  # on the width in steps of WIDTH_STEP: 6% in width is about 12% in parameters
-        ok, bad = search(fits, start / WIDTH_STEP, 1, ladder["max_width"] // WIDTH_STEP, grow=1.25, tol=1.06,
+        ok, bad = largest_that_fits(fits, start / WIDTH_STEP, 1, ladder["max_width"] // WIDTH_STEP, grow=1.25, tol=1.06,
                          max_trials=size["search_trials"])
         ok, bad = WIDTH_STEP * ok, bad and WIDTH_STEP * bad
         trials = [(WIDTH_STEP * x, *rest) for x, *rest in trials]

@@ -2,6 +2,7 @@
 
     path = make_memory_cgroup("my-run", 2 * 2**30)    # None where no cgroup can be made
     path = enter_memory_cgroup("my-run", 2 * 2**30)   # this process from now on
+    largest, smallest_failure = largest_that_fits(fits, start=64, lo=1, hi=4096)   # the size a budget allows
     # a child process in one: experiments/child.py, run_child(cmd, memory=("my-run", 2 * 2**30))
 
 A cgroup's limit counts the process's anonymous memory and the page cache it brings in. Making one
@@ -12,6 +13,7 @@ runs without a limit) where that is missing, and every cgroup made here is remov
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import subprocess
 import time
@@ -104,3 +106,31 @@ def oom_kills(path) -> int:
     except (OSError, ValueError, TypeError):
         pass
     return 0
+
+
+def largest_that_fits(fits, start, lo, hi, grow=2.0, tol=1.1, max_trials=8):
+    """The largest integer x in [lo, hi] with fits(x) (a size that runs in a memory budget): a
+    geometric ladder from ``start``, then bisection until the smallest failure is within ``tol`` of
+    the largest success; a trial that neither fits nor is killed for memory (fits returns None) ends
+    the search. (largest or 0, smallest failure or None). Each trial is a run, so few are made."""
+    ok, bad, x = 0, None, max(lo, min(hi, int(start)))
+    for _ in range(max_trials):
+        fit = fits(x)
+        if fit is None:
+            break
+        if fit:
+            ok = x
+        else:
+            bad = x
+        if bad is not None and (bad <= lo or (ok and (bad <= ok * tol or bad - ok <= 1))):
+            break
+        if ok >= hi:
+            break
+        if bad is None:
+            nxt = min(hi, max(x + 1, int(x * grow)))
+        elif not ok:
+            nxt = max(lo, min(x - 1, int(x / grow)))
+        else:
+            nxt = min(bad - 1, max(ok + 1, int(round(math.sqrt(ok * bad)))))
+        x = nxt
+    return ok, bad

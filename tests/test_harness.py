@@ -11,6 +11,7 @@ import pytest
 
 from experiments.child import child_env, emit_result, free_port, module_cmd, parse_result, run_child
 from experiments.common import REPO_ROOT
+from experiments.memcg import largest_that_fits
 
 
 def _py(code):
@@ -238,3 +239,22 @@ def test_stdlib_hierarchy_child_gives_the_is_a_edges_of_the_modules_asked_for():
         for base in cls.__mro__[1:]:
             assert (f"numbers.{cls.__qualname__}", f"{base.__module__}.{base.__qualname__}") in pairs
     assert info["modules"] >= 1 and info["python"] == sys.version.split()[0]
+
+
+@pytest.mark.parametrize("boundary, start", [(37, 4), (37, 200), (1, 5), (500, 3)])
+def test_budget_search_brackets_the_largest_fitting_size(boundary, start):
+    tried = []
+
+    def fits(x):
+        tried.append(x)
+        return x <= boundary
+
+    ok, bad = largest_that_fits(fits, start, 1, 512, max_trials=12)
+    assert ok <= boundary < bad  # the largest success and the smallest failure straddle it, within 10%
+    assert bad <= ok * 1.1 or bad - ok <= 1, (ok, bad)
+    assert len(tried) == len(set(tried)) <= 12
+
+
+def test_budget_search_stops_at_a_failure_that_is_not_memory():
+    ok, bad = largest_that_fits(lambda x: None if x > 10 else True, 8, 1, 512)
+    assert (ok, bad) == (8, None)
