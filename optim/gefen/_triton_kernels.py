@@ -85,7 +85,7 @@ FINAL_TILE = 1024  # partial sums a finalize program adds per loop iteration (IB
 FINAL_WIDTH = 128  # most offsets one finalize program updates
 HYPER_BLOCK = 128  # rows of step scalars _gefen_hyper_kernel writes per loop iteration
 
-_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
 # ----------------------------------------------------------------------------------------------

@@ -271,3 +271,19 @@ def check_state_dict(sd: dict, groups: list, *, bits: int, wide: dict, local) ->
     checked = {id(p): check_saved(saved[pid], local(p), loaded_group[pid], bits, k)
                for k, (pid, (p, _)) in enumerate(zip(ids, params)) if pid in saved}
     return sd, checked, codebook, seed
+
+
+def check_param(p, gi: int, pi: int):
+    """A parameter a step can take: not on the meta device (no data), no sparse gradient."""
+    if p.is_meta:
+        raise RuntimeError(
+            f"Gefen: parameter {pi} of group {gi} (shape {tuple(p.shape)}) is on the meta device, "
+            "so it holds no data and is never trained: module.to_empty(...) gives a module new "
+            "Parameters, and this optimizer holds the old ones; build the optimizer after "
+            "to_empty (or set torch.__future__.set_swap_module_params_on_conversion(True) "
+            "before it, which keeps the Parameter objects)")
+    if p.grad is not None and p.grad.is_sparse:
+        raise RuntimeError(
+            f"Gefen does not support sparse gradients (group {gi}, parameter {pi}, "
+            f"shape {tuple(p.shape)}); for nn.Embedding(sparse=True) use "
+            "optim.DiskSparseAdam, or build the embedding with sparse=False")

@@ -8,14 +8,14 @@ import torch
 
 from .._base import OptimizerBase, local_tensor
 from .._checks import check_option
-from .._rounding import MASK32, STOCHASTIC_DTYPES, hash32_int, step_seed
+from .._rounding import MASK32, hash32_int
 from ..backends import BACKENDS
 from . import distributed as _dist, state as K
-from .checks import (check_adamw_keywords, check_capturable, check_group, check_state_dict, check_state_fits,
-                     state_dtype)
+from .checks import (check_adamw_keywords, check_capturable, check_group, check_param, check_state_dict,
+                     check_state_fits, state_dtype)
 from .codebook import Codebook
 from .partition import RULES, constant_magnitude
-from .plan import Call, run, signature, signed, step_module, step_scalars, tiles_of
+from .plan import Call, draw_seeds, run, signature, signed, step_module, step_scalars, tiles_of
 from .torch_ops import histogram
 
 
@@ -304,43 +304,38 @@ class Gefen(OptimizerBase):
         return True
 
     def _gather(self):
-        """[(group, [(p, grad, backend)])] of parameters with gradients; checks them; creates state."""
+        """[(group, [(p, grad, backend)])] of parameters with gradients, each through ``_prepare``."""
         out = []
         for gi, group in enumerate(self.param_groups):
             items = []
             for pi, p in enumerate(group["params"]):
-                if p.is_meta:
-                    raise RuntimeError(
-                        f"Gefen: parameter {pi} of group {gi} (shape {tuple(p.shape)}) is on the meta device, "
-                        "so it holds no data and is never trained: module.to_empty(...) gives a module new "
-                        "Parameters, and this optimizer holds the old ones; build the optimizer after "
-                        "to_empty (or set torch.__future__.set_swap_module_params_on_conversion(True) "
-                        "before it, which keeps the Parameter objects)")
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError(
-                        f"Gefen does not support sparse gradients (group {gi}, parameter {pi}, "
-                        f"shape {tuple(p.shape)}); for nn.Embedding(sparse=True) use "
-                        "optim.DiskSparseAdam, or build the embedding with sparse=False")
-                if local_tensor(p).numel() == 0:
-                    continue
-                backend = self._backend(p, group, gi, pi)
-                st = self.state[p]
-                if K.BLOCK not in st:
-                    if not self._first_gradient(p, group, gi, pi):
-                        continue
-                else:
-                    check_state_fits(st, local_tensor(p), group, self.bits, f"parameter {pi} of group {gi}")
-                    if K.follow_cast(st, state_dtype(local_tensor(p).dtype, group)):
-                        self._drop_plans()
-                if st.get(K.PROVISIONAL) and not constant_magnitude(local_tensor(p.grad)):
-                    K.recut(st, local_tensor(p.grad), group, codebook=self.codebook, bits=self.bits,
-                            block_rule=self.block_rule)
-                    self._drop_plans()
-                items.append((p, p.grad, backend))
+                check_param(p, gi, pi)
+                backend = self._prepare(p, group, gi, pi)
+                if backend is not None:
+                    items.append((p, p.grad, backend))
             out.append((group, items))
         return out
+
+    def _prepare(self, p, group, gi, pi) -> str | None:
+        """The per-parameter entry of a step: ``p``'s backend once its state is ready for this
+        gradient (created at the first non-zero one, re-cut, cast), None where ``p`` is not stepped
+        by a kernel now (no gradient, no elements, or an all-zero first gradient)."""
+        if p.grad is None or local_tensor(p).numel() == 0:
+            return None
+        backend = self._backend(p, group, gi, pi)
+        st = self.state[p]
+        if K.BLOCK not in st:
+            if not self._first_gradient(p, group, gi, pi):
+                return None
+        else:
+            check_state_fits(st, local_tensor(p), group, self.bits, f"parameter {pi} of group {gi}")
+            if K.follow_cast(st, state_dtype(local_tensor(p).dtype, group)):
+                self._drop_plans()
+        if st.get(K.PROVISIONAL) and not constant_magnitude(local_tensor(p.grad)):
+            K.recut(st, local_tensor(p.grad), group, codebook=self.codebook, bits=self.bits,
+                    block_rule=self.block_rule)
+            self._drop_plans()
+        return backend
 
     # --------------------------------------------------------------------------------- step
     # The step chooses blocks and learns the codebook from data, which a compiled graph would not
@@ -400,7 +395,8 @@ class Gefen(OptimizerBase):
         calls = []
         for (block, _, _, _, backend), params in buckets.items():
             states = [self.state[p] for p in params]
-            self._draw_seeds(group, params, states)
+            if group["stochastic_rounding"]:
+                draw_seeds(params, states, self._seed, self.param_groups)
             tiles = [t for k, (p, st) in enumerate(zip(params, states))
                      for t in tiles_of(k, local_tensor(p), st, bits=self.bits)]
             path = self._path(backend, group, block)
@@ -410,19 +406,6 @@ class Gefen(OptimizerBase):
                 check_capturable(path, f"parameter {pi} of group {gi} (shape {tuple(params[0].shape)}, block {block})")
             calls.append(Call(group, path, block, params, states, tiles))
         return calls
-
-    # ------------------------------------------------------------------- stochastic rounding
-    def _draw_seeds(self, group, params, states):
-        """Give each parameter its stochastic-rounding seed once (``state.SEED``) where the group
-        rounds stochastically and a parameter of the call is bf16 or fp16 (``optim._rounding``;
-        ``plan.Call.seeds`` derives each step's): a hash of the optimizer's seed (``step`` draws it,
-        ``fresh_seed``) and the parameter's index, so it does not depend on when it is drawn."""
-        if not group["stochastic_rounding"] or not any(local_tensor(p).dtype in STOCHASTIC_DTYPES for p in params):
-            return
-        for p, st in zip(params, states):
-            if K.SEED not in st:
-                index = next(i for i, q in enumerate(q for g in self.param_groups for q in g["params"]) if q is p)
-                st[K.SEED] = step_seed(self._seed, index, 0)
 
     # --------------------------------------------------------------------------- state dict
     def _pack_state(self, sd):
@@ -435,7 +418,8 @@ class Gefen(OptimizerBase):
         sd = _dist.from_distributed_state_dict(self, state_dict)  # [distributed]
         sd, checked, codebook, seed = check_state_dict(sd, self.param_groups, bits=self.bits, local=local_tensor,
                                                        wide={k: self.defaults[k] for k in OPTIMIZER_WIDE})
-        self._restore_layout(sd, lambda p, _: self._restored(p, checked[id(p)]))
+        self._restore_layout(sd, lambda p, _: K.restored(checked[id(p)], local_tensor(p).device,
+                                                          capturable=self.capturable))
         params = [p for g in self.param_groups for p in g["params"]]
         if seed is not None:
             self._seed = seed
@@ -444,18 +428,6 @@ class Gefen(OptimizerBase):
             self.set_codebook(None)
         else:
             self.set_codebook(codebook.to(local_tensor(params[0]).device) if params else codebook)
-
-    def _restored(self, p, st: dict) -> dict:
-        """A checked saved state as ``p``'s: its tensors as they were (not cast to ``p``'s dtype as
-        torch's restore does: bf16 would round v and scales, uint8 codes would become floats), as
-        contiguous copies on ``p``'s device; the step an int, or with capturable a float32 counter on
-        that device once the parameter has state."""
-        dev = local_tensor(p).device
-        st = {k: (v.detach().to(dev).clone(memory_format=torch.contiguous_format)
-                  if torch.is_tensor(v) else v) for k, v in st.items()}
-        if self.capturable and K.BLOCK in st:
-            st[K.STEP] = torch.tensor(float(st[K.STEP]), dtype=torch.float32, device=dev)
-        return st
 
 
 _SETTINGS = ("backend", "fused", "verbose", "bits", "block_rule", "capturable", "_seed")

@@ -26,7 +26,7 @@ from typing import NamedTuple
 import torch
 
 from .._base import local_tensor
-from .._rounding import step_seed
+from .._rounding import STOCHASTIC_DTYPES, step_seed
 from . import numba_ops, state as K
 from .partition import factor_tiles, tile_elements
 
@@ -256,3 +256,16 @@ def signed(g: torch.Tensor, group) -> torch.Tensor:
     """The gradient a group steps on: ``g``, or under ``maximize`` a negated copy (exact), so that
     ``p.grad`` is never written (it may be shared by two parameters, require grad, or be expanded)."""
     return torch.neg(g) if group["maximize"] else g
+
+
+def draw_seeds(params, states, seed: int, groups) -> None:
+    """Give each parameter of a call its stochastic-rounding seed once (``state.SEED``) where one of
+    them is bf16 or fp16 (``optim._rounding``; ``Call.seeds`` derives each step's): a hash of the
+    optimizer's ``seed`` and the parameter's index in ``groups``, so it does not depend on when it
+    is drawn."""
+    if not any(local_tensor(p).dtype in STOCHASTIC_DTYPES for p in params):
+        return
+    for p, st in zip(params, states):
+        if K.SEED not in st:
+            index = next(i for i, q in enumerate(q for g in groups for q in g["params"]) if q is p)
+            st[K.SEED] = step_seed(seed, index, 0)

@@ -138,3 +138,15 @@ def refill(t: torch.Tensor, size: int) -> torch.Tensor:
     """A tensor of ``size`` elements holding ``t``'s one value (its mean where its values differ)."""
     value = t[0] if bool((t == t[0]).all()) else t.mean()
     return value.expand(size).clone()
+
+
+def restored(st: dict, device: torch.device, *, capturable: bool) -> dict:
+    """A checked saved state as a parameter's on ``device``: its tensors as they were (not cast to
+    the parameter's dtype as torch's restore does: bf16 would round v and scales, uint8 codes would
+    become floats), as contiguous copies; the step an int, or with ``capturable`` a float32 counter
+    on the device once the parameter has state."""
+    st = {k: (v.detach().to(device).clone(memory_format=torch.contiguous_format)
+              if torch.is_tensor(v) else v) for k, v in st.items()}
+    if capturable and BLOCK in st:
+        st[STEP] = torch.tensor(float(st[STEP]), dtype=torch.float32, device=device)
+    return st

@@ -55,7 +55,7 @@ from .._rounding import hash32_int
 from .._triton_common import KernelLaunch, axis_pairs, next_pow2, prev_pow2
 from ..backends import triton_interpreted
 from ._triton_kernels import (ELEMS_PER_THREAD, FACTOR_ITERS, FACTOR_ROWS, FACTOR_TILE, FACTOR_WIDTH,
-                              FINAL_TILE, FINAL_WIDTH, HYPER_BLOCK, MAX_TILE_WIDTH, TILE, _TL_DTYPES,
+                              FINAL_TILE, FINAL_WIDTH, HYPER_BLOCK, MAX_TILE_WIDTH, TILE, TL_DTYPES,
                               _factor_finalize_kernel, _factor_stats_kernel, _gefen_hyper_kernel,
                               _gefen_step4_kernel, _gefen_step_kernel)
 from .checks import check_factors, float64_state_refusal
@@ -195,7 +195,7 @@ def step_plan(*, block, bits, quant, p_dtype, g_dtype, align, exact, factor=Fals
     most = 32 if factor and not fast else 16
     per_thread = per_thread // 2 if factor and not fast else per_thread
     warps = num_warps or max(1, min(most, rr * width * (2 if four else 1) // (32 * per_thread)))
-    const = dict(P_DT=_TL_DTYPES[p_dtype], G_DT=_TL_DTYPES[g_dtype], C_DT=tl.uint8 if quant else tl.float32,
+    const = dict(P_DT=TL_DTYPES[p_dtype], G_DT=TL_DTYPES[g_dtype], C_DT=tl.uint8 if quant else tl.float32,
                  S=s_len, BLOCK_V=1 if block == 1 else s_len, R=rr, WIDTH=width, ALIGN=align,
                  EXACT=exact, FACTOR=factor, SR=bool(sr) and p_dtype != torch.float32, HYPER=hyper,
                  num_warps=warps)
@@ -214,7 +214,7 @@ def factor_plan(*, block, g_dtype) -> FactorPlan:
     rr = max(1, FACTOR_TILE // bw)
     fw = min(next_pow2(block), FINAL_WIDTH)
     ib = max(1, FINAL_TILE // fw)
-    stats = dict(G_DT=_TL_DTYPES[g_dtype], S=block, R=rr, BW=bw, enable_fp_fusion=False,
+    stats = dict(G_DT=TL_DTYPES[g_dtype], S=block, R=rr, BW=bw, enable_fp_fusion=False,
                  num_warps=max(1, min(16, rr * bw // (32 * ELEMS_PER_THREAD))))
     final = dict(S=block, IB=ib, FW=fw, enable_fp_fusion=False,
                  num_warps=max(1, min(8, ib * fw // (32 * ELEMS_PER_THREAD))))
@@ -225,7 +225,7 @@ def factor_plan(*, block, g_dtype) -> FactorPlan:
 def refuses(param_dtype: torch.dtype, group) -> str | None:
     """Why these kernels cannot update a parameter of ``param_dtype`` in ``group``, known when it is
     added (``optim.backends.choose_backend``), or None."""
-    if param_dtype not in _TL_DTYPES:
+    if param_dtype not in TL_DTYPES:
         return f"the Triton kernels take fp32, bf16 or fp16 parameters, got {param_dtype}"
     return float64_state_refusal(param_dtype, group)
 
@@ -423,7 +423,7 @@ def _validate(ps, gs, vs, ss, cs, *, block, bits, quant):
             raise ValueError(f"g[{i}] has {gi.numel()} elements, p[{i}] has {n}")
         if n == 0:
             continue
-        if pi.dtype not in _TL_DTYPES or gi.dtype not in _TL_DTYPES:
+        if pi.dtype not in TL_DTYPES or gi.dtype not in TL_DTYPES:
             raise TypeError(f"p[{i}]/g[{i}] must be fp32, bf16 or fp16, got {pi.dtype}/{gi.dtype}")
         if n % block:
             raise ValueError(f"block={block} does not divide p[{i}].numel()={n}")
