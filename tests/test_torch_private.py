@@ -88,3 +88,55 @@ def test_is_dcp_init_step_recognises_torchs_state_init_step():
     opt.param_groups[0]["params"][0].grad = torch.zeros(3)
     opt.step()  # lr 0.1: an ordinary step
     assert seen == [True, False]
+
+
+def _stepped_sgd(groups=2):
+    params = [torch.nn.Parameter(torch.randn(4, 3)) for _ in range(2 * groups)]
+    opt = torch.optim.SGD([{"params": params[2 * k:2 * k + 2], "lr": 0.1 * (k + 1)} for k in range(groups)],
+                          lr=0.1, momentum=0.9)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    return opt, params
+
+
+def test_packed_layout_is_torchs_state_dict():
+    """``OptimizerBase`` packs torch's layout itself (to run the hooks once): it must stay torch's."""
+    from optim._base import OptimizerBase
+
+    opt, _ = _stepped_sgd()
+    ours, torchs = OptimizerBase._packed_layout(opt), opt.state_dict()
+    assert ours["param_groups"] == torchs["param_groups"]
+    assert ours["state"].keys() == torchs["state"].keys()
+    for k, st in torchs["state"].items():
+        assert ours["state"][k].keys() == st.keys()
+        assert all(torch.equal(ours["state"][k][n], v) for n, v in st.items())
+
+
+def test_restored_layout_is_torchs_load():
+    """``OptimizerBase._restore_layout`` is torch's ``load_state_dict`` without hooks: the same groups
+    and state, and torch's refusals of another number of groups or a group of another size."""
+    import pytest
+
+    from optim._base import OptimizerBase
+
+    source, _ = _stepped_sgd()
+    sd = source.state_dict()
+    theirs, their_params = _stepped_sgd()
+    theirs.load_state_dict(sd)
+    ours, params = _stepped_sgd()
+    OptimizerBase._restore_layout(ours, sd, lambda p, saved: saved)
+    options = [{k: v for k, v in g.items() if k != "params"} for g in theirs.param_groups]
+    assert [{k: v for k, v in g.items() if k != "params"} for g in ours.param_groups] == options
+    assert [q for g in ours.param_groups for q in g["params"]] == params
+    for p, q in zip(params, their_params):
+        assert ours.state[p].keys() == theirs.state[q].keys()
+        assert all(torch.equal(ours.state[p][k], v) for k, v in theirs.state[q].items())
+    for bad, message in (
+            (dict(sd, param_groups=sd["param_groups"][:1]), "different number of parameter groups"),
+            (dict(sd, param_groups=[dict(sd["param_groups"][0], params=[0]), sd["param_groups"][1]]),
+             "doesn't match the size of optimizer's group")):
+        with pytest.raises(ValueError, match=message):
+            OptimizerBase._restore_layout(ours, bad, lambda p, saved: saved)
+        with pytest.raises(ValueError, match=message):
+            theirs.load_state_dict(bad)

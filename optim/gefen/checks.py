@@ -10,17 +10,9 @@ import torch
 
 from .._checks import check_flags, check_hyper, check_option
 from . import state as K
+from .state import state_dtype
 from .partition import factor_tiles
 from .reference import num_code_bytes, num_scales
-
-
-def state_dtype(param_dtype: torch.dtype, group) -> torch.dtype:
-    """dtype of v and m: float64 for float64 parameters in a group that keeps AdamW's per-element,
-    unquantised moments (so it reduces to AdamW in float64); float32 otherwise."""
-    if (param_dtype == torch.float64 and not group["share_second_moment"]
-            and not group["quantize_first_moment"]):
-        return torch.float64
-    return torch.float32
 
 
 def float64_state_refusal(param_dtype: torch.dtype, group) -> str | None:

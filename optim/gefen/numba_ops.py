@@ -7,7 +7,7 @@ moment is looked up in a table that separates the codebook's entries with one co
 (``CodeTable.ncmp <= 1``, no repeated entries: every codebook ``optimal_codebook`` learns from a
 4096-bin histogram with enough occupied bins); a codebook without that property is known only once
 it is learned, and ``data_refusal`` (what only the data decide) hands it to
-``torch_ops.gefen_step_``, which computes the same step. float64 state (``checks.state_dtype``) is
+``torch_ops.gefen_step_``, which computes the same step. float64 state (``state.state_dtype``) is
 refused: ``Gefen`` runs it on the torch step.
 
 Importing this module does not import numba; the first call does (and compiles the kernels once,

@@ -12,7 +12,7 @@ from .._rounding import MASK32, hash32_int
 from ..backends import BACKENDS
 from . import distributed as _dist, state as K
 from .checks import (check_adamw_keywords, check_capturable, check_group, check_param, check_state_dict,
-                     check_state_fits, state_dtype)
+                     check_state_fits)
 from .codebook import Codebook
 from .partition import RULES, constant_magnitude
 from .plan import Call, draw_seeds, run, signature, signed, step_module, step_scalars, tiles_of
@@ -281,28 +281,6 @@ class Gefen(OptimizerBase):
         self._drop_plans()
 
     # -------------------------------------------------------------------------------- state
-    def _first_gradient(self, p, group, gi, pi) -> bool:
-        """Create ``p``'s state from its first non-zero gradient; True once it exists.
-
-        An all-zero gradient (a zero-initialised layer) says nothing about blocks: it only
-        counts the step and applies weight decay, which is AdamW's whole update at g = 0 with
-        m = v = 0, so the state created later is AdamW's after those steps. A gradient with NaN
-        or inf is refused (``state.gradient_magnitude``).
-        """
-        g = local_tensor(p.grad)
-        st = self.state[p]
-        if K.gradient_magnitude(g, f"parameter {pi} of group {gi} (shape {tuple(p.shape)})") == 0.0:
-            st[K.STEP] = st.get(K.STEP, 0) + 1
-            local_tensor(p).mul_(1 - float(group["lr"]) * group["weight_decay"])
-            return False
-        K.create(st, g, group, dtype=state_dtype(local_tensor(p).dtype, group), bits=self.bits,
-                 block_rule=self.block_rule, capturable=self.capturable)
-        self._drop_plans()
-        if self.verbose:
-            print(f"Gefen: parameter {pi} of group {gi}, shape {tuple(p.shape)}: "
-                  f"block {st[K.BLOCK]} ({g.numel() // st[K.BLOCK]} second moments)")
-        return True
-
     def _gather(self):
         """[(group, [(p, grad, backend)])] of parameters with gradients, each through ``_prepare``."""
         out = []
@@ -318,18 +296,26 @@ class Gefen(OptimizerBase):
 
     def _prepare(self, p, group, gi, pi) -> str | None:
         """The per-parameter entry of a step: ``p``'s backend once its state is ready for this
-        gradient (created at the first non-zero one, re-cut, cast), None where ``p`` is not stepped
-        by a kernel now (no gradient, no elements, or an all-zero first gradient)."""
+        gradient (created at the first non-zero one, ``state.first_gradient``; re-cut; cast), None
+        where ``p`` is not stepped by a kernel now (no gradient, no elements, or an all-zero first
+        gradient, which ``first_gradient`` has stepped)."""
         if p.grad is None or local_tensor(p).numel() == 0:
             return None
         backend = self._backend(p, group, gi, pi)
         st = self.state[p]
         if K.BLOCK not in st:
-            if not self._first_gradient(p, group, gi, pi):
+            g = local_tensor(p.grad)
+            if not K.first_gradient(st, local_tensor(p), g, group, where=f"parameter {pi} of group {gi} (shape "
+                                    f"{tuple(p.shape)})", bits=self.bits, block_rule=self.block_rule,
+                                    capturable=self.capturable):
                 return None
+            self._drop_plans()
+            if self.verbose:
+                print(f"Gefen: parameter {pi} of group {gi}, shape {tuple(p.shape)}: "
+                      f"block {st[K.BLOCK]} ({g.numel() // st[K.BLOCK]} second moments)")
         else:
             check_state_fits(st, local_tensor(p), group, self.bits, f"parameter {pi} of group {gi}")
-            if K.follow_cast(st, state_dtype(local_tensor(p).dtype, group)):
+            if K.follow_cast(st, K.state_dtype(local_tensor(p).dtype, group)):
                 self._drop_plans()
         if st.get(K.PROVISIONAL) and not constant_magnitude(local_tensor(p.grad)):
             K.recut(st, local_tensor(p.grad), group, codebook=self.codebook, bits=self.bits,

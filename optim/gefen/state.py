@@ -56,6 +56,15 @@ PER_PARAM_TENSORS = (V, SCALES, CODES, M, W)
 # one magnitude (``recut``), and follows a cast of the parameter (``follow_cast``).
 
 
+def state_dtype(param_dtype: torch.dtype, group) -> torch.dtype:
+    """dtype of v and m: float64 for float64 parameters in a group that keeps AdamW's per-element,
+    unquantised moments (so it reduces to AdamW in float64); float32 otherwise."""
+    if (param_dtype == torch.float64 and not group["share_second_moment"]
+            and not group["quantize_first_moment"]):
+        return torch.float64
+    return torch.float32
+
+
 def block_length(g: torch.Tensor, group: dict, block_rule: str, provisional: bool = False) -> int:
     """The block length P of a parameter's second moment, from its gradient ``g`` (local shard)."""
     # factored, a vector keeps v per element: it has no columns for the factor, and blocks of a
@@ -70,7 +79,7 @@ def create(st: dict, g: torch.Tensor, group: dict, *, dtype: torch.dtype, bits: 
            capturable: bool) -> None:
     """Fill ``st`` with zero moments for the gradient ``g`` (local shard): the block length chosen
     from it (provisional where it has one magnitude everywhere), v and m in ``dtype``
-    (``checks.state_dtype``), the step kept (steps with all-zero gradients before this one), on the
+    (``state_dtype``), the step kept (steps with all-zero gradients before this one), on the
     device as a float32 counter with ``capturable`` (as torch's capturable AdamW keeps it)."""
     n, dev = g.numel(), g.device
     provisional = group["share_second_moment"] and constant_magnitude(g)
@@ -109,6 +118,25 @@ def recut(st: dict, g: torch.Tensor, group: dict, *, codebook, bits: int, block_
         requantize_(st, codebook, n=n, old=old, new=new, bits=bits)
 
 
+def first_gradient(st: dict, p: torch.Tensor, g: torch.Tensor, group: dict, *, where: str, bits: int,
+                   block_rule: str, capturable: bool) -> bool:
+    """Create the state ``st`` of parameter ``p`` (local shard) from its first non-zero gradient ``g``;
+    True once it exists.
+
+    An all-zero gradient (a zero-initialised layer) says nothing about blocks: it only counts the
+    step and applies weight decay, which is AdamW's whole update at g = 0 with m = v = 0, so the
+    state created later is AdamW's after those steps. A gradient with NaN or inf is refused
+    (``gradient_magnitude``; ``where`` names the parameter).
+    """
+    if gradient_magnitude(g, where) == 0.0:
+        st[STEP] = st.get(STEP, 0) + 1
+        p.mul_(1 - float(group["lr"]) * group["weight_decay"])
+        return False
+    create(st, g, group, dtype=state_dtype(p.dtype, group), bits=bits, block_rule=block_rule,
+           capturable=capturable)
+    return True
+
+
 def gradient_magnitude(g: torch.Tensor, where: str) -> float:
     """|min| + |max| of a first gradient: 0 exactly when it is all zeros. A gradient with NaN or inf
     is refused (``where`` names the parameter): blocks and codebook would be chosen from it for good."""
@@ -122,7 +150,7 @@ def gradient_magnitude(g: torch.Tensor, where: str) -> float:
 
 
 def follow_cast(st: dict, want: torch.dtype) -> bool:
-    """Moments kept in the parameter's precision (``want``, ``checks.state_dtype``: float64 for
+    """Moments kept in the parameter's precision (``want``, ``state_dtype``: float64 for
     AdamW's reduction of a float64 parameter) follow a cast of the parameter made after they were
     created (``model.float()``, ``model.double()``), as a state dict loaded after the cast would be.
     True if they were cast."""
