@@ -162,7 +162,7 @@ def train_one(name, lr, seed, size, cfg, corpus, progress, tracking: Tracking | 
                        on_eval=live_logger(run, lambda: {"state/bytes": state_bytes(opt)}))
         out["params"] = params
         out["state_bytes_by_kind"] = state_bytes_by_kind(opt, model)
-        out["state_bytes"] = sum(nbytes for nbytes, _ in out["state_bytes_by_kind"].values())  # state_bytes(opt)
+        out["state_bytes"] = state_bytes(opt)
         run.summary(curve_summary(out["val"], out["train"], out.pop("step_times"), extra={
             "final/state_bytes": out["state_bytes"], "final/state_bytes_per_param": out["state_bytes"] / params,
             "params": params, "wall_seconds": out["wall"]}))
