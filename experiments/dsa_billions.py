@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import resource
 import shutil
 import sys
 import tempfile
@@ -35,6 +34,7 @@ import torch
 from experiments.common import Results, add_common_args
 from experiments.child import run_child
 from experiments.memcg import cgroups_usable, enter_memory_cgroup, leave_memory_cgroup
+from experiments.peak import peak_rss_bytes
 from experiments.registry import dsa_state_bytes_per_row
 
 DIM, BATCH, SCALE_DIM = 64, 8192, 16
@@ -50,10 +50,6 @@ def device_written(path) -> int:
             return int(f.read().split()[6]) * 512
     except (OSError, IndexError, ValueError):
         return 0
-
-
-def peak_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def row_bytes(dim, fmt) -> int:
@@ -104,7 +100,7 @@ def train(rows, dim, fmt, steps, seed, root):
         "write_amplification": (w2 - w0) / touched,
         "flush_mib_per_s": (w2 - w1) / 2**20 / flush_s if flush_s > 0 else 0.0,
         "flush_mib": (w2 - w1) / 2**20, "written_during_steps_mib": (w1 - w0) / 2**20,
-        "peak_rss_mib": peak_rss_mib(), "bytes_on_disk": disk,
+        "peak_rss_mib": peak_rss_bytes() / 2**20, "bytes_on_disk": disk,
     }
 
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -36,6 +35,7 @@ import torch
 
 from experiments.child import child_env, module_cmd
 from experiments.common import REPO_ROOT, Results, add_common_args
+from experiments.peak import peak_rss_bytes
 
 OPTIMIZERS = ("DiskSparseRiemannianAdam", "geoopt-SparseRiemannianAdam", "SparseAdam")
 SEED_LOSS = {1: 0.000100, 20: 0.000028}  # the seed's reported losses by epoch
@@ -76,7 +76,7 @@ def train(name: str, rows: int, dim: int, batch: int, epochs: int, lr: float, se
                 n += 1
             wall = time.perf_counter() - t
             disk = sum(os.stat(os.path.join(state_dir, f)).st_blocks * 512 for f in os.listdir(state_dir))
-            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+            peak = peak_rss_bytes() / 2**20
             acc = (torch.cuda.max_memory_allocated() - weights) / 2**20 if device == "cuda" else 0.0
             yield epoch, total / n, rows / wall, peak, disk, acc
     finally:
