@@ -7,6 +7,7 @@ docstring says what the function relies on.
 
 from __future__ import annotations
 
+import copy
 from typing import Callable
 
 import torch
@@ -25,6 +26,15 @@ def state_dict_hooks(optimizer: torch.optim.Optimizer, kind: str) -> list:
     (``prepend=True`` ones first). Relies on ``torch.optim.Optimizer`` keeping each kind in the
     ordered dict ``_optimizer_<kind>_hooks``."""
     return list(getattr(optimizer, _HOOK_DICTS[kind]).values())
+
+
+def copy_optimizer_hooks(source: torch.optim.Optimizer, target: torch.optim.Optimizer) -> None:
+    """Give ``target`` a copy of each of ``source``'s hook dicts (step and state-dict hooks), as
+    ``copy.deepcopy`` of a torch optimizer gives its copy. Relies on ``torch.optim.Optimizer`` keeping
+    them in ordered dicts named ``_optimizer_*_hooks``."""
+    for name, hooks in vars(source).items():
+        if name.startswith("_optimizer_") and name.endswith("_hooks"):
+            setattr(target, name, copy.copy(hooks))
 
 
 def graph_task_id() -> int:

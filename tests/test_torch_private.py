@@ -24,6 +24,21 @@ def test_state_dict_hooks_are_the_registered_ones_in_order():
         assert tp.state_dict_hooks(opt, kind) == hooks, kind
 
 
+def test_copied_optimizer_hooks_run_on_the_copy_and_are_its_own():
+    source, target = _sgd(), _sgd()
+    seen = []
+    source.register_state_dict_post_hook(lambda opt, sd: seen.append(opt))
+    source.register_step_post_hook(lambda opt, args, kwargs: seen.append(("step", opt)))
+    tp.copy_optimizer_hooks(source, target)
+    target.state_dict()
+    target.step()
+    assert seen == [target, ("step", target)]
+    target.register_state_dict_post_hook(lambda opt, sd: seen.append("target only"))
+    seen.clear()
+    source.state_dict()
+    assert seen == [source]
+
+
 def test_graph_task_id_differs_between_backwards_and_is_negative_outside():
     p = torch.randn(3, requires_grad=True)
     seen = []

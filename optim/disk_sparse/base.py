@@ -19,6 +19,8 @@ from typing import NamedTuple
 
 import torch
 
+from .._base import OptimizerBase
+from .._torch_private import copy_optimizer_hooks
 from ..backends import BACKENDS, choose_backend
 from . import pipeline
 from .checks import check_flags, check_grad, check_option, check_param, loaded_columns, saved_state_by_param
@@ -70,13 +72,16 @@ def _cols(p):
     return p.shape[1] if p.dim() == 2 else 1
 
 
-class DiskSparseOptimizer(torch.optim.Optimizer):
+class DiskSparseOptimizer(OptimizerBase):
     """Shared machinery: per-parameter state files and stagers, the step, checkpoints.
 
     ``rule`` (``rules.Rule``) is the update rule; ``backend`` ("auto", "torch", "numba", "triton") is
     resolved per parameter when it is added (``backend_of``); ``staging`` chooses the stager (None:
     the staged pipeline for CUDA weights, direct otherwise; True: staged for any weights).
     """
+
+    OPTIMIZER_WIDE = FILE_OPTIONS
+    WIDE_REASON = "one optimizer has one state_dir and format"
 
     def __init__(self, params, defaults, rule, state_dir=None, backend="auto", huge_pages=None,
                  staging=None, resume=False):
@@ -162,14 +167,12 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
     # -- parameters and their files ----------------------------------------------------------------
     def add_param_group(self, param_group):
         self._check_open()
-        super().add_param_group(param_group)
+        # torch's, not the base's: each parameter's backend is chosen with its route (a meta table's
+        # at its first step), not in the base's backend table
+        torch.optim.Optimizer.add_param_group(self, param_group)
         group = self.param_groups[-1]
         try:
-            for key in FILE_OPTIONS:
-                if group[key] != self.defaults[key]:
-                    raise ValueError(f"{type(self).__name__}: a parameter group's {key} ({group[key]!r}) must be "
-                                     f"the optimizer's ({self.defaults[key]!r}): one optimizer has one state_dir "
-                                     f"and format; use a second optimizer for other {key}")
+            self._check_optimizer_wide(group, len(self.param_groups) - 1)
             self.rule.check_group(group)
         except BaseException:
             self.param_groups.pop()
@@ -558,10 +561,9 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
         if not isinstance(state_dict, dict):
             raise TypeError(f"load_state_dict takes a state dict (a dict from state_dict()), got "
                             f"{type(state_dict).__name__}")
-        state_dict = state_dict.copy()  # shallow, as torch's: a pre-hook may replace entries
-        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
-            hook_result = pre_hook(self, state_dict)
-            state_dict = state_dict if hook_result is None else hook_result
+        super().load_state_dict(state_dict)  # the hooks around _unpack_state
+
+    def _unpack_state(self, state_dict):
         missing = [k for k in ("state", "param_groups") if k not in state_dict]
         if missing:
             raise ValueError(f"load_state_dict: the state dict lacks {' and '.join(map(repr, missing))}; give "
@@ -596,8 +598,6 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
             else:
                 self.state[p] = {STEP: step}
         self._torn = False
-        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
-            post_hook(self)
 
     def __deepcopy__(self, memo):
         """An independent optimizer over deep copies of the parameters, in a new private state_dir
@@ -611,9 +611,7 @@ class DiskSparseOptimizer(torch.optim.Optimizer):
         groups = [{k: copy.deepcopy(v, memo) for k, v in g.items()} for g in self.param_groups]
         twin = memo[id(self)] = type(self)(groups, **copy.deepcopy(self.defaults, memo))
         twin.load_state_dict(self.state_dict())
-        for name, hooks in vars(self).items():
-            if name.startswith("_optimizer_") and name.endswith("_hooks"):
-                setattr(twin, name, copy.copy(hooks))
+        copy_optimizer_hooks(self, twin)
         return twin
 
     def __getstate__(self):
