@@ -1,6 +1,6 @@
 """DiskSparseAdam checkpoints: resuming a state_dir, the private state_dir's removal, and SIGKILL
 crashes. State-dict round trips (into a fresh optimizer, into SparseAdam and back) are in
-``tests/protocol.py``."""
+``tests/test_protocol.py``."""
 
 import os
 import random

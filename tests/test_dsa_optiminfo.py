@@ -7,7 +7,7 @@ PyTorch's tests check that the loss moves the right way; here every case also ru
 same inputs and asserts that DiskSparseAdam gives the same parameters bit for bit, and the same
 error message where SparseAdam refuses. The inputs are SparseAdam's ``optim_inputs_func``: default,
 another ``lr``, a tensor ``lr`` and ``maximize``. The protocol every optimizer shares (state dicts,
-deepcopy, hooks, closures, schedulers, PyTorch's common errors) is in ``tests/protocol.py``. The
+deepcopy, hooks, closures, schedulers, PyTorch's common errors) is in ``tests/test_protocol.py``. The
 CUDA-only, foreach, fused and complex cases do not apply (SparseAdam has none of them).
 """
 
@@ -87,7 +87,7 @@ def _p():
     return Parameter(torch.randn(1, 1))
 
 
-ERROR_CASES = {  # SparseAdam's own; PyTorch's common ones are in tests/protocol.py
+ERROR_CASES = {  # SparseAdam's own; PyTorch's common ones are in tests/test_protocol.py
     "sparse-param": lambda: ([torch.zeros(3, layout=torch.sparse_coo)], {}),
     "sparse-param-in-group": lambda: ([{"params": [torch.zeros(3, layout=torch.sparse_coo)]}], {}),
     "complex-param": lambda: ([torch.rand(2, 3, dtype=torch.complex64)], {}),

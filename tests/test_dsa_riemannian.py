@@ -105,7 +105,7 @@ CASES = [  # (rows in the table, D, lookups per step): widths 1, 3, 37, 127, 300
 
 
 def train_both_ways(cls, w0, batches, loss_fn, kw, backend):
-    """4 steps on ``backend`` (state-dict round trips on each backend: tests/protocol.py)."""
+    """4 steps on ``backend`` (state-dict round trips on each backend: tests/test_protocol.py)."""
     emb = nn.Embedding(*w0.shape, sparse=True, dtype=w0.dtype)
     with torch.no_grad():
         emb.weight.copy_(w0)

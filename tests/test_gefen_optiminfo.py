@@ -6,7 +6,7 @@ codebook in state-dict hooks, complex parameters, upstream keywords.
 
 The protocol every optimizer shares (state dicts, deepcopy, hooks, closures, ``zero_grad``, late
 groups, schedulers, PyTorch's constructor errors, ...) runs on Gefen, quantised and reduced to AdamW,
-in ``tests/protocol.py``.
+in ``tests/test_protocol.py``.
 
 Not applicable here: CUDA-only cases (``test_state_dict_with_cuda_params``, capturable, fused
 kernels, peak memory), AdamW-only keywords Gefen does not take (``amsgrad``, ``maximize``,

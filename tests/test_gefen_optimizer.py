@@ -151,7 +151,7 @@ def test_closure_and_scheduler():
 
 
 def test_state_dict_round_trip_is_exact_with_4_bit_codes(tmp_path):
-    """Awkward shapes, two groups; the 8-bit default's round trip is in tests/protocol.py."""
+    """Awkward shapes, two groups; the 8-bit default's round trip is in tests/test_protocol.py."""
     bits = 4
 
     def make():
