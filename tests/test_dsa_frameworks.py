@@ -19,13 +19,9 @@ from optim import DiskSparseAdam, DiskSparseRiemannianAdam, mapped_embedding
 from optim.disk_sparse import torch_ops
 from optim.disk_sparse.store import StateFileError
 from optim.disk_sparse.weights import close_mapped
+from tests.utils import sparse_embedding
 
 ROWS, DIM = 50, 4
-
-
-def _emb(seed=0, rows=ROWS, dim=DIM):
-    torch.manual_seed(seed)
-    return nn.Embedding(rows, dim, sparse=True)
 
 
 def _train(emb, opt, steps, seed=1):
@@ -49,7 +45,7 @@ class _Delegating:
 
 
 def test_a_collected_delegating_wrapper_leaves_the_optimizer_open(tmp_path):
-    emb, ref = _emb(), _emb()
+    emb, ref = sparse_embedding(ROWS, DIM, seed=0), sparse_embedding(ROWS, DIM, seed=0)
     opt = DiskSparseAdam(emb.parameters(), lr=0.1)
     sparse_adam = torch.optim.SparseAdam(ref.parameters(), lr=0.1)
     wrapper = _Delegating(opt)
@@ -64,7 +60,7 @@ def test_a_collected_delegating_wrapper_leaves_the_optimizer_open(tmp_path):
 
 def test_a_collected_lightning_optimizer_leaves_the_optimizer_open():
     LightningOptimizer = pytest.importorskip("lightning.pytorch.core.optimizer").LightningOptimizer
-    emb = _emb()
+    emb = sparse_embedding(ROWS, DIM, seed=0)
     opt = DiskSparseAdam(emb.parameters(), lr=0.1)
     wrapper = LightningOptimizer(opt)
     del wrapper
@@ -90,7 +86,7 @@ def test_a_table_on_meta_trains_once_materialised(tmp_path):
         param = emb.weight
         emb.to_empty(device="cpu")
         assert emb.weight is param  # swapped in place: the optimizer holds the same object
-        ref = _emb()
+        ref = sparse_embedding(ROWS, DIM, seed=0)
         with torch.no_grad():
             emb.weight.copy_(ref.weight)
         sparse_adam = torch.optim.SparseAdam(ref.parameters(), lr=0.1)
@@ -106,7 +102,7 @@ def test_a_table_on_meta_trains_once_materialised(tmp_path):
 @pytest.mark.parametrize("cls,extra", [(DiskSparseAdam, dict(bitwise=False)), (DiskSparseRiemannianAdam, dict(c=0.5))])
 def test_a_recreation_from_param_groups_keeps_every_option(tmp_path, cls, extra):
     """PyKEEN re-creates the optimizer as ``type(opt)(params, **param_groups[0] minus params)``."""
-    emb = _emb()
+    emb = sparse_embedding(ROWS, DIM, seed=0)
     with torch.no_grad():
         emb.weight.mul_(0.01)
     opt = cls(emb.parameters(), lr=0.05, state_format="compact", backend="torch", staging=False,
@@ -129,11 +125,11 @@ def test_a_recreation_from_param_groups_keeps_every_option(tmp_path, cls, extra)
 
 
 def test_two_optimizers_on_one_state_dir_are_told_the_truth(tmp_path):
-    a = DiskSparseAdam(_emb().parameters(), state_dir=tmp_path)
+    a = DiskSparseAdam(sparse_embedding(ROWS, DIM, seed=0).parameters(), state_dir=tmp_path)
     with pytest.raises(StateFileError, match="in use by another optimizer.*cannot share"):
-        DiskSparseAdam(_emb().parameters(), state_dir=tmp_path)
+        DiskSparseAdam(sparse_embedding(ROWS, DIM, seed=0).parameters(), state_dir=tmp_path)
     with pytest.raises(StateFileError, match="in use by another optimizer"):
-        DiskSparseAdam(_emb().parameters(), state_dir=tmp_path, resume=True)
+        DiskSparseAdam(sparse_embedding(ROWS, DIM, seed=0).parameters(), state_dir=tmp_path, resume=True)
     a.close()
 
 
@@ -141,7 +137,7 @@ def test_the_state_holds_no_tables_between_steps(tmp_path):
     """Frameworks move every tensor of ``opt.state`` to the device (Lightning's
     ``_optimizer_to_device``) or round-trip ``state_dict()`` (accelerate): before the first step
     there is nothing (as SparseAdam), after it only the step; the state dict is SparseAdam's."""
-    emb, ref = _emb(), _emb()
+    emb, ref = sparse_embedding(ROWS, DIM, seed=0), sparse_embedding(ROWS, DIM, seed=0)
     opt = DiskSparseAdam(emb.parameters(), lr=0.1, state_dir=tmp_path / "s")
     sparse_adam = torch.optim.SparseAdam(ref.parameters(), lr=0.1)
     assert len(opt.state) == 0 and opt.state_dict()["state"] == {} == sparse_adam.state_dict()["state"]
@@ -157,7 +153,7 @@ def test_the_state_holds_no_tables_between_steps(tmp_path):
 
 
 def test_group_values_are_checked_as_the_constructor_checks_them(tmp_path):
-    emb, other = _emb(), _emb(1)
+    emb, other = sparse_embedding(ROWS, DIM, seed=0), sparse_embedding(ROWS, DIM, seed=1)
     opt = DiskSparseAdam(emb.parameters(), state_dir=tmp_path / "s")
     bad_groups = [dict(maximize="no"), dict(lr=-1.0), dict(betas=(1.5, 0.9)), dict(bitwise="no"),
                   dict(state_format="compact"), dict(state_dir=str(tmp_path / "t")), dict(backend="torch")]
@@ -169,9 +165,9 @@ def test_group_values_are_checked_as_the_constructor_checks_them(tmp_path):
     assert len(opt.state_files()) == 2
     opt.close()
     with pytest.raises(ValueError, match="resume"):
-        DiskSparseAdam(_emb().parameters(), state_dir=tmp_path / "u", resume="yes")
+        DiskSparseAdam(sparse_embedding(ROWS, DIM, seed=0).parameters(), state_dir=tmp_path / "u", resume="yes")
     with pytest.raises(ValueError, match="resume=True.*state_dir"):
-        DiskSparseAdam(_emb().parameters(), resume=True)
+        DiskSparseAdam(sparse_embedding(ROWS, DIM, seed=0).parameters(), resume=True)
 
 
 def test_compact_float64_is_not_told_to_use_the_backend_that_refused_it():
@@ -197,7 +193,7 @@ def test_an_interrupted_step_leaves_the_directory_dirty(tmp_path, monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(torch_ops, "adam_rows_", second_call_interrupted)
-    a, b = _emb(0), _emb(1)
+    a, b = sparse_embedding(ROWS, DIM, seed=0), sparse_embedding(ROWS, DIM, seed=1)
     with pytest.raises(_Interrupt):
         with DiskSparseAdam([a.weight, b.weight], state_dir=tmp_path / "s", backend="torch") as opt:
             for _ in range(2):
@@ -217,7 +213,7 @@ def test_an_interrupted_step_leaves_the_directory_dirty(tmp_path, monkeypatch):
 def test_an_interrupted_load_leaves_the_directory_dirty(tmp_path, monkeypatch):
     from optim.disk_sparse.store import RowStateFile
 
-    a, b = _emb(0), _emb(1)
+    a, b = sparse_embedding(ROWS, DIM, seed=0), sparse_embedding(ROWS, DIM, seed=1)
     src = DiskSparseAdam([a.weight, b.weight], lr=0.1)
     _train(a, src, 2)
     sd = src.state_dict()
@@ -231,11 +227,11 @@ def test_an_interrupted_load_leaves_the_directory_dirty(tmp_path, monkeypatch):
 
     monkeypatch.setattr(RowStateFile, "write_all", interrupted_on_the_second_table)
     with pytest.raises(_Interrupt):
-        with DiskSparseAdam([_emb(2).weight, _emb(3).weight], state_dir=tmp_path / "s") as dst:
+        with DiskSparseAdam([sparse_embedding(ROWS, DIM, seed=2).weight, sparse_embedding(ROWS, DIM, seed=3).weight], state_dir=tmp_path / "s") as dst:
             dst.load_state_dict(sd)
     monkeypatch.setattr(RowStateFile, "write_all", real)
     with pytest.raises(StateFileError, match="dirty"):
-        DiskSparseAdam([_emb(2).weight, _emb(3).weight], state_dir=tmp_path / "s", resume=True)
+        DiskSparseAdam([sparse_embedding(ROWS, DIM, seed=2).weight, sparse_embedding(ROWS, DIM, seed=3).weight], state_dir=tmp_path / "s", resume=True)
     src.close()
 
 

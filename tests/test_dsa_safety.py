@@ -8,18 +8,12 @@ import sys
 
 import pytest
 import torch
-import torch.nn as nn
 
 from optim import DiskSparseAdam
 from optim.disk_sparse.store import StateFileError
-from tests.utils import assert_close
+from tests.utils import assert_close, sparse_embedding
 
 N, DIM = 200, 8
-
-
-def _emb(n=N, d=DIM, seed=0):
-    torch.manual_seed(seed)
-    return nn.Embedding(n, d, sparse=True)
 
 
 def _step(emb, opt, t):
@@ -104,7 +98,7 @@ def test_forked_child_never_closes_the_parents_state(tmp_path, where):
     # Killed mid-training, the parent leaves a dirty file: reopening it is refused, as it would be
     # had the children never existed.
     with pytest.raises(StateFileError, match="dirty"):
-        DiskSparseAdam(_emb().parameters(), state_dir=lines[-2], resume=True)
+        DiskSparseAdam(sparse_embedding(N, DIM, seed=0).parameters(), state_dir=lines[-2], resume=True)
     if where == "private":
         import shutil
 
@@ -117,7 +111,7 @@ def _files(state_dir):
 
 
 def _two_tables(state_dir, steps=3):
-    a, b = _emb(seed=0), _emb(seed=1)
+    a, b = sparse_embedding(N, DIM, seed=0), sparse_embedding(N, DIM, seed=1)
     opt = DiskSparseAdam([a.weight, b.weight], lr=1e-2, state_dir=state_dir, backend="torch")
     for t in range(steps):
         opt.zero_grad()
@@ -196,7 +190,7 @@ def test_kill_between_two_tables_of_a_load_leaves_a_refused_directory(tmp_path):
     out = subprocess.run([sys.executable, "-c", _KILLED_BETWEEN_TABLES, str(tmp_path / "s")],
                          capture_output=True, text=True, timeout=100)
     assert out.returncode == -signal.SIGKILL, out.stderr
-    embs = [_emb(50, 4) for _ in range(3)]
+    embs = [sparse_embedding(50, 4, seed=0) for _ in range(3)]
     with pytest.raises(StateFileError, match="param0001.dsa is dirty"):
         DiskSparseAdam([e.weight for e in embs], state_dir=tmp_path / "s", resume=True)
 
@@ -216,11 +210,11 @@ def _sparse_copy(state_dir):
 
 
 def test_reopened_sparse_file_is_allocated(tmp_path):
-    DiskSparseAdam(_emb(20000, 16).parameters(), state_dir=tmp_path).close()
+    DiskSparseAdam(sparse_embedding(20000, 16, seed=0).parameters(), state_dir=tmp_path).close()
     path = _sparse_copy(tmp_path)
     st = os.stat(path)
     assert st.st_blocks * 512 < st.st_size  # a hole
-    with DiskSparseAdam(_emb(20000, 16).parameters(), state_dir=tmp_path, resume=True):
+    with DiskSparseAdam(sparse_embedding(20000, 16, seed=0).parameters(), state_dir=tmp_path, resume=True):
         st = os.stat(path)
         assert st.st_blocks * 512 >= st.st_size
 
@@ -228,7 +222,7 @@ def test_reopened_sparse_file_is_allocated(tmp_path):
 def test_reopened_sparse_file_on_a_full_disk_fails_at_open_naming_the_file(tmp_path, monkeypatch):
     import errno
 
-    DiskSparseAdam(_emb(20000, 16).parameters(), state_dir=tmp_path).close()
+    DiskSparseAdam(sparse_embedding(20000, 16, seed=0).parameters(), state_dir=tmp_path).close()
     _sparse_copy(tmp_path)
 
     def full(fd, offset, length):
@@ -236,20 +230,20 @@ def test_reopened_sparse_file_on_a_full_disk_fails_at_open_naming_the_file(tmp_p
 
     monkeypatch.setattr(os, "posix_fallocate", full)
     with pytest.raises(OSError, match=r"disk space for state file .*param0000.dsa"):
-        DiskSparseAdam(_emb(20000, 16).parameters(), state_dir=tmp_path, resume=True)
+        DiskSparseAdam(sparse_embedding(20000, 16, seed=0).parameters(), state_dir=tmp_path, resume=True)
 
 
 # -- reusing a state_dir is the caller's explicit choice ----------------------------------------------
 def test_existing_state_dir_needs_resume(tmp_path):
-    emb = _emb()
+    emb = sparse_embedding(N, DIM, seed=0)
     with DiskSparseAdam(emb.parameters(), lr=1e-2, state_dir=tmp_path, backend="torch") as opt:
         for t in range(4):
             _step(emb, opt, t)
         expected = {k: v.clone() if torch.is_tensor(v) else v for k, v in opt.state_dict()["state"][0].items()}
     # A second run of the same script must not continue the first one's moments unasked.
     with pytest.raises(StateFileError, match="already holds state files.*resume=True.*load_state_dict"):
-        DiskSparseAdam(_emb().parameters(), state_dir=tmp_path)
-    with DiskSparseAdam(_emb().parameters(), state_dir=tmp_path, resume=True) as opt:
+        DiskSparseAdam(sparse_embedding(N, DIM, seed=0).parameters(), state_dir=tmp_path)
+    with DiskSparseAdam(sparse_embedding(N, DIM, seed=0).parameters(), state_dir=tmp_path, resume=True) as opt:
         assert opt.state_files()[0].step == 4  # the header says which step the file holds
         got = opt.state_dict()["state"][0]
         assert int(got["step"]) == 4
@@ -259,8 +253,8 @@ def test_existing_state_dir_needs_resume(tmp_path):
 
 # -- a state dict handed to another optimizer never writes into the files ------------------------------
 def test_sparse_adam_loaded_from_a_state_dict_never_writes_the_files(tmp_path):
-    emb = _emb()
-    ref = _emb()
+    emb = sparse_embedding(N, DIM, seed=0)
+    ref = sparse_embedding(N, DIM, seed=0)
     dsa = DiskSparseAdam(emb.parameters(), lr=1e-2, state_dir=tmp_path, backend="torch")
     ref_opt = torch.optim.SparseAdam(ref.parameters(), lr=1e-2)
     for t in range(3):
@@ -276,7 +270,7 @@ def test_sparse_adam_loaded_from_a_state_dict_never_writes_the_files(tmp_path):
     # The moments it got were the right ones. Not bitwise: SparseAdam takes the state dict's int64
     # step tensor and then computes its bias correction in float32.
     assert_close(emb.weight, ref.weight, atol=1e-6, rtol=1e-5, name="weight")
-    with DiskSparseAdam(_emb().parameters(), state_dir=tmp_path, resume=True) as again:
+    with DiskSparseAdam(sparse_embedding(N, DIM, seed=0).parameters(), state_dir=tmp_path, resume=True) as again:
         got = again.state_dict()["state"][0]
         assert int(got["step"]) == 3
         for key in ("exp_avg", "exp_avg_sq"):
@@ -285,17 +279,17 @@ def test_sparse_adam_loaded_from_a_state_dict_never_writes_the_files(tmp_path):
 
 # -- odd arguments -------------------------------------------------------------------------------------
 def test_prefetch_of_an_empty_batch_does_nothing(tmp_path):
-    emb = _emb()
+    emb = sparse_embedding(N, DIM, seed=0)
     with DiskSparseAdam(emb.parameters(), state_dir=tmp_path, backend="torch") as opt:
         opt.prefetch(torch.tensor([], dtype=torch.int64))
         _step(emb, opt, 0)
 
 
 def test_add_param_group_after_close_is_refused(tmp_path):
-    opt = DiskSparseAdam(_emb().parameters(), state_dir=tmp_path / "a")
+    opt = DiskSparseAdam(sparse_embedding(N, DIM, seed=0).parameters(), state_dir=tmp_path / "a")
     opt.close()
     with pytest.raises(RuntimeError, match="closed"):
-        opt.add_param_group({"params": [_emb(seed=1).weight]})
+        opt.add_param_group({"params": [sparse_embedding(N, DIM, seed=1).weight]})
     assert not (tmp_path / "a" / "param0001.dsa").exists()
 
 
@@ -309,16 +303,16 @@ def test_odd_arguments_are_refused(kw, match):
 
     cls = DiskSparseAdam if "maximize" in kw else DiskSparseRiemannianAdam
     with pytest.raises(ValueError, match=match):
-        cls(_emb().parameters(), **kw)
+        cls(sparse_embedding(N, DIM, seed=0).parameters(), **kw)
 
 
 def test_header_step_beyond_int64_is_refused_naming_the_file(tmp_path):
     import struct
 
-    DiskSparseAdam(_emb().parameters(), state_dir=tmp_path).close()
+    DiskSparseAdam(sparse_embedding(N, DIM, seed=0).parameters(), state_dir=tmp_path).close()
     path = tmp_path / "param0000.dsa"
     with open(path, "r+b") as f:
         f.seek(8 + 4 + 4 + 8 * 3)  # magic, version, dtype, rows, cols, width: then the step
         f.write(struct.pack("<Q", 2**63))
     with pytest.raises(StateFileError, match="param0000.dsa.*step"):
-        DiskSparseAdam(_emb().parameters(), state_dir=tmp_path, resume=True)
+        DiskSparseAdam(sparse_embedding(N, DIM, seed=0).parameters(), state_dir=tmp_path, resume=True)

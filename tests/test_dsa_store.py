@@ -12,14 +12,12 @@ import torch.nn as nn
 
 from optim import DiskSparseAdam, DiskSparseRiemannianAdam
 from optim.disk_sparse.store import HEADER_BYTES, RowStateFile, StateFileError
+from tests.utils import sparse_embedding
 
-
-def _emb(n=40, d=6, dtype=torch.float32):
-    return nn.Embedding(n, d, sparse=True, dtype=dtype)
 
 
 def test_file_layout_header_and_contiguous_records(tmp_path):
-    emb = _emb(40, 6, torch.float64)
+    emb = sparse_embedding(40, 6, dtype=torch.float64)
     opt = DiskSparseAdam(emb.parameters(), state_dir=tmp_path)
     path = tmp_path / "param0000.dsa"
     assert path.stat().st_size == HEADER_BYTES + 40 * 12 * 8  # [m | v] records of 2*D float64
@@ -82,7 +80,7 @@ def test_bad_parameters(param, match):
 ])
 def test_bad_hyperparameters(kw, match):
     with pytest.raises(ValueError, match=match):
-        DiskSparseAdam(_emb().parameters(), **kw)
+        DiskSparseAdam(sparse_embedding(40, 6).parameters(), **kw)
 
 
 @pytest.mark.parametrize("cls,backend,dtype,match", [
@@ -94,8 +92,8 @@ def test_bad_hyperparameters(kw, match):
 ])
 def test_backend_that_cannot_take_the_parameter_is_refused_at_construction(cls, backend, dtype, match, tmp_path):
     with pytest.raises(ValueError, match=match):
-        cls(_emb(10, 4, dtype=dtype).parameters(), backend=backend, state_dir=tmp_path)
-    with cls(_emb(10, 4, dtype=dtype).parameters(), backend="auto", state_dir=tmp_path) as opt:  # "auto": torch
+        cls(sparse_embedding(10, 4, dtype=dtype).parameters(), backend=backend, state_dir=tmp_path)
+    with cls(sparse_embedding(10, 4, dtype=dtype).parameters(), backend="auto", state_dir=tmp_path) as opt:  # "auto": torch
         assert opt.state_file(opt.param_groups[0]["params"][0]).rows == 10
 
 
@@ -103,7 +101,7 @@ def test_unusable_state_dir(tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("x")
     with pytest.raises(OSError, match="state_dir .*a_file"):
-        DiskSparseAdam(_emb().parameters(), state_dir=blocker / "sub")
+        DiskSparseAdam(sparse_embedding(40, 6).parameters(), state_dir=blocker / "sub")
 
 
 def test_full_disk_fails_at_creation_naming_the_file(tmp_path):
@@ -113,7 +111,7 @@ def test_full_disk_fails_at_creation_naming_the_file(tmp_path):
     resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, hard))
     try:
         with pytest.raises(OSError, match=r"disk space for state file .*param0000.dsa.*needs 6.1 MiB"):
-            DiskSparseAdam(_emb(100000, 8).parameters(), state_dir=tmp_path)
+            DiskSparseAdam(sparse_embedding(100000, 8).parameters(), state_dir=tmp_path)
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
         signal.signal(signal.SIGXFSZ, old_handler)
@@ -121,22 +119,22 @@ def test_full_disk_fails_at_creation_naming_the_file(tmp_path):
 
 
 def test_state_file_of_other_shape_or_dtype_is_refused(tmp_path):
-    DiskSparseAdam(_emb(40, 6).parameters(), state_dir=tmp_path).close()
+    DiskSparseAdam(sparse_embedding(40, 6).parameters(), state_dir=tmp_path).close()
     with pytest.raises(StateFileError, match=r"param0000.dsa.*shape \(40, 6\).*\(41, 6\)"):
-        DiskSparseAdam(_emb(41, 6).parameters(), state_dir=tmp_path, resume=True)
+        DiskSparseAdam(sparse_embedding(41, 6).parameters(), state_dir=tmp_path, resume=True)
     with pytest.raises(StateFileError, match="param0000.dsa.*float64"):
-        DiskSparseAdam(_emb(40, 6, torch.float64).parameters(), state_dir=tmp_path, resume=True)
+        DiskSparseAdam(sparse_embedding(40, 6, dtype=torch.float64).parameters(), state_dir=tmp_path, resume=True)
     (tmp_path / "param0000.dsa").write_bytes(b"not a state file" * 10)
     with pytest.raises(StateFileError, match="param0000.dsa.*not a Disk Sparse Adam state file"):
-        DiskSparseAdam(_emb(40, 6).parameters(), state_dir=tmp_path, resume=True)
+        DiskSparseAdam(sparse_embedding(40, 6).parameters(), state_dir=tmp_path, resume=True)
 
 
 def test_state_dir_in_use_is_refused(tmp_path):
-    opt = DiskSparseAdam(_emb().parameters(), state_dir=tmp_path)
+    opt = DiskSparseAdam(sparse_embedding(40, 6).parameters(), state_dir=tmp_path)
     with pytest.raises(StateFileError, match="param0000.dsa is in use"):
-        DiskSparseAdam(_emb().parameters(), state_dir=tmp_path, resume=True)
+        DiskSparseAdam(sparse_embedding(40, 6).parameters(), state_dir=tmp_path, resume=True)
     opt.close()
-    DiskSparseAdam(_emb().parameters(), state_dir=tmp_path, resume=True).close()  # free again after close
+    DiskSparseAdam(sparse_embedding(40, 6).parameters(), state_dir=tmp_path, resume=True).close()  # free again after close
 
 
 def test_dirty_file_is_refused(tmp_path):
@@ -144,11 +142,11 @@ def test_dirty_file_is_refused(tmp_path):
     st.scatter(torch.tensor([1]), torch.ones(1, 12))
     st._release()  # stop without a clean point, as a killed process does
     with pytest.raises(StateFileError, match="dirty.*load_state_dict"):
-        DiskSparseAdam(_emb().parameters(), state_dir=tmp_path, resume=True)
+        DiskSparseAdam(sparse_embedding(40, 6).parameters(), state_dir=tmp_path, resume=True)
 
 
 def test_step_after_close_is_refused():
-    emb = _emb()
+    emb = sparse_embedding(40, 6)
     opt = DiskSparseAdam(emb.parameters())
     opt.close()
     emb(torch.tensor([1])).sum().backward()
@@ -159,15 +157,15 @@ def test_step_after_close_is_refused():
 
 
 def test_mismatched_state_dict_is_refused(tmp_path):
-    a, b = _emb(), _emb()
+    a, b = sparse_embedding(40, 6), sparse_embedding(40, 6)
     opt = DiskSparseAdam([{"params": [a.weight]}, {"params": [b.weight]}], state_dir=tmp_path / "x")
-    single = DiskSparseAdam(_emb().parameters(), state_dir=tmp_path / "y")
+    single = DiskSparseAdam(sparse_embedding(40, 6).parameters(), state_dir=tmp_path / "y")
     with pytest.raises(ValueError, match="parameter groups"):
         opt.load_state_dict(single.state_dict())
-    other = DiskSparseAdam([_emb(40, 6).weight, _emb(41, 6).weight], state_dir=tmp_path / "z")
+    other = DiskSparseAdam([sparse_embedding(40, 6).weight, sparse_embedding(41, 6).weight], state_dir=tmp_path / "z")
     with pytest.raises(ValueError, match="2 parameters"):
         single.load_state_dict(other.state_dict())
-    wrong_emb = _emb(41, 6)
+    wrong_emb = sparse_embedding(41, 6)
     wrong = DiskSparseAdam(wrong_emb.parameters(), state_dir=tmp_path / "w")
     wrong_emb(torch.tensor([1, 2])).sum().backward()
     wrong.step()  # state exists after a step, as SparseAdam's
@@ -178,7 +176,7 @@ def test_mismatched_state_dict_is_refused(tmp_path):
 
 
 def test_prefetch_announces_rows_without_changing_results(tmp_path):
-    a, b = _emb(500, 8), _emb(500, 8)
+    a, b = sparse_embedding(500, 8), sparse_embedding(500, 8)
     b.load_state_dict(a.state_dict())
     opt_a = DiskSparseAdam(a.parameters(), lr=1e-2, state_dir=tmp_path / "a")
     opt_b = DiskSparseAdam(b.parameters(), lr=1e-2, state_dir=tmp_path / "b")
@@ -193,7 +191,7 @@ def test_prefetch_announces_rows_without_changing_results(tmp_path):
     assert torch.equal(a.weight, b.weight)
     with pytest.raises(IndexError, match=r"\[0, 500\)"):
         opt_b.prefetch(torch.tensor([500]))
-    two = DiskSparseAdam([_emb().weight, _emb().weight], state_dir=tmp_path / "c")
+    two = DiskSparseAdam([sparse_embedding(40, 6).weight, sparse_embedding(40, 6).weight], state_dir=tmp_path / "c")
     with pytest.raises(ValueError, match="param="):
         two.prefetch(torch.tensor([1]))
     for o in (opt_a, opt_b, two):
@@ -217,7 +215,7 @@ def _file_pmd_mapped_kib(addr):
 def test_huge_pages_change_nothing_but_the_mapping(tmp_path):
     """Same trajectory with and without huge pages; where the kernel maps file folios with PMDs the
     huge-page mapping actually uses them (checked only where smaps reports it)."""
-    emb_a = _emb(40_000, 16)
+    emb_a = sparse_embedding(40_000, 16)
     emb_b = nn.Embedding(40_000, 16, sparse=True)
     emb_b.weight.data.copy_(emb_a.weight.data)
     opt_a = DiskSparseAdam(emb_a.parameters(), lr=1e-2, state_dir=tmp_path / "a", huge_pages=True)
@@ -258,7 +256,7 @@ def test_huge_pages_default_follows_the_size_rule(tmp_path, monkeypatch):
     limit = store.memory_limit_bytes()
     assert store.fits_in_page_cache(int(0.2 * limit)) and not store.fits_in_page_cache(int(0.3 * limit))
     monkeypatch.setattr(base, "fits_in_page_cache", lambda nbytes: nbytes < 10_000)  # where the optimizer calls it
-    small, big = _emb(10, 6), _emb(1000, 6)  # state files of 480 and 48,000 bytes after the header
+    small, big = sparse_embedding(10, 6), sparse_embedding(1000, 6)  # state files of 480 and 48,000 bytes after the header
     alone = DiskSparseAdam([small.weight], state_dir=tmp_path / "alone")
     assert alone.state_file(small.weight).huge_pages == hasattr(__import__("mmap"), "MADV_HUGEPAGE")
     alone.close()

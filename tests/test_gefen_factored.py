@@ -14,18 +14,10 @@ import torch
 from optim import Gefen
 from optim.gefen import reference as R, state as K
 from optim.gefen.partition import choose_block
-from tests.utils import assert_close, assert_same_state, checkpoint_and_continue, set_grads
+from tests.utils import assert_close, assert_same_state, checkpoint_and_continue, row_scaled_grad, set_grads
 
 LR, WD, B1, B2 = 1e-2, 0.1, 0.9, 0.999
 SHAPES = [(24, 48), (30, 7), (1009,), (16, 96), (300,), (10, 14)]
-
-
-def _grad(shape):
-    """Rows of different scale and columns of different scale: blocks > 1 with varying offsets."""
-    g = torch.randn(shape)
-    if len(shape) == 1:
-        return g
-    return g * torch.exp(torch.randn(shape[0], 1) * 2) * torch.exp(torch.randn(1, shape[1]))
 
 
 
@@ -66,7 +58,7 @@ def test_block_1_keeps_per_element_v_and_reduces_to_adamw(backend):
     ref = torch.optim.AdamW([{"params": twins[:3]}, {"params": twins[3:], "lr": 3e-3, "weight_decay": 0.0}],
                             lr=LR, weight_decay=WD)
     for _ in range(25):
-        grads = [_grad(s) for s in SHAPES]
+        grads = [row_scaled_grad(s, scale_columns=True) for s in SHAPES]
         set_grads(params, grads)
         set_grads(twins, grads)
         ours.step()
@@ -145,7 +137,7 @@ def test_every_backend_matches_the_reference(bits, backend):
     params = [torch.nn.Parameter(torch.randn(s) * 0.1) for s in SHAPES]
     starts = [p.detach().clone() for p in params]
     opt = Gefen(params, lr=LR, weight_decay=WD, bits=bits, factor_second_moment=True, backend=backend)
-    steps = [[_grad(s) for s in SHAPES] for _ in range(8)]
+    steps = [[row_scaled_grad(s, scale_columns=True) for s in SHAPES] for _ in range(8)]
     for gs in steps:
         set_grads(params, gs)
         opt.step()
@@ -170,7 +162,7 @@ def test_per_param_group_and_state_dict_round_trip(tmp_path):
         return ps, Gefen([{"params": ps[:3], "factor_second_moment": True}, {"params": ps[3:]}],
                          weight_decay=WD, backend="numba")
 
-    steps = [[_grad(s) for s in SHAPES] for _ in range(5)]
+    steps = [[row_scaled_grad(s, scale_columns=True) for s in SHAPES] for _ in range(5)]
     path = tmp_path / "opt.pt"
     params, opt, params2, opt2, saved = checkpoint_and_continue(make, steps, path)
     for k, p in enumerate(params):
@@ -268,7 +260,7 @@ def test_tiles_of_a_strided_parameter_step_as_its_contiguous_copy(backend):
     assert not a.is_contiguous()
     opts = [Gefen([p], lr=LR, weight_decay=WD, factor_second_moment=True, backend=backend) for p in (a, b)]
     for _ in range(6):
-        g = _grad((48, 16))
+        g = row_scaled_grad((48, 16), scale_columns=True)
         for p, opt in zip((a, b), opts):
             p.grad = g.clone()
             opt.step()
@@ -285,7 +277,7 @@ def test_a_factor_saved_for_the_whole_tensor_loads_into_every_tile():
     torch.manual_seed(0)
     p = torch.nn.Parameter(torch.randn(48, 16))
     opt = Gefen([p], lr=LR, factor_second_moment=True, backend="torch")
-    p.grad = _grad((48, 16))
+    p.grad = row_scaled_grad((48, 16), scale_columns=True)
     opt.step()
     sd = opt.state_dict()
     block = sd["state"][0][K.BLOCK]
@@ -313,7 +305,7 @@ def test_a_vector_keeps_v_per_element(backend):
     opt_b = Gefen([{"params": [b], "share_second_moment": False}, {"params": [mb], "factor_second_moment": True}],
                   lr=LR, weight_decay=WD, backend=backend)
     for t in range(5):
-        gv, gm = torch.randn(256) * (runs if t == 0 else 1), _grad((24, 48))
+        gv, gm = torch.randn(256) * (runs if t == 0 else 1), row_scaled_grad((24, 48), scale_columns=True)
         a.grad, b.grad, ma.grad, mb.grad = gv.clone(), gv.clone(), gm.clone(), gm.clone()
         opt_a.step()
         opt_b.step()

@@ -17,7 +17,7 @@ import torch
 
 from optim import Gefen
 from optim.gefen import state as K
-from tests.utils import assert_close
+from tests.utils import assert_close, row_scaled_grad
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -27,10 +27,6 @@ def _run_python(code: str, env_drop=(), timeout=300) -> subprocess.CompletedProc
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
-
-
-def _structured_grad(shape):
-    return torch.randn(shape) * torch.exp(torch.randn(shape[0], 1) * 2)
 
 
 # ------------------------------------------------------------------ state dicts and compiled code
@@ -101,7 +97,7 @@ def test_state_dict_of_noncontiguous_tensors_is_loaded_contiguous():
     """A strided copy of the right dtype and size is the same state: loaded as a contiguous copy."""
     p = torch.nn.Parameter(torch.randn(16, 96))
     opt = Gefen([p], backend="numba")
-    p.grad = _structured_grad((16, 96))
+    p.grad = row_scaled_grad((16, 96))
     opt.step()
     sd = opt.state_dict()
     st = sd["state"][0]
@@ -221,7 +217,7 @@ def test_zero_first_gradients_match_adamw_and_blocks_come_from_first_nonzero(bac
         assert torch.equal(p, q)
         assert set(ours.state[p]) == {K.STEP} and ours.codebook is None
     assert ours.state[p][K.STEP] == 3
-    p.grad = _structured_grad(shape)
+    p.grad = row_scaled_grad(shape)
     ours.step()
     st = ours.state[p]
     per_param = sum(st[k].numel() * st[k].element_size() for k in (K.V, K.SCALES, K.CODES)) / p.numel()
@@ -262,9 +258,9 @@ def test_non_finite_first_gradient_is_refused(bad, late):
     a, b = torch.nn.Parameter(torch.randn(16, 96)), torch.nn.Parameter(torch.randn(16, 96))
     opt = Gefen([a, b])
     if late:
-        a.grad = _structured_grad((16, 96))
+        a.grad = row_scaled_grad((16, 96))
         opt.step()
-    b.grad = _structured_grad((16, 96))
+    b.grad = row_scaled_grad((16, 96))
     b.grad[3, 5] = bad
     with pytest.raises(ValueError, match=r"first gradient of parameter 1 .*NaN or inf"):
         opt.step()
@@ -279,7 +275,7 @@ def test_deepcopy_is_independent_and_continues_like_the_original():
     opt = Gefen(ps, lr=1e-2, weight_decay=0.1)
     for _ in range(2):
         for p in ps:
-            p.grad = _structured_grad(p.shape) if p.dim() > 1 else torch.randn(p.shape)
+            p.grad = row_scaled_grad(p.shape) if p.dim() > 1 else torch.randn(p.shape)
         opt.step()
     opt2 = copy.deepcopy(opt)
     ps2 = opt2.param_groups[0]["params"]
@@ -305,7 +301,7 @@ def test_upstream_fused_and_verbose_keywords(capsys):
     with pytest.raises(ValueError, match="fused=False"):
         Gefen([p], fused=False, backend="numba")
     opt = Gefen([p], verbose=True)
-    p.grad = _structured_grad((32, 256))
+    p.grad = row_scaled_grad((32, 256))
     opt.step()
     out = capsys.readouterr().out
     assert f"block {opt.state[p][K.BLOCK]}" in out and "(32, 256)" in out
@@ -522,7 +518,7 @@ def test_maximize_with_one_gradient_shared_by_two_parameters(backend, quant):
     up = Gefen([a, b], lr=1e-2, maximize=True, backend=backend, **kw)
     down = Gefen([c, d], lr=1e-2, backend=backend, **kw)
     for t in range(3):
-        g = _structured_grad((16, 8))
+        g = row_scaled_grad((16, 8))
         a.grad = b.grad = g  # one tensor
         c.grad, d.grad = -g, -g.clone()
         kept = g.clone()
@@ -615,7 +611,7 @@ def test_a_step_the_kernel_refuses_is_not_counted():
 def test_a_saved_group_that_contradicts_its_state_is_named(option):
     p = torch.nn.Parameter(torch.randn(16, 8))
     opt = Gefen([p], lr=1e-2, factor_second_moment=True)
-    p.grad = _structured_grad((16, 8))
+    p.grad = row_scaled_grad((16, 8))
     opt.step()
     sd = opt.state_dict()
     sd["param_groups"][0][option] = False

@@ -16,16 +16,10 @@ from optim import Gefen
 from optim.backends import numba_available
 from optim.gefen import reference as R, state as K
 from optim.gefen.codebook import histogram, optimal_codebook
-from tests.utils import assert_close, assert_same_state, checkpoint_and_continue, set_grads
+from tests.utils import assert_close, assert_same_state, checkpoint_and_continue, row_scaled_grad, set_grads
 
 LR, WD = 1e-2, 0.1
 SHAPES = [(24, 48), (7, 13), (1009,), (16, 96), (300,), (1,)]
-
-
-def _grad(shape):
-    """Rows of different scale, so blocks > 1 are found where the shape has rows."""
-    g = torch.randn(shape)
-    return g * torch.exp(torch.randn(shape[0], *([1] * (len(shape) - 1))) * 2) if len(shape) > 1 else g
 
 
 
@@ -71,7 +65,7 @@ def test_fast_path_matches_reference_20_steps(bits, backend):
     params = [torch.nn.Parameter(torch.randn(s) * 0.1) for s in SHAPES]
     starts = [p.detach().clone() for p in params]
     opt = Gefen(params, lr=LR, weight_decay=WD, bits=bits, backend=backend)
-    steps = [[_grad(s) for s in SHAPES] for _ in range(20)]
+    steps = [[row_scaled_grad(s) for s in SHAPES] for _ in range(20)]
     for gs in steps:
         set_grads(params, gs)
         opt.step()
@@ -89,7 +83,7 @@ def test_fast_path_matches_reference_20_steps(bits, backend):
 def test_codebook_is_optimal_for_a_brute_force_histogram():
     shapes = [(16, 96), (300,)]
     params = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
-    grads = [_grad(s) for s in shapes]
+    grads = [row_scaled_grad(s) for s in shapes]
     opt = Gefen(params, bits=4)
     set_grads(params, grads)
     opt.step()
@@ -109,11 +103,11 @@ def test_codebook_is_optimal_for_a_brute_force_histogram():
 def test_late_parameter_gets_blocks_at_its_first_gradient_and_codebook_stays():
     a, b = torch.nn.Parameter(torch.randn(16, 96)), torch.nn.Parameter(torch.randn(24, 48))
     opt = Gefen([a, b])
-    a.grad = _grad((16, 96))
+    a.grad = row_scaled_grad((16, 96))
     opt.step()
     cb = opt.codebook.clone()
     assert K.BLOCK not in opt.state[b]
-    b.grad = _grad((24, 48))
+    b.grad = row_scaled_grad((24, 48))
     from optim.gefen.partition import choose_block
 
     expected_block = choose_block(b.grad)
@@ -160,7 +154,7 @@ def test_state_dict_round_trip_is_exact_with_4_bit_codes(tmp_path):
         return ps, Gefen([{"params": ps[:2]}, {"params": ps[2:], "weight_decay": 0.0}], bits=bits,
                          weight_decay=WD)
 
-    steps = [[_grad(s) for s in SHAPES] for _ in range(5)]
+    steps = [[row_scaled_grad(s) for s in SHAPES] for _ in range(5)]
     params, opt, params2, opt2, _ = checkpoint_and_continue(make, steps, tmp_path / "opt.pt")
     assert opt2.state[params2[0]][K.CODES].dtype == torch.uint8
     assert torch.equal(opt2.codebook, opt.codebook)
@@ -174,7 +168,7 @@ def test_bf16_params_follow_the_reference_rounded_to_bf16():
     opt = Gefen(params, lr=LR, weight_decay=WD)
     states = None
     for t in range(1, 6):
-        gs = [_grad(s).bfloat16() for s in shapes]
+        gs = [row_scaled_grad(s).bfloat16() for s in shapes]
         set_grads(params, gs)
         opt.step()
         if states is None:
@@ -194,7 +188,7 @@ def test_state_bytes_per_parameter():
     p = torch.nn.Parameter(torch.randn(32, 256))
     for bits, expected in [(8, 1.0), (4, 0.5)]:
         opt = Gefen([p], bits=bits)
-        p.grad = _grad((32, 256))
+        p.grad = row_scaled_grad((32, 256))
         opt.step()
         st = opt.state[p]
         per_param = sum(st[k].numel() * st[k].element_size() for k in (K.V, K.SCALES, K.CODES)) / p.numel()
@@ -228,7 +222,7 @@ def test_bad_arguments(kwargs, match):
 def test_state_dict_from_another_model_is_rejected():
     a = torch.nn.Parameter(torch.randn(16, 96))
     opt = Gefen([a])
-    a.grad = _grad((16, 96))
+    a.grad = row_scaled_grad((16, 96))
     opt.step()
     sd = opt.state_dict()
     other = Gefen([torch.nn.Parameter(torch.randn(16, 97))])
@@ -247,7 +241,7 @@ def test_triton_backend_dispatch_matches_torch():
     qs = [torch.nn.Parameter(p.detach().clone()) for p in ps]
     tri, ref = Gefen(ps, lr=LR, weight_decay=WD, backend="triton"), Gefen(qs, lr=LR, weight_decay=WD, backend="torch")
     for _ in range(2):
-        gs = [_grad(s) for s in shapes]
+        gs = [row_scaled_grad(s) for s in shapes]
         set_grads(ps, gs)
         set_grads(qs, gs)
         tri.step()
@@ -281,7 +275,7 @@ def ran(monkeypatch):
 
 
 def _step_once(opt, params):
-    set_grads(params, [_grad(p.shape) for p in params])
+    set_grads(params, [row_scaled_grad(p.shape) for p in params])
     opt.step()
 
 

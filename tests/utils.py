@@ -75,6 +75,25 @@ def run_gloo_ranks(world: int, script: Path, args: list, logs: list, timeout: fl
     return [p.returncode for p in procs]
 
 
+def row_scaled_grad(shape, *, scale_columns=False):
+    """A N(0, 1) gradient whose rows differ in scale by factors e^(2 N(0, 1)) (and, with
+    ``scale_columns``, its columns by e^N(0, 1)), so Gefen finds blocks > 1 where the shape has rows.
+    A 1-D shape is plain N(0, 1)."""
+    g = torch.randn(shape)
+    if len(shape) == 1:
+        return g
+    g = g * torch.exp(torch.randn(shape[0], *([1] * (len(shape) - 1))) * 2)
+    return g * torch.exp(torch.randn(1, shape[1])) if scale_columns else g
+
+
+def sparse_embedding(rows, dim, *, dtype=torch.float32, seed=None):
+    """``nn.Embedding(rows, dim, sparse=True)``, its weights drawn after ``torch.manual_seed(seed)``
+    where a seed is given."""
+    if seed is not None:
+        torch.manual_seed(seed)
+    return torch.nn.Embedding(rows, dim, sparse=True, dtype=dtype)
+
+
 def set_grads(params, grads):
     for p, g in zip(params, grads):
         p.grad = g.clone().to(p.dtype)
