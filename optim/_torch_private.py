@@ -78,3 +78,16 @@ def is_dcp_init_step(optimizer: torch.optim.Optimizer, is_zero: Callable[[torch.
         return False
     grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
     return bool(grads) and all(is_zero(g) for g in grads)
+
+
+def sparse_parts(g: torch.Tensor) -> tuple:
+    """(indices, values) of a sparse COO tensor as stored, coalesced or not (duplicates kept, in their
+    order), without the copy that coalescing makes; the public ``indices()`` and ``values()`` refuse an
+    uncoalesced tensor. Relies on ``Tensor._indices`` and ``Tensor._values``."""
+    return g._indices(), g._values()
+
+
+def version_counter(t: torch.Tensor) -> int:
+    """The counter autograd bumps at every in-place change of ``t`` (or of a view of its storage).
+    Relies on ``Tensor._version``."""
+    return t._version

@@ -163,3 +163,19 @@ def test_restored_layout_is_torchs_load():
             OptimizerBase._restore_layout(ours, bad, lambda p, saved: saved)
         with pytest.raises(ValueError, match=message):
             theirs.load_state_dict(bad)
+
+
+def test_sparse_parts_are_the_stored_uncoalesced_entries():
+    idx = torch.tensor([[2, 0, 2]])
+    vals = torch.randn(3, 4)
+    g = torch.sparse_coo_tensor(idx, vals, (5, 4), check_invariants=True)
+    indices, values = tp.sparse_parts(g)
+    assert torch.equal(indices, idx) and torch.equal(values, vals)  # duplicates kept, in order
+
+
+def test_version_counter_counts_in_place_changes():
+    t = torch.zeros(3)
+    before = tp.version_counter(t)
+    t.add_(1)
+    t[1:].mul_(2)  # through a view
+    assert tp.version_counter(t) == before + 2

@@ -20,7 +20,7 @@ from typing import NamedTuple
 import torch
 
 from .._base import OptimizerBase
-from .._torch_private import copy_optimizer_hooks
+from .._torch_private import copy_optimizer_hooks, sparse_parts
 from ..backends import BACKENDS, choose_backend
 from . import pipeline
 from .checks import check_flags, check_grad, check_option, check_param, loaded_columns, saved_state_by_param
@@ -390,7 +390,7 @@ class DiskSparseOptimizer(OptimizerBase):
                     self._weight_files[p].mark_dirty()
                 self._step_counts[p] += 1  # like SparseAdam, a present gradient counts even when empty
                 self.state[p][STEP] = step = self._step_counts[p]  # the step only: the moments stay in the file
-                if not g._nnz():
+                if sparse_parts(g)[1].shape[0] == 0:  # an empty gradient
                     continue
                 if g.sparse_dim() == 2:
                     self._step_elements(p, g, route, step, hyper)
@@ -402,14 +402,15 @@ class DiskSparseOptimizer(OptimizerBase):
         return loss
 
     def _step_rows(self, p, g, route, step, hyper):
-        vals = g._values().reshape(g._nnz(), _cols(p))  # a 1-D table is updated as N x 1
+        indices, values = sparse_parts(g)  # uncoalesced: duplicates are summed below
+        vals = values.reshape(values.shape[0], _cols(p))  # a 1-D table is updated as N x 1
         w_all = p if p.dim() == 2 else p.unsqueeze(1)
         if route.sparse_fn is not None:
-            route.stager.fetch(g._indices()[0].cpu())  # under no lock: it holds no buffer
-            route.sparse_fn(w_all, g._indices()[0], vals.to(p.dtype), self._stores[p].writable(), step, **hyper)
+            route.stager.fetch(indices[0].cpu())  # under no lock: it holds no buffer
+            route.sparse_fn(w_all, indices[0], vals.to(p.dtype), self._stores[p].writable(), step, **hyper)
             torch.autograd.graph.increment_version(p)  # written by compiled code: autograd must know
             return
-        rows = g._indices()[0]
+        rows = indices[0]
         if not g.is_coalesced():
             rows, vals = coalesce_rows(rows, vals)
         self._update_rows(route, w_all, rows, vals, step, hyper)
@@ -418,7 +419,7 @@ class DiskSparseOptimizer(OptimizerBase):
         """An element-sparse gradient (``dense.to_sparse()``): its rows are updated whole, then
         only the elements it holds keep the new weight and moments, as SparseAdam updates them."""
         g = g.coalesce()
-        (r, c), vals = g._indices(), g._values()
+        (r, c), vals = sparse_parts(g)
         rows, inv = torch.unique(r, return_inverse=True)
         dense = torch.zeros(rows.numel(), p.shape[1], dtype=self._compute_dtype(self._stores[p]), device=vals.device)
         dense[inv, c] = vals.to(dense.dtype)

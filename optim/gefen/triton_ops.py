@@ -52,6 +52,7 @@ import triton.language as tl
 
 from .._cache import BoundedCache
 from .._rounding import hash32_int
+from .._torch_private import version_counter
 from .._triton_common import KernelLaunch, axis_pairs, next_pow2, prev_pow2
 from ..backends import triton_interpreted
 from ._triton_kernels import (ELEMS_PER_THREAD, FACTOR_ITERS, FACTOR_ROWS, FACTOR_TILE, FACTOR_WIDTH,
@@ -143,7 +144,7 @@ class _Row(NamedTuple):
 def _table_of(codebook):
     """``code_table(codebook)``, cached on the codebook object and its version counter (bumped by
     any in-place change)."""
-    return _CODE_TABLES.get_or_build((id(codebook), codebook._version), lambda: code_table(codebook),
+    return _CODE_TABLES.get_or_build((id(codebook), version_counter(codebook)), lambda: code_table(codebook),
                                      owner=codebook)
 
 
