@@ -35,9 +35,8 @@ import torch
 
 from experiments.op_count import OpCount
 from optim import Gefen
-from optim.backends import numba_available
-from optim.gefen import state as K, triton_ops
 from optim._rounding import step_seed
+from optim.gefen import state as K, triton_ops
 
 STEPS_CHECKED = 3000
 SHAPES = [(24, 48), (7, 13), (300,), (64, 64)]
@@ -234,17 +233,6 @@ def test_state_dicts_move_between_capturable_and_host_steps(variant, tmp_path):
     for ps in (ps_c, ps_h2, ps_c2):
         for i, (a, b) in enumerate(zip(ps_h, ps)):
             assert torch.equal(a, b), f"parameter {i}"
-
-
-@pytest.mark.parametrize("backend", ["torch", pytest.param("numba", marks=pytest.mark.skipif(
-    not numba_available(), reason="no numba"))])
-def test_capturable_is_refused_off_the_triton_path(backend):
-    params = [torch.nn.Parameter(torch.randn(4, 4)), torch.nn.Parameter(torch.randn(3))]
-    with pytest.raises(ValueError, match=r"Gefen does not implement capturable=True for parameter 0 of group 0 "
-                                         rf"\(shape \(4, 4\).*would run on {backend}.*needs the Triton step"):
-        Gefen(params, backend=backend, capturable=True)
-    with pytest.raises(ValueError, match="capturable=True for parameter 0 of group 0 .*on cpu.*(numba|torch)"):
-        Gefen(params, capturable=True)  # "auto" puts CPU tensors on numba or torch
 
 
 def test_a_block_handed_to_torch_is_refused_by_name(monkeypatch):

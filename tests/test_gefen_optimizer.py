@@ -22,7 +22,6 @@ LR, WD = 1e-2, 0.1
 SHAPES = [(24, 48), (7, 13), (1009,), (16, 96), (300,), (1,)]
 
 
-
 def test_reduces_to_adamw_two_groups():
     """50 steps, two groups (second: own lr, no decay), fp32: max |Δ| <= 1e-6 against AdamW.
 
@@ -196,42 +195,6 @@ def test_state_bytes_per_parameter():
 
 
 # ---------------------------------------------------------------------------------- bad input
-
-
-def test_sparse_gradient_names_disk_sparse_adam():
-    emb = torch.nn.Embedding(10, 4, sparse=True)
-    opt = Gefen(emb.parameters())
-    emb(torch.tensor([1, 2])).sum().backward()
-    with pytest.raises(RuntimeError, match="DiskSparseAdam"):
-        opt.step()
-
-
-def test_complex_parameter_is_rejected():
-    with pytest.raises(ValueError, match="complex"):
-        Gefen([torch.nn.Parameter(torch.randn(4, dtype=torch.complex64))])
-
-
-@pytest.mark.parametrize("kwargs,match", [({"bits": 3}, "bits"), ({"backend": "cuda"}, "backend"),
-                                          ({"lr": -1.0}, "lr"), ({"betas": (0.9, 1.0)}, "betas"),
-                                          ({"block_rule": "names"}, "block_rule")])
-def test_bad_arguments(kwargs, match):
-    with pytest.raises(ValueError, match=match):
-        Gefen([torch.nn.Parameter(torch.randn(4))], **kwargs)
-
-
-def test_state_dict_from_another_model_is_rejected():
-    a = torch.nn.Parameter(torch.randn(16, 96))
-    opt = Gefen([a])
-    a.grad = row_scaled_grad((16, 96))
-    opt.step()
-    sd = opt.state_dict()
-    other = Gefen([torch.nn.Parameter(torch.randn(16, 97))])
-    with pytest.raises(ValueError, match="does not fit its shape"):
-        other.load_state_dict(sd)
-    with pytest.raises(ValueError, match="2 parameters|1 parameters"):
-        Gefen([torch.nn.Parameter(torch.randn(16, 96)), torch.nn.Parameter(torch.randn(3))]).load_state_dict(sd)
-    with pytest.raises(ValueError, match="bits"):
-        Gefen([torch.nn.Parameter(torch.randn(16, 96))], bits=4).load_state_dict(sd)
 
 
 def test_triton_backend_dispatch_matches_torch():

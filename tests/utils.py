@@ -4,6 +4,7 @@ import os
 import socket
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -43,6 +44,16 @@ def assert_close(actual, expected, *, atol=0.0, rtol=0.0, rel_rms_tol=None, name
     if msgs:
         maxabs = float(diff.nan_to_num().max()) if diff.numel() else 0.0
         raise AssertionError(f"{name}: max|Δ|={maxabs:.3e}, rel RMS={rr:.3e}; " + "; ".join(msgs))
+
+
+def run_python(code: str, env_drop=(), timeout=300) -> subprocess.CompletedProcess:
+    """Run ``code`` (dedented) in a fresh interpreter at the repository root, without the variables
+    named in ``env_drop``: what could crash the interpreter inside compiled code fails one test."""
+    root = str(Path(__file__).resolve().parents[1])
+    env = {k: v for k, v in os.environ.items() if k not in env_drop}
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=timeout)
 
 
 def free_port() -> int:
@@ -92,6 +103,9 @@ def sparse_embedding(rows, dim, *, dtype=torch.float32, seed=None):
     if seed is not None:
         torch.manual_seed(seed)
     return torch.nn.Embedding(rows, dim, sparse=True, dtype=dtype)
+
+
+ADAMW = dict(share_second_moment=False, quantize_first_moment=False)  # the Gefen options that make it AdamW
 
 
 def set_grads(params, grads):
