@@ -4,7 +4,7 @@
 
 The protocol DiskSparseAdam shares with every optimizer here, including state dicts that continue
 in SparseAdam and back, tensor ``lr``, hooks, deepcopy and PyTorch's constructor errors, is in
-``tests/test_protocol.py``; SparseAdam's own errors are in ``tests/test_dsa_optiminfo.py``.
+``tests/test_protocol.py``; SparseAdam's own errors are in ``tests/test_dsa_sparseadam_cases.py``.
 """
 
 import copy

@@ -228,3 +228,27 @@ def test_bad_inputs_are_named():
         adam_rows_(w, g, torch.zeros(3, 8), 0, **kw)
     with pytest.raises(ValueError, match="curvature c must be > 0"):
         riemannian_adam_rows_(w, g, torch.zeros(3, 5), 1, **kw, c=0.0, exact=False)
+
+
+def test_the_numba_kernels_refuse_buffers_of_mismatched_dtype_or_shape():
+    """The kernels index without bounds checks and call torch's sqrt on raw pointers: a mismatch at
+    their boundary is a TypeError or ValueError, never a run over the buffers."""
+    pytest.importorskip("numba")
+    from optim.disk_sparse import numba_ops
+
+    w = torch.randn(50, 8, dtype=torch.float64)
+    idx, vals = torch.tensor([1, 2, 2]), torch.randn(3, 8, dtype=torch.float64)
+    hyper = dict(lr=0.1, beta1=0.9, beta2=0.999, eps=1e-8)
+    with pytest.raises(TypeError, match="one dtype"):
+        numba_ops.adam_sparse_(w, idx, vals, torch.zeros(50, 16), 1, **hyper)
+    with pytest.raises(ValueError, match=r"records \(50, 16\)"):
+        numba_ops.adam_sparse_(w, idx, vals, torch.zeros(50, 8, dtype=torch.float64), 1, **hyper)
+    with pytest.raises(ValueError, match=r"records \(50, 16\)"):
+        numba_ops.adam_sparse_(w, idx, vals, torch.zeros(10, 16, dtype=torch.float64), 1, **hyper)
+    with pytest.raises(ValueError, match="int64"):
+        numba_ops.adam_sparse_(w, idx.int(), vals, torch.zeros(50, 16, dtype=torch.float64), 1, **hyper)
+    with pytest.raises(TypeError, match="one dtype"):
+        numba_ops.adam_rows_(w[:3], vals.float(), torch.zeros(3, 16, dtype=torch.float64), 1, **hyper)
+    with pytest.raises(TypeError, match="one dtype"):
+        numba_ops.riemannian_adam_rows_(w[:3] * 0.01, vals.float(), torch.zeros(3, 9, dtype=torch.float64), 1,
+                                        c=1.0, exact=False, **hyper)

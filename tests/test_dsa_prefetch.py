@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 from optim import DiskSparseAdam
-from tests.utils import assert_close
+from tests.utils import assert_close, sparse_embedding
 
 ROWS, DIM = 400, 33
 
@@ -146,3 +146,32 @@ def test_a_new_file_in_the_page_cache_is_never_read_ahead(tmp_path, monkeypatch)
     if dropped == 0:
         pytest.skip("this file system keeps the file's pages after DONTNEED (e.g. tmpfs)")
     assert dropped > 0
+
+
+def test_prefetch_takes_any_integer_indices_and_refuses_others(tmp_path):
+    emb = nn.Embedding(ROWS, DIM, sparse=True)
+    opt = DiskSparseAdam(emb.parameters(), state_dir=tmp_path / "s")
+    import numpy as np
+
+    for idx in ([1, 2, 3], np.array([4, 5]), 7, torch.tensor([8], dtype=torch.int32)):
+        opt.prefetch(idx)
+    for bad in (torch.tensor([1.0]), torch.tensor([True]), torch.tensor([1 + 1j])):
+        with pytest.raises(TypeError, match="integers"):
+            opt.prefetch(bad)
+    opt.close()
+
+
+def _step(emb, opt, t):
+    gen = torch.Generator().manual_seed(t)
+    idx = torch.randint(0, emb.num_embeddings, (32,), generator=gen)
+    opt.zero_grad()
+    (emb(idx) ** 2).sum().backward()
+    opt.step()
+
+
+# -- odd arguments -------------------------------------------------------------------------------------
+def test_prefetch_of_an_empty_batch_does_nothing(tmp_path):
+    emb = sparse_embedding(200, 8, seed=0)
+    with DiskSparseAdam(emb.parameters(), state_dir=tmp_path, backend="torch") as opt:
+        opt.prefetch(torch.tensor([], dtype=torch.int64))
+        _step(emb, opt, 0)

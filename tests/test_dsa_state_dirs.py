@@ -1,6 +1,8 @@
 """Where Disk Sparse Adam's state goes: private directories of killed processes are removed at the
-next start (only those whose owner is gone), and a state_dir on a RAM filesystem is refused beyond
-the memory available (warned about beyond a quarter of the limit) before any file is made."""
+next start (only those whose owner is gone), a state_dir on a RAM filesystem is refused beyond
+the memory available (warned about beyond a quarter of the limit) before any file is made, a state
+file deleted or replaced under an open optimizer is refused, and a resume knows its tables by name
+and refuses another number of ranks, extra files, or unnamed tables in another order."""
 
 import os
 import signal
@@ -8,11 +10,13 @@ import tempfile
 import warnings
 
 import pytest
+import torch
 import torch.nn as nn
 
 from optim import DiskSparseAdam
 from optim.disk_sparse import base, state_dirs
 from optim.disk_sparse.store import StateFileError
+from tests.utils import run_python
 
 def _child(tmp_path, kill):
     """A forked child that makes a private state_dir under ``tmp_path`` and reports it; then it is
@@ -122,3 +126,91 @@ def test_filesystem_type_is_that_of_the_longest_mount_point_above_the_path(tmp_p
     assert state_dirs.filesystem_type(tmp_path / "ramx", str(mounts)) == "ext4"
     assert state_dirs.filesystem_type(tmp_path / "ramdisk x" / "s", str(mounts)) == "tmpfs"
     assert state_dirs.filesystem_type(tmp_path, str(tmp_path / "absent")) is None
+
+
+ROWS, DIM = 300, 6
+
+
+def _batches(n, seed=1, rows=ROWS):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, rows, (40,), generator=gen) for _ in range(n)]
+
+
+def _step_rows(emb, opt, idx):
+    opt.zero_grad()
+    emb(idx).pow(2).sum().backward()
+    opt.step()
+
+
+@pytest.mark.parametrize("how", ["deleted", "replaced"])
+def test_a_state_file_deleted_or_replaced_under_the_optimizer_is_refused(tmp_path, how):
+    emb = nn.Embedding(ROWS, DIM, sparse=True)
+    opt = DiskSparseAdam(emb.parameters(), state_dir=tmp_path / "s")
+    _step_rows(emb, opt, _batches(1)[0])
+    path = opt.state_file(emb.weight).path
+    os.unlink(path)
+    if how == "replaced":
+        with open(path, "wb") as f:
+            f.write(b"\0" * 4096)
+    with pytest.raises(StateFileError, match=how):
+        opt.flush()
+    with pytest.raises(StateFileError, match=how):
+        opt.close()
+    assert opt._closed  # released all the same: nothing is locked or mapped any more
+
+
+def test_resume_on_another_number_of_ranks_is_refused(tmp_path):
+    (tmp_path / "state" / "rank0-of-2").mkdir(parents=True)
+    out = run_python(f"""
+        import torch.distributed as dist
+        from optim.disk_sparse.sharded import ShardedEmbedding, open_optimizer
+        from optim.disk_sparse.store import StateFileError
+        dist.init_process_group("gloo", init_method="file://{tmp_path}/rdv", rank=0, world_size=1)
+        emb = ShardedEmbedding(10, 4)
+        try:
+            open_optimizer(emb, {str(tmp_path / "state")!r}, resume=True)
+        except StateFileError as exc:
+            print("refused:", exc)
+        dist.destroy_process_group()
+    """)
+    assert "refused:" in out.stdout and "another number of ranks" in out.stdout and "DCP" in out.stdout, \
+        out.stdout + out.stderr
+
+
+def test_resume_knows_tables_by_name_and_refuses_extra_files(tmp_path):
+    """Two same-shape tables given by name: resumed in the other order they are refused (by
+    position they would swap moments silently); a resume that leaves state files out is refused."""
+    a, b = nn.Embedding(ROWS, DIM, sparse=True), nn.Embedding(ROWS, DIM, sparse=True)
+    opt = DiskSparseAdam([("a.weight", a.weight), ("b.weight", b.weight)], state_dir=tmp_path / "s")
+    opt.zero_grad()
+    (a(torch.tensor([1])).sum() + b(torch.tensor([2])).sum()).backward()
+    opt.step()
+    opt.close()
+    with pytest.raises(StateFileError, match="holds the state of parameter 'a.weight'.*'b.weight'.*another order"):
+        DiskSparseAdam([("b.weight", b.weight), ("a.weight", a.weight)], state_dir=tmp_path / "s", resume=True)
+    with pytest.raises(StateFileError, match="more parameters than this optimizer has.*param0001.dsa"):
+        DiskSparseAdam([("a.weight", a.weight)], state_dir=tmp_path / "s", resume=True)
+    again = DiskSparseAdam([("a.weight", a.weight), ("b.weight", b.weight)], state_dir=tmp_path / "s", resume=True)
+    assert again.step_count(a.weight) == again.step_count(b.weight) == 1
+    again.close()
+
+
+def test_a_resume_of_unnamed_tables_in_another_order_is_refused(tmp_path):
+    """Two same-shape tables given without names: resumed in the other order they would swap
+    moments and steps silently; the weights' fingerprints recorded at close tell, and the resume
+    is refused naming both files. In the trained order it resumes."""
+    a, b = nn.Embedding(ROWS, DIM, sparse=True), nn.Embedding(ROWS, DIM, sparse=True)
+    opt = DiskSparseAdam([a.weight, b.weight], state_dir=tmp_path / "s")
+    for _ in range(2):
+        opt.zero_grad()
+        (a(torch.tensor([1, 5])).sum() + b(torch.tensor([2])).sum()).backward()
+        opt.step()
+    opt.zero_grad()
+    a(torch.tensor([3])).sum().backward()
+    opt.step()
+    opt.close()
+    with pytest.raises(StateFileError, match=r"parameter 0.*param0001\.dsa \(parameter 1\).*another order"):
+        DiskSparseAdam([b.weight, a.weight], state_dir=tmp_path / "s", resume=True)
+    again = DiskSparseAdam([a.weight, b.weight], state_dir=tmp_path / "s", resume=True)
+    assert (again.step_count(a.weight), again.step_count(b.weight)) == (3, 2)
+    again.close()

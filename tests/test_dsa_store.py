@@ -1,19 +1,19 @@
-"""The DSA state file (layout, preallocation, lock, dirty flag) and every bad input of the optimizer."""
+"""The DSA state file: layout, preallocation, lock, dirty flag, files of another shape, huge pages and
+the page-cache decision (the optimizer's arguments: ``tests/test_dsa_arguments.py``)."""
 
 import os
-import struct
 import resource
 import signal
+import struct
 
 import numpy as np
 import pytest
 import torch
 import torch.nn as nn
 
-from optim import DiskSparseAdam, DiskSparseRiemannianAdam
+from optim import DiskSparseAdam
 from optim.disk_sparse.store import HEADER_BYTES, RowStateFile, StateFileError
 from tests.utils import sparse_embedding
-
 
 
 def test_file_layout_header_and_contiguous_records(tmp_path):
@@ -54,47 +54,6 @@ def test_store_gather_scatter_sorted_rows(tmp_path):
     assert st2.step == 4 and torch.equal(st2.gather(rows), rec)
     st2.prefetch(rows)
     st2.close()
-
-
-def test_dense_gradient_is_refused():
-    emb = nn.Embedding(10, 3)  # sparse=False
-    opt = DiskSparseAdam(emb.parameters())
-    emb(torch.tensor([1])).sum().backward()
-    with pytest.raises(RuntimeError, match=r"parameter 0 .*dense gradient.*sparse=True"):
-        opt.step()
-    opt.close()
-
-
-@pytest.mark.parametrize("param,match", [
-    pytest.param(nn.Parameter(torch.zeros(2, 3, 4)), "2-D", id="3-D"),
-    pytest.param(nn.Parameter(torch.zeros(3, 4, dtype=torch.long), requires_grad=False), "floating", id="int"),
-])
-def test_bad_parameters(param, match):
-    with pytest.raises(ValueError, match=match):
-        DiskSparseAdam([param])
-
-
-@pytest.mark.parametrize("kw,match", [
-    ({"lr": 0.0}, "lr"), ({"lr": -1.0}, "lr"), ({"eps": 0.0}, "eps"), ({"betas": (1.0, 0.9)}, "betas"),
-    ({"betas": (0.9, -0.1)}, "betas"), ({"backend": "cuda"}, "backend"),
-])
-def test_bad_hyperparameters(kw, match):
-    with pytest.raises(ValueError, match=match):
-        DiskSparseAdam(sparse_embedding(40, 6).parameters(), **kw)
-
-
-@pytest.mark.parametrize("cls,backend,dtype,match", [
-    pytest.param(DiskSparseAdam, "triton", torch.float64, "backend='triton' cannot update parameter 0", id="triton-f64"),
-    pytest.param(DiskSparseAdam, "numba", torch.bfloat16, "backend='numba' cannot update parameter 0", id="numba-bf16"),
-    pytest.param(DiskSparseRiemannianAdam, "numba", torch.bfloat16, "backend='numba' cannot update parameter 0",
-                 id="ball-numba-bf16"),
-    pytest.param(DiskSparseRiemannianAdam, "triton", torch.float64, "backend='triton' cannot update", id="ball-triton-f64"),
-])
-def test_backend_that_cannot_take_the_parameter_is_refused_at_construction(cls, backend, dtype, match, tmp_path):
-    with pytest.raises(ValueError, match=match):
-        cls(sparse_embedding(10, 4, dtype=dtype).parameters(), backend=backend, state_dir=tmp_path)
-    with cls(sparse_embedding(10, 4, dtype=dtype).parameters(), backend="auto", state_dir=tmp_path) as opt:  # "auto": torch
-        assert opt.state_file(opt.param_groups[0]["params"][0]).rows == 10
 
 
 def test_unusable_state_dir(tmp_path):
@@ -154,25 +113,6 @@ def test_step_after_close_is_refused():
         opt.step()
     with pytest.raises(RuntimeError, match="closed"):
         opt.state_dict()
-
-
-def test_mismatched_state_dict_is_refused(tmp_path):
-    a, b = sparse_embedding(40, 6), sparse_embedding(40, 6)
-    opt = DiskSparseAdam([{"params": [a.weight]}, {"params": [b.weight]}], state_dir=tmp_path / "x")
-    single = DiskSparseAdam(sparse_embedding(40, 6).parameters(), state_dir=tmp_path / "y")
-    with pytest.raises(ValueError, match="parameter groups"):
-        opt.load_state_dict(single.state_dict())
-    other = DiskSparseAdam([sparse_embedding(40, 6).weight, sparse_embedding(41, 6).weight], state_dir=tmp_path / "z")
-    with pytest.raises(ValueError, match="2 parameters"):
-        single.load_state_dict(other.state_dict())
-    wrong_emb = sparse_embedding(41, 6)
-    wrong = DiskSparseAdam(wrong_emb.parameters(), state_dir=tmp_path / "w")
-    wrong_emb(torch.tensor([1, 2])).sum().backward()
-    wrong.step()  # state exists after a step, as SparseAdam's
-    with pytest.raises(ValueError, match="exp_avg.*shape"):
-        single.load_state_dict(wrong.state_dict())
-    for o in (opt, single, other, wrong):
-        o.close()
 
 
 def test_prefetch_announces_rows_without_changing_results(tmp_path):

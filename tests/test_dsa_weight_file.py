@@ -5,6 +5,8 @@ update, bitwise); the weight file is flushed with the state files and carries th
 SIGKILLed while stepping leaves a weight file and state directory that are both refused, and a
 restore from the checkpoint it saved continues bitwise like a run never killed. A process killed
 after ``flush()`` (idle) leaves both clean at one step, and resuming them continues bitwise.
+A kill while a weight file is filled leaves it refused; sharded weight files are flushed with the
+state.
 """
 
 import os
@@ -17,10 +19,10 @@ import pytest
 import torch
 import torch.nn as nn
 
-from optim import DiskSparseAdam
+from optim import DiskSparseAdam, mapped_embedding
 from optim.disk_sparse.store import StateFileError
-from optim import mapped_embedding
 from optim.disk_sparse.weights import close_mapped
+from tests.utils import run_python
 
 ROWS, DIM = 300, 6
 
@@ -153,3 +155,48 @@ def test_mapped_table_with_announcements_equals_sparse_adam(tmp_path, staging):
     _steps(ram, ref, batches)
     assert torch.equal(emb.weight, ram.weight)
     close_mapped(emb)
+
+
+def test_a_kill_while_a_weight_file_is_filled_leaves_it_refused(tmp_path):
+    path = tmp_path / "w.dsa"
+    out = run_python(f"""
+        import os, signal
+        from optim.disk_sparse import weights
+        real = weights._fill_normal
+        def killed_half_way(records, std, seed, chunk_rows=1 << 16):
+            real(records[: records.shape[0] // 2], std, seed)
+            os.kill(os.getpid(), signal.SIGKILL)
+        weights._fill_normal = killed_half_way
+        weights.mapped_embedding({str(path)!r}, 4000, 8)
+    """)
+    assert out.returncode == -signal.SIGKILL, out.stderr
+    with pytest.raises(StateFileError, match="dirty"):
+        mapped_embedding(path, 4000, 8)
+
+
+def test_sharded_weight_files_are_flushed_with_the_state(tmp_path):
+    """A ShardedEmbedding's weight shard is a weight file like mapped_embedding's: flush() writes it
+    clean at the optimizer's step; a process killed after more steps leaves it dirty (refused)."""
+    from optim.disk_sparse.weights import WeightFile
+
+    out = run_python(f"""
+        import os, signal, torch, torch.distributed as dist
+        from optim.disk_sparse.sharded import ShardedEmbedding, open_optimizer
+        from optim.disk_sparse.weights import weight_file
+        dist.init_process_group("gloo", init_method="file://{tmp_path}/rdv", rank=0, world_size=1)
+        emb = ShardedEmbedding(100, 4, weight_dir={str(tmp_path / "w")!r})
+        opt = open_optimizer(emb, {str(tmp_path / "s")!r}, lr=0.1)
+        def step():
+            opt.zero_grad()
+            emb(torch.tensor([1, 2, 3])).sum().backward()
+            opt.step()
+        for _ in range(3):
+            step()
+        opt.flush()
+        print("clean at", weight_file(emb.weight).step, flush=True)
+        step()
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    assert "clean at 3" in out.stdout, out.stdout + out.stderr
+    with pytest.raises(StateFileError, match="dirty"):
+        WeightFile(str(tmp_path / "w" / "rank0-of-1.float32.weight"), 100, 4, torch.float32)
