@@ -13,7 +13,7 @@ import torch
 
 from .._checks import check_flags, check_hyper, check_option, scalar  # noqa: F401  (the shared checks)
 from .state import STEP
-from .store import MAX_STEP
+from .store import MAX_STEP, memory_limit_bytes
 
 
 def check_param(p, k, owner, dims):
@@ -85,7 +85,16 @@ def checked_step(value, where: str) -> int:
     return int(value)
 
 
-CHECK_CHUNK_ELEMENTS = 1 << 22  # a value check looks at this many loaded values at a time
+CHECK_CHUNK_ELEMENTS = 1 << 22  # a value check looks at this many loaded values at a time, at most
+
+
+def check_chunk_elements(limit: int | None) -> int:
+    """Values a check looks at a time under a memory ``limit`` (bytes; None: unknown): at most
+    ``CHECK_CHUNK_ELEMENTS``, and few enough that the check's temporaries (a few bytes a value)
+    stay within a 64th of the limit."""
+    if limit is None:
+        return CHECK_CHUNK_ELEMENTS
+    return max(1 << 12, min(CHECK_CHUNK_ELEMENTS, limit // 64))
 
 
 def _holds(ok, val: torch.Tensor) -> bool:
@@ -93,7 +102,7 @@ def _holds(ok, val: torch.Tensor) -> bool:
     loaded with ``torch.load(mmap=True)``) is checked without a mask of its whole size."""
     if val.dim() == 0 or val.shape[0] == 0:
         return bool(ok(val).all())
-    rows = max(1, CHECK_CHUNK_ELEMENTS // max(1, val[0].numel()))
+    rows = max(1, check_chunk_elements(memory_limit_bytes()) // max(1, val[0].numel()))
     return all(bool(ok(val[r:r + rows]).all()) for r in range(0, val.shape[0], rows))
 
 
