@@ -1,4 +1,4 @@
-"""Gefen optimizer: AdamW reduction, fast paths vs the reference, codebook, state dicts, errors,
+"""Gefen optimizer: AdamW reduction, fast paths vs the reference, codebook, state-dict round trips,
 which backend updates each parameter (``backend_of``, checked against the step that runs).
 
 Independent references: ``torch.optim.AdamW``; ``optim.gefen.reference.gefen_step`` run tensor by
