@@ -13,23 +13,13 @@ import torch.nn as nn
 
 from optim import DiskSparseAdam, mapped_embedding
 from optim.disk_sparse.weights import close_mapped
+from tests.utils import index_batches, step_rows
 
 
 ROWS, DIM = 300, 6
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _batches(n, seed=1, rows=ROWS):
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, rows, (40,), generator=gen) for _ in range(n)]
-
-
-def _step_rows(emb, opt, idx):
-    opt.zero_grad()
-    emb(idx).pow(2).sum().backward()
-    opt.step()
 
 
 def _run_in_memory_cgroup(code, limit_bytes, timeout=120):
@@ -115,8 +105,8 @@ def test_a_compact_state_larger_than_memory_saves_without_a_copy(tmp_path, monke
     monkeypatch.setattr(base, "fits_in_page_cache", lambda nbytes: False)
     emb = nn.Embedding(ROWS, DIM, sparse=True)
     opt = DiskSparseAdam(emb.parameters(), state_format="compact", state_dir=tmp_path / "a")
-    for idx in _batches(3):
-        _step_rows(emb, opt, idx)
+    for idx in index_batches(3, ROWS):
+        step_rows(emb, opt, idx)
     sd = opt.state_dict()
     st = sd["state"][0]
     ptrs = {st[k].untyped_storage().data_ptr() for k in ("exp_avg_scale", "exp_avg_sq", "exp_avg_codes")}

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 from optim import DiskSparseAdam
-from tests.utils import assert_close, sparse_embedding
+from tests.utils import assert_close, sparse_embedding, step_random_rows
 
 ROWS, DIM = 400, 33
 
@@ -161,17 +161,9 @@ def test_prefetch_takes_any_integer_indices_and_refuses_others(tmp_path):
     opt.close()
 
 
-def _step(emb, opt, t):
-    gen = torch.Generator().manual_seed(t)
-    idx = torch.randint(0, emb.num_embeddings, (32,), generator=gen)
-    opt.zero_grad()
-    (emb(idx) ** 2).sum().backward()
-    opt.step()
-
-
 # -- odd arguments -------------------------------------------------------------------------------------
 def test_prefetch_of_an_empty_batch_does_nothing(tmp_path):
     emb = sparse_embedding(200, 8, seed=0)
     with DiskSparseAdam(emb.parameters(), state_dir=tmp_path, backend="torch") as opt:
         opt.prefetch(torch.tensor([], dtype=torch.int64))
-        _step(emb, opt, 0)
+        step_random_rows(emb, opt, 0)

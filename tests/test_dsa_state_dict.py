@@ -11,18 +11,10 @@ import torch
 import torch.nn as nn
 
 from optim import DiskSparseAdam
-from tests.utils import assert_close, sparse_embedding
+from tests.utils import assert_close, sparse_embedding, step_random_rows
 
 
 N, DIM = 200, 8
-
-
-def _step(emb, opt, t):
-    gen = torch.Generator().manual_seed(t)
-    idx = torch.randint(0, emb.num_embeddings, (32,), generator=gen)
-    opt.zero_grad()
-    (emb(idx) ** 2).sum().backward()
-    opt.step()
 
 
 # -- a load validates everything before it writes anything ------------------------------------------
@@ -81,15 +73,15 @@ def test_sparse_adam_loaded_from_a_state_dict_never_writes_the_files(tmp_path):
     dsa = DiskSparseAdam(emb.parameters(), lr=1e-2, state_dir=tmp_path, backend="torch")
     ref_opt = torch.optim.SparseAdam(ref.parameters(), lr=1e-2)
     for t in range(3):
-        _step(emb, dsa, t)
-        _step(ref, ref_opt, t)
+        step_random_rows(emb, dsa, t)
+        step_random_rows(ref, ref_opt, t)
     sa = torch.optim.SparseAdam(emb.parameters(), lr=1e-2)
     sa.load_state_dict(dsa.state_dict())
     at_close = {k: v.clone() if torch.is_tensor(v) else v for k, v in dsa.state_dict()["state"][0].items()}
     dsa.close()  # clean at step 3
     for t in range(3, 6):  # SparseAdam goes on from the handed-over moments
-        _step(emb, sa, t)
-        _step(ref, ref_opt, t)
+        step_random_rows(emb, sa, t)
+        step_random_rows(ref, ref_opt, t)
     # The moments it got were the right ones. Not bitwise: SparseAdam takes the state dict's int64
     # step tensor and then computes its bias correction in float32.
     assert_close(emb.weight, ref.weight, atol=1e-6, rtol=1e-5, name="weight")

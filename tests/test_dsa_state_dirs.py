@@ -16,7 +16,7 @@ import torch.nn as nn
 from optim import DiskSparseAdam
 from optim.disk_sparse import base, state_dirs
 from optim.disk_sparse.store import StateFileError
-from tests.utils import run_python
+from tests.utils import index_batches, run_python, step_rows
 
 def _child(tmp_path, kill):
     """A forked child that makes a private state_dir under ``tmp_path`` and reports it; then it is
@@ -131,22 +131,11 @@ def test_filesystem_type_is_that_of_the_longest_mount_point_above_the_path(tmp_p
 ROWS, DIM = 300, 6
 
 
-def _batches(n, seed=1, rows=ROWS):
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, rows, (40,), generator=gen) for _ in range(n)]
-
-
-def _step_rows(emb, opt, idx):
-    opt.zero_grad()
-    emb(idx).pow(2).sum().backward()
-    opt.step()
-
-
 @pytest.mark.parametrize("how", ["deleted", "replaced"])
 def test_a_state_file_deleted_or_replaced_under_the_optimizer_is_refused(tmp_path, how):
     emb = nn.Embedding(ROWS, DIM, sparse=True)
     opt = DiskSparseAdam(emb.parameters(), state_dir=tmp_path / "s")
-    _step_rows(emb, opt, _batches(1)[0])
+    step_rows(emb, opt, index_batches(1, ROWS)[0])
     path = opt.state_file(emb.weight).path
     os.unlink(path)
     if how == "replaced":

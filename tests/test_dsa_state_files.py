@@ -13,17 +13,9 @@ import torch
 
 from optim import DiskSparseAdam
 from optim.disk_sparse.store import StateFileError
-from tests.utils import sparse_embedding
+from tests.utils import sparse_embedding, step_random_rows
 
 N, DIM = 200, 8
-
-
-def _step(emb, opt, t):
-    gen = torch.Generator().manual_seed(t)
-    idx = torch.randint(0, emb.num_embeddings, (32,), generator=gen)
-    opt.zero_grad()
-    (emb(idx) ** 2).sum().backward()
-    opt.step()
 
 
 def _read_until(proc, word, timeout=120):
@@ -191,7 +183,7 @@ def test_existing_state_dir_needs_resume(tmp_path):
     emb = sparse_embedding(N, DIM, seed=0)
     with DiskSparseAdam(emb.parameters(), lr=1e-2, state_dir=tmp_path, backend="torch") as opt:
         for t in range(4):
-            _step(emb, opt, t)
+            step_random_rows(emb, opt, t)
         expected = {k: v.clone() if torch.is_tensor(v) else v for k, v in opt.state_dict()["state"][0].items()}
     # A second run of the same script must not continue the first one's moments unasked.
     with pytest.raises(StateFileError, match="already holds state files.*resume=True.*load_state_dict"):

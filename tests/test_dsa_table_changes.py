@@ -15,20 +15,9 @@ import torch.nn as nn
 from optim import DiskSparseAdam, mapped_embedding
 from optim.disk_sparse.store import StateFileError
 from optim.disk_sparse.weights import close_mapped
-from tests.utils import run_python
+from tests.utils import index_batches, run_python, step_rows
 
 ROWS, DIM = 300, 6
-
-
-def _batches(n, seed=1, rows=ROWS):
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, rows, (40,), generator=gen) for _ in range(n)]
-
-
-def _step_rows(emb, opt, idx):
-    opt.zero_grad()
-    emb(idx).pow(2).sum().backward()
-    opt.step()
 
 
 def test_prefetch_from_a_loader_thread_equals_the_run_without_it(tmp_path):
@@ -39,9 +28,9 @@ def test_prefetch_from_a_loader_thread_equals_the_run_without_it(tmp_path):
     b.load_state_dict(a.state_dict())
     plain = DiskSparseAdam(a.parameters(), lr=0.05, staging=True, state_dir=tmp_path / "a")
     staged = DiskSparseAdam(b.parameters(), lr=0.05, staging=True, state_dir=tmp_path / "b")
-    batches = _batches(60)
+    batches = index_batches(60, ROWS)
     for idx in batches:
-        _step_rows(a, plain, idx)
+        step_rows(a, plain, idx)
     errors = []
 
     def loader(k):
@@ -54,7 +43,7 @@ def test_prefetch_from_a_loader_thread_equals_the_run_without_it(tmp_path):
         t = threading.Thread(target=loader, args=(k + 1,)) if k + 1 < len(batches) else None
         if t is not None:
             t.start()
-        _step_rows(b, staged, idx)
+        step_rows(b, staged, idx)
         if t is not None:
             t.join()
     assert not errors
@@ -100,7 +89,7 @@ def test_a_mapped_module_collected_or_pickled_is_explained(tmp_path):
     opt = DiskSparseAdam(emb.parameters(), state_dir=tmp_path / "s")
     close_mapped(emb)  # as when the module is garbage-collected
     with pytest.raises(StateFileError, match="garbage-collected or close_mapped"):
-        _step_rows(emb, opt, _batches(1)[0])
+        step_rows(emb, opt, index_batches(1, ROWS)[0])
     for bad in (dict(num_embeddings=-5), dict(embedding_dim=0), dict(num_embeddings=2.5)):
         kw = {"num_embeddings": 10, "embedding_dim": 4, **bad}
         with pytest.raises(ValueError, match="must be a positive int"):

@@ -5,12 +5,11 @@ refused at construction with an error that names the fix.
 
 import pytest
 import torch
-import torch.nn as nn
 
 from optim import Gefen
 from optim.backends import numba_available
 from optim.gefen import state as K
-from tests.utils import ADAMW, row_scaled_grad, run_python
+from tests.utils import (ADAMW, row_scaled_grad, run_python, seeded_grads, seeded_params, set_or_clear_grads, tiny_mlp, train_steps)
 
 
 def test_upstream_fused_and_verbose_keywords(capsys):
@@ -68,64 +67,30 @@ def test_bad_arguments(kwargs, match):
         Gefen([torch.nn.Parameter(torch.randn(4))], **kwargs)
 
 
-def _model(seed=0):
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
-
-
-def _train(model, opt, steps, compiled=False):
-    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
-
-    def step():
-        opt.zero_grad()
-        loss = model(x).pow(2).mean()
-        loss.backward()
-        opt.step()
-        return loss
-
-    fn = torch.compile(step, backend="eager") if compiled else step
-    return [float(fn()) for _ in range(steps)]
-
-
 def test_adamws_keywords_at_their_defaults_run_unchanged():
     """A configuration written for AdamW, all keywords spelled out at AdamW's defaults."""
     kw = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, amsgrad=False, maximize=False,
               foreach=None, capturable=False, differentiable=False, fused=None)
-    ours, ref = _model(), _model()
-    _train(ours, Gefen(ours.parameters(), **kw, **ADAMW), 5)
-    _train(ref, torch.optim.AdamW(ref.parameters(), **kw), 5)
+    ours, ref = tiny_mlp(), tiny_mlp()
+    train_steps(ours, Gefen(ours.parameters(), **kw, **ADAMW), 5)
+    train_steps(ref, torch.optim.AdamW(ref.parameters(), **kw), 5)
     for a, b in zip(ours.parameters(), ref.parameters()):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
     for name in ("amsgrad", "capturable", "differentiable"):
         with pytest.raises(ValueError, match=f"Gefen does not implement {name}=True"):
-            Gefen(_model().parameters(), **{name: True})
+            Gefen(tiny_mlp().parameters(), **{name: True})
     with pytest.raises(ValueError, match="amsgrad must be True or False"):
-        Gefen(_model().parameters(), amsgrad="no")
+        Gefen(tiny_mlp().parameters(), amsgrad="no")
 
 
 def test_odd_values_are_refused_at_construction():
     for bad in (dict(bits=8.0), dict(bits="8"), dict(share_second_moment="no"), dict(maximize="yes"),
                 dict(factor_second_moment=1.5), dict(backend="cuda")):
         with pytest.raises(ValueError):
-            Gefen(_model().parameters(), **bad)
+            Gefen(tiny_mlp().parameters(), **bad)
 
 
 SHAPES = [(5, 6), (5,), (300,)]
-
-
-def _params(dtype=torch.float32, shapes=SHAPES):
-    g = torch.Generator().manual_seed(1)
-    return [torch.nn.Parameter(torch.randn(s, generator=g, dtype=dtype)) for s in shapes]
-
-
-def _grads(params, seed):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(p.shape, generator=g, dtype=p.dtype) for p in params]
-
-
-def _set(params, grads):
-    for p, g in zip(params, grads):
-        p.grad = None if g is None else g.clone()
 
 
 def test_complex_params_refused_clearly():
@@ -134,16 +99,16 @@ def test_complex_params_refused_clearly():
     z = torch.nn.Parameter(torch.randn(4, dtype=torch.complex64))
     with pytest.raises(ValueError, match="complex"):
         Gefen([z])
-    opt = Gefen(_params())
+    opt = Gefen(seeded_params(SHAPES))
     with pytest.raises(ValueError, match="view_as_real"):
         opt.add_param_group({"params": [z]})
 
 
 def test_upstream_keywords_accepted():
     """``fused`` and ``verbose`` (AdamW's and upstream Gefen's keywords) are accepted."""
-    ps = _params()
+    ps = seeded_params(SHAPES)
     opt = Gefen(ps, fused=False, verbose=False)
-    _set(ps, _grads(ps, 0))
+    set_or_clear_grads(ps, seeded_grads(ps, 0))
     opt.step()
     assert opt.backend == "torch"
 

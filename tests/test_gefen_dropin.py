@@ -13,7 +13,7 @@ import torch
 
 from optim import Gefen
 from optim.gefen import state as K
-from tests.utils import ADAMW, assert_close, row_scaled_grad
+from tests.utils import ADAMW, assert_close, mlp_params, row_growing_grads, row_scaled_grad
 
 # ----------------------------------------------------------------------------- AdamW reduction
 
@@ -173,21 +173,9 @@ def test_strided_gradients_step_as_their_contiguous_copies(backend, layout, quan
 # ------------------------------------------------- dtypes, versions and gradients left as given
 
 
-def _mlp(seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.nn.Parameter(torch.randn(24, 16, generator=g, dtype=torch.float32)),
-            torch.nn.Parameter(torch.randn(24, generator=g, dtype=torch.float32))]
-
-
-def _grads(step, params):
-    g = torch.Generator().manual_seed(100 + step)
-    return [torch.randn(p.shape, generator=g, dtype=p.dtype) * (1 + torch.arange(p.shape[0]).view(-1, *[1] * (p.dim() - 1)))
-            for p in params]
-
-
 def _steps(opt, params, steps, start=0):
     for t in range(start, start + steps):
-        for p, g in zip(params, _grads(t, params)):
+        for p, g in zip(params, row_growing_grads(t, params)):
             p.grad = g
         opt.step()
 
@@ -201,14 +189,14 @@ def test_state_dtypes_do_not_follow_the_default_dtype(default, backend):
     reduction with a factor (per element, so a no-op) matches ``torch.optim.AdamW``."""
     runs = {}
     for dflt in (torch.float32, default):
-        ps, ps2 = _mlp(), _mlp()
+        ps, ps2 = mlp_params(), mlp_params()
         old = torch.get_default_dtype()
         torch.set_default_dtype(dflt)
         try:
             opt = Gefen(ps, lr=1e-2, backend=backend, factor_second_moment=True)
             _steps(opt, ps, 3)
             sd = opt.state_dict()
-            ref, ours = _mlp(), _mlp()
+            ref, ours = mlp_params(), mlp_params()
             adamw = Gefen(ours, lr=1e-2, weight_decay=0.1, factor_second_moment=True, backend="torch", **ADAMW)
             _steps(adamw, ours, 3)
         finally:
@@ -281,7 +269,7 @@ def test_maximize_with_one_gradient_shared_by_two_parameters(backend, quant):
 def test_maximize_takes_create_graph_and_expanded_gradients_as_adamw(backend):
     """maximize never writes into ``p.grad``: a gradient that requires grad (``create_graph=True``)
     and an expanded one (stride 0) step as AdamW(maximize=True) steps them."""
-    ours, ref = _mlp(), _mlp()
+    ours, ref = mlp_params(), mlp_params()
     opt = Gefen(ours, lr=1e-2, maximize=True, backend=backend, **ADAMW)
     adamw = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.0, maximize=True)
     x = torch.randn(5, 16)
@@ -303,8 +291,8 @@ def test_a_cast_after_construction_is_followed_as_a_state_dict_loaded_after_it(c
     ``.double()``) after the optimizer was built casts them with the parameter, as
     ``torch.optim.AdamW.load_state_dict`` does for a state dict loaded after the cast."""
     start, end = (torch.float64, torch.float32) if cast == "float" else (torch.float32, torch.float64)
-    ours = [torch.nn.Parameter(p.detach().to(start)) for p in _mlp()]
-    ref = [torch.nn.Parameter(p.detach().to(start)) for p in _mlp()]
+    ours = [torch.nn.Parameter(p.detach().to(start)) for p in mlp_params()]
+    ref = [torch.nn.Parameter(p.detach().to(start)) for p in mlp_params()]
     opt = Gefen(ours, lr=1e-2, weight_decay=0.1, **ADAMW)
     adamw = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.1)
     _steps(opt, ours, 2)
@@ -324,14 +312,14 @@ def test_a_cast_after_construction_is_followed_as_a_state_dict_loaded_after_it(c
 def test_a_step_the_kernel_refuses_is_not_counted():
     """A step refused by the compiled kernel's checks (a state tensor replaced by a strided one)
     leaves the step count alone; with the state put back, the next step is the uninterrupted run's."""
-    ps, ref = _mlp(), _mlp()
+    ps, ref = mlp_params(), mlp_params()
     opt, opt_ref = Gefen(ps, lr=1e-2, backend="numba"), Gefen(ref, lr=1e-2, backend="numba")
     _steps(opt, ps, 1)
     _steps(opt_ref, ref, 2)
     st = opt.state[ps[0]]
     good = st[K.V]
     st[K.V] = torch.zeros(2 * good.numel())[::2]
-    for p, g in zip(ps, _grads(1, ps)):
+    for p, g in zip(ps, row_growing_grads(1, ps)):
         p.grad = g
     with pytest.raises(ValueError, match="contiguous"):
         opt.step()

@@ -8,7 +8,7 @@ import torch
 
 from optim import Gefen
 from optim.gefen import state as K
-from tests.utils import assert_close, row_scaled_grad
+from tests.utils import assert_close, row_scaled_grad, seeded_grads, seeded_params, set_or_clear_grads
 
 
 @pytest.mark.parametrize("backend", ["torch", "numba"])
@@ -74,33 +74,18 @@ BACKENDS = ["torch", "numba", "triton"]
 SHAPES = [(5, 6), (5,), (300,)]
 
 
-def _params(dtype=torch.float32, shapes=SHAPES):
-    g = torch.Generator().manual_seed(1)
-    return [torch.nn.Parameter(torch.randn(s, generator=g, dtype=dtype)) for s in shapes]
-
-
-def _grads(params, seed):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(p.shape, generator=g, dtype=p.dtype) for p in params]
-
-
-def _set(params, grads):
-    for p, g in zip(params, grads):
-        p.grad = None if g is None else g.clone()
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_zero_first_gradients_leave_params_alone_without_decay(backend):
     """With m = v = 0, AdamW's update at g = 0 is zero: the quantised default leaves the
     parameters unchanged over all-zero first gradients, then steps once real ones arrive."""
-    ps = _params()
+    ps = seeded_params(SHAPES)
     before = [p.detach().clone() for p in ps]
     opt = Gefen(ps, lr=1e-2, backend=backend)
     for _ in range(2):
-        _set(ps, [torch.zeros_like(p) for p in ps])
+        set_or_clear_grads(ps, [torch.zeros_like(p) for p in ps])
         opt.step()
     for p, b in zip(ps, before):
         assert torch.equal(p, b)
-    _set(ps, _grads(ps, 0))
+    set_or_clear_grads(ps, seeded_grads(ps, 0))
     opt.step()
     assert all(not torch.equal(p, b) for p, b in zip(ps, before))

@@ -11,45 +11,26 @@ import torch
 import torch.nn as nn
 
 from optim import Gefen
-from tests.utils import ADAMW
-
-
-def _model(seed=0):
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
-
-
-def _train(model, opt, steps, compiled=False):
-    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
-
-    def step():
-        opt.zero_grad()
-        loss = model(x).pow(2).mean()
-        loss.backward()
-        opt.step()
-        return loss
-
-    fn = torch.compile(step, backend="eager") if compiled else step
-    return [float(fn()) for _ in range(steps)]
+from tests.utils import ADAMW, tiny_mlp, train_steps
 
 
 @pytest.mark.parametrize("bits", [8, 4])
 def test_a_compiled_training_step_equals_the_eager_one(bits):
     """The step chooses blocks and learns the codebook from data: it runs eagerly inside a compiled
     training step, which then equals the eager run bit for bit."""
-    eager, compiled = _model(), _model()
-    losses_e = _train(eager, Gefen(eager.parameters(), lr=1e-2, bits=bits), 4)
-    losses_c = _train(compiled, Gefen(compiled.parameters(), lr=1e-2, bits=bits), 4, compiled=True)
+    eager, compiled = tiny_mlp(), tiny_mlp()
+    losses_e = train_steps(eager, Gefen(eager.parameters(), lr=1e-2, bits=bits), 4)
+    losses_c = train_steps(compiled, Gefen(compiled.parameters(), lr=1e-2, bits=bits), 4, compiled=True)
     assert losses_e == losses_c
     assert all(torch.equal(a, b) for a, b in zip(eager.parameters(), compiled.parameters()))
 
 
 @pytest.mark.parametrize("backend", ["torch", "numba", "triton"])
 def test_maximize_is_adamws(backend):
-    ours, ref = _model(), _model()
+    ours, ref = tiny_mlp(), tiny_mlp()
     kw = dict(lr=1e-2, weight_decay=0.1, maximize=True)
-    _train(ours, Gefen(ours.parameters(), backend=backend, **kw, **ADAMW), 5)
-    _train(ref, torch.optim.AdamW(ref.parameters(), **kw), 5)
+    train_steps(ours, Gefen(ours.parameters(), backend=backend, **kw, **ADAMW), 5)
+    train_steps(ref, torch.optim.AdamW(ref.parameters(), **kw), 5)
     for a, b in zip(ours.parameters(), ref.parameters()):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
 
@@ -57,7 +38,7 @@ def test_maximize_is_adamws(backend):
 def test_maximize_with_codes_is_the_step_of_the_negated_loss():
     """Quantised Gefen maximizing f takes the steps that minimizing -f takes, bit for bit, and leaves
     the gradients as backward made them."""
-    up, down = _model(), _model()
+    up, down = tiny_mlp(), tiny_mlp()
     x = torch.randn(8, 16)
     opt_up = Gefen(up.parameters(), lr=1e-2, maximize=True)
     opt_down = Gefen(down.parameters(), lr=1e-2)
@@ -73,7 +54,7 @@ def test_maximize_with_codes_is_the_step_of_the_negated_loss():
 
 def test_a_recreation_from_param_groups_keeps_every_option():
     """PyKEEN re-creates the optimizer as ``type(opt)(params, **param_groups[0] minus params)``."""
-    model = _model()
+    model = tiny_mlp()
     opt = Gefen(model.parameters(), lr=3e-3, bits=4, backend="torch", block_rule="variance_drop",
                 factor_second_moment=True, maximize=True, weight_decay=0.1)
     kwargs = {k: v for k, v in opt.state_dict()["param_groups"][0].items() if k != "params"}
@@ -91,13 +72,13 @@ def test_a_model_materialised_after_the_optimizer_trains_as_adamw():
     torch.__future__.set_swap_module_params_on_conversion(True)
     try:
         with torch.device("meta"):
-            model = _model()
+            model = tiny_mlp()
         opt = Gefen(model.parameters(), lr=1e-2, weight_decay=0.01, **ADAMW)
         model.to_empty(device="cpu")
-        ref = _model()
+        ref = tiny_mlp()
         model.load_state_dict(ref.state_dict())
-        _train(model, opt, 3)
-        _train(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2), 3)
+        train_steps(model, opt, 3)
+        train_steps(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2), 3)
         assert all(opt.backend_of(p) in ("numba", "torch") for p in model.parameters())
         for a, b in zip(model.parameters(), ref.parameters()):
             torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
@@ -109,10 +90,10 @@ def test_meta_parameters_left_behind_by_to_empty_are_refused_at_the_step():
     """``module.to_empty`` (without swapping) gives the module new Parameters: an optimizer built
     on the meta model holds dead ones and would train nothing. Its first step says so."""
     with torch.device("meta"):
-        model = _model()
+        model = tiny_mlp()
     opt = Gefen(model.parameters(), lr=1e-2)
     model.to_empty(device="cpu")
-    model.load_state_dict(_model().state_dict())
+    model.load_state_dict(tiny_mlp().state_dict())
     assert not any(p.is_meta for p in model.parameters())
     model(torch.randn(8, 16)).pow(2).mean().backward()
     with pytest.raises(RuntimeError, match="build the optimizer after to_empty"):

@@ -20,29 +20,10 @@ import pytest
 import torch
 
 from optim import Gefen
-from tests.utils import ADAMW
+from tests.utils import ADAMW, seeded_grads, seeded_params, set_or_clear_grads, twin_params
 
 BACKENDS = ["torch", "numba", "triton"]
 SHAPES = [(5, 6), (5,), (300,)]
-
-
-def _params(dtype=torch.float32, shapes=SHAPES):
-    g = torch.Generator().manual_seed(1)
-    return [torch.nn.Parameter(torch.randn(s, generator=g, dtype=dtype)) for s in shapes]
-
-
-def _twin(params):
-    return [torch.nn.Parameter(p.detach().clone()) for p in params]
-
-
-def _grads(params, seed):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(p.shape, generator=g, dtype=p.dtype) for p in params]
-
-
-def _set(params, grads):
-    for p, g in zip(params, grads):
-        p.grad = None if g is None else g.clone()
 
 
 def _tol(dtype):
@@ -60,8 +41,8 @@ def _assert_params_close(ours, ref, dtype=torch.float32):
 def test_param_groups_different_lr_and_weight_decay(backend, dtype):
     """Groups with their own lr, weight_decay, betas and eps step as AdamW's groups do (float64
     moments on the torch step only: the compiled ones refuse them)."""
-    ours_p = _params(dtype)
-    ref_p = _twin(ours_p)
+    ours_p = seeded_params(SHAPES, dtype)
+    ref_p = twin_params(ours_p)
 
     def groups(ps):
         return [{"params": ps[:1], "weight_decay": 0.1},
@@ -71,7 +52,7 @@ def test_param_groups_different_lr_and_weight_decay(backend, dtype):
     ours = Gefen(groups(ours_p), lr=1e-2, backend=backend, **ADAMW)
     ref = torch.optim.AdamW(groups(ref_p), lr=1e-2)
     for t in range(8):
-        grads = _grads(ours_p, t)
-        _set(ours_p, grads), _set(ref_p, grads)
+        grads = seeded_grads(ours_p, t)
+        set_or_clear_grads(ours_p, grads), set_or_clear_grads(ref_p, grads)
         ours.step(), ref.step()
     _assert_params_close(ours_p, ref_p, dtype)

@@ -11,16 +11,7 @@ import torch
 
 from experiments.peak import PeakMemory
 from optim import Gefen
-from optim.backends import triton_interpreted
-
-BACKENDS = ["torch", "numba", pytest.param("triton", marks=pytest.mark.skipif(
-    not triton_interpreted(), reason="Triton runs on CPU tensors only under TRITON_INTERPRET=1"))]
-
-
-def _model(dtype=torch.float32):
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(384, 512), torch.nn.GELU(), torch.nn.Linear(512, 512),
-                               torch.nn.GELU(), torch.nn.Linear(512, 24)).to(dtype)
+from tests.utils import GEFEN_CPU_BACKENDS, wide_mlp
 
 
 def _bound(params) -> float:
@@ -29,7 +20,7 @@ def _bound(params) -> float:
     return max(largest, 0.25 * sum(p.numel() for p in params))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", GEFEN_CPU_BACKENDS)
 @pytest.mark.parametrize("bits,factored,dtype", [
     pytest.param(8, False, torch.float32, id="8bit"),
     pytest.param(4, False, torch.float32, id="4bit"),
@@ -37,7 +28,7 @@ def _bound(params) -> float:
     pytest.param(8, True, torch.bfloat16, id="8bit-factored-bf16-sr"),
 ])
 def test_no_transient_above_the_bound_at_any_step(backend, bits, factored, dtype):
-    model = _model(dtype)
+    model = wide_mlp(dtype)
     params = list(model.parameters())
     opt = Gefen(params, lr=1e-3, bits=bits, backend=backend, factor_second_moment=factored,
                 stochastic_rounding=dtype != torch.float32)

@@ -14,16 +14,7 @@ from optim import Gefen
 from optim._rounding import random_bits, round_stochastic
 from optim.backends import triton_interpreted
 from optim.gefen import state as K
-
-
-BACKENDS = ["torch", "numba", pytest.param("triton", marks=pytest.mark.skipif(
-    not triton_interpreted(), reason="Triton runs on CPU tensors only under TRITON_INTERPRET=1"))]
-
-
-def _model(dtype=torch.float32):
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(384, 512), torch.nn.GELU(), torch.nn.Linear(512, 512),
-                               torch.nn.GELU(), torch.nn.Linear(512, 24)).to(dtype)
+from tests.utils import GEFEN_CPU_BACKENDS, mlp_params, row_growing_grads, wide_mlp
 
 
 def _constant_gradient_run(dtype, sr, backend, steps=40, n=1 << 14, seed=0):
@@ -37,7 +28,7 @@ def _constant_gradient_run(dtype, sr, backend, steps=40, n=1 << 14, seed=0):
     return p.detach().float(), opt
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", GEFEN_CPU_BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_stochastic_rounding_is_exact_in_expectation(backend, dtype):
     """Updates of about lr = 1e-3 on weights at 1.0 (bf16 ulp 2**-7, fp16 ulp 2**-10 below 1: the
@@ -59,7 +50,7 @@ def test_stochastic_rounding_is_exact_in_expectation(backend, dtype):
     assert sr.unique().numel() > 1
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", GEFEN_CPU_BACKENDS)
 def test_stochastic_rounding_repeats_under_one_seed_and_differs_under_another(backend):
     a, opt = _constant_gradient_run(torch.bfloat16, True, backend, steps=5, n=4096, seed=3)
     b, _ = _constant_gradient_run(torch.bfloat16, True, backend, steps=5, n=4096, seed=3)
@@ -77,7 +68,7 @@ def test_stochastic_rounding_leaves_fp32_parameters_alone():
 @pytest.mark.parametrize("backend", ["torch", "numba"])
 def test_stochastic_rounding_resumes_from_the_state_dict(backend, tmp_path):
     torch.manual_seed(0)
-    model = _model(torch.bfloat16)
+    model = wide_mlp(torch.bfloat16)
     twin = copy.deepcopy(model)
     grads = [[torch.randn(p.shape).bfloat16() for p in model.parameters()] for _ in range(6)]
     torch.manual_seed(7)  # the generator state the seeds are drawn from, for both runs
@@ -193,14 +184,14 @@ def test_a_strided_parameter_steps_as_its_contiguous_twin(backend, dtype):
 
 
 def _bf16_params():
-    return [torch.nn.Parameter(p.detach().bfloat16()) for p in _mlp()]
+    return [torch.nn.Parameter(p.detach().bfloat16()) for p in mlp_params()]
 
 
 def _sr_steps(opt, params, steps, start=0, late=2):
     """Steps of bf16 gradients; the second parameter's are zero before step ``late`` (so it
     gets its state, and its seed, only then)."""
     for t in range(start, start + steps):
-        for k, (p, g) in enumerate(zip(params, _grads(t, params))):
+        for k, (p, g) in enumerate(zip(params, row_growing_grads(t, params))):
             p.grad = g if k == 0 or t >= late else torch.zeros_like(g)
         opt.step()
 
@@ -263,13 +254,3 @@ def test_loading_a_checkpoint_saved_without_rounding_keeps_rounding_on():
     assert off.param_groups[0]["stochastic_rounding"] is False
 
 
-def _mlp(seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.nn.Parameter(torch.randn(24, 16, generator=g, dtype=torch.float32)),
-            torch.nn.Parameter(torch.randn(24, generator=g, dtype=torch.float32))]
-
-
-def _grads(step, params):
-    g = torch.Generator().manual_seed(100 + step)
-    return [torch.randn(p.shape, generator=g, dtype=p.dtype) * (1 + torch.arange(p.shape[0]).view(-1, *[1] * (p.dim() - 1)))
-            for p in params]

@@ -12,7 +12,7 @@ import torch
 
 from optim import Gefen
 from optim.gefen import state as K
-from tests.utils import ADAMW, row_scaled_grad, run_python
+from tests.utils import (ADAMW, row_scaled_grad, run_python, seeded_grads, seeded_params, set_or_clear_grads, twin_params)
 
 
 _CAST_SCRIPT = """
@@ -208,37 +208,18 @@ def test_state_dict_from_another_model_is_rejected():
 SHAPES = [(5, 6), (5,), (300,)]
 
 
-def _params(dtype=torch.float32, shapes=SHAPES):
-    g = torch.Generator().manual_seed(1)
-    return [torch.nn.Parameter(torch.randn(s, generator=g, dtype=dtype)) for s in shapes]
-
-
-def _twin(params):
-    return [torch.nn.Parameter(p.detach().clone()) for p in params]
-
-
-def _grads(params, seed):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(p.shape, generator=g, dtype=p.dtype) for p in params]
-
-
-def _set(params, grads):
-    for p, g in zip(params, grads):
-        p.grad = None if g is None else g.clone()
-
-
 @pytest.mark.parametrize("adamw", [True, False], ids=["adamw", "quantised"])
 def test_state_dict_hooks_see_the_codebook(adamw):
     """state_dict's post-hook sees the dict state_dict() returns, codebook included, and its edits
     last; load_state_dict's post-hook sees the loaded codebook (none reduced to AdamW)."""
     kw = ADAMW if adamw else {}
-    ps = _params()
+    ps = seeded_params(SHAPES)
     opt = Gefen(ps, lr=1e-2, **kw)
-    _set(ps, _grads(ps, 0))
+    set_or_clear_grads(ps, seeded_grads(ps, 0))
     opt.step()
     sd = opt.state_dict()
     seen = {}
-    other = Gefen(_twin(ps), **kw)
+    other = Gefen(twin_params(ps), **kw)
     other.register_load_state_dict_post_hook(lambda o: seen.update(codebook=o.codebook))
     other.load_state_dict(sd)
     if adamw:

@@ -8,7 +8,10 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
 import torch
+
+from optim.backends import triton_interpreted
 
 
 def rel_rms(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -169,3 +172,96 @@ def assert_same_state_dict(a, b, path="state_dict"):
             assert_same_state_dict(x, y, f"{path}[{k}]")
     else:
         assert a == b, (path, a, b)
+
+
+# -- Disk Sparse Adam: batches of rows and one step on them
+def index_batches(n, rows, seed=1):
+    """``n`` batches of 40 random row indices below ``rows``, from a generator seeded with ``seed``."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, rows, (40,), generator=gen) for _ in range(n)]
+
+
+def step_rows(emb, opt, idx):
+    """One step of ``opt`` on the loss sum(emb(idx)²)."""
+    opt.zero_grad()
+    emb(idx).pow(2).sum().backward()
+    opt.step()
+
+
+def step_random_rows(emb, opt, t):
+    """One step of ``opt`` on sum(emb(idx)²) over 32 random rows drawn from a generator seeded with ``t``."""
+    gen = torch.Generator().manual_seed(t)
+    idx = torch.randint(0, emb.num_embeddings, (32,), generator=gen)
+    opt.zero_grad()
+    (emb(idx) ** 2).sum().backward()
+    opt.step()
+
+
+# -- Gefen: parameters, gradients and small models
+GEFEN_CPU_BACKENDS = ["torch", "numba", pytest.param("triton", marks=pytest.mark.skipif(
+    not triton_interpreted(), reason="Triton runs on CPU tensors only under TRITON_INTERPRET=1"))]
+
+
+def seeded_params(shapes, dtype=torch.float32):
+    """One N(0, 1) parameter per shape, from a generator seeded with 1."""
+    g = torch.Generator().manual_seed(1)
+    return [torch.nn.Parameter(torch.randn(s, generator=g, dtype=dtype)) for s in shapes]
+
+
+def twin_params(params):
+    """Independent copies of ``params``, for the reference optimizer."""
+    return [torch.nn.Parameter(p.detach().clone()) for p in params]
+
+
+def seeded_grads(params, seed):
+    """One N(0, 1) gradient per parameter, from a generator seeded with ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(p.shape, generator=g, dtype=p.dtype) for p in params]
+
+
+def set_or_clear_grads(params, grads):
+    """``p.grad`` = a copy of each gradient (None clears it)."""
+    for p, g in zip(params, grads):
+        p.grad = None if g is None else g.clone()
+
+
+def mlp_params(seed=0):
+    """A (24, 16) weight and a (24,) bias, N(0, 1) from a generator seeded with ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(24, 16, generator=g, dtype=torch.float32)),
+            torch.nn.Parameter(torch.randn(24, generator=g, dtype=torch.float32))]
+
+
+def row_growing_grads(step, params):
+    """Gradients for step ``step`` whose row i is scaled by i + 1 (seed 100 + step)."""
+    g = torch.Generator().manual_seed(100 + step)
+    return [torch.randn(p.shape, generator=g, dtype=p.dtype) * (1 + torch.arange(p.shape[0]).view(-1, *[1] * (p.dim() - 1)))
+            for p in params]
+
+
+def tiny_mlp(seed=0):
+    """Linear(16, 32), ReLU, Linear(32, 4), initialised after ``torch.manual_seed(seed)``."""
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+
+
+def train_steps(model, opt, steps, compiled=False):
+    """``steps`` steps on mean(model(x)²) for one fixed batch x; the losses (``torch.compile`` with ``compiled``)."""
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+
+    def step():
+        opt.zero_grad()
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        return loss
+
+    fn = torch.compile(step, backend="eager") if compiled else step
+    return [float(fn()) for _ in range(steps)]
+
+
+def wide_mlp(dtype=torch.float32):
+    """Linear(384, 512), GELU, Linear(512, 512), GELU, Linear(512, 24) in ``dtype``, after ``torch.manual_seed(0)``."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(384, 512), torch.nn.GELU(), torch.nn.Linear(512, 512),
+                               torch.nn.GELU(), torch.nn.Linear(512, 24)).to(dtype)
