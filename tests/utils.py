@@ -1,4 +1,6 @@
-"""Helpers used by the tests: tolerances with one message format, gloo launches on 127.0.0.1."""
+"""Helpers used by the tests: tolerances with one message format, gloo launches on 127.0.0.1, a fresh
+interpreter for code that could crash, checkpoint round trips, and the parameters, gradients,
+batches and small models several test files draw alike."""
 
 import os
 import socket
