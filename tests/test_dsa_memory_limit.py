@@ -120,3 +120,27 @@ def test_a_compact_state_larger_than_memory_saves_without_a_copy(tmp_path, monke
         assert torch.equal(torch.as_tensor(back[key]), torch.as_tensor(st[key])), key
     opt.close()
     twin.close()
+
+
+def test_a_fresh_mapped_table_larger_than_the_memory_limit_is_made_within_it(tmp_path):
+    """``mapped_embedding`` fills a new weight file with N(0, 1) draws: a 128 MiB table made in a
+    child whose memory cgroup (16 MiB, page cache included) is an eighth of it exits 0, its rows
+    those of one draw of the whole table (checked on sampled rows here, in a process without the
+    limit)."""
+    rows, dim = 262_144, 128
+    path = tmp_path / "w.bin"
+    out, peak = _run_in_memory_cgroup(f"""
+        from optim import mapped_embedding
+        from optim.disk_sparse.weights import close_mapped
+        close_mapped(mapped_embedding({str(path)!r}, {rows}, {dim}, seed=5))
+        print("made", flush=True)
+    """, 16 << 20)
+    assert out.returncode == 0 and "made" in out.stdout, (out.returncode, peak, out.stderr[-2000:])
+    from optim import mapped_embedding
+    from optim.disk_sparse.weights import close_mapped
+
+    emb = mapped_embedding(path, rows, dim, seed=5)
+    whole = torch.randn(rows, dim, generator=torch.Generator().manual_seed(5), dtype=torch.float64).float()
+    sample = torch.randint(0, rows, (500,), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(emb.weight.detach()[sample], whole[sample])
+    close_mapped(emb)

@@ -430,9 +430,15 @@ class RowStateFile:
                     if part.data_ptr() != view.data_ptr():
                         view.copy_(part)
                     start += part.shape[1]
-            first = (HEADER_BYTES + r0 * row_bytes) // mmap.PAGESIZE * mmap.PAGESIZE
-            self._mm.flush(first, HEADER_BYTES + r1 * row_bytes - first)
+            self.write_back(r0, r1)
         self.flush(step)
+
+    def write_back(self, r0: int, r1: int):
+        """Write the pages of rows ``[r0, r1)`` to the disk now: a memory cgroup cannot reclaim dirty
+        pages before they are written, so a writer larger than the limit writes back as it goes."""
+        row_bytes = self.width * self.records.element_size()
+        first = (HEADER_BYTES + r0 * row_bytes) // mmap.PAGESIZE * mmap.PAGESIZE
+        self._mm.flush(first, HEADER_BYTES + r1 * row_bytes - first)
 
     def check_path(self):
         """Raise unless ``path`` still names the file this object has open: another program that

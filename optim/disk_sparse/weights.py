@@ -32,7 +32,7 @@ import weakref
 import torch
 import torch.nn as nn
 
-from .store import RowStateFile, StateFileError
+from .store import RowStateFile, StateFileError, memory_limit_bytes
 
 ATTR = "_dsa_weight_file"  # the Parameter attribute naming its file
 
@@ -90,7 +90,7 @@ def mapped_embedding(path, num_embeddings: int, embedding_dim: int, *, bag: bool
     try:
         if not existed:
             wf.mark_dirty()  # a process killed while filling leaves a file that is refused
-            _fill_normal(wf.records, init_std, seed)
+            _fill_normal(wf.records, init_std, seed, wf.write_back)
             wf.flush(0)
         cls = nn.EmbeddingBag if bag else nn.Embedding
         extra = dict(mode=mode) if bag else {}
@@ -120,11 +120,25 @@ def close_mapped(module):
         wf.close()
 
 
-def _fill_normal(records, std, seed, chunk_rows=1 << 16):
+FILL_CHUNK_BYTES = 8 << 20  # the float64 draws of one chunk of a new weight file, at most
+
+
+def _fill_normal(records, std, seed, write_back=None):
+    """N(0, std²) into ``records``, a chunk of rows at a time, each chunk's rows passed to
+    ``write_back(r0, r1)`` before the next: the float64 draws of a chunk take at most
+    ``FILL_CHUNK_BYTES`` and a 16th of the memory limit, and a memory cgroup holds one chunk's dirty
+    pages, so a table larger than the limit is made within it. The values are those of one draw of
+    the whole table (torch's CPU normal fills blocks of 16 values; every chunk but the last is a
+    multiple of 16 values)."""
     if not math.isfinite(std):
         raise ValueError(f"init_std must be finite, got {std}")
     gen = torch.Generator().manual_seed(seed)
-    wf_dtype = records.dtype
-    for start in range(0, records.shape[0], chunk_rows):
+    rows = records.shape[0]
+    width = records[0].numel() if rows else 1
+    budget = min(FILL_CHUNK_BYTES, (memory_limit_bytes() or 16 * FILL_CHUNK_BYTES) // 16)
+    chunk_rows = max(16, budget // (8 * width) // 16 * 16)
+    for start in range(0, rows, chunk_rows):
         block = records[start:start + chunk_rows]
-        block.copy_(torch.randn(block.shape, generator=gen, dtype=torch.float64).mul_(std).to(wf_dtype))
+        block.copy_(torch.randn(block.shape, generator=gen, dtype=torch.float64).mul_(std).to(records.dtype))
+        if write_back is not None:
+            write_back(start, start + block.shape[0])
