@@ -450,3 +450,31 @@ def test_step_in_backward_under_ddp_is_refused_at_setup(runs):
     replicas would drift apart: refused when installed, naming FSDP2 and the ordinary loop."""
     msg = result(runs, "ddp_hooked:adamw")["refused"]
     assert msg is not None and "DistributedDataParallel" in msg and "FSDP2" in msg and "ordinary loop" in msg
+
+
+def test_the_rounding_seed_survives_a_dcp_state_dict(monkeypatch):
+    """``get_optimizer_state_dict`` keeps only "state" and "param_groups" of an optimizer's state dict
+    (torch.distributed.checkpoint.state_dict): the optimizer-wide rounding seed must reach a fresh
+    optimizer (drawn under another torch seed) through the per-parameter entries, so that parameters
+    seeded after a resume get the seeds the uninterrupted run gives them."""
+    from optim import Gefen
+    from optim.gefen import distributed as D
+
+    monkeypatch.setattr(D, "_uses_distributed_form", lambda params: True)
+    torch.manual_seed(0)
+    pa = [torch.nn.Parameter(torch.randn(64, 48).bfloat16()), torch.nn.Parameter(torch.randn(32, 40).bfloat16())]
+    a = Gefen(pa, lr=1e-2, stochastic_rounding=True, backend="torch")
+    pa[0].grad = torch.randn(64, 48).bfloat16()
+    a.step()  # pa[1] has no gradient yet: its seed comes after the checkpoint
+    sd = a.state_dict()
+    kept = {"state": sd["state"], "param_groups": sd["param_groups"]}  # what DCP keeps
+    torch.manual_seed(1)
+    pb = [torch.nn.Parameter(p.detach().clone()) for p in pa]
+    b = Gefen(pb, lr=1e-2, stochastic_rounding=True, backend="torch")
+    b.load_state_dict(kept)
+    g = torch.randn(32, 40).bfloat16()
+    for opt, ps in ((a, pa), (b, pb)):
+        ps[0].grad, ps[1].grad = None, g.clone()
+        opt.step()
+    assert b.state_dict()["rounding_seed"] == a.state_dict()["rounding_seed"]
+    assert torch.equal(pb[1], pa[1])  # rounded with the same random bits

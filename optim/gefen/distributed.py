@@ -33,6 +33,8 @@ the group:
               codebook travels with each parameter of a quantised group)
       seed, provisional  ints: the stochastic-rounding seed (-1: none) and 1 while the block
               length is provisional (``state.py``); in every entry, a fresh one's included
+      rounding_seed  int, the same in every entry: the optimizer's stochastic-rounding seed (-1:
+              none), which ``get_optimizer_state_dict`` would drop at the top level
 
   That is 9 bytes per element in the checkpoint (8 with an unquantised first moment; 4 more with
   a factored second moment) against about 1 in memory: the price of a checkpoint that reshards
@@ -311,6 +313,11 @@ def from_distributed(sd: dict, params, ids, *, bits: int) -> dict:
             codebook = st[K.CODEBOOK]
     if codebook is not None:
         codebook = local_shard(codebook).detach().float().cpu()
+    if sd.get(K.ROUNDING_SEED) is None:  # a DCP load: the seed of every entry
+        seeds = [int(st[K.ROUNDING_SEED]) for st in state.values()
+                 if isinstance(st, dict) and st.get(K.ROUNDING_SEED) is not None]
+        if seeds and seeds[0] >= 0:
+            sd[K.ROUNDING_SEED] = seeds[0]
     if codebook is not None and not bool(codebook.any()):
         codebook = None  # the placeholder of an optimizer that had not stepped
     if codebook is not None:
@@ -329,7 +336,7 @@ def from_distributed(sd: dict, params, ids, *, bits: int) -> dict:
                 "flatten_optimizer_state_dict=True) lose Gefen's layout and codebook (torch "
                 "rebuilds only the keys of the live state); save and load Gefen with the default "
                 "nested optimizer state dict (flatten_optimizer_state_dict=False)")
-        st = {key: val for key, val in st.items() if key != K.CODEBOOK}
+        st = {key: val for key, val in st.items() if key not in (K.CODEBOOK, K.ROUNDING_SEED)}
         if LAYOUT in st:
             name = pid if isinstance(pid, str) else f"parameter {k}"
             st = _from_distributed_one(p, st, codebook=codebook, bits=bits, name=name)
@@ -429,6 +436,11 @@ def to_distributed_state_dict(opt, sd: dict) -> dict:
         sd["state"] = dict(sd["state"])
         to_distributed(sd["state"], params, ids, quantized, codebook=opt.codebook, bits=opt.bits,
                        factored=_factored(opt))
+        # get_optimizer_state_dict keeps only "state" and "param_groups": the optimizer's rounding
+        # seed travels in every entry too (-1: none), as the codebook does
+        seed = sd.get(K.ROUNDING_SEED)
+        for st in sd["state"].values():
+            st[K.ROUNDING_SEED] = -1 if seed is None else int(seed)
     return sd
 
 
