@@ -29,20 +29,17 @@ from pathlib import Path
 
 import numpy as np
 
-if __package__ in (None, ""):  # run as a script: the repository root on the path
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import matplotlib  # noqa: E402
+import matplotlib
 
 matplotlib.use("Agg")
-from matplotlib.container import BarContainer, ErrorbarContainer  # noqa: E402
-from matplotlib.figure import Figure  # noqa: E402
-from matplotlib.transforms import Bbox  # noqa: E402
-from matplotlib.legend import Legend  # noqa: E402
-from matplotlib.lines import Line2D  # noqa: E402
-from matplotlib.patches import Rectangle  # noqa: E402
-from matplotlib.collections import PathCollection  # noqa: E402
-from matplotlib.text import Text  # noqa: E402
+from matplotlib.container import BarContainer, ErrorbarContainer
+from matplotlib.figure import Figure
+from matplotlib.transforms import Bbox
+from matplotlib.legend import Legend
+from matplotlib.lines import Line2D
+from matplotlib.patches import Rectangle
+from matplotlib.collections import PathCollection
+from matplotlib.text import Text
 
 MAX_SERIES = 8
 SLACK = 0.5  # pixels two boxes may share (anti-aliasing), and a text may pass the canvas's edge
