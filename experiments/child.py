@@ -130,7 +130,7 @@ def run_child(cmd, *, timeout=None, env=None, cwd=None, memory=None, join_at_sta
 
 
 def run_ranks(cmd, world: int, *, env=None, timeout=None, memory=None, join_at_start=True) -> list[ChildRun]:
-    """``world`` copies of ``cmd`` at once, the ranks of one torch.distributed job on this machine
+    """``world`` copies of ``cmd`` at once, the ranks of one torch.distributed job on the local host
     (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and a free ``MASTER_PORT`` set), each a ``run_child``
     (its own memory cgroup where ``memory`` is given); their runs in rank order."""
     port = free_port()
