@@ -44,6 +44,8 @@ EXPERIMENTS = {
     "gefen_memory": ["gefen_memory"],
     "gefen_speed": ["gefen_speed"],
     "gefen_peak_memory": ["gefen_peak_memory"],
+    "gefen_budgets": ["gefen_budgets"],  # starts its searches from the peaks' CSV
+    "gefen_distributed": ["gefen_distributed"],  # reads the budgets' largest micro-batches
     "gefen_ablation": ["gefen_ablation", "gefen_ablation_arch"],
     "hessian_alignment": ["hessian_alignment"],
     "convergence": ["convergence", "convergence_bf16", "convergence_encoder", "convergence_llama",
@@ -79,7 +81,8 @@ def run_arguments(extra, quick):
 
 # analysis script -> the figure it draws (None: a results/README.md section only)
 FIGURE_OF = {"correctness": None, "dsa_fault_injection": None, "dsa_throughput": "dsa_throughput", "dsa_seed_benchmark": "dsa_seed_benchmark", "dsa_billions": None, "dsa_out_of_core": "dsa_out_of_core", "dsa_distributed": "dsa_distributed", "poincare": "poincare", "codebook": "codebook",
-             "gefen_memory": "gefen_memory", "gefen_speed": "gefen_speed", "gefen_peak_memory": "gefen_peak_memory", "gefen_ablation": "gefen_ablation", "gefen_ablation_arch": "gefen_ablation_arch",
+             "gefen_memory": "gefen_memory", "gefen_speed": "gefen_speed", "gefen_peak_memory": "gefen_peak_memory",
+             "gefen_budgets": "gefen_budgets", "gefen_distributed": "gefen_distributed", "gefen_ablation": "gefen_ablation", "gefen_ablation_arch": "gefen_ablation_arch",
              "hessian_alignment": "hessian_alignment",
              "convergence": "convergence", "convergence_bf16": "convergence_bf16",
              "convergence_encoder": "convergence_encoder", "convergence_llama": "convergence_llama",

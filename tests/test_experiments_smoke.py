@@ -287,7 +287,7 @@ def test_correctness_tiny_triton_case(tmp_path, monkeypatch, capsys):
 # -------------------------------------------------------------------------------- reproduce
 # The shared harness (and the ahead-of-time compile tool kernel_resources uses): not experiments.
 HARNESS = {"common", "data", "models", "registry", "train", "pool", "triton_aot", "peak", "memcg", "op_count",
-           "checkout", "tracking", "profiling", "gpu", "child", "disk"}
+           "checkout", "tracking", "profiling", "gpu", "child", "disk", "measured_step", "budget"}
 
 
 def test_reproduce_covers_every_experiment_and_analysis():

@@ -267,3 +267,21 @@ def wide_mlp(dtype=torch.float32):
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(384, 512), torch.nn.GELU(), torch.nn.Linear(512, 512),
                                torch.nn.GELU(), torch.nn.Linear(512, 24)).to(dtype)
+
+
+def write_results(folder, experiment, rows, config):
+    """``rows`` (variant, metric, value, x_name, x_value) as ``<folder>/<experiment>.csv`` of one run
+    (seed 0, a test device and commit), and ``config`` as its config.json."""
+    import csv
+    import json
+
+    from experiments.common import FIELDS
+
+    with open(Path(folder) / f"{experiment}.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=FIELDS)
+        w.writeheader()
+        for variant, metric, val, x_name, x_value in rows:
+            w.writerow(dict(experiment=experiment, variant=variant, metric=metric, unit="", x_name=x_name,
+                            x_value=x_value, value=val, seed=0, device="cpu:Test x2", torch_version=torch.__version__,
+                            git_commit="abc1234", timestamp="2026-01-01T00:00:00+00:00"))
+    (Path(folder) / f"{experiment}.config.json").write_text(json.dumps(config))
