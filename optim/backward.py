@@ -64,8 +64,12 @@ def step_in_backward(optimizer: torch.optim.Optimizer, *, local_gradients: bool 
     An optimizer that must see every gradient at once says so with a ``needs_every_gradient()``
     method (``Gefen`` before its model-wide codebook exists, that is at its first step). While it
     returns True at the start of a backward, the hooks neither step nor free: that one step holds
-    every gradient, as the ordinary loop does, and runs as one ordinary ``optimizer.step()`` when
-    the backward ends; then the gradients are freed.
+    every gradient, as the ordinary loop does, and runs when the backward ends. An optimizer with
+    a ``learn_from_gradients()`` method (``Gefen``: the codebook) learns there what it needs from
+    all of them without stepping; if ``needs_every_gradient()`` is then False, each parameter is
+    stepped on its own and its gradient freed at once, so that step's new state and temporaries
+    come one parameter at a time beside the gradients; otherwise the step runs as one ordinary
+    ``optimizer.step()``. Then the gradients are freed.
 
     LR schedulers: ``scheduler.step()`` after each backward changes the learning rate the next
     backward's hooks use, as in the ordinary loop, created before or after this call.
@@ -314,16 +318,16 @@ class StepInBackward:
                 "that; call remove() on the handle to step by hand again")
         return self._step(*args, **kwargs)
 
-    def _run_step(self, keep):
-        """The optimizer's own step over the gradients of the parameters in ``keep`` (ids): every
-        other parameter's gradient is set aside meanwhile and put back after."""
+    def _run_step(self, keep, method="step"):
+        """The optimizer's own step (or its ``method``) over the gradients of the parameters in
+        ``keep`` (ids): every other parameter's gradient is set aside meanwhile and put back after."""
         aside = [(q, q.grad) for g in self.optimizer.param_groups for q in g["params"]
                  if q.grad is not None and id(q) not in keep]
         for q, _ in aside:
             q.grad = None
         self._inside = True
         try:
-            self.optimizer.step()  # the current attribute: wrappers made after this call run too
+            getattr(self.optimizer, method)()  # the current attribute: wrappers made after this call run too
         finally:
             self._inside = False
             for q, grad in aside:
@@ -415,13 +419,22 @@ class StepInBackward:
                     p.grad = None
             return
         entry.fired.update(id(p) for p in early)
+        held = [q for g in self.optimizer.param_groups for q in g["params"] if id(q) in entry.fired]
         try:
-            self._run_step(entry.fired)
-        finally:
-            for g in self.optimizer.param_groups:
-                for q in g["params"]:
-                    if id(q) in entry.fired:
+            if callable(getattr(self.optimizer, "learn_from_gradients", None)):
+                self._run_step(entry.fired, "learn_from_gradients")
+            if self.optimizer.needs_every_gradient():
+                self._run_step(entry.fired)
+                return
+            for q in held:  # learned: each on its own, its gradient freed at once
+                if q.grad is not None:
+                    try:
+                        self._run_step({id(q)})
+                    finally:
                         q.grad = None
+        finally:
+            for q in held:
+                q.grad = None
 
 
 def _before_hook(me, ref):

@@ -93,20 +93,48 @@ def test_matches_the_ordinary_loop_bitwise(make_opt):
 
 
 def test_gefen_first_step_holds_every_gradient_until_backward_ends():
-    """The codebook is learned from all gradients: the first backward keeps them and steps once at
-    its end, then the hooks step one parameter at a time."""
+    """The codebook is learned from all gradients: the first backward keeps them until it ends,
+    learns the codebook from all n, then steps (and frees) one parameter at a time, as the hooks
+    of later backwards do."""
     model = mlp()
     opt = Gefen(model.parameters(), lr=1e-2, backend="torch")
-    seen = []
+    seen, learned = [], []
     params = list(model.parameters())
     opt.register_step_post_hook(lambda o, a, k: seen.append(sum(p.grad is not None for p in params)))
+    learn = opt.learn_from_gradients
+
+    def counting_learn():
+        learned.append((sum(p.grad is not None for p in params), len(seen)))
+        learn()
+
+    opt.learn_from_gradients = counting_learn
     n = len(params)
     with step_in_backward(opt):
         assert opt.needs_every_gradient()
         for x in batches(3):
             loss_of(model, x).backward()
+            assert all(p.grad is None for p in params)
         assert not opt.needs_every_gradient()
-    assert seen == [n] + [1] * (2 * n)  # one step over all n gradients, then one per parameter
+    assert learned == [(n, 0)]  # once, before any step, with every gradient
+    assert seen == [1] * (3 * n)  # one step per parameter, the first backward's too
+
+
+def test_gefen_first_step_in_backward_frees_each_gradient_after_its_step():
+    """The first step's peak: weights and gradients, plus one parameter's new state at a time, well
+    under the ordinary step's weights + gradients + all of the state (12 equal layers: one is a
+    twelfth of the state). Width 512: the codebook's own fixed temporaries are small beside it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(512, 512, bias=False) for _ in range(12)])
+    opt = Gefen(model.parameters(), lr=1e-2, backend="torch")
+    params = list(model.parameters())
+    weights = grads = sum(p.numel() * p.element_size() for p in params)
+    with step_in_backward(opt):
+        with PeakMemory(params, opt) as first:
+            model(torch.randn(4, 512)).pow(2).mean().backward()
+    state = sum(t.numel() * t.element_size() for st in opt.state.values() for t in st.values()
+                if torch.is_tensor(t))
+    assert state > 0.2 * weights  # 8-bit codes and scales: about a quarter of fp32 weights
+    assert first.tensor_peak <= weights + grads + 0.5 * state, (first.tensor_peak, weights, state)
 
 
 @pytest.mark.parametrize("cls", [DiskSparseAdam, DiskSparseRiemannianAdam], ids=lambda c: c.__name__)

@@ -259,14 +259,15 @@ class Gefen(OptimizerBase):
         """The model-wide codebook, fp32 (2**bits,) sorted; None before the first step learns it."""
         return self._codebook.values
 
-    def codebook_histogram(self, grads) -> torch.Tensor:
-        """``HIST_BINS`` counts (int64, CPU) of block-normalised gradients of ``grads`` ({param: grad}).
+    def codebook_histogram(self, grads, blocks=None) -> torch.Tensor:
+        """``HIST_BINS`` counts (int64, CPU) of block-normalised gradients of ``grads`` ({param: grad}),
+        each normalised by its state's block length or by ``blocks`` ({param: block length}).
 
         A distributed wrapper all-reduces this before :meth:`learn_codebook`.
         """
         by_block = defaultdict(list)
         for p, g in grads.items():
-            by_block[self.state[p][K.BLOCK]].append(g)
+            by_block[self.state[p][K.BLOCK] if blocks is None else blocks[p]].append(g)
         return self._codebook.histogram_of(by_block)
 
     def learn_codebook(self, counts: torch.Tensor, device=None) -> torch.Tensor:
@@ -279,6 +280,44 @@ class Gefen(OptimizerBase):
         """Use ``codebook`` (``2**bits`` sorted values) from the next step on."""
         self._codebook.set(codebook)
         self._drop_plans()
+
+    def learn_from_gradients(self) -> None:
+        """Learn the codebook from every gradient now in ``p.grad``, as the next step would, without
+        stepping or creating state; nothing once it exists (``needs_every_gradient`` is then False).
+
+        ``step_in_backward`` calls this when the backward of the first step ends and then steps each
+        parameter on its own, freeing its gradient at once: that step holds every gradient but only
+        one parameter's new state and temporaries beside them, not all of it. The parameters are
+        checked as a step checks them, and the step's own codebook is this one, so every result is
+        the one-step result."""
+        if not self.needs_every_gradient():
+            return
+        grads, blocks = {}, {}
+        for gi, group in enumerate(self.param_groups):
+            for pi, p in enumerate(group["params"]):
+                check_param(p, gi, pi)
+                if p.grad is None or local_tensor(p).numel() == 0:
+                    continue
+                self._backend(p, group, gi, pi)
+                g = local_tensor(p.grad)
+                block = K.next_block(self.state[p], g, group, self.block_rule,
+                                     where=f"parameter {pi} of group {gi} (shape {tuple(p.shape)})")
+                if block is not None and group["quantize_first_moment"]:
+                    grads[p], blocks[p] = signed(g, group), block
+        self._learn_codebook(grads, blocks)
+
+    def _learn_codebook(self, grads: dict, blocks: dict | None = None) -> None:
+        """Learn the codebook, where there is none yet, from ``grads`` ({param: gradient as stepped})
+        of the quantised groups (``codebook_histogram``'s ``blocks``)."""
+        # [distributed] sharded (FSDP2) histograms are summed over the ranks, so every
+        # rank learns the same codebook; a rank whose local shards are all empty still joins.
+        qparams = [p for g in self.param_groups if g["quantize_first_moment"] for p in g["params"]
+                   if p.grad is not None]
+        if self.codebook is not None or not (grads or _dist.joins_codebook(qparams)):
+            return
+        dev = next(iter(grads.values())).device if grads else local_tensor(qparams[0]).device
+        counts = _dist.global_histogram(lambda gs: self.codebook_histogram(gs, blocks), grads, qparams)
+        self.learn_codebook(counts, device=dev)
 
     # -------------------------------------------------------------------------------- state
     def _gather(self):
@@ -349,16 +388,8 @@ class Gefen(OptimizerBase):
             run(*plan, self._codebook, bits=self.bits)
             return
         work = self._gather()
-        quantized = {p: signed(local_tensor(g), group) for group, items in work if group["quantize_first_moment"]
-                     for p, g, _ in items}
-        # [distributed] sharded (FSDP2) histograms are summed over the ranks, so every
-        # rank learns the same codebook; a rank whose local shards are all empty still joins.
-        qparams = [p for g in self.param_groups if g["quantize_first_moment"] for p in g["params"]
-                   if p.grad is not None]
-        if self.codebook is None and (quantized or _dist.joins_codebook(qparams)):
-            dev = next(iter(quantized.values())).device if quantized else local_tensor(qparams[0]).device
-            counts = _dist.global_histogram(self.codebook_histogram, quantized, qparams)
-            self.learn_codebook(counts, device=dev)
+        self._learn_codebook({p: signed(local_tensor(g), group) for group, items in work
+                              if group["quantize_first_moment"] for p, g, _ in items})
         calls = [call for group, items in work for call in self._calls(group, items)]
         scalars = step_scalars(calls) if self.capturable else []
         run(calls, scalars, self._codebook, bits=self.bits)

@@ -75,15 +75,32 @@ def block_length(g: torch.Tensor, group: dict, block_rule: str, provisional: boo
     return factored_block(block, g.shape) if group["factor_second_moment"] else block
 
 
+def first_block(g: torch.Tensor, group: dict, block_rule: str) -> tuple[int, bool]:
+    """(block length, provisional) of a state created from the first non-zero gradient ``g``:
+    provisional where ``g`` has one magnitude everywhere (any block length is then exact)."""
+    provisional = group["share_second_moment"] and constant_magnitude(g)
+    return block_length(g, group, block_rule, provisional), provisional
+
+
+def next_block(st: dict, g: torch.Tensor, group: dict, block_rule: str, where: str) -> int | None:
+    """The block length ``st`` has once a step has taken the gradient ``g`` (``first_gradient``,
+    ``recut`` or the one it has), without creating or changing anything; None where that step
+    creates no state (an all-zero first gradient). What a step's codebook histogram normalises by."""
+    if BLOCK not in st:
+        return None if gradient_magnitude(g, where) == 0.0 else first_block(g, group, block_rule)[0]
+    if st.get(PROVISIONAL) and not constant_magnitude(g):
+        return block_length(g, group, block_rule)
+    return st[BLOCK]
+
+
 def create(st: dict, g: torch.Tensor, group: dict, *, dtype: torch.dtype, bits: int, block_rule: str,
            capturable: bool) -> None:
     """Fill ``st`` with zero moments for the gradient ``g`` (local shard): the block length chosen
-    from it (provisional where it has one magnitude everywhere), v and m in ``dtype``
-    (``state_dtype``), the step kept (steps with all-zero gradients before this one), on the
-    device as a float32 counter with ``capturable`` (as torch's capturable AdamW keeps it)."""
+    from it (``first_block``), v and m in ``dtype`` (``state_dtype``), the step kept (steps with
+    all-zero gradients before this one), on the device as a float32 counter with ``capturable``
+    (as torch's capturable AdamW keeps it)."""
     n, dev = g.numel(), g.device
-    provisional = group["share_second_moment"] and constant_magnitude(g)
-    block = block_length(g, group, block_rule, provisional)
+    block, provisional = first_block(g, group, block_rule)
     st[STEP] = st.get(STEP, 0)
     if capturable:
         st[STEP] = torch.tensor(float(st[STEP]), dtype=torch.float32, device=dev)
