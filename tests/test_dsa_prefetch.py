@@ -1,4 +1,5 @@
-"""Parallel reads of cold rows (``RowStateFile.fetch`` / ``read_ahead``) and ``prefetch`` with CPU weights.
+"""Parallel reads of cold rows (``RowStateFile.read_ahead_if_cold`` / ``read_ahead``) and ``prefetch``
+with CPU weights.
 
 Announcing rows only asks the kernel to read their pages; the step still reads the file, so a run
 with announcements (of the next batch, of batches two ahead, of rows never stepped) and with the
@@ -80,7 +81,7 @@ def test_fetch_reads_missing_pages(tmp_path):
         if st.missing_pages(rows) == 0:
             pytest.skip("this file system keeps the file's pages after DONTNEED (e.g. tmpfs)")
         assert st.missing_pages(rows) == 16  # the sample: the first 16 rows' pages
-        st.fetch(rows)
+        st.read_ahead_if_cold(rows)
         deadline = time.monotonic() + 5.0
         while st.missing_pages(rows, sample=64) and time.monotonic() < deadline:
             time.sleep(0.01)

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 from optim import DiskSparseAdam
-from optim.disk_sparse import base, state_dirs
+from optim.disk_sparse import state_dirs
 from optim.disk_sparse.store import StateFileError
 from tests.utils import index_batches, run_python, step_rows
 
@@ -72,9 +72,9 @@ def test_a_private_dir_left_by_a_killed_process_is_removed_at_the_next_start(tmp
 
 
 def _on_ram(monkeypatch, available, limit=None):
-    monkeypatch.setattr(base, "filesystem_type", lambda path: "tmpfs")
-    monkeypatch.setattr(base, "memory_available", lambda: available)
-    monkeypatch.setattr(base, "memory_limit_bytes", lambda: limit)
+    monkeypatch.setattr(state_dirs, "filesystem_type", lambda path: "tmpfs")
+    monkeypatch.setattr(state_dirs, "memory_available", lambda: available)
+    monkeypatch.setattr(state_dirs, "memory_limit_bytes", lambda: limit)
 
 
 def test_state_larger_than_memory_on_a_ram_filesystem_is_refused_before_any_file_is_made(tmp_path, monkeypatch):
@@ -94,7 +94,7 @@ def test_state_larger_than_memory_on_a_ram_filesystem_is_refused_before_any_file
 def test_a_real_ram_filesystem_is_told_apart(tmp_path, monkeypatch):
     if state_dirs.filesystem_type("/dev/shm") != "tmpfs" or not os.access("/dev/shm", os.W_OK):
         pytest.skip("needs a writable tmpfs at /dev/shm")
-    monkeypatch.setattr(base, "memory_available", lambda: 2**20)
+    monkeypatch.setattr(state_dirs, "memory_available", lambda: 2**20)
     d = tempfile.mkdtemp(dir="/dev/shm")
     try:
         with pytest.raises(StateFileError, match="tmpfs filesystem, which keeps files in memory"):
@@ -112,7 +112,7 @@ def test_state_beyond_a_quarter_of_the_limit_on_a_ram_filesystem_warns_once(tmp_
         opt = DiskSparseAdam([t.weight for t in tables], state_dir=tmp_path / "s")
     assert len([w for w in record if "tmpfs" in str(w.message)]) == 1
     opt.close()
-    monkeypatch.setattr(base, "filesystem_type", lambda path: "ext4")
+    monkeypatch.setattr(state_dirs, "filesystem_type", lambda path: "ext4")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         DiskSparseAdam([t.weight for t in tables], state_dir=tmp_path / "t").close()

@@ -52,7 +52,7 @@ def test_store_gather_scatter_sorted_rows(tmp_path):
     st.close(step=4)
     st2 = RowStateFile(tmp_path / "s.dsa", 100, 3, 6, torch.float32)
     assert st2.step == 4 and torch.equal(st2.gather(rows), rec)
-    st2.prefetch(rows)
+    st2.read_ahead(rows)
     st2.close()
 
 
@@ -191,11 +191,11 @@ def test_memory_limit_is_the_smaller_of_ram_and_the_cgroup_limit(tmp_path):
 
 
 def test_huge_pages_default_follows_the_size_rule(tmp_path, monkeypatch):
-    from optim.disk_sparse import base, store
+    from optim.disk_sparse import state_dirs, store
 
     limit = store.memory_limit_bytes()
     assert store.fits_in_page_cache(int(0.2 * limit)) and not store.fits_in_page_cache(int(0.3 * limit))
-    monkeypatch.setattr(base, "fits_in_page_cache", lambda nbytes: nbytes < 10_000)  # where the optimizer calls it
+    monkeypatch.setattr(state_dirs, "fits_in_page_cache", lambda nbytes: nbytes < 10_000)  # where the optimizer calls it
     small, big = sparse_embedding(10, 6), sparse_embedding(1000, 6)  # state files of 480 and 48,000 bytes after the header
     alone = DiskSparseAdam([small.weight], state_dir=tmp_path / "alone")
     assert alone.state_file(small.weight).huge_pages == hasattr(__import__("mmap"), "MADV_HUGEPAGE")

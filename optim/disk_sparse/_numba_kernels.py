@@ -20,11 +20,12 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-PREFETCH_AHEAD = 4  # rows; the distance made no measurable difference between 1 and 16
+CACHE_AHEAD = 4  # rows; the distance made no measurable difference between 1 and 16
 
 
 @intrinsic
 def _prefetch_addr(typingctx, addr):
+    """LLVM's ``llvm.prefetch`` of the cache line at ``addr``: a hint to the CPU, never a fault."""
     def codegen(context, builder, signature, args):
         i8p = ir.IntType(8).as_pointer()
         i32 = ir.IntType(32)
@@ -65,7 +66,8 @@ def _call_int(typingctx, fn, x):
 
 
 @njit(inline="always", cache=True)
-def _prefetch_row(arr, r):
+def _cache_row(arr, r):
+    """Ask the CPU to bring row ``r`` of ``arr`` into its caches, one cache line at a time."""
     base = arr.ctypes.data + r * arr.strides[0]
     for off in range(0, arr.shape[1] * arr.itemsize, 64):
         _prefetch_addr(base + off)
@@ -150,31 +152,32 @@ def _sum_rows(values, perm, j0, j1, negate, gsum):
 
 
 @njit(inline="always", cache=True)
-def _prefetch_ahead(u, u1, sorted_idx, starts, records, weight):
-    """Prefetch the record and weight rows of unique row ``u + PREFETCH_AHEAD`` (if below ``u1``).
+def _cache_rows_ahead(u, u1, sorted_idx, starts, records, weight):
+    """Bring the record and weight rows of unique row ``u + CACHE_AHEAD`` (if below ``u1``) into
+    the CPU caches while row ``u`` is computed.
 
     The kernels write their row prelude out (this, ``_sum_rows``, the row's index): one inline
     helper doing all three and returning the row compiled markedly slower in ``tiled`` and
     ``fused`` on the seed configuration of ``experiments/dsa_throughput.py``. The m and v loops of
     ``moments``, ``fused`` and ``tiled`` are written out for the same reason: an inline helper
     shared by them compiled slower at widths 64 and 128."""
-    if u + PREFETCH_AHEAD < u1:
-        ahead = sorted_idx[starts[u + PREFETCH_AHEAD]]
-        _prefetch_row(records, ahead)
-        _prefetch_row(weight, ahead)
+    if u + CACHE_AHEAD < u1:
+        ahead = sorted_idx[starts[u + CACHE_AHEAD]]
+        _cache_row(records, ahead)
+        _cache_row(weight, ahead)
 
 
 def _moments(sorted_idx, perm, starts, n_rows, values, records, weight, rows, mbuf, vbuf, c1, c2,
              maximize, n_chunks):
     """Per unique row u: sum its gradient rows, update its record ``[m | v]`` in place, copy the new
-    m and v to ``mbuf[u]``, ``vbuf[u]``; the weight rows are prefetched for the weights pass."""
+    m and v to ``mbuf[u]``, ``vbuf[u]``; the weight rows are brought into the caches for the weights pass."""
     d = values.shape[1]
     for c in prange(n_chunks):
         u0 = c * n_rows // n_chunks
         u1 = (c + 1) * n_rows // n_chunks
         gsum = np.empty(d, dtype=records.dtype)
         for u in range(u0, u1):
-            _prefetch_ahead(u, u1, sorted_idx, starts, records, weight)
+            _cache_rows_ahead(u, u1, sorted_idx, starts, records, weight)
             _sum_rows(values, perm, starts[u], starts[u + 1], maximize, gsum)
             r = sorted_idx[starts[u]]
             rows[u] = r
@@ -199,8 +202,8 @@ def _weights(rows, n_rows, mbuf, sqrt_v, eps, weight, neg_step_size, n_chunks):
         u0 = c * n_rows // n_chunks
         u1 = (c + 1) * n_rows // n_chunks
         for u in range(u0, u1):
-            if u + PREFETCH_AHEAD < u1:
-                _prefetch_row(weight, rows[u + PREFETCH_AHEAD])
+            if u + CACHE_AHEAD < u1:
+                _cache_row(weight, rows[u + CACHE_AHEAD])
             wr, mr, sr = weight[rows[u]], mbuf[u], sqrt_v[u]
             for k in range(wr.shape[0]):
                 wr[k] = wr[k] + (mr[k] / (sr[k] + eps)) * neg_step_size
@@ -211,14 +214,14 @@ def _fused(sorted_idx, perm, starts, n_rows, values, records, weight, c1, c2, ep
     """The whole row update in one pass (``bitwise=False``): m, v in place, then the weight row,
     with numba's correctly rounded sqrt instead of torch's (see ``numba_ops.py``). The row prelude
     and moment loops repeat ``_moments``' on purpose: shared inline helpers compile slower (see
-    ``_prefetch_ahead``)."""
+    ``_cache_rows_ahead``)."""
     d = values.shape[1]
     for c in prange(n_chunks):
         u0 = c * n_rows // n_chunks
         u1 = (c + 1) * n_rows // n_chunks
         gsum = np.empty(d, dtype=records.dtype)
         for u in range(u0, u1):
-            _prefetch_ahead(u, u1, sorted_idx, starts, records, weight)
+            _cache_rows_ahead(u, u1, sorted_idx, starts, records, weight)
             _sum_rows(values, perm, starts[u], starts[u + 1], maximize, gsum)
             r = sorted_idx[starts[u]]
             rec, wr = records[r], weight[r]
@@ -252,7 +255,7 @@ def _tiled(sorted_idx, perm, starts, n_rows, values, records, weight, c1, c2, ep
         for t0 in range(u0, u1, tile_rows):
             t1 = min(t0 + tile_rows, u1)
             for u in range(t0, t1):
-                _prefetch_ahead(u, u1, sorted_idx, starts, records, weight)
+                _cache_rows_ahead(u, u1, sorted_idx, starts, records, weight)
                 _sum_rows(values, perm, starts[u], starts[u + 1], maximize, gsum)
                 r = sorted_idx[starts[u]]
                 tile[u - t0] = r
@@ -352,7 +355,7 @@ def _compact(sorted_idx, perm, starts, n_rows, values, codes, floats, weight, c1
         u1 = (c + 1) * n_rows // n_chunks
         gsum = np.empty(d, dtype=np.float32)
         for u in range(u0, u1):
-            _prefetch_ahead(u, u1, sorted_idx, starts, codes, weight)
+            _cache_rows_ahead(u, u1, sorted_idx, starts, codes, weight)
             _sum_rows(values, perm, starts[u], starts[u + 1], maximize, gsum)
             r = sorted_idx[starts[u]]
             g2 = np.float32(_sum_squares(gsum) / d)
@@ -385,7 +388,7 @@ def _ball(sorted_idx, perm, starts, n_rows, values, records, weight, lr, beta1, 
         x = np.empty(d, dtype=np.float64)
         y = np.empty(d, dtype=np.float64)
         for u in range(u0, u1):
-            _prefetch_ahead(u, u1, sorted_idx, starts, records, weight)
+            _cache_rows_ahead(u, u1, sorted_idx, starts, records, weight)
             _sum_rows(values, perm, starts[u], starts[u + 1], False, g)
             r = sorted_idx[starts[u]]
             rec, wr = records[r], weight[r]
@@ -404,7 +407,7 @@ def _ball_compact(sorted_idx, perm, starts, n_rows, values, codes, floats, weigh
     (``compact.py``; ``codes`` and ``floats`` are int8 and float32 views of them: s = floats[r, 0],
     v = floats[r, 1], q = codes[r, 8:8 + D]): decode m in float32, ``_ball_row``, encode m as
     ``_compact`` does (``_encode_row``). The row prelude repeats ``_compact``'s on purpose (see
-    ``_prefetch_ahead``)."""
+    ``_cache_rows_ahead``)."""
     d = values.shape[1]
     q0 = 8
     for ch in prange(n_chunks):
@@ -416,7 +419,7 @@ def _ball_compact(sorted_idx, perm, starts, n_rows, values, codes, floats, weigh
         y = np.empty(d, dtype=np.float64)
         m32 = np.empty(d, dtype=np.float32)
         for u in range(u0, u1):
-            _prefetch_ahead(u, u1, sorted_idx, starts, codes, weight)
+            _cache_rows_ahead(u, u1, sorted_idx, starts, codes, weight)
             _sum_rows(values, perm, starts[u], starts[u + 1], False, g)
             r = sorted_idx[starts[u]]
             wr, qr = weight[r], codes[r, q0:q0 + d]
@@ -518,17 +521,27 @@ def _named(fn, name):
 
 
 _opts = dict(nogil=True, fastmath=False, error_model="numpy", cache=True)
+# Every body is compiled twice: serial (fewer than ``numba_ops._PARALLEL_MIN_ROWS`` unique rows, where
+# a parallel launch costs more than it saves) and parallel. The case each pair serves
+# (``numba_ops._launch*`` chooses):
+# bitwise=True where ``vml_sqrt`` finds no sqrt in torch's library that reproduces ``torch.sqrt``
+# (torch builds without MKL: ARM, macOS; or MKL's fails the check), two passes around ``Tensor.sqrt_``:
 moments = njit(**_opts)(_named(_moments, "moments"))
 weights = njit(**_opts)(_named(_weights, "weights"))
 moments_parallel = njit(parallel=True, **_opts)(_named(_moments, "moments_parallel"))
 weights_parallel = njit(parallel=True, **_opts)(_named(_weights, "weights_parallel"))
+# bitwise=False (any torch build): one pass, a correctly rounded sqrt:
 fused = njit(**_opts)(_named(_fused, "fused"))
 fused_parallel = njit(parallel=True, **_opts)(_named(_fused, "fused_parallel"))
+# bitwise=True where ``vml_sqrt`` finds torch's own sqrt (builds with MKL): one pass calling it per tile:
 tiled = njit(**_opts)(_named(_tiled, "tiled"))
 tiled_parallel = njit(parallel=True, **_opts)(_named(_tiled, "tiled_parallel"))
+# Adam with state_format="compact":
 compact = njit(**_opts)(_named(_compact, "compact"))
 compact_parallel = njit(parallel=True, **_opts)(_named(_compact, "compact_parallel"))
+# the Riemannian update (DiskSparseRiemannianAdam), state_format="exact":
 ball = njit(**_opts)(_named(_ball, "ball"))
 ball_parallel = njit(parallel=True, **_opts)(_named(_ball, "ball_parallel"))
+# the Riemannian update, state_format="compact":
 ball_compact = njit(**_opts)(_named(_ball_compact, "ball_compact"))
 ball_compact_parallel = njit(parallel=True, **_opts)(_named(_ball_compact, "ball_compact_parallel"))

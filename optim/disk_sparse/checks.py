@@ -54,6 +54,18 @@ def check_grad(p, k, owner, rule):
                        f"got sparse_dim {g.sparse_dim()}")
 
 
+def announced_rows(indices, p, k) -> torch.Tensor:
+    """The sorted unique rows (CPU int64) of ``indices`` announced for parameter ``k`` (``p``) by
+    ``prefetch``: integers (any integer dtype and shape) inside the table."""
+    indices = torch.as_tensor(indices)
+    if indices.dtype == torch.bool or indices.is_floating_point() or indices.is_complex():
+        raise TypeError(f"prefetch: indices must be integers (row numbers), got {indices.dtype}")
+    rows = torch.unique(indices.detach().reshape(-1).to("cpu", torch.int64))
+    if rows.numel() and (rows[0] < 0 or rows[-1] >= p.shape[0]):
+        raise IndexError(f"prefetch: indices must lie in [0, {p.shape[0]}) for parameter {k}")
+    return rows
+
+
 def saved_state_by_param(param_groups, state_dict) -> dict:
     """``state_dict['state']`` keyed by the parameters of ``param_groups``, after checking the groups
     and their sizes."""

@@ -8,9 +8,9 @@ scatter. ``adam_rows_`` runs the same kernels on gathered unique rows, with the 
 backend shares (``torch_ops``, ``triton_ops``). The update is that of
 ``reference.sparse_adam_rows``. The compiled kernels are in ``_numba_kernels.py`` (cached on disk);
 they run on ``torch.get_num_threads()`` threads (``optim/_threads.py``). The torch path makes about
-twelve passes over ``(n, D)`` temporaries; these kernels make one or two, prefetch the scattered
-rows ahead and reuse scratch buffers across steps (fresh ones cost a page fault per 4 KiB);
-``experiments/dsa_throughput.py`` times them against ``torch.optim.SparseAdam``.
+twelve passes over ``(n, D)`` temporaries; these kernels make one or two, bring the scattered
+rows into the CPU caches a few rows ahead and reuse scratch buffers across steps (fresh ones cost a
+page fault per 4 KiB); ``experiments/dsa_throughput.py`` times them against ``torch.optim.SparseAdam``.
 
 Bitwise agreement with ``torch.optim.SparseAdam`` (float32 and float64): the operations and their
 order are those of the reference, scalars are rounded to the state dtype as torch rounds a Python
@@ -59,7 +59,7 @@ def _scratch(n, d, dtype):
     return bufs
 
 
-def _sorted_rows(K, indices: torch.Tensor, n_table_rows: int, sort_bufs, counts, starts, coalesce_order=True):
+def _sorted_rows(kernels, indices: torch.Tensor, n_table_rows: int, sort_bufs, counts, starts, coalesce_order=True):
     """(sorted indices, permutation, number of unique rows) as numpy, duplicates in coalesce's order.
 
     A stable radix sort in numba when no row occurs three times or more (the order of a sum of two
@@ -69,10 +69,10 @@ def _sorted_rows(K, indices: torch.Tensor, n_table_rows: int, sort_bufs, counts,
     """
     n = indices.shape[0]
     keys, perm = sort_bufs[0, :n], sort_bufs[1, :n]
-    if not K.radix_sort(indices.numpy(), n_table_rows, keys, perm, sort_bufs[2, :n], sort_bufs[3, :n], counts):
+    if not kernels.radix_sort(indices.numpy(), n_table_rows, keys, perm, sort_bufs[2, :n], sort_bufs[3, :n], counts):
         raise IndexError(f"sparse gradient rows must lie in [0, {n_table_rows}), got "
                          f"{int(indices.min())}..{int(indices.max())}")
-    n_rows, longest = K.segments(keys, n_table_rows, starts)
+    n_rows, longest = kernels.segments(keys, n_table_rows, starts)
     if coalesce_order and longest >= 3:
         # The sorted keys and their runs stay; only the order of equal keys differs. Into the radix
         # scratch rows (free again): fresh output tensors cost page faults every call.
@@ -81,7 +81,7 @@ def _sorted_rows(K, indices: torch.Tensor, n_table_rows: int, sort_bufs, counts,
     return keys, perm, n_rows
 
 
-def _uncoalesced(K, indices, values, n_table_rows, dtype, coalesce_order=False):
+def _uncoalesced(kernels, indices, values, n_table_rows, dtype, coalesce_order=False):
     """(the sorted unique rows the kernels take, the scratch buffers) of an uncoalesced gradient."""
     if indices.device.type != "cpu" or indices.dim() != 1 or indices.dtype != torch.int64 \
             or indices.shape[0] != values.shape[0]:
@@ -89,7 +89,7 @@ def _uncoalesced(K, indices, values, n_table_rows, dtype, coalesce_order=False):
                          f"gradient row; got {indices.dtype} {tuple(indices.shape)} on {indices.device}")
     bufs = _scratch(indices.shape[0], values.shape[1], dtype)
     starts, sort_bufs, counts = bufs[0], bufs[4], bufs[5]
-    keys, perm, n_rows = _sorted_rows(K, indices.contiguous(), n_table_rows, sort_bufs, counts, starts,
+    keys, perm, n_rows = _sorted_rows(kernels, indices.contiguous(), n_table_rows, sort_bufs, counts, starts,
                                       coalesce_order=coalesce_order)
     return (keys, perm, starts, n_rows), bufs
 
@@ -111,20 +111,20 @@ def adam_sparse_(weight: torch.Tensor, indices: torch.Tensor, values: torch.Tens
     order of the stable radix sort (the result differs from SparseAdam's by the rounding of sqrt
     where torch's is not correctly rounded, and by the rounding of sums of three or more duplicates).
     """
-    from . import _numba_kernels as K
+    from . import _numba_kernels as kernels
 
     check_adam_buffers(weight, values, records, values.shape[0])
-    rows, bufs = _uncoalesced(K, indices, values, weight.shape[0], weight.dtype, coalesce_order=bitwise)
-    _launch(K, rows, values, records, weight, bufs, step,
+    rows, bufs = _uncoalesced(kernels, indices, values, weight.shape[0], weight.dtype, coalesce_order=bitwise)
+    _launch(kernels, rows, values, records, weight, bufs, step,
             lr=lr, beta1=beta1, beta2=beta2, eps=eps, maximize=maximize, bitwise=bitwise)
 
 
 def adam_rows_(w, g, state, step, *, lr, beta1, beta2, eps, maximize=False, bitwise=True) -> None:
     """In-place lazy-Adam update of gathered unique rows (``torch_ops.adam_rows_``'s signature):
     ``w`` (n, D), ``g`` (n, D) and records ``state = [m | v]`` (n, 2D), all of one dtype on CPU."""
-    from . import _numba_kernels as K
+    from . import _numba_kernels as kernels
 
-    _launch(K, _unique(w.shape[0]), g, state, w, _scratch(w.shape[0], w.shape[1], w.dtype), step,
+    _launch(kernels, _unique(w.shape[0]), g, state, w, _scratch(w.shape[0], w.shape[1], w.dtype), step,
             lr=lr, beta1=beta1, beta2=beta2, eps=eps, maximize=maximize, bitwise=bitwise)
 
 
@@ -151,7 +151,7 @@ def check_adam_buffers(weight, values, records, n_values):
         raise ValueError("numba Adam kernels need contiguous records")
 
 
-def _launch(K, sorted_rows, values, records, weight, bufs, step, *, lr, beta1, beta2, eps, maximize, bitwise):
+def _launch(kernels, sorted_rows, values, records, weight, bufs, step, *, lr, beta1, beta2, eps, maximize, bitwise):
     """Run the kernel ``bitwise`` and the machine call for: ``tiled`` (torch's sqrt found),
     ``moments`` + ``Tensor.sqrt_`` + ``weights`` (not found), or ``fused`` (``bitwise=False``)."""
     keys, perm, starts, n_rows = sorted_rows
@@ -165,44 +165,44 @@ def _launch(K, sorted_rows, values, records, weight, bufs, step, *, lr, beta1, b
     c1, c2, eps, maximize = ty(1 - beta1), ty(1 - beta2), ty(eps), bool(maximize)
     parallel = threads > 1
     if not bitwise:
-        fused = K.fused_parallel if parallel else K.fused
+        fused = kernels.fused_parallel if parallel else kernels.fused
         fused(keys, perm, starts, n_rows, vals, rec, w, c1, c2, eps, neg_step, maximize, threads)
         return
     sqrt_fn = vml_sqrt.address(weight.dtype)
     if sqrt_fn is not None:
-        tiled = K.tiled_parallel if parallel else K.tiled
+        tiled = kernels.tiled_parallel if parallel else kernels.tiled
         tiled(keys, perm, starts, n_rows, vals, rec, w, c1, c2, eps, neg_step, maximize, threads,
               max(1, _TILE_ELEMENTS // vals.shape[1]), sqrt_fn, vml_sqrt.MODE, vml_sqrt.threads_local_address())
         return
     rows, mbuf, vbuf = bufs[1], bufs[2], bufs[3]
-    moments, weights = (K.moments_parallel, K.weights_parallel) if parallel else (K.moments, K.weights)
+    moments, weights = ((kernels.moments_parallel, kernels.weights_parallel) if parallel
+                        else (kernels.moments, kernels.weights))
     moments(keys, perm, starts, n_rows, vals, rec, w, rows, mbuf, vbuf.numpy(), c1, c2, maximize, threads)
     sqrt_v = vbuf[:n_rows].sqrt_()  # torch's sqrt: see the module docstring
     weights(rows, n_rows, mbuf, sqrt_v.numpy(), eps, w, neg_step, threads)
 
 
 # -- the compact state format (``compact.py``): float32 weights, one fused pass per row
-def compact_adam_sparse_(weight, indices, values, records, step, *, lr, beta1, beta2, eps, maximize=False,
-                         bitwise=True) -> None:
+def compact_adam_sparse_(weight, indices, values, records, step, *, lr, beta1, beta2, eps, maximize=False) -> None:
     """``adam_sparse_`` for compact records (uint8 ``(N, compact.record_bytes(D))``): the update of
     ``reference.compact_adam_rows`` per unique row of the uncoalesced gradient, in place; duplicates
-    summed in the stable radix sort's order. ``bitwise`` is accepted for the shared signature."""
-    from . import _numba_kernels as K
+    summed in the stable radix sort's order."""
+    from . import _numba_kernels as kernels
 
-    rows, _ = _uncoalesced(K, indices, values, weight.shape[0], torch.float32)
-    _launch_compact(K, rows, values, records, weight, step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+    rows, _ = _uncoalesced(kernels, indices, values, weight.shape[0], torch.float32)
+    _launch_compact(kernels, rows, values, records, weight, step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
                     maximize=maximize)
 
 
-def compact_adam_rows_(w, g, state, step, *, lr, beta1, beta2, eps, maximize=False, bitwise=True) -> None:
+def compact_adam_rows_(w, g, state, step, *, lr, beta1, beta2, eps, maximize=False) -> None:
     """``torch_ops.compact_adam_rows_`` (gathered unique rows, float32 ``w`` and ``g``) in numba."""
-    from . import _numba_kernels as K
+    from . import _numba_kernels as kernels
 
-    _launch_compact(K, _unique(w.shape[0]), g, state, w, step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+    _launch_compact(kernels, _unique(w.shape[0]), g, state, w, step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
                     maximize=maximize)
 
 
-def _launch_compact(K, sorted_rows, values, records, weight, step, *, lr, beta1, beta2, eps, maximize):
+def _launch_compact(kernels, sorted_rows, values, records, weight, step, *, lr, beta1, beta2, eps, maximize):
     from . import compact
 
     keys, perm, starts, n_rows = sorted_rows
@@ -220,7 +220,7 @@ def _launch_compact(K, sorted_rows, values, records, weight, step, *, lr, beta1,
     codes, floats = raw.view(np.int8), raw.view(np.float32)
     ty = np.float32
     neg_step = ty(float(-(lr * math.sqrt(1 - beta2 ** step) / (1 - beta1 ** step))))
-    kernel = K.compact_parallel if threads > 1 else K.compact
+    kernel = kernels.compact_parallel if threads > 1 else kernels.compact
     kernel(keys, perm, starts, n_rows, values.contiguous().to(torch.float32).numpy(), codes, floats,
            weight.detach().numpy(), ty(1 - beta1), ty(1 - beta2), ty(eps), neg_step, bool(maximize), threads)
 
@@ -230,21 +230,22 @@ def riemannian_adam_sparse_(weight, indices, values, records, step, *, lr, beta1
     """Riemannian Adam (``reference.riemannian_adam_rows``) in place on ``weight`` (N, D) and records
     ``[m | v]`` (N, D + 1) from an uncoalesced sparse gradient (``indices``, ``values`` (nnz, D));
     duplicates summed in the stable radix sort's order, in float64."""
-    from . import _numba_kernels as K
+    from . import _numba_kernels as kernels
 
-    rows, _ = _uncoalesced(K, indices, values, weight.shape[0], weight.dtype)
-    _launch_ball(K, rows, values, records, weight, step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, c=c, exact=exact)
+    rows, _ = _uncoalesced(kernels, indices, values, weight.shape[0], weight.dtype)
+    _launch_ball(kernels, rows, values, records, weight, step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, c=c,
+                 exact=exact)
 
 
 def riemannian_adam_rows_(w, g, state, step, *, lr, beta1, beta2, eps, c, exact) -> None:
     """``torch_ops.riemannian_adam_rows_`` (gathered unique rows, records of width D + 1) in numba."""
-    from . import _numba_kernels as K
+    from . import _numba_kernels as kernels
 
-    _launch_ball(K, _unique(w.shape[0]), g, state, w, step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, c=c,
+    _launch_ball(kernels, _unique(w.shape[0]), g, state, w, step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, c=c,
                  exact=exact)
 
 
-def _launch_ball(K, sorted_rows, values, records, weight, step, *, lr, beta1, beta2, eps, c, exact):
+def _launch_ball(kernels, sorted_rows, values, records, weight, step, *, lr, beta1, beta2, eps, c, exact):
     from .poincare import max_norm
 
     keys, perm, starts, n_rows = sorted_rows
@@ -262,7 +263,7 @@ def _launch_ball(K, sorted_rows, values, records, weight, step, *, lr, beta1, be
     if n_rows == 0:
         return
     threads = numba_threads() if n_rows >= _PARALLEL_MIN_ROWS else 1
-    kernel = K.ball_parallel if threads > 1 else K.ball
+    kernel = kernels.ball_parallel if threads > 1 else kernels.ball
     kernel(keys, perm, starts, n_rows, values.contiguous().numpy(), records.detach().numpy(),
            weight.detach().numpy(), float(lr), float(beta1), float(beta2), 1 - beta1**step, 1 - beta2**step,
            float(eps), float(c), max_norm(c, weight.dtype), bool(exact), False, threads)
@@ -272,22 +273,22 @@ def compact_riemannian_adam_sparse_(weight, indices, values, records, step, *, l
                                     exact) -> None:
     """``riemannian_adam_sparse_`` for compact records (uint8 ``(N, compact.record_bytes(D))``, float32
     weights): the update of ``reference.compact_riemannian_adam_rows`` per unique row, in place."""
-    from . import _numba_kernels as K
+    from . import _numba_kernels as kernels
 
-    rows, _ = _uncoalesced(K, indices, values, weight.shape[0], torch.float32)
-    _launch_ball_compact(K, rows, values, records, weight, step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, c=c,
+    rows, _ = _uncoalesced(kernels, indices, values, weight.shape[0], torch.float32)
+    _launch_ball_compact(kernels, rows, values, records, weight, step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, c=c,
                          exact=exact)
 
 
 def compact_riemannian_adam_rows_(w, g, state, step, *, lr, beta1, beta2, eps, c, exact) -> None:
     """``torch_ops.compact_riemannian_adam_rows_`` (gathered unique rows, float32 ``w`` and ``g``) in numba."""
-    from . import _numba_kernels as K
+    from . import _numba_kernels as kernels
 
-    _launch_ball_compact(K, _unique(w.shape[0]), g, state, w, step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+    _launch_ball_compact(kernels, _unique(w.shape[0]), g, state, w, step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
                          c=c, exact=exact)
 
 
-def _launch_ball_compact(K, sorted_rows, values, records, weight, step, *, lr, beta1, beta2, eps, c, exact):
+def _launch_ball_compact(kernels, sorted_rows, values, records, weight, step, *, lr, beta1, beta2, eps, c, exact):
     from . import compact
     from .poincare import max_norm
 
@@ -307,7 +308,7 @@ def _launch_ball_compact(K, sorted_rows, values, records, weight, step, *, lr, b
         return
     threads = numba_threads() if n_rows >= _PARALLEL_MIN_ROWS else 1
     raw = records.detach().numpy()
-    kernel = K.ball_compact_parallel if threads > 1 else K.ball_compact
+    kernel = kernels.ball_compact_parallel if threads > 1 else kernels.ball_compact
     kernel(keys, perm, starts, n_rows, values.contiguous().to(torch.float32).numpy(), raw.view(np.int8),
            raw.view(np.float32), weight.detach().numpy(), float(lr), float(beta1), float(beta2), 1 - beta1**step,
            1 - beta2**step, float(eps), float(c), max_norm(c, torch.float32), bool(exact), False, threads)

@@ -1,8 +1,9 @@
 """Staging of Disk Sparse Adam state records between the state file and the weights' device.
 
-Two stagers with one interface serve ``base.DiskSparseOptimizer``'s step: ``DirectStager`` (the
-records are gathered from the file for each step; weights on CPU) and ``RowStager`` (the staged
-pipeline; weights on CUDA, or any weights with ``staging=True``). Per step of one parameter::
+Two stagers with one interface (:class:`Stager`) serve ``base.DiskSparseOptimizer``'s step:
+``DirectStager`` (the records are gathered from the file for each step; weights on CPU) and
+``RowStager`` (the staged pipeline; weights on CUDA, or any weights with ``staging=True``). Per step
+of one parameter::
 
     host = acquire(rows); rec = to_device(host); w = weight_rows(p, rows)
     <row update of w, rec in place>; p[rows] = w; commit(rows, rec, host)
@@ -18,11 +19,12 @@ seen, so a training loop allocates no pinned or device staging memory after its 
 the optimizer's device memory is bounded by the staging buffers (O(batch rows)); the moments
 themselves never live on the device.
 
-``prefetch(rows)`` starts gathering announced rows' records into another pinned buffer on a
-background thread. A later step whose unique rows equal an announcement uses that buffer instead of
-reading the file again; other steps gather as usual. Announcements stay valid across steps: after a
-step writes its rows back, every pending announcement is waited for and the rows it shares with the
-step are overwritten with the step's new records, so a prefetched buffer is never used stale (a step
+``announce(rows)`` (called by the optimizer's ``prefetch``) starts gathering announced rows' records
+into another pinned buffer on a background thread. A later step whose unique rows equal an
+announcement uses that buffer instead of reading the file again; other steps gather as usual.
+Announcements stay valid across steps: after a step writes its rows back, every pending announcement
+is waited for and the rows it shares with the step are overwritten with the step's new records, so an
+announced buffer is never used stale (a step
 of random rows from a large table usually shares a few rows with the next batch; dropping the whole
 announcement then would waste it). Anything else that writes the file (``load_state_dict``,
 ``close``) calls ``invalidate()``. At most ``depth`` announcements are kept; older ones are dropped.
@@ -36,6 +38,7 @@ from __future__ import annotations
 import threading
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
+from typing import Protocol
 
 import torch
 
@@ -73,26 +76,73 @@ class _Announced:
         self.rows, self.buf, self.future = rows, buf, future
 
 
+class Stager(Protocol):
+    """What the optimizer's step asks of a stager; rows are CPU int64 tensors.
+
+    Both stagers hold their parameter's state file (``store``) and, for weights in a file
+    (``weights.py``), its ``weight_file``, read ahead with the records. ``lock`` is held from
+    ``acquire`` to ``commit``, so an announcement from another thread never takes the buffer of the
+    step in progress. ``hits``, ``misses`` and ``patched_rows`` count the use of announcements.
+    """
+
+    device: torch.device
+    lock: threading.RLock
+    hits: int
+    misses: int
+    patched_rows: int
+
+    def read_ahead_if_cold(self, rows: torch.Tensor) -> None:
+        """Before a fused step reads the file itself: queue reads of ``rows``' pages if any is not cached."""
+
+    def announce(self, rows: torch.Tensor) -> None:
+        """``rows`` (sorted unique) will be stepped soon: read their records (and weights) ahead now."""
+
+    def acquire(self, rows: torch.Tensor) -> torch.Tensor:
+        """The host records of ``rows`` (sorted unique)."""
+
+    def to_device(self, host: torch.Tensor) -> torch.Tensor:
+        """Those records on the weights' device."""
+
+    def weight_rows(self, p: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """The rows of ``p`` to update."""
+
+    def commit(self, rows: torch.Tensor, dev: torch.Tensor, host: torch.Tensor) -> None:
+        """Write the updated records ``dev`` of ``rows`` back to the file (``host``: what ``acquire`` gave)."""
+
+    def invalidate(self) -> None:
+        """Drop every announcement, after its reads finished: before anything else writes the file."""
+
+    def buffers(self) -> list:
+        """The persistent staging tensors."""
+
+    def device_bytes(self) -> int:
+        """Bytes of the persistent device buffers."""
+
+    def host_bytes(self) -> int:
+        """Bytes of the persistent (pinned) host buffers."""
+
+
 class DirectStager:
     """The unstaged path: each step gathers its rows' records from the file (and copies them to the
     weights' device if that is not the CPU) and scatters them back. Before a step reads the file,
-    ``fetch`` queues reads of its rows' pages if they are not cached (``RowStateFile.fetch``);
-    ``prefetch`` queues them for announced rows on ``executor``'s background thread
-    (``RowStateFile.read_ahead``). Announcements carry no data (the step reads the file itself), so
-    they can never be stale. Holds no buffers."""
+    ``read_ahead_if_cold`` queues reads of its rows' pages if they are not cached
+    (``RowStateFile.read_ahead_if_cold``); ``announce`` queues them for announced rows on
+    ``executor``'s background thread (``RowStateFile.read_ahead``). Announcements carry no data (the
+    step reads the file itself), so they can never be stale. Holds no buffers. ``weight_file``: the
+    weights' file (``weights.py``), read ahead with the records, or None."""
 
     hits = misses = patched_rows = 0
-    weight_file = None  # the weights' file (``weights.py``), read ahead with the records
 
-    def __init__(self, store, device, executor=None):
+    def __init__(self, store, device, executor=None, weight_file=None):
         self.store, self.device, self.executor = store, torch.device(device), executor
+        self.weight_file = weight_file
         self.pending: deque = deque()
-        self.lock = threading.RLock()  # prefetch may come from a loader thread
+        self.lock = threading.RLock()  # an announcement may come from a loader thread
 
     def _files(self):
         return (self.store,) if self.weight_file is None else (self.store, self.weight_file)
 
-    def fetch(self, rows: torch.Tensor):
+    def read_ahead_if_cold(self, rows: torch.Tensor):
         """Make the pages of ``rows`` (CPU int64, any order) arrive together before a step reads them.
 
         Does not wait for announced read-aheads: they may be batches ahead of this step, and pages
@@ -101,10 +151,10 @@ class DirectStager:
             while self.pending and self.pending[0].done():
                 self.pending.popleft()
         for f in self._files():
-            f.fetch(rows)
+            f.read_ahead_if_cold(rows)
 
     def acquire(self, rows: torch.Tensor) -> torch.Tensor:
-        self.fetch(rows)
+        self.read_ahead_if_cold(rows)
         return self.store.gather(rows)
 
     def to_device(self, host: torch.Tensor) -> torch.Tensor:
@@ -118,7 +168,7 @@ class DirectStager:
     def commit(self, rows: torch.Tensor, dev: torch.Tensor, host: torch.Tensor):
         self.store.scatter(rows, dev.cpu())
 
-    def prefetch(self, rows: torch.Tensor):
+    def announce(self, rows: torch.Tensor):
         with self.lock:
             for f in self._files():
                 if self.executor is None:
@@ -146,18 +196,18 @@ class DirectStager:
 
 
 class RowStager:
-    """Pinned and device staging buffers of one parameter, and its pending prefetches.
+    """Pinned and device staging buffers of one parameter, and its pending announcements.
 
     ``store``: the parameter's :class:`~optim.disk_sparse.store.RowStateFile`; ``device``: the
     weights' device; ``executor``: a one-thread executor for the background gathers; ``depth``: how
     many announcements are kept (two cover a loop that announces batch k+1 before stepping batch k,
     three one that looks two batches ahead); when one more arrives, the oldest is dropped.
+    ``weight_file``: CPU weights in a file (``weights.py``), read ahead with announced records, or None.
     """
 
-    weight_file = None  # CPU weights in a file (``weights.py``): read ahead with announced records
-
-    def __init__(self, store, device, executor, depth: int = 3):
+    def __init__(self, store, device, executor, depth: int = 3, weight_file=None):
         self.store, self.device, self.executor, self.depth = store, torch.device(device), executor, depth
+        self.weight_file = weight_file
         self.cuda = self.device.type == "cuda"
         pin = self.cuda
         # depth + 1 host buffers: each pending announcement holds one, the running step one more.
@@ -168,8 +218,8 @@ class RowStager:
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
         self.event = torch.cuda.Event() if self.cuda else None
         self.hits = self.misses = self.patched_rows = 0
-        # prefetch may come from a loader thread; the optimizer holds the lock from acquire to commit,
-        # so an announcement never takes the buffer of the step in progress
+        # an announcement may come from a loader thread; the optimizer holds the lock from acquire to
+        # commit, so an announcement never takes the buffer of the step in progress
         self.lock = threading.RLock()
 
     # -- host side -----------------------------------------------------------------------------
@@ -177,7 +227,7 @@ class RowStager:
         busy = {id(a.buf) for a in self.pending}
         return next(b for b in self.host if id(b) not in busy)
 
-    def prefetch(self, rows: torch.Tensor):
+    def announce(self, rows: torch.Tensor):
         """Start gathering the records of ``rows`` (CPU int64, sorted unique) in the background."""
         with self.lock:
             while len(self.pending) >= self.depth:
@@ -195,11 +245,17 @@ class RowStager:
                 self.weight_file.read_ahead(rows)
             self.store.read_ahead(rows)
         else:
-            self.store.fetch(rows)
+            self.store.read_ahead_if_cold(rows)
         return torch.index_select(self.store.records, 0, rows, out=out)
 
+    def read_ahead_if_cold(self, rows: torch.Tensor):
+        """Queue reads of ``rows``' record and weight pages if any is not cached (``acquire`` does it
+        for the records it gathers)."""
+        for f in (self.store,) if self.weight_file is None else (self.store, self.weight_file):
+            f.read_ahead_if_cold(rows)
+
     def acquire(self, rows: torch.Tensor) -> torch.Tensor:
-        """Host records of ``rows`` (CPU int64, sorted unique): a prefetched buffer or a fresh gather.
+        """Host records of ``rows`` (CPU int64, sorted unique): an announced buffer or a fresh gather.
 
         The result is a view of a persistent buffer, valid until the next ``acquire``.
         """

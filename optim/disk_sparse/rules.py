@@ -107,6 +107,11 @@ def _adam_hyper(group):
                 maximize=group["maximize"], bitwise=group.get("bitwise", True))
 
 
+def _compact_adam_hyper(group):
+    """``_adam_hyper`` without ``bitwise``: the compact update has one rounding on every backend."""
+    return {k: v for k, v in _adam_hyper(group).items() if k != "bitwise"}
+
+
 def _ball_hyper(group):
     beta1, beta2 = group["betas"]
     return dict(lr=scalar(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"], c=check_curvature(group["c"]),
@@ -178,7 +183,7 @@ ADAM_COMPACT = Rule(
     element_sparse=("with state_format='compact' takes row-sparse gradients (nn.Embedding(sparse=True)); "
                     "an element-sparse gradient would change part of a row's coded first moment. "
                     "Use state_format='exact'"),
-    hyper=_adam_hyper, check_group=_check_adam,
+    hyper=_compact_adam_hyper, check_group=_check_adam,
     routes={"torch": ("torch_ops.compact_adam_rows_", None),
             "numba": ("numba_ops.compact_adam_rows_", "numba_ops.compact_adam_sparse_")}, **_COMPACT_RECORD)
 

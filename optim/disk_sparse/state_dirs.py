@@ -1,4 +1,8 @@
-"""Where the state files go: private temporary directories, and state_dirs that live in RAM.
+"""The state directory of a Disk Sparse optimizer: where it is, who owns it, and its files' lifecycle.
+
+:class:`StateDir` is one optimizer's directory and the lifecycle of the files in it, from the lock
+check at construction to the flush and close of every file (below). The functions before it say
+where a private directory goes and whether a directory lives in RAM.
 
 ``state_dir=None`` makes a private directory under ``tempfile.gettempdir()`` (``$TMPDIR``, else
 ``/tmp``), named after its owner: ``disk-sparse-adam-<pid>-<start>-<ns>-<random>``, where ``<start>``
@@ -20,8 +24,13 @@ import os
 import re
 import shutil
 import tempfile
+import warnings
+import weakref
 
-from .store import StateFileError, locked_state_file, memory_limit_bytes
+from .store import (RowStateFile, StateFileError, fits_in_page_cache, locked_state_file, make_state_dir,
+                    memory_limit_bytes, remove_dir_of, state_files_in, weights_fingerprint)
+from .table import cols, state_bytes
+from .weights import weight_file
 
 PREFIX = "disk-sparse-adam-"
 _OWNED = re.compile(re.escape(PREFIX) + r"(\d+)-(\d+)-(\d+)-[^-]+$")
@@ -144,3 +153,206 @@ def check_ram_state(state_dir, nbytes: int, kind: str | None, available: int | N
                 f"in memory ({nbytes / limit:.0%} of the {limit / mib:.0f} MiB memory limit), not on a disk. "
                 f"To keep it out of memory, {fix}")
     return None
+
+
+class StateDir:
+    """One optimizer's state directory and the lifecycle of the files in it.
+
+    ``StateDir(state_dir, resume, optimizer)`` makes a private directory for ``state_dir=None``
+    (removed by ``close``, or at interpreter exit once ``optimizer`` is gone, since ``__del__`` may not
+    run then) and refuses a given one where another optimizer holds a state file's lock, or, without
+    ``resume``, one that already holds state files. It then makes or reopens the tables' files
+    (``open_files``: a new one is accounted against a RAM filesystem's memory and removed again by
+    ``remove_made`` when the constructor fails), checks a resumed directory against the tables
+    (``check_resumed``), and flushes and closes every file (a weight file before its state file, so
+    a clean state file implies clean weights). ``interrupted``: a step or load was cut short, so the
+    files hold no one step and none is marked clean. Only the process that made it uses it
+    (``check_open``); a forked child's ``close`` only drops its copies of the mappings.
+    """
+
+    def __init__(self, state_dir, resume: bool, optimizer, huge_pages=None, state_format="exact"):
+        self.name = type(optimizer).__name__  # names the optimizer in messages
+        self.private = state_dir is None
+        self.huge_pages, self.state_format = huge_pages, state_format
+        self.pid = os.getpid()  # a forked child only drops its copies (see close)
+        self.closed = False
+        self.interrupted = False
+        self.planned_bytes = 0  # of the tables the constructor was given: all decide the page-cache rule
+        self._opened_bytes = 0  # of the tables opened so far
+        self._made: list = []  # state files made here: removed if the optimizer's constructor fails
+        self._new_bytes = 0  # their size: on a RAM filesystem, memory (see check_ram_state)
+        self._ram_warned = False
+        if self.private:
+            state_dir = make_private_dir()  # under $TMPDIR; orphans of killed processes removed first
+            self._remove_private = weakref.finalize(optimizer, remove_dir_of, os.getpid(), state_dir)
+        self.path = os.fspath(state_dir)
+        make_state_dir(self.path)
+        self._fs_type = filesystem_type(self.path)
+        if not self.private:
+            busy = locked_state_file(self.path)
+            if busy is not None:
+                self.closed = True
+                raise StateFileError(
+                    f"state_dir {self.path}: {busy} is in use by another optimizer (it holds the file's lock): "
+                    "two optimizers cannot share one state_dir. Close that optimizer first (to continue its "
+                    "state: resume=True), or give this one another state_dir")
+        if not resume and not self.private and state_files_in(self.path):
+            self.closed = True
+            raise StateFileError(
+                f"state_dir {self.path} already holds state files ({state_files_in(self.path)[0]}, "
+                "...). Pass resume=True to continue from them (at the step their headers hold), or "
+                "restore a checkpoint: give a new (or emptied) state_dir and call load_state_dict")
+
+    def check_open(self):
+        """Refuse use after ``close`` or from a forked child."""
+        if self.closed:
+            raise RuntimeError(f"{self.name} on state_dir {self.path} is closed; "
+                               "create a new optimizer (it can reopen the same state_dir)")
+        if not self.owned_here():
+            raise RuntimeError(f"{self.name} on state_dir {self.path} belongs to process "
+                               f"{self.pid}; a forked child cannot use it: create one in the child")
+
+    def owned_here(self) -> bool:
+        """Whether this process made the directory (not a forked child)."""
+        return os.getpid() == self.pid
+
+    # -- opening -----------------------------------------------------------------------------------
+    def open_files(self, k: int, p, rule, name: str = ""):
+        """``(state file, weight file or None, resumed)`` of parameter ``k`` (``p``) under ``rule``:
+        its file ``param{k:04d}.dsa`` reopened if it exists (``resumed``), else made. The weight file of
+        a ``mapped_embedding`` is refused while another open optimizer trains it, and a resumed one
+        whose step differs from its state file's; it then belongs to this directory."""
+        wf = weight_file(p)
+        owner = None if wf is None or wf.owner is None else wf.owner()
+        if owner is not None and owner is not self and not owner.closed:
+            raise StateFileError(f"parameter {k}: the mapped_embedding {wf.path} is already trained by another "
+                                 f"optimizer (on state_dir {owner.path}); close that one first")
+        nbytes = state_bytes(rule, p)
+        # whether the optimizer's state as a whole stays in the page cache: the tables so far, this one
+        # and those the constructor was given after it
+        self._opened_bytes += nbytes
+        fits = fits_in_page_cache(max(self._opened_bytes, self.planned_bytes))
+        path = os.path.join(self.path, f"param{k:04d}.dsa")
+        resumed = os.path.exists(path)
+        if not resumed:
+            self._check_ram(nbytes)
+        store = RowStateFile(path, p.shape[0], cols(p), rule.width(cols(p)), rule.record_dtype(p.dtype),
+                             huge_pages=fits if self.huge_pages is None else self.huge_pages,
+                             state_format=self.state_format, stays_in_memory=fits, name=name)
+        if not resumed:
+            self._made.append(path)
+        if wf is not None and resumed and wf.step != store.step:
+            store.close()
+            raise StateFileError(
+                f"weight file {wf.path} is at step {wf.step} but state file {store.path} at step "
+                f"{store.step}: they were not flushed together; restore both from one checkpoint")
+        if wf is not None:
+            wf.owner = weakref.ref(self)
+        return store, wf, resumed
+
+    def _check_ram(self, nbytes):
+        """Before a new state file of ``nbytes`` is made: refuse (or warn once about) state a RAM
+        filesystem would hold in memory (``check_ram_state``)."""
+        if self._fs_type is None:
+            return
+        message = check_ram_state(self.path, self._new_bytes + nbytes, self._fs_type, memory_available(),
+                                  memory_limit_bytes())
+        self._new_bytes += nbytes
+        if message and not self._ram_warned:
+            self._ram_warned = True
+            warnings.warn(message, UserWarning, stacklevel=6)
+
+    def check_resumed(self, tables: dict):
+        """Refuse a resume that would continue only some of the files, or whose tables (``{param:
+        table.Table}``) come in another order than they were saved in: a table whose weights differ
+        from those its file was flushed with, but match those another file of the same shape and
+        dtype was flushed with, would take over that table's moments and steps."""
+        held = {p: t.store.fingerprint() for p, t in tables.items()}
+        holder = {fp: p for p, fp in held.items() if fp is not None}
+        for p, t in tables.items():
+            if p.is_meta or held[p] is None:
+                continue
+            mine = weights_fingerprint(p)
+            other = holder.get(mine)
+            if mine != held[p] and other is not None and other is not p:
+                raise StateFileError(
+                    f"state_dir {self.path}: the weights of parameter {t.index} ({tuple(p.shape)}) are those "
+                    f"{os.path.basename(tables[other].store.path)} (parameter {tables[other].index}) was saved "
+                    f"with, not those of {os.path.basename(t.store.path)}: were the tables given in another "
+                    "order? Give them in the order they were trained in (or by name: named_parameters()), or "
+                    "restore a checkpoint into a new state_dir")
+        extra = sorted(set(state_files_in(self.path)) - {os.path.basename(t.store.path) for t in tables.values()})
+        if extra:
+            raise StateFileError(
+                f"state_dir {self.path} holds state files of more parameters than this optimizer has "
+                f"({', '.join(extra)}): it would resume only some of them. Give every parameter that was "
+                "trained with it, or restore a checkpoint into a new state_dir")
+
+    def remove_made(self):
+        """Remove the state files made here (zero state: nothing worth keeping), after a failed constructor."""
+        for path in self._made:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+
+    # -- clean points ------------------------------------------------------------------------------
+    def flush(self, tables: dict):
+        """Write every file of ``tables`` ({param: table.Table}) to disk, marked clean at its table's step:
+        a weight file first, so a clean state file implies clean weights. Refused after an interruption."""
+        if self.interrupted:
+            raise StateFileError(
+                f"{self.name} on state_dir {self.path}: a step or load_state_dict was "
+                "interrupted, so the state files hold no one step and cannot be marked clean. "
+                "Restore the last checkpoint (load_state_dict), then flush")
+        for p, t in tables.items():
+            if t.weight_file is not None:
+                t.weight_file.flush(t.step)
+            _record_fingerprint(p, t.store)
+            t.store.flush(t.step)
+
+    def close(self, tables: dict):
+        """Flush (unless interrupted) and release every file of ``tables``, whatever one raises, then
+        remove a private directory; a weight file is left open (its module owns it). In a forked child:
+        drop this process's mappings only (the files, lock and directory are the parent's)."""
+        self.closed = True
+        if not self.owned_here():
+            for t in tables.values():
+                t.store.close()
+            return
+        try:
+            errors = []
+            for p, t in tables.items():
+                clean = not self.interrupted
+                wf = t.weight_file
+                if wf is not None and not wf.closed and clean:
+                    try:
+                        wf.flush(t.step)
+                    except StateFileError as exc:  # clean state implies clean weights: not this time
+                        errors.append(exc)
+                        clean = False
+                try:
+                    if clean:
+                        _record_fingerprint(p, t.store)
+                    t.store.close(t.step, clean=clean)
+                except StateFileError as exc:
+                    errors.append(exc)
+            for t in tables.values():
+                t.weight_file = None
+            if errors:
+                raise errors[0]
+        finally:
+            if self.private:
+                self._remove_private()
+
+
+def _record_fingerprint(p, store):
+    """Record ``p``'s weights' fingerprint in its state file before a clean point that follows
+    writes (a constructor that failed, or an optimizer that never stepped, leaves it as it was)."""
+    if p.is_meta or not store.owned() or store.closed or not store.dirty:
+        return
+    try:
+        digest = weights_fingerprint(p)
+    except RuntimeError:  # weights that cannot be read now (a lost device): no check at resume
+        return
+    store.write_fingerprint(digest)

@@ -34,7 +34,7 @@ Safety:
 - The mapping is advised ``MADV_RANDOM``: a step reads scattered rows, readahead would only evict.
 
 Cold rows: a step that would fault its rows' pages in one at a time waits on the disk at queue
-depth 1. ``fetch(rows)`` checks a sample of the rows' pages (``mincore``) and, if any is missing,
+depth 1. ``read_ahead_if_cold(rows)`` checks a sample of the rows' pages (``mincore``) and, if any is missing,
 asks for all of them with ``posix_fadvise(WILLNEED)``, one call per run of pages: each call queues
 the reads and returns, so the step's page faults then wait on reads that are all in flight at once
 (the disk's parallel rate; ``experiments/dsa_out_of_core.py`` compares it with worker threads
@@ -43,7 +43,7 @@ A file this process created and that stays in the page cache (``stays_in_memory`
 ``fits_in_page_cache`` rule) is brought into the page cache at creation (``_populate``) and never
 read ahead: its pages are zeros until written, and a residency check would otherwise find every
 untouched page "missing" and ask for all of a step's pages at every step of the first pass over the
-table. ``fetch`` skips it (``in_memory``).
+table. ``read_ahead_if_cold`` skips it (``in_memory``).
 
 Page size: with ``huge_pages=True`` the mapping is also advised ``MADV_HUGEPAGE``. Where the kernel
 and file system back file mappings with 2 MiB folios (Linux 6.x with large folios, e.g. ext4 from
@@ -82,7 +82,7 @@ PRINT_OFFSET, PRINT_BYTES = 768, 16  # a fingerprint of the weights at the last 
 _FILE_FORMATS = STATE_FORMATS + ("weights",)  # the header's format field; "weights": weights.py's files
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14+ (older kernels: EINVAL)
 WRITE_CHUNK_BYTES = 64 << 20  # write_all writes back at most this much, and 1/8 of the memory limit, at a time
-SAMPLE_PAGES = 16  # pages fetch() checks for residency before asking for all of a step's pages (0: never)
+SAMPLE_PAGES = 16  # pages read_ahead_if_cold() checks for residency before reading all of a step's (0: never)
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
 
@@ -236,7 +236,7 @@ class RowStateFile:
                 self._check_existing()
             self._map()
             # A new file that stays in the page cache is brought in at once, and has nothing on
-            # disk worth reading ahead later: ``fetch`` skips it.
+            # disk worth reading ahead later: ``read_ahead_if_cold`` skips it.
             self.in_memory = bool(created and stays_in_memory)
             if self.in_memory:
                 self._populate()
@@ -479,8 +479,8 @@ class RowStateFile:
         self._dirty = False
 
     def drop_cache(self):
-        """Evict this file's pages from the page cache (cold-cache benchmarks); ``fetch`` reads them
-        ahead from then on."""
+        """Evict this file's pages from the page cache (cold-cache benchmarks); ``read_ahead_if_cold``
+        reads them ahead from then on."""
         self._check_open()
         self.in_memory = False
         self._mm.madvise(mmap.MADV_DONTNEED)
@@ -509,8 +509,6 @@ class RowStateFile:
         first, counts = self._page_runs(rows.numpy())
         _readahead.advise(self._fd, first, counts, mmap.PAGESIZE)
 
-    prefetch = read_ahead  # the name stagers call
-
     def missing_pages(self, rows: torch.Tensor, sample: int | None = None) -> int:
         """How many of ``sample`` of ``rows``' record pages (evenly strided over ``rows``, which may
         be sorted) are not in the page cache (``mincore`` on the mapping)."""
@@ -530,7 +528,7 @@ class RowStateFile:
             missing += not (vec.value & 1)
         return missing
 
-    def fetch(self, rows: torch.Tensor, sample: int | None = None):
+    def read_ahead_if_cold(self, rows: torch.Tensor, sample: int | None = None):
         """Before a step on ``rows`` (int64 CPU indices in the table, any order, duplicates allowed):
         if any of a sample of their pages is not cached, queue reads of all of them (``read_ahead``),
         so the step's page faults wait on parallel reads instead of reading one page at a time."""

@@ -46,8 +46,9 @@ def adam_rows_(w, g, state, step, *, lr, beta1, beta2, eps, maximize=False, bitw
     """In-place twin of ``reference.sparse_adam_rows`` on records ``state = [m | v]``.
 
     The operations and their order are those of the reference (and of ``torch.optim.SparseAdam``), so
-    results are bitwise equal to it; ``bitwise`` is accepted for the shared signature (this path is
-    always bitwise).
+    results are bitwise equal to it. ``bitwise`` stays in the signature because the exact Adam rule
+    passes one set of keywords to every backend's ``rows_fn`` (``rules.Rule.hyper``) and numba's reads
+    it; this path is always bitwise.
     """
     d = g.shape[1]
     m, v = state[:, :d], state[:, d:]
@@ -76,9 +77,9 @@ def riemannian_adam_rows_(w, g, state, step, *, lr, beta1, beta2, eps, c, exact)
     w.copy_(x)
 
 
-def compact_adam_rows_(w, g, state, step, *, lr, beta1, beta2, eps, maximize=False, bitwise=True) -> None:
-    """In-place ``reference.compact_adam_rows`` on compact records ``state`` (uint8, ``compact.py``);
-    ``bitwise`` is accepted for the shared signature. The update runs in float32."""
+def compact_adam_rows_(w, g, state, step, *, lr, beta1, beta2, eps, maximize=False) -> None:
+    """In-place ``reference.compact_adam_rows`` on compact records ``state`` (uint8, ``compact.py``).
+    The update runs in float32."""
     d = w.shape[1]
     s, v, q = compact.views(state, d)
     w_new, q_new, s_new, v_new = compact_adam_rows(w.float(), g.float(), q, s, v, step, lr=lr, beta1=beta1,

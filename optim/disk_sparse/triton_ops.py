@@ -82,9 +82,10 @@ def adam_rows_(w, g, state, step, *, lr, beta1, beta2, eps, maximize=False, bitw
     """In-place lazy-Adam update of gathered rows; ``state`` holds records ``[m | v]`` (width 2D).
 
     Same update as ``reference.sparse_adam_rows`` (and ``torch.optim.SparseAdam``), with correctly
-    rounded sqrt and division (``bitwise`` is accepted for the shared signature): on CPU, torch's
-    vectorised sqrt is not correctly rounded, so there a few values differ by one ulp. ``step`` is
-    the step count after incrementing (>= 1).
+    rounded sqrt and division: on CPU, torch's vectorised sqrt is not correctly rounded, so there a
+    few values differ by one ulp. ``step`` is the step count after incrementing (>= 1). ``bitwise`` is
+    ignored: the exact Adam rule passes one set of keywords to every backend (``rules.Rule.hyper``)
+    and only numba's reads it.
     """
     _check_rows("adam_rows_", w, g, state, lambda d: 2 * d)
     if step < 1:

@@ -44,7 +44,9 @@ class WeightFile(RowStateFile):
     def __init__(self, path, rows, cols, dtype):
         super().__init__(path, rows, cols, cols, dtype, huge_pages=False, state_format="weights")
 
-    optimizer = None  # a weakref to the optimizer that trains this weight (one at a time)
+    # A weakref to the state directory (``state_dirs.StateDir``) of the optimizer that trains this
+    # weight, one at a time: another optimizer is refused while that directory is open.
+    owner = None
 
     def _check_open(self):
         if self.closed:
