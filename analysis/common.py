@@ -386,13 +386,13 @@ def with_contents(doc: str) -> str:
     titles = [line[3:].strip() for line in doc.splitlines() if line.startswith("## ")]
     if not titles:
         return doc
-    items = "\n".join(f"- [{t}](#{_anchor(t)})" for t in titles)
+    items = "\n".join(f"- [{t}](#{anchor(t)})" for t in titles)
     block = f"{begin}\nContents:\n\n{items}\n{end}\n\n"
     first = re.search(r"^(## |<!-- begin )", doc, re.M)  # before the first section, outside every block
     return doc[:first.start()] + block + doc[first.start():]
 
 
-def _anchor(title: str) -> str:
+def anchor(title: str) -> str:
     """The anchor GitHub gives a heading: lower case, punctuation dropped, spaces as hyphens."""
     return re.sub(r"[^\w\- ]", "", title.lower()).replace(" ", "-")
 

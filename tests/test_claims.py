@@ -1,4 +1,5 @@
-"""The README's claims table is what analysis/claims.py makes of the committed results."""
+"""The README's claims table and results/README.md's "Claims in detail" are what analysis/claims.py makes of
+the committed results."""
 
 import csv
 import re
@@ -6,28 +7,17 @@ import re
 import pytest
 
 from analysis import claims
-from analysis.common import ResultsError
+from analysis.common import ResultsError, read_section
 from experiments.common import FIELDS, REPO_ROOT, RESULTS_DIR
 
 
-class Recording(claims.Results):
-    """Results that note which CSVs a row reads."""
-
-    def __init__(self, results_dir=RESULTS_DIR):
-        super().__init__(results_dir)
-        self.read = set()
-
-    def rows(self, experiment, *metrics):
-        self.read.add(experiment)
-        return super().rows(experiment, *metrics)
-
-
 def _reads():
-    rec, out = Recording(), []
+    """(row, experiment) for every CSV each row reads (``Results.read`` notes them)."""
+    results, out = claims.Results(), []
     for f in claims.ROWS:
-        rec.read = set()
-        f(rec)
-        out += [pytest.param(f, e, id=f"{f.__name__}-{e}") for e in sorted(rec.read)]
+        results.read = []
+        f(results)
+        out += [pytest.param(f, e, id=f"{f.__name__}-{e}") for e in sorted(results.read)]
     return out
 
 
@@ -52,6 +42,27 @@ def test_readme_block_is_generated_from_the_committed_results():
     assert m.group(1) == claims.block(), "README's claims block differs from the results: run python analysis/claims.py"
 
 
+def test_results_detail_is_generated_from_the_committed_results():
+    text = read_section(RESULTS_DIR / "README.md", claims.DETAIL)
+    assert text is not None, f"results/README.md has no {claims.DETAIL} section"
+    assert text == claims.detail(), "results/README.md's claims detail differs from the results: run python analysis/claims.py"
+
+
+def test_detail_has_one_entry_per_row_with_its_headline_and_runs():
+    text = claims.detail()
+    results = claims.Results()
+    for f in claims.ROWS:
+        results.read = []
+        row = f(results)
+        entry = next((p for p in text.split("\n\n") if p.startswith(f"**{row.claim}**")), None)
+        assert entry is not None, row.claim
+        assert f"(*{row.verdict}*): {row.headline}." in entry and row.detail in entry
+        for e in results.read:  # every CSV the row read: its run's commit and command, a link to its section
+            config = claims.Results().run(e)
+            assert f"commit `{config['git_commit']}`" in entry and f"`{config['command']}`" in entry, (row.claim, e)
+        assert "](#" in entry or "](gpu/" in entry, row.claim
+
+
 def test_table_reads_one_way_and_stays_short():
     text = claims.block()
     rows = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| claim")]
@@ -65,8 +76,8 @@ def test_table_reads_one_way_and_stays_short():
 
 @pytest.mark.parametrize("row, experiment", _reads())
 def test_row_names_the_csv_that_lacks_its_metric(tmp_path, row, experiment):
-    """Every CSV but ``experiment`` is the committed one; ``experiment`` holds no metric the row needs."""
-    for path in list(RESULTS_DIR.glob("*.csv")) + list(RESULTS_DIR.glob("gpu/*.csv")):
+    """Every results file but ``experiment``'s CSV is the committed one; that CSV holds no metric the row needs."""
+    for path in [p for p in list(RESULTS_DIR.glob("*")) + list(RESULTS_DIR.glob("gpu/*")) if p.is_file()]:
         dest = tmp_path / path.relative_to(RESULTS_DIR)
         dest.parent.mkdir(parents=True, exist_ok=True)
         dest.symlink_to(path)
@@ -77,14 +88,47 @@ def test_row_names_the_csv_that_lacks_its_metric(tmp_path, row, experiment):
         row(claims.Results(tmp_path))
 
 
+def _fault_rows(failures, refused=7):
+    counts = dict(failures=failures, trials=120, refused_dirty=refused, accepted_clean=120 - refused,
+                  bitwise_continuations=120 - failures)
+    rows = [_row(variant="DiskSparseAdam", metric=m, x_name="phase", x_value="all", value=v) for m, v in counts.items()]
+    return rows + [_row(variant=f"DiskSparseAdam/{s}", metric="trials", x_name="phase", x_value=p, value=30)
+                   for s in ("SIGKILL", "SIGINT") for p in ("create", "step")]
+
+
 @pytest.mark.parametrize("failures", [0, 3])
 def test_headline_and_verdict_follow_the_data(tmp_path, failures):
-    rows = [_row(variant="DiskSparseAdam", metric="failures", x_name="phase", x_value="all", value=failures),
-            _row(variant="DiskSparseAdam", metric="trials", x_name="phase", x_value="all", value=120)]
-    _write_csv(tmp_path / "dsa_fault_injection.csv", rows)
+    _write_csv(tmp_path / "dsa_fault_injection.csv", _fault_rows(failures))
     row = claims.dsa_fault_injection(claims.Results(tmp_path))
     assert row.headline == f"{failures} failures in 120 SIGKILL and SIGINT trials"
     assert row.verdict == ("holds" if failures == 0 else "not met")
+
+
+@pytest.mark.parametrize("refused", [7, 41])
+def test_detail_is_computed_from_the_data_not_copied(tmp_path, refused):
+    """A synthetic CSV's figures, and only they, appear in the row's detail paragraph and its entry."""
+    _write_csv(tmp_path / "dsa_fault_injection.csv", _fault_rows(3, refused))
+    results = claims.Results(tmp_path)
+    row = claims.dsa_fault_injection(results)
+    assert f"refused as dirty ({refused}) or accepted as clean ({120 - refused})" in row.detail
+    assert "bitwise like SparseAdam (117 of 120)" in row.detail and "in the phases create and step" in row.detail
+    committed = claims.dsa_fault_injection(claims.Results())
+    assert committed.detail != row.detail
+    assert "commit `abc`" in claims.run_text(results, "dsa_fault_injection", {})
+
+
+def test_check_fails_on_a_hand_edit_and_passes_after_writing(tmp_path):
+    readme, results_readme = tmp_path / "README.md", tmp_path / "results.md"
+    readme.write_text(f"# x\n\n{claims.BEGIN}\n| hand | written |\n{claims.END}\n\nafter\n")
+    args = ["--readme", str(readme), "--results-readme", str(results_readme)]
+    assert claims.main(args + ["--check"]) == 1
+    assert claims.main(args) == 0
+    assert claims.main(args + ["--check"]) == 0
+    text = readme.read_text()
+    assert text.startswith("# x\n\n") and text.endswith("\n\nafter\n")
+    assert read_section(results_readme, claims.DETAIL) == claims.detail()
+    results_readme.write_text(results_readme.read_text().replace("(*reproduced", "(*hand-edited"))
+    assert claims.main(args + ["--check"]) == 1
 
 
 @pytest.mark.parametrize("step_ratio, speed", [(1.25, "0.80"), (0.5, "2.00")])
@@ -93,18 +137,12 @@ def test_step_time_ratios_are_written_as_speed(tmp_path, step_ratio, speed):
     names = ("Gefen-8bit", "Gefen-4bit", "Gefen-8bit-factored", "Gefen-4bit-factored")
     rows = [_row(variant=f"{m}/{n}", metric="step_time_vs_adamw", x_name="threads", x_value=1, value=step_ratio)
             for m in ("transformer", "mlp", "small-tensors") for n in names]
-    rows += [_row(variant=n, metric="launches_per_step", x_name="tensors", x_value=40, value=3) for n in names]
+    rows += [_row(variant=f"{m}/{n}", metric="step_time_vs_adamw", x_name="threads", x_value=1, value=30)
+             for m in ("transformer", "mlp", "small-tensors") for n in ("torchao-AdamW8bit", "gefen-x")]
+    rows += [_row(variant=n, metric=m, x_name="tensors", x_value=40, value=3 if m == "launches_per_step" else 0)
+             for n in names for m in ("launches_per_step", "device_ops_per_step", "host_syncs_per_step")]
     _write_csv(tmp_path / "gefen_speed.csv", rows)
     row = claims.gefen_speed(claims.Results(tmp_path))
     assert f"{speed}–{speed}× fused AdamW" in row.headline
     assert row.verdict.startswith("met" if step_ratio < 1 else "not met")
 
-
-def test_check_fails_on_a_hand_edit_and_passes_after_writing(tmp_path):
-    readme = tmp_path / "README.md"
-    readme.write_text(f"# x\n\n{claims.BEGIN}\n| hand | written |\n{claims.END}\n\nafter\n")
-    assert claims.main(["--readme", str(readme), "--check"]) == 1
-    assert claims.main(["--readme", str(readme)]) == 0
-    assert claims.main(["--readme", str(readme), "--check"]) == 0
-    text = readme.read_text()
-    assert text.startswith("# x\n\n") and text.endswith("\n\nafter\n")
