@@ -773,7 +773,8 @@ def gefen_speed(R):
 
 def gefen_peak_memory(R):
     e = "gefen_peak_memory"
-    rows = R.rows(e, "tensor_peak_per_param", "largest_micro_batch")
+    rows = R.rows(e, "tensor_peak_per_param")
+    R.rows("gefen_budgets", "largest_micro_batch")
     lean = "Gefen-8bit-factored+bf16-sr+in-backward"
     pre = "mlp-50.4M/mb8/"
 
@@ -786,7 +787,7 @@ def gefen_peak_memory(R):
     peers = ["AdamW", "Adam-mini", "torchao-AdamW8bit", "torchao-AdamW4bit", "gefen-upstream", "gefen-x"]
     ours, lean_peak, adamw = peak("Gefen-8bit"), peak(lean), peak("AdamW")
     lowest = ours < min(peak(p) for p in peers) and lean_peak < peak("AdamW+bf16")
-    mb = {n: R.need(e, "largest_micro_batch", f"micro_batch/{n}", x_value=0.5) for n in (lean, "AdamW")}
+    mb = {n: R.need("gefen_budgets", "largest_micro_batch", f"micro_batch/{n}", x_value=0.5) for n in (lean, "AdamW")}
     return Row("Gefen has the lowest peak memory and trains larger micro-batches",
                "holds for ours (fp32 and lean mode)" if lowest else "not met",
                f"peak 8-bit {ours:.1f}, lean mode {lean_peak:.1f}, fused AdamW {adamw:.1f} B/param (50.4M MLP); "
@@ -928,7 +929,10 @@ def setup_line(R) -> str:
         device = sorted({r["device"] for r, _ in items})
         ordered = sorted(items, key=lambda it: it[0]["timestamp"])
         commits = {r["git_commit"] for r, _ in items}
-        wall = sum(float(c.get("wall_seconds") or 0) for _, c in items)
+        # a run split into several experiments' files counts once
+        walls = {(c.get("split_from") or {}).get("timestamp") or id(c): float(c.get("wall_seconds") or 0)
+                 for _, c in items}
+        wall = sum(walls.values())
         first, last = ordered[0][0]["git_commit"], ordered[-1][0]["git_commit"]
         where = f"commit {first}" if len(commits) == 1 else f"{len(commits)} commits, {first} (first run) .. {last} (last)"
         return f"torch {', '.join(torch)} on {', '.join(device)}, {where}", wall
