@@ -24,6 +24,16 @@ def float64_state_refusal(param_dtype: torch.dtype, group) -> str | None:
     return None
 
 
+def stochastic_codes_refusal(group) -> str | None:
+    """Why a compiled step cannot step ``group``, or None: the stochastic rounding of the first
+    moment's codes (``first_moment_rounding="stochastic"``) is the torch step's alone (both
+    compiled backends' ``refuses``)."""
+    if group["first_moment_rounding"] == "stochastic" and group["quantize_first_moment"]:
+        return ("its group rounds the first moment's codes stochastically (first_moment_rounding="
+                "'stochastic'), which only the torch step does")
+    return None
+
+
 def expected_state(n: int, block: int, bits: int, quant: bool, dtype: torch.dtype,
                    factored: bool = False, tiles: int = 1) -> dict:
     """{key: (dtype, numel)} of the per-parameter tensors of an n-element parameter (``tiles``:
@@ -71,10 +81,17 @@ def check_group(group, gi):
         check_hyper(group["lr"], group["betas"], group["eps"], weight_decay=group["weight_decay"],
                     lr_may_be_zero=True)
         check_flags(**{k: group[k] for k in FLAGS if k in group})
+        check_option("first_moment_rounding", group.get("first_moment_rounding", "nearest"), ROUNDINGS,
+                     f"one of {ROUNDINGS}")
     except ValueError as exc:
         raise ValueError(f"{exc} (Gefen, group {gi})") from None
+    if group.get("first_moment_rounding") == "stochastic" and not group["quantize_first_moment"]:
+        raise ValueError(f"Gefen: group {gi} has first_moment_rounding='stochastic' and quantize_first_moment="
+                         "False: only codes are rounded, an fp32 first moment is not; set "
+                         "first_moment_rounding='nearest' for that group, or quantize its first moment")
 
 
+ROUNDINGS = ("nearest", "stochastic")  # first_moment_rounding: how m~ / s becomes a code
 FLAGS = ("share_second_moment", "quantize_first_moment", "factor_second_moment", "maximize",
          "stochastic_rounding", "capturable")
 
@@ -232,7 +249,8 @@ def check_state_dict(sd: dict, groups: list, *, bits: int, wide: dict, local) ->
     rounding seed). A keyword a dict was saved before is at its old meaning (the published rule,
     minimizing); the optimizer-wide options (``wide``) stay this optimizer's, and so does each
     group's stochastic_rounding: how this run writes its weights, not a property of the saved
-    state. ``local``: the local shard of a parameter (DTensor) or the parameter.
+    state; so does its first_moment_rounding (how this run rounds its codes; the saved codes are
+    codes either way). ``local``: the local shard of a parameter (DTensor) or the parameter.
     """
     sd = dict(sd)
     codebook = sd.pop(K.CODEBOOK, None)
@@ -249,7 +267,8 @@ def check_state_dict(sd: dict, groups: list, *, bits: int, wide: dict, local) ->
                          f"groups, this optimizer {len(groups)}; load it into the optimizer "
                          "it was saved from")
     sd["param_groups"] = [{"factor_second_moment": False, "maximize": False, **g,
-                           "stochastic_rounding": mine["stochastic_rounding"], **wide}
+                           "stochastic_rounding": mine["stochastic_rounding"],
+                           "first_moment_rounding": mine["first_moment_rounding"], **wide}
                           for g, mine in zip(sd["param_groups"], groups)]
     saved = sd.get("state", {})
     params = [(p, g) for g in groups for p in g["params"]]

@@ -33,6 +33,8 @@ Three pieces, used once per model (``histogram``, ``optimal_codebook``) and ever
     Index of the nearest codebook entry to each element (ties go to the lower index; a repeated
     entry keeps its first index), exact for float32 and float64 inputs, through the one lookup
     table that every fast path of the step reads (``CodeTable``; see ``code_table``).
+    ``stochastic_code(x, table, words)`` rounds to one of the two entries around x instead, at
+    random and unbiased (``reference.stochastic_round``), through the same table.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ import torch
 from ._codebook_numpy import dp_splits_numpy as _dp_splits_numpy
 
 __all__ = ["HIST_BINS", "histogram", "optimal_codebook", "code_boundaries", "code_table", "CodeTable",
-           "nearest_code"]
+           "nearest_code", "stochastic_code"]
 
 HIST_BINS = 4096  # bins of the codebook's histogram on [-1, 1] (upstream: 16 per 8-bit level)
 
@@ -352,15 +354,41 @@ def nearest_code(x: torch.Tensor, codebook, dtype=torch.int64) -> torch.Tensor:
             dtype == torch.int8 and levels > 128):
         raise ValueError(f"dtype {dtype} cannot hold codes 0..{levels - 1}; use torch.uint8 (<= 256 levels), "
                          "torch.int32 or torch.int64")
+    u = _nearest_distinct(xf, table)
+    return (u if not table.has_repeats else table.first[u]).to(dtype)
+
+
+def _nearest_distinct(xf: torch.Tensor, table: CodeTable) -> torch.Tensor:
+    """Index into ``table.uniq`` of the nearest distinct entry of each element of float32 or
+    float64 ``xf`` (int64)."""
     f64 = xf.dtype == torch.float64
     if table.ncmp > 1:  # entries closer than the finest table separates: binary search
-        u = torch.bucketize(xf, (table.boundaries64 if f64 else table.boundaries)[:-1])
-    else:  # u = lut[bin] + (x > boundaries[lut[bin]]): two gathers with one index
-        s = table.scale
-        top = table.lut.numel() - 1  # NaN takes the last bin: the reference's searchsorted puts it last
-        b = torch.mul(xf, s).add_(s).nan_to_num_(nan=top).clamp_(0, top).to(torch.int64)
-        u = table.lut[b].add_(xf > (table.lut_bound64 if f64 else table.lut_bound)[b])
-    return (u if not table.has_repeats else table.first[u]).to(dtype)
+        return torch.bucketize(xf, (table.boundaries64 if f64 else table.boundaries)[:-1])
+    # u = lut[bin] + (x > boundaries[lut[bin]]): two gathers with one index
+    s = table.scale
+    top = table.lut.numel() - 1  # NaN takes the last bin: the reference's searchsorted puts it last
+    b = torch.mul(xf, s).add_(s).nan_to_num_(nan=top).clamp_(0, top).to(torch.int64)
+    return table.lut[b].add_(xf > (table.lut_bound64 if f64 else table.lut_bound)[b])
+
+
+def stochastic_code(x: torch.Tensor, table: CodeTable, words: torch.Tensor) -> torch.Tensor:
+    """``reference.stochastic_round`` through the lookup table (int64 codes, x's shape): the lower
+    or upper of the two entries around each element of float32 ``x``, the upper with probability
+    ``(x - lo) / (hi - lo)`` against the uniform ``(word >> 8) * 2**-24`` of its random word
+    (``words``, int64, x's shape), the same arithmetic, so the same codes.
+
+    The nearest distinct entry u has the entries around x at (u, u + 1) where x >= uniq[u], else
+    at (u - 1, u); the upper one clamped to [1, len(uniq) - 1]."""
+    uniq = table.uniq
+    u = _nearest_distinct(x, table)
+    hi = (u + (x >= uniq[u])).clamp_(min=1).clamp_(max=uniq.numel() - 1)
+    lo = (hi - 1).clamp_(min=0)
+    c_lo = uniq[lo]
+    up = (x - c_lo) / (uniq[hi] - c_lo)
+    take = (words >> 8).float().mul_(2.0**-24) < up
+    if table.has_repeats:
+        hi, lo = table.first[hi], table.first[lo]
+    return torch.where(take, hi, lo)
 
 
 # ----------------------------------------------------------------------------------------------

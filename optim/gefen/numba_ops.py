@@ -22,7 +22,7 @@ import torch
 from .._cache import BoundedCache
 from .._threads import numba_threads
 from . import torch_ops
-from .checks import check_factors, check_launch, float64_state_refusal
+from .checks import check_factors, check_launch, float64_state_refusal, stochastic_codes_refusal
 from .._rounding import STOCHASTIC_DTYPES, round_stochastic
 from .codebook import code_table
 from .reference import factor_ratio, scale_block_length
@@ -35,8 +35,9 @@ _NO_RATIO = np.ones((1, 1), dtype=np.float32)
 
 def refuses(param_dtype: torch.dtype, group) -> str | None:
     """Why this step cannot update a parameter of ``param_dtype`` in ``group``, known when it is
-    added (``optim.backends.choose_backend``), or None."""
-    return float64_state_refusal(param_dtype, group)
+    added (``optim.backends.choose_backend``), or None: float64 moments, stochastically rounded codes
+    (both the torch step's)."""
+    return float64_state_refusal(param_dtype, group) or stochastic_codes_refusal(group)
 
 
 def data_refusal(*, block: int | None, bits: int, quant: bool, tables=None) -> str | None:
@@ -187,7 +188,7 @@ def _hyper(*, step, lr, beta1, beta2, eps, weight_decay) -> tuple:
 
 @torch.no_grad()
 def gefen_step_(ps, gs, vs, scales, codes, codebook, *, step, lr, beta1, beta2, eps,
-                weight_decay, block, bits, tables=None, ws=None, seeds=None):
+                weight_decay, block, bits, tables=None, ws=None, seeds=None, code_seeds=None):
     """:func:`optim.gefen.torch_ops.gefen_step_` compiled for CPU tensors (see module doc).
 
     One kernel call for the whole list, runs of scale blocks in parallel on
@@ -197,15 +198,18 @@ def gefen_step_(ps, gs, vs, scales, codes, codebook, *, step, lr, beta1, beta2, 
     Parameters or gradients that are not contiguous fp32 (bf16, fp16) are stepped a piece at a
     time (``torch_ops.pieces``) on fp32 copies of the piece, written back rounded to nearest or,
     with ``seeds`` (one per tensor, ``optim._rounding``), stochastically. ``prepare`` and ``run``
-    are this step in two halves, for a caller that steps the same tensors again.
+    are this step in two halves, for a caller that steps the same tensors again. ``code_seeds``
+    (stochastic rounding of the codes) is not compiled here: such a call is the torch step's.
     """
     quant = codebook is not None
     if quant and tables is None:
         tables = code_table(codebook)
-    if data_refusal(block=block, bits=bits, quant=quant, tables=tables) is not None:
+    if (quant and code_seeds is not None) or data_refusal(block=block, bits=bits, quant=quant,
+                                                          tables=tables) is not None:
         return torch_ops.gefen_step_(ps, gs, vs, scales, codes, codebook, step=step, lr=lr,
                                      beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
-                                     block=block, bits=bits, tables=tables, ws=ws, seeds=seeds)
+                                     block=block, bits=bits, tables=tables, ws=ws, seeds=seeds,
+                                     code_seeds=code_seeds)
     prep = prepare(ps, gs, vs, scales, codes, codebook, block=block, bits=bits, tables=tables, ws=ws)
     if prep is not None:
         return run(prep, gs, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)

@@ -15,7 +15,7 @@ from .checks import (check_adamw_keywords, check_capturable, check_group, check_
                      check_state_fits)
 from .codebook import Codebook
 from .partition import RULES, constant_magnitude
-from .plan import Call, draw_seeds, run, signature, signed, step_module, step_scalars, tiles_of
+from .plan import Call, draw_seeds, rounds_codes, run, signature, signed, step_module, step_scalars, tiles_of
 from .torch_ops import histogram
 
 
@@ -61,10 +61,18 @@ class Gefen(OptimizerBase):
     Not for sparse gradients (``nn.Embedding(sparse=True)``: use ``DiskSparseAdam``) nor complex
     parameters. The exact state layout is in ``optim/gefen/reference.py``.
 
+    ``first_moment_rounding="stochastic"`` (not in the paper; Gefen-X offers it) writes each code as
+    the lower or upper of the two entries around ``m~ / s_b``, the upper with probability
+    ``(m~ / s_b - C[lo]) / (C[hi] - C[lo])``, instead of the nearest: the stored first moment is
+    then ``m~`` in expectation, where nearest rounding's error can pile up along a long run in
+    the same direction (a small gradient that never moves a code off its entry). Its random bits
+    come from ``stochastic_rounding``'s seeds (below) on a stream of their own. Only the torch
+    step implements it: "auto" runs those groups on torch, "numba" or "triton" by name is refused.
+
     Args:
         params: parameters or param groups (dicts); groups may set ``lr``, ``betas``, ``eps``,
             ``weight_decay``, ``share_second_moment``, ``quantize_first_moment``,
-            ``factor_second_moment``, ``stochastic_rounding``.
+            ``factor_second_moment``, ``stochastic_rounding``, ``first_moment_rounding``.
         lr: learning rate: a float, or a one-element tensor that LR schedulers update in place (read
             with ``float`` at each step, which waits for the device where it lives there, unless
             ``capturable``, which reads it on the device). (Default: 1e-3)
@@ -111,6 +119,14 @@ class Gefen(OptimizerBase):
             parameters are not affected. ``load_state_dict`` keeps each group's setting: it says
             how this run writes its weights, whatever the checkpoint's run did.
             (Default: False)
+        first_moment_rounding: "nearest" (the published rule) or "stochastic": how ``m~ / s_b`` becomes
+            a code (above; ``reference.stochastic_round``). The random bits are drawn as
+            ``stochastic_rounding``'s are, from each parameter's seed (``state.SEED``, then made for
+            fp32 parameters too) mixed with ``plan.CODE_STREAM``, so codes and weights never share
+            bits; runs repeat given ``torch.manual_seed`` and a run resumed from a state dict equals
+            the uninterrupted one. Refused with ``quantize_first_moment=False`` (nothing to round).
+            ``load_state_dict`` keeps each group's setting, as ``stochastic_rounding``'s.
+            (Default: "nearest")
         maximize: maximize the objective (each step is that of -g), as AdamW's. ``p.grad`` is never
             written: each kernel call reads a negated copy of its gradients (shared, expanded and
             ``create_graph`` gradients step as with AdamW). (Default: False)
@@ -146,7 +162,7 @@ class Gefen(OptimizerBase):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, bits=8,
                  share_second_moment=True, quantize_first_moment=True, backend="auto",
                  block_rule="adjacent_log", *, factor_second_moment=False, stochastic_rounding=False,
-                 maximize=False, fused=None,
+                 first_moment_rounding="nearest", maximize=False, fused=None,
                  verbose=False, amsgrad=False, foreach=None, capturable=False, differentiable=False):
         check_option("bits", bits, (8, 4), "8 or 4 (an int)")
         check_option("block_rule", block_rule, RULES, f"one of {RULES}")
@@ -169,7 +185,8 @@ class Gefen(OptimizerBase):
                         share_second_moment=share_second_moment,
                         quantize_first_moment=quantize_first_moment,
                         factor_second_moment=factor_second_moment,
-                        stochastic_rounding=stochastic_rounding, maximize=maximize,
+                        stochastic_rounding=stochastic_rounding,
+                        first_moment_rounding=first_moment_rounding, maximize=maximize,
                         bits=bits, backend=self.backend, block_rule=block_rule, capturable=capturable)
         super().__init__(params, defaults)
         self._seed = None  # the optimizer's stochastic-rounding seed, drawn at its first use
@@ -197,12 +214,14 @@ class Gefen(OptimizerBase):
             group.setdefault("factor_second_moment", False)
             group.setdefault("maximize", False)
             group.setdefault("stochastic_rounding", False)
+            group.setdefault("first_moment_rounding", "nearest")
             for key in OPTIMIZER_WIDE:
                 group.setdefault(key, self.__dict__[key])
         for key in OPTIMIZER_WIDE:
             self.defaults.setdefault(key, self.__dict__[key])
         self.defaults.setdefault("maximize", False)
         self.defaults.setdefault("stochastic_rounding", False)
+        self.defaults.setdefault("first_moment_rounding", "nearest")
         if "_backends" not in self.__dict__:  # unpickled or copied (load_state_dict keeps them)
             self._resolve_all()
 
@@ -240,8 +259,8 @@ class Gefen(OptimizerBase):
 
     def _path(self, backend: str, group, block) -> str:
         """``backend``, or "torch" where its ``data_refusal`` deviates for ``block`` and the codebook."""
-        if backend == "torch":
-            return backend
+        if backend == "torch" or rounds_codes(group):  # stochastic codes: the torch step's (``refuses``)
+            return "torch"
         quant = group["quantize_first_moment"]
         tables = self._codebook.table() if quant and self.codebook is not None else None
         why = step_module(backend).data_refusal(block=block, bits=self.bits, quant=quant, tables=tables)
@@ -375,7 +394,7 @@ class Gefen(OptimizerBase):
                 loss = closure()
         if _dist.is_state_dict_init_step(self):  # [distributed] torch's zero-grad lr=0 probe
             return loss
-        if self._seed is None and any(g["stochastic_rounding"] for g in self.param_groups):
+        if self._seed is None and any(g["stochastic_rounding"] or rounds_codes(g) for g in self.param_groups):
             # [distributed] every rank steps here, with or without a parameter to round
             self._seed = _dist.shared_seed(fresh_seed())
         self._step()
@@ -412,8 +431,8 @@ class Gefen(OptimizerBase):
         calls = []
         for (block, _, _, _, backend), params in buckets.items():
             states = [self.state[p] for p in params]
-            if group["stochastic_rounding"]:
-                draw_seeds(params, states, self._seed, self.param_groups)
+            if group["stochastic_rounding"] or rounds_codes(group):
+                draw_seeds(params, states, self._seed, self.param_groups, every=rounds_codes(group))
             tiles = [t for k, (p, st) in enumerate(zip(params, states))
                      for t in tiles_of(k, local_tensor(p), st, bits=self.bits)]
             path = self._path(backend, group, block)

@@ -26,14 +26,17 @@ from typing import NamedTuple
 import torch
 
 from .._base import local_tensor
-from .._rounding import STOCHASTIC_DTYPES, step_seed
+from .._rounding import STOCHASTIC_DTYPES, hash32_int, step_seed
 from . import numba_ops, state as K
 from .partition import factor_tiles, tile_elements
 
 # Options that change which tensors a call holds or how they are stepped; lr, betas, eps and
 # weight_decay are read from the group at every step.
 STRUCTURAL = ("share_second_moment", "quantize_first_moment", "factor_second_moment", "stochastic_rounding",
-              "maximize")
+              "first_moment_rounding", "maximize")
+# Mixed into a parameter's seed (``state.SEED``) for the words of its codes' stochastic rounding, so
+# that they are not the words its bf16 or fp16 weights are rounded with (murmur3's second constant).
+CODE_STREAM = 0x85EBCA6B
 
 
 class Tile(NamedTuple):
@@ -101,6 +104,11 @@ class Call:
         """True where the call's parameters are written with stochastic rounding (seeds drawn)."""
         return bool(self.group["stochastic_rounding"]) and K.SEED in self.states[0]
 
+    @property
+    def code_sr(self) -> bool:
+        """True where the call's first-moment codes are rounded stochastically (seeds drawn)."""
+        return rounds_codes(self.group) and K.SEED in self.states[0]
+
     def lists(self) -> tuple:
         """(ps, vs, scales, firsts, ws) of the tiles, the backends' list arguments, built once.
         Unquantised, ``scales`` repeats ``vs`` (an unused slot) and ``ws`` is None unless factored."""
@@ -119,12 +127,24 @@ class Call:
             out.append(g if t.rows is None else g[t.rows[0]:t.rows[1]])
         return out
 
-    def seeds(self, step: int) -> list | None:
-        """Each tile's stochastic-rounding seed at ``step`` (``optim._rounding``), or None."""
-        if not self.sr:
+    def seeds(self, step: int, codes: bool = False) -> list | None:
+        """Each tile's stochastic-rounding seed at ``step`` (``optim._rounding``) for its weights, or
+        with ``codes`` for its first moment's codes (the parameter's seed mixed with ``CODE_STREAM``
+        first); None where the call does not round them stochastically."""
+        if not (self.code_sr if codes else self.sr):
             return None
-        per = [step_seed(st[K.SEED], 0, step) for st in self.states]
+        per = [step_seed(code_stream(st[K.SEED]) if codes else st[K.SEED], 0, step) for st in self.states]
         return [per[t.owner] if t.tile is None else step_seed(per[t.owner], t.tile, 0) for t in self.tiles]
+
+
+def rounds_codes(group) -> bool:
+    """True where ``group`` rounds its first moment's codes stochastically."""
+    return group["first_moment_rounding"] == "stochastic" and bool(group["quantize_first_moment"])
+
+
+def code_stream(seed: int) -> int:
+    """The base seed of a parameter's code rounding, from its seed ``state.SEED`` (``CODE_STREAM``)."""
+    return hash32_int(seed ^ CODE_STREAM)
 
 
 def _held(st) -> tuple:
@@ -236,7 +256,7 @@ def run_call(call: Call, step: int | None, codebook, *, bits: int) -> None:
             written(call)
             return
     if call.rows is None:
-        extra = dict(seeds=call.seeds(step))
+        extra = dict(seeds=call.seeds(step), code_seeds=call.seeds(step, codes=True))
     else:
         extra = dict(seeds=True if call.sr else None, hyper=call.rows)
     step_module(call.path).gefen_step_(ps, call.gradients(grads), vs, ss, cs, values, tables=tables,
@@ -258,12 +278,12 @@ def signed(g: torch.Tensor, group) -> torch.Tensor:
     return torch.neg(g) if group["maximize"] else g
 
 
-def draw_seeds(params, states, seed: int, groups) -> None:
+def draw_seeds(params, states, seed: int, groups, every: bool = False) -> None:
     """Give each parameter of a call its stochastic-rounding seed once (``state.SEED``) where one of
-    them is bf16 or fp16 (``optim._rounding``; ``Call.seeds`` derives each step's): a hash of the
-    optimizer's ``seed`` and the parameter's index in ``groups``, so it does not depend on when it
-    is drawn."""
-    if not any(local_tensor(p).dtype in STOCHASTIC_DTYPES for p in params):
+    them is bf16 or fp16, or with ``every`` (stochastic codes) in any case (``optim._rounding``;
+    ``Call.seeds`` derives each step's): a hash of the optimizer's ``seed`` and the parameter's
+    index in ``groups``, so it does not depend on when it is drawn."""
+    if not every and not any(local_tensor(p).dtype in STOCHASTIC_DTYPES for p in params):
         return
     for p, st in zip(params, states):
         if K.SEED not in st:

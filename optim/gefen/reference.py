@@ -49,7 +49,11 @@ The step (``step`` is t, counted from 1 for a tensor's first update)
     m^    <- C[code] * s_j                            # the stored, quantised first moment
     p     <- p - (lr / (1 - beta1**t)) * m^ / (sqrt(v_b) / sqrt(1 - beta2**t) + eps)
 
-``nearest`` is the closest codebook entry, ties to the lower index (upstream's rule). ``lerp`` is
+``nearest`` is the closest codebook entry, ties to the lower index (upstream's rule). With
+stochastic rounding of the codes (``seed`` given; the optimizer's ``first_moment_rounding``)
+``stochastic_round`` takes its place: the lower or upper of the two entries around x = m~ / s,
+upper with probability (x - C[lo]) / (C[hi] - C[lo]), so that E[C[code]] s = m~ (module
+``_rounding``'s random words, element i of the tensor using word i of ``seed``). ``lerp`` is
 torch's: ``m + w * (g - m)`` for ``w < 0.5``, else ``g - (g - m) * (1 - w)``. The last line is
 written as ``p.addcdiv(m^, denom, value=-lr / bc1)``, the same arithmetic as
 ``torch.optim.AdamW``, so with P == 1 and ``codebook=None`` this is AdamW to rounding.
@@ -82,6 +86,8 @@ q, k and v stacked in one weight do not share one column factor.
 import math
 
 import torch
+
+from .._rounding import random_bits
 
 CHUNK = 256  # scale-block length for P == 1 tensors (upstream: largest divisor of n <= 256)
 
@@ -136,13 +142,34 @@ def unpack_codes(codes: torch.Tensor, numel: int, bits: int) -> torch.Tensor:
     return torch.stack([codes & 15, codes >> 4], dim=1).view(-1)[:numel].long()
 
 
-def quantize(m: torch.Tensor, codebook: torch.Tensor, *, block: int, bits: int):
-    """fp32 first moment -> (scales, codes): absmax per scale block, nearest entry of m / s."""
+def stochastic_round(x: torch.Tensor, codebook: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
+    """Index of the lower or the upper of the two codebook entries around each element of ``x``,
+    the upper with probability ``(x - C[lo]) / (C[hi] - C[lo])``, so that ``E[C[code]] = x``
+    (int64). ``words``: one 32-bit random word per element (int64, ``_rounding.random_bits``); the
+    upper is taken where ``(word >> 8) * 2**-24 < `` that probability. An exact hit has probability
+    0 of moving (C[hi] = 1 probability 1): it keeps its entry. A repeated entry is written as its
+    first index, as ``nearest`` writes it; outside [C[0], C[-1]] the end entry is taken."""
+    k = codebook.numel()
+    above = torch.searchsorted(codebook, x, right=True).clamp(1, k - 1)  # first entry above x
+    hi = torch.searchsorted(codebook, codebook[above])
+    lo = torch.searchsorted(codebook, codebook[above - 1])
+    c_lo, c_hi = codebook[lo], codebook[hi]
+    up = (x - c_lo) / (c_hi - c_lo)
+    u = (words >> 8).float() * 2.0**-24
+    return torch.where(u < up, hi, lo)
+
+
+def quantize(m: torch.Tensor, codebook: torch.Tensor, *, block: int, bits: int, seed: int | None = None):
+    """fp32 first moment -> (scales, codes): absmax per scale block, nearest entry of m / s, or with
+    ``seed`` (32-bit) ``stochastic_round`` of it with the words of elements 0 .. n - 1 of ``seed``."""
     s_len = scale_block_length(block)
     scales = block_absmax(m, s_len)
     s = scales.repeat_interleave(s_len)[: m.numel()]
     q = torch.where(s > 0, m / s, torch.zeros_like(m))
-    return scales, pack_codes(nearest(q, codebook), bits)
+    if seed is None:
+        return scales, pack_codes(nearest(q, codebook), bits)
+    words = random_bits(seed, 0, q.numel(), q.device)
+    return scales, pack_codes(stochastic_round(q, codebook, words), bits)
 
 
 def dequantize(scales, codes, codebook, *, numel: int, block: int, bits: int) -> torch.Tensor:
@@ -171,13 +198,14 @@ def factor_ratio(w):
 
 
 def gefen_step(p, g, v, scales, codes, codebook, *, step, lr, beta1, beta2, eps, weight_decay,
-               block, bits, w=None):
+               block, bits, w=None, code_seed=None):
     """One Gefen step on one flat tensor (see the module docstring). Returns new (p, v, scales, codes),
     and the new ``w`` last when ``w`` is given.
 
     ``p`` and ``g`` may be any float dtype; the math and the returned ``p`` are fp32.
     ``w``: the per-offset factor of the factored second moment (P floats), or None for the
-    published, unfactored rule.
+    published, unfactored rule. ``code_seed``: the 32-bit seed of this step's stochastic rounding
+    of the codes (``quantize``), or None for the nearest entry.
     """
     p = p.float().reshape(-1)
     g = g.float().reshape(-1)
@@ -194,7 +222,7 @@ def gefen_step(p, g, v, scales, codes, codebook, *, step, lr, beta1, beta2, eps,
     else:
         m = dequantize(scales, codes, codebook, numel=n, block=block, bits=bits)
         m = m.lerp(g, 1 - beta1)
-        scales, codes = quantize(m, codebook, block=block, bits=bits)
+        scales, codes = quantize(m, codebook, block=block, bits=bits, seed=code_seed)
         m_hat = dequantize(scales, codes, codebook, numel=n, block=block, bits=bits)
     bias_correction1 = 1 - beta1**step
     bias_correction2 = 1 - beta2**step

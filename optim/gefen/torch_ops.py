@@ -6,7 +6,8 @@ laid side by side as rows of one scale block each (``S = block``, or ``S = 256``
 each tensor zero-padded to a whole chunk), so every block reduction is one row reduction over the
 whole list. The math is the reference's, operation for operation, so scales agree with it exactly
 and parameters to fp32 rounding; codes are ``codebook.nearest_code``'s (the reference's, except
-that of two equal entries the first is written).
+that of two equal entries the first is written), or with ``code_seeds`` ``codebook.stochastic_code``'s
+(the reference's ``stochastic_round``, bit for bit).
 
 The nearest entry is looked up in ``codebook.code_table``'s table (one gather and one comparison
 an element) instead of a binary search over the boundaries.
@@ -17,8 +18,8 @@ from typing import NamedTuple
 
 import torch
 
-from .._rounding import STOCHASTIC_DTYPES, round_stochastic
-from .codebook import HIST_BINS, code_table, histogram as _histogram, nearest_code
+from .._rounding import STOCHASTIC_DTYPES, random_bits, round_stochastic
+from .codebook import HIST_BINS, code_table, histogram as _histogram, nearest_code, stochastic_code
 from .reference import (dequantize, factor_ratio, num_code_bytes, num_scales, pack_codes, quantize,
                         scale_block_length, unpack_codes)
 
@@ -149,14 +150,16 @@ def factor_update_(ws, gs, *, block, beta2):
 
 @torch.no_grad()
 def gefen_step_(ps, gs, vs, scales, codes, codebook, *, step, lr, beta1, beta2, eps,
-                weight_decay, block, bits, tables=None, ws=None, seeds=None):
+                weight_decay, block, bits, tables=None, ws=None, seeds=None, code_seeds=None):
     """In-place Gefen step on lists of tensors sharing ``block`` and ``step`` (see module doc).
 
     ``tables``: ``code_table(codebook)``, built here when not given (pass it to avoid rebuilding
     it every step). ``ws``: the per-offset factors of a factored second moment (fp32, ``block``
     floats each), updated in place, or None (see ``reference.py``). ``seeds``: one 32-bit seed
     per tensor for stochastic rounding of bf16 and fp16 parameters (``optim._rounding``), or
-    None for round-to-nearest. The work is done a piece at a time (``pieces``).
+    None for round-to-nearest. ``code_seeds``: one 32-bit seed per tensor for stochastic rounding
+    of the first moment's codes (``reference.quantize``), or None for the nearest entry. The work
+    is done a piece at a time (``pieces``).
     """
     if tables is None and codebook is not None:
         tables = code_table(codebook)
@@ -178,14 +181,16 @@ def gefen_step_(ps, gs, vs, scales, codes, codebook, *, step, lr, beta1, beta2, 
             [code_slice(codes[t], r, S, n, bits if codebook is not None else 8) for t, r, n in sel],
             codebook, tables, None if ratios is None else [ratios[t] for t, _, _ in sel],
             None if seeds is None else [(seeds[t], r.start * S) for t, r, _ in sel],
+            None if code_seeds is None or codebook is None else [(code_seeds[t], r.start * S) for t, r, _ in sel],
             step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
             block=block, bits=bits)
     write_back(targets, ps)
 
 
-def _step_rows(ps, gs, vs, scales, codes, codebook, tables, ratios, seeds, *, step, lr, beta1, beta2,
-               eps, weight_decay, block, bits):
-    """The step on a list of flat tensors laid side by side as rows of ``S`` (one piece)."""
+def _step_rows(ps, gs, vs, scales, codes, codebook, tables, ratios, seeds, code_seeds, *, step, lr, beta1,
+               beta2, eps, weight_decay, block, bits):
+    """The step on a list of flat tensors laid side by side as rows of ``S`` (one piece). ``seeds``
+    and ``code_seeds``: (seed, offset of the piece's first element in its tensor) per tensor."""
     S = scale_block_length(block)
     W = S // block  # v entries per row: 1 when block > 1, 256 when block == 1
     numels = [p.numel() for p in ps]
@@ -210,7 +215,12 @@ def _step_rows(ps, gs, vs, scales, codes, codebook, tables, ratios, seeds, *, st
         del G
         s_new = M.abs().amax(dim=1, keepdim=True)
         q = torch.where(s_new > 0, M / s_new, torch.zeros_like(M))
-        idx = nearest_code(q, tables)
+        if code_seeds is None:
+            idx = nearest_code(q, tables)
+        else:
+            words = _rows([random_bits(seed, start, n, q.device) for (seed, start), n in zip(code_seeds, numels)], S)
+            idx = stochastic_code(q, tables, words)
+            del words
         del q
         m_hat = codebook[idx] * s_new
     bias_correction1 = 1 - beta1**step

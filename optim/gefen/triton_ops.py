@@ -59,7 +59,8 @@ from ._triton_kernels import (ELEMS_PER_THREAD, FACTOR_ITERS, FACTOR_ROWS, FACTO
                               FINAL_TILE, FINAL_WIDTH, HYPER_BLOCK, MAX_TILE_WIDTH, TILE, TL_DTYPES,
                               _factor_finalize_kernel, _factor_stats_kernel, _gefen_hyper_kernel,
                               _gefen_step4_kernel, _gefen_step_kernel)
-from .checks import check_factors, float64_state_refusal
+from . import torch_ops
+from .checks import check_factors, float64_state_refusal, stochastic_codes_refusal
 from .codebook import code_table
 from .reference import num_code_bytes, num_scales, scale_block_length
 
@@ -228,7 +229,7 @@ def refuses(param_dtype: torch.dtype, group) -> str | None:
     added (``optim.backends.choose_backend``), or None."""
     if param_dtype not in TL_DTYPES:
         return f"the Triton kernels take fp32, bf16 or fp16 parameters, got {param_dtype}"
-    return float64_state_refusal(param_dtype, group)
+    return float64_state_refusal(param_dtype, group) or stochastic_codes_refusal(group)
 
 
 def data_refusal(*, block: int | None, bits: int, quant: bool, tables=None) -> str | None:
@@ -485,7 +486,8 @@ def _launch(kernel, grid, args, kwargs, device):
 
 
 def gefen_step_(ps, gs, vs, scales, codes, codebook, *, step, lr, beta1, beta2, eps, weight_decay,
-                block, bits, tables=None, tile=TILE, num_warps=None, ws=None, seeds=None, hyper=None):
+                block, bits, tables=None, tile=TILE, num_warps=None, ws=None, seeds=None, hyper=None,
+                code_seeds=None):
     """One Gefen step in place: the rule and state layout of :func:`optim.gefen.reference.gefen_step`.
 
     ``ps, gs, vs, scales, codes`` are tensors of one parameter, or equal-length lists of them (a
@@ -503,7 +505,9 @@ def gefen_step_(ps, gs, vs, scales, codes, codebook, *, step, lr, beta1, beta2, 
     (``StepScalars.rows``, written by :func:`advance_` before this call): the kernels read
     ``1 - lr*wd``, the bias corrections and the seed there (``HYPER``) and ``step`` and ``lr``
     are not read, so a captured launch stays valid at every replay; ``seeds`` is then True (any
-    value but None) to round stochastically with the rows' seeds. Returns None.
+    value but None) to round stochastically with the rows' seeds. ``code_seeds`` (stochastic
+    rounding of the codes, one 32-bit seed per tensor) has no kernel here: such a call is
+    ``torch_ops.gefen_step_``'s. Returns None.
 
     Host cost: the first call with a set of tensors validates them and builds the plan (launch
     and pointer tables, the factor's scratch); later calls with the same p, v, scales, codes and w
@@ -513,6 +517,12 @@ def gefen_step_(ps, gs, vs, scales, codes, codebook, *, step, lr, beta1, beta2, 
     statistics launch per gradient dtype and one finalize launch, then one step launch per kind
     of tensor (dtypes, alignment, exactness): three for a model of one dtype.
     """
+    if code_seeds is not None and codebook is not None:
+        if hyper is not None:
+            raise ValueError("Gefen kernel: stochastic rounding of the codes has no capturable step")
+        return torch_ops.gefen_step_(ps, gs, vs, scales, codes, codebook, step=step, lr=lr, beta1=beta1,
+                                     beta2=beta2, eps=eps, weight_decay=weight_decay, block=block, bits=bits,
+                                     tables=tables, ws=ws, seeds=seeds, code_seeds=code_seeds)
     ps, gs, vs, ss, cs = (_as_list(x) for x in (ps, gs, vs, scales, codes))
     if not len(ps) == len(gs) == len(vs) == len(ss) == len(cs):
         raise ValueError("p, g, v, scales, codes must be lists of the same length")
