@@ -14,8 +14,9 @@ Per parameter (``optimizer.state[p]``; layout and shapes in ``reference.py``'s d
     PROVISIONAL  bool, present (True) while every gradient so far had one magnitude everywhere: any
             block length is then exact, BLOCK is the cheapest, and it is chosen again from the
             first gradient that varies (``recut``)
-    SEED    int, the seed of stochastic rounding (groups with stochastic_rounding=True): a hash of
-            the optimizer's ROUNDING_SEED and the parameter's index
+    SEED    int, the seed of stochastic rounding (groups with stochastic_rounding=True, or with
+            first_moment_rounding="stochastic", whose codes draw from it mixed with
+            ``plan.CODE_STREAM``): a hash of the optimizer's ROUNDING_SEED and the parameter's index
 
 Optimizer-wide (top-level keys of ``Gefen.state_dict()``)::
 
