@@ -20,7 +20,7 @@ from .._base import OptimizerBase
 from .._torch_private import copy_optimizer_hooks
 from ..backends import BACKENDS, choose_backend
 from . import pipeline
-from .checks import (announced_rows, check_flags, check_grad, check_option, check_param, loaded_columns,
+from .checks import (announced_rows, check_grad, check_options, check_param, loaded_columns, loaded_groups,
                      saved_state_by_param)
 from .state import STEP
 from .state_dirs import StateDir
@@ -35,6 +35,14 @@ FILE_OPTIONS = ("state_dir", "state_format", "backend", "staging", "huge_pages")
 def _listed(params):
     """``params`` as a list (a generator can be read once), as torch's Optimizer reads it."""
     return params if isinstance(params, torch.Tensor) else list(params)  # a tensor: torch's error
+
+
+def _planned_bytes(params, rule) -> int:
+    """The size of the state files of the tables in ``params`` (as ``_listed`` gives it)."""
+    if isinstance(params, torch.Tensor):
+        return 0
+    return sum(state_bytes(rule, p) for p in _tensors_of(params)
+               if isinstance(p, torch.Tensor) and p.dim() in rule.table_dims)
 
 
 def _tensors_of(params):
@@ -63,13 +71,7 @@ class DiskSparseOptimizer(OptimizerBase):
 
     def __init__(self, params, defaults, rule, state_dir=None, backend="auto", huge_pages=None,
                  staging=None, resume=False):
-        check_option("backend", backend, BACKENDS, f"one of {BACKENDS}")
-        check_option("huge_pages", huge_pages, (None, True, False), "None (decide by size), True or False")
-        check_option("staging", staging, (None, True, False), "None (staged for CUDA weights), True or False")
-        check_flags(resume=resume)
-        if resume and state_dir is None:
-            raise ValueError(f"{type(self).__name__}: resume=True continues from the state files in state_dir; "
-                             "give state_dir (state_dir=None is a new private directory, with nothing to resume)")
+        check_options(type(self).__name__, state_dir, backend, huge_pages, staging, resume, BACKENDS)
         rule.check_group(defaults)
         self.rule, self.state_format = rule, rule.state_format
         self.backend, self.huge_pages, self.staging = backend, huge_pages, staging
@@ -84,9 +86,7 @@ class DiskSparseOptimizer(OptimizerBase):
         self.state_dir = self._dir.path
         try:
             params = _listed(params)
-            if not isinstance(params, torch.Tensor):
-                self._dir.planned_bytes = sum(state_bytes(rule, p) for p in _tensors_of(params)
-                                              if isinstance(p, torch.Tensor) and p.dim() in rule.table_dims)
+            self._dir.planned_bytes = _planned_bytes(params, rule)
             super().__init__(params, defaults)
             if resume:
                 self._dir.check_resumed(self._tables)
@@ -99,7 +99,7 @@ class DiskSparseOptimizer(OptimizerBase):
 
     # -- parameters and their routes ---------------------------------------------------------------
     def add_param_group(self, param_group):
-        self._check_open()
+        self._dir.check_open()
         # torch's, not the base's: each parameter's backend is chosen with its route (a meta table's
         # at its first step), not in the base's backend table
         torch.optim.Optimizer.add_param_group(self, param_group)
@@ -121,8 +121,6 @@ class DiskSparseOptimizer(OptimizerBase):
         backend = None if p.is_meta else self._choose_backend(p, k)  # a meta table: at its first step
         store, wf, resumed = self._dir.open_files(k, p, self.rule, name)
         table = self._tables[p] = Table(k, store, (p.dtype, tuple(p.shape)), wf, store.step)
-        if self._executor is None:  # its thread starts at the first announcement
-            self._executor = pipeline.make_executor()
         if backend is not None:
             table.route = self._new_route(p, table, backend)
         if resumed:  # the file's records are this parameter's state (SparseAdam has none before a step)
@@ -137,15 +135,18 @@ class DiskSparseOptimizer(OptimizerBase):
         """The stager and row functions of ``p`` on the device it is on now."""
         rows_fn, sparse_fn = self.rule.kernels(backend)
         staged = p.is_cuda if self.staging is None else self.staging
+        if self._executor is None:  # its thread starts at the first announcement
+            self._executor = pipeline.make_executor()
         stager = (pipeline.RowStager if staged else pipeline.DirectStager)(
             table.store, p.device, self._executor, weight_file=table.weight_file)
         return Route(stager, backend, rows_fn, None if staged else sparse_fn)
 
-    def _route(self, p):
+    def _route(self, p, caller=None):
         """``p``'s route for the device it is on now: a parameter moved after construction (as
         transformers' Trainer moves the model) gets its backend and stager anew, as torch's
-        optimizers create their state lazily; one that no longer fits its files is refused."""
-        table = self._tables[p]
+        optimizers create their state lazily; one that no longer fits its files is refused.
+        ``caller``: the public method asking, which refuses a tensor that is no parameter here."""
+        table = self._tables[p] if caller is None else self._table(p, caller)
         table.check_usable(p, type(self).__name__)
         route = table.route
         if route is None or route.stager.device != p.device:
@@ -167,8 +168,7 @@ class DiskSparseOptimizer(OptimizerBase):
 
     def backend_of(self, p) -> str:
         """Which path updates ``p``: "torch", "numba" or "triton", for the device ``p`` is on now."""
-        self._table(p, "backend_of")
-        return self._route(p).backend
+        return self._route(p, "backend_of").backend
 
     def step_count(self, p) -> int:
         """Steps with a gradient for ``p`` (the t of its bias corrections), also before its first step."""
@@ -184,14 +184,13 @@ class DiskSparseOptimizer(OptimizerBase):
 
     def stager(self, p) -> pipeline.Stager:
         """The stager of parameter ``p`` (``pipeline.DirectStager`` or ``pipeline.RowStager``)."""
-        self._table(p, "stager")
-        return self._route(p).stager
+        return self._route(p, "stager").stager
 
     # -- the step ----------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure=None):
         """Perform one optimization step; ``closure`` re-evaluates the model and returns the loss."""
-        self._check_open()
+        self._dir.check_open()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -208,11 +207,8 @@ class DiskSparseOptimizer(OptimizerBase):
         try:
             for p, g, route, hyper in work:
                 table = self._tables[p]
-                if table.weight_file is not None:
-                    table.weight_file.mark_dirty()
-                table.step += 1  # like SparseAdam, a present gradient counts even when empty
-                self.state[p][STEP] = table.step  # the step only: the moments stay in the file
-                update_table(p, g, route, table.store, table.step, hyper)
+                self.state[p][STEP] = step = table.count_step()  # the step only: the moments stay in the file
+                update_table(p, g, route, table.store, step, hyper)
         except BaseException:
             self._dir.interrupted = True  # the files hold no one step: never mark them clean (see close)
             raise
@@ -232,7 +228,7 @@ class DiskSparseOptimizer(OptimizerBase):
         by hand between ``prefetch`` and ``step`` is not supported for staged weights: the announced
         copy would not see it. (The stager's ``announce`` does the reading.)
         """
-        self._check_open()
+        self._dir.check_open()
         if param is None:
             if len(self._tables) != 1:
                 raise ValueError(f"prefetch: this optimizer has {len(self._tables)} parameters; say which "
@@ -249,7 +245,7 @@ class DiskSparseOptimizer(OptimizerBase):
         The moments live in the state files; per step, transient device tensors (the coalesced
         gradient and its sort) come and go through the caching allocator and are not counted.
         """
-        return sum(s.device_bytes() for s in self._stagers())
+        return self.staging_stats()["device_bytes"]
 
     def staging_stats(self):
         """Totals over parameters: staging bytes (device, pinned host) and announcement use.
@@ -257,10 +253,7 @@ class DiskSparseOptimizer(OptimizerBase):
         ``hits``: steps that used announced records; ``misses``: steps that gathered from the file;
         ``patched_rows``: announced rows refreshed because a step in between wrote them.
         """
-        stagers = self._stagers()
-        return dict(device_bytes=self.device_staging_bytes(), pinned_bytes=sum(s.host_bytes() for s in stagers),
-                    hits=sum(s.hits for s in stagers), misses=sum(s.misses for s in stagers),
-                    patched_rows=sum(s.patched_rows for s in stagers))
+        return pipeline.staging_totals(self._stagers())
 
     # -- checkpoints -------------------------------------------------------------------------------
     def state_dict(self):
@@ -282,19 +275,17 @@ class DiskSparseOptimizer(OptimizerBase):
         return self._state_dict(every_param=True)
 
     def _state_dict(self, every_param):
-        self._check_open()
+        self._dir.check_open()
         live = {p: self.state[p] for p in self._tables if p in self.state}
         try:  # torch packs (and its state-dict hooks see) these entries, built now from the files
             for p, table in self._tables.items():
                 if p in live or every_param:
                     self.state[p] = {STEP: table.step, **saved_views(self.rule, p, table.store)}
             return super().state_dict()
-        finally:
+        finally:  # back to the steps alone (and no entry where there was none)
             for p in self._tables:
-                if p in live:
-                    self.state[p] = live[p]
-                else:
-                    self.state.pop(p, None)
+                self.state.pop(p, None)
+            self.state.update(live)
 
     def load_state_dict(self, state_dict):
         """Write a state dict's steps and moments into this optimizer's files (then mark them clean).
@@ -307,52 +298,34 @@ class DiskSparseOptimizer(OptimizerBase):
         The rows are written in chunks, so ``load_state_dict(torch.load(path, mmap=True))`` restores
         a state larger than memory (as ``torch.save(opt.state_dict(), path)`` saves one).
         """
-        self._check_open()
+        self._dir.check_open()
         if not isinstance(state_dict, dict):
             raise TypeError(f"load_state_dict takes a state dict (a dict from state_dict()), got "
                             f"{type(state_dict).__name__}")
         super().load_state_dict(state_dict)  # the hooks around _unpack_state
 
     def _unpack_state(self, state_dict):
-        missing = [k for k in ("state", "param_groups") if k not in state_dict]
-        if missing:
-            raise ValueError(f"load_state_dict: the state dict lacks {' and '.join(map(repr, missing))}; give "
-                             "what state_dict() returned (torch.load of a saved one)")
         saved = saved_state_by_param(self.param_groups, state_dict)
         loaded = {p: loaded_columns(views(self.rule, p, t.store.records), saved.get(p),
                                     f"state_dict's state of parameter {t.index}", self.rule)
                   for p, t in self._tables.items()}
-        groups = []
-        for sg, g in zip(state_dict["param_groups"], self.param_groups):
-            # a dict saved before ``maximize`` existed was minimizing (SparseAdam reads a missing key as
-            # False); options SparseAdam does not have (``bitwise``, ...) and this optimizer's files
-            # (state_dir, state_format, ...) keep this optimizer's values
-            groups.append(dict(g, **{k: v for k, v in sg.items() if k != "params" and k not in FILE_OPTIONS}))
-            if "maximize" in g and "maximize" not in sg:
-                groups[-1]["maximize"] = False
-            self.rule.check_group(groups[-1])
+        groups = loaded_groups(state_dict, self.param_groups, self.rule, kept=FILE_OPTIONS)
         for stager in self._stagers():  # announced records are about to be replaced
             stager.invalidate()
         for g, new in zip(self.param_groups, groups):
             g.update(new)
-        self._dir.interrupted = True  # until every table is written: a load cut short leaves them all dirty
-        for table in self._tables.values():
-            table.store.mark_dirty()
-        for p, table in self._tables.items():
-            columns, step = loaded[p]
-            table.store.write_all(columns, step)
-            table.step = step
+        self._dir.restore(self._tables, loaded)
+        for p, (columns, step) in loaded.items():
             if columns is None:
                 self.state.pop(p, None)
             else:
                 self.state[p] = {STEP: step}
-        self._dir.interrupted = False
 
     def __deepcopy__(self, memo):
         """An independent optimizer over deep copies of the parameters, in a new private state_dir
         holding a copy of this one's state, with its step and state-dict hooks (as deepcopy gives
         SparseAdam's). Refused for a fixed state_dir, which two optimizers cannot share."""
-        self._check_open()
+        self._dir.check_open()
         if not self._dir.private:
             raise RuntimeError(f"cannot deepcopy {type(self).__name__} on the fixed state_dir {self.state_dir}: "
                                "two optimizers cannot share it. Create one on another state_dir and "
@@ -371,7 +344,7 @@ class DiskSparseOptimizer(OptimizerBase):
     def flush(self):
         """Write every state file (and weight file, ``weights.py``) to disk and mark it clean at the
         current step. Refused after an interrupted step or load: the files then hold no one step."""
-        self._check_open()
+        self._dir.check_open()
         self._dir.flush(self._tables)
 
     def close(self):
@@ -380,10 +353,7 @@ class DiskSparseOptimizer(OptimizerBase):
             return
         try:
             if self._dir.owned_here():  # a forked child leaves the stagers and their thread alone
-                for stager in self._stagers():  # no background gather may outlive the mappings
-                    stager.invalidate()
-                if self._executor is not None:
-                    self._executor.shutdown(wait=True)
+                pipeline.stop(self._stagers(), self._executor)
                 for table in self._tables.values():
                     table.route = None
             self._dir.close(self._tables)
@@ -395,9 +365,6 @@ class DiskSparseOptimizer(OptimizerBase):
     @property
     def _closed(self) -> bool:
         return self._dir.closed
-
-    def _check_open(self):
-        self._dir.check_open()
 
     def __enter__(self):
         return self

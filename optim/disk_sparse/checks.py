@@ -16,6 +16,18 @@ from .state import STEP
 from .store import MAX_STEP, memory_limit_bytes
 
 
+def check_options(owner, state_dir, backend, huge_pages, staging, resume, backends):
+    """The file options of optimizer ``owner``: each one of its values, and ``resume`` only with a
+    ``state_dir`` to resume from."""
+    check_option("backend", backend, backends, f"one of {backends}")
+    check_option("huge_pages", huge_pages, (None, True, False), "None (decide by size), True or False")
+    check_option("staging", staging, (None, True, False), "None (staged for CUDA weights), True or False")
+    check_flags(resume=resume)
+    if resume and state_dir is None:
+        raise ValueError(f"{owner}: resume=True continues from the state files in state_dir; give "
+                         "state_dir (state_dir=None is a new private directory, with nothing to resume)")
+
+
 def check_param(p, k, owner, dims):
     """``p`` (parameter ``k`` of optimizer ``owner``) is a dense real floating table of ``dims`` dims."""
     where = f"parameter {k} (shape {tuple(p.shape)}, dtype {p.dtype})"
@@ -67,8 +79,12 @@ def announced_rows(indices, p, k) -> torch.Tensor:
 
 
 def saved_state_by_param(param_groups, state_dict) -> dict:
-    """``state_dict['state']`` keyed by the parameters of ``param_groups``, after checking the groups
-    and their sizes."""
+    """``state_dict['state']`` keyed by the parameters of ``param_groups``, after checking the state
+    dict's keys, its groups and their sizes."""
+    missing = [k for k in ("state", "param_groups") if k not in state_dict]
+    if missing:
+        raise ValueError(f"load_state_dict: the state dict lacks {' and '.join(map(repr, missing))}; give "
+                         "what state_dict() returned (torch.load of a saved one)")
     saved_groups = state_dict["param_groups"]
     if len(saved_groups) != len(param_groups):
         raise ValueError(f"state_dict has {len(saved_groups)} parameter groups, this optimizer has "
@@ -80,6 +96,20 @@ def saved_state_by_param(param_groups, state_dict) -> dict:
     id_map = dict(zip(itertools.chain.from_iterable(g["params"] for g in saved_groups),
                       itertools.chain.from_iterable(g["params"] for g in param_groups)))
     return {id_map[k]: v for k, v in state_dict["state"].items()}
+
+
+def loaded_groups(state_dict, param_groups, rule, kept) -> list:
+    """This optimizer's ``param_groups`` with the options of ``state_dict``'s groups, each checked by
+    ``rule``; the options in ``kept`` (this optimizer's files) keep this optimizer's values."""
+    groups = []
+    for sg, g in zip(state_dict["param_groups"], param_groups):
+        # a dict saved before ``maximize`` existed was minimizing (SparseAdam reads a missing key as
+        # False); options SparseAdam does not have (``bitwise``, ...) keep this optimizer's values
+        groups.append(dict(g, **{k: v for k, v in sg.items() if k != "params" and k not in kept}))
+        if "maximize" in g and "maximize" not in sg:
+            groups[-1]["maximize"] = False
+        rule.check_group(groups[-1])
+    return groups
 
 
 def checked_step(value, where: str) -> int:

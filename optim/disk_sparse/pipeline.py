@@ -349,6 +349,23 @@ class RowStager:
         return sum(b.nbytes for b in self.host)
 
 
+def staging_totals(stagers) -> dict:
+    """Totals over ``stagers``: staging bytes (device, pinned host) and the use of announcements."""
+    stagers = list(stagers)
+    return dict(device_bytes=sum(s.device_bytes() for s in stagers), pinned_bytes=sum(s.host_bytes() for s in stagers),
+                hits=sum(s.hits for s in stagers), misses=sum(s.misses for s in stagers),
+                patched_rows=sum(s.patched_rows for s in stagers))
+
+
+def stop(stagers, executor):
+    """Wait for every announcement of ``stagers`` and stop their background thread (``executor``, or
+    None): no background gather may outlive the mappings."""
+    for stager in stagers:
+        stager.invalidate()
+    if executor is not None:
+        executor.shutdown(wait=True)
+
+
 def make_executor() -> ThreadPoolExecutor:
     """The one background thread that gathers (or reads ahead) announced rows, shared by an
     optimizer's parameters."""

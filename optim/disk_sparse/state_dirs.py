@@ -311,6 +311,20 @@ class StateDir:
             _record_fingerprint(p, t.store)
             t.store.flush(t.step)
 
+    def restore(self, tables: dict, loaded: dict):
+        """Write each table's ``loaded`` ``(columns, step)`` ({param: ...}, checked: see
+        ``checks.loaded_columns``; None columns: fresh state) into its state file. Every file is marked
+        dirty before any is written, so a restore cut short leaves them all dirty (and ``interrupted``
+        set), never some at another step."""
+        self.interrupted = True
+        for t in tables.values():
+            t.store.mark_dirty()
+        for p, t in tables.items():
+            columns, step = loaded[p]
+            t.store.write_all(columns, step)
+            t.step = step
+        self.interrupted = False
+
     def close(self, tables: dict):
         """Flush (unless interrupted) and release every file of ``tables``, whatever one raises, then
         remove a private directory; a weight file is left open (its module owns it). In a forked child:

@@ -39,6 +39,14 @@ class Table:
     step: int = 0  # steps with a gradient (the t of its bias corrections)
     route: Route | None = None  # for the device it was last stepped on (None: not yet, or closed)
 
+    def count_step(self) -> int:
+        """Count a step with a gradient (as SparseAdam, also an empty one) and return it; a weight file
+        is marked dirty first: its rows are about to change."""
+        if self.weight_file is not None:
+            self.weight_file.mark_dirty()
+        self.step += 1
+        return self.step
+
     def check_usable(self, p, owner: str):
         """Refuse ``p`` where it no longer fits its files: a weight that left its ``mapped_embedding``
         file (its file would no longer see the training), or a dtype or shape changed after the
