@@ -6,14 +6,14 @@ import re
 
 import pytest
 
-from analysis import claims
+from analysis import claims, claims_common, claims_dsa, claims_gefen
 from analysis.common import ResultsError, read_section
 from experiments.common import FIELDS, REPO_ROOT, RESULTS_DIR
 
 
 def _reads():
     """(row, experiment) for every CSV each row reads (``Results.read`` notes them)."""
-    results, out = claims.Results(), []
+    results, out = claims_common.Results(), []
     for f in claims.ROWS:
         results.read = []
         f(results)
@@ -50,7 +50,7 @@ def test_results_detail_is_generated_from_the_committed_results():
 
 def test_detail_has_one_entry_per_row_with_its_headline_and_runs():
     text = claims.detail()
-    results = claims.Results()
+    results = claims_common.Results()
     for f in claims.ROWS:
         results.read = []
         row = f(results)
@@ -58,7 +58,7 @@ def test_detail_has_one_entry_per_row_with_its_headline_and_runs():
         assert entry is not None, row.claim
         assert f"(*{row.verdict}*): {row.headline}." in entry and row.detail in entry
         for e in results.read:  # every CSV the row read: its run's commit and command, a link to its section
-            config = claims.Results().run(e)
+            config = claims_common.Results().run(e)
             assert f"commit `{config['git_commit']}`" in entry and f"`{config['command']}`" in entry, (row.claim, e)
         assert "](#" in entry or "](gpu/" in entry, row.claim
 
@@ -85,7 +85,7 @@ def test_row_names_the_csv_that_lacks_its_metric(tmp_path, row, experiment):
     target.unlink()
     _write_csv(target, [_row(metric="unrelated")])
     with pytest.raises(ResultsError, match=re.escape(f"{experiment}.csv")):
-        row(claims.Results(tmp_path))
+        row(claims_common.Results(tmp_path))
 
 
 def _fault_rows(failures, refused=7):
@@ -99,7 +99,7 @@ def _fault_rows(failures, refused=7):
 @pytest.mark.parametrize("failures", [0, 3])
 def test_headline_and_verdict_follow_the_data(tmp_path, failures):
     _write_csv(tmp_path / "dsa_fault_injection.csv", _fault_rows(failures))
-    row = claims.dsa_fault_injection(claims.Results(tmp_path))
+    row = claims_dsa.dsa_fault_injection(claims_common.Results(tmp_path))
     assert row.headline == f"{failures} failures in 120 SIGKILL and SIGINT trials"
     assert row.verdict == ("holds" if failures == 0 else "not met")
 
@@ -108,11 +108,11 @@ def test_headline_and_verdict_follow_the_data(tmp_path, failures):
 def test_detail_is_computed_from_the_data_not_copied(tmp_path, refused):
     """A synthetic CSV's figures, and only they, appear in the row's detail paragraph and its entry."""
     _write_csv(tmp_path / "dsa_fault_injection.csv", _fault_rows(3, refused))
-    results = claims.Results(tmp_path)
-    row = claims.dsa_fault_injection(results)
+    results = claims_common.Results(tmp_path)
+    row = claims_dsa.dsa_fault_injection(results)
     assert f"refused as dirty ({refused}) or accepted as clean ({120 - refused})" in row.detail
     assert "bitwise like SparseAdam (117 of 120)" in row.detail and "in the phases create and step" in row.detail
-    committed = claims.dsa_fault_injection(claims.Results())
+    committed = claims_dsa.dsa_fault_injection(claims_common.Results())
     assert committed.detail != row.detail
     assert "commit `abc`" in claims.run_text(results, "dsa_fault_injection", {})
 
@@ -142,7 +142,7 @@ def test_step_time_ratios_are_written_as_speed(tmp_path, step_ratio, speed):
     rows += [_row(variant=n, metric=m, x_name="tensors", x_value=40, value=3 if m == "launches_per_step" else 0)
              for n in names for m in ("launches_per_step", "device_ops_per_step", "host_syncs_per_step")]
     _write_csv(tmp_path / "gefen_speed.csv", rows)
-    row = claims.gefen_speed(claims.Results(tmp_path))
+    row = claims_gefen.gefen_speed(claims_common.Results(tmp_path))
     assert f"{speed}–{speed}× fused AdamW" in row.headline
     assert row.verdict.startswith("met" if step_ratio < 1 else "not met")
 

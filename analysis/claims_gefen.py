@@ -1,0 +1,509 @@
+"""The claims table's rows of Gefen (``analysis/claims.py``), one function a row."""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+from analysis.common import GEFEN_TARGET_BPP, ResultsError, select
+from analysis.gefen_memory import TARGET_FACTORED_STEP
+from analysis.claims_common import (Row, cmd, fig, joined, listed, median_over_seeds, pct, pct_range, points, sci,
+                                   signed, span, times)
+
+LOSS_TARGET = {"8bit": 0.003, "4bit": 0.006}  # factored Gefen: loss within +0.3% / +0.6% of AdamW's
+BF16_TARGET = 0.005  # bf16 weights with stochastic rounding: within +0.5% of fp32 AdamW's loss
+QUALITY_TOL = 0.03  # "AdamW's quality": within 3% of AdamW's loss
+THREADS = 1.0  # the CPU step times the speed row quotes: one torch thread
+LAUNCH_TARGET = 8  # Gefen's Triton path: at most this many launches a step after the first
+S1_RHO, S3_NATS = 0.3, 0.01  # Hessian statements: |ρ| below this is no correlation; a tie in nats
+MODELS = {"char-gpt-116k": "116k", "char-gpt-1266k": "1.27M", "char-gpt-429k-docstrings": "429k prose"}
+
+
+def gefen_memory(R):
+    e = "gefen_memory"
+    b8, b4, adamw = (R.need(e, "state_bytes_per_param", v, x_value="transformer")
+                     for v in ("Gefen-8bit", "Gefen-4bit", "AdamW"))
+    verdict = "reproduced" if b8 <= GEFEN_TARGET_BPP["Gefen-8bit"] else "not met"
+    mlp = [R.need(e, "state_bytes_per_param", v, x_value="mlp") for v in ("Gefen-8bit", "AdamW")]
+    detail = (f"AdamW keeps {adamw / b8:.1f} times Gefen 8-bit's state on the transformer and {mlp[1] / mlp[0]:.1f} "
+              f"times on the MLP ({mlp[0]:.3f} B/param). The section adds every peer's bytes, the bytes by kind of tensor "
+              "and the CPU step times.")
+    return Row("Gefen keeps about 1 B/param of state (AdamW: 8)", verdict,
+               f"8-bit {b8:.3f}, 4-bit {b4:.3f} B/param; AdamW {adamw:.3f} (transformer)", fig(e),
+               cmd(f"python experiments/{e}.py"), detail)
+
+
+def _model_prefix(model) -> str:
+    """The variant prefix of ``model`` in convergence.csv: "" for the first model, else "<model>/"."""
+    return "" if model == next(iter(MODELS)) else f"{model}/"
+
+
+def gefen_quality(R):
+    e = "convergence"
+    gaps = [R.need(e, "val_loss_vs_adamw_mean", "Gefen-8bit", x_value=m) for m in MODELS]
+    within = sum(g - 1 <= QUALITY_TOL for g in gaps)
+    verdict = (f"reproduced with caveats: within {QUALITY_TOL:.0%} on {within} of {len(gaps)} models"
+               if within else "not met")
+    parts = []
+    for m, name in MODELS.items():
+        g8, g4 = (R.need(e, "val_loss_vs_adamw_mean", f"Gefen-{b}", x_value=m) for b in ("8bit", "4bit"))
+        seeds = R.values(e, "val_loss_vs_adamw", "Gefen-8bit", x_value=m)
+        ok = sum(s - 1 <= QUALITY_TOL for s in seeds)
+        parts.append(f"{pct(g8)} / {pct(g4)} ({name}, {len(seeds)} seeds, {ok} of them within {QUALITY_TOL:.0%} at 8 bits)")
+    upstream = [f"{pct(R.need(e, 'val_loss_vs_adamw_mean', 'gefen-upstream', x_value=m))} ({name})"
+                for m, name in MODELS.items() if select(R.rows(e), "val_loss_vs_adamw_mean", "gefen-upstream", x_value=m)]
+    detail = (f"Validation loss over AdamW's, mean over seeds, 8-bit / 4-bit: {'; '.join(parts)}; upstream `gefen` "
+              f"{listed(upstream)}. Each optimizer runs at its best lr of a grid.")
+    return Row("Gefen trains at AdamW's quality", verdict,
+               f"8-bit {' / '.join(pct(g) for g in gaps)} vs AdamW's loss ({' / '.join(MODELS.values())}; mean of seeds)",
+               fig(e), cmd(f"python experiments/{e}.py"), detail)
+
+
+def gefen_ablation(R):
+    e = "gefen_ablation"
+    every = R.need(e, "val_loss_vs_adamw_mean", "all")
+    shared = R.need(e, "val_loss_vs_adamw_mean", "none")
+    prose = "char-gpt-429k-docstrings/"
+
+    def mean(v):
+        return R.need(e, "val_loss_vs_adamw_mean", v)
+
+    kinds = sorted({r["variant"][len(prose + "factored+"):] for r in select(R.rows(e), "val_loss_vs_adamw_mean")
+                    if r["variant"].startswith(prose + "factored+")})
+    base = mean(prose + "factored")
+    moves = [abs(mean(f"{prose}factored+{k}") - base) for k in kinds]
+    spread = statistics.median(R.values(e, "val_loss_vs_adamw_std", prose + "factored"))
+    detail = (f"Per-element v everywhere leaves {pct(every)} ({MODELS['char-gpt-116k']}) and {pct(mean(prose + 'all'))} "
+              f"({MODELS[prose[:-1]]}); on the "
+              f"attention input matrices alone {pct(mean('attn_qkv'))} / {pct(mean(prose + 'attn_qkv'))}; the factored "
+              f"second moment {pct(mean('factored'))} / {pct(base)}, and per-element v on any one kind of tensor on top of "
+              f"it moves the prose model by at most {max(moves) * 100:.2f} points (its seeds' standard deviation: "
+              f"{spread * 100:.1f} points). Means over seeds.")
+    return Row("… the gap is the shared second moment", "found here",
+               f"v per element everywhere: {pct(every)} vs AdamW's loss (shared v: {pct(shared)}; {MODELS['char-gpt-116k']} model)",
+               fig(e), cmd(f"python experiments/{e}.py"), detail)
+
+
+def _factored(R, e, model, prefix=""):
+    """(8-bit, 4-bit) median loss ratios, worst of both protocols, and mean state B/param."""
+    loss = [max(R.need(e, "val_loss_vs_adamw_median", p + f"Gefen-{b}-factored", x_value=model) for p in ("", "dropin/"))
+            for b in ("8bit", "4bit")]
+    state = [_state(R, e, prefix + f"Gefen-{b}-factored") for b in ("8bit", "4bit")]
+    return loss, state
+
+
+def _state(R, e, variant):
+    """Mean state bytes per parameter of ``variant`` over its seeds."""
+    return statistics.fmean(R.values(e, "state_bytes_per_param", variant))
+
+
+def _factored_verdict(losses, states):
+    """Loss met where both widths are within their targets; bytes met where both are within theirs."""
+    loss_ok = [l8 - 1 <= LOSS_TARGET["8bit"] and l4 - 1 <= LOSS_TARGET["4bit"] for l8, l4 in losses]
+    bytes_ok = all(s8 <= GEFEN_TARGET_BPP["Gefen-8bit-factored"] and s4 <= GEFEN_TARGET_BPP["Gefen-4bit-factored"]
+                   for s8, s4 in states)
+    return loss_ok, "bytes met" if bytes_ok else "bytes not met"
+
+
+def _lr_share(variant) -> str:
+    """"0.6×" from a drop-in variant named "gefen-x@0.6" (its lr as a share of AdamW's)."""
+    return f"{float(variant.rpartition('@')[2]):g}×"
+
+
+def _by_kind(R, model, name, kind):
+    return R.need("gefen_memory", "state_bytes_per_param_of_kind", f"{model}/{name}", x_value=kind)
+
+
+def _factored_detail(R, e):
+    names = list(MODELS.values())
+
+    def med(v, m):
+        return R.need(e, "val_loss_vs_adamw_median", v, x_value=m)
+
+    seeds = [len(R.values(e, "val_loss_vs_adamw", "Gefen-8bit-factored", x_value=m)) for m in MODELS]
+    prose = list(MODELS)[-1]
+    spread = R.values(e, "val_loss_vs_adamw", "Gefen-8bit-factored", x_value=prose)
+    at = {p: {b: [med(f"{p}Gefen-{b}-factored", m) for m in MODELS] for b in ("8bit", "4bit")} for p in ("", "dropin/")}
+    published = [R.need(e, "val_loss_vs_adamw_mean", "Gefen-8bit", x_value=m) for m in MODELS]
+    share = next(v for v in variants_of(R, e, "val_loss_vs_adamw_median") if v.startswith("dropin/gefen-x@"))
+    gx = {"own": [med("gefen-x", m) for m in MODELS], "dropin": [med("dropin/gefen-x", m) for m in MODELS],
+          "share": [med(share, m) for m in MODELS]}
+    state = [[_state(R, e, _model_prefix(m) + f"Gefen-{b}-factored") for m in MODELS] for b in ("8bit", "4bit")]
+    gx_state = [_state(R, e, _model_prefix(m) + "gefen-x") for m in MODELS]
+    reach = {b: [n for n, ours, x in zip(names, at[""][b], gx["own"]) if ours <= x] for b in ("8bit", "4bit")}
+    kinds = [m for m in ("char-gpt-116k", "char-encoder-430k", "char-llama-427k")
+             if select(R.rows("gefen_memory"), "state_bytes_per_param_of_kind", f"{m}/Gefen-8bit-factored")]
+    vec = [_by_kind(R, m, "Gefen-8bit-factored", "vector") for m in kinds]
+    gx_vec = [_by_kind(R, m, "gefen-x", "vector") for m in kinds]
+    width = R.config(e)["n_embd"]
+    big = [R.need("gefen_memory", "state_bytes_per_param", f"Gefen-{b}-factored", x_value="transformer")
+           for b in ("8bit", "4bit")]
+    steps = [R.need("gefen_speed", "step_time_vs_unfactored", f"{m}/Gefen-{b}-factored", x_value=1.0)
+             for m in ("transformer", "mlp") for b in ("8bit", "4bit")]
+    return (f"Factored / AdamW final loss, medians paired by seed ({' / '.join(map(str, seeds))} seeds), 8-bit / 4-bit "
+            f"per model ({' / '.join(names)}): each optimizer at its best lr of a grid {joined(at['']['8bit'], pct)} and "
+            f"{joined(at['']['4bit'], pct)}; under the drop-in protocol (AdamW's lr for all) {joined(at['dropin/']['8bit'], pct)} "
+            f"and {joined(at['dropin/']['4bit'], pct)}. The prose model's seeds spread {pct_range(spread)} at 8 bits (the "
+            f"optimizers differ in when a loss plateau ends). Published Gefen {joined(published, pct)} (8-bit, means); "
+            f"gefen-x {joined(gx['own'], pct)} at its best lr, {joined(gx['dropin'], pct)} at AdamW's, and {joined(gx['share'], pct)} at "
+            f"the {_lr_share(share)} its README advises. So the factored 8-bit reaches gefen-x's loss on "
+            f"{listed(reach['8bit']) or 'none of the models'}, the 4-bit on {listed(reach['4bit']) or 'none'}. "
+            f"State: {' / '.join(f'{x:.3g}' for x in state[0])} B/param at 8 bits, "
+            f"{' / '.join(f'{x:.2f}' for x in state[1])} at 4 (gefen-x {' / '.join(f'{x:.3f}' for x in gx_state)}). "
+            f"Which tensors carry the bytes (section \"Gefen: optimizer memory\", its seed): the vectors at "
+            f"{min(vec):.1f}–{max(vec):.1f} B/param (a v per element; gefen-x {min(gx_vec):.1f}–{max(gx_vec):.1f}), the "
+            f"{names[0]} model's matrices at {_by_kind(R, 'char-gpt-116k', 'Gefen-8bit-factored', 'matrix'):.3f} (width "
+            f"{width}: a scale, a v and a column-factor share per row), the embeddings where the rule keeps a table per "
+            f"element. On the memory benchmark's transformer the factored state is {big[0]:.3f} / {big[1]:.3f} B/param "
+            f"(targets {GEFEN_TARGET_BPP['Gefen-8bit-factored']:g} / {GEFEN_TARGET_BPP['Gefen-4bit-factored']:g}). The "
+            f"numba step on one thread takes {min(steps):.2f}–{max(steps):.2f} times the unfactored step's time on the "
+            f"transformer and MLP (target at most {TARGET_FACTORED_STEP:g}: the factor adds a pass over the gradients, "
+            "and a tiled matrix is stepped as several tensors).")
+
+
+def variants_of(R, e, metric):
+    return list(dict.fromkeys(r["variant"] for r in select(R.rows(e, metric), metric)))
+
+
+def gefen_factored(R):
+    e = "convergence"
+    prefixes = ["", "char-gpt-1266k/", "char-gpt-429k-docstrings/"]
+    out = [_factored(R, e, m, p) for m, p in zip(MODELS, prefixes)]
+    loss_ok, bytes_word = _factored_verdict([o[0] for o in out], [o[1] for o in out])
+    names = list(MODELS.values())
+    met = [n for n, ok in zip(names, loss_ok) if ok]
+    missed = [n for n, ok in zip(names, loss_ok) if not ok]
+    verdict = (f"loss met on {', '.join(met) or 'none'}" + (f"; not on {', '.join(missed)}" if missed else "")
+               + f"; {bytes_word}")
+    head = (f"worse protocol: 8-bit {' / '.join(pct(o[0][0]) for o in out)}, 4-bit {' / '.join(pct(o[0][1]) for o in out)}; "
+            f"8-bit state {' / '.join(f'{o[1][0]:.2f}' for o in out)} B/param ({' / '.join(names)})")
+    return Row("Gefen at AdamW's loss with a factored second moment (ours), both protocols", verdict, head,
+               fig(e), cmd(f"python experiments/{e}.py"), _factored_detail(R, e))
+
+
+def _ablation_arch(R, prefix):
+    """What the committed architecture ablation finds for one model: medians by seed."""
+    a = "gefen_ablation_arch"
+
+    def med(v):
+        return R.median(a, "val_loss_vs_adamw", prefix + v)
+
+    kinds = sorted({r["variant"][len(prefix + "factored+"):] for r in select(R.rows(a, "val_loss_vs_adamw"), "val_loss_vs_adamw")
+                    if r["variant"].startswith(prefix + "factored+") and "/" not in r["variant"][len(prefix):]})
+    fp32 = [k for k in kinds if k.startswith("fp32")]
+    kinds = [k for k in kinds if k not in fp32]
+    moved = sorted((med("factored+" + k), k) for k in kinds)
+    seeds = sorted({r["seed"] for r in select(R.rows(a), "val_loss_vs_adamw", prefix + "factored")}, key=str)
+    spread = statistics.median(R.values(a, "val_loss_vs_adamw_std", prefix + "factored"))
+    return (f"The committed ablation (section \"Gefen: what the factored second moment leaves\", seeds "
+            f"{', '.join(map(str, seeds))}, AdamW's lr) puts the factored 8-bit at {pct(med('factored'))} and v per "
+            f"element everywhere at {pct(med('all'))}: per-element v on any one kind of matrix on top of the factor "
+            f"moves the median between {pct(moved[0][0])} (`{moved[0][1]}`) and {pct(moved[-1][0])} (`{moved[-1][1]}`), "
+            f"the first moment in fp32 {pct(med('factored+' + fp32[0])) if fp32 else '—'}; the factored run's seeds have "
+            f"a standard deviation of {spread * 100:.2f} points.")
+
+
+def _untuned(R, e, model, claim, about, ablation_prefix):
+    """A row of a model Gefen was not tuned on; ``about`` says what the architecture is, in words."""
+    loss, state = _factored(R, e, model)
+    loss_ok, bytes_word = _factored_verdict([loss], [state])
+    verdict = ("loss met" if loss_ok[0] else "loss not met") + f"; {bytes_word}"
+    head = f"8-bit {pct(loss[0])}, 4-bit {pct(loss[1])} vs AdamW (both protocols); {state[0]:.2f} / {state[1]:.2f} B/param"
+    return Row(claim, verdict, head, fig(e), cmd(f"python experiments/convergence.py --experiment {e}"),
+               _untuned_detail(R, e, model, about, state) + " " + _ablation_arch(R, ablation_prefix))
+
+
+def _untuned_detail(R, e, model, about, state):
+    c = R.config(e)
+    best = {r["variant"]: r["value"] for r in select(R.rows(e, "best_lr"), "best_lr")}
+    adamw_lr = best["AdamW"]
+    gefens = all(v == adamw_lr for k, v in best.items() if k.startswith("Gefen"))
+    protocols = "so the two protocols coincide" if all(v == adamw_lr for v in best.values()) else "under both protocols"
+
+    def med(v):
+        return R.need(e, "val_loss_vs_adamw_median", v, x_value=model)
+
+    share = next(v for v in variants_of(R, e, "val_loss_vs_adamw_median") if v.startswith("dropin/gefen-x@"))
+    seeds = {b: R.values(e, "val_loss_vs_adamw", f"Gefen-{b}-factored", x_value=model) for b in ("8bit", "4bit")}
+    gx_state = _state(R, e, "gefen-x")
+    against = [f"the {b}-bit {'beats' if med(f'Gefen-{b}bit-factored') < med('gefen-x') else 'trails'} its loss at "
+               f"{signed(s - gx_state)} B/param" for b, s in zip((8, 4), state)]
+    kind = {k: _by_kind(R, model, "Gefen-8bit-factored", k) for k in ("matrix", "embedding", "vector")}
+    gx_kind = [_by_kind(R, model, "gefen-x", k) for k in ("matrix", "embedding", "vector")]
+    return (f"The {model} model ({about}), {c['steps']:,} steps, {len(c['seeds'])} seeds; AdamW's best lr of the grid is "
+            f"{adamw_lr:g}" + (", every Gefen's too" if gefens else "") + f", {protocols}. Medians paired by seed "
+            f"against AdamW: factored 8-bit {pct(med('Gefen-8bit-factored'))} ({pct_range(seeds['8bit'])}), 4-bit "
+            f"{pct(med('Gefen-4bit-factored'))} ({pct_range(seeds['4bit'])}); the published 8-bit {pct(med('Gefen-8bit'))}, "
+            f"torchao 8-bit {pct(med('torchao-AdamW8bit'))}, gefen-x {pct(med('gefen-x'))} at its own best lr "
+            f"({best['gefen-x']:g}), {pct(med('dropin/gefen-x'))} at AdamW's and {pct(med(share))} at the "
+            f"{_lr_share(share)} its README advises. State: {state[0]:.3f} / {state[1]:.3f} B/param (gefen-x "
+            f"{gx_state:.3f}: {listed(against)}) against caps of {GEFEN_TARGET_BPP['Gefen-8bit-factored']:g} / "
+            f"{GEFEN_TARGET_BPP['Gefen-4bit-factored']:g}: at width {c['n_embd']} the codes plus a v, a scale and a column "
+            f"factor per row hold the matrices at {kind['matrix']:.3f} B/param, and the block rule keeps the embeddings "
+            f"({kind['embedding']:.2f}) and vectors ({kind['vector']:.2f}) per element (section \"Gefen: optimizer "
+            f"memory\", its seed; gefen-x {' / '.join(f'{x:.2f}' for x in gx_kind)}).")
+
+
+def gefen_encoder(R):
+    return _untuned(R, "convergence_encoder", "char-encoder-430k",
+                    "… on a model it was not tuned on (pre-norm `nn.TransformerEncoderLayer`)",
+                    "an encoder stack with the fused q/k/v `in_proj_weight` under a causal mask; the factored second "
+                    "moment in square tiles of rows, q, k and v a column factor each, one v per element of a vector", "")
+
+
+def gefen_llama(R):
+    return _untuned(R, "convergence_llama", "char-llama-427k", "… on a Llama-style model",
+                    "RMSNorm, SwiGLU, rotary positions, no biases, an untied head; the only tiles in the gate and up "
+                    "projections", "char-llama-427k/")
+
+
+def gefen_long(R):
+    e, short, best = "convergence_long_lr", "convergence_encoder", "convergence_long"
+    seeds = {r["seed"] for r in select(R.rows(e, "val_loss_vs_adamw"), "val_loss_vs_adamw")}
+    long = [R.need(e, "val_loss_vs_adamw_median", f"dropin/Gefen-{b}-factored") for b in ("8bit", "4bit")]
+    before = [median_over_seeds(R.rows(short, "val_loss_vs_adamw"), "val_loss_vs_adamw",
+                                f"dropin/Gefen-{b}-factored", seeds) for b in ("8bit", "4bit")]
+    if not all(math.isfinite(b) for b in before):
+        raise ResultsError(f"{R.dir / short}.csv: no val_loss_vs_adamw of the factored Gefens' seeds {sorted(seeds)}")
+    verdict = "not met: the factored gaps grow" if any(a > b for a, b in zip(long, before)) else "met"
+    return Row(f"… and after {R.config(e)['steps']:,} steps (the encoder, drop-in, same lr)", verdict,
+               f"8-bit {pct(long[0])} ({R.config(short)['steps']:,} steps: {pct(before[0])}), 4-bit {pct(long[1])} "
+               f"({pct(before[1])}) vs AdamW",
+               fig(e), cmd(f"python experiments/convergence.py --experiment {e}"), _long_detail(R, e, short, best, seeds))
+
+
+def _long_detail(R, e, short, best, seeds):
+    names = ["dropin/Gefen-8bit-factored", "dropin/Gefen-4bit-factored", "dropin/gefen-x"]
+    share = next(v for v in variants_of(R, e, "val_loss_vs_adamw_median") if v.startswith("dropin/gefen-x@"))
+
+    def per_seed(x, v):
+        """{seed: loss ratio} of variant ``v`` in experiment ``x``, on this run's seeds."""
+        return {r["seed"]: r["value"] for r in select(R.rows(x, "val_loss_vs_adamw"), "val_loss_vs_adamw", v)
+                if r["seed"] in seeds}
+
+    def med(x, v):
+        return statistics.median(per_seed(x, v).values())
+
+    def mean(x, v):
+        return statistics.fmean(per_seed(x, v).values())
+
+    now = {v: med(e, v) for v in names + [share]}
+    then = {v: med(short, v) for v in names}
+    hi = {v: med(best, v) for v in names + [share]}
+    long8, short8 = per_seed(e, names[0]), per_seed(short, names[0])
+    worse = sum(long8[s] > short8[s] for s in long8 if s in short8)
+    grid = R.config(best)["lrs"]
+    sweep = {r["x_value"]: r["value"] for r in select(R.rows(best, "lr_sweep_val_loss"), "lr_sweep_val_loss", "dropin/AdamW")}
+    top = R.need(best, "best_lr", "dropin/AdamW")
+    fixed_lr = R.config(e)["lrs"][0]
+    near = sweep[fixed_lr] / sweep[top] - 1 if fixed_lr in sweep and top in sweep else math.nan
+    steps = (R.config(e)["steps"], R.config(short)["steps"])
+    return (f"The encoder {steps[0] // steps[1]}× as long, {len(seeds)} seeds, drop-in protocol, twice: at AdamW's best "
+            f"lr of {' / '.join(f'{x:g}' for x in grid)} ({top:g}" + (", the grid's top" if top == max(grid) else "")
+            + f"; {fixed_lr:g} within {near:.2%}), and at the {steps[1]:,}-step run's lr, {fixed_lr:g}, held fixed, so "
+            f"that length alone changes. Medians paired by seed against the same seeds at {steps[1]:,} steps: at "
+            f"{fixed_lr:g}, factored 8-bit {pct(now[names[0]])} (from {pct(then[names[0]])}; {pct_range(long8.values())}, "
+            f"{worse} of {len(long8)} seeds worse), 4-bit {pct(now[names[1]])} (from {pct(then[names[1]])}), gefen-x "
+            f"{pct(now[names[2]])} (from {pct(then[names[2]])}; {pct_range(per_seed(e, names[2]).values())}), gefen-x at "
+            f"{_lr_share(share)} {pct(now[share])}; at {top:g}, factored 8-bit {pct(hi[names[0]])}, 4-bit "
+            f"{pct(hi[names[1]])}, gefen-x {pct(hi[names[2]])}, at {_lr_share(share)} {pct(hi[share])}. So at an "
+            f"unchanged lr the factored gaps move by {points(now[names[0]], then[names[0]])} (8-bit) and "
+            f"{points(now[names[1]], then[names[1]])} (4-bit) with training, and gefen-x's by "
+            f"{points(now[names[2]], then[names[2]])}; the means at {fixed_lr:g} are {pct(mean(e, names[2]))} (gefen-x) "
+            f"and {pct(mean(e, names[0]))} (factored 8-bit), within {len(seeds)} seeds' spread. State "
+            f"{_state(R, e, names[0]):.3f} / {_state(R, e, names[1]):.3f} B/param (gefen-x {_state(R, e, names[2]):.3f}).")
+
+
+def gefen_bf16(R):
+    e = "convergence_bf16"
+    ours = R.need(e, "val_loss_vs_adamw_median", "Gefen-8bit-factored+bf16-sr")
+    published = R.need(e, "val_loss_vs_adamw_median", "Gefen-8bit+bf16-sr")
+    ok = [x - 1 <= BF16_TARGET for x in (ours, published)]
+    verdict = (("holds for the factored 8-bit" if ok[0] else "not met for the factored 8-bit")
+               + ("; holds for the published 8-bit" if ok[1] else "; not for the published 8-bit")
+               + f" (target {BF16_TARGET:+.1%})")
+    c = R.config(e)
+    detail = (f"Medians over {len(c['seeds'])} seeds, {c['steps']:,} steps, each optimizer at its best lr of a grid, "
+              f"against fp32 AdamW: plain bf16 AdamW (no fp32 copy, no stochastic rounding) "
+              f"{pct(R.need(e, 'val_loss_vs_adamw_median', 'AdamW+bf16'))}, the factored 8-bit on fp32 weights "
+              f"{pct(R.need(e, 'val_loss_vs_adamw_median', 'Gefen-8bit-factored'))}.")
+    return Row("Gefen on bf16 weights, no fp32 copy (stochastic rounding, ours)", verdict,
+               f"factored 8-bit {pct(ours)}, published 8-bit {pct(published)} vs fp32 AdamW's loss "
+               f"({MODELS.get(c['model_label'], c['model_label'])} model)",
+               fig(e), cmd(f"python experiments/convergence.py --experiment {e}"), detail)
+
+
+def gefen_codebook(R):
+    e = "codebook_dp"
+    rows = R.rows(e, "cost_rel_diff_vs_upstream", "speedup_vs_upstream")
+    diff = max(abs(r["value"]) for r in select(rows, "cost_rel_diff_vs_upstream"))
+    fast = [r for r in select(rows, "speedup_vs_upstream") if r["variant"].startswith("ours-numba/")]
+    top = max(fast, key=lambda r: (float(r["x_value"]), r["variant"]))
+    levels = top["variant"].split("/K")[-1]
+    numpy = R.need(e, "speedup_vs_upstream", top["variant"].replace("numba", "numpy"), x_value=top["x_value"])
+    detail = (f"Upstream's optimum to {sci(diff)} (relative cost) at every size measured; the numpy path "
+              f"{times(numpy, 0)} upstream's speed at the same size. The section adds the codebooks' quantisation "
+              "error against absmax and dynamic codes.")
+    return Row("Gefen's codebook DP is exact", "reproduced, faster" if diff < 1e-6 else "not met",
+               f"largest relative cost difference from upstream {diff:.1g}; {times(top['value'], 0)} upstream's speed "
+               f"at {int(float(top['x_value'])):,} bins × {levels} levels", fig("codebook"), cmd(f"python experiments/{e}.py"),
+               detail)
+
+
+def gefen_speed(R):
+    from experiments.gefen_speed import SMALL_TENSORS  # the small-tensor model's count of tensors
+
+    e = "gefen_speed"
+    rows = R.rows(e, "step_time_vs_adamw", "launches_per_step")
+    ours = ("Gefen-8bit", "Gefen-4bit", "Gefen-8bit-factored", "Gefen-4bit-factored")
+
+    def speeds(model, names=ours):
+        return [1 / R.need(e, "step_time_vs_adamw", f"{model}/{n}", x_value=THREADS) for n in names]
+
+    large = speeds("transformer") + speeds("mlp")
+    small = speeds("small-tensors")
+    launches = [r["value"] for r in select(rows, "launches_per_step") if r["variant"] in ours]
+    parts = [("met" if min(large) >= 1 else "not met") + " on CPU for large tensors",
+             ("met" if min(small) >= 1 else "not met") + " for many small tensors",
+             ("met" if max(launches) <= LAUNCH_TARGET else "not met") + " for the Triton path's launches"]
+    peers = {p: [s for m in ("transformer", "mlp", "small-tensors") for s in speeds(m, (p,))]
+             for p in ("torchao-AdamW8bit", "gefen-x")}
+    counted = {m: [r["value"] for r in select(R.rows(e, m), m) if r["variant"] in ours]
+               for m in ("device_ops_per_step", "host_syncs_per_step")}
+    counts = sorted({r["x_value"] for r in select(rows, "launches_per_step") if r["variant"] in ours})
+    detail = (f"{THREADS:g} thread: {span(large)} fused AdamW's speed on the transformer and MLP (8/4-bit, factored), "
+              f"{span(small)} on {SMALL_TENSORS} small tensors; torchao 8-bit {span(peers['torchao-AdamW8bit'], 3)}, gefen-x "
+              f"{span(peers['gefen-x'], 3)}. The Triton path issues {max(counted['device_ops_per_step']):g} torch device "
+              f"operations, {max(counted['host_syncs_per_step']):g} host synchronisations and "
+              f"{min(launches):g}–{max(launches):g} launches a step after the first, at "
+              f"{listed(f'{c:g}' for c in counts)} tensors alike. The GPU timing of the step plan is not in these "
+              "results (`bash experiments/gpu_checks.sh` measures it).")
+    return Row(f"Gefen's step at the speed of its bytes (CPU: ≥ 1× fused AdamW's speed; Triton: ≤ {LAUNCH_TARGET} launches)",
+               "; ".join(parts),
+               f"{THREADS:g} thread: {span(large)} fused AdamW on large tensors, {span(small)} on {SMALL_TENSORS} small ones; "
+               f"Triton path {min(launches):g}–{max(launches):g} launches a step", fig(e), cmd(f"python experiments/{e}.py"),
+               detail)
+
+
+def gefen_peak_memory(R):
+    e = "gefen_peak_memory"
+    rows = R.rows(e, "tensor_peak_per_param")
+    R.rows("gefen_budgets", "largest_micro_batch")
+    lean = "Gefen-8bit-factored+bf16-sr+in-backward"
+    pre = "mlp-50.4M/mb8/"
+
+    def peak(name):
+        vals = select(rows, "tensor_peak_per_param", pre + name)
+        if not vals:
+            raise ResultsError(f"{R.dir / e}.csv: no tensor_peak_per_param of {pre + name}")
+        return max(vals, key=lambda r: float(r["x_value"]))["value"]  # the last step: steady state
+
+    peers = ["AdamW", "Adam-mini", "torchao-AdamW8bit", "torchao-AdamW4bit", "gefen-upstream", "gefen-x"]
+    ours, lean_peak, adamw = peak("Gefen-8bit"), peak(lean), peak("AdamW")
+    lowest = ours < min(peak(p) for p in peers) and lean_peak < peak("AdamW+bf16")
+    mb = {n: R.need("gefen_budgets", "largest_micro_batch", f"micro_batch/{n}", x_value=0.5) for n in (lean, "AdamW")}
+    return Row("Gefen has the lowest peak memory and trains larger micro-batches",
+               "holds for ours (fp32 and lean mode)" if lowest else "not met",
+               f"peak 8-bit {ours:.1f}, lean mode {lean_peak:.1f}, fused AdamW {adamw:.1f} B/param (50.4M MLP); "
+               f"micro-batch in 0.5 GiB: lean {mb[lean]:g}, AdamW {mb['AdamW']:g}", fig(e), cmd(f"python experiments/{e}.py"))
+
+
+def gefen_hessian(R):
+    e = "hessian_alignment"
+    rows = R.rows(e, "spearman_spread", "coupling_within", "val_loss")
+    rho = max(abs(r["value"]) for r in select(rows, "spearman_spread"))
+    models = sorted({r["variant"] for r in select(rows, "spearman_spread")})
+
+    def last(metric, variant):
+        vals = select(rows, metric, variant)
+        if not vals:
+            raise ResultsError(f"{R.dir / e}.csv: no {metric} of {variant}")
+        return max(vals, key=lambda r: float(r["x_value"]))["value"]
+
+    s2 = all(last("coupling_within", f"{m}/gefen") > last("coupling_within", f"{m}/random_gefen") for m in models)
+    gap = {k: max(R.need(e, "val_loss", f"{m}/{k}") - R.need(e, "val_loss", f"{m}/adamw") for m in models)
+           for k in ("gefen", "random_gefen")}
+    s3 = gap["gefen"] <= S3_NATS
+    words = ["not reproduced" if rho < S1_RHO else "reproduced", "reproduced" if s2 else "not reproduced",
+             "reproduced" if s3 else "not reproduced"]
+    if s3 and gap["random_gefen"] <= S3_NATS:
+        words[2] += ", but random blocks of the same sizes do as well"
+    m0 = models[-1]
+    c = R.config(e)
+    detail = (f"On a small {listed(models)} ({c['steps']} steps, {c['checkpoints']} checkpoints). S1: |Spearman "
+              f"ρ(coupling, spread)| at most {rho:.2f} at every checkpoint, below the {S1_RHO:g} that would show a "
+              f"correlation. S2: within-block coupling {last('coupling_within', m0 + '/gefen'):.2f} for Gefen's blocks "
+              f"against {last('coupling_within', m0 + '/random_gefen'):.2f} for random blocks of the same sizes ({m0}). "
+              f"S3: the final loss of Gefen's blocks is at most {gap['gefen']:+.3f} nats from AdamW's, of random blocks "
+              f"{gap['random_gefen']:+.3f} (a tie is within {S3_NATS:g}); means over seeds.")
+    return Row("Blocks follow Hessian coupling (S1 / S2 / S3)", " / ".join(words),
+               f"S1: largest \\|Spearman ρ\\| {rho:.2f}; S2: within-block coupling {last('coupling_within', m0 + '/gefen'):.2f} "
+               f"vs random {last('coupling_within', m0 + '/random_gefen'):.2f} ({m0})", fig(e), cmd(f"python experiments/{e}.py"),
+               detail)
+
+
+def _junit(path) -> dict:
+    """Passed, failed and skipped counts of a pytest JUnit XML file."""
+    import xml.etree.ElementTree as ET
+
+    try:
+        suites = ET.parse(path).getroot().iter("testsuite")
+    except (OSError, ET.ParseError) as exc:
+        raise ResultsError(f"{path}: not a test report ({exc})") from None
+    n = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
+    for s in suites:
+        for k in n:
+            n[k] += int(s.get(k, 0))
+    return {"passed": n["tests"] - n["failures"] - n["errors"] - n["skipped"], "failed": n["failures"] + n["errors"],
+            "skipped": n["skipped"]}
+
+
+def gefen_gpu(R):
+    g, k = "gpu/gefen_kernels", "kernel_resources"
+    rows = select(R.rows(g, "speedup_vs_AdamW"), "speedup_vs_AdamW", "Gefen-8bit/fp32")
+    sizes = sorted({r["x_value"] for r in rows}, key=float)
+    if not sizes:
+        raise ResultsError(f"{R.dir / g}.csv: no speedup_vs_AdamW of Gefen-8bit/fp32")
+    step = [R.need(g, "speedup_vs_AdamW", "Gefen-8bit/fp32", x_value=s) for s in sizes]
+    kernel = [R.need(g, "speedup_vs_AdamW", "Gefen-8bit/kernel/fp32", x_value=s) for s in sizes]
+    label = " / ".join(f"{float(s) / 1e9:.2g}B" if float(s) >= 1e9 else f"{float(s) / 1e6:.0f}M" for s in sizes)
+
+    def need(m, v):
+        return [R.need(g, m, v, x_value=s) for s in sizes]
+
+    ms = {v: need("step_time", v) for v in ("Gefen-8bit/fp32", "AdamW/fp32", "Gefen-8bit/kernel/fp32")}
+    ours_f, adam_f = need("frac_of_copy", "Gefen-8bit/kernel/fp32"), need("frac_of_copy", "AdamW/fp32")
+    floor = [R.need(g, "floor_bytes", "Gefen-8bit/fp32", x_value=s) / R.need(g, "floor_bytes", "AdamW/fp32", x_value=s)
+             for s in sizes]
+    around = [(a - b) / b for a, b in zip(ms["Gefen-8bit/fp32"], ms["Gefen-8bit/kernel/fp32"])]
+    predicted = {d: max(r["value"] for r in select(R.rows(k, "time_vs_AdamW"), "time_vs_AdamW")
+                        if r["variant"].startswith(f"predicted/Gefen-8bit/{d}/")) for d in ("fp32", "bf16")}
+    copy = R.values(g, "bandwidth", "copy")[0]
+    c = R.config(g)
+    tests = _junit(R.dir / "gpu" / "kernel_tests.xml")
+    moves = _junit(R.dir / "gpu" / "device_moves.xml")
+    detail = (f"`Gefen.step()` against fused AdamW's step, median of {c['reps']} steps: "
+              f"{' / '.join(f'{a:.1f} vs {b:.2f} ms' for a, b in zip(ms['Gefen-8bit/fp32'], ms['AdamW/fp32']))} at "
+              f"{label} fp32 parameters ({joined(step, times)} AdamW's speed); bf16 parameters "
+              f"{joined(need('speedup_vs_AdamW', 'Gefen-8bit/bf16'), times)}. The kernel alone (launch tables built once, the "
+              f"`/kernel` variants) runs at {joined(kernel, times)} AdamW's speed in fp32, "
+              f"{joined(need('speedup_vs_AdamW', 'Gefen-8bit/kernel/bf16'), times)} in bf16, at {min(ours_f):.0%}–{max(ours_f):.0%} "
+              f"of the device's copy bandwidth in fp32 ({copy / 1e3:.1f} TB/s measured) where fused AdamW reaches "
+              f"{min(adam_f):.0%}–{max(adam_f):.0%}. So the prediction from the compiled kernels and a traffic model "
+              f"({predicted['fp32']:.2f} times AdamW's step time in fp32, {predicted['bf16']:.2f} in bf16: section "
+              "\"Triton kernels\") is not met: the kernel moves "
+              f"{min(floor):.2f} of AdamW's bytes but does not reach the bandwidth AdamW does, and the optimizer's work "
+              f"around the kernel (per step, on the host and in extra device passes) costs {min(around):.1f}–"
+              f"{max(around):.1f} times the kernel's time. The kernel tests on the GPU (`results/gpu/kernel_tests.xml`): "
+              f"{tests['passed']} passed, {tests['failed']} failed; parameters moved to the GPU after the optimizer was "
+              "built (DSA staged and direct, the ball, Gefen) train as SparseAdam and AdamW built there "
+              f"(`device_moves.xml`: {moves['passed']} passed, {moves['failed']} failed). `bash "
+              "experiments/gpu_checks.sh [DIR]` runs every GPU check on one GPU, each step time-limited (what it runs: "
+              "[docs/DESIGN.md](../docs/DESIGN.md)); both benchmarks also run on the CPU with `--dry-run` (in the tests).")
+    return Row("Gefen's Triton step on a GPU at fused AdamW's speed", "met (one H200)" if min(step) >= 1 else "not met (one H200)",
+               f"step {' / '.join(times(s) for s in step)} fused AdamW ({label} fp32); kernel alone "
+               f"{' / '.join(times(k) for k in kernel)}", "—", cmd("bash experiments/gpu_checks.sh"), detail)
+
+
+ROWS = [gefen_memory, gefen_quality, gefen_ablation, gefen_factored, gefen_encoder, gefen_llama, gefen_long,
+        gefen_bf16, gefen_codebook, gefen_speed, gefen_peak_memory, gefen_hessian, gefen_gpu]
