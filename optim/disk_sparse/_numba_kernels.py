@@ -525,7 +525,8 @@ _opts = dict(nogil=True, fastmath=False, error_model="numpy", cache=True)
 # a parallel launch costs more than it saves) and parallel. The case each pair serves
 # (``numba_ops._launch*`` chooses):
 # bitwise=True where ``vml_sqrt`` finds no sqrt in torch's library that reproduces ``torch.sqrt``
-# (torch builds without MKL: ARM, macOS; or MKL's fails the check), two passes around ``Tensor.sqrt_``:
+# (torch builds without MKL: ARM, macOS; or MKL's fails the check): two passes around ``Tensor.sqrt_``,
+# the torch backend's bits at a few times its speed:
 moments = njit(**_opts)(_named(_moments, "moments"))
 weights = njit(**_opts)(_named(_weights, "weights"))
 moments_parallel = njit(parallel=True, **_opts)(_named(_moments, "moments_parallel"))

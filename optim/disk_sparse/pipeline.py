@@ -1,6 +1,6 @@
 """Staging of Disk Sparse Adam state records between the state file and the weights' device.
 
-Two stagers with one interface (:class:`Stager`) serve ``base.DiskSparseOptimizer``'s step:
+Two stagers with one interface (:class:`Stager`) serve a Disk Sparse optimizer's step (``update.py``):
 ``DirectStager`` (the records are gathered from the file for each step; weights on CPU) and
 ``RowStager`` (the staged pipeline; weights on CUDA, or any weights with ``staging=True``). Per step
 of one parameter::
