@@ -16,6 +16,7 @@ checked against what it promises:
 """
 
 import copy
+import importlib
 import io
 import math
 import secrets
@@ -25,7 +26,7 @@ import torch
 
 from optim import Gefen
 from optim._rounding import hash32_int, random_bits, round_stochastic, step_seed
-from optim.backends import numba_available
+from optim.backends import numba_available, triton_interpreted
 from optim.gefen import reference as R, state as K, torch_ops
 from optim.gefen.codebook import code_table, stochastic_code
 from tests.utils import assert_close, rel_rms
@@ -199,6 +200,31 @@ def test_torch_step_matches_the_reference_over_steps(shapes, block, bits, dtype)
                 assert_close(p.reshape(-1), ref[0], atol=1e-5, name=f"p of tensor {k} after step {t}")
             else:
                 assert rel_rms(p.reshape(-1).float(), ref[0]) <= 2e-2, f"p of tensor {k} after step {t}"
+
+
+@pytest.mark.parametrize("module", ["numba_ops", pytest.param("triton_ops", marks=pytest.mark.skipif(
+    not triton_interpreted(), reason="Triton runs on CPU tensors only under TRITON_INTERPRET=1"))])
+def test_compiled_steps_hand_code_seeds_to_the_torch_step(module):
+    """Called with ``code_seeds`` (their common signature), the numba and Triton steps are the torch
+    step: the same parameters, v, scales and codes, bit for bit."""
+    if module == "numba_ops" and not numba_available():
+        pytest.skip("no numba")
+    step_ = importlib.import_module(f"optim.gefen.{module}").gefen_step_
+    gen = torch.Generator().manual_seed(6)
+    cb = random_codebook(8, gen)
+    n, block = 4096, 16
+    p = torch.randn(n, generator=gen)
+    state = [torch.rand(n // block, generator=gen) * 1e-2, torch.rand(n // block, generator=gen) * 0.2,
+             torch.randint(0, 256, (n,), generator=gen, dtype=torch.uint8)]
+    twin = [p.clone(), *[t.clone() for t in state]]
+    for t in range(1, 3):
+        g = torch.randn(n, generator=gen)
+        seeds = [step_seed(9, 0, t)]
+        step_([p], [g], *[[x] for x in state], cb, step=t, block=block, bits=8, code_seeds=seeds, **HP)
+        torch_ops.gefen_step_([twin[0]], [g], *[[x] for x in twin[1:]], cb, step=t, block=block, bits=8,
+                              code_seeds=seeds, **HP)
+        for a, b in zip([p, *state], twin):
+            assert torch.equal(a, b)
 
 
 def _params(seed=0):
