@@ -194,7 +194,8 @@ def test_torch_step_matches_the_reference_over_steps(shapes, block, bits, dtype)
             ref[0] = ref[0].to(dtype).float()
             refs[k] = ref
             assert torch.equal(st[1], ref[2]), f"scales of tensor {k} after step {t}"
-            assert torch.equal(st[2], ref[3]), f"codes of tensor {k} after step {t}: {int((st[2] != ref[3]).sum())} differ"
+            differ = int((st[2] != ref[3]).sum())
+            assert torch.equal(st[2], ref[3]), f"codes of tensor {k} after step {t}: {differ} differ"
             assert_close(st[0], ref[1], atol=1e-7, rtol=1e-5, name=f"v of tensor {k} after step {t}")
             if dtype == torch.float32:
                 assert_close(p.reshape(-1), ref[0], atol=1e-5, name=f"p of tensor {k} after step {t}")
@@ -313,8 +314,8 @@ def test_codes_and_weights_draw_from_different_streams():
     n = 4096
     p = torch.nn.Parameter(torch.randn(n).bfloat16())
     p0 = p.detach().float().clone()
-    opt = Gefen([p], stochastic_rounding=True, first_moment_rounding="stochastic", **{k: HP[k] for k in ("lr", "weight_decay")},
-                betas=(HP["beta1"], HP["beta2"]), eps=HP["eps"])
+    opt = Gefen([p], stochastic_rounding=True, first_moment_rounding="stochastic", lr=HP["lr"],
+                weight_decay=HP["weight_decay"], betas=(HP["beta1"], HP["beta2"]), eps=HP["eps"])
     g = torch.randn(n).bfloat16()
     p.grad = g
     opt.step()
