@@ -67,12 +67,12 @@ def pieces(numels, S: int, bits: int, element_size: int = 4, limit: int = PIECE_
     """The call's tensors cut into lists of ``Piece`` of at most about ``limit`` elements each.
 
     Whole small tensors are packed together (one row reduction serves many tensors); a tensor
-    of more rows is cut into row ranges, so the step's temporaries (about 50 bytes an element)
-    stay about ``limit`` elements long however large the tensor. On small models ``limit`` shrinks
-    to the largest tensor's bytes (``element_size`` bytes an element) / ``temp_bytes`` (the
-    temporaries an element of a piece costs, with room to spare: 128 for this step, stochastic
-    rounding's included), so they stay under that tensor's bytes. With 4-bit codes and odd ``S`` a
-    cut falls on an even row (two codes share a byte).
+    of more rows is cut into row ranges, so the step's temporaries (about 50 bytes an element,
+    about 80 with stochastic codes) stay about ``limit`` elements long however large the tensor. On
+    small models ``limit`` shrinks to the largest tensor's bytes (``element_size`` bytes an element)
+    / ``temp_bytes`` (the temporaries an element of a piece costs, with room to spare: 128 for this
+    step, stochastic rounding's of weights and codes included), so they stay under that tensor's
+    bytes. With 4-bit codes and odd ``S`` a cut falls on an even row (two codes share a byte).
     """
     limit = piece_limit(numels, S, element_size, limit, temp_bytes)
     step = max(1, limit // S)
