@@ -15,7 +15,7 @@ import math
 import numpy as np
 
 from analysis.common import Report, fmt, main, md_table, save_figure, select, value
-from analysis.gefen_peak_memory import LEAN, _names_axis, split_from
+from analysis.gefen_peak_memory import LEAN, optimizer_axis, split_from
 
 TARGET_MODEL_RATIO = 3.0
 
@@ -57,7 +57,7 @@ def _budget_ratios(ax, rows, prefix, metric, title):
     ax.axvline(1, color="black", linewidth=1)
     if metric == "largest_model_params":
         ax.axvline(TARGET_MODEL_RATIO, color="#2ca02c", linestyle="--", linewidth=1.2)
-    _names_axis(ax, names)
+    optimizer_axis(ax, names)
     ax.set_xlabel("× fused AdamW's", fontsize=8)
     ax.set_title(title, fontsize=9)
     ax.tick_params(axis="x", labelsize=7)

@@ -16,7 +16,7 @@ import math
 import numpy as np
 
 from analysis.common import Report, fmt, main, md_table, save_figure, select, value
-from analysis.gefen_peak_memory import LEAN, _names_axis, split_from
+from analysis.gefen_peak_memory import LEAN, optimizer_axis, split_from
 
 STRATEGIES = ("ddp", "fsdp2")
 KINDS = ("equal", "budget")
@@ -57,7 +57,7 @@ def _throughput(ax, rows):
             elif a == 0:
                 ax.annotate("≠", (v, p), xytext=(2, 0), textcoords="offset points", ha="left", va="center",
                             fontsize=6, color="red")
-    _names_axis(ax, drawn)
+    optimizer_axis(ax, drawn)
     ax.set_xlabel("tokens / s, 2 gloo ranks on CPU", fontsize=8)
     ax.set_title("GPT on 2 ranks (×: failed; ≠: ranks differ)", fontsize=9)
     ax.tick_params(axis="x", labelsize=7)

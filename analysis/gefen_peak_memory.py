@@ -20,7 +20,7 @@ import math
 
 import numpy as np
 
-from analysis.common import Report, fmt, main, md_table, save_figure, select, value
+from analysis.common import Report, fmt, main, md_table, names_axis, save_figure, select, value
 
 PARTS = ("weights", "gradients", "state", "rest")
 PART_COLOURS = {"weights": "#4c72b0", "gradients": "#dd8452", "state": "#55a868", "rest": "#c44e52"}
@@ -146,17 +146,10 @@ def label_of(name: str) -> str:
     return "Gefen lean mode" if name == LEAN else name
 
 
-def _names_axis(ax, names):
-    """Optimizer names down the y axis, ours in colour and bold (one colour per optimizer in every
-    panel), the first at the top."""
-    from analysis.common import styles
-
-    look = styles(list(dict.fromkeys(FIGURE_SET + GEFENS + names)))
-    ax.set_yticks(range(len(names)), [label_of(n) for n in names], fontsize=7)
-    for tick, n in zip(ax.get_yticklabels(), names):
-        tick.set_color(look[n]["color"])
-        tick.set_fontweight("bold" if n.startswith("Gefen") else "normal")
-    ax.set_ylim(len(names) - 0.5, -0.5)
+def optimizer_axis(ax, names):
+    """Optimizer names down the y axis (``common.names_axis``), one colour per optimizer in every
+    panel of the three figures, the lean mode by its name."""
+    names_axis(ax, names, [label_of(n) for n in names], order=FIGURE_SET + GEFENS)
 
 
 def highest_step(rows, model, mb, name):
@@ -180,7 +173,7 @@ def _stacked(ax, rows, model, mb):
                label="resident set (RSS)")
     ax.axvline(TARGET_LEAN_BPP, color="#2ca02c", linestyle="--", linewidth=1.2,
                label=f"lean mode's target ({TARGET_LEAN_BPP:g} B/param)")
-    _names_axis(ax, names)
+    optimizer_axis(ax, names)
     ax.set_xlabel("bytes / parameter at the step's peak", fontsize=8)
     ax.set_title(f"{model}, micro-batch {mb}", fontsize=9)
     ax.tick_params(axis="x", labelsize=7)
