@@ -47,7 +47,7 @@ SLACK = 0.5  # pixels two boxes may share (anti-aliasing), and a text may pass t
 # analysis script -> the figure it draws, as experiments/reproduce.py runs them
 FIGURES = ["codebook", "convergence", "convergence_bf16", "convergence_encoder", "convergence_llama",
            "convergence_long", "convergence_long_lr", "dsa_distributed", "dsa_out_of_core", "dsa_seed_benchmark",
-           "dsa_throughput", "gefen_ablation", "gefen_ablation_arch", "gefen_budgets", "gefen_distributed",
+           "dsa_throughput", "gefen_ablation", "gefen_ablation_arch", "gefen_ablation_long", "gefen_budgets", "gefen_distributed",
            "gefen_memory", "gefen_peak_memory", "gefen_speed", "hessian_alignment", "poincare"]
 
 

@@ -22,8 +22,9 @@ from analysis.common import (CORPUS_TEXT, Report, configurations, fmt, in_config
 LABELS = {"none": "nothing (Gefen as published)", "all": "every tensor", "embedding": "the embeddings",
           "vectors": "the vectors (norm gains, biases)",
           "factored": "nothing, the second moment factored",
-          "gefen-x": "(peer) gefen-x 0.5.0 at its defaults, same lr", "fp32_m": "nothing, the first moment in fp32"}
-NOT_KINDS = ("none", "all", "factored", "fp32_m", "gefen-x")  # variants that are no kind of tensor
+          "gefen-x": "(peer) gefen-x 0.5.0 at its defaults, same lr", "fp32_m": "nothing, the first moment in fp32",
+          "sr_m": "nothing, the first moment's codes rounded stochastically"}
+NOT_KINDS = ("none", "all", "factored", "fp32_m", "sr_m", "gefen-x")  # variants that are no kind of tensor
 TARGET = 1.03
 ARCH_TEXT = {"gpt": "character GPT", "encoder": "character LM of PyTorch's pre-norm `nn.TransformerEncoderLayer`",
              "llama": "Llama-style character LM"}
@@ -44,6 +45,8 @@ def _label(name: str) -> str:
     base, plus, own = name.rpartition("+")
     if plus and own == "fp32_m":
         return "factored, and the first moment in fp32"
+    if plus and own == "sr_m":
+        return "factored, and the first moment's codes rounded stochastically"
     if plus:
         return f"factored, and per element on {LABELS.get(own, f'`{own}`')}"
     return LABELS.get(name, f"`{name}`")
@@ -143,7 +146,7 @@ def _finding(data, center="mean"):
     """What the figures say (``data``: {variant: the ``center`` of its ratios}): the gap, what
     per-element v everywhere leaves, what closes half of it, what the factor leaves."""
     if "none" not in data:
-        return ""
+        return _factored_finding(data, center)
     gap = data["none"] - 1
     closes = [v for v, r in data.items() if v not in NOT_KINDS and "+" not in v and r - 1 < gap / 2]
     out = f"By the {center} over seeds, Gefen as published ends at {data['none']:.3f} of AdamW's loss"
@@ -162,7 +165,23 @@ def _finding(data, center="mean"):
             out += f"; with per-element v on top of it the lowest is on {_label(best)} ({on_top[best] - 1:+.2%})"
         if "factored+fp32_m" in data:
             out += f"; with the first moment in fp32 {data['factored+fp32_m'] - 1:+.2%}"
+        if "factored+sr_m" in data:
+            out += f"; with its codes rounded stochastically {data['factored+sr_m'] - 1:+.2%}"
         out += "."
+    if "gefen-x" in data:
+        out += f" gefen-x at the same lr: {data['gefen-x'] - 1:+.2%}."
+    return out
+
+
+def _factored_finding(data, center):
+    """The finding of a run of the factor and changes on top of it only (no published Gefen)."""
+    if "factored" not in data:
+        return ""
+    out = f"By the {center} over seeds, the factored second moment ends at {data['factored'] - 1:+.2%} of AdamW's loss"
+    for v, r in data.items():
+        if v.startswith("factored+"):
+            out += f"; {_label(v).removeprefix('factored, and ')} {r - 1:+.2%}"
+    out += "."
     if "gefen-x" in data:
         out += f" gefen-x at the same lr: {data['gefen-x'] - 1:+.2%}."
     return out

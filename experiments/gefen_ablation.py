@@ -10,6 +10,9 @@
     # the two architectures Gefen was not developed on, on top of the factor, at AdamW's best lr of each
     python experiments/gefen_ablation.py --experiment gefen_ablation_arch   # -> results/gefen_ablation_arch.csv
     python analysis/gefen_ablation_arch.py
+    # does the factored 8-bit's gap grow with training: the encoder 3,000 steps, 5 seeds, lr fixed
+    python experiments/gefen_ablation.py --experiment gefen_ablation_long   # -> results/gefen_ablation_long.csv
+    python analysis/gefen_ablation_long.py
 
 Each variant is 8-bit Gefen (registry name Gefen-8bit) with ``share_second_moment=False`` (a
 per-element v, as block length 1) on the named group of tensors only, through a second parameter
@@ -41,6 +44,12 @@ that experiment's grid (``ARCH_LR``, the drop-in protocol), with gefen-x as a pe
 published, v per element everywhere, the factor, and the factor with each kind of matrix per element
 or the first moment in fp32 (vectors keep v per element under the factor already). With ``--quick``
 or ``--tiny`` it runs that size in each architecture.
+
+``--experiment gefen_ablation_long`` (``LONG_ABLATION``) trains the encoder 3,000 steps, 5 seeds, at
+the 1,000-step lr held fixed (4e-3, AdamW's best there), gefen-x beside it: the factor alone and the
+factor with one change each, to see which holds a gap that grows with training. ``sr_m`` is no kind
+of tensor: the first moment's codes rounded stochastically (``first_moment_rounding="stochastic"``)
+on every tensor.
 
 Rows: ``val_loss`` per variant (and AdamW) and seed, ``val_loss_vs_adamw`` (paired by seed), its
 ``_mean`` and ``_std``, and ``delta_vs_shared`` (the paired difference of ratios against ``none``),
@@ -103,6 +112,7 @@ PATTERNS = {
 }
 FACTORED = "factored"  # every tensor shared and factored, none per element
 FIRST_MOMENT = "fp32_m"  # the first moment in fp32 on every tensor (not a kind of tensor)
+CODE_ROUNDING = "sr_m"  # the first moment's codes rounded stochastically on every tensor (not a kind of tensor)
 PEERS = ("gefen-x",)  # other optimizers that may train beside AdamW (registry names)
 QUICK_VARIANTS = ["none", "all", "attn_qkv", "embedding", FACTORED]
 FULL_SIZES = ["full", "docstrings"]
@@ -112,7 +122,12 @@ ARCH_LR = {"encoder": 4e-3, "llama": 2e-3}
 ARCH_ABLATION = dict(sizes=["encoder", "llama"], seeds=3, peers=["gefen-x"], on_factored=True,
                      variants=["none", "all", FACTORED, "embedding", "lm_head", "attn_qkv", "attn_out", "mlp_in",
                                "mlp_out", FIRST_MOMENT])
-EXPERIMENTS = ("gefen_ablation", "gefen_ablation_arch")
+# does the factored 8-bit's gap grow with training, and what holds it: the encoder 3x as long as the
+# architecture experiments, at their 1,000-step lr (AdamW's best there) held fixed
+LONG_ABLATION = dict(sizes=["encoder"], steps=3000, seeds=5, peers=["gefen-x"], lr=4e-3,
+                     variants=[FACTORED, f"{FACTORED}+{CODE_ROUNDING}"])
+EXPERIMENTS = ("gefen_ablation", "gefen_ablation_arch", "gefen_ablation_long")
+SETTINGS = {"gefen_ablation_arch": ARCH_ABLATION, "gefen_ablation_long": LONG_ABLATION}
 
 
 def per_element_v_groups(model, pattern, factored=False, **every):
@@ -131,6 +146,8 @@ def variant_groups(model, variant: str, arch: str = "gpt"):
     factored = variant.startswith(FACTORED)
     if own == FIRST_MOMENT:
         return per_element_v_groups(model, None, factored, quantize_first_moment=False)
+    if own == CODE_ROUNDING:
+        return per_element_v_groups(model, None, factored, first_moment_rounding="stochastic")
     return per_element_v_groups(model, None if own == FACTORED else PATTERNS[arch][own], factored)
 
 
@@ -170,6 +187,8 @@ def variants_of(size_name: str, args) -> list[str]:
         names += [f"{FACTORED}+{v}" for v in names if v not in (FACTORED, "none", "all") and "+" not in v]
     if args.experiment == "gefen_ablation_arch":  # on top of the factor only: the published Gefen's rule is "none"
         names = [v for v in names if v in ("none", "all", FACTORED) or "+" in v]
+    if args.experiment == "gefen_ablation_long":  # the factor and what is tried on top of it, nothing else
+        names = [v for v in names if v == FACTORED or v.startswith(f"{FACTORED}+")]
     return list(args.peers) + names
 
 
@@ -177,9 +196,10 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(parser)
     parser.add_argument("--experiment", default=EXPERIMENTS[0], choices=EXPERIMENTS,
-                        help="results file name; gefen_ablation_arch: ARCH_ABLATION's defaults (module docstring)")
+                        help="results file name; gefen_ablation_arch, gefen_ablation_long: ARCH_ABLATION's, "
+                             "LONG_ABLATION's defaults (module docstring)")
     parser.add_argument("--tiny", action="store_true", help="test size (seconds)")
-    kinds = [*PATTERNS["gpt"], FIRST_MOMENT]
+    kinds = [*PATTERNS["gpt"], FIRST_MOMENT, CODE_ROUNDING]
     parser.add_argument("--variants", nargs="+", default=None,
                         choices=[*kinds, FACTORED, *(f"{FACTORED}+{v}" for v in kinds if v not in ("none", "all"))],
                         help="default: all (--quick: " + ", ".join(QUICK_VARIANTS) + ")")
@@ -201,13 +221,14 @@ def main(argv=None):
     torch.set_num_threads(1)
     full = not (args.tiny or args.quick)
     small = "tiny" if args.tiny else "quick"
-    arch = args.experiment == "gefen_ablation_arch"
-    if arch:  # the architecture ablation's settings; a quick or tiny run keeps its size's one seed
-        for key, value in ARCH_ABLATION.items():
-            if key != "sizes" and (full or key != "seeds") and getattr(args, key) in (None, False):
+    settings = SETTINGS.get(args.experiment)
+    arch = settings is not None
+    if arch:  # the experiment's settings; a quick or tiny run keeps its size's one seed and steps
+        for key, value in settings.items():
+            if key != "sizes" and (full or key not in ("seeds", "steps")) and getattr(args, key) in (None, False):
                 setattr(args, key, value)
     args.peers = args.peers or []
-    size_names = args.sizes or (ARCH_ABLATION["sizes"] if arch else FULL_SIZES if full else [small])
+    size_names = args.sizes or (settings["sizes"] if arch else FULL_SIZES if full else [small])
     jobs = args.jobs or (2 if full else 1)
     configs = []
     for k, name in enumerate(size_names):
@@ -248,7 +269,7 @@ def add_rows(res, c, losses):
         res.add(p + name, "val_loss_vs_adamw_std", "ratio", _std(ratios[name]), **x)
         print(f"[gefen_ablation] {c['label']}: per-element v on {name}: {statistics.fmean(ratios[name]):.4f} "
               f"+- {_std(ratios[name]):.4f} x AdamW over {len(c['seeds'])} seeds", flush=True)
-    for name in c["variants"]:
+    for name in c["variants"] if "none" in ratios else []:
         deltas = [r - r0 for r, r0 in zip(ratios[name], ratios["none"])]
         res.add(p + name, "delta_vs_shared_mean", "ratio", statistics.fmean(deltas), **x)
         res.add(p + name, "delta_vs_shared_std", "ratio", _std(deltas), **x)
