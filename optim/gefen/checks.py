@@ -10,7 +10,7 @@ import torch
 
 from .._checks import check_flags, check_hyper, check_option
 from . import state as K
-from .state import state_dtype
+from .state import holds_factor, state_dtype
 from .partition import factor_tiles
 from .reference import num_code_bytes, num_scales
 
@@ -53,19 +53,22 @@ def check_state_fits(st, p, group, bits, where: str):
     """Raise ``ValueError`` unless parameter ``p``'s existing state (``st``, with a block) has the
     layout of its shape and group options now: a parameter replaced by one of another size or
     shape after its state was made (``p.data = ...``), or an option that decides the layout
-    (``share_second_moment``, ``quantize_first_moment``, ``factor_second_moment``) edited in the
-    group since, is refused before any kernel sees the state."""
+    (``share_second_moment``, ``quantize_first_moment``, ``factor_second_moment``,
+    ``share_vector_second_moment``) edited in the group since, is refused before any kernel sees
+    the state (a step is factored where its state holds w: ``plan.Call.factored``)."""
     n, block = p.numel(), st[K.BLOCK]
     tiles = len(factor_tiles(tuple(p.shape), block)) if n % block == 0 else 0
     want = expected_state(n, block, bits, group["quantize_first_moment"], state_dtype(p.dtype, group),
-                          group["factor_second_moment"], tiles) if tiles else {}
+                          holds_factor(group, p.dim()), tiles) if tiles else {}
     per_element = not group["share_second_moment"] and block != 1  # its blocks say otherwise
-    if per_element or not want or any(key not in st or st[key].numel() != size for key, (_, size) in want.items()):
+    if (per_element or not want or (K.W in st) != (K.W in want)
+            or any(key not in st or st[key].numel() != size for key, (_, size) in want.items())):
         made = st[K.V].numel() * block
         raise ValueError(f"Gefen: {where} is now {tuple(p.shape)} ({n} elements), its state was made for "
                          f"{made} elements, of another shape or under other group options (block {block}): a "
-                         "parameter keeps its shape, and its group its share_second_moment, quantize_first_moment "
-                         "and factor_second_moment, once its state exists; build a new optimizer for another")
+                         "parameter keeps its shape, and its group its share_second_moment, quantize_first_moment, "
+                         "factor_second_moment and share_vector_second_moment, once its state exists; build a "
+                         "new optimizer for another")
 
 
 def check_group(group, gi):
@@ -92,8 +95,8 @@ def check_group(group, gi):
 
 
 ROUNDINGS = ("nearest", "stochastic")  # first_moment_rounding: how m~ / s becomes a code
-FLAGS = ("share_second_moment", "quantize_first_moment", "factor_second_moment", "maximize",
-         "stochastic_rounding", "capturable")
+FLAGS = ("share_second_moment", "quantize_first_moment", "factor_second_moment", "share_vector_second_moment",
+         "maximize", "stochastic_rounding", "capturable")
 
 
 def check_adamw_keywords(*, amsgrad, foreach, capturable, differentiable):
@@ -151,7 +154,7 @@ def check_saved(st, p, group, bits, k):
                          "keeps its own state layout (state.py), even where it reduces to AdamW "
                          "(share_second_moment=False, quantize_first_moment=False); load an AdamW state dict "
                          "into torch.optim.AdamW, or start Gefen without it")
-    _check_group_matches(st, group, where)
+    _check_group_matches(st, group, p.dim(), where)
     extra = {K.SEED, K.PROVISIONAL} & set(st)
     if K.BLOCK not in st:  # a tensor that has only seen zero gradients
         if set(st) - extra != {K.STEP}:
@@ -165,7 +168,7 @@ def check_saved(st, p, group, bits, k):
         # a factor saved as one w for the whole tensor, before tiles: each tile starts from it
         st = dict(st, **{K.W: st[K.W].repeat(tiles)})
     want = expected_state(n, block, bits, group["quantize_first_moment"],
-                          state_dtype(p.dtype, group), group["factor_second_moment"], tiles)
+                          state_dtype(p.dtype, group), holds_factor(group, p.dim()), tiles)
     if set(st) - extra != set(want) | {K.STEP, K.BLOCK}:
         raise ValueError(f"{where} has keys {sorted(st)}, expected "
                          f"{sorted(set(want) | {K.STEP, K.BLOCK})} for this group's "
@@ -181,9 +184,10 @@ def check_saved(st, p, group, bits, k):
     return dict(st, **{K.STEP: step})
 
 
-def _check_group_matches(st, group, where: str):
+def _check_group_matches(st, group, ndim: int, where: str):
     """The saved group's layout options say what the saved state holds (quantised codes or a plain
-    first moment, a factor or none): a group edited apart from its state is named, not guessed."""
+    first moment, a factor or none; ``state.holds_factor`` for a tensor of ``ndim`` dimensions): a
+    group edited apart from its state is named, not guessed."""
     if K.BLOCK not in st:
         return
     quant = K.CODES in st or K.SCALES in st
@@ -191,8 +195,10 @@ def _check_group_matches(st, group, where: str):
     if (quant or K.M in st) and quant != bool(group["quantize_first_moment"]):
         found.append(("quantize_first_moment", "codes and scales (a quantised first moment)" if quant
                       else "an fp32 first moment 'm'"))
-    if (K.W in st) != bool(group["factor_second_moment"]):
-        found.append(("factor_second_moment", "a factor 'w'" if K.W in st else "no factor 'w'"))
+    if (K.W in st) != holds_factor(group, ndim):
+        vector_option = ndim < 2 and group["factor_second_moment"]  # the option that decides a vector's w
+        found.append(("share_vector_second_moment" if vector_option else "factor_second_moment",
+                      "a factor 'w'" if K.W in st else "no factor 'w'"))
     for option, holds in found:
         raise ValueError(f"{where} holds {holds}, but its saved group says {option}={group[option]}: the "
                          "groups of the state dict do not describe its state (edited apart from it); load "
@@ -247,10 +253,11 @@ def check_state_dict(sd: dict, groups: list, *, bits: int, wide: dict, local) ->
 
     Returns (the state dict with its groups completed, {id(param): checked saved state}, codebook,
     rounding seed). A keyword a dict was saved before is at its old meaning (the published rule,
-    minimizing); the optimizer-wide options (``wide``) stay this optimizer's, and so does each
-    group's stochastic_rounding: how this run writes its weights, not a property of the saved
-    state; so does its first_moment_rounding (how this run rounds its codes; the saved codes are
-    codes either way). ``local``: the local shard of a parameter (DTensor) or the parameter.
+    a vector's v per element under the factor, minimizing); the optimizer-wide options (``wide``)
+    stay this optimizer's, and so does each group's stochastic_rounding: how this run writes its
+    weights, not a property of the saved state; so does its first_moment_rounding (how this run
+    rounds its codes; the saved codes are codes either way). ``local``: the local shard of a
+    parameter (DTensor) or the parameter.
     """
     sd = dict(sd)
     codebook = sd.pop(K.CODEBOOK, None)
@@ -266,7 +273,8 @@ def check_state_dict(sd: dict, groups: list, *, bits: int, wide: dict, local) ->
         raise ValueError(f"Gefen.load_state_dict: the state dict has {len(sd['param_groups'])} parameter "
                          f"groups, this optimizer {len(groups)}; load it into the optimizer "
                          "it was saved from")
-    sd["param_groups"] = [{"factor_second_moment": False, "maximize": False, **g,
+    old = {"factor_second_moment": False, "share_vector_second_moment": False, "maximize": False}
+    sd["param_groups"] = [{**old, **g,
                            "stochastic_rounding": mine["stochastic_rounding"],
                            "first_moment_rounding": mine["first_moment_rounding"], **wide}
                           for g, mine in zip(sd["param_groups"], groups)]

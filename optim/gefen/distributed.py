@@ -24,7 +24,7 @@ the group:
       codes   uint8 ``shape``: the element's code (4-bit codes one a byte)   (quantised groups)
       m       fp32 ``shape``: the first moment   (groups with quantize_first_moment=False)
       w       fp32 ``shape``: the factor w of the element's offset in its block, from its
-              shard's w of its tile   (groups with factor_second_moment=True)
+              shard's w of its tile   (states with a factor: ``state.holds_factor``)
       layout  int64 (rows, 4), the same on every rank: per row of dim 0, the saved block length
               P, the row's first element's position in its v-block and in its scale block, and
               the step count
@@ -211,8 +211,8 @@ def to_distributed(state: dict, params, ids, quantized, *, codebook, bits: int, 
     """Rewrite ``state`` (``Optimizer.state_dict()['state']``) in place into the distributed form.
 
     ``quantized[i]`` is the ``quantize_first_moment`` flag of the group of ``params[i]``,
-    ``factored[i]`` its ``factor_second_moment`` flag (None: all False). Every
-    parameter gets the sharding- and block-independent form of the module docstring (plain
+    ``factored[i]`` whether its state holds a factor w (``state.holds_factor``; None: all False).
+    Every parameter gets the sharding- and block-independent form of the module docstring (plain
     parameters, as under DDP, as one shard of all their rows: a fresh optimizer's blocks differ
     from the saved ones, so DCP needs shapes that do not depend on them), with a copy of the
     codebook. Collective over the sharded parameters' meshes: every rank must call it with the
@@ -423,7 +423,9 @@ def _params_and_ids(opt, sd):
 
 
 def _factored(opt):
-    return [bool(g["factor_second_moment"]) for g in opt.param_groups for _ in g["params"]]
+    """Per parameter, whether its state holds a factor w (``state.holds_factor``: not a vector under
+    share_vector_second_moment), so that a fresh optimizer's template has the checkpoint's keys."""
+    return [K.holds_factor(g, p.dim()) for g in opt.param_groups for p in g["params"]]
 
 
 def to_distributed_state_dict(opt, sd: dict) -> dict:

@@ -58,6 +58,9 @@ class Gefen(OptimizerBase):
     (at most 4 bytes per row of a tall matrix; plus 8 bytes per block a cut block adds) and 4
     bytes per element of a vector, and helps where squared gradients vary along a block (matrix
     columns) or between the rows a block spanned (embedding rows); with P = 1 it changes nothing.
+    ``share_vector_second_moment=True`` gives a vector in a factored group the published rule
+    instead: the block length of ``partition.choose_block`` (as without the factor) and no w,
+    about 1 + 8 / P bytes per element where the rule finds blocks, where the per-element v costs 5.
     Not for sparse gradients (``nn.Embedding(sparse=True)``: use ``DiskSparseAdam``) nor complex
     parameters. The exact state layout is in ``optim/gefen/reference.py``.
 
@@ -72,7 +75,8 @@ class Gefen(OptimizerBase):
     Args:
         params: parameters or param groups (dicts); groups may set ``lr``, ``betas``, ``eps``,
             ``weight_decay``, ``share_second_moment``, ``quantize_first_moment``,
-            ``factor_second_moment``, ``stochastic_rounding``, ``first_moment_rounding``.
+            ``factor_second_moment``, ``share_vector_second_moment``, ``stochastic_rounding``,
+            ``first_moment_rounding``.
         lr: learning rate: a float, or a one-element tensor that LR schedulers update in place (read
             with ``float`` at each step, which waits for the device where it lives there, unless
             ``capturable``, which reads it on the device). (Default: 1e-3)
@@ -107,6 +111,12 @@ class Gefen(OptimizerBase):
         factor_second_moment: scale each block's second moment per offset inside the block,
             blocks kept inside matrix rows (above; ``reference.py``). False is the published
             algorithm. (Default: False)
+        share_vector_second_moment: under ``factor_second_moment``, a tensor of fewer than two
+            dimensions (norm gain, bias) shares v in the blocks of the published rule and holds no
+            factor (above), instead of keeping one v per element. Decides the state layout, as
+            ``factor_second_moment`` does: a state dict restores the saved group's setting (False
+            where it was saved before the option). No effect in an unfactored group, whose vectors
+            share v by the rule already. (Default: False)
         stochastic_rounding: write bf16 and fp16 parameters rounded stochastically (up with the
             probability of the fraction of the gap, so exact in expectation) instead of to nearest,
             so updates under half a unit in the last place still move a low-precision weight on
@@ -161,7 +171,8 @@ class Gefen(OptimizerBase):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, bits=8,
                  share_second_moment=True, quantize_first_moment=True, backend="auto",
-                 block_rule="adjacent_log", *, factor_second_moment=False, stochastic_rounding=False,
+                 block_rule="adjacent_log", *, factor_second_moment=False, share_vector_second_moment=False,
+                 stochastic_rounding=False,
                  first_moment_rounding="nearest", maximize=False, fused=None,
                  verbose=False, amsgrad=False, foreach=None, capturable=False, differentiable=False):
         check_option("bits", bits, (8, 4), "8 or 4 (an int)")
@@ -185,6 +196,7 @@ class Gefen(OptimizerBase):
                         share_second_moment=share_second_moment,
                         quantize_first_moment=quantize_first_moment,
                         factor_second_moment=factor_second_moment,
+                        share_vector_second_moment=share_vector_second_moment,
                         stochastic_rounding=stochastic_rounding,
                         first_moment_rounding=first_moment_rounding, maximize=maximize,
                         bits=bits, backend=self.backend, block_rule=block_rule, capturable=capturable)
@@ -212,6 +224,7 @@ class Gefen(OptimizerBase):
         self._drop_plans()
         for group in self.param_groups:  # pickled before a keyword existed: its old meaning
             group.setdefault("factor_second_moment", False)
+            group.setdefault("share_vector_second_moment", False)
             group.setdefault("maximize", False)
             group.setdefault("stochastic_rounding", False)
             group.setdefault("first_moment_rounding", "nearest")
@@ -219,6 +232,7 @@ class Gefen(OptimizerBase):
                 group.setdefault(key, self.__dict__[key])
         for key in OPTIMIZER_WIDE:
             self.defaults.setdefault(key, self.__dict__[key])
+        self.defaults.setdefault("share_vector_second_moment", False)
         self.defaults.setdefault("maximize", False)
         self.defaults.setdefault("stochastic_rounding", False)
         self.defaults.setdefault("first_moment_rounding", "nearest")
@@ -422,14 +436,15 @@ class Gefen(OptimizerBase):
 
     def _calls(self, group, items) -> list:
         """The ``plan.Call`` s of one group's parameters with gradients (``_gather``'s items): one a
-        bucket of block length, step, device, state dtype and path."""
+        bucket of block length, step, device, state dtype, path and factor (whether the state holds
+        w: a vector may hold none in a factored group, ``state.holds_factor``)."""
         buckets = defaultdict(list)
         for p, _, backend in items:
             st = self.state[p]  # device step counters are each read on the device: no split by step
             step = None if self.capturable else st[K.STEP]
-            buckets[(st[K.BLOCK], step, local_tensor(p).device, st[K.V].dtype, backend)].append(p)
+            buckets[(st[K.BLOCK], step, local_tensor(p).device, st[K.V].dtype, backend, K.W in st)].append(p)
         calls = []
-        for (block, _, _, _, backend), params in buckets.items():
+        for (block, _, _, _, backend, _), params in buckets.items():
             states = [self.state[p] for p in params]
             if group["stochastic_rounding"] or rounds_codes(group):
                 draw_seeds(params, states, self._seed, self.param_groups, every=rounds_codes(group))

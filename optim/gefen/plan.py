@@ -1,7 +1,8 @@
 """Gefen's step plan: what a step derives from the set of tensors, built once and reused.
 
 A plan holds, for the parameters that have a gradient, one ``Call`` per kernel call (a bucket of
-tensors sharing group, block length, step, device, state dtype and path) and in each the ``Tile``
+tensors sharing group, block length, step, device, state dtype, path and whether their state holds
+a factor w) and in each the ``Tile``
 records the kernels step: a parameter, or with a factored second moment one tile of its rows
 (``partition.factor_tiles``), with views of its state. A later step only reads each parameter's
 gradient and advances its step count; the backends keep their own launch tables for a call
@@ -32,8 +33,8 @@ from .partition import factor_tiles, tile_elements
 
 # Options that change which tensors a call holds or how they are stepped; lr, betas, eps and
 # weight_decay are read from the group at every step.
-STRUCTURAL = ("share_second_moment", "quantize_first_moment", "factor_second_moment", "stochastic_rounding",
-              "first_moment_rounding", "maximize")
+STRUCTURAL = ("share_second_moment", "quantize_first_moment", "factor_second_moment", "share_vector_second_moment",
+              "stochastic_rounding", "first_moment_rounding", "maximize")
 # Mixed into a parameter's seed (``state.SEED``) for the words of its codes' stochastic rounding, so
 # that they are not the words its bf16 or fp16 weights are rounded with (murmur3's second constant).
 CODE_STREAM = 0x85EBCA6B
@@ -66,9 +67,9 @@ class Hyper(NamedTuple):
 
 class Call:
     """One backend call of a step: parameters of one group sharing block length, step (unless the
-    steps are on the device), device, state dtype and path, and their tiles. ``native`` is what the
-    backend prepared for it once; ``rows`` each tile's row of step scalars on the device
-    (capturable), None where the host passes them."""
+    steps are on the device), device, state dtype, path and factor (``factored``), and their tiles.
+    ``native`` is what the backend prepared for it once; ``rows`` each tile's row of step scalars
+    on the device (capturable), None where the host passes them."""
 
     __slots__ = ("group", "path", "block", "params", "states", "tiles", "native", "held", "rows", "_lists")
 
@@ -100,6 +101,12 @@ class Call:
         return Hyper(step, g["lr"] if step is None else float(g["lr"]), beta1, beta2, g["eps"], g["weight_decay"])
 
     @property
+    def factored(self) -> bool:
+        """True where the call's states hold a factor w (``state.holds_factor``): its tiles step
+        factored; a vector without w in a factored group steps as in an unfactored one."""
+        return K.W in self.states[0]
+
+    @property
     def sr(self) -> bool:
         """True where the call's parameters are written with stochastic rounding (seeds drawn)."""
         return bool(self.group["stochastic_rounding"]) and K.SEED in self.states[0]
@@ -111,12 +118,12 @@ class Call:
 
     def lists(self) -> tuple:
         """(ps, vs, scales, firsts, ws) of the tiles, the backends' list arguments, built once.
-        Unquantised, ``scales`` repeats ``vs`` (an unused slot) and ``ws`` is None unless factored."""
+        Unquantised, ``scales`` repeats ``vs`` (an unused slot) and ``ws`` is None unless ``factored``."""
         if self._lists is None:
             t = self.tiles
             quant = self.group["quantize_first_moment"]
             self._lists = ([x.p for x in t], [x.v for x in t], [x.scales if quant else x.v for x in t],
-                           [x.first for x in t], [x.w for x in t] if self.group["factor_second_moment"] else None)
+                           [x.first for x in t], [x.w for x in t] if self.factored else None)
         return self._lists
 
     def gradients(self, grads) -> list:

@@ -10,7 +10,8 @@ Per parameter (``optimizer.state[p]``; layout and shapes in ``reference.py``'s d
     CODES   uint8 (numel,) at 8 bits, (ceil(numel / 2),) at 4 bits (quantised groups)
     M       fp32 (numel,), the unquantised first moment (groups with quantize_first_moment=False)
     W       fp32 (tiles * P,), per-offset factor of the second moment, one P-vector a tile of rows
-            (``partition.factor_tiles``; groups with factor_second_moment=True)
+            (``partition.factor_tiles``; groups with factor_second_moment=True, except a tensor of
+            fewer than two dimensions in a group with share_vector_second_moment=True: ``holds_factor``)
     PROVISIONAL  bool, present (True) while every gradient so far had one magnitude everywhere: any
             block length is then exact, BLOCK is the cheapest, and it is chosen again from the
             first gradient that varies (``recut``)
@@ -66,11 +67,19 @@ def state_dtype(param_dtype: torch.dtype, group) -> torch.dtype:
     return torch.float32
 
 
+def holds_factor(group: dict, ndim: int) -> bool:
+    """True where a tensor of ``ndim`` dimensions in ``group`` keeps a factor w: in a factored group,
+    every tensor but a vector (fewer than two dimensions) under ``share_vector_second_moment``, which
+    has no columns for the factor and steps as in an unfactored group."""
+    return bool(group["factor_second_moment"]) and not (ndim < 2 and group["share_vector_second_moment"])
+
+
 def block_length(g: torch.Tensor, group: dict, block_rule: str, provisional: bool = False) -> int:
     """The block length P of a parameter's second moment, from its gradient ``g`` (local shard)."""
-    # factored, a vector keeps v per element: it has no columns for the factor, and blocks of a
-    # norm gain or a bias share v between unrelated elements
-    if not group["share_second_moment"] or (group["factor_second_moment"] and g.dim() < 2):
+    # factored, a vector keeps v per element unless share_vector_second_moment: it has no columns
+    # for the factor, and blocks of a norm gain or a bias may share v between unrelated elements
+    if not group["share_second_moment"] or (group["factor_second_moment"] and g.dim() < 2
+                                            and not group["share_vector_second_moment"]):
         return 1
     block = provisional_block(g.numel()) if provisional else choose_block(g, block_rule)
     return factored_block(block, g.shape) if group["factor_second_moment"] else block
@@ -112,7 +121,7 @@ def create(st: dict, g: torch.Tensor, group: dict, *, dtype: torch.dtype, bits: 
         st[CODES] = torch.zeros(num_code_bytes(n, bits), dtype=torch.uint8, device=dev)
     else:
         st[M] = torch.zeros(n, device=dev, dtype=dtype)
-    if group["factor_second_moment"]:
+    if holds_factor(group, g.dim()):
         st[W] = torch.zeros(len(factor_tiles(g.shape, block)) * block, device=dev, dtype=torch.float32)
     if provisional:
         st[PROVISIONAL] = True

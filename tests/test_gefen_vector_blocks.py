@@ -1,0 +1,335 @@
+"""Gefen's ``share_vector_second_moment``: in a factored group a vector (norm gain, bias) takes the
+published rule's shared v and no factor w, where by default it keeps one v per element and a w.
+
+Independent references: the reference step (``reference.gefen_step``) run tensor by tensor, the
+factored one on each tile of a matrix's rows (tiles restated here); an optimizer whose vectors sit
+in a second, unfactored group; the block the published rule (``partition.choose_block``) and an
+unfactored Gefen choose on the same gradient; ``torch.save``/``torch.load`` round trips.
+"""
+
+import copy
+import math
+import pickle
+
+import pytest
+import torch
+
+from optim import Gefen
+from optim.gefen import distributed as D, reference as R, state as K
+from optim.gefen.partition import choose_block
+from tests.utils import (GEFEN_CPU_BACKENDS, assert_close, assert_same_state, checkpoint_and_continue,
+                         row_scaled_grad, set_grads)
+
+LR, WD, B1, B2 = 1e-2, 0.1, 0.9, 0.999
+SHARE = "share_vector_second_moment"
+# matrices (one tall: tiles of rows) and vectors: odd, even, prime and one-element
+SHAPES = [(24, 48), (30, 7), (256,), (160,), (1009,), (1,), (16, 96)]
+VECTORS = [k for k, s in enumerate(SHAPES) if len(s) < 2]
+
+
+def _runs(n, length=32):
+    """Per-element scales in runs of ``length`` alike (e^3 and e^-3 in turn): the rule shares v over
+    ``length`` where n allows it."""
+    return torch.exp(3 * torch.tensor([(-1.0) ** (i // length) for i in range(n)]))
+
+
+def _grads(steps, seed=0):
+    """``steps`` lists of gradients: matrices with rows and columns of different scales; vectors in
+    runs of 32 alike at the first step (blocks for the rule), N(0, 1) times those runs after."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        gs = []
+        for s in SHAPES:
+            if len(s) < 2:
+                gs.append(torch.randn(s, generator=gen) * _runs(s[0]))
+            else:
+                g = torch.randn(s, generator=gen) * torch.exp(2 * torch.randn(s[0], 1, generator=gen))
+                gs.append(g * torch.exp(torch.randn(1, s[1], generator=gen)))
+        out.append(gs)
+    return out
+
+
+def _params(seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(0.1 * torch.randn(s, generator=gen)) for s in SHAPES]
+
+
+def _square_tiles(shape, block):
+    """Row ranges of a matrix's factor tiles, restated: with P > 1 and more rows than the row length
+    C, tiles of C rows (C + 1 for odd C), the last one shorter; one tile otherwise."""
+    c = math.prod(shape[1:])
+    h = c + c % 2
+    if block == 1 or shape[0] <= h:
+        return [(0, shape[0])]
+    return [(r, min(r + h, shape[0])) for r in range(0, shape[0], h)]
+
+
+def _reference(start, steps, k, block, codebook, bits):
+    """The reference run of tensor ``k``: a vector unfactored (no w), a matrix factored tile by tile.
+    Returns (p, v, scales, codes) and w (None for a vector), tiles' state concatenated."""
+    if start.dim() < 2:
+        x, v, s, c = start.reshape(-1).float(), *R.init_state(start.numel(), block=block, bits=bits)
+        for t, gs in enumerate(steps, 1):
+            x, v, s, c = R.gefen_step(x, gs[k], v, s, c, codebook, step=t, lr=LR, beta1=B1, beta2=B2,
+                                      eps=1e-8, weight_decay=WD, block=block, bits=bits)
+        return (x, v, s, c), None
+    row, parts = start.numel() // start.shape[0], []
+    for r0, r1 in _square_tiles(tuple(start.shape), block):
+        x = start.reshape(-1)[r0 * row:r1 * row].float()
+        x, v, s, c = x, *R.init_state(x.numel(), block=block, bits=bits)
+        w = torch.zeros(block)
+        for t, gs in enumerate(steps, 1):
+            g = gs[k].reshape(-1)[r0 * row:r1 * row]
+            x, v, s, c, w = R.gefen_step(x, g, v, s, c, codebook, step=t, lr=LR, beta1=B1, beta2=B2,
+                                         eps=1e-8, weight_decay=WD, block=block, bits=bits, w=w)
+        parts.append((x, v, s, c, w))
+    cat = [torch.cat(z) for z in zip(*parts)]
+    return tuple(cat[:4]), cat[4]
+
+
+@pytest.mark.parametrize("backend", ["torch", "numba"])
+@pytest.mark.parametrize("kind", ["runs", "noise", "constant"])
+def test_a_vector_takes_the_published_rules_block_and_no_w(kind, backend):
+    """With the option a vector's state holds no w and one v a block of the length unfactored Gefen
+    chooses on the same gradients (the published rule on the first: runs of 32 -> 32, N(0, 1)
+    -> 1; one magnitude everywhere -> the provisional block, cut again by the rule at the first
+    gradient that varies); the matrix beside it keeps its factor. Without the option the vector
+    keeps v per element and a one-element w, as before."""
+    n = 256
+    first = {"runs": torch.randn(n) * _runs(n), "noise": torch.randn(n),
+             "constant": torch.full((n,), 0.5)}[kind]
+    later = torch.randn(n) * _runs(n, 16)
+    blocks = {}
+    for name, groups in (("option", [{"params": None, "factor_second_moment": True, SHARE: True}]),
+                         ("default", [{"params": None, "factor_second_moment": True}]),
+                         ("unfactored", [{"params": None}])):
+        vec, mat = torch.nn.Parameter(torch.randn(n)), torch.nn.Parameter(torch.randn(24, 48))
+        opt = Gefen([dict(groups[0], params=[vec, mat])], lr=LR, backend=backend)
+        for g in (first, later):
+            vec.grad, mat.grad = g.clone(), row_scaled_grad((24, 48), scale_columns=True)
+            opt.step()
+            blocks.setdefault(name, []).append(opt.state[vec][K.BLOCK])
+        st = opt.state[vec]
+        assert (K.W in st) == (name == "default"), name
+        assert st[K.V].numel() * st[K.BLOCK] == n and (K.W in opt.state[mat]) == (name != "unfactored")
+        if name == "default":
+            assert st[K.BLOCK] == 1 and st[K.W].numel() == 1
+    assert blocks["option"] == blocks["unfactored"], blocks
+    if kind != "constant":
+        assert blocks["option"][0] == choose_block(first)
+    assert blocks["option"] == {"runs": [32, 32], "noise": [1, 1], "constant": [64, 16]}[kind]
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("backend", GEFEN_CPU_BACKENDS)
+def test_vectors_step_as_the_unfactored_reference_and_matrices_as_the_factored(backend, bits):
+    """8 steps on a model of matrices (one tall, in tiles) and vectors (blocks > 1, one P = 1 prime,
+    one of one element): each vector follows the reference step without w, each matrix the
+    factored reference on every tile. Codes equal the reference's exactly; scales, v and w to fp32
+    rounding (sums in another order), p to 1e-6 (as the factored test holds every backend). And
+    the whole model equals, bit for bit, an optimizer with the vectors in an unfactored group."""
+    params, twins = _params(), _params()
+    starts = [p.detach().clone() for p in params]
+    opt = Gefen(params, lr=LR, weight_decay=WD, bits=bits, factor_second_moment=True, backend=backend,
+                **{SHARE: True})
+    two = Gefen([{"params": [q for k, q in enumerate(twins) if k not in VECTORS], "factor_second_moment": True},
+                 {"params": [twins[k] for k in VECTORS]}], lr=LR, weight_decay=WD, bits=bits, backend=backend)
+    steps = _grads(8)
+    for gs in steps:
+        set_grads(params, gs)
+        set_grads(twins, gs)
+        opt.step()
+        two.step()
+    blocks = [opt.state[p][K.BLOCK] for p in params]
+    assert [blocks[k] for k in VECTORS] == [32, 32, 1, 1], blocks
+    for k, p in enumerate(params):
+        st = opt.state[p]
+        (x, v, s, c), w = _reference(starts[k], steps, k, blocks[k], opt.codebook, bits)
+        assert (K.W in st) == (w is not None), SHAPES[k]
+        assert torch.equal(st[K.CODES], c), f"codes of {SHAPES[k]} differ from the reference"
+        assert_close(st[K.SCALES], s, rtol=1e-6, name="scales")
+        assert_close(st[K.V], v, rtol=1e-5, name="v")
+        if w is not None:
+            assert_close(st[K.W], w, rtol=1e-5, name="w")
+        assert_close(p.detach().reshape(-1), x, atol=1e-6, rtol=1e-6, name=f"p {SHAPES[k]}")
+    assert torch.equal(opt.codebook, two.codebook)
+    assert_same_state(opt, two, params, twins)
+
+
+@pytest.mark.parametrize("backend", ["torch", "numba"])
+def test_the_default_is_unchanged(backend):
+    """Without the option a factored group is what it was: each vector has P = 1 and a one-element
+    w, and 6 steps equal the reference run tensor by tensor (the vector's one-offset factor
+    included, whose ratio is 1) as tightly as the factored test holds them, and bit for bit an
+    optimizer with the option off by name."""
+    params, twins = _params(), _params()
+    starts = [p.detach().clone() for p in params]
+    opt = Gefen(params, lr=LR, weight_decay=WD, factor_second_moment=True, backend=backend)
+    off = Gefen(twins, lr=LR, weight_decay=WD, factor_second_moment=True, backend=backend, **{SHARE: False})
+    assert opt.param_groups[0][SHARE] is False
+    steps = _grads(6)
+    for gs in steps:
+        set_grads(params, gs)
+        set_grads(twins, gs)
+        opt.step()
+        off.step()
+    assert_same_state(opt, off, params, twins)
+    for k, p in enumerate(params):
+        st = opt.state[p]
+        if k in VECTORS:
+            assert st[K.BLOCK] == 1 and st[K.W].numel() == 1
+            x, v, s, c = starts[k].reshape(-1).float(), *R.init_state(p.numel(), block=1, bits=8)
+            w = torch.zeros(1)
+            for t, gs in enumerate(steps, 1):
+                x, v, s, c, w = R.gefen_step(x, gs[k], v, s, c, opt.codebook, step=t, lr=LR, beta1=B1,
+                                             beta2=B2, eps=1e-8, weight_decay=WD, block=1, bits=8, w=w)
+        else:
+            (x, v, s, c), w = _reference(starts[k], steps, k, st[K.BLOCK], opt.codebook, 8)
+        assert torch.equal(st[K.CODES], c), SHAPES[k]
+        assert_close(st[K.V], v, rtol=1e-5, name="v")
+        assert_close(st[K.W], w, rtol=1e-5, name="w")
+        assert_close(p.detach().reshape(-1), x, atol=1e-6, rtol=1e-6, name=f"p {SHAPES[k]}")
+
+
+def _make(share=True, backend="numba"):
+    def make():
+        ps = _params()
+        return ps, Gefen([{"params": ps[:4], "factor_second_moment": True, SHARE: share}, {"params": ps[4:]}],
+                         lr=LR, weight_decay=WD, backend=backend)
+    return make
+
+
+@pytest.mark.parametrize("backend", ["torch", "numba"])
+def test_state_dict_round_trip_resumes_bit_for_bit(tmp_path, backend):
+    """A state dict saved after 3 steps (a vector with shared v and no w beside factored matrices)
+    loads into a fresh optimizer, keeps the group's option, and 3 more steps equal the
+    uninterrupted run bit for bit; so does a deepcopy and a pickle of the optimizer."""
+    steps = _grads(6)
+    params, opt, params2, opt2, saved = checkpoint_and_continue(_make(backend=backend), steps, tmp_path / "o.pt")
+    assert saved["opt"]["param_groups"][0][SHARE] is True and saved["opt"]["param_groups"][1][SHARE] is False
+    st = saved["opt"]["state"][2]
+    assert K.W not in st and st[K.BLOCK] == 32
+    assert opt2.param_groups[0][SHARE] is True
+    assert_same_state(opt, opt2, params, params2)
+    for copy_ in (copy.deepcopy, lambda o: pickle.loads(pickle.dumps(o))):
+        twin = copy_(opt)
+        assert twin.param_groups[0][SHARE] is True and twin.defaults[SHARE] is False
+        mine = [p for g in twin.param_groups for p in g["params"]]
+        for gs in _grads(2, seed=7):
+            set_grads(params, gs)
+            set_grads(mine, gs)
+            opt.step()
+            twin.step()
+        assert_same_state(opt, twin, params, mine)
+
+
+def test_a_pickle_from_before_the_option_has_it_off():
+    """An optimizer pickled before the option existed (no key in its groups and defaults) gets it
+    off, in every group and the defaults."""
+    ps = _params()
+    opt = Gefen(ps, factor_second_moment=True)
+    state = opt.__getstate__()
+    for g in state["param_groups"]:
+        del g[SHARE]
+    state["defaults"] = {k: v for k, v in state["defaults"].items() if k != SHARE}
+    old = Gefen.__new__(Gefen)
+    old.__setstate__(copy.deepcopy(state))
+    assert old.param_groups[0][SHARE] is False and old.defaults[SHARE] is False
+
+
+def test_a_checkpoint_from_before_the_option_loads_and_steps_as_before(tmp_path):
+    """A state dict saved without the option's key (vectors with P = 1 and a one-element w in a
+    factored group) loads into an optimizer built with the option: the saved group's setting
+    (off, its old meaning) is restored, as factor_second_moment's is, the vectors keep their w,
+    and 3 more steps equal the uninterrupted run of the default optimizer bit for bit."""
+    steps = _grads(6)
+    params, opt, _, _, saved = checkpoint_and_continue(_make(share=False), steps, tmp_path / "o.pt")
+    sd = saved["opt"]
+    for g in sd["param_groups"]:
+        del g[SHARE]
+    assert sd["state"][2][K.BLOCK] == 1 and sd["state"][2][K.W].numel() == 1
+    params2, opt2 = _make(share=True)()
+    with torch.no_grad():
+        for p, q in zip(params2, saved["params"]):
+            p.copy_(q)
+    opt2.load_state_dict(sd)
+    assert opt2.param_groups[0][SHARE] is False
+    for gs in steps[3:]:
+        set_grads(params2, gs)
+        opt2.step()
+    assert_same_state(opt, opt2, params, params2)
+
+
+def test_a_state_its_group_does_not_describe_is_refused(tmp_path):
+    """Loading: a vector holding w in a group with the option, a vector without w in a factored group
+    without it, and a matrix without w in a group with it are refused, each naming the option
+    that disagrees with the state. Stepping: the option switched in the group after the state
+    exists is refused, either way."""
+    steps = _grads(3)
+    saved = {}
+    for share in (True, False):
+        params, opt = _make(share=share)()
+        for gs in steps:
+            set_grads(params, gs)
+            opt.step()
+        saved[share] = opt.state_dict()
+    cases = [(True, lambda st: st[2].__setitem__(K.W, torch.zeros(1)),
+              "holds a factor 'w'.*share_vector_second_moment=True"),
+             (False, lambda st: st[2].pop(K.W), "holds no factor 'w'.*share_vector_second_moment=False"),
+             (True, lambda st: st[0].pop(K.W), "holds no factor 'w'.*factor_second_moment=True")]
+    for share, edit, match in cases:
+        sd = copy.deepcopy(saved[share])
+        edit(sd["state"])
+        with pytest.raises(ValueError, match=match):
+            _make(share=share)()[1].load_state_dict(sd)
+    for share in (True, False):
+        params, opt = _make(share=share)()
+        opt.load_state_dict(copy.deepcopy(saved[share]))
+        opt.param_groups[0][SHARE] = not share
+        set_grads(params, steps[0])
+        with pytest.raises(ValueError, match="share_vector_second_moment"):
+            opt.step()
+
+
+def test_the_option_is_a_flag():
+    with pytest.raises(ValueError, match=SHARE):
+        Gefen(_params(), factor_second_moment=True, **{SHARE: "yes"})
+    with pytest.raises(ValueError, match=SHARE):
+        Gefen([{"params": _params(), SHARE: 1.5}])
+
+
+def test_the_distributed_form_holds_no_w_for_a_shared_vector():
+    """The distributed (DCP) form of a state with the option round trips exactly in process and
+    training continues bit for bit; a fresh optimizer's template (every key a checkpoint holds,
+    before any step) has w for the matrices only, as the trained state does."""
+    params, opt = _make(backend="torch")()
+    for gs in _grads(3):
+        set_grads(params, gs)
+        opt.step()
+    sd = opt.state_dict()
+    ids = [i for g in sd["param_groups"] for i in g["params"]]
+    quantized = [True] * len(params)
+    factored = D._factored(opt)
+    assert factored == [True, True, False, False, False, False, False]
+    dense = dict(sd, state=dict(sd["state"]))
+    D.to_distributed(dense["state"], params, ids, quantized, codebook=opt.codebook, bits=8, factored=factored)
+    assert [K.W in dense["state"][i] for i in ids] == factored
+    template = {}
+    D.to_distributed(template, params, ids, quantized, codebook=None, bits=8, factored=factored)
+    assert [K.W in template[i] for i in ids] == factored
+    params2, opt2 = _make(backend="torch")()
+    with torch.no_grad():
+        for p, q in zip(params2, params):
+            p.copy_(q)
+    opt2.load_state_dict(dense)
+    for p, q in zip(params, params2):
+        assert opt.state[p].keys() == opt2.state[q].keys()
+        for key, val in opt.state[p].items():
+            assert torch.equal(val, opt2.state[q][key]) if torch.is_tensor(val) else val == opt2.state[q][key], key
+    for gs in _grads(2, seed=3):
+        set_grads(params, gs)
+        set_grads(params2, gs)
+        opt.step()
+        opt2.step()
+    assert_same_state(opt, opt2, params, params2)
