@@ -17,7 +17,8 @@ What torch does not allocate is not seen: numpy and numba arrays, the allocator'
 objects; the RSS beside it sees all of those, and also whatever the allocator keeps after a free.
 
 At the moment of the peak the live bytes are split into the parameters' ``weights``, their
-``gradients`` (storages that are some ``p.grad`` then), the optimizer's ``state`` (storages some
+``gradients`` (storages that are some ``p.grad`` then, or were one earlier in the region and are
+still alive: set aside, not freed), the optimizer's ``state`` (storages some
 tensor of ``optimizer.state`` or a Gefen codebook holds then) and the ``rest`` (activations,
 temporaries). ``transient`` is the largest ``rest`` of any moment: memory that is neither data nor
 state.
@@ -145,6 +146,7 @@ class PeakMemory(TorchDispatchMode):
         # the storages of weights, gradients and state at the last split, and their bytes still live:
         # a lower bound of the known bytes now (storages made since may have joined them)
         self._known_ids, self._known_lower = set(), 0
+        self._grad_ids = set()  # storages seen as some p.grad in the region, while they live
 
     def _storage_id(self, t):
         """id of ``t``'s storage (None without one), remembered per tensor while the tensor and its
@@ -164,7 +166,10 @@ class PeakMemory(TorchDispatchMode):
         """{category: set of id(storage)} of the weights, gradients and state alive now."""
         ids = self._storage_id
         weights = {ids(p) for p in self.params} - {None}
-        grads = {ids(g) for p in self.params if p.grad is not None for g in _tensors(p.grad)} - {None}
+        # a gradient stays one while it lives, also when set aside from p.grad for a while
+        # (step_in_backward steps one parameter at a time with the others' gradients held aside)
+        self._grad_ids |= {ids(g) for p in self.params if p.grad is not None for g in _tensors(p.grad)} - {None}
+        grads = {k for k in self._grad_ids if k in self._live}
         state = set()
         opt = self.optimizer
         if opt is not None:
@@ -190,6 +195,7 @@ class PeakMemory(TorchDispatchMode):
         return n > 0
 
     def _freed(self, key):
+        self._grad_ids.discard(key)
         entry = self._live.pop(key, None)
         if entry is not None:
             self.current -= entry[1]

@@ -54,3 +54,21 @@ def test_the_tracker_sees_a_transient_and_frees_it():
     assert pk.transient == 20_000
     assert pk.tensor_peak == 4000 + 20_000
     assert pk.current == 4000 + 8000  # the second one is still alive
+
+
+def test_the_tracker_counts_a_set_aside_gradient_as_a_gradient_while_it_lives():
+    """A gradient taken off ``p.grad`` but still referenced (``step_in_backward`` holds the others'
+    aside while it steps one parameter) is counted as a gradient, not as ``rest``; once freed, it
+    counts nowhere."""
+    w = torch.nn.Parameter(torch.zeros(1000))
+    with PeakMemory([w]) as pk:
+        w.grad = torch.ones(1000)  # 4,000 bytes
+        torch.zeros(10)  # an operation after it: the split sees w.grad
+        aside, w.grad = w.grad, None
+        tmp = torch.ones(3000)  # 12,000 bytes: the peak, with the gradient held aside
+        torch.zeros(10)
+        held = dict(pk.at_peak)
+        del aside, tmp
+        tmp = torch.ones(6000)  # 24,000 bytes: a higher peak, the gradient freed before it
+    assert held == {"weights": 4000, "gradients": 4000, "state": 0, "rest": 12_000}
+    assert pk.at_peak == {"weights": 4000, "gradients": 0, "state": 0, "rest": 24_000}
