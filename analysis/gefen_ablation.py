@@ -23,8 +23,9 @@ LABELS = {"none": "nothing (Gefen as published)", "all": "every tensor", "embedd
           "vectors": "the vectors (norm gains, biases)",
           "factored": "nothing, the second moment factored",
           "gefen-x": "(peer) gefen-x 0.5.0 at its defaults, same lr", "fp32_m": "nothing, the first moment in fp32",
-          "sr_m": "nothing, the first moment's codes rounded stochastically"}
-NOT_KINDS = ("none", "all", "factored", "fp32_m", "sr_m", "gefen-x")  # variants that are no kind of tensor
+          "sr_m": "nothing, the first moment's codes rounded stochastically",
+          "vec_v": "nothing, the vectors' v shared in the published rule's blocks"}
+NOT_KINDS = ("none", "all", "factored", "fp32_m", "sr_m", "vec_v", "gefen-x")  # variants that are no kind of tensor
 TARGET = 1.03
 ARCH_TEXT = {"gpt": "character GPT", "encoder": "character LM of PyTorch's pre-norm `nn.TransformerEncoderLayer`",
              "llama": "Llama-style character LM"}
@@ -47,6 +48,8 @@ def _label(name: str) -> str:
         return "factored, and the first moment in fp32"
     if plus and own == "sr_m":
         return "factored, and the first moment's codes rounded stochastically"
+    if plus and own == "vec_v":
+        return "factored, and the vectors' v shared in the published rule's blocks"
     if plus:
         return f"factored, and per element on {LABELS.get(own, f'`{own}`')}"
     return LABELS.get(name, f"`{name}`")
@@ -167,6 +170,8 @@ def _finding(data, center="mean"):
             out += f"; with the first moment in fp32 {data['factored+fp32_m'] - 1:+.2%}"
         if "factored+sr_m" in data:
             out += f"; with its codes rounded stochastically {data['factored+sr_m'] - 1:+.2%}"
+        if "factored+vec_v" in data:
+            out += f"; with the vectors' v shared in the published rule's blocks {data['factored+vec_v'] - 1:+.2%}"
         out += "."
     if "gefen-x" in data:
         out += f" gefen-x at the same lr: {data['gefen-x'] - 1:+.2%}."
