@@ -251,14 +251,10 @@ def _run(opt, params, steps, start=0, late=None):
         opt.step()
 
 
-def test_the_optimizer_rounds_with_the_documented_seeds():
-    """Gefen (torch path) against ``reference.gefen_step`` over four steps, each parameter's code
-    seed at step t derived as documented: step_seed(hash32(SEED ^ CODE_STREAM), 0, t), SEED =
-    step_seed(rounding seed, parameter index, 0). Codes and scales bitwise."""
-    params = _params()
-    opt = Gefen(params, first_moment_rounding="stochastic", **{k: HP[k] for k in ("lr", "weight_decay")},
-                betas=(HP["beta1"], HP["beta2"]), eps=HP["eps"])
-    assert all(opt.backend_of(p) == "torch" for p in params)
+def _against_reference(opt, params, code_seed=None, check=None):
+    """Four steps of ``opt`` against ``reference.gefen_step``, codes and scales bitwise, weights to
+    1e-5; ``code_seed(k, st, t)``: parameter k's code seed at step t (None: nearest rounding);
+    ``check(k, st, t)`` runs after each parameter's step."""
     refs = [[p.detach().clone().reshape(-1)] for p in params]
     for t in range(4):
         grads = _grads(t, params)
@@ -267,15 +263,32 @@ def test_the_optimizer_rounds_with_the_documented_seeds():
         opt.step()
         for k, (p, g) in enumerate(zip(params, grads)):
             st = opt.state[p]
-            n, block = p.numel(), st[K.BLOCK]
             if t == 0:
-                refs[k] += list(R.init_state(n, block=block, bits=8))
-                assert st[K.SEED] == step_seed(opt.state_dict()[K.ROUNDING_SEED], k, 0)
-            seed = step_seed(hash32_int(st[K.SEED] ^ CODE_STREAM), 0, t + 1)
-            refs[k] = list(R.gefen_step(*refs[k][:1], g, *refs[k][1:], opt.codebook, step=t + 1, block=block,
-                                        bits=8, code_seed=seed, **HP))
+                refs[k] += list(R.init_state(p.numel(), block=st[K.BLOCK], bits=8))
+            seed = {} if code_seed is None else dict(code_seed=code_seed(k, st, t))
+            refs[k] = list(R.gefen_step(*refs[k][:1], g, *refs[k][1:], opt.codebook, step=t + 1,
+                                        block=st[K.BLOCK], bits=8, **seed, **HP))
             assert torch.equal(st[K.SCALES], refs[k][2]) and torch.equal(st[K.CODES], refs[k][3]), (k, t)
             assert_close(p.detach().reshape(-1), refs[k][0], atol=1e-5, name=f"p{k} after step {t + 1}")
+            if check is not None:
+                check(k, st, t)
+
+
+def test_the_optimizer_rounds_with_the_documented_seeds():
+    """Gefen (torch path) against ``reference.gefen_step`` over four steps, each parameter's code
+    seed at step t derived as documented: step_seed(hash32(SEED ^ CODE_STREAM), 0, t), SEED =
+    step_seed(rounding seed, parameter index, 0). Codes and scales bitwise."""
+    params = _params()
+    opt = Gefen(params, first_moment_rounding="stochastic", **{k: HP[k] for k in ("lr", "weight_decay")},
+                betas=(HP["beta1"], HP["beta2"]), eps=HP["eps"])
+    assert all(opt.backend_of(p) == "torch" for p in params)
+
+    def seed_made_as_documented(k, st, t):
+        if t == 0:
+            assert st[K.SEED] == step_seed(opt.state_dict()[K.ROUNDING_SEED], k, 0)
+
+    _against_reference(opt, params, lambda k, st, t: step_seed(hash32_int(st[K.SEED] ^ CODE_STREAM), 0, t + 1),
+                       seed_made_as_documented)
 
 
 def _trained(rounding, seed, steps=4, **kw):
@@ -369,20 +382,11 @@ def test_nearest_is_the_published_rule_bit_for_bit():
     opt = Gefen(params, backend="torch", **{k: HP[k] for k in ("lr", "weight_decay")},
                 betas=(HP["beta1"], HP["beta2"]), eps=HP["eps"])
     assert opt.param_groups[0]["first_moment_rounding"] == "nearest"
-    refs = [[p.detach().clone().reshape(-1)] for p in params]
-    for t in range(4):
-        grads = _grads(t, params)
-        for p, g in zip(params, grads):
-            p.grad = g
-        opt.step()
-        for k, (p, g) in enumerate(zip(params, grads)):
-            st = opt.state[p]
-            if t == 0:
-                refs[k] += list(R.init_state(p.numel(), block=st[K.BLOCK], bits=8))
-            refs[k] = list(R.gefen_step(*refs[k][:1], g, *refs[k][1:], opt.codebook, step=t + 1,
-                                        block=st[K.BLOCK], bits=8, **HP))
-            assert torch.equal(st[K.SCALES], refs[k][2]) and torch.equal(st[K.CODES], refs[k][3]), (k, t)
-            assert K.SEED not in st
+
+    def no_seed(k, st, t):
+        assert K.SEED not in st
+
+    _against_reference(opt, params, check=no_seed)
     assert opt.state_dict()[K.ROUNDING_SEED] is None
     explicit, oe = _trained("nearest", 0)
     default_params = _params()
