@@ -22,8 +22,9 @@ from tests.utils import (GEFEN_CPU_BACKENDS, assert_close, assert_same_state, ch
 
 LR, WD, B1, B2 = 1e-2, 0.1, 0.9, 0.999
 SHARE = "share_vector_second_moment"
-# matrices (one tall: tiles of rows) and vectors: odd, even, prime and one-element
-SHAPES = [(24, 48), (30, 7), (256,), (160,), (1009,), (1,), (16, 96)]
+# matrices (one tall: tiles of rows) and vectors: odd, even, prime (above MAX_BLOCK: no block the
+# whole vector could fall back to) and one-element
+SHAPES = [(24, 48), (30, 7), (256,), (160,), (1031,), (1,), (16, 96)]
 VECTORS = [k for k, s in enumerate(SHAPES) if len(s) < 2]
 
 
@@ -92,10 +93,11 @@ def _reference(start, steps, k, block, codebook, bits):
 @pytest.mark.parametrize("kind", ["runs", "noise", "constant"])
 def test_a_vector_takes_the_published_rules_block_and_no_w(kind, backend):
     """With the option a vector's state holds no w and one v a block of the length unfactored Gefen
-    chooses on the same gradients (the published rule on the first: runs of 32 -> 32, N(0, 1)
-    -> 1; one magnitude everywhere -> the provisional block, cut again by the rule at the first
-    gradient that varies); the matrix beside it keeps its factor. Without the option the vector
-    keeps v per element and a one-element w, as before."""
+    chooses on the same gradients where the rule finds a block (runs of 32 -> 32; one magnitude
+    everywhere -> the provisional block, cut again by the rule at the first gradient that varies),
+    and the whole vector where it finds none (N(0, 1): the rule says 1, the option 256); the matrix
+    beside it keeps its factor. Without the option the vector keeps v per element and a one-element
+    w, as before."""
     n = 256
     first = {"runs": torch.randn(n) * _runs(n), "noise": torch.randn(n),
              "constant": torch.full((n,), 0.5)}[kind]
@@ -115,10 +117,10 @@ def test_a_vector_takes_the_published_rules_block_and_no_w(kind, backend):
         assert st[K.V].numel() * st[K.BLOCK] == n and (K.W in opt.state[mat]) == (name != "unfactored")
         if name == "default":
             assert st[K.BLOCK] == 1 and st[K.W].numel() == 1
-    assert blocks["option"] == blocks["unfactored"], blocks
+    assert blocks["option"] == [b if b > 1 else n for b in blocks["unfactored"]], blocks
     if kind != "constant":
-        assert blocks["option"][0] == choose_block(first)
-    assert blocks["option"] == {"runs": [32, 32], "noise": [1, 1], "constant": [64, 16]}[kind]
+        assert blocks["unfactored"][0] == choose_block(first)
+    assert blocks["option"] == {"runs": [32, 32], "noise": [256, 256], "constant": [64, 16]}[kind]
 
 
 @pytest.mark.parametrize("bits", [8, 4])
@@ -155,6 +157,30 @@ def test_vectors_step_as_the_unfactored_reference_and_matrices_as_the_factored(b
         assert_close(p.detach().reshape(-1), x, atol=1e-6, rtol=1e-6, name=f"p {SHAPES[k]}")
     assert torch.equal(opt.codebook, two.codebook)
     assert_same_state(opt, two, params, twins)
+
+
+@pytest.mark.parametrize("backend", GEFEN_CPU_BACKENDS)
+def test_a_vector_where_the_rule_finds_no_block_is_one_block(backend):
+    """Gradients N(0, 1) (the rule says P = 1): with the option each vector is one block of its
+    length (a prime, 97, and 256), holds no w, and 6 steps equal the unfactored reference step at
+    that block length (codes exactly, p to 1e-6), the matrix beside them the factored one."""
+    shapes = [(97,), (256,), (24, 48)]
+    gen = torch.Generator().manual_seed(3)
+    params = [torch.nn.Parameter(0.1 * torch.randn(s, generator=gen)) for s in shapes]
+    starts = [p.detach().clone() for p in params]
+    steps = [[torch.randn(s, generator=gen) for s in shapes] for _ in range(6)]
+    assert all(choose_block(steps[0][k]) == 1 for k in (0, 1))
+    opt = Gefen(params, lr=LR, weight_decay=WD, factor_second_moment=True, backend=backend, **{SHARE: True})
+    for gs in steps:
+        set_grads(params, gs)
+        opt.step()
+    assert [opt.state[p][K.BLOCK] for p in params[:2]] == [97, 256]
+    for k, p in enumerate(params):
+        st = opt.state[p]
+        (x, v, s, c), w = _reference(starts[k], steps, k, st[K.BLOCK], opt.codebook, 8)
+        assert (K.W in st) == (k == 2) and st[K.V].numel() == (1 if k < 2 else st[K.V].numel())
+        assert torch.equal(st[K.CODES], c), f"codes of {shapes[k]} differ from the reference"
+        assert_close(p.detach().reshape(-1), x, atol=1e-6, rtol=1e-6, name=f"p {shapes[k]}")
 
 
 @pytest.mark.parametrize("backend", ["torch", "numba"])

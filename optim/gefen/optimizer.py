@@ -58,9 +58,11 @@ class Gefen(OptimizerBase):
     (at most 4 bytes per row of a tall matrix; plus 8 bytes per block a cut block adds) and 4
     bytes per element of a vector, and helps where squared gradients vary along a block (matrix
     columns) or between the rows a block spanned (embedding rows); with P = 1 it changes nothing.
-    ``share_vector_second_moment=True`` gives a vector in a factored group the published rule
-    instead: the block length of ``partition.choose_block`` (as without the factor) and no w,
-    about 1 + 8 / P bytes per element where the rule finds blocks, where the per-element v costs 5.
+    ``share_vector_second_moment=True`` gives a vector in a factored group shared v and no w
+    instead: the block length of ``partition.choose_block`` (as without the factor) or, where the
+    rule finds no block, the whole vector (its largest divisor <= ``partition.MAX_BLOCK``, as
+    Gefen-X falls back to one long block), about 1 + 8 / P bytes per element where the
+    per-element v costs 5.
     Not for sparse gradients (``nn.Embedding(sparse=True)``: use ``DiskSparseAdam``) nor complex
     parameters. The exact state layout is in ``optim/gefen/reference.py``.
 
@@ -112,8 +114,9 @@ class Gefen(OptimizerBase):
             blocks kept inside matrix rows (above; ``reference.py``). False is the published
             algorithm. (Default: False)
         share_vector_second_moment: under ``factor_second_moment``, a tensor of fewer than two
-            dimensions (norm gain, bias) shares v in the blocks of the published rule and holds no
-            factor (above), instead of keeping one v per element. Decides the state layout, as
+            dimensions (norm gain, bias) shares v in the blocks of the published rule, or in one
+            block where the rule finds none, and holds no factor (above), instead of keeping one v
+            per element. Decides the state layout, as
             ``factor_second_moment`` does: a state dict restores the saved group's setting (False
             where it was saved before the option). No effect in an unfactored group, whose vectors
             share v by the rule already. (Default: False)

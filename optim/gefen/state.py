@@ -31,7 +31,7 @@ import math
 
 import torch
 
-from .partition import choose_block, constant_magnitude, factor_tiles, factored_block, provisional_block
+from .partition import cap_block, choose_block, constant_magnitude, factor_tiles, factored_block, provisional_block
 from .reference import num_code_bytes, num_scales
 from .torch_ops import requantize_
 
@@ -82,7 +82,11 @@ def block_length(g: torch.Tensor, group: dict, block_rule: str, provisional: boo
                                             and not group["share_vector_second_moment"]):
         return 1
     block = provisional_block(g.numel()) if provisional else choose_block(g, block_rule)
-    return factored_block(block, g.shape) if group["factor_second_moment"] else block
+    if not group["factor_second_moment"]:
+        return block
+    if g.dim() < 2:  # share_vector_second_moment: where the rule finds no block, the whole vector
+        return block if block > 1 else cap_block(g.numel())
+    return factored_block(block, g.shape)
 
 
 def first_block(g: torch.Tensor, group: dict, block_rule: str) -> tuple[int, bool]:
