@@ -19,13 +19,16 @@ import statistics
 from analysis.common import (CORPUS_TEXT, Report, configurations, fmt, in_configuration, main, md_table, mean_std, pm, save_figure,
                              select, variants)
 
+# variants that change an option on every tensor (experiments/gefen_ablation.py's CHANGES), as words
+CHANGES = {"fp32_m": "the first moment in fp32", "sr_m": "the first moment's codes rounded stochastically",
+           "vec_v": "the vectors' v shared (the published rule's blocks, else one a vector)",
+           "rows_v": "v over whole rows where the rule finds no block"}
 LABELS = {"none": "nothing (Gefen as published)", "all": "every tensor", "embedding": "the embeddings",
           "vectors": "the vectors (norm gains, biases)",
           "factored": "nothing, the second moment factored",
-          "gefen-x": "(peer) gefen-x 0.5.0 at its defaults, same lr", "fp32_m": "nothing, the first moment in fp32",
-          "sr_m": "nothing, the first moment's codes rounded stochastically",
-          "vec_v": "nothing, the vectors' v shared in the published rule's blocks"}
-NOT_KINDS = ("none", "all", "factored", "fp32_m", "sr_m", "vec_v", "gefen-x")  # variants that are no kind of tensor
+          "gefen-x": "(peer) gefen-x 0.5.0 at its defaults, same lr",
+          **{k: f"nothing, {text}" for k, text in CHANGES.items()}}
+NOT_KINDS = ("none", "all", "factored", "gefen-x", *CHANGES)  # variants that are no kind of tensor
 TARGET = 1.03
 ARCH_TEXT = {"gpt": "character GPT", "encoder": "character LM of PyTorch's pre-norm `nn.TransformerEncoderLayer`",
              "llama": "Llama-style character LM"}
@@ -44,12 +47,8 @@ def collect(rows, prefix=""):
 
 def _label(name: str) -> str:
     base, plus, own = name.rpartition("+")
-    if plus and own == "fp32_m":
-        return "factored, and the first moment in fp32"
-    if plus and own == "sr_m":
-        return "factored, and the first moment's codes rounded stochastically"
-    if plus and own == "vec_v":
-        return "factored, and the vectors' v shared in the published rule's blocks"
+    if plus and own in CHANGES:
+        return f"factored, and {CHANGES[own]}"
     if plus:
         return f"factored, and per element on {LABELS.get(own, f'`{own}`')}"
     return LABELS.get(name, f"`{name}`")
@@ -166,12 +165,9 @@ def _finding(data, center="mean"):
         if on_top:
             best = min(on_top, key=on_top.get)
             out += f"; with per-element v on top of it the lowest is on {_label(best)} ({on_top[best] - 1:+.2%})"
-        if "factored+fp32_m" in data:
-            out += f"; with the first moment in fp32 {data['factored+fp32_m'] - 1:+.2%}"
-        if "factored+sr_m" in data:
-            out += f"; with its codes rounded stochastically {data['factored+sr_m'] - 1:+.2%}"
-        if "factored+vec_v" in data:
-            out += f"; with the vectors' v shared in the published rule's blocks {data['factored+vec_v'] - 1:+.2%}"
+        for change, text in CHANGES.items():
+            if f"factored+{change}" in data:
+                out += f"; with {text} {data[f'factored+{change}'] - 1:+.2%}"
         out += "."
     if "gefen-x" in data:
         out += f" gefen-x at the same lr: {data['gefen-x'] - 1:+.2%}."

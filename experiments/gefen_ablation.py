@@ -49,9 +49,11 @@ or ``--tiny`` it runs that size in each architecture.
 the 1,000-step lr held fixed (4e-3, AdamW's best there), gefen-x beside it: the factor alone and the
 factor with one change each, to see which holds a gap that grows with training. ``sr_m`` is no kind
 of tensor: the first moment's codes rounded stochastically (``first_moment_rounding="stochastic"``)
-on every tensor. Nor is ``vec_v``, a variant on top of the factor only (``factored+vec_v``): the
-vectors share v in the published rule's blocks and hold no factor (``share_vector_second_moment``),
-where under the factor alone they keep v per element.
+on every tensor. Nor are ``vec_v`` and ``rows_v``, variants on top of the factor only: the vectors
+share v in the published rule's blocks, or in one block where it finds none, and hold no factor
+(``share_vector_second_moment``), where under the factor alone they keep v per element; a matrix in
+which the rule finds no block shares v over whole rows (``share_matrix_rows``), where it keeps one
+per element.
 
 Rows: ``val_loss`` per variant (and AdamW) and seed, ``val_loss_vs_adamw`` (paired by seed), its
 ``_mean`` and ``_std``, and ``delta_vs_shared`` (the paired difference of ratios against ``none``),
@@ -115,7 +117,12 @@ PATTERNS = {
 FACTORED = "factored"  # every tensor shared and factored, none per element
 FIRST_MOMENT = "fp32_m"  # the first moment in fp32 on every tensor (not a kind of tensor)
 CODE_ROUNDING = "sr_m"  # the first moment's codes rounded stochastically on every tensor (not a kind of tensor)
-VECTOR_BLOCKS = "vec_v"  # under the factor, the vectors share v by the published rule (not a kind of tensor)
+VECTOR_BLOCKS = "vec_v"  # under the factor, the vectors share v by the published rule, else in one block
+ROW_BLOCKS = "rows_v"  # under the factor, a matrix the rule finds no block in shares v over whole rows
+# variants that are no kind of tensor: a Gefen option on every tensor
+CHANGES = {FIRST_MOMENT: dict(quantize_first_moment=False), CODE_ROUNDING: dict(first_moment_rounding="stochastic"),
+           VECTOR_BLOCKS: dict(share_vector_second_moment=True), ROW_BLOCKS: dict(share_matrix_rows=True)}
+UNDER_FACTOR = (VECTOR_BLOCKS, ROW_BLOCKS)  # changes that act under the factor only
 PEERS = ("gefen-x",)  # other optimizers that may train beside AdamW (registry names)
 QUICK_VARIANTS = ["none", "all", "attn_qkv", "embedding", FACTORED]
 FULL_SIZES = ["full", "docstrings"]
@@ -128,7 +135,7 @@ ARCH_ABLATION = dict(sizes=["encoder", "llama"], seeds=3, peers=["gefen-x"], on_
 # does the factored 8-bit's gap grow with training, and what holds it: the encoder 3x as long as the
 # architecture experiments, at their 1,000-step lr (AdamW's best there) held fixed
 LONG_ABLATION = dict(sizes=["encoder"], steps=3000, seeds=5, peers=["gefen-x"], lr=4e-3,
-                     variants=[FACTORED, f"{FACTORED}+{CODE_ROUNDING}", f"{FACTORED}+{VECTOR_BLOCKS}"])
+                     variants=[FACTORED, *(f"{FACTORED}+{c}" for c in (CODE_ROUNDING, VECTOR_BLOCKS, ROW_BLOCKS))])
 EXPERIMENTS = ("gefen_ablation", "gefen_ablation_arch", "gefen_ablation_long")
 SETTINGS = {"gefen_ablation_arch": ARCH_ABLATION, "gefen_ablation_long": LONG_ABLATION}
 
@@ -144,16 +151,12 @@ def per_element_v_groups(model, pattern, factored=False, **every):
 
 
 def variant_groups(model, variant: str, arch: str = "gpt"):
-    """Param groups of one Gefen ``variant`` (``[factored+]<kind>``, ``factored``, ``[factored+]fp32_m``,
-    ``[factored+]sr_m``, ``factored+vec_v``)."""
+    """Param groups of one Gefen ``variant`` (``[factored+]<kind>``, ``factored``, ``[factored+]<change>``
+    of ``CHANGES``)."""
     own = variant.removeprefix(f"{FACTORED}+")
     factored = variant.startswith(FACTORED)
-    if own == FIRST_MOMENT:
-        return per_element_v_groups(model, None, factored, quantize_first_moment=False)
-    if own == CODE_ROUNDING:
-        return per_element_v_groups(model, None, factored, first_moment_rounding="stochastic")
-    if own == VECTOR_BLOCKS:
-        return per_element_v_groups(model, None, factored, share_vector_second_moment=True)
+    if own in CHANGES:
+        return per_element_v_groups(model, None, factored, **CHANGES[own])
     return per_element_v_groups(model, None if own == FACTORED else PATTERNS[arch][own], factored)
 
 
@@ -205,9 +208,9 @@ def main(argv=None):
                         help="results file name; gefen_ablation_arch, gefen_ablation_long: ARCH_ABLATION's, "
                              "LONG_ABLATION's defaults (module docstring)")
     parser.add_argument("--tiny", action="store_true", help="test size (seconds)")
-    kinds = [*PATTERNS["gpt"], FIRST_MOMENT, CODE_ROUNDING, VECTOR_BLOCKS]
-    parser.add_argument("--variants", nargs="+", default=None,  # vec_v acts under the factor only
-                        choices=[*(v for v in kinds if v != VECTOR_BLOCKS), FACTORED,
+    kinds = [*PATTERNS["gpt"], *CHANGES]
+    parser.add_argument("--variants", nargs="+", default=None,
+                        choices=[*(v for v in kinds if v not in UNDER_FACTOR), FACTORED,
                                  *(f"{FACTORED}+{v}" for v in kinds if v not in ("none", "all"))],
                         help="default: all (--quick: " + ", ".join(QUICK_VARIANTS) + ")")
     parser.add_argument("--seeds", type=int, default=None, help="default: the size's seeds (3 full, 1 quick)")

@@ -96,7 +96,7 @@ def check_group(group, gi):
 
 ROUNDINGS = ("nearest", "stochastic")  # first_moment_rounding: how m~ / s becomes a code
 FLAGS = ("share_second_moment", "quantize_first_moment", "factor_second_moment", "share_vector_second_moment",
-         "maximize", "stochastic_rounding", "capturable")
+         "share_matrix_rows", "maximize", "stochastic_rounding", "capturable")
 
 
 def check_adamw_keywords(*, amsgrad, foreach, capturable, differentiable):
@@ -273,7 +273,8 @@ def check_state_dict(sd: dict, groups: list, *, bits: int, wide: dict, local) ->
         raise ValueError(f"Gefen.load_state_dict: the state dict has {len(sd['param_groups'])} parameter "
                          f"groups, this optimizer {len(groups)}; load it into the optimizer "
                          "it was saved from")
-    old = {"factor_second_moment": False, "share_vector_second_moment": False, "maximize": False}
+    old = {"factor_second_moment": False, "share_vector_second_moment": False, "share_matrix_rows": False,
+           "maximize": False}
     sd["param_groups"] = [{**old, **g,
                            "stochastic_rounding": mine["stochastic_rounding"],
                            "first_moment_rounding": mine["first_moment_rounding"], **wide}

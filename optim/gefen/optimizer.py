@@ -77,8 +77,8 @@ class Gefen(OptimizerBase):
     Args:
         params: parameters or param groups (dicts); groups may set ``lr``, ``betas``, ``eps``,
             ``weight_decay``, ``share_second_moment``, ``quantize_first_moment``,
-            ``factor_second_moment``, ``share_vector_second_moment``, ``stochastic_rounding``,
-            ``first_moment_rounding``.
+            ``factor_second_moment``, ``share_vector_second_moment``, ``share_matrix_rows``,
+            ``stochastic_rounding``, ``first_moment_rounding``.
         lr: learning rate: a float, or a one-element tensor that LR schedulers update in place (read
             with ``float`` at each step, which waits for the device where it lives there, unless
             ``capturable``, which reads it on the device). (Default: 1e-3)
@@ -120,6 +120,11 @@ class Gefen(OptimizerBase):
             ``factor_second_moment`` does: a state dict restores the saved group's setting (False
             where it was saved before the option). No effect in an unfactored group, whose vectors
             share v by the rule already. (Default: False)
+        share_matrix_rows: under ``factor_second_moment``, a tensor of two or more dimensions in
+            which the published rule finds no block (P = 1: one v per element, 5 bytes of state a
+            parameter) shares v over whole rows of its matrix view instead, times the column factor
+            (Adafactor's row-by-column estimate; a position table, for example). The block is chosen
+            when the state is made: a state dict keeps it. (Default: False)
         stochastic_rounding: write bf16 and fp16 parameters rounded stochastically (up with the
             probability of the fraction of the gap, so exact in expectation) instead of to nearest,
             so updates under half a unit in the last place still move a low-precision weight on
@@ -175,8 +180,7 @@ class Gefen(OptimizerBase):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, bits=8,
                  share_second_moment=True, quantize_first_moment=True, backend="auto",
                  block_rule="adjacent_log", *, factor_second_moment=False, share_vector_second_moment=False,
-                 stochastic_rounding=False,
-                 first_moment_rounding="nearest", maximize=False, fused=None,
+                 share_matrix_rows=False, stochastic_rounding=False, first_moment_rounding="nearest", maximize=False, fused=None,
                  verbose=False, amsgrad=False, foreach=None, capturable=False, differentiable=False):
         check_option("bits", bits, (8, 4), "8 or 4 (an int)")
         check_option("block_rule", block_rule, RULES, f"one of {RULES}")
@@ -200,6 +204,7 @@ class Gefen(OptimizerBase):
                         quantize_first_moment=quantize_first_moment,
                         factor_second_moment=factor_second_moment,
                         share_vector_second_moment=share_vector_second_moment,
+                        share_matrix_rows=share_matrix_rows,
                         stochastic_rounding=stochastic_rounding,
                         first_moment_rounding=first_moment_rounding, maximize=maximize,
                         bits=bits, backend=self.backend, block_rule=block_rule, capturable=capturable)
@@ -228,6 +233,7 @@ class Gefen(OptimizerBase):
         for group in self.param_groups:  # pickled before a keyword existed: its old meaning
             group.setdefault("factor_second_moment", False)
             group.setdefault("share_vector_second_moment", False)
+            group.setdefault("share_matrix_rows", False)
             group.setdefault("maximize", False)
             group.setdefault("stochastic_rounding", False)
             group.setdefault("first_moment_rounding", "nearest")
@@ -236,6 +242,7 @@ class Gefen(OptimizerBase):
         for key in OPTIMIZER_WIDE:
             self.defaults.setdefault(key, self.__dict__[key])
         self.defaults.setdefault("share_vector_second_moment", False)
+        self.defaults.setdefault("share_matrix_rows", False)
         self.defaults.setdefault("maximize", False)
         self.defaults.setdefault("stochastic_rounding", False)
         self.defaults.setdefault("first_moment_rounding", "nearest")

@@ -31,7 +31,7 @@ import math
 
 import torch
 
-from .partition import cap_block, choose_block, constant_magnitude, factor_tiles, factored_block, provisional_block
+from .partition import MAX_BLOCK, cap_block, choose_block, constant_magnitude, factor_tiles, factored_block, provisional_block
 from .reference import num_code_bytes, num_scales
 from .torch_ops import requantize_
 
@@ -86,6 +86,8 @@ def block_length(g: torch.Tensor, group: dict, block_rule: str, provisional: boo
         return block
     if g.dim() < 2:  # share_vector_second_moment: where the rule finds no block, the whole vector
         return block if block > 1 else cap_block(g.numel())
+    if block == 1 and group["share_matrix_rows"]:  # no block found: whole rows, times the column factor
+        block = MAX_BLOCK
     return factored_block(block, g.shape)
 
 

@@ -1,5 +1,9 @@
-"""Gefen's ``share_vector_second_moment``: in a factored group a vector (norm gain, bias) takes the
-published rule's shared v and no factor w, where by default it keeps one v per element and a w.
+"""Which blocks the factored second moment shares v in, beyond the default: with
+``share_vector_second_moment`` a vector (norm gain, bias) in a factored group takes the published
+rule's shared v (one block of the whole vector where the rule finds none) and no factor w, where by
+default it keeps one v per element and a w; with ``share_matrix_rows`` a matrix in which the rule
+finds no block shares v over whole rows, times the column factor, where by default it keeps one v
+per element.
 
 Independent references: the reference step (``reference.gefen_step``) run tensor by tensor, the
 factored one on each tile of a matrix's rows (tiles restated here); an optimizer whose vectors sit
@@ -359,3 +363,47 @@ def test_the_distributed_form_holds_no_w_for_a_shared_vector():
         opt.step()
         opt2.step()
     assert_same_state(opt, opt2, params, params2)
+
+
+@pytest.mark.parametrize("backend", GEFEN_CPU_BACKENDS)
+def test_a_matrix_where_the_rule_finds_no_block_shares_whole_rows(backend):
+    """A (16, 97) matrix, whose few candidate blocks the rule turns down on N(0, 1) gradients
+    (P = 1): with ``share_matrix_rows`` it shares v over whole rows (block 97) and keeps its
+    column factor, and 6 steps equal the factored reference at that block (codes exactly, p to
+    1e-6); without it, one v per element, as before (block 1). A matrix where the rule finds a
+    block keeps it either way."""
+    gen = torch.Generator().manual_seed(4)
+    shapes = [(16, 97), (24, 48)]
+    steps = [[torch.randn(shapes[0], generator=gen), row_scaled_grad(shapes[1], scale_columns=True)]
+             for _ in range(6)]
+    assert choose_block(steps[0][0]) == 1
+    blocks = {}
+    for rows in (False, True):
+        params = [torch.nn.Parameter(0.1 * torch.randn(s, generator=torch.Generator().manual_seed(5))) for s in shapes]
+        starts = [p.detach().clone() for p in params]
+        opt = Gefen(params, lr=LR, weight_decay=WD, factor_second_moment=True, backend=backend,
+                    share_matrix_rows=rows)
+        for gs in steps:
+            set_grads(params, gs)
+            opt.step()
+        blocks[rows] = [opt.state[p][K.BLOCK] for p in params]
+        for k, p in enumerate(params):
+            st = opt.state[p]
+            (x, v, s, c), w = _reference(starts[k], steps, k, st[K.BLOCK], opt.codebook, 8)
+            assert K.W in st and torch.equal(st[K.CODES], c), f"codes of {shapes[k]} differ from the reference"
+            assert_close(st[K.W], w, rtol=1e-5, name="w")
+            assert_close(p.detach().reshape(-1), x, atol=1e-6, rtol=1e-6, name=f"p {shapes[k]}")
+    assert blocks[False][0] == 1 and blocks[True][0] == 97
+    assert blocks[False][1] == blocks[True][1] > 1
+
+
+def test_share_matrix_rows_is_a_flag_kept_in_the_groups():
+    p = torch.nn.Parameter(torch.randn(4, 4))
+    with pytest.raises(ValueError, match="share_matrix_rows"):
+        Gefen([p], factor_second_moment=True, share_matrix_rows="yes")
+    opt = Gefen([p], factor_second_moment=True, share_matrix_rows=True)
+    assert opt.param_groups[0]["share_matrix_rows"] and opt.state_dict()["param_groups"][0]["share_matrix_rows"]
+    old = pickle.loads(pickle.dumps(opt))
+    del old.param_groups[0]["share_matrix_rows"], old.defaults["share_matrix_rows"]
+    old.__setstate__(old.__dict__)
+    assert old.param_groups[0]["share_matrix_rows"] is False
