@@ -7,7 +7,9 @@
 
 A cgroup's limit counts the process's anonymous memory and the page cache it brings in. Making one
 needs root and the v1 memory controller at ``CGROUP_ROOT``; every helper here returns None (or
-runs without a limit) where that is missing, and every cgroup made here is removed after use.
+runs without a limit) where that is missing, and every cgroup made here is removed after use; one
+left by a process killed before it could remove its own (``<name>-<pid>-<n>``, that pid gone and the
+cgroup empty) is removed when the next cgroup of that name is made.
 """
 
 from __future__ import annotations
@@ -32,12 +34,44 @@ def make_memory_cgroup(name, limit_bytes):
     None where this process cannot make one (not root, no v1 controller)."""
     if not cgroups_usable():
         return None
+    remove_orphans(name)
     path = os.path.join(CGROUP_ROOT, f"{name}-{os.getpid()}-{next(_SERIAL)}")
     os.makedirs(path)
     if limit_bytes is not None:
         with open(os.path.join(path, "memory.limit_in_bytes"), "w") as f:
             f.write(str(int(limit_bytes)))
     return path
+
+
+def remove_orphans(name) -> list:
+    """Remove the empty cgroups ``<name>-<pid>-<n>`` whose making process is gone (killed before it
+    removed them); the paths removed. A cgroup that still holds a process is kept."""
+    removed = []
+    prefix = f"{name}-"
+    for entry in os.listdir(CGROUP_ROOT):
+        pid, _, serial = entry[len(prefix):].partition("-")
+        if not (entry.startswith(prefix) and pid.isdigit() and serial.isdigit()) or _alive(int(pid)):
+            continue
+        path = os.path.join(CGROUP_ROOT, entry)
+        try:
+            with open(os.path.join(path, "cgroup.procs")) as f:
+                if f.read().strip():
+                    continue
+        except OSError:
+            continue
+        if remove_memory_cgroup(path, tries=1):
+            removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
 
 
 def join_memory_cgroup(path, pid=None):

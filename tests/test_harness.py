@@ -90,6 +90,39 @@ def test_child_in_a_memory_cgroup_sets_its_path_or_runs_unlimited():
         assert run.result == "" and run.peak_bytes == 0
 
 
+def test_a_cgroup_left_by_a_killed_parent_is_removed_at_the_next_one():
+    """A parent SIGKILLed while its trial's cgroup existed leaves ``<name>-<pid>-<n>`` behind; the
+    next cgroup of that name removes it (empty, its pid gone), but keeps one of that dead pid's name
+    that a live process is still in."""
+    import signal
+    import subprocess
+    import sys
+
+    from experiments import memcg
+
+    if not memcg.cgroups_usable():
+        pytest.skip("making memory cgroups needs root and the v1 controller")
+    code = ("import time; from experiments.memcg import make_memory_cgroup; "
+            "print(make_memory_cgroup('harness-orphan', 2**26), flush=True); time.sleep(60)")
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=child_env())
+    orphan = parent.stdout.readline().strip()
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    busy = os.path.join(memcg.CGROUP_ROOT, f"harness-orphan-{parent.pid}-999")
+    os.makedirs(busy)
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        memcg.join_memory_cgroup(busy, holder.pid)
+        assert os.path.isdir(orphan)
+        fresh = memcg.make_memory_cgroup("harness-orphan", 2**26)
+        assert not os.path.exists(orphan) and os.path.isdir(busy) and os.path.isdir(fresh)
+        assert memcg.remove_memory_cgroup(fresh)
+    finally:
+        holder.kill()
+        holder.wait()
+        assert memcg.remove_memory_cgroup(busy)
+
+
 def test_parse_result_reads_json_values():
     assert parse_result("RESULT " + json.dumps({"x": [1.0]})) == {"x": [1.0]}
 
