@@ -58,6 +58,15 @@ class Results:
                                f"rerun experiments/{experiment.split('/')[-1]}.py")
         return vals
 
+    def at_end(self, experiment, metric, variant, pick=max) -> dict:
+        """The row of (metric, variant) at its largest x (``pick=min``: its smallest): the last step,
+        the most ranks; at least one."""
+        rows = select(self.rows(experiment, metric), metric, variant)
+        if not rows:
+            raise ResultsError(f"{self.dir / experiment}.csv: no value of {metric} for {variant}; "
+                               f"rerun experiments/{experiment.split('/')[-1]}.py")
+        return pick(rows, key=lambda r: float(r["x_value"]))
+
     def median(self, experiment, metric, variant, **where) -> float:
         return statistics.median(self.values(experiment, metric, variant, **where))
 

@@ -61,10 +61,7 @@ def dsa_speed(R):
 
 def dsa_seed_benchmark(R):
     e = "dsa_seed_benchmark"
-    rows = select(R.rows(e, "throughput"), "throughput", "DiskSparseRiemannianAdam")
-    if not rows:
-        raise ResultsError(f"{R.dir / e}.csv: no throughput of DiskSparseRiemannianAdam")
-    last = max(rows, key=lambda r: float(r["x_value"]))
+    last = R.at_end(e, "throughput", "DiskSparseRiemannianAdam")
     verdict = ("reproduced on CPU; throughput exceeded" if last["value"] > SEED_GPU_SAMPLES_PER_S
                else "reproduced on CPU; throughput not reached")
     c = R.config(e)
@@ -195,10 +192,7 @@ def dsa_gpu(R):
 
 def dsa_distributed(R):
     e = "dsa_distributed"
-    rows = select(R.rows(e, "bytes_per_step"), "bytes_per_step", "paper/sharded")
-    if not rows:
-        raise ResultsError(f"{R.dir / e}.csv: no bytes_per_step of paper/sharded")
-    top = max(rows, key=lambda r: float(r["x_value"]))
+    top = R.at_end(e, "bytes_per_step", "paper/sharded")
     ddp = R.need(e, "bytes_per_step", "paper/ddp", x_value=top["x_value"])
     ranks = max(r["x_value"] for r in select(R.rows(e), "bytes_per_step", "sharded"))
     measured = R.need(e, "bytes_per_step", "sharded", x_value=ranks)

@@ -387,16 +387,11 @@ def gefen_speed(R):
 
 def gefen_peak_memory(R):
     e = "gefen_peak_memory"
-    rows = R.rows(e, "tensor_peak_per_param")
     R.rows("gefen_budgets", "largest_micro_batch")
     lean = "Gefen-8bit-factored+bf16-sr+in-backward"
-    pre = "mlp-50.4M/mb8/"
 
-    def peak(name, pick=max):
-        vals = select(rows, "tensor_peak_per_param", pre + name)
-        if not vals:
-            raise ResultsError(f"{R.dir / e}.csv: no tensor_peak_per_param of {pre + name}")
-        return pick(vals, key=lambda r: float(r["x_value"]))["value"]  # max: the last step, steady state
+    def peak(name, pick=max):  # max: the last step, steady state; min: the first
+        return R.at_end(e, "tensor_peak_per_param", "mlp-50.4M/mb8/" + name, pick)["value"]
 
     peers = ["AdamW", "Adam-mini", "torchao-AdamW8bit", "torchao-AdamW4bit", "gefen-upstream", "gefen-x"]
     ours, lean_peak, adamw = peak("Gefen-8bit"), peak(lean), peak("AdamW")
@@ -416,10 +411,7 @@ def gefen_hessian(R):
     models = sorted({r["variant"] for r in select(rows, "spearman_spread")})
 
     def last(metric, variant):
-        vals = select(rows, metric, variant)
-        if not vals:
-            raise ResultsError(f"{R.dir / e}.csv: no {metric} of {variant}")
-        return max(vals, key=lambda r: float(r["x_value"]))["value"]
+        return R.at_end(e, metric, variant)["value"]
 
     s2 = all(last("coupling_within", f"{m}/gefen") > last("coupling_within", f"{m}/random_gefen") for m in models)
     gap = {k: max(R.need(e, "val_loss", f"{m}/{k}") - R.need(e, "val_loss", f"{m}/adamw") for m in models)
