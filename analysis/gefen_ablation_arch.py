@@ -3,16 +3,12 @@
 the median over seeds (as the issue's targets), the factored 8-bit's +0.3% target dashed.
 ``python analysis/gefen_ablation_arch.py``"""
 
-import functools
+from analysis.common import main
+from analysis.gefen_ablation import factored_report
 
-from analysis.common import Report, main
-from analysis.gefen_ablation import body, draw
-
-REPORT = Report("gefen_ablation_arch", "gefen_ablation_arch",
-                "Gefen: what the factored second moment leaves on the encoder and Llama-style models (ablation)",
-                functools.partial(body, center="median"),
-                functools.partial(draw, target=1.003, title="Gefen 8-bit factored: v per element on one kind of tensor"),
-                metrics=("val_loss_vs_adamw",))
+REPORT = factored_report("gefen_ablation_arch",
+                         "Gefen: what the factored second moment leaves on the encoder and Llama-style models (ablation)",
+                         "Gefen 8-bit factored: v per element on one kind of tensor")
 
 if __name__ == "__main__":
     main(REPORT, doc=__doc__)

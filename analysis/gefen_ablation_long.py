@@ -3,16 +3,12 @@
 figure and table on the encoder at 3,000 steps, the findings by the median over seeds, the factored
 8-bit's +0.3% target dashed. ``python analysis/gefen_ablation_long.py``"""
 
-import functools
+from analysis.common import main
+from analysis.gefen_ablation import factored_report
 
-from analysis.common import Report, main
-from analysis.gefen_ablation import body, draw
-
-REPORT = Report("gefen_ablation_long", "gefen_ablation_long",
-                "Gefen: does the factored 8-bit's gap grow with training (encoder, 3,000 steps, ablation)",
-                functools.partial(body, center="median"),
-                functools.partial(draw, target=1.003, title="Gefen 8-bit factored at 3,000 steps: one change each"),
-                metrics=("val_loss_vs_adamw",))
+REPORT = factored_report("gefen_ablation_long",
+                         "Gefen: does the factored 8-bit's gap grow with training (encoder, 3,000 steps, ablation)",
+                         "Gefen 8-bit factored at 3,000 steps: one change each")
 
 if __name__ == "__main__":
     main(REPORT, doc=__doc__)
