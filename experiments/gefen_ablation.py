@@ -13,6 +13,9 @@
     # does the factored 8-bit's gap grow with training: the encoder 3,000 steps, 5 seeds, lr fixed
     python experiments/gefen_ablation.py --experiment gefen_ablation_long   # -> results/gefen_ablation_long.csv
     python analysis/gefen_ablation_long.py
+    # the layout options that bring the bytes near Gefen-X's, for loss: the same runs, one option each
+    python experiments/gefen_ablation.py --experiment gefen_ablation_layout   # -> results/gefen_ablation_layout.csv
+    python analysis/gefen_ablation_layout.py
 
 Each variant is 8-bit Gefen (registry name Gefen-8bit) with ``share_second_moment=False`` (a
 per-element v, as block length 1) on the named group of tensors only, through a second parameter
@@ -47,13 +50,15 @@ or ``--tiny`` it runs that size in each architecture.
 
 ``--experiment gefen_ablation_long`` (``LONG_ABLATION``) trains the encoder 3,000 steps, 5 seeds, at
 the 1,000-step lr held fixed (4e-3, AdamW's best there), gefen-x beside it: the factor alone and the
-factor with one change each, to see which holds a gap that grows with training. ``sr_m`` is no kind
-of tensor: the first moment's codes rounded stochastically (``first_moment_rounding="stochastic"``)
-on every tensor. Nor are ``vec_v`` and ``rows_v``, variants on top of the factor only: the vectors
-share v in the published rule's blocks, or in one block where it finds none, and hold no factor
-(``share_vector_second_moment``), where under the factor alone they keep v per element; a matrix in
-which the rule finds no block shares v over whole rows (``share_matrix_rows``), where it keeps one
-per element.
+factor with its first moment's codes rounded stochastically (``sr_m``, no kind of tensor:
+``first_moment_rounding="stochastic"`` on every tensor), to see whether that holds a gap that grows
+with training. ``--experiment gefen_ablation_layout`` (``LAYOUT_ABLATION``) makes the same runs with
+the two layout options that cut the factored state's bytes, one at a time, on top of the factor
+(gefen-x at these settings is in gefen_ablation_long's file, whose seeds these are): ``vec_v``, the
+vectors share v in the published rule's blocks, or in one block where it finds none, and hold no
+factor (``share_vector_second_moment``), where under the factor alone they keep v per element; and
+``rows_v``, a matrix in which the rule finds no block shares v over whole rows (``share_matrix_rows``),
+where it keeps one per element.
 
 Rows: ``val_loss`` per variant (and AdamW) and seed, ``val_loss_vs_adamw`` (paired by seed), its
 ``_mean`` and ``_std``, and ``delta_vs_shared`` (the paired difference of ratios against ``none``),
@@ -135,9 +140,13 @@ ARCH_ABLATION = dict(sizes=["encoder", "llama"], seeds=3, peers=["gefen-x"], on_
 # does the factored 8-bit's gap grow with training, and what holds it: the encoder 3x as long as the
 # architecture experiments, at their 1,000-step lr (AdamW's best there) held fixed
 LONG_ABLATION = dict(sizes=["encoder"], steps=3000, seeds=5, peers=["gefen-x"], lr=4e-3,
-                     variants=[FACTORED, *(f"{FACTORED}+{c}" for c in (CODE_ROUNDING, VECTOR_BLOCKS, ROW_BLOCKS))])
-EXPERIMENTS = ("gefen_ablation", "gefen_ablation_arch", "gefen_ablation_long")
-SETTINGS = {"gefen_ablation_arch": ARCH_ABLATION, "gefen_ablation_long": LONG_ABLATION}
+                     variants=[FACTORED, f"{FACTORED}+{CODE_ROUNDING}"])
+# the options that cut the factored state's bytes, for loss: LONG_ABLATION's runs, one option each
+LAYOUT_ABLATION = dict(LONG_ABLATION, peers=[], variants=[FACTORED, *(f"{FACTORED}+{c}" for c in UNDER_FACTOR)])
+EXPERIMENTS = ("gefen_ablation", "gefen_ablation_arch", "gefen_ablation_long", "gefen_ablation_layout")
+SETTINGS = {"gefen_ablation_arch": ARCH_ABLATION, "gefen_ablation_long": LONG_ABLATION,
+            "gefen_ablation_layout": LAYOUT_ABLATION}
+ON_TOP_ONLY = ("gefen_ablation_long", "gefen_ablation_layout")  # the factor and changes on top of it, nothing else
 
 
 def per_element_v_groups(model, pattern, factored=False, **every):
@@ -196,7 +205,7 @@ def variants_of(size_name: str, args) -> list[str]:
         names += [f"{FACTORED}+{v}" for v in names if v not in (FACTORED, "none", "all") and "+" not in v]
     if args.experiment == "gefen_ablation_arch":  # on top of the factor only: the published Gefen's rule is "none"
         names = [v for v in names if v in ("none", "all", FACTORED) or "+" in v]
-    if args.experiment == "gefen_ablation_long":  # the factor and what is tried on top of it, nothing else
+    if args.experiment in ON_TOP_ONLY:
         names = [v for v in names if v == FACTORED or v.startswith(f"{FACTORED}+")]
     return list(args.peers) + names
 
@@ -205,8 +214,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(parser)
     parser.add_argument("--experiment", default=EXPERIMENTS[0], choices=EXPERIMENTS,
-                        help="results file name; gefen_ablation_arch, gefen_ablation_long: ARCH_ABLATION's, "
-                             "LONG_ABLATION's defaults (module docstring)")
+                        help="results file name; gefen_ablation_arch, gefen_ablation_long, gefen_ablation_layout: "
+                             "ARCH_ABLATION's, LONG_ABLATION's, LAYOUT_ABLATION's defaults (module docstring)")
     parser.add_argument("--tiny", action="store_true", help="test size (seconds)")
     kinds = [*PATTERNS["gpt"], *CHANGES]
     parser.add_argument("--variants", nargs="+", default=None,

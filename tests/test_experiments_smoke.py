@@ -501,24 +501,29 @@ def test_gefen_ablation_arch_runs_each_architecture_at_its_lr(tmp_path, monkeypa
 
 
 @pytest.mark.timeout(300)
-def test_gefen_ablation_long_runs_the_factor_and_its_changes_only(tmp_path, monkeypatch):
-    """``--experiment gefen_ablation_long --tiny``: the tiny size in the encoder at LONG_ABLATION's lr,
-    the factor, the factor with stochastically rounded codes, with the vectors' v shared and with whole-row v
-    (no published Gefen), its own results file and analysis, whose finding names each."""
-    from experiments.gefen_ablation import LONG_ABLATION
+@pytest.mark.parametrize("experiment, changes, words", [
+    ("gefen_ablation_long", {"factored+sr_m"}, ["codes rounded stochastically"]),
+    ("gefen_ablation_layout", {"factored+vec_v", "factored+rows_v"},
+     ["the vectors' v shared", "v over whole rows where the rule finds no block"])])
+def test_gefen_ablation_on_the_factor_runs_the_factor_and_its_changes_only(tmp_path, monkeypatch, experiment,
+                                                                          changes, words):
+    """``--experiment gefen_ablation_long`` / ``gefen_ablation_layout`` ``--tiny``: the tiny size in the
+    encoder at the experiments' lr, the factor and the experiment's changes on top of it (the first
+    moment's codes rounded stochastically; the vectors' v shared, whole-row v), its own results file and
+    analysis, whose finding names each."""
+    from experiments.gefen_ablation import SETTINGS
 
-    _main("experiments.gefen_ablation", ["--experiment", "gefen_ablation_long", "--tiny", "--peers", "--seeds", 1,
+    _main("experiments.gefen_ablation", ["--experiment", experiment, "--tiny", "--peers", "--seeds", 1,
                                          "--results-dir", tmp_path, "--wandb", "disabled"], monkeypatch)
-    rows = _rows(tmp_path / "gefen_ablation_long.csv", "gefen_ablation_long")
-    assert {r["variant"] for r in rows} == {"AdamW", "factored", "factored+sr_m", "factored+vec_v", "factored+rows_v"}
-    config = json.loads((tmp_path / "gefen_ablation_long.config.json").read_text())["config"]
-    assert config["arch"] == "encoder" and config["lr"] == LONG_ABLATION["lr"]
-    out = tmp_path / "gefen_ablation_long.png"
-    _analysis("gefen_ablation_long", tmp_path, out)
+    rows = _rows(tmp_path / f"{experiment}.csv", experiment)
+    assert {r["variant"] for r in rows} == {"AdamW", "factored", *changes}
+    config = json.loads((tmp_path / f"{experiment}.config.json").read_text())["config"]
+    assert config["arch"] == "encoder" and config["lr"] == SETTINGS[experiment]["lr"] == 4e-3
+    out = tmp_path / f"{experiment}.png"
+    _analysis(experiment, tmp_path, out)
     _assert_png(out)
     text = (tmp_path / "README.md").read_text()
-    assert "the factored second moment ends at" in text and "codes rounded stochastically" in text
-    assert "the vectors' v shared" in text and "v over whole rows where the rule finds no block" in text
+    assert "the factored second moment ends at" in text and all(w in text for w in words)
 
 
 @pytest.mark.skipif(not (GEFEN_X_DIR / "gefen").is_dir(), reason="gefen-x is not installed in third_party/gefen_x")

@@ -1,0 +1,14 @@
+"""What the layout options that cut the factored state's bytes cost in loss
+(``python experiments/gefen_ablation.py --experiment gefen_ablation_layout``): analysis/gefen_ablation.py's
+figure and table on the encoder at 3,000 steps, one option each on top of the factor, the findings by
+the median over seeds, the factored 8-bit's +0.3% target dashed. ``python analysis/gefen_ablation_layout.py``"""
+
+from analysis.common import main
+from analysis.gefen_ablation import factored_report
+
+REPORT = factored_report("gefen_ablation_layout",
+                         "Gefen: the factored 8-bit's layout options for loss (encoder, 3,000 steps, ablation)",
+                         "Gefen 8-bit factored at 3,000 steps: one layout option each")
+
+if __name__ == "__main__":
+    main(REPORT, doc=__doc__)
