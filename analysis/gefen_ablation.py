@@ -23,7 +23,10 @@ from analysis.common import (CORPUS_TEXT, Report, configurations, fmt, in_config
 # variants that change an option on every tensor (experiments/gefen_ablation.py's CHANGES), as words
 CHANGES = {"fp32_m": "the first moment in fp32", "sr_m": "the first moment's codes rounded stochastically",
            "vec_v": "the vectors' v shared (the published rule's blocks, else one a vector)",
-           "rows_v": "v over whole rows where the rule finds no block"}
+           "rows_v": "v over whole rows where the rule finds no block",
+           "scale_rows": "one first-moment scale per group of rows",
+           "whole_w": "one column factor per matrix",
+           "layout": "the vectors' v shared, whole-row v, row-group scales and one column factor per matrix"}
 LABELS = {"none": "nothing (Gefen as published)", "all": "every tensor", "embedding": "the embeddings",
           "vectors": "the vectors (norm gains, biases)",
           "factored": "nothing, the second moment factored",

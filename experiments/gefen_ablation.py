@@ -53,12 +53,16 @@ the 1,000-step lr held fixed (4e-3, AdamW's best there), gefen-x beside it: the 
 factor with its first moment's codes rounded stochastically (``sr_m``, no kind of tensor:
 ``first_moment_rounding="stochastic"`` on every tensor), to see whether that holds a gap that grows
 with training. ``--experiment gefen_ablation_layout`` (``LAYOUT_ABLATION``) makes the same runs with
-the two layout options that cut the factored state's bytes, one at a time, on top of the factor
-(gefen-x at these settings is in gefen_ablation_long's file, whose seeds these are): ``vec_v``, the
-vectors share v in the published rule's blocks, or in one block where it finds none, and hold no
-factor (``share_vector_second_moment``), where under the factor alone they keep v per element; and
-``rows_v``, a matrix in which the rule finds no block shares v over whole rows (``share_matrix_rows``),
-where it keeps one per element.
+the layout options that cut the factored state's bytes on top of the factor (gefen-x at these
+settings is in gefen_ablation_long's file, whose seeds these are): ``layout``, all four together,
+and ``scale_rows`` alone, the one that coarsens the first moment's quantisation. The options (each
+also a variant on request): ``vec_v``, the vectors share v in the published rule's blocks, or in one
+block where it finds none, and hold no factor (``share_vector_second_moment``), where under the
+factor alone they keep v per element; ``rows_v``, a matrix in which the rule finds no block shares v
+over whole rows (``share_matrix_rows``), where it keeps one per element; ``scale_rows``, a matrix
+keeps one first-moment scale per group of whole rows of up to 2,048 elements
+(``row_group_scales``), not one per row; ``whole_w``, one column factor per matrix
+(``whole_matrix_factor``), not one per square tile of rows.
 
 Rows: ``val_loss`` per variant (and AdamW) and seed, ``val_loss_vs_adamw`` (paired by seed), its
 ``_mean`` and ``_std``, and ``delta_vs_shared`` (the paired difference of ratios against ``none``),
@@ -124,10 +128,16 @@ FIRST_MOMENT = "fp32_m"  # the first moment in fp32 on every tensor (not a kind 
 CODE_ROUNDING = "sr_m"  # the first moment's codes rounded stochastically on every tensor (not a kind of tensor)
 VECTOR_BLOCKS = "vec_v"  # under the factor, the vectors share v by the published rule, else in one block
 ROW_BLOCKS = "rows_v"  # under the factor, a matrix the rule finds no block in shares v over whole rows
+ROW_SCALES = "scale_rows"  # under the factor, one first-moment scale per group of rows (up to 2,048 elements)
+WHOLE_FACTOR = "whole_w"  # under the factor, one column factor a matrix, not one per square tile of rows
+LAYOUT = "layout"  # the four above together: the factored state at Gefen-X's bytes or fewer
+LAYOUT_OPTIONS = dict(share_vector_second_moment=True, share_matrix_rows=True, row_group_scales=True,
+                      whole_matrix_factor=True)
 # variants that are no kind of tensor: a Gefen option on every tensor
 CHANGES = {FIRST_MOMENT: dict(quantize_first_moment=False), CODE_ROUNDING: dict(first_moment_rounding="stochastic"),
-           VECTOR_BLOCKS: dict(share_vector_second_moment=True), ROW_BLOCKS: dict(share_matrix_rows=True)}
-UNDER_FACTOR = (VECTOR_BLOCKS, ROW_BLOCKS)  # changes that act under the factor only
+           VECTOR_BLOCKS: dict(share_vector_second_moment=True), ROW_BLOCKS: dict(share_matrix_rows=True),
+           ROW_SCALES: dict(row_group_scales=True), WHOLE_FACTOR: dict(whole_matrix_factor=True), LAYOUT: LAYOUT_OPTIONS}
+UNDER_FACTOR = (VECTOR_BLOCKS, ROW_BLOCKS, ROW_SCALES, WHOLE_FACTOR, LAYOUT)  # changes that act under the factor only
 PEERS = ("gefen-x",)  # other optimizers that may train beside AdamW (registry names)
 QUICK_VARIANTS = ["none", "all", "attn_qkv", "embedding", FACTORED]
 FULL_SIZES = ["full", "docstrings"]
@@ -141,8 +151,9 @@ ARCH_ABLATION = dict(sizes=["encoder", "llama"], seeds=3, peers=["gefen-x"], on_
 # architecture experiments, at their 1,000-step lr (AdamW's best there) held fixed
 LONG_ABLATION = dict(sizes=["encoder"], steps=3000, seeds=5, peers=["gefen-x"], lr=4e-3,
                      variants=[FACTORED, f"{FACTORED}+{CODE_ROUNDING}"])
-# the options that cut the factored state's bytes, for loss: LONG_ABLATION's runs, one option each
-LAYOUT_ABLATION = dict(LONG_ABLATION, peers=[], variants=[FACTORED, *(f"{FACTORED}+{c}" for c in UNDER_FACTOR)])
+# the options that cut the factored state's bytes, for loss: LONG_ABLATION's runs, the four together and
+# the one that coarsens the first moment's quantisation on its own
+LAYOUT_ABLATION = dict(LONG_ABLATION, peers=[], variants=[FACTORED, f"{FACTORED}+{LAYOUT}", f"{FACTORED}+{ROW_SCALES}"])
 EXPERIMENTS = ("gefen_ablation", "gefen_ablation_arch", "gefen_ablation_long", "gefen_ablation_layout")
 SETTINGS = {"gefen_ablation_arch": ARCH_ABLATION, "gefen_ablation_long": LONG_ABLATION,
             "gefen_ablation_layout": LAYOUT_ABLATION}

@@ -503,14 +503,14 @@ def test_gefen_ablation_arch_runs_each_architecture_at_its_lr(tmp_path, monkeypa
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("experiment, changes, words", [
     ("gefen_ablation_long", {"factored+sr_m"}, ["codes rounded stochastically"]),
-    ("gefen_ablation_layout", {"factored+vec_v", "factored+rows_v"},
-     ["the vectors' v shared", "v over whole rows where the rule finds no block"])])
+    ("gefen_ablation_layout", {"factored+layout", "factored+scale_rows"},
+     ["row-group scales and one column factor per matrix", "one first-moment scale per group of rows"])])
 def test_gefen_ablation_on_the_factor_runs_the_factor_and_its_changes_only(tmp_path, monkeypatch, experiment,
                                                                           changes, words):
     """``--experiment gefen_ablation_long`` / ``gefen_ablation_layout`` ``--tiny``: the tiny size in the
     encoder at the experiments' lr, the factor and the experiment's changes on top of it (the first
-    moment's codes rounded stochastically; the vectors' v shared, whole-row v), its own results file and
-    analysis, whose finding names each."""
+    moment's codes rounded stochastically; the four layout options together, and row-group scales), its own
+    results file and analysis, whose finding names each."""
     from experiments.gefen_ablation import SETTINGS
 
     _main("experiments.gefen_ablation", ["--experiment", experiment, "--tiny", "--peers", "--seeds", 1,

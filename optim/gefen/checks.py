@@ -10,8 +10,8 @@ import torch
 
 from .._checks import check_flags, check_hyper, check_option
 from . import state as K
-from .state import holds_factor, state_dtype
-from .partition import factor_tiles
+from .state import holds_factor, state_dtype, whole_factor
+from .partition import factor_tiles, tile_elements
 from .reference import num_code_bytes, num_scales
 
 
@@ -34,15 +34,25 @@ def stochastic_codes_refusal(group) -> str | None:
     return None
 
 
+def row_group_scales_refusal(group) -> str | None:
+    """Why a compiled step cannot step ``group``, or None: scale blocks of several rows
+    (``row_group_scales``) are the torch step's alone (both compiled backends' ``refuses``)."""
+    if group.get("row_group_scales") and group["quantize_first_moment"] and group["factor_second_moment"]:
+        return ("its group keeps one first-moment scale per group of a matrix's rows (row_group_scales=True), "
+                "which only the torch step does")
+    return None
+
+
 def expected_state(n: int, block: int, bits: int, quant: bool, dtype: torch.dtype,
-                   factored: bool = False, tiles: int = 1) -> dict:
+                   factored: bool = False, tiles: int = 1, scale: int | None = None) -> dict:
     """{key: (dtype, numel)} of the per-parameter tensors of an n-element parameter (``tiles``:
-    of the factored second moment, ``partition.factor_tiles``)."""
+    of the factored second moment, ``partition.factor_tiles``; ``scale``: the scale-block length
+    where it is not the default of ``block``, ``state.SCALE_BLOCK``)."""
     out = {K.V: (dtype, n // block)}
     if factored:
         out[K.W] = (torch.float32, tiles * block)
     if quant:
-        out[K.SCALES] = (torch.float32, num_scales(n, block))
+        out[K.SCALES] = (torch.float32, num_scales(n, scale or block))
         out[K.CODES] = (torch.uint8, num_code_bytes(n, bits))
     else:
         out[K.M] = (dtype, n)
@@ -54,21 +64,23 @@ def check_state_fits(st, p, group, bits, where: str):
     layout of its shape and group options now: a parameter replaced by one of another size or
     shape after its state was made (``p.data = ...``), or an option that decides the layout
     (``share_second_moment``, ``quantize_first_moment``, ``factor_second_moment``,
-    ``share_vector_second_moment``) edited in the group since, is refused before any kernel sees
+    ``share_vector_second_moment``, ``whole_matrix_factor``; ``row_group_scales`` switched off) edited in
+    the group since, is refused before any kernel sees
     the state (a step is factored where its state holds w: ``plan.Call.factored``)."""
     n, block = p.numel(), st[K.BLOCK]
-    tiles = len(factor_tiles(tuple(p.shape), block)) if n % block == 0 else 0
+    tiles = len(factor_tiles(tuple(p.shape), block, whole_factor(group))) if n % block == 0 else 0
     want = expected_state(n, block, bits, group["quantize_first_moment"], state_dtype(p.dtype, group),
-                          holds_factor(group, p.dim()), tiles) if tiles else {}
+                          holds_factor(group, p.dim()), tiles, st.get(K.SCALE_BLOCK)) if tiles else {}
     per_element = not group["share_second_moment"] and block != 1  # its blocks say otherwise
-    if (per_element or not want or (K.W in st) != (K.W in want)
+    grouped = K.SCALE_BLOCK in st and not row_group_scales_refusal(group)  # a layout its group does not make
+    if (per_element or grouped or not want or (K.W in st) != (K.W in want)
             or any(key not in st or st[key].numel() != size for key, (_, size) in want.items())):
         made = st[K.V].numel() * block
         raise ValueError(f"Gefen: {where} is now {tuple(p.shape)} ({n} elements), its state was made for "
                          f"{made} elements, of another shape or under other group options (block {block}): a "
                          "parameter keeps its shape, and its group its share_second_moment, quantize_first_moment, "
-                         "factor_second_moment and share_vector_second_moment, once its state exists; build a "
-                         "new optimizer for another")
+                         "factor_second_moment, share_vector_second_moment, row_group_scales and "
+                         "whole_matrix_factor, once its state exists; build a new optimizer for another")
 
 
 def check_group(group, gi):
@@ -96,7 +108,7 @@ def check_group(group, gi):
 
 ROUNDINGS = ("nearest", "stochastic")  # first_moment_rounding: how m~ / s becomes a code
 FLAGS = ("share_second_moment", "quantize_first_moment", "factor_second_moment", "share_vector_second_moment",
-         "share_matrix_rows", "maximize", "stochastic_rounding", "capturable")
+         "share_matrix_rows", "row_group_scales", "whole_matrix_factor", "maximize", "stochastic_rounding", "capturable")
 
 
 def check_adamw_keywords(*, amsgrad, foreach, capturable, differentiable):
@@ -155,7 +167,7 @@ def check_saved(st, p, group, bits, k):
                          "(share_second_moment=False, quantize_first_moment=False); load an AdamW state dict "
                          "into torch.optim.AdamW, or start Gefen without it")
     _check_group_matches(st, group, p.dim(), where)
-    extra = {K.SEED, K.PROVISIONAL} & set(st)
+    extra = {K.SEED, K.PROVISIONAL, K.SCALE_BLOCK} & set(st)
     if K.BLOCK not in st:  # a tensor that has only seen zero gradients
         if set(st) - extra != {K.STEP}:
             raise ValueError(f"{where} has keys {sorted(st)} but no {K.BLOCK!r}")
@@ -163,12 +175,19 @@ def check_saved(st, p, group, bits, k):
     if not (isinstance(block, int) and block >= 1 and n % block == 0):
         raise ValueError(f"{where} has block {block!r}, which does not fit its shape ({n} elements); "
                          "the state dict comes from a model with other shapes")
-    tiles = len(factor_tiles(shape, block))
+    whole = whole_factor(group)
+    tiles = len(factor_tiles(shape, block, whole))
+    scale = st.get(K.SCALE_BLOCK)
+    if scale is not None and not (isinstance(scale, int) and scale > block and scale % block == 0
+                                  and all((b - a) % scale == 0 for a, b in tile_elements(shape, block, whole))):
+        raise ValueError(f"{where} has {K.SCALE_BLOCK!r} {scale!r}, which is no multiple of its block {block} "
+                         "longer than it that divides each factor tile; the state dict comes from a model with "
+                         "other shapes")
     if group["factor_second_moment"] and tiles > 1 and _is_vector(st.get(K.W), block):
         # a factor saved as one w for the whole tensor, before tiles: each tile starts from it
         st = dict(st, **{K.W: st[K.W].repeat(tiles)})
     want = expected_state(n, block, bits, group["quantize_first_moment"],
-                          state_dtype(p.dtype, group), holds_factor(group, p.dim()), tiles)
+                          state_dtype(p.dtype, group), holds_factor(group, p.dim()), tiles, scale)
     if set(st) - extra != set(want) | {K.STEP, K.BLOCK}:
         raise ValueError(f"{where} has keys {sorted(st)}, expected "
                          f"{sorted(set(want) | {K.STEP, K.BLOCK})} for this group's "
@@ -199,6 +218,8 @@ def _check_group_matches(st, group, ndim: int, where: str):
         vector_option = ndim < 2 and group["factor_second_moment"]  # the option that decides a vector's w
         found.append(("share_vector_second_moment" if vector_option else "factor_second_moment",
                       "a factor 'w'" if K.W in st else "no factor 'w'"))
+    if K.SCALE_BLOCK in st and not (group.get("row_group_scales") and K.W in st and quant):
+        found.append(("row_group_scales", f"scale blocks of its own length {K.SCALE_BLOCK!r}"))
     for option, holds in found:
         raise ValueError(f"{where} holds {holds}, but its saved group says {option}={group[option]}: the "
                          "groups of the state dict do not describe its state (edited apart from it); load "
@@ -274,7 +295,7 @@ def check_state_dict(sd: dict, groups: list, *, bits: int, wide: dict, local) ->
                          f"groups, this optimizer {len(groups)}; load it into the optimizer "
                          "it was saved from")
     old = {"factor_second_moment": False, "share_vector_second_moment": False, "share_matrix_rows": False,
-           "maximize": False}
+           "row_group_scales": False, "whole_matrix_factor": False, "maximize": False}
     sd["param_groups"] = [{**old, **g,
                            "stochastic_rounding": mine["stochastic_rounding"],
                            "first_moment_rounding": mine["first_moment_rounding"], **wide}

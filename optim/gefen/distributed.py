@@ -229,6 +229,14 @@ def to_distributed(state: dict, params, ids, quantized, *, codebook, bits: int, 
 
 
 def _to_distributed_one(p, st, *, quantized, bits, factored=False):
+    whole = (st is not None and K.W in st and st[K.W].numel() == st[K.BLOCK]
+             and len(tile_elements(local_shard(p).shape, st[K.BLOCK])) > 1)
+    if st is not None and (K.SCALE_BLOCK in st or whole):
+        option = "row_group_scales" if K.SCALE_BLOCK in st else "whole_matrix_factor"
+        raise NotImplementedError(
+            f"Gefen: the distributed (DCP) state form keeps a scale per v block and a factor per square tile; "
+            f"a parameter of shape {tuple(p.shape)} has a layout of {option}=True: save it with "
+            f"optimizer.state_dict() on each rank, or train that group without {option}")
     r0, r1, rows, row_len = shard_rows(p)
     layout = _full_layout(p, _local_layout(st, r0, r1, row_len))
     n = local_shard(p).numel()

@@ -12,7 +12,7 @@ from .._rounding import MASK32, hash32_int
 from ..backends import BACKENDS
 from . import distributed as _dist, state as K
 from .checks import (check_adamw_keywords, check_capturable, check_group, check_param, check_state_dict,
-                     check_state_fits)
+                     check_state_fits, row_group_scales_refusal)
 from .codebook import Codebook
 from .partition import RULES, constant_magnitude
 from .plan import Call, draw_seeds, rounds_codes, run, signature, signed, step_module, step_scalars, tiles_of
@@ -125,6 +125,16 @@ class Gefen(OptimizerBase):
             parameter) shares v over whole rows of its matrix view instead, times the column factor
             (Adafactor's row-by-column estimate; a position table, for example). The block is chosen
             when the state is made: a state dict keeps it. (Default: False)
+        row_group_scales: under ``factor_second_moment``, a matrix keeps one first-moment scale
+            per group of whole rows of at most 2,048 elements (Gefen-X's fallback block length),
+            not one per row (per block of P): 4 bytes a group instead of a row
+            (``partition.row_group_scale_length``; ``state.SCALE_BLOCK``). Stepped by the torch step
+            on every backend; not in the distributed (DCP) state form. (Default: False)
+        whole_matrix_factor: under ``factor_second_moment``, a matrix of more rows than columns
+            keeps one column factor w for the whole matrix (Adafactor's, Gefen-X's), not one per
+            square tile of rows (above): 4 bytes a column instead of a column per tile, at the cost of
+            one factor for the parts of a fused projection. Every backend; not in the distributed
+            (DCP) state form. (Default: False)
         stochastic_rounding: write bf16 and fp16 parameters rounded stochastically (up with the
             probability of the fraction of the gap, so exact in expectation) instead of to nearest,
             so updates under half a unit in the last place still move a low-precision weight on
@@ -180,7 +190,9 @@ class Gefen(OptimizerBase):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, bits=8,
                  share_second_moment=True, quantize_first_moment=True, backend="auto",
                  block_rule="adjacent_log", *, factor_second_moment=False, share_vector_second_moment=False,
-                 share_matrix_rows=False, stochastic_rounding=False, first_moment_rounding="nearest", maximize=False, fused=None,
+                 share_matrix_rows=False, row_group_scales=False, whole_matrix_factor=False,
+                 stochastic_rounding=False,
+                 first_moment_rounding="nearest", maximize=False, fused=None,
                  verbose=False, amsgrad=False, foreach=None, capturable=False, differentiable=False):
         check_option("bits", bits, (8, 4), "8 or 4 (an int)")
         check_option("block_rule", block_rule, RULES, f"one of {RULES}")
@@ -204,7 +216,8 @@ class Gefen(OptimizerBase):
                         quantize_first_moment=quantize_first_moment,
                         factor_second_moment=factor_second_moment,
                         share_vector_second_moment=share_vector_second_moment,
-                        share_matrix_rows=share_matrix_rows,
+                        share_matrix_rows=share_matrix_rows, row_group_scales=row_group_scales,
+                        whole_matrix_factor=whole_matrix_factor,
                         stochastic_rounding=stochastic_rounding,
                         first_moment_rounding=first_moment_rounding, maximize=maximize,
                         bits=bits, backend=self.backend, block_rule=block_rule, capturable=capturable)
@@ -234,6 +247,8 @@ class Gefen(OptimizerBase):
             group.setdefault("factor_second_moment", False)
             group.setdefault("share_vector_second_moment", False)
             group.setdefault("share_matrix_rows", False)
+            group.setdefault("row_group_scales", False)
+            group.setdefault("whole_matrix_factor", False)
             group.setdefault("maximize", False)
             group.setdefault("stochastic_rounding", False)
             group.setdefault("first_moment_rounding", "nearest")
@@ -243,6 +258,8 @@ class Gefen(OptimizerBase):
             self.defaults.setdefault(key, self.__dict__[key])
         self.defaults.setdefault("share_vector_second_moment", False)
         self.defaults.setdefault("share_matrix_rows", False)
+        self.defaults.setdefault("row_group_scales", False)
+        self.defaults.setdefault("whole_matrix_factor", False)
         self.defaults.setdefault("maximize", False)
         self.defaults.setdefault("stochastic_rounding", False)
         self.defaults.setdefault("first_moment_rounding", "nearest")
@@ -283,7 +300,7 @@ class Gefen(OptimizerBase):
 
     def _path(self, backend: str, group, block) -> str:
         """``backend``, or "torch" where its ``data_refusal`` deviates for ``block`` and the codebook."""
-        if backend == "torch" or rounds_codes(group):  # stochastic codes: the torch step's (``refuses``)
+        if backend == "torch" or rounds_codes(group) or row_group_scales_refusal(group):  # the torch step's (``refuses``)
             return "torch"
         quant = group["quantize_first_moment"]
         tables = self._codebook.table() if quant and self.codebook is not None else None
@@ -304,13 +321,14 @@ class Gefen(OptimizerBase):
 
     def codebook_histogram(self, grads, blocks=None) -> torch.Tensor:
         """``HIST_BINS`` counts (int64, CPU) of block-normalised gradients of ``grads`` ({param: grad}),
-        each normalised by its state's block length or by ``blocks`` ({param: block length}).
+        each normalised by its state's scale blocks (``state.scale_length``) or by ``blocks`` ({param:
+        scale-block length, or a block length whose default scale blocks are meant}).
 
         A distributed wrapper all-reduces this before :meth:`learn_codebook`.
         """
         by_block = defaultdict(list)
         for p, g in grads.items():
-            by_block[self.state[p][K.BLOCK] if blocks is None else blocks[p]].append(g)
+            by_block[K.scale_length(self.state[p]) if blocks is None else blocks[p]].append(g)
         return self._codebook.histogram_of(by_block)
 
     def learn_codebook(self, counts: torch.Tensor, device=None) -> torch.Tensor:
@@ -446,15 +464,16 @@ class Gefen(OptimizerBase):
 
     def _calls(self, group, items) -> list:
         """The ``plan.Call`` s of one group's parameters with gradients (``_gather``'s items): one a
-        bucket of block length, step, device, state dtype, path and factor (whether the state holds
-        w: a vector may hold none in a factored group, ``state.holds_factor``)."""
+        bucket of block length, step, device, state dtype, path, factor (whether the state holds w:
+        a vector may hold none in a factored group, ``state.holds_factor``) and scale blocks."""
         buckets = defaultdict(list)
         for p, _, backend in items:
             st = self.state[p]  # device step counters are each read on the device: no split by step
             step = None if self.capturable else st[K.STEP]
-            buckets[(st[K.BLOCK], step, local_tensor(p).device, st[K.V].dtype, backend, K.W in st)].append(p)
+            buckets[(st[K.BLOCK], step, local_tensor(p).device, st[K.V].dtype, backend, K.W in st,
+                     st.get(K.SCALE_BLOCK))].append(p)
         calls = []
-        for (block, _, _, _, backend, _), params in buckets.items():
+        for (block, _, _, _, backend, _, _), params in buckets.items():
             states = [self.state[p] for p in params]
             if group["stochastic_rounding"] or rounds_codes(group):
                 draw_seeds(params, states, self._seed, self.param_groups, every=rounds_codes(group))

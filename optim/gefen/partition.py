@@ -247,30 +247,49 @@ def factored_block(p: int, shape) -> int:
     return cap_block(math.prod(shape) // shape[0], cap=p)
 
 
-def factor_tiles(shape, block: int) -> list[tuple[int, int]]:
+def factor_tiles(shape, block: int, whole: bool = False) -> list[tuple[int, int]]:
     """Row ranges ``(r0, r1)`` of the tiles of the factored second moment, each tile with its own
     per-offset factor w. A matrix view (R, C) (``shape[0]`` rows of ``numel / shape[0]``) with
     ``block`` > 1 and more rows than C is cut into tiles of C rows (C + 1 when C is odd, so that no
     byte of 4-bit codes spans two tiles), the last holding what is left: each square tile is
     Adafactor's row-by-column estimate on its own, so the parts of a fused projection (q, k and
     v stacked in one (3C, C) weight, as ``nn.MultiheadAttention`` and nanoGPT keep them) get a
-    column factor each instead of one for all. Otherwise one tile of every row; ``[(0, 1)]`` for a
-    tensor of fewer than two dimensions."""
+    column factor each instead of one for all. Otherwise, or with ``whole`` (one column factor for
+    the whole matrix, Adafactor's and Gefen-X's: ``whole_matrix_factor``), one tile of every row;
+    ``[(0, 1)]`` for a tensor of fewer than two dimensions."""
     shape = tuple(shape)
     if len(shape) < 2 or math.prod(shape) == 0:
         return [(0, 1)]
     rows = shape[0]
     height = math.prod(shape) // rows
     height += height % 2
-    if block == 1 or rows <= height:
+    if block == 1 or rows <= height or whole:
         return [(0, rows)]
     return [(r, min(r + height, rows)) for r in range(0, rows, height)]
 
 
-def tile_elements(shape, block: int) -> list[tuple[int, int]]:
+def tile_elements(shape, block: int, whole: bool = False) -> list[tuple[int, int]]:
     """``factor_tiles`` as ranges ``(first, end)`` of the flattened tensor's elements (``[(0, 0)]``
     for an empty one, such as a local shard without rows)."""
     shape = tuple(shape)
     n = math.prod(shape)
     row = n // shape[0] if len(shape) >= 2 and n else n
-    return [(r0 * row, r1 * row) for r0, r1 in factor_tiles(shape, block)]
+    return [(r0 * row, r1 * row) for r0, r1 in factor_tiles(shape, block, whole)]
+
+
+
+SCALE_ELEMENTS = 2048  # most elements one first-moment scale of row groups spans (Gefen-X's fallback block)
+
+
+def row_group_scale_length(block: int, shape, whole: bool = False, most: int = SCALE_ELEMENTS) -> int:
+    """Length S of the first moment's scale blocks of a factored matrix with one scale per group of
+    whole rows (``row_group_scales``): the longest multiple of ``block`` (a row, or a divisor of one)
+    that is at most ``most`` (at least ``block``) and divides the elements of every factor tile
+    (``tile_elements``; ``whole`` as there), so that no scale block spans two tiles and v blocks lie whole inside scale
+    blocks. ``block`` itself for a tensor of fewer than two dimensions or ``block`` 1."""
+    if block <= 1 or len(tuple(shape)) < 2:
+        return block
+    units = 0
+    for a, b in tile_elements(shape, block, whole):
+        units = math.gcd(units, (b - a) // block)
+    return block * cap_block(units, cap=max(1, most // block)) if units else block

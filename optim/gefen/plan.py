@@ -34,7 +34,8 @@ from .partition import factor_tiles, tile_elements
 # Options that change which tensors a call holds or how they are stepped; lr, betas, eps and
 # weight_decay are read from the group at every step.
 STRUCTURAL = ("share_second_moment", "quantize_first_moment", "factor_second_moment", "share_vector_second_moment",
-              "stochastic_rounding", "first_moment_rounding", "maximize")
+              "stochastic_rounding", "first_moment_rounding", "row_group_scales",
+              "whole_matrix_factor", "maximize")
 # Mixed into a parameter's seed (``state.SEED``) for the words of its codes' stochastic rounding, so
 # that they are not the words its bf16 or fp16 weights are rounded with (murmur3's second constant).
 CODE_STREAM = 0x85EBCA6B
@@ -67,14 +68,18 @@ class Hyper(NamedTuple):
 
 class Call:
     """One backend call of a step: parameters of one group sharing block length, step (unless the
-    steps are on the device), device, state dtype, path and factor (``factored``), and their tiles.
-    ``native`` is what the backend prepared for it once; ``rows`` each tile's row of step scalars
-    on the device (capturable), None where the host passes them."""
+    steps are on the device), device, state dtype, path, factor (``factored``) and scale-block
+    length, and their tiles. ``scale``: that length where it is not the default of the block
+    (``state.SCALE_BLOCK``: the torch step's ``scale``), else None. ``native`` is what the backend
+    prepared for it once; ``rows`` each tile's row of step scalars on the device (capturable),
+    None where the host passes them."""
 
-    __slots__ = ("group", "path", "block", "params", "states", "tiles", "native", "held", "rows", "_lists")
+    __slots__ = ("group", "path", "block", "scale", "params", "states", "tiles", "native", "held", "rows",
+                 "_lists")
 
     def __init__(self, group, path, block, params, states, tiles):
         self.group, self.path, self.block = group, path, block
+        self.scale = states[0].get(K.SCALE_BLOCK)
         self.params, self.states, self.tiles = params, states, tiles
         self.native = None
         self.held = [_held(st) for st in states]
@@ -185,13 +190,13 @@ def tiles_of(owner: int, p: torch.Tensor, st: dict, *, bits: int) -> list:
     a factored second moment of several tiles one per tile, views of its rows and of their state,
     each with its own w, so that every backend steps a tile as a tensor of its own."""
     block, w = st[K.BLOCK], st.get(K.W)
-    quant = K.CODES in st
+    quant, scale = K.CODES in st, K.scale_length(st)
     first = st[K.CODES] if quant else st[K.M]
     if w is None or w.numel() == block:
         return [Tile(owner, None, 0, p, st[K.V], st.get(K.SCALES), first, w, None)]
     v, scales = st[K.V], st.get(K.SCALES)
     return [Tile(owner, (r0, r1), a, p[r0:r1], v[a // block:b // block],
-                 None if scales is None else scales[a // block:b // block],
+                 None if scales is None else scales[a // scale:b // scale],
                  first[c0:c1] if quant else first[a:b], w[k * block:(k + 1) * block], k)
             for k, (r0, r1, a, b, c0, c1) in enumerate(tile_plan(tuple(p.shape), block, bits))]
 
@@ -199,7 +204,8 @@ def tiles_of(owner: int, p: torch.Tensor, st: dict, *, bits: int) -> list:
 @functools.lru_cache(maxsize=1024)
 def tile_plan(shape: tuple, block: int, bits: int) -> tuple:
     """Per tile (rows r0:r1, elements a:b, code bytes c0:c1): P divides the row, so v and scales
-    split at a / P; 4-bit codes at a / 2 (a is even)."""
+    split at a / P (scales at a / S, which divides a tile: ``partition.row_group_scale_length``); 4-bit
+    codes at a / 2 (a is even)."""
     return tuple((r0, r1, a, b, *((a // 2, -(-b // 2)) if bits == 4 else (a, b)))
                  for (r0, r1), (a, b) in zip(factor_tiles(shape, block), tile_elements(shape, block)))
 
@@ -266,6 +272,8 @@ def run_call(call: Call, step: int | None, codebook, *, bits: int) -> None:
         extra = dict(seeds=call.seeds(step), code_seeds=call.seeds(step, codes=True))
     else:
         extra = dict(seeds=True if call.sr else None, hyper=call.rows)
+    if call.scale is not None:  # the torch step's alone (``Gefen._path``)
+        extra["scale"] = call.scale
     step_module(call.path).gefen_step_(ps, call.gradients(grads), vs, ss, cs, values, tables=tables,
                                        **h._asdict(), block=call.block, bits=bits, ws=ws, **extra)
     if call.path != "torch":

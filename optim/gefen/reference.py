@@ -16,6 +16,9 @@ State layout of one tensor (flattened, ``n = numel``; under FSDP the local shard
     P == 1 is AdamW's per-element second moment.
 scale blocks (length S)
     ``S = P`` when P > 1, else ``S = CHUNK = 256``. Element i belongs to scale block ``i // S``.
+    (The optimizer's ``row_group_scales`` makes S a multiple of P instead, one scale per group of
+    a factored matrix's rows: ``gefen_step``'s ``scale``; every function here that takes a
+    ``block`` for the scales takes such an S in its place.)
     When n is not a multiple of S (only possible for P == 1), the last scale block is the partial
     chunk of the remaining ``n % S`` elements; no padding is stored and its absmax is over those
     elements only. So ``num_scales(n, P) == ceil(n / S)``.
@@ -198,15 +201,17 @@ def factor_ratio(w):
 
 
 def gefen_step(p, g, v, scales, codes, codebook, *, step, lr, beta1, beta2, eps, weight_decay,
-               block, bits, w=None, code_seed=None):
+               block, bits, w=None, code_seed=None, scale=None):
     """One Gefen step on one flat tensor (see the module docstring). Returns new (p, v, scales, codes),
     and the new ``w`` last when ``w`` is given.
 
     ``p`` and ``g`` may be any float dtype; the math and the returned ``p`` are fp32.
     ``w``: the per-offset factor of the factored second moment (P floats), or None for the
     published, unfactored rule. ``code_seed``: the 32-bit seed of this step's stochastic rounding
-    of the codes (``quantize``), or None for the nearest entry.
+    of the codes (``quantize``), or None for the nearest entry. ``scale``: the length S of the scale
+    blocks where it is not ``scale_block_length(block)``, a multiple of ``block``.
     """
+    s_len = scale or block  # what quantize and dequantize read their scale blocks from
     p = p.float().reshape(-1)
     g = g.float().reshape(-1)
     n = p.numel()
@@ -220,10 +225,10 @@ def gefen_step(p, g, v, scales, codes, codebook, *, step, lr, beta1, beta2, eps,
         m = codes.lerp(g, 1 - beta1)
         codes, m_hat = m, m
     else:
-        m = dequantize(scales, codes, codebook, numel=n, block=block, bits=bits)
+        m = dequantize(scales, codes, codebook, numel=n, block=s_len, bits=bits)
         m = m.lerp(g, 1 - beta1)
-        scales, codes = quantize(m, codebook, block=block, bits=bits, seed=code_seed)
-        m_hat = dequantize(scales, codes, codebook, numel=n, block=block, bits=bits)
+        scales, codes = quantize(m, codebook, block=s_len, bits=bits, seed=code_seed)
+        m_hat = dequantize(scales, codes, codebook, numel=n, block=s_len, bits=bits)
     bias_correction1 = 1 - beta1**step
     bias_correction2 = 1 - beta2**step
     if ratio is None:
@@ -235,9 +240,11 @@ def gefen_step(p, g, v, scales, codes, codebook, *, step, lr, beta1, beta2, eps,
     return (p, v, scales, codes) if w is None else (p, v, scales, codes, w)
 
 
-def init_state(numel: int, *, block: int, bits: int, quantized: bool = True):
-    """Fresh (v, scales, codes) of an n-element tensor: all zeros, i.e. v = 0 and m = 0."""
+def init_state(numel: int, *, block: int, bits: int, quantized: bool = True, scale: int | None = None):
+    """Fresh (v, scales, codes) of an n-element tensor: all zeros, i.e. v = 0 and m = 0 (``scale``:
+    as ``gefen_step``'s)."""
     v = torch.zeros(numel // block, dtype=torch.float32)
     if not quantized:
         return v, torch.zeros(0, dtype=torch.float32), torch.zeros(numel, dtype=torch.float32)
-    return v, torch.zeros(num_scales(numel, block), dtype=torch.float32), torch.zeros(num_code_bytes(numel, bits), dtype=torch.uint8)
+    return (v, torch.zeros(num_scales(numel, scale or block), dtype=torch.float32),
+            torch.zeros(num_code_bytes(numel, bits), dtype=torch.uint8))

@@ -10,8 +10,11 @@ Per parameter (``optimizer.state[p]``; layout and shapes in ``reference.py``'s d
     CODES   uint8 (numel,) at 8 bits, (ceil(numel / 2),) at 4 bits (quantised groups)
     M       fp32 (numel,), the unquantised first moment (groups with quantize_first_moment=False)
     W       fp32 (tiles * P,), per-offset factor of the second moment, one P-vector a tile of rows
-            (``partition.factor_tiles``; groups with factor_second_moment=True, except a tensor of
+            (``partition.factor_tiles``; one tile with whole_matrix_factor=True; groups with factor_second_moment=True, except a tensor of
             fewer than two dimensions in a group with share_vector_second_moment=True: ``holds_factor``)
+    SCALE_BLOCK  int, the length S of the first moment's scale blocks where it is not the default
+            (``reference.scale_block_length(BLOCK)``): factored matrices of groups with
+            row_group_scales=True (``partition.row_group_scale_length``); ``scale_length`` reads either
     PROVISIONAL  bool, present (True) while every gradient so far had one magnitude everywhere: any
             block length is then exact, BLOCK is the cheapest, and it is chosen again from the
             first gradient that varies (``recut``)
@@ -31,8 +34,9 @@ import math
 
 import torch
 
-from .partition import MAX_BLOCK, cap_block, choose_block, constant_magnitude, factor_tiles, factored_block, provisional_block
-from .reference import num_code_bytes, num_scales
+from .partition import (MAX_BLOCK, cap_block, choose_block, constant_magnitude, factor_tiles, factored_block,
+                        provisional_block, row_group_scale_length)
+from .reference import num_code_bytes, num_scales, scale_block_length
 from .torch_ops import requantize_
 
 STEP = "step"
@@ -44,6 +48,7 @@ M = "m"
 W = "w"
 SEED = "seed"
 PROVISIONAL = "provisional"
+SCALE_BLOCK = "scale_block"
 
 CODEBOOK = "codebook"
 BITS = "bits"
@@ -74,39 +79,72 @@ def holds_factor(group: dict, ndim: int) -> bool:
     return bool(group["factor_second_moment"]) and not (ndim < 2 and group["share_vector_second_moment"])
 
 
+def whole_factor(group: dict) -> bool:
+    """True where ``group``'s matrices keep one column factor for the whole matrix, not one per
+    square tile of rows (``whole_matrix_factor``; ``partition.factor_tiles``)."""
+    return bool(group.get("whole_matrix_factor"))
+
+
 def block_length(g: torch.Tensor, group: dict, block_rule: str, provisional: bool = False) -> int:
     """The block length P of a parameter's second moment, from its gradient ``g`` (local shard)."""
+    return block_lengths(g, group, block_rule, provisional)[0]
+
+
+def block_lengths(g: torch.Tensor, group: dict, block_rule: str, provisional: bool = False) -> tuple[int, int]:
+    """(P, S): the block length P of a parameter's second moment and the length S of its first
+    moment's scale blocks, from its gradient ``g`` (local shard). S is ``scale_block_length(P)``
+    except for a factored matrix under ``row_group_scales`` (``partition.row_group_scale_length``)."""
     # factored, a vector keeps v per element unless share_vector_second_moment: it has no columns
     # for the factor, and blocks of a norm gain or a bias may share v between unrelated elements
     if not group["share_second_moment"] or (group["factor_second_moment"] and g.dim() < 2
                                             and not group["share_vector_second_moment"]):
-        return 1
+        return 1, scale_block_length(1)
     block = provisional_block(g.numel()) if provisional else choose_block(g, block_rule)
     if not group["factor_second_moment"]:
-        return block
+        return block, scale_block_length(block)
     if g.dim() < 2:  # share_vector_second_moment: where the rule finds no block, the whole vector
-        return block if block > 1 else cap_block(g.numel())
+        block = block if block > 1 else cap_block(g.numel())
+        return block, scale_block_length(block)
     if block == 1 and group["share_matrix_rows"]:  # no block found: whole rows, times the column factor
         block = MAX_BLOCK
-    return factored_block(block, g.shape)
+    block = factored_block(block, g.shape)
+    if group.get("row_group_scales") and not provisional and block > 1:
+        return block, row_group_scale_length(block, g.shape, whole_factor(group))
+    return block, scale_block_length(block)
 
 
-def first_block(g: torch.Tensor, group: dict, block_rule: str) -> tuple[int, bool]:
-    """(block length, provisional) of a state created from the first non-zero gradient ``g``:
-    provisional where ``g`` has one magnitude everywhere (any block length is then exact)."""
+def scale_length(st: dict) -> int:
+    """The length S of the scale blocks of a state with a block (``SCALE_BLOCK`` or the default)."""
+    return st.get(SCALE_BLOCK) or scale_block_length(st[BLOCK])
+
+
+def set_scale_length(st: dict, length: int) -> None:
+    """Keep ``length`` as the state's scale-block length: ``SCALE_BLOCK`` only where it is not the
+    default of its block."""
+    if length == scale_block_length(st[BLOCK]):
+        st.pop(SCALE_BLOCK, None)
+    else:
+        st[SCALE_BLOCK] = length
+
+
+def first_block(g: torch.Tensor, group: dict, block_rule: str) -> tuple[int, int, bool]:
+    """(block length, scale-block length, provisional) of a state created from the first non-zero
+    gradient ``g``: provisional where ``g`` has one magnitude everywhere (any block length is then
+    exact)."""
     provisional = group["share_second_moment"] and constant_magnitude(g)
-    return block_length(g, group, block_rule, provisional), provisional
+    return (*block_lengths(g, group, block_rule, provisional), provisional)
 
 
 def next_block(st: dict, g: torch.Tensor, group: dict, block_rule: str, where: str) -> int | None:
-    """The block length ``st`` has once a step has taken the gradient ``g`` (``first_gradient``,
+    """The scale-block length ``st`` has once a step has taken the gradient ``g`` (``first_gradient``,
     ``recut`` or the one it has), without creating or changing anything; None where that step
-    creates no state (an all-zero first gradient). What a step's codebook histogram normalises by."""
+    creates no state (an all-zero first gradient). What a step's codebook histogram normalises by
+    (``reference.scale_block_length`` of it is itself)."""
     if BLOCK not in st:
-        return None if gradient_magnitude(g, where) == 0.0 else first_block(g, group, block_rule)[0]
+        return None if gradient_magnitude(g, where) == 0.0 else first_block(g, group, block_rule)[1]
     if st.get(PROVISIONAL) and not constant_magnitude(g):
-        return block_length(g, group, block_rule)
-    return st[BLOCK]
+        return block_lengths(g, group, block_rule)[1]
+    return scale_length(st)
 
 
 def create(st: dict, g: torch.Tensor, group: dict, *, dtype: torch.dtype, bits: int, block_rule: str,
@@ -116,19 +154,21 @@ def create(st: dict, g: torch.Tensor, group: dict, *, dtype: torch.dtype, bits: 
     all-zero gradients before this one), on the device as a float32 counter with ``capturable``
     (as torch's capturable AdamW keeps it)."""
     n, dev = g.numel(), g.device
-    block, provisional = first_block(g, group, block_rule)
+    block, scale, provisional = first_block(g, group, block_rule)
     st[STEP] = st.get(STEP, 0)
     if capturable:
         st[STEP] = torch.tensor(float(st[STEP]), dtype=torch.float32, device=dev)
     st[BLOCK] = block
     st[V] = torch.zeros(n // block, device=dev, dtype=dtype)
     if group["quantize_first_moment"]:
-        st[SCALES] = torch.zeros(num_scales(n, block), device=dev, dtype=torch.float32)
+        set_scale_length(st, scale)
+        st[SCALES] = torch.zeros(num_scales(n, scale), device=dev, dtype=torch.float32)
         st[CODES] = torch.zeros(num_code_bytes(n, bits), dtype=torch.uint8, device=dev)
     else:
         st[M] = torch.zeros(n, device=dev, dtype=dtype)
     if holds_factor(group, g.dim()):
-        st[W] = torch.zeros(len(factor_tiles(g.shape, block)) * block, device=dev, dtype=torch.float32)
+        st[W] = torch.zeros(len(factor_tiles(g.shape, block, whole_factor(group))) * block, device=dev,
+                            dtype=torch.float32)
     if provisional:
         st[PROVISIONAL] = True
 
@@ -139,16 +179,19 @@ def recut(st: dict, g: torch.Tensor, group: dict, *, codebook, bits: int, block_
     the same, so v (and the factor w) is one value everywhere: it is kept exactly at the new length.
     The first moment is requantised once into the new scale blocks."""
     del st[PROVISIONAL]
-    old, new = st[BLOCK], block_length(g, group, block_rule)
-    if new == old:
+    old, old_scale = st[BLOCK], scale_length(st)
+    new, scale = block_lengths(g, group, block_rule)
+    if new == old and scale == old_scale:
         return
     n = g.numel()
     st[BLOCK] = new
-    st[V] = refill(st[V], n // new)
-    if W in st:
-        st[W] = refill(st[W], len(factor_tiles(g.shape, new)) * new)
+    if new != old:
+        st[V] = refill(st[V], n // new)
+        if W in st:
+            st[W] = refill(st[W], len(factor_tiles(g.shape, new, whole_factor(group))) * new)
     if CODES in st:
-        requantize_(st, codebook, n=n, old=old, new=new, bits=bits)
+        set_scale_length(st, scale)
+        requantize_(st, codebook, n=n, old=old_scale, new=scale, bits=bits)
 
 
 def first_gradient(st: dict, p: torch.Tensor, g: torch.Tensor, group: dict, *, where: str, bits: int,

@@ -150,7 +150,7 @@ def factor_update_(ws, gs, *, block, beta2):
 
 @torch.no_grad()
 def gefen_step_(ps, gs, vs, scales, codes, codebook, *, step, lr, beta1, beta2, eps,
-                weight_decay, block, bits, tables=None, ws=None, seeds=None, code_seeds=None):
+                weight_decay, block, bits, tables=None, ws=None, seeds=None, code_seeds=None, scale=None):
     """In-place Gefen step on lists of tensors sharing ``block`` and ``step`` (see module doc).
 
     ``tables``: ``code_table(codebook)``, built here when not given (pass it to avoid rebuilding
@@ -158,8 +158,9 @@ def gefen_step_(ps, gs, vs, scales, codes, codebook, *, step, lr, beta1, beta2, 
     floats each), updated in place, or None (see ``reference.py``). ``seeds``: one 32-bit seed
     per tensor for stochastic rounding of bf16 and fp16 parameters (``optim._rounding``), or
     None for round-to-nearest. ``code_seeds``: one 32-bit seed per tensor for stochastic rounding
-    of the first moment's codes (``reference.quantize``), or None for the nearest entry. The work
-    is done a piece at a time (``pieces``).
+    of the first moment's codes (``reference.quantize``), or None for the nearest entry. ``scale``:
+    the length S of the scale blocks where it is not ``scale_block_length(block)``, a multiple of
+    ``block`` (``reference.gefen_step``'s). The work is done a piece at a time (``pieces``).
     """
     if tables is None and codebook is not None:
         tables = code_table(codebook)
@@ -168,7 +169,7 @@ def gefen_step_(ps, gs, vs, scales, codes, codebook, *, step, lr, beta1, beta2, 
         factor_update_(ws, gs, block=block, beta2=beta2)
         if block > 1:  # r == 1 exactly at block 1: nothing to scale
             ratios = [factor_ratio(w) for w in ws]
-    S = scale_block_length(block)
+    S = scale or scale_block_length(block)
     W = S // block
     numels = [p.numel() for p in ps]
     targets, ps = ps, contiguous(ps)  # pieces are views of flat tensors
@@ -183,16 +184,15 @@ def gefen_step_(ps, gs, vs, scales, codes, codebook, *, step, lr, beta1, beta2, 
             None if seeds is None else [(seeds[t], r.start * S) for t, r, _ in sel],
             None if code_seeds is None or codebook is None else [(code_seeds[t], r.start * S) for t, r, _ in sel],
             step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
-            block=block, bits=bits)
+            block=block, bits=bits, S=S)
     write_back(targets, ps)
 
 
 def _step_rows(ps, gs, vs, scales, codes, codebook, tables, ratios, seeds, code_seeds, *, step, lr, beta1,
-               beta2, eps, weight_decay, block, bits):
+               beta2, eps, weight_decay, block, bits, S):
     """The step on a list of flat tensors laid side by side as rows of ``S`` (one piece). ``seeds``
     and ``code_seeds``: (seed, offset of the piece's first element in its tensor) per tensor."""
-    S = scale_block_length(block)
-    W = S // block  # v entries per row: 1 when block > 1, 256 when block == 1
+    W = S // block  # v entries per row: 1 at the default S of block > 1, 256 when block == 1
     numels = [p.numel() for p in ps]
     # float64 state (float64 parameters, AdamW's unquantised per-element moments) keeps the
     # arithmetic in float64; everything else runs in fp32.
@@ -227,8 +227,7 @@ def _step_rows(ps, gs, vs, scales, codes, codebook, tables, ratios, seeds, code_
     bias_correction2 = 1 - beta2**step
     if ratios is not None:
         R_ = _rows([r.repeat(n // block) for r, n in zip(ratios, numels)], block).to(wdt)
-        denom = ((V * R_).sqrt() / bias_correction2**0.5).add(eps)
-        denom = denom.view(R, W, block)
+        denom = ((V.unsqueeze(-1) * R_.view(R, W, block)).sqrt() / bias_correction2**0.5).add(eps)
     else:
         denom = (V.sqrt() / bias_correction2**0.5).add(eps).unsqueeze(-1)
     X = X.view(R, W, block).addcdiv(m_hat.view(R, W, block), denom,

@@ -1,0 +1,227 @@
+"""Two layout options of the factored second moment that cut its bytes: ``row_group_scales`` (one
+first-moment scale per group of a matrix's whole rows of at most 2,048 elements, instead of one per
+row) and ``whole_matrix_factor`` (one column factor per matrix instead of one per square tile of rows).
+
+Independent references: the scale-block length restated here by brute force over the multiples of
+the block; the reference step (``reference.gefen_step``) run tile by tile with that scale length; a
+state dict round trip against the uninterrupted run; state dicts and groups edited apart.
+"""
+
+import copy
+import math
+import pickle
+
+import pytest
+import torch
+
+from optim import Gefen
+from optim.gefen import reference as R, state as K
+from tests.utils import assert_close, assert_same_state, checkpoint_and_continue, set_grads
+
+LR, WD, B1, B2 = 1e-2, 0.1, 0.9, 0.999
+MOST = 2048  # the longest scale block of row groups, in elements (Gefen-X's fallback block length)
+# one tile (rows <= C), square tiles with a short last one (100 rows of 20: tiles of 20), odd C (tiles
+# of C + 1 rows), a tall matrix whose tiles' rows share few divisors, and rows of which no two fit in
+# MOST elements (9 rows of 1,000, odd: the scale stays one a row)
+SHAPES = [(24, 48), (100, 20), (30, 7), (70, 16), (9, 1000)]
+
+
+def _grads(steps, seed=0):
+    """Gradients whose rows differ in scale (e^(2 N(0, 1))) and columns too (e^N(0, 1)): the
+    published rule shares v along whole rows, so P is the row length."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        gs = []
+        for s in SHAPES:
+            g = torch.randn(s, generator=gen) * torch.exp(2 * torch.randn(s[0], 1, generator=gen))
+            gs.append(g * torch.exp(torch.randn(1, s[1], generator=gen)))
+        out.append(gs)
+    return out
+
+
+def _params(seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(0.1 * torch.randn(s, generator=gen)) for s in SHAPES]
+
+
+def _tiles(shape, block, whole):
+    """Row ranges of a matrix's factor tiles, restated: square tiles of C rows (C + 1 for odd C)
+    where P > 1 and there are more rows than that, unless one factor serves the whole matrix."""
+    c = math.prod(shape[1:])
+    h = c + c % 2
+    if block == 1 or shape[0] <= h or whole:
+        return [(0, shape[0])]
+    return [(r, min(r + h, shape[0])) for r in range(0, shape[0], h)]
+
+
+def _scale_length(shape, block, whole):
+    """The longest multiple of P, at most MOST elements (at least P), dividing every tile's elements."""
+    row = math.prod(shape[1:])
+    sizes = [(r1 - r0) * row for r0, r1 in _tiles(shape, block, whole)]
+    return max(k * block for k in range(1, max(1, MOST // block) + 1) if all(n % (k * block) == 0 for n in sizes))
+
+
+def _reference(start, steps, k, block, scale, codebook, bits, whole):
+    """Tensor ``k`` stepped tile by tile by the reference step with scale blocks of ``scale``:
+    (p, v, scales, codes, w), tiles' state concatenated."""
+    row, parts = start.numel() // start.shape[0], []
+    for r0, r1 in _tiles(tuple(start.shape), block, whole):
+        x = start.reshape(-1)[r0 * row:r1 * row].float()
+        x, v, s, c = x, *R.init_state(x.numel(), block=block, bits=bits, scale=scale)
+        w = torch.zeros(block)
+        for t, gs in enumerate(steps, 1):
+            g = gs[k].reshape(-1)[r0 * row:r1 * row]
+            x, v, s, c, w = R.gefen_step(x, g, v, s, c, codebook, step=t, lr=LR, beta1=B1, beta2=B2, eps=1e-8,
+                                         weight_decay=WD, block=block, bits=bits, w=w, scale=scale)
+        parts.append((x, v, s, c, w))
+    return [torch.cat(z) for z in zip(*parts)]
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("scales, whole", [(True, False), (False, True), (True, True)])
+def test_steps_equal_the_reference_with_row_group_scales_and_one_factor_a_matrix(scales, whole, bits):
+    """6 steps of each option alone and both together: every matrix keeps P = its row, its scales
+    one per scale block of the restated length (fewer than rows where a group of rows fits), its w
+    one per tile (one a matrix with ``whole_matrix_factor``), and codes, scales, v and w equal the
+    reference stepped tile by tile with that scale length (codes exactly, the rest to 1e-6)."""
+    steps = _grads(6)
+    params = _params()
+    starts = [p.detach().clone() for p in params]
+    opt = Gefen(params, lr=LR, weight_decay=WD, bits=bits, factor_second_moment=True,
+                row_group_scales=scales, whole_matrix_factor=whole)
+    for gs in steps:
+        set_grads(params, gs)
+        opt.step()
+    grouped = 0
+    for k, p in enumerate(params):
+        st, shape = opt.state[p], tuple(p.shape)
+        block = st[K.BLOCK]
+        assert block == shape[1], f"{shape}: the rule should share v along whole rows, got P = {block}"
+        scale = _scale_length(shape, block, whole) if scales else block
+        grouped += scale > block
+        assert st[K.SCALES].numel() == p.numel() // scale
+        assert st[K.W].numel() == len(_tiles(shape, block, whole)) * block
+        x, v, s, c, w = _reference(starts[k], steps, k, block, scale, opt.codebook, bits, whole)
+        assert torch.equal(st[K.CODES], c), f"codes of {shape} differ from the reference"
+        assert_close(st[K.SCALES], s, rtol=1e-6, name=f"scales {shape}")
+        assert_close(st[K.V], v, rtol=1e-6, name=f"v {shape}")
+        assert_close(st[K.W], w, rtol=1e-6, name=f"w {shape}")
+        assert_close(p.detach().reshape(-1), x, atol=1e-6, rtol=1e-6, name=f"p {shape}")
+    assert grouped == (4 if scales else 0)
+
+
+def test_the_options_cut_the_bytes_they_say():
+    """State bytes after one step of a (512, 128) matrix: the default's 1 + 4/C (scale) + 4/C (v) +
+    4 C tiles / numel (w) per element; row_group_scales makes the scales 4 per 2,048 elements, and
+    whole_matrix_factor the factor one row of C floats."""
+    p = torch.nn.Parameter(torch.zeros(512, 128))
+    gen = torch.Generator().manual_seed(3)
+    grad = torch.randn(512, 128, generator=gen) * torch.exp(2 * torch.randn(512, 1, generator=gen))
+    per = {}
+    for scales, whole in [(False, False), (True, False), (False, True), (True, True)]:
+        opt = Gefen([p], factor_second_moment=True, row_group_scales=scales, whole_matrix_factor=whole)
+        p.grad = grad.clone()
+        opt.step()
+        per[scales, whole] = sum(t.numel() * t.element_size() for t in opt.state[p].values() if torch.is_tensor(t))
+    n = 512 * 128
+    assert per[False, False] == n + 4 * 512 + 4 * 512 + 4 * 4 * 128
+    assert per[True, False] == n + 4 * 512 // 16 + 4 * 512 + 4 * 4 * 128
+    assert per[False, True] == n + 4 * 512 + 4 * 512 + 4 * 128
+    assert per[True, True] == n + 4 * 32 + 4 * 512 + 4 * 128
+
+
+@pytest.mark.parametrize("backend", ["auto", "numba"])
+def test_compiled_backends_hand_row_group_scales_to_the_torch_step(backend):
+    """The compiled steps keep one scale per block: a group with row_group_scales is stepped by the
+    torch step (bitwise the torch backend's) under 'auto', and an explicit compiled backend says why
+    it cannot; whole_matrix_factor alone stays on the compiled step (it is a one-tile layout)."""
+    steps = _grads(3)
+    runs = {}
+    for name in ("torch", backend):
+        params = _params()
+        try:
+            opt = Gefen(params, lr=LR, weight_decay=WD, factor_second_moment=True, row_group_scales=True,
+                        backend=name)
+        except ValueError as exc:
+            assert backend == "numba" and "row_group_scales" in str(exc)
+            return
+        for gs in steps:
+            set_grads(params, gs)
+            opt.step()
+        runs[name] = (params, opt)
+    (p1, o1), (p2, o2) = runs["torch"], runs[backend]
+    assert_same_state(o1, o2, p1, p2)
+
+
+def _make(scales=True, whole=True):
+    def make():
+        ps = _params()
+        return ps, Gefen(ps, lr=LR, weight_decay=WD, factor_second_moment=True, row_group_scales=scales,
+                         whole_matrix_factor=whole)
+    return make
+
+
+def test_state_dict_round_trip_resumes_bit_for_bit(tmp_path):
+    """A state dict saved after 3 steps holds each grouped matrix's scale length and restores it;
+    3 more steps equal the uninterrupted run bit for bit; so do a deepcopy and a pickle."""
+    steps = _grads(6)
+    params, opt, params2, opt2, saved = checkpoint_and_continue(_make(), steps, tmp_path / "o.pt")
+    group = saved["opt"]["param_groups"][0]
+    assert group["row_group_scales"] is True and group["whole_matrix_factor"] is True
+    assert saved["opt"]["state"][1][K.SCALE_BLOCK] == _scale_length((100, 20), 20, True)
+    assert_same_state(opt, opt2, params, params2)
+    for copy_ in (copy.deepcopy, lambda o: pickle.loads(pickle.dumps(o))):
+        twin = copy_(opt)
+        mine = [p for g in twin.param_groups for p in g["params"]]
+        for gs in _grads(2, seed=7):
+            set_grads(params, gs)
+            set_grads(mine, gs)
+            opt.step()
+            twin.step()
+        assert_same_state(opt, twin, params, mine)
+
+
+def test_a_state_its_group_does_not_describe_is_refused(tmp_path):
+    """Loading a state with grouped scales into a group saved without the option is refused, naming
+    it; so is a scale length that does not divide its tiles; and either option switched off in the
+    group once the state exists is refused at the next step."""
+    steps = _grads(2)
+    params, opt = _make()()
+    for gs in steps:
+        set_grads(params, gs)
+        opt.step()
+    sd = opt.state_dict()
+    off = copy.deepcopy(sd)
+    off["param_groups"][0]["row_group_scales"] = False
+    with pytest.raises(ValueError, match="row_group_scales"):
+        _make()()[1].load_state_dict(off)
+    bad = copy.deepcopy(sd)
+    bad["state"][1][K.SCALE_BLOCK] = 20 * 3  # 60 elements: no divisor of the 2,000-element tile
+    bad["state"][1][K.SCALES] = torch.zeros(2000 // 60)
+    with pytest.raises(ValueError, match=K.SCALE_BLOCK):
+        _make()()[1].load_state_dict(bad)
+    for key in ("row_group_scales", "whole_matrix_factor"):
+        params, opt = _make()()
+        set_grads(params, steps[0])
+        opt.step()
+        opt.param_groups[0][key] = False
+        set_grads(params, steps[1])
+        with pytest.raises(ValueError, match="other group options"):
+            opt.step()
+
+
+def test_the_options_are_flags_off_in_a_pickle_from_before_them():
+    p = torch.nn.Parameter(torch.randn(4, 4))
+    for key in ("row_group_scales", "whole_matrix_factor"):
+        with pytest.raises(ValueError, match=key):
+            Gefen([p], factor_second_moment=True, **{key: "yes"})
+    opt = Gefen([p], factor_second_moment=True, row_group_scales=True, whole_matrix_factor=True)
+    state = opt.__getstate__()
+    for g in state["param_groups"]:
+        del g["row_group_scales"], g["whole_matrix_factor"]
+    state["defaults"] = {k: v for k, v in state["defaults"].items()
+                         if k not in ("row_group_scales", "whole_matrix_factor")}
+    old = Gefen.__new__(Gefen)
+    old.__setstate__(copy.deepcopy(state))
+    assert old.param_groups[0]["row_group_scales"] is False and old.defaults["whole_matrix_factor"] is False
