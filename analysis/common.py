@@ -55,7 +55,8 @@ VERDICT_WORDS = re.compile(r"\*{0,2}\b(?:not met|met|missed|not reproduced|repro
 
 # One colour per optimizer, so every figure reads the same.
 OPTIMIZERS = ["AdamW", "Adam-mini", "torchao-AdamW8bit", "torchao-AdamW4bit", "gefen-upstream",
-              "Gefen-8bit", "Gefen-4bit", "Gefen-8bit-factored", "Gefen-4bit-factored", "gefen-x"]
+              "Gefen-8bit", "Gefen-4bit", "Gefen-8bit-factored", "Gefen-4bit-factored", "Gefen-8bit-compact",
+              "Gefen-4bit-compact", "gefen-x"]
 
 
 class ResultsError(ValueError):

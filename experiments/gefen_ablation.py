@@ -80,7 +80,7 @@ import torch
 from experiments.common import Results, add_common_args
 from experiments.models import char_lm_model
 from experiments.pool import RunPool
-from experiments.registry import make_optimizer, state_bytes
+from experiments.registry import COMPACT, make_optimizer, state_bytes
 from experiments.tracking import Run, Tracking, curve_summary, live_logger
 from experiments.train import CHAR_LM, GRAD_CLIP, WEIGHT_DECAY, char_lm_label, char_lm_problem, train_lm
 
@@ -130,13 +130,11 @@ VECTOR_BLOCKS = "vec_v"  # under the factor, the vectors share v by the publishe
 ROW_BLOCKS = "rows_v"  # under the factor, a matrix the rule finds no block in shares v over whole rows
 ROW_SCALES = "scale_rows"  # under the factor, one first-moment scale per group of rows (up to 2,048 elements)
 WHOLE_FACTOR = "whole_w"  # under the factor, one column factor a matrix, not one per square tile of rows
-LAYOUT = "layout"  # the four above together: the factored state at Gefen-X's bytes or fewer
-LAYOUT_OPTIONS = dict(share_vector_second_moment=True, share_matrix_rows=True, row_group_scales=True,
-                      whole_matrix_factor=True)
+LAYOUT = "layout"  # the four above together (registry.COMPACT, Gefen-8bit-compact): Gefen-X's bytes or fewer
 # variants that are no kind of tensor: a Gefen option on every tensor
 CHANGES = {FIRST_MOMENT: dict(quantize_first_moment=False), CODE_ROUNDING: dict(first_moment_rounding="stochastic"),
            VECTOR_BLOCKS: dict(share_vector_second_moment=True), ROW_BLOCKS: dict(share_matrix_rows=True),
-           ROW_SCALES: dict(row_group_scales=True), WHOLE_FACTOR: dict(whole_matrix_factor=True), LAYOUT: LAYOUT_OPTIONS}
+           ROW_SCALES: dict(row_group_scales=True), WHOLE_FACTOR: dict(whole_matrix_factor=True), LAYOUT: COMPACT}
 UNDER_FACTOR = (VECTOR_BLOCKS, ROW_BLOCKS, ROW_SCALES, WHOLE_FACTOR, LAYOUT)  # changes that act under the factor only
 PEERS = ("gefen-x",)  # other optimizers that may train beside AdamW (registry names)
 QUICK_VARIANTS = ["none", "all", "attn_qkv", "embedding", FACTORED]

@@ -15,14 +15,17 @@ every optimizer stepped once per repeat in turn (experiments/train.py's ``interl
 ratio to AdamW's median from the same run. Optimizers (registry names): AdamW (fused), Adam-mini,
 torchao-AdamW8bit, torchao-AdamW4bit, gefen-upstream, Gefen-8bit, Gefen-4bit, and both with the
 factored second moment (Gefen-8bit-factored, Gefen-4bit-factored), whose step time is also given as a
-ratio to the unfactored Gefen's of the same bits, timed in the same interleaved run.
+ratio to the unfactored Gefen's of the same bits, timed in the same interleaved run, and the factored
+layout at Gefen-X's bytes or fewer (Gefen-8bit-compact, Gefen-4bit-compact: registry.COMPACT's
+options; stepped by the torch step, whose row-group scales the compiled steps do not keep).
 
 Rows (variant = optimizer, x = model): ``state_bytes_per_param``, ``first_step_time`` (s: blocks,
 codebook, compilation where there is any), ``step_time_median`` (s), ``step_time_vs_adamw`` (ratio),
 ``step_time_vs_unfactored`` (ratio, factored variants), ``threads``.
 
 Bytes by kind of tensor (matrices, embedding tables, vectors, shared state) on the models of
-experiments/convergence.py (``--char-lm``: the 116k GPT, the encoder, the Llama-style model), each
+experiments/convergence.py (``--char-lm``: the 116k and 1.27M GPTs, the 429k prose GPT, the encoder,
+the Llama-style model), each
 after the first step of its training run of ``--seed``, which fixes the blocks: variant
 ``<model label>/<optimizer>``, ``state_bytes_per_param_of_kind`` and ``params_of_kind`` against
 ``kind`` (Adam-mini left out: its state needs the model's dimensions).
@@ -80,7 +83,7 @@ def memory_and_time(res, model_name, names, repeats, seed):
 
 
 # experiments/convergence.py's models, whose state bytes by kind of tensor follow their first step
-CHAR_LMS = ["full", "encoder", "llama"]
+CHAR_LMS = ["full", "large", "docstrings", "encoder", "llama"]
 
 
 def bytes_by_kind(res, size_name, names, seed):

@@ -138,11 +138,19 @@ def _bnb_adamw8bit(params, named, lr, weight_decay, **kw):
     return bitsandbytes.optim.AdamW8bit(params, lr=lr, weight_decay=weight_decay, **kw)
 
 
-def _gefen(bits, factored=False):
+# the factored layout at Gefen-X's bytes or fewer: the vectors' v shared, whole-row v where the rule finds
+# no block, one first-moment scale per group of rows, one column factor per matrix
+COMPACT = dict(share_vector_second_moment=True, share_matrix_rows=True, row_group_scales=True,
+               whole_matrix_factor=True)
+
+
+def _gefen(bits, factored=False, compact=False):
     def make(params, named, lr, weight_decay, **kw):
         from optim import Gefen
 
-        kw.setdefault("factor_second_moment", factored)
+        kw.setdefault("factor_second_moment", factored or compact)
+        for key, value in (COMPACT.items() if compact else ()):
+            kw.setdefault(key, value)
         return Gefen(params, lr=lr, weight_decay=weight_decay, bits=bits, **kw)
     return make
 
@@ -182,13 +190,15 @@ OPTIMIZERS = {
     "Gefen-4bit": _gefen(4),
     "Gefen-8bit-factored": _gefen(8, factored=True),
     "Gefen-4bit-factored": _gefen(4, factored=True),
+    "Gefen-8bit-compact": _gefen(8, compact=True),
+    "Gefen-4bit-compact": _gefen(4, compact=True),
     "SparseAdam": _sparse_adam,
     "DiskSparseAdam": _dsa,
     "DiskSparseRiemannianAdam": _dsa_riemannian,
     "geoopt-SparseRiemannianAdam": _geoopt,
 }
 DENSE = ["AdamW", "Adam-mini", "torchao-AdamW8bit", "torchao-AdamW4bit", "gefen-upstream", "gefen-x", "Gefen-8bit",
-         "Gefen-4bit", "Gefen-8bit-factored", "Gefen-4bit-factored"]
+         "Gefen-4bit", "Gefen-8bit-factored", "Gefen-4bit-factored", "Gefen-8bit-compact", "Gefen-4bit-compact"]
 # 8-bit peers with CUDA-only kernels, timed by experiments/bench_kernels.py on a GPU (not in
 # requirements.txt: carried to a GPU machine as wheels, see experiments/gpu_checks.sh)
 GPU_PEERS = ["flashoptim-AdamW", "bnb-AdamW8bit", "torchao-AdamW8bit", "gefen-x"]

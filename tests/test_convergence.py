@@ -87,6 +87,32 @@ def test_state_bytes_of_adamw_is_two_fp32_moments_plus_steps():
     assert registry.state_bytes(opt) == expected
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_the_compact_gefen_is_the_factored_one_with_the_layout_options_and_fewer_bytes(bits):
+    """Gefen-<bits>-compact is Gefen-<bits>-factored with registry.COMPACT's options in its group (a
+    keyword given still wins), and after one step on row-scaled gradients of a tall matrix, a bias and
+    a gain its state is smaller than the factored one's: the scales, factor and vectors' v it drops."""
+    from optim.gefen.checks import FLAGS
+
+    assert set(registry.COMPACT) <= set(FLAGS)
+    per = {}
+    for name in (f"Gefen-{bits}bit-factored", f"Gefen-{bits}bit-compact"):
+        gen = torch.Generator().manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in ((512, 64), (512,), (64,))]
+        opt = registry.make_optimizer(name, params, 1e-3)
+        group = opt.param_groups[0]
+        assert group["factor_second_moment"] and all(group[k] == name.endswith("compact")
+                                                     for k in registry.COMPACT)
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen) * (torch.exp(2 * torch.randn(p.shape[0], 1, generator=gen))
+                                                           if p.dim() == 2 else 1.0)
+        opt.step()
+        per[name] = registry.state_bytes(opt)
+    assert per[f"Gefen-{bits}bit-compact"] < per[f"Gefen-{bits}bit-factored"]
+    opt = registry.make_optimizer(f"Gefen-{bits}bit-compact", params, 1e-3, row_group_scales=False)
+    assert opt.param_groups[0]["row_group_scales"] is False
+
+
 class _Tables(torch.nn.Module):
     """An embedding, a bare position table, a projection with a bias and a norm: every kind."""
 
