@@ -127,7 +127,8 @@ def main(argv=None):
     if args.char_lm is None:
         args.char_lm = ["tiny"] if args.quick else CHAR_LMS
     repeats = args.repeats or (7 if args.quick else 61)  # millisecond steps: many, to resolve a 15% ratio
-    config = dict(vars(args), repeats=repeats, threads=torch.get_num_threads())
+    widths = {char_lm_label(CHAR_LM[s]): CHAR_LM[s]["n_embd"] for s in args.char_lm}  # model label -> width
+    config = dict(vars(args), repeats=repeats, threads=torch.get_num_threads(), widths=widths)
     with Results("gefen_memory", args, config=config) as res:
         for model_name in args.models:
             memory_and_time(res, model_name, args.optimizers, repeats, args.seed)
