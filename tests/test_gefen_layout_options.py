@@ -78,9 +78,10 @@ def _reference(start, steps, k, block, scale, codebook, bits, whole):
     return [torch.cat(z) for z in zip(*parts)]
 
 
+@pytest.mark.parametrize("backend", ["torch", "numba"])
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("scales, whole", [(True, False), (False, True), (True, True)])
-def test_steps_equal_the_reference_with_row_group_scales_and_one_factor_a_matrix(scales, whole, bits):
+def test_steps_equal_the_reference_with_row_group_scales_and_one_factor_a_matrix(scales, whole, bits, backend):
     """6 steps of each option alone and both together: every matrix keeps P = its row, its scales
     one per scale block of the restated length (fewer than rows where a group of rows fits), its w
     one per tile (one a matrix with ``whole_matrix_factor``), and codes, scales, v and w equal the
@@ -89,7 +90,7 @@ def test_steps_equal_the_reference_with_row_group_scales_and_one_factor_a_matrix
     params = _params()
     starts = [p.detach().clone() for p in params]
     opt = Gefen(params, lr=LR, weight_decay=WD, bits=bits, factor_second_moment=True,
-                row_group_scales=scales, whole_matrix_factor=whole)
+                row_group_scales=scales, whole_matrix_factor=whole, backend=backend)
     for gs in steps:
         set_grads(params, gs)
         opt.step()
@@ -131,27 +132,24 @@ def test_the_options_cut_the_bytes_they_say():
     assert per[True, True] == n + 4 * 32 + 4 * 512 + 4 * 128
 
 
-@pytest.mark.parametrize("backend", ["auto", "numba"])
-def test_compiled_backends_hand_row_group_scales_to_the_torch_step(backend):
-    """The compiled steps keep one scale per block: a group with row_group_scales is stepped by the
-    torch step (bitwise the torch backend's) under 'auto', and an explicit compiled backend says why
-    it cannot; whole_matrix_factor alone stays on the compiled step (it is a one-tile layout)."""
+def test_numba_steps_row_group_scales_and_triton_hands_them_to_torch():
+    """On the CPU 'auto' steps a group with row_group_scales on numba (its plan's path), bitwise the
+    explicit numba backend; the Triton step refuses such a group, naming the option."""
+    from optim.gefen import triton_ops
+
     steps = _grads(3)
     runs = {}
-    for name in ("torch", backend):
+    for name in ("auto", "numba"):
         params = _params()
-        try:
-            opt = Gefen(params, lr=LR, weight_decay=WD, factor_second_moment=True, row_group_scales=True,
-                        backend=name)
-        except ValueError as exc:
-            assert backend == "numba" and "row_group_scales" in str(exc)
-            return
+        opt = Gefen(params, lr=LR, weight_decay=WD, factor_second_moment=True, row_group_scales=True, backend=name)
         for gs in steps:
             set_grads(params, gs)
             opt.step()
         runs[name] = (params, opt)
-    (p1, o1), (p2, o2) = runs["torch"], runs[backend]
+        assert {opt._path_of(p, opt.param_groups[0], opt._backends[p].backend) for p in params} == {"numba"}
+    (p1, o1), (p2, o2) = runs["auto"], runs["numba"]
     assert_same_state(o1, o2, p1, p2)
+    assert "row_group_scales" in triton_ops.refuses(torch.float32, o1.param_groups[0])
 
 
 def _make(scales=True, whole=True):

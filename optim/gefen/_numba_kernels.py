@@ -1015,7 +1015,7 @@ def _blocks(bits4, per_element, factored, quant, p, g, v, scales, codes, m_fp32,
         if per_element:
             _v_update_per_element(p[start:stop], mj, amax, v[start:stop], gj, beta2, one_minus_beta2, decay,
                                   neg_step, bc2_sqrt, eps)
-        else:  # S == block: one v per scale block, one division per block
+        elif S == block:  # one v per scale block, one division per block
             vb = beta2 * v[j] + one_minus_beta2 * ((_bits_f32(_vsum(0, _data(acc))) if summed else _sum_sq(gj, acc))
                                                    / np.float32(block))
             v[j] = vb
@@ -1025,6 +1025,19 @@ def _blocks(bits4, per_element, factored, quant, p, g, v, scales, codes, m_fp32,
             else:
                 denom = np.float32(np.sqrt(vb) / bc2_sqrt) + eps
                 _update_shared(p[start:stop], mj, amax, decay, neg_step / denom)
+        else:  # S a multiple of the block (row-group scales): each block inside it has its own v
+            per = S // block
+            for q in range(L // block):
+                a = q * block
+                vb = beta2 * v[j * per + q] + one_minus_beta2 * (_sum_sq(gj[a:a + block], acc) / np.float32(block))
+                v[j * per + q] = vb
+                if factored:
+                    sv = np.float32(np.sqrt(vb) / bc2_sqrt)
+                    _update_factored(p[start + a:start + a + block], mj[a:a + block], amax, sv, r, decay, neg_step,
+                                     eps)
+                else:
+                    denom = np.float32(np.sqrt(vb) / bc2_sqrt) + eps
+                    _update_shared(p[start + a:start + a + block], mj[a:a + block], amax, decay, neg_step / denom)
 
 
 @njit(nogil=True, error_model="numpy", cache=True)

@@ -35,11 +35,11 @@ def stochastic_codes_refusal(group) -> str | None:
 
 
 def row_group_scales_refusal(group) -> str | None:
-    """Why a compiled step cannot step ``group``, or None: scale blocks of several rows
-    (``row_group_scales``) are the torch step's alone (both compiled backends' ``refuses``)."""
+    """Why the Triton step cannot step ``group``, or None: scale blocks of several rows
+    (``row_group_scales``) are the torch and numba steps' (Triton's ``refuses``)."""
     if group.get("row_group_scales") and group["quantize_first_moment"] and group["factor_second_moment"]:
         return ("its group keeps one first-moment scale per group of a matrix's rows (row_group_scales=True), "
-                "which only the torch step does")
+                "which the torch and numba steps do, not the Triton one")
     return None
 
 
@@ -242,7 +242,7 @@ def check_factors(ps, ws, *, block, device_type="cpu"):
                              f"of {block} elements, got {w.dtype} {tuple(w.shape)} on {w.device}")
 
 
-def check_launch(ps, gs, vs, scales, codes, *, block, bits, quant, device_type="cpu"):
+def check_launch(ps, gs, vs, scales, codes, *, block, bits, quant, device_type="cpu", scale=None):
     """Raise ``ValueError`` unless every tensor of a kernel call has the layout the kernel reads:
     parameters and gradients of equal size, v/scales fp32, codes uint8 (fp32 m when not
     ``quant``), each contiguous, of the layout's size and on ``device_type``."""
@@ -255,7 +255,10 @@ def check_launch(ps, gs, vs, scales, codes, *, block, bits, quant, device_type="
                              f"({g.dtype}, {g.numel()} elements) must be floating tensors of one size")
         if n % block:
             raise ValueError(f"Gefen kernel: block={block} does not divide p[{i}].numel()={n}")
-        want = expected_state(n, block, bits, quant, torch.float32)
+        if scale is not None and (scale % block or n % scale):
+            raise ValueError(f"Gefen kernel: scale blocks of {scale} elements do not hold whole blocks of {block} "
+                             f"or do not divide p[{i}].numel()={n}")
+        want = expected_state(n, block, bits, quant, torch.float32, scale=scale)
         got = {K.V: v, K.SCALES: s, K.CODES: c} if quant else {K.V: v, K.M: c}
         for key, (dtype, size) in want.items():
             t = got[key]

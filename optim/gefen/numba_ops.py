@@ -22,8 +22,7 @@ import torch
 from .._cache import BoundedCache
 from .._threads import numba_threads
 from . import torch_ops
-from .checks import (check_factors, check_launch, float64_state_refusal, row_group_scales_refusal,
-                     stochastic_codes_refusal)
+from .checks import check_factors, check_launch, float64_state_refusal, stochastic_codes_refusal
 from .._rounding import STOCHASTIC_DTYPES, round_stochastic
 from .codebook import code_table
 from .reference import factor_ratio, scale_block_length
@@ -38,8 +37,7 @@ def refuses(param_dtype: torch.dtype, group) -> str | None:
     """Why this step cannot update a parameter of ``param_dtype`` in ``group``, known when it is
     added (``optim.backends.choose_backend``), or None: float64 moments, stochastically rounded codes
     (both the torch step's)."""
-    return (float64_state_refusal(param_dtype, group) or stochastic_codes_refusal(group)
-            or row_group_scales_refusal(group))
+    return float64_state_refusal(param_dtype, group) or stochastic_codes_refusal(group)
 
 
 def data_refusal(*, block: int | None, bits: int, quant: bool, tables=None) -> str | None:
@@ -126,26 +124,27 @@ class Prepared(NamedTuple):
 
 
 def prepare(ps, gs, vs, scales, codes, codebook, *, block, bits, tables=None, ws=None, owners=None,
-            offsets=None) -> Prepared | None:
+            offsets=None, scale=None) -> Prepared | None:
     """The launch of :func:`gefen_step_` for these tensors, checked once (``check_launch``), or
     None where it cannot be prepared: parameters or gradients that are not contiguous fp32 (the
     step then copies pieces), or a codebook the kernel's table cannot separate
     (``data_refusal``). ``owners``/``offsets``: tensor ``i`` reads gradient
     ``owners[i]`` of ``run``'s list from element ``offsets[i]`` on (a tile of rows of a
-    parameter); by default gradient ``i`` from its start."""
+    parameter); by default gradient ``i`` from its start. ``scale``: the scale-block length where
+    it is not ``scale_block_length(block)``, a multiple of ``block`` (``torch_ops.gefen_step_``'s)."""
     quant = codebook is not None
     if quant and tables is None:
         tables = code_table(codebook)
     if data_refusal(block=block, bits=bits, quant=quant, tables=tables) is not None:
         return None
-    check_launch(ps, gs, vs, scales, codes, block=block, bits=bits, quant=quant)
+    check_launch(ps, gs, vs, scales, codes, block=block, bits=bits, quant=quant, scale=scale)
     if not all(t.dtype == torch.float32 and t.is_contiguous() for t in (*ps, *gs)):
         return None
     if ws is not None:
         check_factors(ps, ws, block=block)
     addr = _addresses(ps, gs, vs, scales, codes)
     n = len(ps)
-    S = scale_block_length(block)
+    S = scale or scale_block_length(block)
     luts, lut_scale = (_luts(tables), np.float32(tables.scale)) if quant else (_NO_LUTS, np.float32(1.0))
     return Prepared(addr.meta, np.arange(n, dtype=np.int64) if owners is None else np.asarray(owners, dtype=np.int64),
                     np.zeros(n, dtype=np.int64) if offsets is None else np.asarray(offsets, dtype=np.int64) * 4,
@@ -190,7 +189,7 @@ def _hyper(*, step, lr, beta1, beta2, eps, weight_decay) -> tuple:
 
 @torch.no_grad()
 def gefen_step_(ps, gs, vs, scales, codes, codebook, *, step, lr, beta1, beta2, eps,
-                weight_decay, block, bits, tables=None, ws=None, seeds=None, code_seeds=None):
+                weight_decay, block, bits, tables=None, ws=None, seeds=None, code_seeds=None, scale=None):
     """:func:`optim.gefen.torch_ops.gefen_step_` compiled for CPU tensors (see module doc).
 
     One kernel call for the whole list, runs of scale blocks in parallel on
@@ -211,13 +210,13 @@ def gefen_step_(ps, gs, vs, scales, codes, codebook, *, step, lr, beta1, beta2, 
         return torch_ops.gefen_step_(ps, gs, vs, scales, codes, codebook, step=step, lr=lr,
                                      beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
                                      block=block, bits=bits, tables=tables, ws=ws, seeds=seeds,
-                                     code_seeds=code_seeds)
-    prep = prepare(ps, gs, vs, scales, codes, codebook, block=block, bits=bits, tables=tables, ws=ws)
+                                     code_seeds=code_seeds, scale=scale)
+    prep = prepare(ps, gs, vs, scales, codes, codebook, block=block, bits=bits, tables=tables, ws=ws, scale=scale)
     if prep is not None:
         return run(prep, gs, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
     hyper = _hyper(step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
-    return _step_pieces(ps, gs, vs, scales, codes, tables, S=scale_block_length(block), hyper=hyper, block=block,
-                        bits=bits, quant=quant, ws=ws, seeds=seeds, beta2=beta2)
+    return _step_pieces(ps, gs, vs, scales, codes, tables, S=scale or scale_block_length(block), hyper=hyper,
+                        block=block, bits=bits, quant=quant, ws=ws, seeds=seeds, beta2=beta2)
 
 
 def _step_pieces(ps, gs, vs, scales, codes, tables, *, S, hyper, block, bits, quant, ws, seeds, beta2):

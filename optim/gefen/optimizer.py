@@ -128,8 +128,9 @@ class Gefen(OptimizerBase):
         row_group_scales: under ``factor_second_moment``, a matrix keeps one first-moment scale
             per group of whole rows of at most 2,048 elements (Gefen-X's fallback block length),
             not one per row (per block of P): 4 bytes a group instead of a row
-            (``partition.row_group_scale_length``; ``state.SCALE_BLOCK``). Stepped by the torch step
-            on every backend; not in the distributed (DCP) state form. (Default: False)
+            (``partition.row_group_scale_length``; ``state.SCALE_BLOCK``). Stepped by the torch or
+            numba step (Triton hands such a group to the torch step); not in the distributed (DCP)
+            state form. (Default: False)
         whole_matrix_factor: under ``factor_second_moment``, a matrix of more rows than columns
             keeps one column factor w for the whole matrix (Adafactor's, Gefen-X's), not one per
             square tile of rows (above): 4 bytes a column instead of a column per tile, at the cost of
@@ -300,7 +301,9 @@ class Gefen(OptimizerBase):
 
     def _path(self, backend: str, group, block) -> str:
         """``backend``, or "torch" where its ``data_refusal`` deviates for ``block`` and the codebook."""
-        if backend == "torch" or rounds_codes(group) or row_group_scales_refusal(group):  # the torch step's (``refuses``)
+        if backend == "torch" or rounds_codes(group):  # stochastic codes: the torch step's (``refuses``)
+            return "torch"
+        if backend == "triton" and row_group_scales_refusal(group):  # row-group scales: torch and numba
             return "torch"
         quant = group["quantize_first_moment"]
         tables = self._codebook.table() if quant and self.codebook is not None else None

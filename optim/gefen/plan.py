@@ -263,7 +263,7 @@ def run_call(call: Call, step: int | None, codebook, *, bits: int) -> None:
         if call.native is None:
             call.native = numba_ops.prepare(ps, call.gradients(grads), vs, ss, cs, values, block=call.block,
                                             bits=bits, tables=tables, ws=ws, owners=[t.owner for t in call.tiles],
-                                            offsets=[t.start for t in call.tiles]) or False
+                                            offsets=[t.start for t in call.tiles], scale=call.scale) or False
         if call.native:
             numba_ops.run(call.native, grads, **h._asdict())
             written(call)
@@ -272,7 +272,7 @@ def run_call(call: Call, step: int | None, codebook, *, bits: int) -> None:
         extra = dict(seeds=call.seeds(step), code_seeds=call.seeds(step, codes=True))
     else:
         extra = dict(seeds=True if call.sr else None, hyper=call.rows)
-    if call.scale is not None:  # the torch step's alone (``Gefen._path``)
+    if call.scale is not None:  # the torch and numba steps' (``Gefen._path``)
         extra["scale"] = call.scale
     step_module(call.path).gefen_step_(ps, call.gradients(grads), vs, ss, cs, values, tables=tables,
                                        **h._asdict(), block=call.block, bits=bits, ws=ws, **extra)
