@@ -498,5 +498,56 @@ def gefen_gpu(R):
                f"{' / '.join(times(k) for k in kernel)}", "—", cmd("bash experiments/gpu_checks.sh"), detail)
 
 
+COMPACT_TARGET = {"8bit": 1.06, "4bit": 0.56}  # the compact layout's bytes at width >= 128
+WIDE = 128  # the width from which COMPACT_TARGET holds
+
+
+def _total_bytes(R, label, name):
+    """State bytes per parameter of optimizer ``name`` on convergence model ``label``: gefen_memory's
+    bytes by kind weighted by each kind's parameters ("shared" over the model)."""
+    e, kinds = "gefen_memory", ("matrix", "embedding", "vector", "shared")
+    counts = {k: R.need(e, "params_of_kind", f"{label}/{name}", x_value=k) for k in kinds}
+    n = sum(counts[k] for k in kinds[:3])
+    return sum(_by_kind(R, label, name, k) * (counts[k] if k != "shared" else n) for k in kinds) / n
+
+
+def gefen_layout(R):
+    e = "gefen_ablation_layout"
+    labels = [v.removesuffix("/gefen-x") for v in variants_of(R, "gefen_memory", "state_bytes_per_param_of_kind")
+              if v.endswith("/gefen-x")]
+    per = {b: [_total_bytes(R, m, f"Gefen-{b}-compact") for m in labels] for b in ("8bit", "4bit")}
+    gx = [_total_bytes(R, m, "gefen-x") for m in labels]
+    wide = [k for k, m in enumerate(labels) if R.config("gefen_memory")["widths"][m] >= WIDE]
+    fewer = all(a <= x for a, x in zip(per["8bit"], gx))
+    under = all(per[b][k] <= COMPACT_TARGET[b] for b in per for k in wide)
+    seeds = {v: {r["seed"]: r["value"] for r in select(R.rows(e, "val_loss_vs_adamw"), "val_loss_vs_adamw", v)}
+             for v in ("factored", "factored+layout", "factored+scale_rows")}
+    if not all(seeds.values()):
+        raise ResultsError(f"{R.dir / e}.csv: no val_loss_vs_adamw of {[v for v, x in seeds.items() if not x]}")
+    med = {v: statistics.median(x.values()) for v, x in seeds.items()}
+    paired = {v: [x[s] - seeds["factored"][s] for s in sorted(x)] for v, x in seeds.items() if v != "factored"}
+    worse = sum(d > 0 for d in paired["factored+layout"])
+    level = med["factored+layout"] <= med["factored"]
+    verdict = (f"{'bytes met' if fewer and under else 'bytes not met'}; loss "
+               f"{'level by the median' if level else 'worse by the median'}, worse on {worse} of "
+               f"{len(paired['factored+layout'])} seeds")
+    detail = (f"State bytes per parameter after one step ({', '.join(labels)}): compact 8-bit "
+              f"{joined(per['8bit'], lambda x: f'{x:.3f}')}, 4-bit {joined(per['4bit'], lambda x: f'{x:.3f}')}; gefen-x "
+              f"{joined(gx, lambda x: f'{x:.3f}')} (targets at width >= {WIDE}: {COMPACT_TARGET['8bit']} / "
+              f"{COMPACT_TARGET['4bit']}, and no more than gefen-x's). Loss / AdamW's on the encoder at "
+              f"{R.config(e)['steps']:,} steps, lr {R.config(e)['lr']:g} held fixed, median over "
+              f"{len(seeds['factored'])} seeds: factored 8-bit {pct(med['factored'])}, compact "
+              f"{pct(med['factored+layout'])} (paired with the factored by seed: "
+              f"{pct(1 + statistics.fmean(paired['factored+layout']))} on the mean), the row-group scales alone "
+              f"{pct(med['factored+scale_rows'])} ({pct(1 + statistics.fmean(paired['factored+scale_rows']))}); "
+              "gefen-x at these settings and seeds is in gefen_ablation_long's section.")
+    lo, hi = (f(per["8bit"][k] for k in wide) for f in (min, max))
+    return Row("The factored state at Gefen-X's bytes or fewer (compact layout, ours)", verdict,
+               f"8-bit {lo:.3f}–{hi:.3f} B/param at width ≥ {WIDE}, ≤ gefen-x's on "
+               f"{sum(a <= x for a, x in zip(per['8bit'], gx))} of {len(gx)} models; loss {pct(med['factored+layout'])} "
+               f"(factored {pct(med['factored'])}; encoder, {R.config(e)['steps']:,} steps)", fig(e),
+               cmd(f"python experiments/gefen_ablation.py --experiment {e}"), detail)
+
+
 ROWS = [gefen_memory, gefen_quality, gefen_ablation, gefen_factored, gefen_encoder, gefen_llama, gefen_long,
-        gefen_bf16, gefen_codebook, gefen_speed, gefen_peak_memory, gefen_hessian, gefen_gpu]
+        gefen_layout, gefen_bf16, gefen_codebook, gefen_speed, gefen_peak_memory, gefen_hessian, gefen_gpu]
