@@ -21,8 +21,9 @@ import torch
 from optim import Gefen
 from optim.gefen import distributed as D, reference as R, state as K
 from optim.gefen.partition import choose_block
-from tests.utils import (GEFEN_CPU_BACKENDS, assert_close, assert_same_state, checkpoint_and_continue,
-                         row_scaled_grad, set_grads)
+from tests.utils import (GEFEN_CPU_BACKENDS, assert_close, assert_copies_step_alike, assert_same_state,
+                         checkpoint_and_continue,
+                         row_scaled_grad, scaled_grad_steps, set_grads, small_params)
 
 LR, WD, B1, B2 = 1e-2, 0.1, 0.9, 0.999
 SHARE = "share_vector_second_moment"
@@ -39,25 +40,13 @@ def _runs(n, length=32):
 
 
 def _grads(steps, seed=0):
-    """``steps`` lists of gradients: matrices with rows and columns of different scales; vectors in
-    runs of 32 alike at the first step (blocks for the rule), N(0, 1) times those runs after."""
-    gen = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(steps):
-        gs = []
-        for s in SHAPES:
-            if len(s) < 2:
-                gs.append(torch.randn(s, generator=gen) * _runs(s[0]))
-            else:
-                g = torch.randn(s, generator=gen) * torch.exp(2 * torch.randn(s[0], 1, generator=gen))
-                gs.append(g * torch.exp(torch.randn(1, s[1], generator=gen)))
-        out.append(gs)
-    return out
+    """``steps`` lists of gradients: matrices with rows and columns of different scales; vectors
+    N(0, 1) times runs of 32 alike (blocks for the rule)."""
+    return scaled_grad_steps(SHAPES, steps, seed, vector=_runs)
 
 
 def _params(seed=1):
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.nn.Parameter(0.1 * torch.randn(s, generator=gen)) for s in SHAPES]
+    return small_params(SHAPES, seed)
 
 
 def _square_tiles(shape, block):
@@ -242,16 +231,11 @@ def test_state_dict_round_trip_resumes_bit_for_bit(tmp_path, backend):
     assert K.W not in st and st[K.BLOCK] == 32
     assert opt2.param_groups[0][SHARE] is True
     assert_same_state(opt, opt2, params, params2)
-    for copy_ in (copy.deepcopy, lambda o: pickle.loads(pickle.dumps(o))):
-        twin = copy_(opt)
+
+    def keeps_the_option(twin):
         assert twin.param_groups[0][SHARE] is True and twin.defaults[SHARE] is False
-        mine = [p for g in twin.param_groups for p in g["params"]]
-        for gs in _grads(2, seed=7):
-            set_grads(params, gs)
-            set_grads(mine, gs)
-            opt.step()
-            twin.step()
-        assert_same_state(opt, twin, params, mine)
+
+    assert_copies_step_alike(opt, params, _grads(2, seed=7), check=keeps_the_option)
 
 
 def test_a_pickle_from_before_the_option_has_it_off():

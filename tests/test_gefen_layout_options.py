@@ -16,7 +16,8 @@ import torch
 
 from optim import Gefen
 from optim.gefen import reference as R, state as K
-from tests.utils import assert_close, assert_same_state, checkpoint_and_continue, set_grads
+from tests.utils import (assert_close, assert_copies_step_alike, assert_same_state, checkpoint_and_continue,
+                         scaled_grad_steps, set_grads, small_params)
 
 LR, WD, B1, B2 = 1e-2, 0.1, 0.9, 0.999
 MOST = 2048  # the longest scale block of row groups, in elements (Gefen-X's fallback block length)
@@ -27,22 +28,13 @@ SHAPES = [(24, 48), (100, 20), (30, 7), (70, 16), (9, 1000)]
 
 
 def _grads(steps, seed=0):
-    """Gradients whose rows differ in scale (e^(2 N(0, 1))) and columns too (e^N(0, 1)): the
-    published rule shares v along whole rows, so P is the row length."""
-    gen = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(steps):
-        gs = []
-        for s in SHAPES:
-            g = torch.randn(s, generator=gen) * torch.exp(2 * torch.randn(s[0], 1, generator=gen))
-            gs.append(g * torch.exp(torch.randn(1, s[1], generator=gen)))
-        out.append(gs)
-    return out
+    """Gradients whose rows differ in scale and columns too: the published rule shares v along whole
+    rows, so P is the row length."""
+    return scaled_grad_steps(SHAPES, steps, seed)
 
 
 def _params(seed=1):
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.nn.Parameter(0.1 * torch.randn(s, generator=gen)) for s in SHAPES]
+    return small_params(SHAPES, seed)
 
 
 def _tiles(shape, block, whole):
@@ -169,15 +161,7 @@ def test_state_dict_round_trip_resumes_bit_for_bit(tmp_path):
     assert group["row_group_scales"] is True and group["whole_matrix_factor"] is True
     assert saved["opt"]["state"][1][K.SCALE_BLOCK] == _scale_length((100, 20), 20, True)
     assert_same_state(opt, opt2, params, params2)
-    for copy_ in (copy.deepcopy, lambda o: pickle.loads(pickle.dumps(o))):
-        twin = copy_(opt)
-        mine = [p for g in twin.param_groups for p in g["params"]]
-        for gs in _grads(2, seed=7):
-            set_grads(params, gs)
-            set_grads(mine, gs)
-            opt.step()
-            twin.step()
-        assert_same_state(opt, twin, params, mine)
+    assert_copies_step_alike(opt, params, _grads(2, seed=7))
 
 
 def test_a_state_its_group_does_not_describe_is_refused(tmp_path):

@@ -102,6 +102,30 @@ def row_scaled_grad(shape, *, scale_columns=False):
     return g * torch.exp(torch.randn(1, shape[1])) if scale_columns else g
 
 
+def scaled_grad_steps(shapes, steps, seed=0, vector=None):
+    """``steps`` lists of gradients, one per shape, from one generator of ``seed``: a matrix N(0, 1)
+    with rows scaled by e^(2 N(0, 1)) and columns by e^N(0, 1) (Gefen's rule shares v along whole
+    rows); a vector N(0, 1) times ``vector(n)`` (1 by default)."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        gs = []
+        for s in shapes:
+            if len(s) < 2:
+                gs.append(torch.randn(s, generator=gen) * (1.0 if vector is None else vector(s[0])))
+            else:
+                g = torch.randn(s, generator=gen) * torch.exp(2 * torch.randn(s[0], 1, generator=gen))
+                gs.append(g * torch.exp(torch.randn(1, s[1], generator=gen)))
+        out.append(gs)
+    return out
+
+
+def small_params(shapes, seed=1):
+    """One parameter per shape, 0.1 N(0, 1) from a generator of ``seed``."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(0.1 * torch.randn(s, generator=gen)) for s in shapes]
+
+
 def sparse_embedding(rows, dim, *, dtype=torch.float32, seed=None):
     """``nn.Embedding(rows, dim, sparse=True)``, its weights drawn after ``torch.manual_seed(seed)``
     where a seed is given."""
@@ -149,6 +173,25 @@ def assert_same_state(opt, opt2, params, params2):
         for key, val in opt.state[p].items():
             other = opt2.state[q][key]
             assert (torch.equal(val, other) and val.dtype == other.dtype) if torch.is_tensor(val) else val == other
+
+
+def assert_copies_step_alike(opt, params, grad_steps, check=None):
+    """A deepcopy and a pickle of ``opt`` each take ``grad_steps`` beside it and end in its state
+    (``assert_same_state``); ``check(copy)`` first, where given."""
+    import copy
+    import pickle
+
+    for copy_ in (copy.deepcopy, lambda o: pickle.loads(pickle.dumps(o))):
+        twin = copy_(opt)
+        if check is not None:
+            check(twin)
+        mine = [p for g in twin.param_groups for p in g["params"]]
+        for gs in grad_steps:
+            set_grads(params, gs)
+            set_grads(mine, gs)
+            opt.step()
+            twin.step()
+        assert_same_state(opt, twin, params, mine)
 
 
 def assert_match(actual, expected, tol=None):
