@@ -16,6 +16,9 @@
     # the layout options that bring the bytes near Gefen-X's, for loss: the same runs, one option each
     python experiments/gefen_ablation.py --experiment gefen_ablation_layout   # -> results/gefen_ablation_layout.csv
     python analysis/gefen_ablation_layout.py
+    # one column factor a matrix against one per square tile, alone, the same runs
+    python experiments/gefen_ablation.py --experiment gefen_ablation_column   # -> results/gefen_ablation_column.csv
+    python analysis/gefen_ablation_column.py
 
 Each variant is 8-bit Gefen (registry name Gefen-8bit) with ``share_second_moment=False`` (a
 per-element v, as block length 1) on the named group of tensors only, through a second parameter
@@ -62,7 +65,8 @@ factor alone they keep v per element; ``rows_v``, a matrix in which the rule fin
 over whole rows (``share_matrix_rows``), where it keeps one per element; ``scale_rows``, a matrix
 keeps one first-moment scale per group of whole rows of up to 2,048 elements
 (``row_group_scales``), not one per row; ``whole_w``, one column factor per matrix
-(``whole_matrix_factor``), not one per square tile of rows.
+(``whole_matrix_factor``), not one per square tile of rows. ``--experiment gefen_ablation_column``
+(``COLUMN_ABLATION``) makes the same runs with ``whole_w`` alone.
 
 Rows: ``val_loss`` per variant (and AdamW) and seed, ``val_loss_vs_adamw`` (paired by seed), its
 ``_mean`` and ``_std``, and ``delta_vs_shared`` (the paired difference of ratios against ``none``),
@@ -152,10 +156,13 @@ LONG_ABLATION = dict(sizes=["encoder"], steps=3000, seeds=5, peers=["gefen-x"], 
 # the options that cut the factored state's bytes, for loss: LONG_ABLATION's runs, the four together and
 # the one that coarsens the first moment's quantisation on its own
 LAYOUT_ABLATION = dict(LONG_ABLATION, peers=[], variants=[FACTORED, f"{FACTORED}+{LAYOUT}", f"{FACTORED}+{ROW_SCALES}"])
-EXPERIMENTS = ("gefen_ablation", "gefen_ablation_arch", "gefen_ablation_long", "gefen_ablation_layout")
+# one column factor a matrix (Gefen-X's, Adafactor's) against one per square tile of rows, alone
+COLUMN_ABLATION = dict(LONG_ABLATION, peers=[], variants=[FACTORED, f"{FACTORED}+{WHOLE_FACTOR}"])
+EXPERIMENTS = ("gefen_ablation", "gefen_ablation_arch", "gefen_ablation_long", "gefen_ablation_layout",
+               "gefen_ablation_column")
 SETTINGS = {"gefen_ablation_arch": ARCH_ABLATION, "gefen_ablation_long": LONG_ABLATION,
-            "gefen_ablation_layout": LAYOUT_ABLATION}
-ON_TOP_ONLY = ("gefen_ablation_long", "gefen_ablation_layout")  # the factor and changes on top of it, nothing else
+            "gefen_ablation_layout": LAYOUT_ABLATION, "gefen_ablation_column": COLUMN_ABLATION}
+ON_TOP_ONLY = ("gefen_ablation_long", "gefen_ablation_layout", "gefen_ablation_column")  # the factor and changes on top of it, nothing else
 
 
 def per_element_v_groups(model, pattern, factored=False, **every):
@@ -223,8 +230,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(parser)
     parser.add_argument("--experiment", default=EXPERIMENTS[0], choices=EXPERIMENTS,
-                        help="results file name; gefen_ablation_arch, gefen_ablation_long, gefen_ablation_layout: "
-                             "ARCH_ABLATION's, LONG_ABLATION's, LAYOUT_ABLATION's defaults (module docstring)")
+                        help="results file name; gefen_ablation_arch, _long, _layout, _column: ARCH_ABLATION's, "
+                             "LONG_ABLATION's, LAYOUT_ABLATION's, COLUMN_ABLATION's defaults (module docstring)")
     parser.add_argument("--tiny", action="store_true", help="test size (seconds)")
     kinds = [*PATTERNS["gpt"], *CHANGES]
     parser.add_argument("--variants", nargs="+", default=None,
