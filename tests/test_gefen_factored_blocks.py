@@ -23,7 +23,7 @@ from optim.gefen import distributed as D, reference as R, state as K
 from optim.gefen.partition import choose_block
 from tests.utils import (GEFEN_CPU_BACKENDS, assert_close, assert_copies_step_alike, assert_same_state,
                          checkpoint_and_continue,
-                         row_scaled_grad, scaled_grad_steps, set_grads, small_params)
+                         row_scaled_grad, scaled_grad_steps, set_grads, small_params, step_side_by_side)
 
 LR, WD, B1, B2 = 1e-2, 0.1, 0.9, 0.999
 SHARE = "share_vector_second_moment"
@@ -131,11 +131,7 @@ def test_vectors_step_as_the_unfactored_reference_and_matrices_as_the_factored(b
     two = Gefen([{"params": [q for k, q in enumerate(twins) if k not in VECTORS], "factor_second_moment": True},
                  {"params": [twins[k] for k in VECTORS]}], lr=LR, weight_decay=WD, bits=bits, backend=backend)
     steps = _grads(8)
-    for gs in steps:
-        set_grads(params, gs)
-        set_grads(twins, gs)
-        opt.step()
-        two.step()
+    step_side_by_side([(opt, params), (two, twins)], steps)
     blocks = [opt.state[p][K.BLOCK] for p in params]
     assert [blocks[k] for k in VECTORS] == [32, 32, 1, 1], blocks
     for k, p in enumerate(params):
@@ -188,11 +184,7 @@ def test_the_default_is_unchanged(backend):
     off = Gefen(twins, lr=LR, weight_decay=WD, factor_second_moment=True, backend=backend, **{SHARE: False})
     assert opt.param_groups[0][SHARE] is False
     steps = _grads(6)
-    for gs in steps:
-        set_grads(params, gs)
-        set_grads(twins, gs)
-        opt.step()
-        off.step()
+    step_side_by_side([(opt, params), (off, twins)], steps)
     assert_same_state(opt, off, params, twins)
     for k, p in enumerate(params):
         st = opt.state[p]

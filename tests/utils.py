@@ -175,6 +175,14 @@ def assert_same_state(opt, opt2, params, params2):
             assert (torch.equal(val, other) and val.dtype == other.dtype) if torch.is_tensor(val) else val == other
 
 
+def step_side_by_side(runs, grad_steps):
+    """Step each (optimizer, params) of ``runs`` on every gradient list of ``grad_steps`` in turn."""
+    for gs in grad_steps:
+        for opt, params in runs:
+            set_grads(params, gs)
+            opt.step()
+
+
 def assert_copies_step_alike(opt, params, grad_steps, check=None):
     """A deepcopy and a pickle of ``opt`` each take ``grad_steps`` beside it and end in its state
     (``assert_same_state``); ``check(copy)`` first, where given."""
@@ -186,11 +194,7 @@ def assert_copies_step_alike(opt, params, grad_steps, check=None):
         if check is not None:
             check(twin)
         mine = [p for g in twin.param_groups for p in g["params"]]
-        for gs in grad_steps:
-            set_grads(params, gs)
-            set_grads(mine, gs)
-            opt.step()
-            twin.step()
+        step_side_by_side([(opt, params), (twin, mine)], grad_steps)
         assert_same_state(opt, twin, params, mine)
 
 
