@@ -10,8 +10,9 @@ Per parameter (``optimizer.state[p]``; layout and shapes in ``reference.py``'s d
     CODES   uint8 (numel,) at 8 bits, (ceil(numel / 2),) at 4 bits (quantised groups)
     M       fp32 (numel,), the unquantised first moment (groups with quantize_first_moment=False)
     W       fp32 (tiles * P,), per-offset factor of the second moment, one P-vector a tile of rows
-            (``partition.factor_tiles``; one tile with whole_matrix_factor=True; groups with factor_second_moment=True, except a tensor of
-            fewer than two dimensions in a group with share_vector_second_moment=True: ``holds_factor``)
+            (``partition.factor_tiles``; one tile with whole_matrix_factor=True; groups with
+            factor_second_moment=True, except a tensor of fewer than two dimensions in a group with
+            share_vector_second_moment=True: ``holds_factor``)
     SCALE_BLOCK  int, the length S of the first moment's scale blocks where it is not the default
             (``reference.scale_block_length(BLOCK)``): factored matrices of groups with
             row_group_scales=True (``partition.row_group_scale_length``); ``scale_length`` reads either
