@@ -66,7 +66,8 @@ over whole rows (``share_matrix_rows``), where it keeps one per element; ``scale
 keeps one first-moment scale per group of whole rows of up to 2,048 elements
 (``row_group_scales``), not one per row; ``whole_w``, one column factor per matrix
 (``whole_matrix_factor``), not one per square tile of rows. ``--experiment gefen_ablation_column``
-(``COLUMN_ABLATION``) makes the same runs with ``whole_w`` alone.
+(``COLUMN_ABLATION``) makes the same runs with ``whole_w`` alone, ``--experiment gefen_ablation_vectors``
+(``VECTOR_ABLATION``) with ``vec_v`` and ``rows_v``, each alone.
 
 Rows: ``val_loss`` per variant (and AdamW) and seed, ``val_loss_vs_adamw`` (paired by seed), its
 ``_mean`` and ``_std``, and ``delta_vs_shared`` (the paired difference of ratios against ``none``),
@@ -158,11 +159,15 @@ LONG_ABLATION = dict(sizes=["encoder"], steps=3000, seeds=5, peers=["gefen-x"], 
 LAYOUT_ABLATION = dict(LONG_ABLATION, peers=[], variants=[FACTORED, f"{FACTORED}+{LAYOUT}", f"{FACTORED}+{ROW_SCALES}"])
 # one column factor a matrix (Gefen-X's, Adafactor's) against one per square tile of rows, alone
 COLUMN_ABLATION = dict(LONG_ABLATION, peers=[], variants=[FACTORED, f"{FACTORED}+{WHOLE_FACTOR}"])
+# the two options that share v where the factor keeps it per element (vectors; matrices with no rule block), each alone
+VECTOR_ABLATION = dict(LONG_ABLATION, peers=[],
+                       variants=[FACTORED, f"{FACTORED}+{VECTOR_BLOCKS}", f"{FACTORED}+{ROW_BLOCKS}"])
 EXPERIMENTS = ("gefen_ablation", "gefen_ablation_arch", "gefen_ablation_long", "gefen_ablation_layout",
-               "gefen_ablation_column")
+               "gefen_ablation_column", "gefen_ablation_vectors")
 SETTINGS = {"gefen_ablation_arch": ARCH_ABLATION, "gefen_ablation_long": LONG_ABLATION,
-            "gefen_ablation_layout": LAYOUT_ABLATION, "gefen_ablation_column": COLUMN_ABLATION}
-ON_TOP_ONLY = ("gefen_ablation_long", "gefen_ablation_layout", "gefen_ablation_column")  # the factor and changes on top of it, nothing else
+            "gefen_ablation_layout": LAYOUT_ABLATION, "gefen_ablation_column": COLUMN_ABLATION,
+            "gefen_ablation_vectors": VECTOR_ABLATION}
+ON_TOP_ONLY = tuple(SETTINGS)[1:]  # the factor and changes on top of it, nothing else
 
 
 def per_element_v_groups(model, pattern, factored=False, **every):
@@ -230,8 +235,9 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(parser)
     parser.add_argument("--experiment", default=EXPERIMENTS[0], choices=EXPERIMENTS,
-                        help="results file name; gefen_ablation_arch, _long, _layout, _column: ARCH_ABLATION's, "
-                             "LONG_ABLATION's, LAYOUT_ABLATION's, COLUMN_ABLATION's defaults (module docstring)")
+                        help="results file name; gefen_ablation_arch, _long, _layout, _column, _vectors: ARCH_ABLATION's, "
+                             "LONG_ABLATION's, LAYOUT_ABLATION's, COLUMN_ABLATION's, VECTOR_ABLATION's defaults "
+                             "(module docstring)")
     parser.add_argument("--tiny", action="store_true", help="test size (seconds)")
     kinds = [*PATTERNS["gpt"], *CHANGES]
     parser.add_argument("--variants", nargs="+", default=None,
