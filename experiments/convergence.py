@@ -23,7 +23,9 @@ This is the one experiment that answers it: one Gefen-vs-AdamW number per model.
 character model (experiments/models.py) learns Python's documentation topics plus standard-library
 sources (experiments/data.py; 90/10 train/validation split by chunks). Optimizers (registry names):
 AdamW, Adam-mini, torchao-AdamW8bit, torchao-AdamW4bit, gefen-upstream, gefen-x, Gefen-8bit, Gefen-4bit,
-Gefen-8bit-factored, Gefen-4bit-factored (``factor_second_moment=True``): the full run's; and on
+Gefen-8bit-factored, Gefen-4bit-factored (``factor_second_moment=True``), Gefen-8bit-compact,
+Gefen-4bit-compact (the factored state at Gefen-X's bytes or fewer, ``registry.COMPACT``): the full
+run's, and every configuration's below; and on
 bf16 weights (``--experiment convergence_bf16``: the
 model converted with ``.to(torch.bfloat16)``, no fp32 copy anywhere; the loss in fp32): AdamW+bf16
 (fused AdamW, its moments bf16 as the weights, rounding to nearest), Gefen-8bit+bf16-sr and
@@ -99,14 +101,16 @@ EXPERIMENT = "convergence"
 # bf16 weights: "<registry name>+bf16" (rounding to nearest) or "+bf16-sr" (Gefen's stochastic rounding)
 BF16 = ["AdamW+bf16", "Gefen-8bit+bf16-sr", "Gefen-8bit-factored+bf16-sr"]
 OPTIMIZERS = DENSE + BF16
+COMPACT = ["Gefen-8bit-compact", "Gefen-4bit-compact"]  # the factored state at Gefen-X's bytes or fewer
 LARGE = ["AdamW", "Adam-mini", "torchao-AdamW8bit", "gefen-upstream", "gefen-x", "Gefen-8bit", "Gefen-4bit",
-         "Gefen-8bit-factored", "Gefen-4bit-factored"]
+         "Gefen-8bit-factored", "Gefen-4bit-factored", *COMPACT]
 # the optimizers of each extra configuration (LARGE for a size not named here): on the second
 # corpus Gefen's against AdamW's, Adam-mini's and the two quantised peers', upstream (ours' numerics) out
 EXTRA_OPTIMIZERS = {"docstrings": ["AdamW", "Adam-mini", "torchao-AdamW8bit", "gefen-x", "Gefen-8bit", "Gefen-4bit",
-                                   "Gefen-8bit-factored", "Gefen-4bit-factored"]}
-# on the architectures Gefen was not developed on: the published Gefen, the factored one and gefen-x
-UNTUNED = ["AdamW", "gefen-x", "torchao-AdamW8bit", "Gefen-8bit", "Gefen-8bit-factored", "Gefen-4bit-factored"]
+                                   "Gefen-8bit-factored", "Gefen-4bit-factored", *COMPACT]}
+# on the architectures Gefen was not developed on: the published Gefen, the factored one (both layouts) and gefen-x
+UNTUNED = ["AdamW", "gefen-x", "torchao-AdamW8bit", "Gefen-8bit", "Gefen-8bit-factored", "Gefen-4bit-factored",
+           *COMPACT]
 EXTRA_OPTIMIZERS.update(encoder=UNTUNED, llama=UNTUNED)
 FULL_EXTRA = ["large", "docstrings"]
 # results files of one architecture each, run as the main configuration (no extra configurations)
@@ -117,7 +121,8 @@ ARCH_EXPERIMENTS = {
     # does the gap grow with training? the encoder 3x as long, fewer seeds, AdamW's lr (on a grid of
     # factors of two around its best at 1,000 steps, 4e-3)
     "convergence_long": dict(size="encoder", optimizers=["AdamW", "gefen-x", "Gefen-8bit-factored",
-                                                         "Gefen-4bit-factored"], protocol="dropin", steps=3000, seeds=3,
+                                                         "Gefen-4bit-factored", *COMPACT], protocol="dropin",
+                             steps=3000, seeds=3,
                              lrs=[2e-3, 4e-3, 8e-3]),
 }
 # the same 3,000 steps at the 1,000-step run's drop-in lr held fixed (AdamW's best there, 4e-3): with
