@@ -56,6 +56,10 @@ def make_optimizer(name: str, params):
     if name == "gefenf":  # factored second moment
         return Gefen(params, lr=LR, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1,
                      factor_second_moment=True, backend="torch")
+    if name == "gefenc":  # factored at Gefen-X's bytes: row-group scales, one factor a matrix
+        return Gefen(params, lr=LR, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1, factor_second_moment=True,
+                     share_vector_second_moment=True, share_matrix_rows=True, row_group_scales=True,
+                     whole_matrix_factor=True, backend="torch")
     if name == "gefen4":
         return Gefen(params, lr=LR, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1, bits=4,
                      backend="torch")
@@ -184,6 +188,7 @@ def local_states(model, opt) -> dict:
     import torch.distributed as dist
 
     from optim.gefen.reference import dequantize, unpack_codes
+    from optim.gefen.state import scale_length
 
     mine = {}
     for name, p in model.named_parameters():
@@ -196,9 +201,10 @@ def local_states(model, opt) -> dict:
         if "w" in st:
             d["w"] = st["w"].clone()
         if "codes" in st:
+            d["scale"] = scale_length(st)
             d["codes"] = unpack_codes(st["codes"], n, opt.bits).clone()
             d["scales"] = st["scales"].clone()
-            d["m"] = dequantize(st["scales"], st["codes"], opt.codebook, numel=n, block=st["block"],
+            d["m"] = dequantize(st["scales"], st["codes"], opt.codebook, numel=n, block=d["scale"],
                                 bits=opt.bits)
         mine[name] = d
     out = [None] * dist.get_world_size(GROUP)

@@ -63,10 +63,12 @@ def runs(tmp_path_factory):
     specs += [f"{s}:{o}" for o in OPTS for s in ("ddp", "fsdp", "dcp") if f"{s}:{o}" != "fsdp:gefen"]
     specs += ["train:gefen", "dcp_aligned:gefen", "dcp_mismatch:gefen", "hist:", "dcp:gefen4",
               "dcp_ddp:gefen", "dcp_flat:gefen", "dcp_fresh:gefen", "hsdp:gefen", "full_sd:gefen",
-              "ddp_to_fsdp:gefen", "ref:gefenf@1", "ddp:gefenf", "dcp:gefenf", "dcp_aligned:gefenf"]
+              "ddp_to_fsdp:gefen", "ref:gefenf@1", "ddp:gefenf", "dcp:gefenf", "dcp_aligned:gefenf", "dcp:gefenc",
+              "dcp_aligned:gefenc"]
     # 2-rank checkpoints onto 1 rank; full Gefen only from the "aligned" one (blocks agree)
     specs += [f"reshard:{o}@1" for o in OPTS if o != "gefen"]
-    specs += ["reshard_aligned:gefen@1", "reshard_mismatch:gefen@1", "reshard_aligned:gefenf@1"]
+    specs += ["reshard_aligned:gefen@1", "reshard_mismatch:gefen@1", "reshard_aligned:gefenf@1",
+              "reshard_aligned:gefenc@1"]
     specs += ["ddp_hooked:adamw", "fsdp_sr:hooked", "fsdp_sr:loop"]  # last: before every rank joined the seed, they hung
     launch(2, specs, out)
     yield out
@@ -135,11 +137,13 @@ def test_histogram_summed_over_shards_counted_once_for_replicas(runs):
         assert torch.equal(res["counts"][r], expected), (r, res["counts"][r], expected)
 
 
-@pytest.mark.parametrize("spec", [f"dcp:{o}" for o in OPTS] + ["dcp:gefen4", "dcp_ddp:gefen", "dcp:gefenf"])
+@pytest.mark.parametrize("spec", [f"dcp:{o}" for o in OPTS] + ["dcp:gefen4", "dcp_ddp:gefen", "dcp:gefenf",
+                                                                 "dcp:gefenc"])
 def test_dcp_round_trip_continues_identically(runs, spec):
     """Save, train on; a fresh model and optimizer load and train the same steps: bit for bit.
-    FSDP2 (blocks chosen per rank, both ranks' shards differ), 4-bit codes, DDP, and the
-    factored second moment (w per local shard)."""
+    FSDP2 (blocks chosen per rank, both ranks' shards differ), 4-bit codes, DDP, the factored
+    second moment (w per local shard), and it at Gefen-X's bytes (row-group scales, one factor a
+    local shard, v shared on vectors)."""
     res = result(runs, spec)
     _assert_params_close(res["resumed"], res["uninterrupted"], atol=0.0)
     assert_close(res["resumed_losses"], res["uninterrupted_losses"], atol=0.0, name="losses")
@@ -224,6 +228,49 @@ def test_dcp_two_ranks_to_one_rank_factored_w_is_the_block_weighted_mean(runs):
     assert all(bool(torch.isfinite(t).all()) for t in res["resumed"].values())
 
 
+def _row_group_scale(rows, row_len, block):
+    """The scale length of row groups restated for one factor a matrix: the longest multiple of P, at
+    most 2,048 elements, dividing the matrix's elements."""
+    return max(k * block for k in range(1, 2048 // block + 1) if rows * row_len % (k * block) == 0)
+
+
+def test_dcp_two_ranks_to_one_rank_compact_layout(runs):
+    """Factored at Gefen-X's bytes, 2 ranks -> 1: each weight's v loads as the two shards' end to end;
+    its scale length is the one rank's restated; each new scale is the largest |m| of its group of
+    the saved first moment, m within half a codebook gap of that scale of the saved one, and exactly
+    the saved m where a group holds one saved scale (the 48 x 64 weight, whose groups are its
+    shards); the one factor is the mean of the two shards' factors weighted by their rows."""
+    ref = result(runs, "dcp_aligned:gefenc")
+    res = result(runs, "reshard_aligned:gefenc")
+    (saved, codebook), (loaded, _) = ref["saved"], res["loaded"]
+    half_gap = float(codebook.diff().max()) / 2
+    kinds = set()
+    for name, block in W.ALIGNED_BLOCKS.items():
+        ranks = [r for r in saved[name] if r is not None]
+        (one,) = loaded[name]
+        assert one["block"] == block and all(r["block"] == block for r in ranks), name
+        assert torch.equal(one["v"], torch.cat([r["v"] for r in ranks])), f"{name}: v"
+        rows, row_len = sum(r["rows"] for r in ranks), ranks[0]["row_len"]
+        scale = _row_group_scale(rows, row_len, block)
+        assert one["scale"] == scale and all(r["scale"] == _row_group_scale(r["rows"], row_len, block)
+                                             for r in ranks), name
+        m0 = torch.cat([r["m"] for r in ranks])
+        assert torch.equal(one["scales"], m0.abs().view(-1, scale).amax(dim=1)), f"{name}: scales"
+        bound = half_gap * one["scales"].repeat_interleave(scale) * (1 + 1e-6)
+        assert bool(((one["m"] - m0).abs() <= bound).all()), f"{name}: m"
+        saved_scale = torch.cat([r["scales"].repeat_interleave(r["scale"]) for r in ranks]).view(-1, scale)
+        if bool((saved_scale == saved_scale[:, :1]).all()):
+            assert torch.equal(one["m"], m0), f"{name}: m"
+            kinds.add("exact")
+        else:
+            kinds.add("requantised")
+        want = sum(r["w"].double() * r["rows"] for r in ranks) / rows
+        assert one["w"].numel() == block and all(r["w"].numel() == block for r in ranks), name
+        assert_close(one["w"], want.float(), rtol=1e-6, name=f"{name}: w")
+    assert kinds == {"exact", "requantised"}  # both ways of loading the scales are exercised
+    assert all(bool(torch.isfinite(t).all()) for t in res["resumed"].values())
+
+
 def _assert_resumed(actual: dict, expected: dict):
     """Training resumed from re-quantised P = 1 biases: biases within K2 steps of lr (measured
     8.4e-3 on 0.bias for 2 -> 1 ranks, 1.3e-3 for DDP -> FSDP2), weights, moved only through the
@@ -290,27 +337,19 @@ def _saved_layout(shards, row_len):
 
 
 def _brute_force(shards, row_len, r0, r1):
-    """(block, scales_aligned) by labelling every element with its saved blocks, or None."""
-    vid, sid, vlen = [], [], {}
+    """The one saved block length of the new shard's elements, by labelling every element with its
+    saved block, or None where a saved block is cut or the shard sees several lengths."""
+    vid, vlen = [], {}
     for k, (n_rows, block) in enumerate(shards):
-        s_len = block if block > 1 else 256
         for i in range(n_rows * row_len):
             vid.append((k, i // block))
-            sid.append((k, i // s_len))
             vlen[(k, i // block)] = block
     lo, hi = r0 * row_len, r1 * row_len
     inside = set(vid[lo:hi])
     if any(v in inside for v in vid[:lo] + vid[hi:]):
         return None  # a saved block is cut by the new shard
     lengths = {vlen[v] for v in inside}
-    if len(lengths) != 1:
-        return None
-    (block,) = lengths
-    s_len = block if block > 1 else 256
-    fresh = [i // s_len for i in range(hi - lo)]  # a fresh shard's scale chunks
-    saved = sid[lo:hi]
-    same = all((fresh[i] == fresh[i + 1]) == (saved[i] == saved[i + 1]) for i in range(hi - lo - 1))
-    return block, same and not set(saved) & set(sid[:lo] + sid[hi:])
+    return lengths.pop() if len(lengths) == 1 else None
 
 
 def _divisors(n):

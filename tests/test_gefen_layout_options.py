@@ -144,11 +144,11 @@ def test_numba_steps_row_group_scales_and_triton_hands_them_to_torch():
     assert "row_group_scales" in triton_ops.refuses(torch.float32, o1.param_groups[0])
 
 
-def _make(scales=True, whole=True):
+def _make(scales=True, whole=True, bits=8):
     def make():
         ps = _params()
         return ps, Gefen(ps, lr=LR, weight_decay=WD, factor_second_moment=True, row_group_scales=scales,
-                         whole_matrix_factor=whole)
+                         whole_matrix_factor=whole, bits=bits)
     return make
 
 
@@ -162,6 +162,80 @@ def test_state_dict_round_trip_resumes_bit_for_bit(tmp_path):
     assert saved["opt"]["state"][1][K.SCALE_BLOCK] == _scale_length((100, 20), 20, True)
     assert_same_state(opt, opt2, params, params2)
     assert_copies_step_alike(opt, params, _grads(2, seed=7))
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_the_distributed_form_round_trips_and_resumes_bit_for_bit(tmp_path, monkeypatch, bits):
+    """The distributed (DCP) state form, as a process group makes it: scales and w one per element,
+    each the value of its scale block or its tile's offset; loaded, each matrix has its scale length
+    and one factor again, and 3 more steps equal the uninterrupted run bit for bit."""
+    from optim.gefen import distributed as D
+
+    monkeypatch.setattr(D, "_uses_distributed_form", lambda params: True)
+    steps = _grads(6)
+    params, opt, params2, opt2, saved = checkpoint_and_continue(_make(bits=bits), steps, tmp_path / "o.pt")
+    form = saved["opt"]["state"][1]  # the (100, 20) matrix: tiles of 20 rows but for the option
+    assert D.LAYOUT in form and form[K.SCALES].shape == form[K.W].shape == (100, 20)
+    scale = _scale_length((100, 20), 20, True)
+    assert torch.equal(form[K.W][0], form[K.W][-1])  # one factor for every row
+    assert torch.equal(form[K.SCALES].reshape(-1)[::scale].repeat_interleave(scale), form[K.SCALES].reshape(-1))
+    assert_same_state(opt, opt2, params, params2)
+    assert opt2.state[params2[1]][K.SCALE_BLOCK] == scale
+
+
+def _first_moments(opt, params):
+    """Each parameter's first moment decoded with its state's scale length."""
+    out = []
+    for p in params:
+        st = opt.state[p]
+        out.append(R.dequantize(st[K.SCALES], st[K.CODES], opt.codebook, numel=p.numel(),
+                                block=K.scale_length(st), bits=opt.bits))
+    return out
+
+
+@pytest.mark.parametrize("to_compact", [False, True])
+def test_the_distributed_form_loads_into_the_other_layout(monkeypatch, to_compact):
+    """A distributed-form checkpoint of one layout whose saved group is edited to the other's loads into
+    that layout (load_state_dict takes the saved groups' options). Into per-row scales
+    and per-tile factors: every first moment exactly as saved (a row's scale block lies in one saved
+    group) and every tile's w the saved matrix's w. Into row-group scales and one factor a matrix: each
+    new scale is the largest |m| of its group of the saved first moment (recomputed here), m within
+    half a codebook gap of that scale of the saved one (exact where the group held one saved scale),
+    and w the mean of the saved tiles' w weighted by their rows (float64 here, to 1e-6)."""
+    from optim.gefen import distributed as D
+
+    monkeypatch.setattr(D, "_uses_distributed_form", lambda params: True)
+    src_params, src = _make(scales=not to_compact, whole=not to_compact)()
+    for gs in _grads(3):
+        set_grads(src_params, gs)
+        src.step()
+    params, opt = _make(scales=to_compact, whole=to_compact)()
+    sd = src.state_dict()
+    sd["param_groups"][0].update(row_group_scales=to_compact, whole_matrix_factor=to_compact)
+    opt.load_state_dict(sd)
+    half_gap = float(src.codebook.diff().max()) / 2
+    exact = 0
+    for p, q, m0, m1 in zip(src_params, params, _first_moments(src, src_params), _first_moments(opt, params)):
+        shape, a, b = tuple(p.shape), src.state[p], opt.state[q]
+        block = b[K.BLOCK]
+        assert block == a[K.BLOCK] == shape[1]
+        if not to_compact:
+            assert torch.equal(m1, m0), shape
+            assert torch.equal(b[K.W], a[K.W].repeat(len(_tiles(shape, block, False)))), shape
+            continue
+        scale = _scale_length(shape, block, True)
+        assert K.scale_length(b) == scale
+        assert torch.equal(b[K.SCALES], m0.abs().view(-1, scale).amax(dim=1)), shape
+        bound = half_gap * b[K.SCALES].repeat_interleave(scale) * (1 + 1e-6)
+        assert bool(((m1 - m0).abs() <= bound).all()), shape
+        one = a[K.SCALES].view(-1, scale // block).unique(dim=1).shape[1] == 1
+        if one:
+            assert torch.equal(m1, m0), shape
+        exact += bool(torch.equal(m1, m0))
+        rows = torch.tensor([r1 - r0 for r0, r1 in _tiles(shape, block, False)], dtype=torch.float64)
+        want = (a[K.W].double().view(-1, block) * rows.view(-1, 1)).sum(dim=0) / rows.sum()
+        assert_close(b[K.W], want.float(), rtol=1e-6, name=f"w {shape}")
+    assert not to_compact or exact == 1  # requantised but the (9, 1000) matrix, a scale a row either way
 
 
 def test_a_state_its_group_does_not_describe_is_refused(tmp_path):

@@ -20,11 +20,13 @@ the group:
   a parameter of shape ``shape`` (DTensors placed like the parameter, plain tensors otherwise)::
 
       v       fp32 ``shape``: v of the element's block
-      scales  fp32 ``shape``: scale of the element's scale block   (quantised groups)
+      scales  fp32 ``shape``: scale of the element's scale block (of S elements: ``state.scale_length``)
+              (quantised groups)
       codes   uint8 ``shape``: the element's code (4-bit codes one a byte)   (quantised groups)
       m       fp32 ``shape``: the first moment   (groups with quantize_first_moment=False)
       w       fp32 ``shape``: the factor w of the element's offset in its block, from its
-              shard's w of its tile   (states with a factor: ``state.holds_factor``)
+              shard's w of its tile (``partition.factor_tiles``, one a local shard under
+              ``whole_matrix_factor``)   (states with a factor: ``state.holds_factor``)
       layout  int64 (rows, 4), the same on every rank: per row of dim 0, the saved block length
               P, the row's first element's position in its v-block and in its scale block, and
               the step count
@@ -44,10 +46,13 @@ Loading (:func:`from_distributed`) cuts each rank's local rows back into Gefen's
 Onto another number of ranks this is exact where every new local shard starts and ends on a
 saved block boundary and sees one block length; otherwise it raises a ``ValueError`` that names
 the parameter and says what to do. Tensors saved with P = 1 (per-element v) on every rank always
-fit; where their 256-element scale chunks moved, their first moment is requantised once with the
-codebook (one more rounding of m, at most half a codebook gap times the scale; v untouched).
+fit. A loaded scale block whose saved elements all hold one scale takes it and their codes (the
+first moment exactly as saved); where one holds several (P = 1 tensors whose 256-element chunks
+moved, row-group scales, ``row_group_scales``, whose groups a new shard cuts elsewhere), the first
+moment is requantised once with the codebook (one more rounding of m, at most half a codebook gap
+times the scale; v untouched).
 A factored second moment's w is per tile of a local shard (the mean over its blocks; tiles,
-``partition.factor_tiles``, cut the local shard's rows): a loaded tile's w is the mean of the
+``partition.factor_tiles``, cut the local shard's rows, or are the local shard): a loaded tile's w is the mean of the
 saved w over its elements at each offset, i.e. the saved shard's w where the
 sharding is unchanged (exactly), the block-weighted mean of the saved shards' w where shards merge
 (the w one process would hold up to rounding), the saved shard's w where a shard splits.
@@ -188,7 +193,7 @@ def _local_layout(st, r0, r1, row_len):
     start = torch.arange(r1 - r0, dtype=torch.int64) * row_len
     rows[:, _BLOCK] = block
     rows[:, _POS_V] = start % block
-    rows[:, _POS_S] = start % scale_block_length(block)
+    rows[:, _POS_S] = start % K.scale_length(st)
     rows[:, _STEP] = int(st[K.STEP])
     return rows
 
@@ -207,11 +212,12 @@ def _dtensor_like_rows(p, local_rows, rows):
                               shape=(rows, 4), stride=(4, 1))
 
 
-def to_distributed(state: dict, params, ids, quantized, *, codebook, bits: int, factored=None) -> None:
+def to_distributed(state: dict, params, ids, quantized, *, codebook, bits: int, factored=None, whole=None) -> None:
     """Rewrite ``state`` (``Optimizer.state_dict()['state']``) in place into the distributed form.
 
     ``quantized[i]`` is the ``quantize_first_moment`` flag of the group of ``params[i]``,
-    ``factored[i]`` whether its state holds a factor w (``state.holds_factor``; None: all False).
+    ``factored[i]`` whether its state holds a factor w (``state.holds_factor``; None: all False),
+    ``whole[i]`` whether that factor is one a matrix (``state.whole_factor``; None: all False).
     Every parameter gets the sharding- and block-independent form of the module docstring (plain
     parameters, as under DDP, as one shard of all their rows: a fresh optimizer's blocks differ
     from the saved ones, so DCP needs shapes that do not depend on them), with a copy of the
@@ -219,24 +225,17 @@ def to_distributed(state: dict, params, ids, quantized, *, codebook, bits: int, 
     same parameters (``get_optimizer_state_dict`` does).
     """
     factored = factored or [False] * len(params)
-    for pid, p, quant, fac in zip(ids, params, quantized, factored):
+    whole = whole or [False] * len(params)
+    for pid, p, quant, fac, one in zip(ids, params, quantized, factored, whole):
         if not p.requires_grad:
             continue
-        st = _to_distributed_one(p, state.get(pid), quantized=quant, bits=bits, factored=fac)
+        st = _to_distributed_one(p, state.get(pid), quantized=quant, bits=bits, factored=fac, whole=one)
         if quant:  # all zeros before the first step (a learned codebook ends at -1 and +1)
             st[K.CODEBOOK] = torch.zeros(2**bits, dtype=torch.float32) if codebook is None else codebook.detach().clone()
         state[pid] = st
 
 
-def _to_distributed_one(p, st, *, quantized, bits, factored=False):
-    whole = (st is not None and K.W in st and st[K.W].numel() == st[K.BLOCK]
-             and len(tile_elements(local_shard(p).shape, st[K.BLOCK])) > 1)
-    if st is not None and (K.SCALE_BLOCK in st or whole):
-        option = "row_group_scales" if K.SCALE_BLOCK in st else "whole_matrix_factor"
-        raise NotImplementedError(
-            f"Gefen: the distributed (DCP) state form keeps a scale per v block and a factor per square tile; "
-            f"a parameter of shape {tuple(p.shape)} has a layout of {option}=True: save it with "
-            f"optimizer.state_dict() on each rank, or train that group without {option}")
+def _to_distributed_one(p, st, *, quantized, bits, factored=False, whole=False):
     r0, r1, rows, row_len = shard_rows(p)
     layout = _full_layout(p, _local_layout(st, r0, r1, row_len))
     n = local_shard(p).numel()
@@ -262,28 +261,22 @@ def _to_distributed_one(p, st, *, quantized, bits, factored=False):
     like = (lambda t: _dtensor_like(p, t)) if is_sharded(p) else (lambda t: t.reshape(p.shape))
     out[K.V] = like(st[K.V].to(dev).float().repeat_interleave(block))
     if K.W in st:
-        out[K.W] = like(_factor_of_elements(st[K.W].to(dev).float(), local_shard(p).shape, block))
+        out[K.W] = like(_factor_of_elements(st[K.W].to(dev).float(), local_shard(p).shape, block, whole))
     if K.M in st:
         out[K.M] = like(st[K.M].to(dev).float())
     else:
-        s_len = scale_block_length(block)
-        out[K.SCALES] = like(st[K.SCALES].to(dev).float().repeat_interleave(s_len)[:n])
+        out[K.SCALES] = like(st[K.SCALES].to(dev).float().repeat_interleave(K.scale_length(st))[:n])
         out[K.CODES] = like(unpack_codes(st[K.CODES], n, bits).to(torch.uint8))
     return out
 
 
-def check_reshard(layout: torch.Tensor, r0: int, r1: int, row_len: int, *, name: str = "parameter",
-                  quantized: bool = True):
-    """Block length and scale alignment of rows ``[r0, r1)`` of a saved layout.
-
-    Returns ``(block, scales_aligned)``: the one saved block length of those rows and whether
-    their first-moment scale blocks start where a fresh shard's would. Raises ``ValueError`` if
+def check_reshard(layout: torch.Tensor, r0: int, r1: int, row_len: int, *, name: str = "parameter") -> int:
+    """The one saved block length of rows ``[r0, r1)`` of a saved layout. Raises ``ValueError`` if
     the rows cannot hold Gefen's state exactly: they see several block lengths, or the shard
-    starts or ends inside a saved block.
-    """
+    starts or ends inside a saved block."""
     rows = layout.shape[0]
     if r1 <= r0:
-        return 1, True
+        return 1
     part = layout[r0:r1]
     blocks = sorted(set(part[:, _BLOCK].tolist()))
     why = None
@@ -302,17 +295,14 @@ def check_reshard(layout: torch.Tensor, r0: int, r1: int, row_len: int, *, name:
             f"{r0}..{r1} of {rows}, {row_len} elements a row): {why}. Gefen chose its blocks per "
             "local shard when the checkpoint was written; load it onto the number of ranks it was "
             "saved from, or onto one where every rank's shard is a whole number of the saved blocks")
-    s_len = scale_block_length(block)
-    # Saved scale chunks restart at every saved shard start; they coincide with a fresh shard's
-    # chunks iff every row starts at the same chunk position and the shard ends where a chunk does.
-    aligned = (not quantized) or (torch.equal(part[:, _POS_S], expect % s_len)
-                                  and (r1 == rows or int(layout[r1, _POS_S]) == 0))
-    return block, aligned
+    return block
 
 
-def from_distributed(sd: dict, params, ids, *, bits: int) -> dict:
+def from_distributed(sd: dict, params, ids, *, bits: int, groups=None) -> dict:
     """The inverse of :func:`to_distributed` for this rank's sharding: a new state dict whose
-    per-parameter state is Gefen's compact local form, with the codebook at the top level."""
+    per-parameter state is Gefen's compact local form, with the codebook at the top level.
+    ``groups[i]``: the param group of ``params[i]``, whose layout options (the factor's tiles, the
+    scale blocks) the loaded state takes (None: the defaults)."""
     sd = dict(sd)
     state = dict(sd.get("state", {}))
     codebook = sd.get(K.CODEBOOK)
@@ -347,7 +337,8 @@ def from_distributed(sd: dict, params, ids, *, bits: int) -> dict:
         st = {key: val for key, val in st.items() if key not in (K.CODEBOOK, K.ROUNDING_SEED)}
         if LAYOUT in st:
             name = pid if isinstance(pid, str) else f"parameter {k}"
-            st = _from_distributed_one(p, st, codebook=codebook, bits=bits, name=name)
+            st = _from_distributed_one(p, st, codebook=codebook, bits=bits, name=name,
+                                       group=None if groups is None else groups[k])
         if st is None:
             state.pop(pid)  # saved before its first gradient: it chooses its blocks at that one
         else:
@@ -357,10 +348,11 @@ def from_distributed(sd: dict, params, ids, *, bits: int) -> dict:
     return sd
 
 
-def _factor_of_elements(w, shape, block):
-    """The factor w of each element's offset in its block, from its tile's w (``block`` floats a tile)."""
+def _factor_of_elements(w, shape, block, whole=False):
+    """The factor w of each element's offset in its block, from its tile's w (``block`` floats a
+    tile; ``whole`` as ``partition.factor_tiles``'s)."""
     return torch.cat([w[k * block:(k + 1) * block].repeat((b - a) // block)
-                      for k, (a, b) in enumerate(tile_elements(shape, block))])
+                      for k, (a, b) in enumerate(tile_elements(shape, block, whole))])
 
 
 def _local_rows_of(t, p, r0, r1):
@@ -372,7 +364,7 @@ def _local_rows_of(t, p, r0, r1):
     return t.reshape(-1)
 
 
-def _from_distributed_one(p, st, *, codebook, bits, name):
+def _from_distributed_one(p, st, *, codebook, bits, name, group=None):
     r0, r1, rows, row_len = shard_rows(p)
     layout = local_shard(st[LAYOUT]).cpu().to(torch.int64)
     if tuple(layout.shape) != (rows, 4):
@@ -384,37 +376,41 @@ def _from_distributed_one(p, st, *, codebook, bits, name):
     if not bool((mine > 0).all()):
         raise ValueError(f"Gefen: the checkpoint holds state for only some rows {r0}..{r1} of {name}; "
                          "load it onto the number of ranks it was saved from")
-    quantized = K.M not in st
-    block, aligned = check_reshard(layout, r0, r1, row_len, name=name, quantized=quantized)
+    block = check_reshard(layout, r0, r1, row_len, name=name)
     dev = local_shard(p).device
-    n = local_shard(p).numel()
+    shape = local_shard(p).shape
     out = {K.STEP: int(st[K.STEP]), K.BLOCK: block}
     if int(st.get(K.SEED, -1)) >= 0:
         out[K.SEED] = int(st[K.SEED])
-    if int(st.get(K.PROVISIONAL, 0)):
+    provisional = bool(int(st.get(K.PROVISIONAL, 0)))
+    if provisional:
         out[K.PROVISIONAL] = True
     out[K.V] = _local_rows_of(st[K.V], p, r0, r1)[::block].float().to(dev).clone()
     if K.W in st:  # per tile, the mean over its blocks in float64: exact where they hold the same w
         w = _local_rows_of(st[K.W], p, r0, r1).double()
+        whole = group is not None and K.whole_factor(group)
         out[K.W] = torch.cat([w[a:b].view(-1, block).mean(dim=0)
-                              for a, b in tile_elements(local_shard(p).shape, block)]).float().to(dev)
-    if not quantized:
+                              for a, b in tile_elements(shape, block, whole)]).float().to(dev)
+    if K.M in st:
         out[K.M] = _local_rows_of(st[K.M], p, r0, r1).float().to(dev).clone()
         return out
+    s_len = (scale_block_length(block) if provisional or group is None
+             else K.matrix_scale_length(block, shape, group))
+    K.set_scale_length(out, s_len)
     codes = _local_rows_of(st[K.CODES], p, r0, r1).to(torch.int64)
     scales = _local_rows_of(st[K.SCALES], p, r0, r1).float()
-    s_len = scale_block_length(block)
-    if aligned:
-        out[K.SCALES] = scales[::s_len][: num_scales(n, block)].to(dev).clone()
+    first = scales[::s_len]
+    if torch.equal(first.repeat_interleave(s_len)[:scales.numel()], scales):
+        # every new scale block holds one saved scale: its codes as saved, m exactly
+        out[K.SCALES] = first.to(dev).clone()
         out[K.CODES] = pack_codes(codes, bits).to(dev)
-    else:  # P == 1 tensor whose 256-element scale chunks moved: requantise m once
-        if codebook is None:
-            raise ValueError(f"Gefen: the checkpoint has no codebook for {name}")
-        cb = codebook.to(scales.device)
-        m = cb[codes] * scales
-        new_scales, new_codes = quantize(m, cb, block=block, bits=bits)
-        out[K.SCALES] = new_scales.to(dev)
-        out[K.CODES] = new_codes.to(dev)
+        return out
+    if codebook is None:
+        raise ValueError(f"Gefen: the checkpoint has no codebook for {name}")
+    cb = codebook.to(scales.device)  # the saved scale blocks cut by the new ones: requantise m once
+    new_scales, new_codes = quantize(cb[codes] * scales, cb, block=s_len, bits=bits)
+    out[K.SCALES] = new_scales.to(dev)
+    out[K.CODES] = new_codes.to(dev)
     return out
 
 
@@ -445,7 +441,7 @@ def to_distributed_state_dict(opt, sd: dict) -> dict:
     if _uses_distributed_form(params):
         sd["state"] = dict(sd["state"])
         to_distributed(sd["state"], params, ids, quantized, codebook=opt.codebook, bits=opt.bits,
-                       factored=_factored(opt))
+                       factored=_factored(opt), whole=[K.whole_factor(g) for g in opt.param_groups for _ in g["params"]])
         # get_optimizer_state_dict keeps only "state" and "param_groups": the optimizer's rounding
         # seed travels in every entry too (-1: none), as the codebook does
         seed = sd.get(K.ROUNDING_SEED)
@@ -461,4 +457,6 @@ def from_distributed_state_dict(opt, sd: dict) -> dict:
     params, ids, _ = _params_and_ids(opt, sd)
     if len(ids) != len(params):
         return sd  # Gefen.load_state_dict reports the mismatch
-    return from_distributed(sd, params, ids, bits=opt.bits)
+    # the saved groups' options: load_state_dict makes them the live groups' (a distributed-form
+    # checkpoint whose groups were edited loads into the edited layout)
+    return from_distributed(sd, params, ids, bits=opt.bits, groups=[g for g in sd["param_groups"] for _ in g["params"]])

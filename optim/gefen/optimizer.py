@@ -129,13 +129,11 @@ class Gefen(OptimizerBase):
             per group of whole rows of at most 2,048 elements (Gefen-X's fallback block length),
             not one per row (per block of P): 4 bytes a group instead of a row
             (``partition.row_group_scale_length``; ``state.SCALE_BLOCK``). Stepped by the torch or
-            numba step (Triton hands such a group to the torch step); not in the distributed (DCP)
-            state form. (Default: False)
+            numba step (Triton hands such a group to the torch step). (Default: False)
         whole_matrix_factor: under ``factor_second_moment``, a matrix of more rows than columns
             keeps one column factor w for the whole matrix (Adafactor's, Gefen-X's), not one per
             square tile of rows (above): 4 bytes a column instead of a column per tile, at the cost of
-            one factor for the parts of a fused projection. Every backend; not in the distributed
-            (DCP) state form. (Default: False)
+            one factor for the parts of a fused projection. Every backend. (Default: False)
         stochastic_rounding: write bf16 and fp16 parameters rounded stochastically (up with the
             probability of the fraction of the gap, so exact in expectation) instead of to nearest,
             so updates under half a unit in the last place still move a low-precision weight on

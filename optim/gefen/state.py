@@ -109,9 +109,17 @@ def block_lengths(g: torch.Tensor, group: dict, block_rule: str, provisional: bo
     if block == 1 and group["share_matrix_rows"]:  # no block found: whole rows, times the column factor
         block = MAX_BLOCK
     block = factored_block(block, g.shape)
-    if group.get("row_group_scales") and not provisional and block > 1:
-        return block, row_group_scale_length(block, g.shape, whole_factor(group))
-    return block, scale_block_length(block)
+    return block, scale_block_length(block) if provisional else matrix_scale_length(block, g.shape, group)
+
+
+def matrix_scale_length(block: int, shape, group: dict) -> int:
+    """The length S of the scale blocks of a (not provisional) state of block length ``block`` for a
+    tensor of ``shape`` (local shard) in ``group``: one group of whole rows of a factored matrix
+    under ``row_group_scales`` (``partition.row_group_scale_length``), ``scale_block_length`` else."""
+    if (group.get("row_group_scales") and group.get("factor_second_moment") and len(tuple(shape)) >= 2
+            and block > 1):
+        return row_group_scale_length(block, shape, whole_factor(group))
+    return scale_block_length(block)
 
 
 def scale_length(st: dict) -> int:
