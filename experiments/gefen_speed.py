@@ -20,7 +20,8 @@ fixed gradients (one backward) after its first step (blocks, codebook, compilati
 interleaved run per ``--threads`` count (experiments/train.py's ``interleaved``: every optimizer
 stepped once per repeat, in a shuffled order; ours runs its numba kernels on as many threads), after
 two untimed rounds. Optimizers (registry names): AdamW (fused: the baseline), Gefen-8bit,
-Gefen-4bit, Gefen-8bit-factored, Gefen-4bit-factored, and the peers torchao-AdamW8bit and gefen-x; a
+Gefen-4bit, Gefen-8bit-factored, Gefen-4bit-factored, Gefen-8bit-compact, Gefen-4bit-compact (the
+factored state at Gefen-X's bytes), and the peers torchao-AdamW8bit and gefen-x; a
 peer that is missing or fails is reported on stderr and left out. ``--quick``: a d=64 two-layer
 transformer, a 256-wide MLP, the same 160 small tensors, torchao left out (it compiles on first use).
 
@@ -65,8 +66,8 @@ from experiments.op_count import count_in_child, count_optimizer, optimizer_opti
 from experiments.registry import DENSE, make_optimizer
 from experiments.train import WEIGHT_DECAY, interleaved, median
 
-OPTIMIZERS = ["AdamW", "Gefen-8bit", "Gefen-4bit", "Gefen-8bit-factored", "Gefen-4bit-factored", "torchao-AdamW8bit",
-              "gefen-x"]
+OPTIMIZERS = ["AdamW", "Gefen-8bit", "Gefen-4bit", "Gefen-8bit-factored", "Gefen-4bit-factored", "Gefen-8bit-compact",
+              "Gefen-4bit-compact", "torchao-AdamW8bit", "gefen-x"]
 GEFEN = [n for n in OPTIMIZERS if n.startswith("Gefen")]
 SMALL_TENSORS = 160
 LR = 1e-3
@@ -110,7 +111,7 @@ def ratio_rows(res, prefix, med, x_, unit_scale=1e3, unit="ms"):
     for name, t in med.items():
         res.add(f"{prefix}/{name}", "step_time_median", "s", t, **x_)
         res.add(f"{prefix}/{name}", "step_time_vs_adamw", "ratio", t / base, **x_)
-        plain = name.removesuffix("-factored")
+        plain = name.removesuffix("-factored").removesuffix("-compact")
         note = ""
         if plain != name and plain in med:
             res.add(f"{prefix}/{name}", "step_time_vs_unfactored", "ratio", t / med[plain], **x_)

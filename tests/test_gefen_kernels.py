@@ -304,3 +304,65 @@ def test_optimizer_triton_backend_matches_torch_backend(bits, dtype):
             assert_close(a, b, atol=1e-5, name="parameter")
         else:
             assert rel_rms(a, b) <= 2e-2
+
+
+# (n, P, S): a scale block of S / P v blocks; powers of two, then P and S / P that are not (lanes masked)
+ROW_GROUP_CASES = [
+    pytest.param(2048, 16, 256, 8, torch.float32, id="n2048-P16-S256-8bit"),
+    pytest.param(1200, 20, 400, 8, torch.bfloat16, id="n1200-P20-S400-8bit-bf16"),
+    pytest.param(1200, 20, 400, 4, torch.float32, id="n1200-P20-S400-4bit"),
+    pytest.param(960, 48, 960, 4, torch.float32, id="n960-P48-S960-4bit"),
+    pytest.param(1806, 43, 258, 8, torch.float32, id="n1806-P43odd-S258-8bit"),
+]
+
+
+@pytest.mark.parametrize("step_", STEPS)
+@pytest.mark.parametrize("factored", [False, True], ids=["unfactored", "factored"])
+@pytest.mark.parametrize("n,block,scale,bits,dtype", ROW_GROUP_CASES)
+def test_row_group_scales_match_reference_over_steps(n, block, scale, bits, dtype, factored, step_):
+    """Row-group scales (one first-moment scale per S = k P elements, ``scale``): three steps from a
+    random state, with and without the factor w, against ``reference.gefen_step(scale=S)``: scales
+    and codes exactly, v and w to fp32 rounding, p as in the step test above."""
+    cb = random_codebook(bits)
+    v, s, c = random_state(n, block, bits)
+    _, s, _ = R.init_state(n, block=block, bits=bits, scale=scale)
+    s = torch.rand_like(s) * 0.2
+    w = torch.rand(block) if factored else None
+    p = torch.randn(n).to(dtype)
+    ref = [p.float(), v.clone(), s.clone(), c.clone()] + ([w.clone()] if factored else [])
+    kp, kv, ks, kc = p.clone(), v.clone(), s.clone(), c.clone()
+    kw = [w.clone()] if factored else None
+    gen = torch.Generator().manual_seed(n + block)
+    for t in range(1, 4):
+        g = (torch.randn(n // block, block, generator=gen) * torch.exp(torch.randn(n // block, 1, generator=gen)))
+        g = g.reshape(-1).to(dtype)
+        ref = list(R.gefen_step(ref[0], g, *ref[1:4], cb, step=t, block=block, bits=bits, scale=scale,
+                                w=ref[4] if factored else None, **HP))
+        ref[0] = ref[0].to(dtype).float()
+        step_([kp], [g], [kv], [ks], [kc], cb, step=t, block=block, bits=bits, ws=kw, scale=scale, **HP)
+        assert torch.equal(ks, ref[2]), f"scales after step {t}"
+        assert torch.equal(kc, ref[3]), f"codes after step {t}: {(kc != ref[3]).sum()} differ"
+        assert_close(kv, ref[1], atol=1e-7, rtol=1e-5, name=f"v after step {t}")
+        if factored:
+            assert_close(kw[0], ref[4], rtol=1e-5, name=f"w after step {t}")
+        if dtype == torch.float32:
+            assert_close(kp, ref[0], atol=1e-5, name=f"p after step {t}")
+        else:
+            assert rel_rms(kp, ref[0]) <= 2e-2, f"p after step {t}"
+
+
+def test_triton_refuses_row_group_scales_it_cannot_hold():
+    """At 4 bits an odd block's code bytes would span two v blocks of a scale block, and blocks of 2
+    elements would spill the kernel's registers: both refused by the data refusal (the optimizer
+    hands them to the torch step); a scale length that is no multiple of the block is no layout at
+    all: refused, naming the scale."""
+    cb = random_codebook(4)
+    v, s, c = R.init_state(86, block=43, bits=4, scale=86)
+    with pytest.raises(ValueError, match="scale=86.*even block"):
+        K.gefen_step_(torch.zeros(86), torch.zeros(86), v, s, c, cb, step=1, block=43, bits=4, scale=86, **HP)
+    assert "even block" in K.data_refusal(block=43, bits=4, quant=True, scale=86)
+    assert K.data_refusal(block=43, bits=8, quant=True, scale=86) is None
+    assert "3 elements or more" in K.data_refusal(block=2, bits=8, quant=True, scale=2048)
+    v, s, c = R.init_state(120, block=20, bits=8, scale=60)
+    with pytest.raises(ValueError, match="no whole number of v blocks"):
+        K.gefen_step_(torch.zeros(120), torch.zeros(120), v, s, c, cb, step=1, block=20, bits=8, scale=30, **HP)

@@ -124,24 +124,35 @@ def test_the_options_cut_the_bytes_they_say():
     assert per[True, True] == n + 4 * 32 + 4 * 512 + 4 * 128
 
 
-def test_numba_steps_row_group_scales_and_triton_hands_them_to_torch():
+@pytest.mark.parametrize("bits", [8, 4])
+def test_every_backend_steps_row_group_scales(bits):
     """On the CPU 'auto' steps a group with row_group_scales on numba (its plan's path), bitwise the
-    explicit numba backend; the Triton step refuses such a group, naming the option."""
-    from optim.gefen import triton_ops
-
+    explicit numba backend; the Triton step (its interpreter here) takes such a group on its own path
+    (the (30, 7) matrix, odd P at 4 bits, excepted: the torch step's) and holds the torch step's
+    scales and codes exactly, v and w to fp32 rounding (the kernel sums g**2 in another order)."""
     steps = _grads(3)
     runs = {}
-    for name in ("auto", "numba"):
+    for name in ("auto", "numba", "triton", "torch"):
         params = _params()
-        opt = Gefen(params, lr=LR, weight_decay=WD, factor_second_moment=True, row_group_scales=True, backend=name)
+        opt = Gefen(params, lr=LR, weight_decay=WD, bits=bits, factor_second_moment=True, row_group_scales=True,
+                    backend=name)
         for gs in steps:
             set_grads(params, gs)
             opt.step()
         runs[name] = (params, opt)
-        assert {opt._path_of(p, opt.param_groups[0], opt._backends[p].backend) for p in params} == {"numba"}
-    (p1, o1), (p2, o2) = runs["auto"], runs["numba"]
-    assert_same_state(o1, o2, p1, p2)
-    assert "row_group_scales" in triton_ops.refuses(torch.float32, o1.param_groups[0])
+    paths = {name: [o._path_of(p, o.param_groups[0], o._backends[p].backend) for p in ps]
+             for name, (ps, o) in runs.items()}
+    assert set(paths["auto"]) == set(paths["numba"]) == {"numba"}
+    assert paths["triton"] == ["triton" if bits == 8 or p.shape[1] % 2 == 0 else "torch" for p in runs["triton"][0]]
+    assert_same_state(runs["auto"][1], runs["numba"][1], runs["auto"][0], runs["numba"][0])
+    (pt, ot), (pr, orf) = runs["triton"], runs["torch"]
+    for p, q in zip(pt, pr):
+        a, b = ot.state[p], orf.state[q]
+        assert K.scale_length(a) == K.scale_length(b)
+        assert torch.equal(a[K.SCALES], b[K.SCALES]) and torch.equal(a[K.CODES], b[K.CODES]), tuple(p.shape)
+        for key in (K.V, K.W):
+            assert_close(a[key], b[key], rtol=1e-5, name=f"{key} {tuple(p.shape)}")
+        assert_close(p, q, atol=1e-5, name=str(tuple(p.shape)))
 
 
 def _make(scales=True, whole=True, bits=8):

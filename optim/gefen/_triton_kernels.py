@@ -55,6 +55,10 @@ Why the kernel looks the way it does
   reference's exactly (they depend only on g and the stored first moment), and p and v agree to
   fp32 rounding (the block sum of g**2 is added in another order); the kernel is memory-bound,
   so the extra arithmetic is hidden behind its memory traffic.
+* Row-group scales (one scale per S = k P elements, ``row_group_scales``): a tile row is still one
+  scale block, its k v blocks each in next_pow2(P) lanes of its own (``SUB``, ``WP``), so the v
+  sums are one reshaped reduction and the scale's absmax the row's, as before; the padding lanes
+  are masked (at most 4x the live ones, for P and k just past powers of two).
 * The factored second moment's per-offset factor ``w`` needs a reduction over every block of a
   tensor before any block's step can read it, so it is two kernels launched before the step, each
   over every tensor of the call at once: ``_factor_stats_kernel`` sums g**2 per offset over a
@@ -194,12 +198,15 @@ def _gefen_step_kernel(
     S: tl.constexpr, BLOCK_V: tl.constexpr, QUANT: tl.constexpr, R: tl.constexpr,
     WIDTH: tl.constexpr, NLUT: tl.constexpr, NCMP: tl.constexpr, HAS_DUP: tl.constexpr,
     ALIGN: tl.constexpr, EXACT: tl.constexpr, FACTOR: tl.constexpr, SR: tl.constexpr, HYPER: tl.constexpr,
+    SUB: tl.constexpr = 1, WP: tl.constexpr = 1,
 ):
     """8-bit codes or unquantised m: a tile of R scale blocks x WIDTH (>= S) element lanes.
 
     BLOCK_V == S: one v per scale block; BLOCK_V == 1: per-element v (then S == CHUNK and the
     last scale block of a tensor may be partial). FACTOR (BLOCK_V == S only): v of element j of
     a block is scaled by r_j of the tensor's factor w (``w_tab``: one fp32 pointer a tensor).
+    SUB > 1 (row-group scales): a scale block holds SUB v blocks of P = S / SUB elements, each in
+    WP = next_pow2(P) lanes of its own (WIDTH = next_pow2(SUB) * WP; ``_sub_blocks``).
     """
     pid = tl.program_id(0)
     t = tl.load(tile_ptr + 2 * pid)
@@ -208,25 +215,36 @@ def _gefen_step_kernel(
     p_ptr, g_ptr, v_ptr, s_ptr, c_ptr = _tensor_ptrs(ptr_tab, t, P_DT, G_DT, C_DT, ALIGN)
 
     rows = row0 + tl.arange(0, R)[:, None]  # [R, 1] scale-block index (int64)
-    cols = tl.arange(0, WIDTH)[None, :]
-    offs = rows * S + cols
-    if EXACT:  # n % S == 0: a mask constant along each row lets loads and stores be 128-bit
-        mask = (cols < S) & (rows * S < n)
+    lane = tl.arange(0, WIDTH)[None, :]
+    if SUB == 1:
+        cols = lane  # the element's offset in its scale block, and in its v block
+        live = cols < S
+        offs = rows * S + cols
     else:
-        mask = (cols < S) & (offs < n)
+        cols = lane % WP
+        live = (cols < S // SUB) & (lane // WP < SUB)
+        offs = rows * S + (lane // WP) * (S // SUB) + cols
+    if EXACT:  # n % S == 0: a mask constant along each row lets loads and stores be 128-bit
+        mask = live & (rows * S < n)
+    else:
+        mask = live & (offs < n)
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
 
     if BLOCK_V == 1:
         v = tl.load(v_ptr + offs, mask=mask, other=0.0)
         v = beta2 * v + omb2 * (g * g)
         tl.store(v_ptr + offs, v, mask=mask)
-    else:
+    elif SUB == 1:
         rmask = rows * S < n
         v = tl.load(v_ptr + rows, mask=rmask, other=0.0)
         v = beta2 * v + omb2 * tl.div_rn(tl.sum(g * g, axis=1)[:, None], S * 1.0)
         tl.store(v_ptr + rows, v, mask=rmask)
         if FACTOR:
-            v = v * _factor_ratio(w_tab, t, cols, cols < S, S, WIDTH)
+            v = v * _factor_ratio(w_tab, t, cols, live, S, WIDTH)
+    else:
+        v = _sub_blocks(g * g, v_ptr, rows, n, beta2, omb2, S, SUB, WP, R, WIDTH)
+        if FACTOR:
+            v = v * _factor_ratio(w_tab, t, cols, live, S // SUB, WP)
     denom = tl.div_rn(tl.sqrt_rn(v), _device_scalar(hyper_tab, t, 2, sqrt_bc2, HYPER)) + eps
 
     if QUANT:
@@ -245,6 +263,21 @@ def _gefen_step_kernel(
         m_hat = _lerp(m, g, w)
         tl.store(c_ptr + offs, m_hat, mask=mask)
     _apply(p_ptr, offs, mask, m_hat, denom, decay, neg_step, seed_tab, hyper_tab, t, SR, HYPER)
+
+
+@triton.jit
+def _sub_blocks(gg, v_ptr, rows, n, beta2, omb2, S: tl.constexpr, SUB: tl.constexpr, WP: tl.constexpr,
+                R: tl.constexpr, WIDTH: tl.constexpr):
+    """Row-group scales: the v of each of a scale block's SUB v blocks (P = S / SUB elements, WP
+    lanes each) updated from the tile's g**2 ``gg`` [R, WIDTH] and stored, returned per lane."""
+    KP: tl.constexpr = WIDTH // WP
+    sums = tl.reshape(tl.sum(tl.reshape(gg, [R * KP, WP]), axis=1), [R, KP])
+    k = tl.arange(0, KP)[None, :]
+    vmask = (k < SUB) & (rows * S < n)
+    v = tl.load(v_ptr + rows * SUB + k, mask=vmask, other=0.0)
+    v = beta2 * v + omb2 * tl.div_rn(sums, (S // SUB) * 1.0)
+    tl.store(v_ptr + rows * SUB + k, v, mask=vmask)
+    return tl.reshape(tl.broadcast_to(v[:, :, None], [R, KP, WP]), [R, WIDTH])
 
 
 @triton.jit
@@ -281,11 +314,14 @@ def _gefen_step4_kernel(
     S: tl.constexpr, BLOCK_V: tl.constexpr, GROUP: tl.constexpr, R: tl.constexpr,
     WIDTH: tl.constexpr, NLUT: tl.constexpr, NCMP: tl.constexpr, HAS_DUP: tl.constexpr,
     ALIGN: tl.constexpr, EXACT: tl.constexpr, FACTOR: tl.constexpr, SR: tl.constexpr, HYPER: tl.constexpr,
+    SUB: tl.constexpr = 1, WP: tl.constexpr = 1,
 ):
     """Packed 4-bit codes: a tile of R rows x WIDTH byte lanes, each byte = elements (2k, 2k+1).
 
     A tile row holds GROUP scale blocks (GROUP = 2 when S is odd, so bytes never straddle rows);
-    H = GROUP*S/2 bytes of a row are live.
+    H = GROUP*S/2 bytes of a row are live. SUB > 1 (row-group scales, GROUP 1, P = S / SUB even):
+    each of a scale block's SUB v blocks in WP = next_pow2(P) element lanes (WP / 2 byte lanes)
+    of its own, as in ``_gefen_step_kernel``.
     """
     H: tl.constexpr = GROUP * S // 2
     pid = tl.program_id(0)
@@ -296,22 +332,28 @@ def _gefen_step4_kernel(
 
     rows = row0 + tl.arange(0, R)[:, None]
     k = tl.arange(0, WIDTH)[None, :]
-    byte = rows * H + k
-    f0 = 2 * byte
-    if EXACT:  # n % (2H) == 0: row-constant masks (vectorised loads, see _gefen_step_kernel)
-        m0 = (k < H) & (rows * (2 * H) < n)
-        m1 = m0
-    else:
-        m0 = (k < H) & (f0 < n)
-        m1 = (k < H) & (f0 + 1 < n)
     # Elements are loaded and stored as one contiguous [R, 2*WIDTH] tile and split into the
     # (even, odd) halves of each byte in registers (module docstring: vectorised accesses).
     e = tl.arange(0, 2 * WIDTH)[None, :]
-    fe = rows * (2 * H) + e
-    if EXACT:
-        me = (e < 2 * H) & (rows * (2 * H) < n)
+    if SUB == 1:
+        byte = rows * H + k
+        live = k < H
+        fe = rows * (2 * H) + e
+        elive = e < 2 * H
     else:
-        me = (e < 2 * H) & (fe < n)
+        byte = rows * H + (2 * k // WP) * (S // SUB // 2) + (2 * k % WP) // 2
+        live = (2 * k % WP < S // SUB) & (2 * k // WP < SUB)
+        fe = rows * S + (e // WP) * (S // SUB) + e % WP
+        elive = (e % WP < S // SUB) & (e // WP < SUB)
+    f0 = 2 * byte
+    if EXACT:  # n % (2H) == 0: row-constant masks (vectorised loads, see _gefen_step_kernel)
+        m0 = live & (rows * (2 * H) < n)
+        m1 = m0
+        me = elive & (rows * (2 * H) < n)
+    else:
+        m0 = live & (f0 < n)
+        m1 = live & (f0 + 1 < n)
+        me = elive & (fe < n)
     if GROUP == 1:
         sub0 = k < 0  # all False: every element is in block `rows`
         sub1 = sub0
@@ -320,9 +362,15 @@ def _gefen_step4_kernel(
         sub1 = 2 * k + 1 >= S
     blk0 = rows * GROUP + sub0.to(tl.int64)  # scale block of each element
     blk1 = rows * GROUP + sub1.to(tl.int64)
-    g0, g1 = _pairs(tl.load(g_ptr + fe, mask=me, other=0.0).to(tl.float32), R, WIDTH)
+    g = tl.load(g_ptr + fe, mask=me, other=0.0).to(tl.float32)
+    g0, g1 = _pairs(g, R, WIDTH)
 
-    if BLOCK_V == 1:
+    if SUB > 1:
+        v = _sub_blocks(g * g, v_ptr, rows, n, beta2, omb2, S, SUB, WP, R, 2 * WIDTH)
+        if FACTOR:
+            v = v * _factor_ratio(w_tab, t, e % WP, elive, S // SUB, WP)
+        v0, v1 = _pairs(v, R, WIDTH)
+    elif BLOCK_V == 1:
         v0, v1 = _pairs(tl.load(v_ptr + fe, mask=me, other=0.0), R, WIDTH)
         v0 = beta2 * v0 + omb2 * (g0 * g0)
         v1 = beta2 * v1 + omb2 * (g1 * g1)

@@ -34,13 +34,11 @@ def stochastic_codes_refusal(group) -> str | None:
     return None
 
 
-def row_group_scales_refusal(group) -> str | None:
-    """Why the Triton step cannot step ``group``, or None: scale blocks of several rows
-    (``row_group_scales``) are the torch and numba steps' (Triton's ``refuses``)."""
-    if group.get("row_group_scales") and group["quantize_first_moment"] and group["factor_second_moment"]:
-        return ("its group keeps one first-moment scale per group of a matrix's rows (row_group_scales=True), "
-                "which the torch and numba steps do, not the Triton one")
-    return None
+def makes_row_group_scales(group) -> bool:
+    """True where ``group`` keeps one first-moment scale per group of a matrix's rows
+    (``row_group_scales`` under a quantised, factored second moment): states of such a group may
+    hold ``state.SCALE_BLOCK``."""
+    return bool(group.get("row_group_scales") and group["quantize_first_moment"] and group["factor_second_moment"])
 
 
 def expected_state(n: int, block: int, bits: int, quant: bool, dtype: torch.dtype,
@@ -72,7 +70,7 @@ def check_state_fits(st, p, group, bits, where: str):
     want = expected_state(n, block, bits, group["quantize_first_moment"], state_dtype(p.dtype, group),
                           holds_factor(group, p.dim()), tiles, st.get(K.SCALE_BLOCK)) if tiles else {}
     per_element = not group["share_second_moment"] and block != 1  # its blocks say otherwise
-    grouped = K.SCALE_BLOCK in st and not row_group_scales_refusal(group)  # a layout its group does not make
+    grouped = K.SCALE_BLOCK in st and not makes_row_group_scales(group)  # a layout its group does not make
     if (per_element or grouped or not want or (K.W in st) != (K.W in want)
             or any(key not in st or st[key].numel() != size for key, (_, size) in want.items())):
         made = st[K.V].numel() * block

@@ -40,7 +40,7 @@ def refuses(param_dtype: torch.dtype, group) -> str | None:
     return float64_state_refusal(param_dtype, group) or stochastic_codes_refusal(group)
 
 
-def data_refusal(*, block: int | None, bits: int, quant: bool, tables=None) -> str | None:
+def data_refusal(*, block: int | None, bits: int, quant: bool, tables=None, scale: int | None = None) -> str | None:
     """Why this step hands a call to the torch step, for what only the data decide, or None: a
     codebook with repeated entries, or entries closer than its finest lookup table separates
     (``CodeTable.ncmp > 1``; the kernel's lookup picks between two values only).

@@ -12,7 +12,7 @@ from .._rounding import MASK32, hash32_int
 from ..backends import BACKENDS
 from . import distributed as _dist, state as K
 from .checks import (check_adamw_keywords, check_capturable, check_group, check_param, check_state_dict,
-                     check_state_fits, row_group_scales_refusal)
+                     check_state_fits)
 from .codebook import Codebook
 from .partition import RULES, constant_magnitude
 from .plan import Call, draw_seeds, rounds_codes, run, signature, signed, step_module, step_scalars, tiles_of
@@ -128,8 +128,8 @@ class Gefen(OptimizerBase):
         row_group_scales: under ``factor_second_moment``, a matrix keeps one first-moment scale
             per group of whole rows of at most 2,048 elements (Gefen-X's fallback block length),
             not one per row (per block of P): 4 bytes a group instead of a row
-            (``partition.row_group_scale_length``; ``state.SCALE_BLOCK``). Stepped by the torch or
-            numba step (Triton hands such a group to the torch step). (Default: False)
+            (``partition.row_group_scale_length``; ``state.SCALE_BLOCK``). Every backend (Triton
+            hands blocks of 2 elements, and odd blocks at 4 bits, to the torch step). (Default: False)
         whole_matrix_factor: under ``factor_second_moment``, a matrix of more rows than columns
             keeps one column factor w for the whole matrix (Adafactor's, Gefen-X's), not one per
             square tile of rows (above): 4 bytes a column instead of a column per tile, at the cost of
@@ -295,17 +295,17 @@ class Gefen(OptimizerBase):
         the torch step. That depends on data: the codebook (learned at the first step) for numba,
         ``p``'s block length (chosen at its first non-zero gradient, or loaded) for Triton; before
         they exist this is the chosen backend, the path unless they deviate."""
-        return self._path(backend, group, self.state.get(p, {}).get(K.BLOCK))
+        st = self.state.get(p, {})
+        return self._path(backend, group, st.get(K.BLOCK), st.get(K.SCALE_BLOCK))
 
-    def _path(self, backend: str, group, block) -> str:
-        """``backend``, or "torch" where its ``data_refusal`` deviates for ``block`` and the codebook."""
+    def _path(self, backend: str, group, block, scale=None) -> str:
+        """``backend``, or "torch" where its ``data_refusal`` deviates for ``block``, the scale blocks
+        (``scale``: ``state.SCALE_BLOCK``) and the codebook."""
         if backend == "torch" or rounds_codes(group):  # stochastic codes: the torch step's (``refuses``)
-            return "torch"
-        if backend == "triton" and row_group_scales_refusal(group):  # row-group scales: torch and numba
             return "torch"
         quant = group["quantize_first_moment"]
         tables = self._codebook.table() if quant and self.codebook is not None else None
-        why = step_module(backend).data_refusal(block=block, bits=self.bits, quant=quant, tables=tables)
+        why = step_module(backend).data_refusal(block=block, bits=self.bits, quant=quant, tables=tables, scale=scale)
         return backend if why is None else "torch"
 
     def needs_every_gradient(self) -> bool:
@@ -474,13 +474,13 @@ class Gefen(OptimizerBase):
             buckets[(st[K.BLOCK], step, local_tensor(p).device, st[K.V].dtype, backend, K.W in st,
                      st.get(K.SCALE_BLOCK))].append(p)
         calls = []
-        for (block, _, _, _, backend, _, _), params in buckets.items():
+        for (block, _, _, _, backend, _, scale), params in buckets.items():
             states = [self.state[p] for p in params]
             if group["stochastic_rounding"] or rounds_codes(group):
                 draw_seeds(params, states, self._seed, self.param_groups, every=rounds_codes(group))
             tiles = [t for k, (p, st) in enumerate(zip(params, states))
                      for t in tiles_of(k, local_tensor(p), st, bits=self.bits)]
-            path = self._path(backend, group, block)
+            path = self._path(backend, group, block, scale)
             if self.capturable:
                 gi = next(i for i, g in enumerate(self.param_groups) if g is group)
                 pi = next(i for i, q in enumerate(group["params"]) if q is params[0])

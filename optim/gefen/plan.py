@@ -272,7 +272,7 @@ def run_call(call: Call, step: int | None, codebook, *, bits: int) -> None:
         extra = dict(seeds=call.seeds(step), code_seeds=call.seeds(step, codes=True))
     else:
         extra = dict(seeds=True if call.sr else None, hyper=call.rows)
-    if call.scale is not None:  # the torch and numba steps' (``Gefen._path``)
+    if call.scale is not None:  # row-group scales (``state.SCALE_BLOCK``)
         extra["scale"] = call.scale
     step_module(call.path).gefen_step_(ps, call.gradients(grads), vs, ss, cs, values, tables=tables,
                                        **h._asdict(), block=call.block, bits=bits, ws=ws, **extra)

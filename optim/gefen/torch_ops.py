@@ -29,7 +29,7 @@ def refuses(param_dtype: torch.dtype, group) -> str | None:
     return None
 
 
-def data_refusal(*, block: int | None, bits: int, quant: bool, tables=None) -> str | None:
+def data_refusal(*, block: int | None, bits: int, quant: bool, tables=None, scale: int | None = None) -> str | None:
     """The torch step takes every block length and codebook: never a refusal."""
     return None
 

@@ -60,7 +60,7 @@ from ._triton_kernels import (ELEMS_PER_THREAD, FACTOR_ITERS, FACTOR_ROWS, FACTO
                               _factor_finalize_kernel, _factor_stats_kernel, _gefen_hyper_kernel,
                               _gefen_step4_kernel, _gefen_step_kernel)
 from . import torch_ops
-from .checks import check_factors, float64_state_refusal, row_group_scales_refusal, stochastic_codes_refusal
+from .checks import check_factors, float64_state_refusal, stochastic_codes_refusal
 from .codebook import code_table
 from .reference import num_code_bytes, num_scales, scale_block_length
 
@@ -164,25 +164,38 @@ def _device_tables(tables, device, bits: int) -> DeviceTables:
     return _TABLE_CACHE.get_or_build((id(tables), str(device)), build, owner=tables)
 
 
-def tile_row_lanes(block: int, bits: int, quant: bool) -> int:
-    """Live lanes of one tile row: a scale block's elements, or the bytes of its packed 4-bit
-    codes (two scale blocks a row when the block length is odd, so no byte straddles rows)."""
-    s_len = scale_block_length(block)
+def tile_row_lanes(block: int, bits: int, quant: bool, scale: int | None = None) -> int:
+    """Live lanes of one tile row: a scale block's elements (``scale``: its length where it is not
+    ``scale_block_length(block)``), or the bytes of its packed 4-bit codes (two scale blocks a row
+    when the block length is odd, so no byte straddles rows)."""
+    s_len = scale or scale_block_length(block)
     if not (quant and bits == 4):
         return s_len
     return s_len if s_len % 2 else s_len // 2
 
 
+def sub_blocks(block: int, scale: int | None) -> int:
+    """v blocks a scale block holds: 1, or with row-group scales (``scale`` a multiple of ``block``
+    longer than it, ``state.SCALE_BLOCK``) ``scale / block``, each in lanes of its own."""
+    return scale // block if scale and block > 1 and scale != block else 1
+
+
 def step_plan(*, block, bits, quant, p_dtype, g_dtype, align, exact, factor=False, sr=False, hyper=False,
-              tile=TILE, num_warps=None) -> StepPlan:
+              tile=TILE, num_warps=None, scale=None) -> StepPlan:
     """The kernel, constexprs and warps of one launch: the launcher's only choice. A tile is R
     whole tile rows of WIDTH = next_pow2(lanes) lanes, R*WIDTH ~ ``tile`` elements (bytes for
-    packed 4-bit codes), ELEMS_PER_THREAD elements a thread."""
-    s_len = scale_block_length(block)
+    packed 4-bit codes), ELEMS_PER_THREAD elements a thread. With row-group scales (``scale``, SUB
+    v blocks a scale block) a row's WIDTH is next_pow2(SUB) x next_pow2(P) element lanes (half as
+    many byte lanes at 4 bits), each v block in lanes of its own."""
+    s_len = scale or scale_block_length(block)
     four = quant and bits == 4
     group = 2 if four and s_len % 2 else 1
-    lanes = tile_row_lanes(block, bits, quant)
-    width = next_pow2(lanes)
+    lanes = tile_row_lanes(block, bits, quant, scale)
+    sub = sub_blocks(block, scale)
+    why = _scale_refusal(block, bits, quant, scale)
+    if why:
+        raise ValueError(f"scale={scale}: {why}; use backend='torch' for it")
+    width = next_pow2(lanes) if sub == 1 else next_pow2(sub) * next_pow2(block) // (2 if four else 1)
     if width > MAX_TILE_WIDTH:
         raise ValueError(f"block={block} is longer than one Triton program holds "
                          f"({MAX_TILE_WIDTH}); use backend='torch' for it")
@@ -201,6 +214,8 @@ def step_plan(*, block, bits, quant, p_dtype, g_dtype, align, exact, factor=Fals
                  S=s_len, BLOCK_V=1 if block == 1 else s_len, R=rr, WIDTH=width, ALIGN=align,
                  EXACT=exact, FACTOR=factor, SR=bool(sr) and p_dtype != torch.float32, HYPER=hyper,
                  num_warps=warps)
+    if sub > 1:
+        const.update(SUB=sub, WP=next_pow2(block))
     if warps > 16:
         const["maxnreg"] = 64
     const.update({"GROUP": group} if four else {"QUANT": quant})
@@ -229,25 +244,39 @@ def refuses(param_dtype: torch.dtype, group) -> str | None:
     added (``optim.backends.choose_backend``), or None."""
     if param_dtype not in TL_DTYPES:
         return f"the Triton kernels take fp32, bf16 or fp16 parameters, got {param_dtype}"
-    return (float64_state_refusal(param_dtype, group) or stochastic_codes_refusal(group)
-            or row_group_scales_refusal(group))
+    return float64_state_refusal(param_dtype, group) or stochastic_codes_refusal(group)
 
 
-def data_refusal(*, block: int | None, bits: int, quant: bool, tables=None) -> str | None:
-    """Why these kernels hand a call to the torch step, for what only the data decide, or None: a
-    block longer than one program holds (``tile_row_lanes`` over ``MAX_TILE_WIDTH``). Block lengths
-    are fixed at a parameter's first gradient (``partition.py`` caps them well below) or come
-    from a loaded state dict."""
-    if block is not None and tile_row_lanes(block, bits, quant) > MAX_TILE_WIDTH:
-        return f"block {block} is longer than one Triton program holds"
+def _scale_refusal(block: int, bits: int, quant: bool, scale: int | None) -> str | None:
+    """Why row-group scales of length ``scale`` cannot be stepped here, or None."""
+    if not scale or scale == scale_block_length(block):
+        return None
+    if block == 1 or scale % block:
+        return f"a scale block of {scale} elements holds no whole number of v blocks of {block}"
+    if block < 3:  # lanes of 2: the per-block sums' layout spills registers
+        return f"row-group scales need v blocks of 3 elements or more, got {block}"
+    if quant and bits == 4 and block % 2:
+        return f"row-group scales at 4 bits need an even block, got {block} (a code byte would span two v blocks)"
+    if next_pow2(scale // block) * next_pow2(block) > MAX_TILE_WIDTH:
+        return f"a scale block of {scale} elements is longer than one Triton program holds"
     return None
 
 
-def _step_launches(rows, *, block, bits, quant, tile, num_warps, factor, sr, hyper) -> list:
+def data_refusal(*, block: int | None, bits: int, quant: bool, tables=None, scale: int | None = None) -> str | None:
+    """Why these kernels hand a call to the torch step, for what only the data decide, or None: a
+    block longer than one program holds (``tile_row_lanes`` over ``MAX_TILE_WIDTH``), row-group
+    scales it does not take (``_scale_refusal``). Block lengths are fixed at a parameter's first
+    gradient (``partition.py`` caps them well below) or come from a loaded state dict."""
+    if block is not None and tile_row_lanes(block, bits, quant, scale) > MAX_TILE_WIDTH:
+        return f"block {block} is longer than one Triton program holds"
+    return None if block is None else _scale_refusal(block, bits, quant, scale)
+
+
+def _step_launches(rows, *, block, bits, quant, tile, num_warps, factor, sr, hyper, scale=None) -> list:
     """The step's ``Launch`` es of ``rows`` (``_Row`` s: flat, contiguous, validated, on one device):
     one per kind of tensor, each program naming its tensor by position in ``rows`` (the plan's
     tables)."""
-    s_len = scale_block_length(block)
+    s_len = scale or scale_block_length(block)
     four = quant and bits == 4
     device = rows[0].p.device
     # One launch per (dtypes, alignment, exactness): a misaligned tensor or one whose size is not a
@@ -260,7 +289,8 @@ def _step_launches(rows, *, block, bits, quant, tile, num_warps, factor, sr, hyp
     launches = []
     for (pdt, gdt, align, exact), ks in by_kind.items():
         plan = step_plan(block=block, bits=bits, quant=quant, p_dtype=pdt, g_dtype=gdt, align=align,
-                         exact=exact, factor=factor, sr=sr, hyper=hyper, tile=tile, num_warps=num_warps)
+                         exact=exact, factor=factor, sr=sr, hyper=hyper, tile=tile, num_warps=num_warps,
+                         scale=scale)
         R = plan.constexprs["R"]
         numels = [rows[k].p.numel() for k in ks]
         trows = [-(-(num_code_bytes(n, 4) if four else n) // plan.lanes) for n in numels]
@@ -342,7 +372,7 @@ class _Plan:
     __slots__ = ("launches", "factor", "ptrs", "gcol", "numels", "wtab", "seed_tab", "hyper_tab", "order",
                  "aligned", "device", "gptrs", "gnumels", "gdtypes", "temporaries")
 
-    def __init__(self, rows, gs, ws, *, block, bits, quant, tile, num_warps, sr, hyper=None):
+    def __init__(self, rows, gs, ws, *, block, bits, quant, tile, num_warps, sr, hyper=None, scale=None):
         device = rows[0].p.device
         for r in rows:
             for name, t in (("p", r.p),) + ((("w", ws[r.index]),) if ws is not None else ()):
@@ -353,7 +383,8 @@ class _Plan:
             if hyper is not None and hyper[r.index].device != device:
                 raise ValueError(f"hyper[{r.index}] is on {hyper[r.index].device}, p[{r.index}] on {device}")
         self.launches = _step_launches(rows, block=block, bits=bits, quant=quant, tile=tile, num_warps=num_warps,
-                                       factor=ws is not None and block > 1, sr=sr, hyper=hyper is not None)
+                                       factor=ws is not None and block > 1, sr=sr, hyper=hyper is not None,
+                                       scale=scale)
         self.factor = None if ws is None else _factor_pass(rows, block=block)
         self.ptrs = torch.tensor([[t.data_ptr() for t in (r.p, r.g, r.v, r.scales, r.codes)] for r in rows],
                                  dtype=torch.int64).to(device)
@@ -416,7 +447,7 @@ def _as_list(x):
     return list(x) if isinstance(x, (list, tuple)) else [x]
 
 
-def _validate(ps, gs, vs, ss, cs, *, block, bits, quant):
+def _validate(ps, gs, vs, ss, cs, *, block, bits, quant, scale=None):
     """Check every tensor against the reference's layout; return (``_Row`` s to launch, (parameter,
     contiguous copy) pairs to copy back)."""
     rows, copies = [], []
@@ -432,7 +463,9 @@ def _validate(ps, gs, vs, ss, cs, *, block, bits, quant):
             raise ValueError(f"block={block} does not divide p[{i}].numel()={n}")
         want = [("v", vi, torch.float32, n // block)]
         if quant:
-            want += [("scales", si, torch.float32, num_scales(n, block)),
+            if scale and n % scale:
+                raise ValueError(f"scale={scale} does not divide p[{i}].numel()={n}")
+            want += [("scales", si, torch.float32, num_scales(n, scale or block)),
                      ("codes", ci, torch.uint8, num_code_bytes(n, bits))]
         else:
             want += [("codes", ci, torch.float32, n)]
@@ -451,12 +484,12 @@ def _validate(ps, gs, vs, ss, cs, *, block, bits, quant):
     return rows, copies
 
 
-def _plan(ps, gs, vs, ss, cs, *, block, bits, quant, tile, num_warps, ws=None, sr=False, hyper=None):
+def _plan(ps, gs, vs, ss, cs, *, block, bits, quant, tile, num_warps, ws=None, sr=False, hyper=None, scale=None):
     """(cached or new ``_Plan``, contiguous copies of parameters to write back); (None, []) when
     every tensor is empty."""
     # state tensors by address, size, dtype and layout: a view at a cached address (another
     # dtype, a shorter slice) is validated again, never launched on a plan made for another
-    key = (block, bits, quant, tile, num_warps, sr, tuple(map(_DATA_PTR, ps)), tuple(map(_NUMEL, ps)),
+    key = (block, scale, bits, quant, tile, num_warps, sr, tuple(map(_DATA_PTR, ps)), tuple(map(_NUMEL, ps)),
            tuple(p.dtype for p in ps), tuple(map(_state_key, vs)), tuple(map(_state_key, cs)),
            tuple(map(_state_key, ss)) if quant else None,
            tuple(map(_state_key, ws)) if ws is not None else None,
@@ -470,11 +503,11 @@ def _plan(ps, gs, vs, ss, cs, *, block, bits, quant, tile, num_warps, ws=None, s
         check_factors(ps, ws, block=block, device_type=ps[0].device.type if ps else "cpu")
     if hyper is not None:
         check_rows(hyper, len(ps))
-    rows, copies = _validate(ps, gs, vs, ss, cs, block=block, bits=bits, quant=quant)
+    rows, copies = _validate(ps, gs, vs, ss, cs, block=block, bits=bits, quant=quant, scale=scale)
     if not rows:
         return None, []
     plan = _Plan(rows, gs, ws, block=block, bits=bits, quant=quant, tile=tile, num_warps=num_warps, sr=sr,
-                 hyper=hyper)
+                 hyper=hyper, scale=scale)
     if not copies and all(map(_IS_CONTIGUOUS, gs)):  # a temporary contiguous copy has a new address each call
         _PLAN_CACHE.put(key, plan)
     return plan, copies
@@ -488,7 +521,7 @@ def _launch(kernel, grid, args, kwargs, device):
 
 def gefen_step_(ps, gs, vs, scales, codes, codebook, *, step, lr, beta1, beta2, eps, weight_decay,
                 block, bits, tables=None, tile=TILE, num_warps=None, ws=None, seeds=None, hyper=None,
-                code_seeds=None):
+                code_seeds=None, scale=None):
     """One Gefen step in place: the rule and state layout of :func:`optim.gefen.reference.gefen_step`.
 
     ``ps, gs, vs, scales, codes`` are tensors of one parameter, or equal-length lists of them (a
@@ -508,7 +541,9 @@ def gefen_step_(ps, gs, vs, scales, codes, codebook, *, step, lr, beta1, beta2, 
     are not read, so a captured launch stays valid at every replay; ``seeds`` is then True (any
     value but None) to round stochastically with the rows' seeds. ``code_seeds`` (stochastic
     rounding of the codes, one 32-bit seed per tensor) has no kernel here: such a call is
-    ``torch_ops.gefen_step_``'s. Returns None.
+    ``torch_ops.gefen_step_``'s. ``scale``: the length S of the first moment's scale blocks where
+    it is not ``scale_block_length(block)`` (row-group scales, a multiple of ``block``;
+    ``sub_blocks``). Returns None.
 
     Host cost: the first call with a set of tensors validates them and builds the plan (launch
     and pointer tables, the factor's scratch); later calls with the same p, v, scales, codes and w
@@ -523,7 +558,7 @@ def gefen_step_(ps, gs, vs, scales, codes, codebook, *, step, lr, beta1, beta2, 
             raise ValueError("Gefen kernel: stochastic rounding of the codes has no capturable step")
         return torch_ops.gefen_step_(ps, gs, vs, scales, codes, codebook, step=step, lr=lr, beta1=beta1,
                                      beta2=beta2, eps=eps, weight_decay=weight_decay, block=block, bits=bits,
-                                     tables=tables, ws=ws, seeds=seeds, code_seeds=code_seeds)
+                                     tables=tables, ws=ws, seeds=seeds, code_seeds=code_seeds, scale=scale)
     ps, gs, vs, ss, cs = (_as_list(x) for x in (ps, gs, vs, scales, codes))
     if not len(ps) == len(gs) == len(vs) == len(ss) == len(cs):
         raise ValueError("p, g, v, scales, codes must be lists of the same length")
@@ -532,11 +567,15 @@ def gefen_step_(ps, gs, vs, scales, codes, codebook, *, step, lr, beta1, beta2, 
     if not isinstance(block, int) or block < 1:
         raise ValueError(f"block must be a positive int, got {block!r}")
     quant = codebook is not None
+    scale = None if not quant or scale == scale_block_length(block) else scale
+    why = _scale_refusal(block, bits, quant, scale)
+    if why:
+        raise ValueError(f"scale={scale!r}: {why}")
     if quant and tables is None:
         tables = _table_of(codebook)
     plan, copies = _plan(ps, gs, vs, ss, cs, block=block, bits=bits, quant=quant, tile=tile,
                          num_warps=num_warps, ws=None if ws is None else _as_list(ws), sr=seeds is not None,
-                         hyper=None if hyper is None else _as_list(hyper))
+                         hyper=None if hyper is None else _as_list(hyper), scale=scale)
     if plan is None:
         return
     device = plan.device
@@ -646,9 +685,17 @@ _COMMON = dict(block=_BLOCKS, p_dtype=_DTYPES, g_dtype=_DTYPES, align=[True, Fal
 # The factor's kernels (factor_plan): blocks as the step's, and beyond FACTOR_WIDTH (column chunks,
 # aligned or masked) up to the longest a 4-bit tile row holds. The step scalars' kernel (advance_): lr
 # a host float or a tensor on the device (fp32, or fp64), stochastic rounding's seeds or none.
+# Row-group scales (``sub_blocks``): (P, S) as factored matrices of common widths take them (S the
+# longest multiple of P up to 2,048 elements dividing the matrix): next_pow2(P) from 4 and next_pow2(S / P)
+# from 2, each to 1024, P a power of two, even, odd; at 4 bits even P only (``_scale_refusal``).
+_GROUPS = [(4, 2048), (3, 2046), (20, 2040), (48, 2016), (128, 2048), (768, 1536), (1000, 2000), (1024, 2048)]
+_NO_BLOCK = {k: v for k, v in _COMMON.items() if k != "block"}
 PLAN_AXES = {
     "8bit": dict(_COMMON, bits=[8], quant=[True], table=_TABLES),
     "4bit": dict(_COMMON, bits=[4], quant=[True], table=_TABLES),
+    "8bit_groups": dict(_NO_BLOCK, group=_GROUPS, bits=[8], quant=[True], table=_TABLES),
+    "4bit_groups": dict(_NO_BLOCK, group=[g for g in _GROUPS if g[0] % 2 == 0], bits=[4], quant=[True],
+                        table=_TABLES),
     "fp32_m": dict(_COMMON, bits=[8], quant=[False]),
     "factor": dict(block=_BLOCKS + [2047, 2048, 3000, 2 * MAX_TILE_WIDTH], g_dtype=_DTYPES),
     "scalars": dict(lr=["float", torch.float32, torch.float64], sr=[False, True]),
@@ -675,7 +722,9 @@ def launch_configs(cover=axis_pairs) -> list:
             out += _scalars_launch_configs(cover(axes), axes)
             continue
         for c in cover(axes):
-            plan = {k: v for k, v in c.items() if k != "table"}
+            plan = {k: v for k, v in c.items() if k not in ("table", "group")}
+            if "group" in c:
+                plan["block"], plan["scale"] = c["group"]
             chosen = step_plan(**plan)
             tabs = _stand_in_tables(c["bits"], *c["table"]) if c["quant"] else None
             args, table_const = _kernel_args(*tile_tabs, tabs, tile_tabs[2], step=1, lr=1e-3, beta1=0.9, beta2=0.999,
