@@ -17,7 +17,7 @@ torchao-AdamW8bit, torchao-AdamW4bit, gefen-upstream, Gefen-8bit, Gefen-4bit, an
 factored second moment (Gefen-8bit-factored, Gefen-4bit-factored), whose step time is also given as a
 ratio to the unfactored Gefen's of the same bits, timed in the same interleaved run, and the factored
 layout at Gefen-X's bytes or fewer (Gefen-8bit-compact, Gefen-4bit-compact: registry.COMPACT's
-options; on the CPU its row-group scales run on the numba step, on a GPU on the torch step).
+options).
 
 Rows (variant = optimizer, x = model): ``state_bytes_per_param``, ``first_step_time`` (s: blocks,
 codebook, compilation where there is any), ``step_time_median`` (s), ``step_time_vs_adamw`` (ratio),
