@@ -10,8 +10,8 @@ TRITON_INTERPRET=1:
   for every step up to ``STEPS_CHECKED`` at several betas; the device raises ``beta**t`` by binary
   powering where the host calls the C library's ``pow`` (within a few float64 ulps of each other),
   so the documented bound is one fp32 ulp, and equality is what these steps show;
-- so ten capturable steps equal ten host-path steps bit for bit: 8-bit, 4-bit, factored, an fp32
-  first moment, bf16 weights with stochastic rounding, maximize, a tensor lr changed by an LR
+- so ten capturable steps equal ten host-path steps bit for bit: 8-bit, 4-bit, factored, factored
+  at Gefen-X's bytes (row-group scales, one factor a matrix, v shared on vectors), an fp32 first moment, bf16 weights with stochastic rounding, maximize, a tensor lr changed by an LR
   scheduler, and under ``step_in_backward``;
 - after the first step (which chooses blocks and learns the codebook on the host) a step reads
   no tensor value on the host: no ``aten::_local_scalar_dense`` or other data-dependent operation
@@ -45,6 +45,8 @@ VARIANTS = {
     "4bit": dict(bits=4),
     "factored": dict(factor_second_moment=True),
     "factored-4bit": dict(factor_second_moment=True, bits=4),
+    "compact": dict(factor_second_moment=True, share_vector_second_moment=True, share_matrix_rows=True,
+                    row_group_scales=True, whole_matrix_factor=True),
     "fp32-m": dict(quantize_first_moment=False),
     "bf16-sr": dict(stochastic_rounding=True, dtype=torch.bfloat16),
     "maximize": dict(maximize=True),
@@ -175,7 +177,7 @@ class _HostReads:
 
 @pytest.mark.parametrize("capturable, lr", [(True, "tensor"), (True, "float"), (False, "float")],
                          ids=["capturable-tensor-lr", "capturable-float-lr", "host-steps-float-lr"])
-@pytest.mark.parametrize("variant", ["8bit", "4bit", "factored", "bf16-sr"])
+@pytest.mark.parametrize("variant", ["8bit", "4bit", "factored", "compact", "bf16-sr"])
 @pytest.mark.parametrize("static_grads", [True, False], ids=["static-grads", "new-grads"])
 def test_no_host_reads_after_the_first_step(variant, capturable, lr, static_grads):
     """Steps 2..5 read no tensor value on the host. With gradients at fixed addresses a capturable
