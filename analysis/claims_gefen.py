@@ -511,6 +511,22 @@ def _total_bytes(R, label, name):
     return sum(_by_kind(R, label, name, k) * (counts[k] if k != "shared" else n) for k in kinds) / n
 
 
+# each layout option alone on the factor: (experiment, variant, words)
+LAYOUT_ALONE = [("gefen_ablation_layout", "factored+scale_rows", "row-group scales"),
+                ("gefen_ablation_column", "factored+whole_w", "one column factor a matrix"),
+                ("gefen_ablation_vectors", "factored+vec_v", "v shared on vectors"),
+                ("gefen_ablation_vectors", "factored+rows_v", "v over whole rows of rule-less matrices")]
+
+
+def _paired_with_factored(R, e, variant):
+    """The loss ratio of ``variant`` less the factored one's, seed by seed, in experiment ``e``."""
+    seeds = {v: {r["seed"]: r["value"] for r in select(R.rows(e, "val_loss_vs_adamw"), "val_loss_vs_adamw", v)}
+             for v in ("factored", variant)}
+    if not seeds["factored"] or seeds["factored"].keys() != seeds[variant].keys():
+        raise ResultsError(f"{R.dir / e}.csv: no seed-paired val_loss_vs_adamw of factored and {variant}")
+    return [seeds[variant][k] - seeds["factored"][k] for k in sorted(seeds["factored"])]
+
+
 def gefen_layout(R):
     e = "gefen_ablation_layout"
     labels = [v.removesuffix("/gefen-x") for v in variants_of(R, "gefen_memory", "state_bytes_per_param_of_kind")
@@ -539,8 +555,10 @@ def gefen_layout(R):
               f"{len(seeds['factored'])} seeds: factored 8-bit {pct(med['factored'])}, compact "
               f"{pct(med['factored+layout'])} (paired with the factored by seed: "
               f"{pct(1 + statistics.fmean(paired['factored+layout']))} on the mean), the row-group scales alone "
-              f"{pct(med['factored+scale_rows'])} ({pct(1 + statistics.fmean(paired['factored+scale_rows']))}); "
-              "gefen-x at these settings and seeds is in gefen_ablation_long's section.")
+              f"{pct(med['factored+scale_rows'])}; gefen-x at these settings and seeds is in gefen_ablation_long's "
+              "section. Each option alone on the factor, paired with the factored by seed (mean; worse on): "
+              + "; ".join(f"{words} {pct(1 + statistics.fmean(d))} ({sum(x > 0 for x in d)} of {len(d)})"
+                          for words, d in ((w, _paired_with_factored(R, x, v)) for x, v, w in LAYOUT_ALONE)) + ".")
     lo, hi = (f(per["8bit"][k] for k in wide) for f in (min, max))
     return Row("The factored state at Gefen-X's bytes or fewer (compact layout, ours)", verdict,
                f"8-bit {lo:.3f}–{hi:.3f} B/param at width ≥ {WIDE}, ≤ gefen-x's on "
