@@ -205,10 +205,12 @@ def step_plan(*, block, bits, quant, p_dtype, g_dtype, align, exact, factor=Fals
     per_thread = ELEMS_PER_THREAD if fast else ELEMS_PER_THREAD // 2
     tile = tile if fast else tile // 2
     rr = prev_pow2(max(1, (tile // 2 if four else tile) // width))  # tl.arange needs 2**k
-    # The factored scalar path holds one more pointer an element: one element a thread, up to 32
-    # warps (64 registers each, as ptxas is told), so it too stays within 64 registers.
-    most = 32 if factor and not fast else 16
-    per_thread = per_thread // 2 if factor and not fast else per_thread
+    # The factored scalar path holds one more pointer an element, the row-group one the lanes' block
+    # indices: one element a thread, up to 32 warps (64 registers each, as ptxas is told), so they
+    # too stay within 64 registers.
+    lean = (factor or sub > 1) and not fast
+    most = 32 if lean else 16
+    per_thread = per_thread // 2 if lean else per_thread
     warps = num_warps or max(1, min(most, rr * width * (2 if four else 1) // (32 * per_thread)))
     const = dict(P_DT=TL_DTYPES[p_dtype], G_DT=TL_DTYPES[g_dtype], C_DT=tl.uint8 if quant else tl.float32,
                  S=s_len, BLOCK_V=1 if block == 1 else s_len, R=rr, WIDTH=width, ALIGN=align,
