@@ -190,11 +190,12 @@ def variant_groups(model, variant: str, arch: str = "gpt"):
     return per_element_v_groups(model, None if own == FACTORED else PATTERNS[arch][own], factored)
 
 
-def final_loss(size: dict, variant: str | None, seed: int, lr: float, tracking: Tracking | None = None) -> float:
+def final_loss(size: dict, variant: str | None, seed: int, lr: float, tracking: Tracking | None = None,
+               bits: int = 8) -> float:
     """Final validation loss of one run: AdamW (``variant`` None), a peer (a registry name of
-    ``PEERS``) or 8-bit Gefen with the variant's tensors per element (and the rest factored for
+    ``PEERS``) or ``bits``-bit Gefen with the variant's tensors per element (and the rest factored for
     ``factored...``). The problem is built once per process. With ``tracking``, the run is its own
-    W&B run (optimizer "Gefen-8bit[<variant>]" for an ablation variant), its curves logged at the
+    W&B run (optimizer "Gefen-<bits>bit[<variant>]" for an ablation variant), its curves logged at the
     size's evaluation interval."""
     cfg, corpus, n_params = char_lm_problem(size)
     torch.manual_seed(seed)
@@ -203,11 +204,11 @@ def final_loss(size: dict, variant: str | None, seed: int, lr: float, tracking: 
         name = variant or "AdamW"
         opt = make_optimizer(name, model, lr, WEIGHT_DECAY)
     else:
-        name = f"Gefen-8bit[{variant}]"
-        opt = make_optimizer("Gefen-8bit", variant_groups(model, variant, size.get("arch", "gpt")), lr, WEIGHT_DECAY)
+        name = f"Gefen-{bits}bit[{variant}]"
+        opt = make_optimizer(f"Gefen-{bits}bit", variant_groups(model, variant, size.get("arch", "gpt")), lr, WEIGHT_DECAY)
     run = tracking.train_run(model=char_lm_label(size), optimizer=name, lr=lr, seed=seed, config=dict(
         {k: v for k, v in size.items() if k not in ("lrs", "seeds")}, model=vars(cfg), params=n_params,
-        variant=variant or "AdamW", weight_decay=WEIGHT_DECAY, grad_clip=GRAD_CLIP)) if tracking else Run()
+        variant=variant or "AdamW", bits=bits, weight_decay=WEIGHT_DECAY, grad_clip=GRAD_CLIP)) if tracking else Run()
     with run:
         out = train_lm(model, opt, corpus[0], corpus[1], lr=lr, steps=size["steps"], batch=size["batch"], seed=seed,
                        eval_every=size["eval_every"], on_eval=live_logger(run, lambda: {"state/bytes": state_bytes(opt)}))
@@ -256,6 +257,8 @@ def main(argv=None):
     parser.add_argument("--on-factored", action="store_true",
                         help="also run every variant on top of the factored second moment (the full run "
                              f"does so on {', '.join(sorted(ON_FACTORED))})")
+    parser.add_argument("--bits", type=int, default=None, choices=(8, 4),
+                        help="the first moment's code width of every Gefen variant (default 8)")
     parser.add_argument("--jobs", type=int, default=None,
                         help="single-threaded runs at a time (default: 2 for the full run, 1 otherwise)")
     args = parser.parse_args(argv)
@@ -269,6 +272,7 @@ def main(argv=None):
             if key != "sizes" and (full or key not in ("seeds", "steps")) and getattr(args, key) in (None, False):
                 setattr(args, key, value)
     args.peers = args.peers or []
+    args.bits = args.bits or 8
     size_names = args.sizes or (settings["sizes"] if arch else FULL_SIZES if full else [small])
     jobs = args.jobs or (2 if full else 1)
     configs = []
@@ -288,7 +292,8 @@ def main(argv=None):
                                              for v in variants})))
     config = dict(vars(args), jobs=jobs, **configs[0][1], extra={c["label"]: c for _, c in configs[1:]})
     with Results(args.experiment, args, config=config) as res, RunPool(jobs) as pool:
-        runs = [(c, {v: [pool.submit(final_loss, size, None if v == "AdamW" else v, s, c["lr"], res.tracking)
+        runs = [(c, {v: [pool.submit(final_loss, size, None if v == "AdamW" else v, s, c["lr"], res.tracking,
+                                     args.bits)
                          for s in c["seeds"]]
                      for v in ["AdamW", *c["variants"]]}) for size, c in configs]
         for c, futs in runs:
