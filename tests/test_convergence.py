@@ -92,9 +92,11 @@ def test_the_compact_gefen_is_the_factored_one_with_the_layout_options_and_fewer
     """Gefen-<bits>-compact is Gefen-<bits>-factored with registry.COMPACT's options in its group (a
     keyword given still wins), and after one step on row-scaled gradients of a tall matrix, a bias and
     a gain its state is smaller than the factored one's: the scales, factor and vectors' v it drops."""
-    from optim.gefen.checks import FLAGS
+    import inspect
 
-    assert set(registry.COMPACT) <= set(FLAGS)
+    from optim import Gefen
+
+    assert set(registry.COMPACT) <= set(inspect.signature(Gefen).parameters)
     per = {}
     for name in (f"Gefen-{bits}bit-factored", f"Gefen-{bits}bit-compact"):
         gen = torch.Generator().manual_seed(0)

@@ -1,6 +1,6 @@
 """Two layout options of the factored second moment that cut its bytes: ``row_group_scales`` (one
-first-moment scale per group of a matrix's whole rows of at most 2,048 elements, instead of one per
-row) and ``whole_matrix_factor`` (one column factor per matrix instead of one per square tile of rows).
+first-moment scale per group of a matrix's whole rows of at most 2,048 elements, or of an int's
+elements, instead of one per row) and ``whole_matrix_factor`` (one column factor per matrix instead of one per square tile of rows).
 
 Independent references: the scale-block length restated here by brute force over the multiples of
 the block; the reference step (``reference.gefen_step``) run tile by tile with that scale length; a
@@ -47,11 +47,11 @@ def _tiles(shape, block, whole):
     return [(r, min(r + h, shape[0])) for r in range(0, shape[0], h)]
 
 
-def _scale_length(shape, block, whole):
-    """The longest multiple of P, at most MOST elements (at least P), dividing every tile's elements."""
+def _scale_length(shape, block, whole, most=MOST):
+    """The longest multiple of P, at most ``most`` elements (at least P), dividing every tile's elements."""
     row = math.prod(shape[1:])
     sizes = [(r1 - r0) * row for r0, r1 in _tiles(shape, block, whole)]
-    return max(k * block for k in range(1, max(1, MOST // block) + 1) if all(n % (k * block) == 0 for n in sizes))
+    return max(k * block for k in range(1, max(1, most // block) + 1) if all(n % (k * block) == 0 for n in sizes))
 
 
 def _reference(start, steps, k, block, scale, codebook, bits, whole):
@@ -72,10 +72,11 @@ def _reference(start, steps, k, block, scale, codebook, bits, whole):
 
 @pytest.mark.parametrize("backend", ["torch", "numba"])
 @pytest.mark.parametrize("bits", [8, 4])
-@pytest.mark.parametrize("scales, whole", [(True, False), (False, True), (True, True)])
+@pytest.mark.parametrize("scales, whole", [(True, False), (False, True), (True, True), (300, True), (64, False)])
 def test_steps_equal_the_reference_with_row_group_scales_and_one_factor_a_matrix(scales, whole, bits, backend):
-    """6 steps of each option alone and both together: every matrix keeps P = its row, its scales
-    one per scale block of the restated length (fewer than rows where a group of rows fits), its w
+    """6 steps of each option alone and both together, and groups bounded by an int of elements:
+    every matrix keeps P = its row, its scales one per scale block of the restated length (fewer than
+    rows where a group of rows fits), its w
     one per tile (one a matrix with ``whole_matrix_factor``), and codes, scales, v and w equal the
     reference stepped tile by tile with that scale length (codes exactly, the rest to 1e-6)."""
     steps = _grads(6)
@@ -91,7 +92,7 @@ def test_steps_equal_the_reference_with_row_group_scales_and_one_factor_a_matrix
         st, shape = opt.state[p], tuple(p.shape)
         block = st[K.BLOCK]
         assert block == shape[1], f"{shape}: the rule should share v along whole rows, got P = {block}"
-        scale = _scale_length(shape, block, whole) if scales else block
+        scale = _scale_length(shape, block, whole, MOST if scales is True else scales) if scales else block
         grouped += scale > block
         assert st[K.SCALES].numel() == p.numel() // scale
         assert st[K.W].numel() == len(_tiles(shape, block, whole)) * block
@@ -101,18 +102,18 @@ def test_steps_equal_the_reference_with_row_group_scales_and_one_factor_a_matrix
         assert_close(st[K.V], v, rtol=1e-6, name=f"v {shape}")
         assert_close(st[K.W], w, rtol=1e-6, name=f"w {shape}")
         assert_close(p.detach().reshape(-1), x, atol=1e-6, rtol=1e-6, name=f"p {shape}")
-    assert grouped == (4 if scales else 0)
+    assert grouped >= 3 if scales else grouped == 0
 
 
 def test_the_options_cut_the_bytes_they_say():
     """State bytes after one step of a (512, 128) matrix: the default's 1 + 4/C (scale) + 4/C (v) +
-    4 C tiles / numel (w) per element; row_group_scales makes the scales 4 per 2,048 elements, and
-    whole_matrix_factor the factor one row of C floats."""
+    4 C tiles / numel (w) per element; row_group_scales makes the scales 4 per 2,048 elements (per
+    256 given 256), and whole_matrix_factor the factor one row of C floats."""
     p = torch.nn.Parameter(torch.zeros(512, 128))
     gen = torch.Generator().manual_seed(3)
     grad = torch.randn(512, 128, generator=gen) * torch.exp(2 * torch.randn(512, 1, generator=gen))
     per = {}
-    for scales, whole in [(False, False), (True, False), (False, True), (True, True)]:
+    for scales, whole in [(False, False), (True, False), (False, True), (True, True), (256, True)]:
         opt = Gefen([p], factor_second_moment=True, row_group_scales=scales, whole_matrix_factor=whole)
         p.grad = grad.clone()
         opt.step()
@@ -122,6 +123,19 @@ def test_the_options_cut_the_bytes_they_say():
     assert per[True, False] == n + 4 * 512 // 16 + 4 * 512 + 4 * 4 * 128
     assert per[False, True] == n + 4 * 512 + 4 * 512 + 4 * 128
     assert per[True, True] == n + 4 * 32 + 4 * 512 + 4 * 128
+    assert per[256, True] == n + 4 * 256 + 4 * 512 + 4 * 128
+
+
+@pytest.mark.parametrize("value", [0, -5, 2.5, "yes", None, 2048.0])
+def test_row_group_scales_takes_a_flag_or_a_positive_int(value):
+    """Anything but True, False or an int >= 1 is refused when the optimizer is made, and when a
+    group is added."""
+    p = torch.nn.Parameter(torch.randn(8, 8))
+    with pytest.raises(ValueError, match="row_group_scales"):
+        Gefen([p], factor_second_moment=True, row_group_scales=value)
+    opt = Gefen([p], factor_second_moment=True, row_group_scales=16)
+    with pytest.raises(ValueError, match="row_group_scales"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(4))], "row_group_scales": value})
 
 
 @pytest.mark.parametrize("bits", [8, 4])

@@ -94,6 +94,7 @@ def check_group(group, gi):
         check_hyper(group["lr"], group["betas"], group["eps"], weight_decay=group["weight_decay"],
                     lr_may_be_zero=True)
         check_flags(**{k: group[k] for k in FLAGS if k in group})
+        check_row_group_scales(group.get("row_group_scales", False))
         check_option("first_moment_rounding", group.get("first_moment_rounding", "nearest"), ROUNDINGS,
                      f"one of {ROUNDINGS}")
     except ValueError as exc:
@@ -106,7 +107,14 @@ def check_group(group, gi):
 
 ROUNDINGS = ("nearest", "stochastic")  # first_moment_rounding: how m~ / s becomes a code
 FLAGS = ("share_second_moment", "quantize_first_moment", "factor_second_moment", "share_vector_second_moment",
-         "share_matrix_rows", "row_group_scales", "whole_matrix_factor", "maximize", "stochastic_rounding", "capturable")
+         "share_matrix_rows", "whole_matrix_factor", "maximize", "stochastic_rounding", "capturable")
+
+
+def check_row_group_scales(value):
+    """``row_group_scales`` is True, False or an int of at least 1 (the most elements a scale spans)."""
+    if not (type(value) is bool or (type(value) is int and value >= 1)):
+        raise ValueError(f"Invalid row_group_scales value: {value!r}; expected True, False or the most "
+                         "elements one first-moment scale may span, an int >= 1")
 
 
 def check_adamw_keywords(*, amsgrad, foreach, capturable, differentiable):

@@ -128,7 +128,9 @@ class Gefen(OptimizerBase):
         row_group_scales: under ``factor_second_moment``, a matrix keeps one first-moment scale
             per group of whole rows of at most 2,048 elements (Gefen-X's fallback block length),
             not one per row (per block of P): 4 bytes a group instead of a row
-            (``partition.row_group_scale_length``; ``state.SCALE_BLOCK``). Every backend (Triton
+            (``partition.row_group_scale_length``; ``state.SCALE_BLOCK``). An int sets that bound
+            in elements (a group is never shorter than a block of P), for codes of few levels
+            that a long scale block leaves coarse. Every backend (Triton
             hands blocks of 2 elements, and odd blocks at 4 bits, to the torch step). (Default: False)
         whole_matrix_factor: under ``factor_second_moment``, a matrix of more rows than columns
             keeps one column factor w for the whole matrix (Adafactor's, Gefen-X's), not one per

@@ -281,6 +281,12 @@ def tile_elements(shape, block: int, whole: bool = False) -> list[tuple[int, int
 SCALE_ELEMENTS = 2048  # most elements one first-moment scale of row groups spans (Gefen-X's fallback block)
 
 
+def scale_group_elements(option) -> int:
+    """The most elements one first-moment scale spans under ``row_group_scales=option``: an int is
+    that bound, True ``SCALE_ELEMENTS``."""
+    return SCALE_ELEMENTS if option is True else int(option)
+
+
 def row_group_scale_length(block: int, shape, whole: bool = False, most: int = SCALE_ELEMENTS) -> int:
     """Length S of the first moment's scale blocks of a factored matrix with one scale per group of
     whole rows (``row_group_scales``): the longest multiple of ``block`` (a row, or a divisor of one)

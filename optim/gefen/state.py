@@ -36,7 +36,7 @@ import math
 import torch
 
 from .partition import (MAX_BLOCK, cap_block, choose_block, constant_magnitude, factor_tiles, factored_block,
-                        provisional_block, row_group_scale_length)
+                        provisional_block, row_group_scale_length, scale_group_elements)
 from .reference import num_code_bytes, num_scales, scale_block_length
 from .torch_ops import requantize_
 
@@ -118,7 +118,7 @@ def matrix_scale_length(block: int, shape, group: dict) -> int:
     under ``row_group_scales`` (``partition.row_group_scale_length``), ``scale_block_length`` else."""
     if (group.get("row_group_scales") and group.get("factor_second_moment") and len(tuple(shape)) >= 2
             and block > 1):
-        return row_group_scale_length(block, shape, whole_factor(group))
+        return row_group_scale_length(block, shape, whole_factor(group), scale_group_elements(group["row_group_scales"]))
     return scale_block_length(block)
 
 
