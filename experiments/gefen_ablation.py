@@ -19,6 +19,9 @@
     # one column factor a matrix against one per square tile, alone, the same runs
     python experiments/gefen_ablation.py --experiment gefen_ablation_column   # -> results/gefen_ablation_column.csv
     python analysis/gefen_ablation_column.py
+    # 4-bit codes: the row-group scales of 2,048 and of 512 elements, alone and in the layout, 1,000 steps
+    python experiments/gefen_ablation.py --experiment gefen_ablation_4bit   # -> results/gefen_ablation_4bit.csv
+    python analysis/gefen_ablation_4bit.py
 
 Each variant is 8-bit Gefen (registry name Gefen-8bit) with ``share_second_moment=False`` (a
 per-element v, as block length 1) on the named group of tensors only, through a second parameter
@@ -67,7 +70,10 @@ keeps one first-moment scale per group of whole rows of up to 2,048 elements
 (``row_group_scales``), not one per row; ``whole_w``, one column factor per matrix
 (``whole_matrix_factor``), not one per square tile of rows. ``--experiment gefen_ablation_column``
 (``COLUMN_ABLATION``) makes the same runs with ``whole_w`` alone, ``--experiment gefen_ablation_vectors``
-(``VECTOR_ABLATION``) with ``vec_v`` and ``rows_v``, each alone.
+(``VECTOR_ABLATION``) with ``vec_v`` and ``rows_v``, each alone. ``--bits 4`` runs every variant with
+4-bit codes (registry name Gefen-4bit); ``--experiment gefen_ablation_4bit`` (``FOUR_BIT_ABLATION``)
+does so on the encoder at 1,000 steps with ``scale_rows`` and ``layout``, and ``scale_rows512`` and
+``layout512``, the same with groups of at most 512 elements (``row_group_scales=512``).
 
 Rows: ``val_loss`` per variant (and AdamW) and seed, ``val_loss_vs_adamw`` (paired by seed), its
 ``_mean`` and ``_std``, and ``delta_vs_shared`` (the paired difference of ratios against ``none``),
@@ -136,11 +142,16 @@ ROW_BLOCKS = "rows_v"  # under the factor, a matrix the rule finds no block in s
 ROW_SCALES = "scale_rows"  # under the factor, one first-moment scale per group of rows (up to 2,048 elements)
 WHOLE_FACTOR = "whole_w"  # under the factor, one column factor a matrix, not one per square tile of rows
 LAYOUT = "layout"  # the four above together (registry.COMPACT, Gefen-8bit-compact): Gefen-X's bytes or fewer
+SHORT_GROUP = 512  # elements: the bound of the short row-group scales (4-bit codes' 16 levels over fewer values)
+ROW_SCALES_SHORT = f"scale_rows{SHORT_GROUP}"  # row-group scales of at most SHORT_GROUP elements
+LAYOUT_SHORT = f"layout{SHORT_GROUP}"  # the layout with those scales
 # variants that are no kind of tensor: a Gefen option on every tensor
 CHANGES = {FIRST_MOMENT: dict(quantize_first_moment=False), CODE_ROUNDING: dict(first_moment_rounding="stochastic"),
            VECTOR_BLOCKS: dict(share_vector_second_moment=True), ROW_BLOCKS: dict(share_matrix_rows=True),
-           ROW_SCALES: dict(row_group_scales=True), WHOLE_FACTOR: dict(whole_matrix_factor=True), LAYOUT: COMPACT}
-UNDER_FACTOR = (VECTOR_BLOCKS, ROW_BLOCKS, ROW_SCALES, WHOLE_FACTOR, LAYOUT)  # changes that act under the factor only
+           ROW_SCALES: dict(row_group_scales=True), WHOLE_FACTOR: dict(whole_matrix_factor=True), LAYOUT: COMPACT,
+           ROW_SCALES_SHORT: dict(row_group_scales=SHORT_GROUP), LAYOUT_SHORT: dict(COMPACT, row_group_scales=SHORT_GROUP)}
+UNDER_FACTOR = (VECTOR_BLOCKS, ROW_BLOCKS, ROW_SCALES, WHOLE_FACTOR, LAYOUT, ROW_SCALES_SHORT,
+                LAYOUT_SHORT)  # changes that act under the factor only
 PEERS = ("gefen-x",)  # other optimizers that may train beside AdamW (registry names)
 QUICK_VARIANTS = ["none", "all", "attn_qkv", "embedding", FACTORED]
 FULL_SIZES = ["full", "docstrings"]
@@ -162,11 +173,16 @@ COLUMN_ABLATION = dict(LONG_ABLATION, peers=[], variants=[FACTORED, f"{FACTORED}
 # the two options that share v where the factor keeps it per element (vectors; matrices with no rule block), each alone
 VECTOR_ABLATION = dict(LONG_ABLATION, peers=[],
                        variants=[FACTORED, f"{FACTORED}+{VECTOR_BLOCKS}", f"{FACTORED}+{ROW_BLOCKS}"])
+# 4-bit codes under the layout: the factor, the row-group scales alone and in the layout, at 2,048 elements
+# and at SHORT_GROUP, at the encoder's 1,000 steps and AdamW's best lr there (convergence_encoder's)
+FOUR_BIT_ABLATION = dict(sizes=["encoder"], steps=1000, seeds=5, peers=[], lr=4e-3, bits=4,
+                         variants=[FACTORED, *(f"{FACTORED}+{v}" for v in (ROW_SCALES, ROW_SCALES_SHORT, LAYOUT,
+                                                                           LAYOUT_SHORT))])
 EXPERIMENTS = ("gefen_ablation", "gefen_ablation_arch", "gefen_ablation_long", "gefen_ablation_layout",
-               "gefen_ablation_column", "gefen_ablation_vectors")
+               "gefen_ablation_column", "gefen_ablation_vectors", "gefen_ablation_4bit")
 SETTINGS = {"gefen_ablation_arch": ARCH_ABLATION, "gefen_ablation_long": LONG_ABLATION,
             "gefen_ablation_layout": LAYOUT_ABLATION, "gefen_ablation_column": COLUMN_ABLATION,
-            "gefen_ablation_vectors": VECTOR_ABLATION}
+            "gefen_ablation_vectors": VECTOR_ABLATION, "gefen_ablation_4bit": FOUR_BIT_ABLATION}
 ON_TOP_ONLY = tuple(SETTINGS)[1:]  # the factor and changes on top of it, nothing else
 
 
@@ -236,8 +252,9 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(parser)
     parser.add_argument("--experiment", default=EXPERIMENTS[0], choices=EXPERIMENTS,
-                        help="results file name; gefen_ablation_arch, _long, _layout, _column, _vectors: ARCH_ABLATION's, "
-                             "LONG_ABLATION's, LAYOUT_ABLATION's, COLUMN_ABLATION's, VECTOR_ABLATION's defaults "
+                        help="results file name; gefen_ablation_arch, _long, _layout, _column, _vectors, _4bit: "
+                             "ARCH_ABLATION's, LONG_ABLATION's, LAYOUT_ABLATION's, COLUMN_ABLATION's, VECTOR_ABLATION's, "
+                             "FOUR_BIT_ABLATION's defaults "
                              "(module docstring)")
     parser.add_argument("--tiny", action="store_true", help="test size (seconds)")
     kinds = [*PATTERNS["gpt"], *CHANGES]
