@@ -527,6 +527,23 @@ def _paired_with_factored(R, e, variant):
     return [seeds[variant][k] - seeds["factored"][k] for k in sorted(seeds["factored"])]
 
 
+def _four_bit_scales(R):
+    """The sentence on the row-group scales under 4-bit codes (gefen_ablation_4bit): each variant's
+    median loss ratio and the 512-element layout paired with the 2,048-element one."""
+    e = "gefen_ablation_4bit"
+    names = {"factored": "factored", "factored+scale_rows": "row-group scales of 2,048 elements",
+             "factored+scale_rows512": "of 512", "factored+layout": "the layout with 2,048",
+             "factored+layout512": "with 512 (Gefen-4bit-compact's)"}
+    med = {v: statistics.median(r["value"] for r in select(R.rows(e, "val_loss_vs_adamw"), "val_loss_vs_adamw", v))
+           for v in names}
+    short = [a - b for a, b in zip(_paired_with_factored(R, e, "factored+layout512"),
+                                   _paired_with_factored(R, e, "factored+layout"))]
+    return (f"Under 4-bit codes (encoder, {R.config(e)['steps']:,} steps, median over {len(short)} seeds): "
+            + ", ".join(f"{w} {pct(med[v])}" for v, w in names.items())
+            + f"; the 512-element layout paired with the 2,048 one {pct(1 + statistics.fmean(short))} on the mean "
+            f"(better on {sum(d < 0 for d in short)} of {len(short)}).")
+
+
 def gefen_layout(R):
     e = "gefen_ablation_layout"
     labels = [v.removesuffix("/gefen-x") for v in variants_of(R, "gefen_memory", "state_bytes_per_param_of_kind")
@@ -558,7 +575,8 @@ def gefen_layout(R):
               f"{pct(med['factored+scale_rows'])}; gefen-x at these settings and seeds is in gefen_ablation_long's "
               "section. Each option alone on the factor, paired with the factored by seed (mean; worse on): "
               + "; ".join(f"{words} {pct(1 + statistics.fmean(d))} ({sum(x > 0 for x in d)} of {len(d)})"
-                          for words, d in ((w, _paired_with_factored(R, x, v)) for x, v, w in LAYOUT_ALONE)) + ".")
+                          for words, d in ((w, _paired_with_factored(R, x, v)) for x, v, w in LAYOUT_ALONE)) + ". "
+              + _four_bit_scales(R))
     lo, hi = (f(per["8bit"][k] for k in wide) for f in (min, max))
     return Row("The factored state at Gefen-X's bytes or fewer (compact layout, ours)", verdict,
                f"8-bit {lo:.3f}–{hi:.3f} B/param at width ≥ {WIDE}, ≤ gefen-x's on "

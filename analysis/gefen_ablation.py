@@ -28,7 +28,7 @@ CHANGES = {"fp32_m": "the first moment in fp32", "sr_m": "the first moment's cod
            "whole_w": "one column factor per matrix",
            "layout": "the vectors' v shared, whole-row v, row-group scales and one column factor per matrix",
            "scale_rows512": "one first-moment scale per group of rows of at most 512 elements",
-           "layout512": "the layout (`layout`) with scale groups of at most 512 elements"}
+           "layout512": "the four layout options with scale groups of at most 512 elements"}
 LABELS = {"none": "nothing (Gefen as published)", "all": "every tensor", "embedding": "the embeddings",
           "vectors": "the vectors (norm gains, biases)",
           "factored": "nothing, the second moment factored",

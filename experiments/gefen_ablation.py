@@ -91,7 +91,7 @@ import torch
 from experiments.common import Results, add_common_args
 from experiments.models import char_lm_model
 from experiments.pool import RunPool
-from experiments.registry import COMPACT, make_optimizer, state_bytes
+from experiments.registry import COMPACT, COMPACT_4BIT, make_optimizer, state_bytes
 from experiments.tracking import Run, Tracking, curve_summary, live_logger
 from experiments.train import CHAR_LM, GRAD_CLIP, WEIGHT_DECAY, char_lm_label, char_lm_problem, train_lm
 
@@ -142,14 +142,14 @@ ROW_BLOCKS = "rows_v"  # under the factor, a matrix the rule finds no block in s
 ROW_SCALES = "scale_rows"  # under the factor, one first-moment scale per group of rows (up to 2,048 elements)
 WHOLE_FACTOR = "whole_w"  # under the factor, one column factor a matrix, not one per square tile of rows
 LAYOUT = "layout"  # the four above together (registry.COMPACT, Gefen-8bit-compact): Gefen-X's bytes or fewer
-SHORT_GROUP = 512  # elements: the bound of the short row-group scales (4-bit codes' 16 levels over fewer values)
+SHORT_GROUP = COMPACT_4BIT["row_group_scales"]  # elements: the short row-group scales (4-bit codes' 16 levels)
 ROW_SCALES_SHORT = f"scale_rows{SHORT_GROUP}"  # row-group scales of at most SHORT_GROUP elements
-LAYOUT_SHORT = f"layout{SHORT_GROUP}"  # the layout with those scales
+LAYOUT_SHORT = f"layout{SHORT_GROUP}"  # the layout with those scales (registry.COMPACT_4BIT, Gefen-4bit-compact)
 # variants that are no kind of tensor: a Gefen option on every tensor
 CHANGES = {FIRST_MOMENT: dict(quantize_first_moment=False), CODE_ROUNDING: dict(first_moment_rounding="stochastic"),
            VECTOR_BLOCKS: dict(share_vector_second_moment=True), ROW_BLOCKS: dict(share_matrix_rows=True),
            ROW_SCALES: dict(row_group_scales=True), WHOLE_FACTOR: dict(whole_matrix_factor=True), LAYOUT: COMPACT,
-           ROW_SCALES_SHORT: dict(row_group_scales=SHORT_GROUP), LAYOUT_SHORT: dict(COMPACT, row_group_scales=SHORT_GROUP)}
+           ROW_SCALES_SHORT: dict(row_group_scales=SHORT_GROUP), LAYOUT_SHORT: COMPACT_4BIT}
 UNDER_FACTOR = (VECTOR_BLOCKS, ROW_BLOCKS, ROW_SCALES, WHOLE_FACTOR, LAYOUT, ROW_SCALES_SHORT,
                 LAYOUT_SHORT)  # changes that act under the factor only
 PEERS = ("gefen-x",)  # other optimizers that may train beside AdamW (registry names)

@@ -142,6 +142,10 @@ def _bnb_adamw8bit(params, named, lr, weight_decay, **kw):
 # no block, one first-moment scale per group of rows, one column factor per matrix
 COMPACT = dict(share_vector_second_moment=True, share_matrix_rows=True, row_group_scales=True,
                whole_matrix_factor=True)
+# 4-bit codes' 16 levels lose a row group's small m under one scale of 2,048 elements: groups of at
+# most 512 (results/gefen_ablation_4bit.csv), 4 bytes a scale still under Gefen-X's state
+COMPACT_4BIT = dict(COMPACT, row_group_scales=512)
+COMPACT_OF = {8: COMPACT, 4: COMPACT_4BIT}  # the compact layout's options by code width
 
 
 def _gefen(bits, factored=False, compact=False):
@@ -149,7 +153,7 @@ def _gefen(bits, factored=False, compact=False):
         from optim import Gefen
 
         kw.setdefault("factor_second_moment", factored or compact)
-        for key, value in (COMPACT.items() if compact else ()):
+        for key, value in (COMPACT_OF[bits].items() if compact else ()):
             kw.setdefault(key, value)
         return Gefen(params, lr=lr, weight_decay=weight_decay, bits=bits, **kw)
     return make

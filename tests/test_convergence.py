@@ -89,7 +89,8 @@ def test_state_bytes_of_adamw_is_two_fp32_moments_plus_steps():
 
 @pytest.mark.parametrize("bits", [8, 4])
 def test_the_compact_gefen_is_the_factored_one_with_the_layout_options_and_fewer_bytes(bits):
-    """Gefen-<bits>-compact is Gefen-<bits>-factored with registry.COMPACT's options in its group (a
+    """Gefen-<bits>-compact is Gefen-<bits>-factored with the compact options in its group
+    (registry.COMPACT; at 4 bits row-group scales of at most 512 elements) (a
     keyword given still wins), and after one step on row-scaled gradients of a tall matrix, a bias and
     a gain its state is smaller than the factored one's: the scales, factor and vectors' v it drops."""
     import inspect
@@ -103,8 +104,9 @@ def test_the_compact_gefen_is_the_factored_one_with_the_layout_options_and_fewer
         params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in ((512, 64), (512,), (64,))]
         opt = registry.make_optimizer(name, params, 1e-3)
         group = opt.param_groups[0]
-        assert group["factor_second_moment"] and all(group[k] == name.endswith("compact")
-                                                     for k in registry.COMPACT)
+        compact = name.endswith("compact")
+        assert group["factor_second_moment"] and all(bool(group[k]) == compact for k in registry.COMPACT)
+        assert group["row_group_scales"] == ({8: True, 4: 512}[bits] if compact else False)
         for p in params:
             p.grad = torch.randn(p.shape, generator=gen) * (torch.exp(2 * torch.randn(p.shape[0], 1, generator=gen))
                                                            if p.dim() == 2 else 1.0)
