@@ -312,6 +312,7 @@ ROW_GROUP_CASES = [
     pytest.param(1200, 20, 400, 8, torch.bfloat16, id="n1200-P20-S400-8bit-bf16"),
     pytest.param(1200, 20, 400, 4, torch.float32, id="n1200-P20-S400-4bit"),
     pytest.param(960, 48, 960, 4, torch.float32, id="n960-P48-S960-4bit"),
+    pytest.param(2048, 128, 512, 4, torch.bfloat16, id="n2048-P128-S512-4bit-bf16"),  # Gefen-4bit-compact's groups
     pytest.param(1806, 43, 258, 8, torch.float32, id="n1806-P43odd-S258-8bit"),
 ]
 

@@ -689,15 +689,17 @@ _COMMON = dict(block=_BLOCKS, p_dtype=_DTYPES, g_dtype=_DTYPES, align=[True, Fal
 # a host float or a tensor on the device (fp32, or fp64), stochastic rounding's seeds or none.
 # Row-group scales (``sub_blocks``): (P, S) as factored matrices of common widths take them (S the
 # longest multiple of P up to 2,048 elements dividing the matrix): next_pow2(P) from 4 and next_pow2(S / P)
-# from 2, each to 1024, P a power of two, even, odd; at 4 bits even P only (``_scale_refusal``).
+# from 2, each to 1024, P a power of two, even, odd; at 4 bits even P only (``_scale_refusal``), and the
+# groups of up to 512 elements that 4-bit codes take (``_GROUPS_512``; the compact 4-bit layout's).
 _GROUPS = [(4, 2048), (3, 2046), (20, 2040), (48, 2016), (128, 2048), (768, 1536), (1000, 2000), (1024, 2048)]
+_GROUPS_512 = [(64, 512), (128, 512), (256, 512), (96, 384)]
 _NO_BLOCK = {k: v for k, v in _COMMON.items() if k != "block"}
 PLAN_AXES = {
     "8bit": dict(_COMMON, bits=[8], quant=[True], table=_TABLES),
     "4bit": dict(_COMMON, bits=[4], quant=[True], table=_TABLES),
     "8bit_groups": dict(_NO_BLOCK, group=_GROUPS, bits=[8], quant=[True], table=_TABLES),
-    "4bit_groups": dict(_NO_BLOCK, group=[g for g in _GROUPS if g[0] % 2 == 0], bits=[4], quant=[True],
-                        table=_TABLES),
+    "4bit_groups": dict(_NO_BLOCK, group=[g for g in _GROUPS if g[0] % 2 == 0] + _GROUPS_512, bits=[4],
+                        quant=[True], table=_TABLES),
     "fp32_m": dict(_COMMON, bits=[8], quant=[False]),
     "factor": dict(block=_BLOCKS + [2047, 2048, 3000, 2 * MAX_TILE_WIDTH], g_dtype=_DTYPES),
     "scalars": dict(lr=["float", torch.float32, torch.float64], sr=[False, True]),
