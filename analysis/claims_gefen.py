@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import statistics
 
-from analysis.common import GEFEN_TARGET_BPP, ResultsError, select
+from analysis.common import GEFEN_TARGET_BPP, TARGET_WIDTH, ResultsError, select
 from analysis.gefen_memory import TARGET_FACTORED_STEP
 from analysis.claims_common import (Row, cmd, fig, joined, listed, median_over_seeds, pct, pct_range, points, sci,
                                    signed, span, times)
@@ -499,7 +499,7 @@ def gefen_gpu(R):
 
 
 COMPACT_TARGET = {"8bit": 1.06, "4bit": 0.56}  # the compact layout's bytes at width >= 128
-WIDE = 128  # the width from which COMPACT_TARGET holds
+WIDE = TARGET_WIDTH  # the width from which COMPACT_TARGET holds
 
 
 def _total_bytes(R, label, name):

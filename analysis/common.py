@@ -148,6 +148,7 @@ def variants(rows, metric=None):
 # state bytes per parameter each Gefen variant must stay within (gefen_memory's and convergence's claims)
 GEFEN_TARGET_BPP = {"Gefen-8bit": 1.05, "Gefen-4bit": 0.55, "Gefen-8bit-factored": 1.06, "Gefen-4bit-factored": 0.56,
                     "Gefen-8bit-compact": 1.06, "Gefen-4bit-compact": 0.56}
+TARGET_WIDTH = 128  # the model width (n_embd) from which GEFEN_TARGET_BPP holds; below it Gefen-X's bytes bound
 
 
 # experiments/data.py's corpora, as the sections name them

@@ -24,7 +24,7 @@ import math
 import statistics
 from collections import defaultdict
 
-from analysis.common import (CORPUS_TEXT, GEFEN_TARGET_BPP, OPTIMIZERS, Report, colour, configurations, fixed, fmt, in_configuration, kind_table, main,
+from analysis.common import (CORPUS_TEXT, GEFEN_TARGET_BPP, OPTIMIZERS, TARGET_WIDTH, Report, colour, configurations, fixed, fmt, in_configuration, kind_table, main,
                              md_table, mean_std, pm, save_figure, select, value, variants)
 
 TARGET = 0.03  # Gefen's claim: final loss within 3% of AdamW's
@@ -225,7 +225,22 @@ def _table(rows, summary, prefix, rel):
     return md_table(head, table) + "\n\nFinal validation loss of the first seed over the lr grid:\n\n" + grid
 
 
-def _verdicts(rel, bpp_of):
+def _widths(rows, c):
+    """{configuration label: its model's width (n_embd), None where the config does not say}."""
+    out = {_main_label(rows): (c.get("model") or {}).get("n_embd")}
+    out.update({k: (v.get("model") or {}).get("n_embd") for k, v in (c.get("extra") or {}).items()})
+    return out
+
+
+def _bytes_judged(bpp, cap, width):
+    """The bytes' verdict: against ``cap`` from TARGET_WIDTH on; a narrower model has no cap (its
+    vectors weigh more), only the comparison with Gefen-X's bytes."""
+    if width is not None and width < TARGET_WIDTH:
+        return f"no cap at width {width} (from {TARGET_WIDTH}: ≤ {cap:g})"
+    return f"{_judge(bpp <= cap)} (target ≤ {cap:g})"
+
+
+def _verdicts(rel, bpp_of, widths):
     lines = []
     for m, per in rel.items():
         for name in GEFEN:
@@ -249,8 +264,8 @@ def _verdicts(rel, bpp_of):
                 bpp = bpp_of(m, name)
                 lines.append(f"- {name} on {m}: median {(med - 1):+.2%} (mean {(mean - 1):+.2%}) against AdamW; "
                              f"target within {t:+.1%}: {'**met**' if med - 1 <= t else '**not met**'}; worse than "
-                             f"AdamW on {worse} of {len(seeds)} seeds. {fmt(bpp, 4)} B/param; target at most "
-                             f"{cap:g}: {'**met**' if bpp <= cap else '**not met**'} ({published}: "
+                             f"AdamW on {worse} of {len(seeds)} seeds. {fmt(bpp, 4)} B/param: "
+                             f"{_bytes_judged(bpp, cap, widths.get(m))} ({published}: "
                              f"{fmt(bpp_of(m, published), 4)}).")
             else:
                 within = sum(1 for v in seeds if v - 1 <= TARGET)
@@ -285,12 +300,12 @@ def body(rows, config):
     def bpp_of(model, name):
         return summaries.get(model, {}).get(name, {}).get("bpp", math.nan)
 
-    verdicts = _verdicts({m: per for m, per in rel.items() if arch_of(m) == "gpt"}, bpp_of)
+    verdicts = _verdicts({m: per for m, per in rel.items() if arch_of(m) == "gpt"}, bpp_of, _widths(rows, c))
     if verdicts:
         text.append(f"Claims: Gefen's loss stays within {TARGET:.0%} of AdamW's; the factored second moment "
                     "(`factor_second_moment=True`) within +0.3% (8 bits) and +0.6% (4 bits), median over seeds "
                     f"paired by seed, at most {GEFEN_TARGET_BPP['Gefen-8bit-factored']:g} and "
-                    f"{GEFEN_TARGET_BPP['Gefen-4bit-factored']:g} B/param; on bf16 weights with stochastic rounding "
+                    f"{GEFEN_TARGET_BPP['Gefen-4bit-factored']:g} B/param at width {TARGET_WIDTH} or more; on bf16 weights with stochastic rounding "
                     f"within +{BF16_TARGET['Gefen-8bit+bf16-sr']:.1%} of fp32 AdamW's. On a small model the vectors (per-element v "
                     "at block length 1) are a large share of the parameters, so the published Gefen itself can "
                     "exceed those bytes there.\n\n" + "\n".join(verdicts))
@@ -353,7 +368,7 @@ def _judge(ok):
     return "—" if ok is None else "**met**" if ok else "**not met**"
 
 
-def _target_rows(rows, prefixes, rel, summaries):
+def _target_rows(rows, prefixes, rel, summaries, widths):
     """One row per (configuration, protocol, factored variant): its targets and Gefen-X's loss."""
     out = []
     for prefix in prefixes:
@@ -368,7 +383,7 @@ def _target_rows(rows, prefixes, rel, summaries):
             bpp, cap = summary[name]["bpp"], GEFEN_TARGET_BPP[name]
             cells = [label, "drop-in" if is_dropin(prefix) else "best lr", name,
                      f"{med[name] - 1:+.2%} {_judge(med[name] - 1 <= t)} (target {t:+.1%})",
-                     f"{fmt(bpp, 4)} {_judge(bpp <= cap)} (target ≤ {cap:g})"]
+                     f"{fmt(bpp, 4)} {_bytes_judged(bpp, cap, widths.get(label))}"]
             if gx is None:
                 cells += ["—", "—"]
             else:
@@ -400,10 +415,10 @@ def _untuned(rows, c, prefixes, rel):
     text.append("Targets on every configuration and protocol: the factored second moment (either layout) within "
                 "+0.3% (8 bits) and "
                 "+0.6% (4 bits) of AdamW's loss, median over seeds paired by seed, at most "
-                f"{GEFEN_TARGET_BPP['Gefen-8bit-factored']:g} and {GEFEN_TARGET_BPP['Gefen-4bit-factored']:g} B/param; "
-                "and a median ratio no higher than Gefen-X's (the lower of its variants in the protocol: in the "
+                f"{GEFEN_TARGET_BPP['Gefen-8bit-factored']:g} and {GEFEN_TARGET_BPP['Gefen-4bit-factored']:g} B/param "
+                f"at width {TARGET_WIDTH} or more; and a median ratio no higher than Gefen-X's (the lower of its variants in the protocol: in the "
                 "drop-in one, AdamW's lr or 0.6x it) at no more state bytes than Gefen-X's.\n\n"
-                + md_table(head, _target_rows(rows, prefixes, rel, summaries)))
+                + md_table(head, _target_rows(rows, prefixes, rel, summaries, _widths(rows, c))))
     return text
 
 

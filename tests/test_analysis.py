@@ -199,6 +199,16 @@ def test_convergence_numbers_come_from_the_csv(tmp_path):
     assert f"{statistics.fmean(ratios) - 1:+.2%} against AdamW" in section
 
 
+def test_convergence_bytes_cap_holds_from_the_target_width():
+    """A model narrower than TARGET_WIDTH has no bytes cap (its vectors weigh more); from that width
+    on, and where the config gives no width, the cap is judged, equal bytes meeting it."""
+    judged = convergence._bytes_judged
+    assert judged(1.30, 1.06, common.TARGET_WIDTH - 1).startswith(f"no cap at width {common.TARGET_WIDTH - 1}")
+    assert judged(1.07, 1.06, common.TARGET_WIDTH).startswith("**not met**")
+    assert judged(1.06, 1.06, 4 * common.TARGET_WIDTH).startswith("**met**")
+    assert judged(1.07, 1.06, None).startswith("**not met**")
+
+
 def test_gefen_memory_numbers_and_verdicts(tmp_path):
     write(tmp_path, "gefen_memory", gefen_memory_rows())
     _, section = run(gefen_memory, tmp_path)
