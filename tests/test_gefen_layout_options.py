@@ -177,31 +177,35 @@ def _make(scales=True, whole=True, bits=8):
     return make
 
 
-def test_state_dict_round_trip_resumes_bit_for_bit(tmp_path):
-    """A state dict saved after 3 steps holds each grouped matrix's scale length and restores it;
-    3 more steps equal the uninterrupted run bit for bit; so do a deepcopy and a pickle."""
+@pytest.mark.parametrize("scales", [True, 100])
+def test_state_dict_round_trip_resumes_bit_for_bit(tmp_path, scales):
+    """A state dict saved after 3 steps holds each grouped matrix's scale length and restores it
+    (groups of up to 2,048 elements, or of an int's); 3 more steps equal the uninterrupted run bit
+    for bit; so do a deepcopy and a pickle."""
     steps = _grads(6)
-    params, opt, params2, opt2, saved = checkpoint_and_continue(_make(), steps, tmp_path / "o.pt")
+    params, opt, params2, opt2, saved = checkpoint_and_continue(_make(scales), steps, tmp_path / "o.pt")
     group = saved["opt"]["param_groups"][0]
-    assert group["row_group_scales"] is True and group["whole_matrix_factor"] is True
-    assert saved["opt"]["state"][1][K.SCALE_BLOCK] == _scale_length((100, 20), 20, True)
+    assert group["row_group_scales"] is scales and group["whole_matrix_factor"] is True
+    most = MOST if scales is True else scales
+    assert saved["opt"]["state"][1][K.SCALE_BLOCK] == _scale_length((100, 20), 20, True, most) > 20
     assert_same_state(opt, opt2, params, params2)
     assert_copies_step_alike(opt, params, _grads(2, seed=7))
 
 
-@pytest.mark.parametrize("bits", [8, 4])
-def test_the_distributed_form_round_trips_and_resumes_bit_for_bit(tmp_path, monkeypatch, bits):
+@pytest.mark.parametrize("bits, scales", [(8, True), (4, True), (4, 100)])
+def test_the_distributed_form_round_trips_and_resumes_bit_for_bit(tmp_path, monkeypatch, bits, scales):
     """The distributed (DCP) state form, as a process group makes it: scales and w one per element,
     each the value of its scale block or its tile's offset; loaded, each matrix has its scale length
-    and one factor again, and 3 more steps equal the uninterrupted run bit for bit."""
+    (groups of up to 2,048 elements, or of an int's) and one factor again, and 3 more steps equal the
+    uninterrupted run bit for bit."""
     from optim.gefen import distributed as D
 
     monkeypatch.setattr(D, "_uses_distributed_form", lambda params: True)
     steps = _grads(6)
-    params, opt, params2, opt2, saved = checkpoint_and_continue(_make(bits=bits), steps, tmp_path / "o.pt")
+    params, opt, params2, opt2, saved = checkpoint_and_continue(_make(scales, bits=bits), steps, tmp_path / "o.pt")
     form = saved["opt"]["state"][1]  # the (100, 20) matrix: tiles of 20 rows but for the option
     assert D.LAYOUT in form and form[K.SCALES].shape == form[K.W].shape == (100, 20)
-    scale = _scale_length((100, 20), 20, True)
+    scale = _scale_length((100, 20), 20, True, MOST if scales is True else scales)
     assert torch.equal(form[K.W][0], form[K.W][-1])  # one factor for every row
     assert torch.equal(form[K.SCALES].reshape(-1)[::scale].repeat_interleave(scale), form[K.SCALES].reshape(-1))
     assert_same_state(opt, opt2, params, params2)
