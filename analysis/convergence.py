@@ -305,7 +305,8 @@ def body(rows, config):
         text.append(f"Claims: Gefen's loss stays within {TARGET:.0%} of AdamW's; the factored second moment "
                     "(`factor_second_moment=True`) within +0.3% (8 bits) and +0.6% (4 bits), median over seeds "
                     f"paired by seed, at most {GEFEN_TARGET_BPP['Gefen-8bit-factored']:g} and "
-                    f"{GEFEN_TARGET_BPP['Gefen-4bit-factored']:g} B/param at width {TARGET_WIDTH} or more; on bf16 weights with stochastic rounding "
+                    f"{GEFEN_TARGET_BPP['Gefen-4bit-factored']:g} B/param at width {TARGET_WIDTH} or more; on bf16 "
+                    "weights with stochastic rounding "
                     f"within +{BF16_TARGET['Gefen-8bit+bf16-sr']:.1%} of fp32 AdamW's. On a small model the vectors (per-element v "
                     "at block length 1) are a large share of the parameters, so the published Gefen itself can "
                     "exceed those bytes there.\n\n" + "\n".join(verdicts))
@@ -416,7 +417,8 @@ def _untuned(rows, c, prefixes, rel):
                 "+0.3% (8 bits) and "
                 "+0.6% (4 bits) of AdamW's loss, median over seeds paired by seed, at most "
                 f"{GEFEN_TARGET_BPP['Gefen-8bit-factored']:g} and {GEFEN_TARGET_BPP['Gefen-4bit-factored']:g} B/param "
-                f"at width {TARGET_WIDTH} or more; and a median ratio no higher than Gefen-X's (the lower of its variants in the protocol: in the "
+                f"at width {TARGET_WIDTH} or more; and a median ratio no higher than Gefen-X's (the lower of its "
+                "variants in the protocol: in the "
                 "drop-in one, AdamW's lr or 0.6x it) at no more state bytes than Gefen-X's.\n\n"
                 + md_table(head, _target_rows(rows, prefixes, rel, summaries, _widths(rows, c))))
     return text

@@ -221,7 +221,8 @@ def final_loss(size: dict, variant: str | None, seed: int, lr: float, tracking: 
         opt = make_optimizer(name, model, lr, WEIGHT_DECAY)
     else:
         name = f"Gefen-{bits}bit[{variant}]"
-        opt = make_optimizer(f"Gefen-{bits}bit", variant_groups(model, variant, size.get("arch", "gpt")), lr, WEIGHT_DECAY)
+        groups = variant_groups(model, variant, size.get("arch", "gpt"))
+        opt = make_optimizer(f"Gefen-{bits}bit", groups, lr, WEIGHT_DECAY)
     run = tracking.train_run(model=char_lm_label(size), optimizer=name, lr=lr, seed=seed, config=dict(
         {k: v for k, v in size.items() if k not in ("lrs", "seeds")}, model=vars(cfg), params=n_params,
         variant=variant or "AdamW", bits=bits, weight_decay=WEIGHT_DECAY, grad_clip=GRAD_CLIP)) if tracking else Run()

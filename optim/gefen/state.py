@@ -118,7 +118,8 @@ def matrix_scale_length(block: int, shape, group: dict) -> int:
     under ``row_group_scales`` (``partition.row_group_scale_length``), ``scale_block_length`` else."""
     if (group.get("row_group_scales") and group.get("factor_second_moment") and len(tuple(shape)) >= 2
             and block > 1):
-        return row_group_scale_length(block, shape, whole_factor(group), scale_group_elements(group["row_group_scales"]))
+        most = scale_group_elements(group["row_group_scales"])
+        return row_group_scale_length(block, shape, whole_factor(group), most)
     return scale_block_length(block)
 
 
