@@ -23,12 +23,11 @@ from pathlib import Path
 
 from analysis import claims_dsa, claims_gefen
 from analysis.claims_common import Results, cmd
-from analysis.common import ResultsError, anchor, load_config, read_section, write_section
+from analysis.common import DETAIL, ResultsError, anchor, load_config, read_section, write_section
 from experiments.common import REPO_ROOT, RESULTS_DIR
 
 README = REPO_ROOT / "README.md"
 BEGIN, END = "<!-- begin claims -->", "<!-- end claims -->"
-DETAIL = "claims_detail"  # the section of results/README.md that expands each row
 ROWS = claims_dsa.ROWS + claims_gefen.ROWS
 
 GLOSSARY = """Terms used in the table:

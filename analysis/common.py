@@ -375,8 +375,34 @@ def write_section(readme, name: str, text: str, head: str = README_HEAD) -> Path
     else:
         doc = doc.rstrip("\n") + "\n\n" + block + "\n"
     readme.parent.mkdir(parents=True, exist_ok=True)
-    readme.write_text(with_contents(doc))
+    readme.write_text(with_contents(in_section_order(doc)))
     return readme
+
+
+DETAIL = "claims_detail"  # the section of results/README.md that expands each claim (analysis/claims.py)
+_BLOCK = re.compile(r"^<!-- begin (?!contents )(\S+) -->\n.*?\n<!-- end \1 -->$", re.M | re.S)
+
+
+def section_order() -> list[str]:
+    """Section names as results/README.md shows them: the claims' detail first, then every analysis
+    script in the order experiments/reproduce.py lists them (one algorithm's sections together)."""
+    from experiments.reproduce import EXPERIMENTS
+
+    return [DETAIL, *(name for names in EXPERIMENTS.values() for name in names)]
+
+
+def in_section_order(doc: str) -> str:
+    """``doc`` with its sections sorted by ``section_order`` (a section it does not name keeps its
+    place after them). A README with text between its sections (written by hand) is left as it is."""
+    blocks = list(_BLOCK.finditer(doc))
+    if not blocks:
+        return doc
+    between = [doc[a.end():b.start()] for a, b in zip(blocks, blocks[1:])] + [doc[blocks[-1].end():]]
+    if any(text.strip() for text in between):
+        return doc
+    rank = {name: i for i, name in enumerate(section_order())}
+    ordered = sorted(blocks, key=lambda m: rank.get(m.group(1), len(rank)))
+    return doc[:blocks[0].start()] + "\n\n".join(m.group(0) for m in ordered) + "\n"
 
 
 def with_contents(doc: str) -> str:

@@ -30,27 +30,28 @@ from pathlib import Path
 
 from experiments.common import FIGS_DIR, REPO_ROOT, RESULTS_DIR, results_dir
 
-# experiment script -> the analysis scripts that read its CSV
+# experiment script -> the analysis scripts that read its CSV, in the order results/README.md shows their
+# sections (Disk Sparse Adam, Gefen, the Triton kernels); a script runs after those whose CSVs it reads
 EXPERIMENTS = {
     "correctness": ["correctness"],
-    "dsa_fault_injection": ["dsa_fault_injection"],
     "dsa_throughput": ["dsa_throughput"],
     "dsa_seed_benchmark": ["dsa_seed_benchmark"],
     "dsa_billions": ["dsa_billions"],
-    "dsa_distributed": ["dsa_distributed"],
     "dsa_out_of_core": ["dsa_out_of_core"],
+    "dsa_fault_injection": ["dsa_fault_injection"],
+    "dsa_distributed": ["dsa_distributed"],
     "poincare": ["poincare"],
-    "codebook_dp": ["codebook"],
     "gefen_memory": ["gefen_memory"],
+    "convergence": ["convergence", "convergence_encoder", "convergence_llama", "convergence_long",
+                    "convergence_long_lr", "convergence_bf16"],
+    "gefen_ablation": ["gefen_ablation", "gefen_ablation_arch", "gefen_ablation_long", "gefen_ablation_layout",
+                       "gefen_ablation_column", "gefen_ablation_vectors", "gefen_ablation_4bit"],
+    "hessian_alignment": ["hessian_alignment"],
+    "codebook_dp": ["codebook"],
     "gefen_speed": ["gefen_speed"],
     "gefen_peak_memory": ["gefen_peak_memory"],
     "gefen_budgets": ["gefen_budgets"],  # starts its searches from the peaks' CSV
     "gefen_distributed": ["gefen_distributed"],  # reads the budgets' largest micro-batches
-    "gefen_ablation": ["gefen_ablation", "gefen_ablation_arch", "gefen_ablation_long", "gefen_ablation_layout",
-                       "gefen_ablation_column", "gefen_ablation_vectors", "gefen_ablation_4bit"],
-    "hessian_alignment": ["hessian_alignment"],
-    "convergence": ["convergence", "convergence_bf16", "convergence_encoder", "convergence_llama",
-                    "convergence_long", "convergence_long_lr"],
     "kernel_resources": ["kernel_resources"],
 }
 # experiment script -> more runs of it with these arguments (each its own results file)

@@ -327,6 +327,27 @@ def test_sections_are_replaced_in_place_and_others_kept(tmp_path):
     assert readme.read_text() == before
 
 
+def test_sections_come_in_reproduce_order_whatever_order_they_are_written_in(tmp_path):
+    """Sections sort by experiments/reproduce.py's list (the claims' detail first, a name it does not
+    know last); text written by hand between sections leaves the order alone."""
+    readme = tmp_path / "README.md"
+    for name in ["kernel_resources", "mine", "gefen_ablation_4bit", "convergence", "correctness", common.DETAIL]:
+        common.write_section(readme, name, f"## {name}\n\nbody of {name}")
+    doc = readme.read_text()
+    shown = [line[3:] for line in doc.splitlines() if line.startswith("## ")]
+    assert shown == [common.DETAIL, "correctness", "convergence", "gefen_ablation_4bit", "kernel_resources", "mine"]
+    listed = [line for line in doc.splitlines() if line.startswith("- [")]
+    assert [item[3:item.index("]")] for item in listed] == shown
+    for name in shown:
+        assert common.read_section(readme, name) == f"## {name}\n\nbody of {name}"
+
+    by_hand = doc.replace("<!-- end correctness -->\n", "<!-- end correctness -->\n\nA note by hand.\n")
+    readme.write_text(by_hand)
+    common.write_section(readme, "dsa_throughput", "## dsa_throughput\n\nnew")
+    doc = readme.read_text()
+    assert "A note by hand." in doc and doc.index("## dsa_throughput") > doc.index("## mine")
+
+
 def test_rerun_of_a_script_keeps_other_sections(tmp_path):
     write(tmp_path, "gefen_ablation", ablation_rows())
     write(tmp_path, "correctness", correctness_rows())
