@@ -130,8 +130,10 @@ class Gefen(OptimizerBase):
             not one per row (per block of P): 4 bytes a group instead of a row
             (``partition.row_group_scale_length``; ``state.SCALE_BLOCK``). An int sets that bound
             in elements (a group is never shorter than a block of P), for codes of few levels
-            that a long scale block leaves coarse. Every backend (Triton
-            hands blocks of 2 elements, and odd blocks at 4 bits, to the torch step). (Default: False)
+            that a long scale block leaves coarse. The scale length is chosen when the state is
+            made, as the block is: a state dict keeps it, and a bound changed later applies to new
+            states. Every backend (Triton hands blocks of 2 elements, and odd blocks at 4 bits, to
+            the torch step). (Default: False)
         whole_matrix_factor: under ``factor_second_moment``, a matrix of more rows than columns
             keeps one column factor w for the whole matrix (Adafactor's, Gefen-X's), not one per
             square tile of rows (above): 4 bytes a column instead of a column per tile, at the cost of
