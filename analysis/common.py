@@ -37,10 +37,16 @@ matplotlib.use("Agg")  # before any script imports pyplot: figures are files, ne
 
 README_HEAD = """# Results
 
-Every section below is written by one analysis script from one experiment's CSV and config in this
-folder; rerunning the script replaces its section. The setup line names the commit, machine, torch
-version, wall time and the command of the run that wrote the CSV. The contents list is written
-with every section.
+Everything between `<!-- begin NAME -->` and `<!-- end NAME -->` markers is generated, and rerunning
+its writer replaces it in place. "Claims in detail" is written by `python analysis/claims.py`, in the
+same run and from the same values as the claims table of the top-level README: each row's claim,
+verdict and headline with the conditions and caveats behind it and links to the runs' sections
+(`python analysis/claims.py --check` fails when either differs from the results). Every other section
+is written by one analysis script (`analysis/NAME.py`) from one experiment's CSV and config in this
+folder; its setup line names the commit, machine, torch version, wall time and command of the run
+that wrote the CSV. The contents list is rewritten with every section. Sections come in the order of
+the algorithms (experiments/reproduce.py's list): Disk Sparse Adam, then Gefen, then the Triton
+kernels. How to use the optimizers, every option and refusal: [docs/USAGE.md](../docs/USAGE.md).
 """
 
 QUICK_BANNER = "quick: a smoke test, not evidence"

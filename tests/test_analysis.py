@@ -327,6 +327,19 @@ def test_sections_are_replaced_in_place_and_others_kept(tmp_path):
     assert readme.read_text() == before
 
 
+def test_the_committed_results_book_has_its_head_and_every_section_in_order():
+    """results/README.md starts with the head a new one gets, and every section it holds is one that
+    experiments/reproduce.py lists, in that order (a script missing from the list would sort last)."""
+    from experiments.common import RESULTS_DIR
+
+    doc = (RESULTS_DIR / "README.md").read_text()
+    assert doc.startswith(common.README_HEAD)
+    names = [n for n in re.findall(r"^<!-- begin (\S+) -->$", doc, re.M) if n != "contents"]
+    order = common.section_order()
+    assert set(names) <= set(order), set(names) - set(order)
+    assert names == sorted(names, key=order.index)
+
+
 def test_sections_come_in_reproduce_order_whatever_order_they_are_written_in(tmp_path):
     """Sections sort by experiments/reproduce.py's list (the claims' detail first, a name it does not
     know last); text written by hand between sections leaves the order alone."""
