@@ -22,9 +22,6 @@
     # 4-bit codes: the row-group scales of 2,048 and of 512 elements, alone and in the layout, 1,000 steps
     python experiments/gefen_ablation.py --experiment gefen_ablation_4bit   # -> results/gefen_ablation_4bit.csv
     python analysis/gefen_ablation_4bit.py
-    # the 3,000-step encoder at AdamW's best lr there: the code rounding and each layout option alone, gefen-x beside
-    python experiments/gefen_ablation.py --experiment gefen_ablation_long_best   # -> results/gefen_ablation_long_best.csv
-    python analysis/gefen_ablation_long_best.py
 
 Each variant is 8-bit Gefen (registry name Gefen-8bit) with ``share_second_moment=False`` (a
 per-element v, as block length 1) on the named group of tensors only, through a second parameter
@@ -77,9 +74,6 @@ keeps one first-moment scale per group of whole rows of up to 2,048 elements
 4-bit codes (registry name Gefen-4bit); ``--experiment gefen_ablation_4bit`` (``FOUR_BIT_ABLATION``)
 does so on the encoder at 1,000 steps with ``scale_rows`` and ``layout``, and ``scale_rows512`` and
 ``layout512``, the same with groups of at most 512 elements (``row_group_scales=512``).
-``--experiment gefen_ablation_long_best`` (``LONG_BEST_ABLATION``) trains gefen_ablation_long's encoder
-at AdamW's best lr over 3,000 steps (``LONG_BEST_LR``, convergence_long's grid) with gefen-x beside it:
-the factor, ``sr_m`` and each layout option alone, and ``layout``.
 
 Rows: ``val_loss`` per variant (and AdamW) and seed, ``val_loss_vs_adamw`` (paired by seed), its
 ``_mean`` and ``_std``, and ``delta_vs_shared`` (the paired difference of ratios against ``none``),
@@ -184,19 +178,11 @@ VECTOR_ABLATION = dict(LONG_ABLATION, peers=[],
 FOUR_BIT_ABLATION = dict(sizes=["encoder"], steps=1000, seeds=5, peers=[], lr=4e-3, bits=4,
                          variants=[FACTORED, *(f"{FACTORED}+{v}" for v in (ROW_SCALES, ROW_SCALES_SHORT, LAYOUT,
                                                                            LAYOUT_SHORT))])
-# the same 3,000 steps at AdamW's best lr there (convergence_long's grid), where the factored 8-bit's gap
-# to AdamW grew most: the code rounding and each layout option alone (every difference from Gefen-X's
-# state), the layout, and gefen-x beside them at the same lr
-LONG_BEST_LR = 8e-3
-LONG_BEST_ABLATION = dict(LONG_ABLATION, lr=LONG_BEST_LR, variants=[
-    FACTORED, *(f"{FACTORED}+{v}" for v in (CODE_ROUNDING, VECTOR_BLOCKS, ROW_BLOCKS, ROW_SCALES, WHOLE_FACTOR,
-                                            LAYOUT))])
 EXPERIMENTS = ("gefen_ablation", "gefen_ablation_arch", "gefen_ablation_long", "gefen_ablation_layout",
-               "gefen_ablation_column", "gefen_ablation_vectors", "gefen_ablation_4bit", "gefen_ablation_long_best")
+               "gefen_ablation_column", "gefen_ablation_vectors", "gefen_ablation_4bit")
 SETTINGS = {"gefen_ablation_arch": ARCH_ABLATION, "gefen_ablation_long": LONG_ABLATION,
             "gefen_ablation_layout": LAYOUT_ABLATION, "gefen_ablation_column": COLUMN_ABLATION,
-            "gefen_ablation_vectors": VECTOR_ABLATION, "gefen_ablation_4bit": FOUR_BIT_ABLATION,
-            "gefen_ablation_long_best": LONG_BEST_ABLATION}
+            "gefen_ablation_vectors": VECTOR_ABLATION, "gefen_ablation_4bit": FOUR_BIT_ABLATION}
 ON_TOP_ONLY = tuple(SETTINGS)[1:]  # the factor and changes on top of it, nothing else
 
 
@@ -267,9 +253,10 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(parser)
     parser.add_argument("--experiment", default=EXPERIMENTS[0], choices=EXPERIMENTS,
-                        help="results file name; gefen_ablation_arch, _long, _layout, _column, _vectors, _4bit, "
-                             "_long_best: ARCH_ABLATION's, LONG_ABLATION's, LAYOUT_ABLATION's, COLUMN_ABLATION's, "
-                             "VECTOR_ABLATION's, FOUR_BIT_ABLATION's, LONG_BEST_ABLATION's defaults (module docstring)")
+                        help="results file name; gefen_ablation_arch, _long, _layout, _column, _vectors, _4bit: "
+                             "ARCH_ABLATION's, LONG_ABLATION's, LAYOUT_ABLATION's, COLUMN_ABLATION's, VECTOR_ABLATION's, "
+                             "FOUR_BIT_ABLATION's defaults "
+                             "(module docstring)")
     parser.add_argument("--tiny", action="store_true", help="test size (seconds)")
     kinds = [*PATTERNS["gpt"], *CHANGES]
     parser.add_argument("--variants", nargs="+", default=None,
