@@ -64,7 +64,7 @@ def runs(tmp_path_factory):
     specs += ["train:gefen", "dcp_aligned:gefen", "dcp_mismatch:gefen", "hist:", "dcp:gefen4",
               "dcp_ddp:gefen", "dcp_flat:gefen", "dcp_fresh:gefen", "hsdp:gefen", "full_sd:gefen",
               "ddp_to_fsdp:gefen", "ref:gefenf@1", "ddp:gefenf", "dcp:gefenf", "dcp_aligned:gefenf", "dcp:gefenc",
-              "dcp_aligned:gefenc"]
+              "dcp_aligned:gefenc", "ref:gefenr@1", "ddp:gefenr", "train:gefenr", "dcp:gefenr"]
     # 2-rank checkpoints onto 1 rank; full Gefen only from the "aligned" one (blocks agree)
     specs += [f"reshard:{o}@1" for o in OPTS if o != "gefen"]
     specs += ["reshard_aligned:gefen@1", "reshard_mismatch:gefen@1", "reshard_aligned:gefenf@1",
@@ -78,7 +78,7 @@ def runs(tmp_path_factory):
 @pytest.fixture(scope="module")
 def references(runs):
     """Single process, same global batches, gradients accumulated over the 2 ranks' halves."""
-    return {o: result(runs, f"ref:{o}") for o in OPTS + ["gefenf"]}
+    return {o: result(runs, f"ref:{o}") for o in OPTS + ["gefenf", "gefenr"]}
 
 
 def _assert_params_close(actual: dict, expected: dict, **tol):
@@ -87,7 +87,7 @@ def _assert_params_close(actual: dict, expected: dict, **tol):
         assert_close(actual[k], expected[k], name=k, **tol)
 
 
-@pytest.mark.parametrize("opt", OPTS + ["gefenf"])
+@pytest.mark.parametrize("opt", OPTS + ["gefenf", "gefenr"])
 def test_ddp_equals_single_process(runs, references, opt):
     """DDP averages the two half-batch gradients exactly as the reference accumulates them, so
     every optimizer, full Gefen included (same blocks, same codebook; factored: same w), must
@@ -118,6 +118,18 @@ def test_fsdp2_full_gefen_trains_with_one_codebook(runs, references):
     assert float(cb[0, 0]) == -1.0 and float(cb[0, -1]) == 1.0 and bool((cb[0].diff() > 0).all())
 
 
+def test_fsdp2_codebook_refresh_keeps_one_codebook(runs, references):
+    """4-bit Gefen relearning its codebook every 2 steps under FSDP2: every rank takes part in
+    each refresh (the step count and the histogram are reduced over the ranks; a rank that skipped
+    one would hang the other), so both hold the same codebook after 30 steps, and it trains."""
+    res = result(runs, "train:gefenr")
+    cb = res["codebooks"]
+    assert cb.shape == (2, 16)
+    assert_close(cb[1], cb[0], atol=0.0, name="codebook rank 1 vs rank 0")
+    losses = res["losses"]
+    assert losses[-1] < 0.5 * losses[0], f"Gefen under FSDP2 did not train: losses {losses.tolist()}"
+
+
 def test_hsdp_placements_equal_single_process_and_round_trip(runs, references):
     """HSDP (mesh replicate=2 x shard=1, placements (Replicate(), Shard(0))): each rank holds whole
     tensors and averages gradients over the replicas, so full Gefen equals the single process bit
@@ -138,7 +150,7 @@ def test_histogram_summed_over_shards_counted_once_for_replicas(runs):
 
 
 @pytest.mark.parametrize("spec", [f"dcp:{o}" for o in OPTS] + ["dcp:gefen4", "dcp_ddp:gefen", "dcp:gefenf",
-                                                                 "dcp:gefenc"])
+                                                                 "dcp:gefenc", "dcp:gefenr"])
 def test_dcp_round_trip_continues_identically(runs, spec):
     """Save, train on; a fresh model and optimizer load and train the same steps: bit for bit.
     FSDP2 (blocks chosen per rank, both ranks' shards differ), 4-bit codes, DDP, the factored

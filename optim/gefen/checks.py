@@ -117,6 +117,16 @@ def check_row_group_scales(value):
                          "elements one first-moment scale may span, an int >= 1")
 
 
+def check_refresh(every, capturable):
+    """``codebook_refresh_every`` is an int of at least 0, and 0 under ``capturable``."""
+    if type(every) is not int or every < 0:
+        raise ValueError(f"Invalid codebook_refresh_every value: {every!r}; expected an int >= 0 (the steps "
+                         "between codebook refreshes; 0 learns it once)")
+    if every and capturable is True:
+        raise ValueError("Gefen does not implement codebook_refresh_every with capturable=True: a captured "
+                         "graph would replay the old codebook; set codebook_refresh_every=0 or capturable=False")
+
+
 def check_adamw_keywords(*, amsgrad, foreach, capturable, differentiable):
     """``torch.optim.AdamW``'s keywords that Gefen takes at their defaults (so a config written for
     AdamW runs unchanged) and refuses by name otherwise. ``foreach`` chooses among AdamW's

@@ -391,6 +391,24 @@ def stochastic_code(x: torch.Tensor, table: CodeTable, words: torch.Tensor) -> t
     return torch.where(take, hi, lo)
 
 
+def refresh_due(step: int, every: int) -> bool:
+    """True where step ``step`` (counted from 1) relearns the codebook: every ``every`` steps after
+    the first, which learns it (steps 1 + every, 1 + 2 every, ...); never where ``every`` is 0."""
+    return every > 0 and step > 1 and (step - 1) % every == 0
+
+
+def code_map(old: torch.Tensor, new: torch.Tensor, bits: int) -> torch.Tensor:
+    """The stored codes' re-encoding when codebook ``old`` becomes ``new``: uint8 (256,) taking each
+    code byte to the byte of the nearest entries of ``new`` to the entries of ``old`` it holds (one
+    code a byte at 8 bits; two at 4, low nibble first). Both codebooks end at -1 and +1, which map
+    to themselves, so a scale block's largest element keeps its value and the scales stay as they are."""
+    idx = nearest_code(old.float(), new.float())
+    if bits == 8:
+        return idx.to(torch.uint8)
+    byte = torch.arange(256, device=idx.device)
+    return (idx[byte & 15] | (idx[byte >> 4] << 4)).to(torch.uint8)
+
+
 # ----------------------------------------------------------------------------------------------
 # one optimizer's codebook
 
@@ -398,10 +416,11 @@ def stochastic_code(x: torch.Tensor, table: CodeTable, words: torch.Tensor) -> t
 class Codebook:
     """The model-wide codebook of one Gefen optimizer, and what it takes to learn and read it.
 
-    Learned once, at the first step, from a histogram of every quantised parameter's gradients
+    Learned at the first step, from a histogram of every quantised parameter's gradients
     divided by their scale block's absmax (``histogram_of``; the step needs every gradient before
     then: ``needs_every_gradient``), as the exact ``2**bits``-level optimum with ends -1 and +1
-    (``learn``). Every step reads it with its lookup table (``on``): one ``CodeTable`` for its own
+    (``learn``), and again every so many steps where the optimizer asks (``relearn``, whose
+    ``code_map`` re-encodes the stored codes). Every step reads it with its lookup table (``on``): one ``CodeTable`` for its own
     device and a copy of both per other device, kept until ``forget_copies``.
 
     ``block_histogram(grads, block=, bins=)`` counts block-normalised gradients of one block length
@@ -436,6 +455,13 @@ class Codebook:
         values, _ = optimal_codebook(centers, counts, 2**self.bits, fix_endpoints=True)
         self.set(values.float().to(device or "cpu"))
         return self.values
+
+    def relearn(self, counts: torch.Tensor) -> torch.Tensor:
+        """Learn a new codebook from ``counts`` (``learn``, on the current one's device) and return
+        the ``code_map`` from the current one to it."""
+        old = self.values
+        self.learn(counts, old.device)
+        return code_map(old, self.values, self.bits)
 
     def set(self, values: torch.Tensor) -> None:
         """Use ``values`` (``2**bits`` sorted values) as the codebook; None forgets it."""

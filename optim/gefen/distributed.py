@@ -128,6 +128,19 @@ def joins_codebook(params) -> bool:
     return any(is_sharded(p) for p in params)
 
 
+def latest_step(step: int, params=()) -> int:
+    """The largest of every rank's ``step`` where ``params`` hold a sharded parameter (a rank whose
+    local shards are all empty holds no state, hence no step count, and must still agree on the
+    codebook's refresh steps); ``step`` itself otherwise. Collective in the first case."""
+    sharded = [p for p in params if is_sharded(p)]
+    if not sharded:
+        return step
+    out = torch.tensor([step], dtype=torch.int64, device=local_shard(sharded[0]).device)
+    for group in _shard_groups(sharded[0]):
+        dist.all_reduce(out, op=dist.ReduceOp.MAX, group=group)
+    return int(out.item())
+
+
 def global_histogram(hist_fn, grads: dict, params=()) -> torch.Tensor:
     """Codebook histogram over the whole model, the same on every rank.
 

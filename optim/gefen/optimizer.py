@@ -11,15 +11,16 @@ from .._checks import check_option
 from .._rounding import MASK32, hash32_int
 from ..backends import BACKENDS
 from . import distributed as _dist, state as K
-from .checks import (check_adamw_keywords, check_capturable, check_group, check_param, check_state_dict,
-                     check_state_fits)
-from .codebook import Codebook
+from .checks import (check_adamw_keywords, check_capturable, check_group, check_param, check_refresh,
+                     check_state_dict, check_state_fits)
+from .codebook import Codebook, refresh_due
 from .partition import RULES, constant_magnitude
 from .plan import Call, draw_seeds, rounds_codes, run, signature, signed, step_module, step_scalars, tiles_of
-from .torch_ops import histogram
+from .torch_ops import histogram, remap_codes_
 
 
-OPTIMIZER_WIDE = ("bits", "backend", "block_rule", "capturable")  # in every group, one value per optimizer
+OPTIMIZER_WIDE = ("bits", "backend", "block_rule", "capturable",
+                  "codebook_refresh_every")  # in every group, one value per optimizer
 
 
 class Gefen(OptimizerBase):
@@ -73,6 +74,13 @@ class Gefen(OptimizerBase):
     the same direction (a small gradient that never moves a code off its entry). Its random bits
     come from ``stochastic_rounding``'s seeds (below) on a stream of their own. Only the torch
     step implements it: "auto" runs those groups on torch, "numba" or "triton" by name is refused.
+
+    ``codebook_refresh_every=N`` (not in the paper; Gefen-X's keyword) learns the codebook again,
+    as the first step does, from the gradients of steps 1 + N, 1 + 2N, ... (before they are
+    stepped), and re-encodes every stored code to its nearest entry of the new codebook
+    (``codebook.code_map``; the scales are unchanged): the gradients' spread relative to their
+    scale block's largest element drifts in training, and a codebook fitted to the first
+    gradients alone leaves the few levels of 4-bit codes where later first moments are not.
 
     Args:
         params: parameters or param groups (dicts); groups may set ``lr``, ``betas``, ``eps``,
@@ -158,6 +166,13 @@ class Gefen(OptimizerBase):
             the uninterrupted one. Refused with ``quantize_first_moment=False`` (nothing to round).
             ``load_state_dict`` keeps each group's setting, as ``stochastic_rounding``'s.
             (Default: "nearest")
+        codebook_refresh_every: learn the codebook again every this many steps (above), from the
+            gradients of that step; 0 learns it once, at the first step (the published rule). One
+            value per optimizer (one codebook serves every group). A refresh step needs every
+            gradient at once, as the first step does: under ``step_in_backward`` that backward
+            holds them until it ends. Refused with ``capturable=True`` (a captured graph would
+            replay the old codebook). Under FSDP2 each step all-reduces one step count, so that
+            every rank refreshes at the same step. (Default: 0)
         maximize: maximize the objective (each step is that of -g), as AdamW's. ``p.grad`` is never
             written: each kernel call reads a negated copy of its gradients (shared, expanded and
             ``create_graph`` gradients step as with AdamW). (Default: False)
@@ -195,9 +210,10 @@ class Gefen(OptimizerBase):
                  block_rule="adjacent_log", *, factor_second_moment=False, share_vector_second_moment=False,
                  share_matrix_rows=False, row_group_scales=False, whole_matrix_factor=False,
                  stochastic_rounding=False,
-                 first_moment_rounding="nearest", maximize=False, fused=None,
+                 first_moment_rounding="nearest", codebook_refresh_every=0, maximize=False, fused=None,
                  verbose=False, amsgrad=False, foreach=None, capturable=False, differentiable=False):
         check_option("bits", bits, (8, 4), "8 or 4 (an int)")
+        check_refresh(codebook_refresh_every, capturable)
         check_option("block_rule", block_rule, RULES, f"one of {RULES}")
         check_option("backend", backend, BACKENDS, f"one of {BACKENDS}")
         check_adamw_keywords(amsgrad=amsgrad, foreach=foreach, capturable=capturable,
@@ -211,6 +227,8 @@ class Gefen(OptimizerBase):
         self.verbose = verbose
         self.bits = bits
         self.block_rule = block_rule
+        self.codebook_refresh_every = codebook_refresh_every
+        self._refreshed_at = None  # the step whose codebook refresh is done (a step's later calls skip it)
         self._codebook = Codebook(bits, histogram)
         # Every option lives in the groups, so a framework that re-creates the optimizer from
         # ``param_groups[0]`` gets this one back; bits, backend and block_rule are one per optimizer.
@@ -222,7 +240,8 @@ class Gefen(OptimizerBase):
                         share_matrix_rows=share_matrix_rows, row_group_scales=row_group_scales,
                         whole_matrix_factor=whole_matrix_factor,
                         stochastic_rounding=stochastic_rounding,
-                        first_moment_rounding=first_moment_rounding, maximize=maximize,
+                        first_moment_rounding=first_moment_rounding, codebook_refresh_every=codebook_refresh_every,
+                        maximize=maximize,
                         bits=bits, backend=self.backend, block_rule=block_rule, capturable=capturable)
         super().__init__(params, defaults)
         self._seed = None  # the optimizer's stochastic-rounding seed, drawn at its first use
@@ -245,6 +264,8 @@ class Gefen(OptimizerBase):
             self._codebook.set(values)
         self.__dict__.setdefault("_seed", None)
         self.__dict__.setdefault("capturable", False)
+        self.__dict__.setdefault("codebook_refresh_every", 0)
+        self.__dict__.setdefault("_refreshed_at", None)
         self._drop_plans()
         for group in self.param_groups:  # pickled before a keyword existed: its old meaning
             group.setdefault("factor_second_moment", False)
@@ -315,8 +336,9 @@ class Gefen(OptimizerBase):
     def needs_every_gradient(self) -> bool:
         """True while the next step must see every parameter's gradient at once: before the
         codebook exists (groups with ``quantize_first_moment``), which the first step learns from
-        all of them. ``step_in_backward`` holds the gradients of that one step until backward ends."""
-        return self._codebook.needs_every_gradient(self.param_groups)
+        all of them, and before a step that learns it again (``codebook_refresh_every``).
+        ``step_in_backward`` holds the gradients of such a step until backward ends."""
+        return self._codebook.needs_every_gradient(self.param_groups) or self._refresh_step() is not None
 
     # ----------------------------------------------------------------------------- codebook
     @property
@@ -349,7 +371,8 @@ class Gefen(OptimizerBase):
 
     def learn_from_gradients(self) -> None:
         """Learn the codebook from every gradient now in ``p.grad``, as the next step would, without
-        stepping or creating state; nothing once it exists (``needs_every_gradient`` is then False).
+        stepping or creating state; nothing once it exists, but at a refresh step
+        (``codebook_refresh_every``), where it learns it again and re-encodes the codes.
 
         ``step_in_backward`` calls this when the backward of the first step ends and then steps each
         parameter on its own, freeing its gradient at once: that step holds every gradient but only
@@ -357,6 +380,9 @@ class Gefen(OptimizerBase):
         checked as a step checks them, and the step's own codebook is this one, so every result is
         the one-step result."""
         if not self.needs_every_gradient():
+            return
+        if self.codebook is not None:  # a refresh step
+            self._refresh_codebook()
             return
         grads, blocks = {}, {}
         for gi, group in enumerate(self.param_groups):
@@ -384,6 +410,41 @@ class Gefen(OptimizerBase):
         dev = next(iter(grads.values())).device if grads else local_tensor(qparams[0]).device
         counts = _dist.global_histogram(lambda gs: self.codebook_histogram(gs, blocks), grads, qparams)
         self.learn_codebook(counts, device=dev)
+
+    def _refresh_step(self) -> int | None:
+        """The step about to be taken where it relearns the codebook (``codebook.refresh_due``), or
+        None: none is due, its refresh is done, or there is no codebook yet to refresh. The step is
+        the one after the latest of the quantised parameters that have a gradient now (over the
+        ranks under FSDP2): under ``step_in_backward`` the parameters stepped so far in a backward
+        have none left, so the others' count still names the step under way."""
+        if not self.codebook_refresh_every or self.codebook is None:
+            return None
+        qparams = [p for g in self.param_groups if g["quantize_first_moment"] for p in g["params"]]
+        steps = [st[K.STEP] for p in qparams if p.grad is not None and K.CODES in (st := self.state.get(p, {}))]
+        t = _dist.latest_step(max(steps, default=0), qparams) + 1
+        return t if refresh_due(t, self.codebook_refresh_every) and t != self._refreshed_at else None
+
+    def _refresh_codebook(self) -> None:
+        """Learn the codebook again from the gradients now in ``p.grad`` of the quantised
+        parameters with codes, as the first step learns it, and re-encode every stored code onto
+        it (``Codebook.relearn``); once a step (``_refresh_step``). Without a gradient on any rank
+        there is nothing to learn from: the next call with gradients does it."""
+        t = self._refresh_step()
+        grads = {p: signed(local_tensor(p.grad), g) for g in self.param_groups if g["quantize_first_moment"]
+                 for p in g["params"] if p.grad is not None and K.CODES in self.state.get(p, {})}
+        qparams = [p for g in self.param_groups if g["quantize_first_moment"] for p in g["params"]
+                   if p.grad is not None]
+        if t is None or not (grads or _dist.joins_codebook(qparams)):
+            return
+        counts = _dist.global_histogram(self.codebook_histogram, grads, qparams)
+        if int(counts.sum()) == 0:  # no rank had a gradient element
+            return
+        table = self._codebook.relearn(counts)
+        for st in self.state.values():
+            if K.CODES in st:
+                remap_codes_(st[K.CODES], table)
+        self._refreshed_at = t
+        self._drop_plans()
 
     # -------------------------------------------------------------------------------- state
     def _gather(self):
@@ -448,6 +509,8 @@ class Gefen(OptimizerBase):
         return loss
 
     def _step(self):
+        if self.codebook_refresh_every:
+            self._refresh_codebook()
         key = signature(self.param_groups, local_tensor)
         plan = self._plans.get(key)
         if plan is not None and all(c.current() for c in plan[0]):
@@ -508,6 +571,7 @@ class Gefen(OptimizerBase):
         params = [p for g in self.param_groups for p in g["params"]]
         if seed is not None:
             self._seed = seed
+        self._refreshed_at = None  # the loaded states' next refresh step is still to come
         self._drop_plans()
         if codebook is None:
             self.set_codebook(None)
@@ -515,7 +579,8 @@ class Gefen(OptimizerBase):
             self.set_codebook(codebook.to(local_tensor(params[0]).device) if params else codebook)
 
 
-_SETTINGS = ("backend", "fused", "verbose", "bits", "block_rule", "capturable", "_seed")
+_SETTINGS = ("backend", "fused", "verbose", "bits", "block_rule", "capturable", "codebook_refresh_every", "_seed",
+             "_refreshed_at")
 
 
 def fresh_seed() -> int:

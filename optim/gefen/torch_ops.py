@@ -273,6 +273,17 @@ def requantize_(st: dict, codebook, *, n: int, old: int, new: int, bits: int):
 
 
 @torch.no_grad()
+def remap_codes_(codes: torch.Tensor, table: torch.Tensor) -> None:
+    """Replace each stored code byte c of ``codes`` by ``table[c]`` (``codebook.code_map``), in
+    place, a piece at a time (the index is int64)."""
+    flat = codes.view(-1)
+    table = table.to(codes.device)
+    for a in range(0, flat.numel(), PIECE_ELEMENTS):
+        part = flat[a:a + PIECE_ELEMENTS]
+        part.copy_(table[part.long()])
+
+
+@torch.no_grad()
 def histogram(gs, *, block: int, bins: int = HIST_BINS) -> torch.Tensor:
     """Counts (int64, ``bins``) of gradients divided by their scale block's absmax, on [-1, 1].
 
