@@ -19,6 +19,7 @@ import statistics
 
 from analysis.common import (CORPUS_TEXT, Report, configurations, fmt, in_configuration, main, md_table, mean_std, pm, save_figure,
                              select, variants)
+from experiments.gefen_ablation import REFRESH_EVERY
 
 # variants that change an option on every tensor (experiments/gefen_ablation.py's CHANGES), as words
 CHANGES = {"fp32_m": "the first moment in fp32", "sr_m": "the first moment's codes rounded stochastically",
@@ -28,7 +29,11 @@ CHANGES = {"fp32_m": "the first moment in fp32", "sr_m": "the first moment's cod
            "whole_w": "one column factor per matrix",
            "layout": "the vectors' v shared, whole-row v, row-group scales and one column factor per matrix",
            "scale_rows512": "one first-moment scale per group of rows of at most 512 elements",
-           "layout512": "the four layout options with scale groups of at most 512 elements"}
+           "layout512": "the four layout options with scale groups of at most 512 elements",
+           "refresh": f"the codebook learned again every {REFRESH_EVERY} steps",
+           "layout_refresh": f"the four layout options and the codebook learned again every {REFRESH_EVERY} steps",
+           "layout512_refresh": "the four layout options with scale groups of at most 512 elements and the codebook "
+                                f"learned again every {REFRESH_EVERY} steps"}
 LABELS = {"none": "nothing (Gefen as published)", "all": "every tensor", "embedding": "the embeddings",
           "vectors": "the vectors (norm gains, biases)",
           "factored": "nothing, the second moment factored",

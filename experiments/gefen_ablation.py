@@ -74,6 +74,9 @@ keeps one first-moment scale per group of whole rows of up to 2,048 elements
 4-bit codes (registry name Gefen-4bit); ``--experiment gefen_ablation_4bit`` (``FOUR_BIT_ABLATION``)
 does so on the encoder at 1,000 steps with ``scale_rows`` and ``layout``, and ``scale_rows512`` and
 ``layout512``, the same with groups of at most 512 elements (``row_group_scales=512``).
+``refresh`` (a variant on request, no kind of tensor) learns the codebook again every
+``REFRESH_EVERY`` steps from that step's gradients (``codebook_refresh_every``);
+``layout_refresh`` and ``layout512_refresh`` do so under each layout.
 
 Rows: ``val_loss`` per variant (and AdamW) and seed, ``val_loss_vs_adamw`` (paired by seed), its
 ``_mean`` and ``_std``, and ``delta_vs_shared`` (the paired difference of ratios against ``none``),
@@ -145,13 +148,20 @@ LAYOUT = "layout"  # the four above together (registry.COMPACT, Gefen-8bit-compa
 SHORT_GROUP = COMPACT_4BIT["row_group_scales"]  # elements: the short row-group scales (4-bit codes' 16 levels)
 ROW_SCALES_SHORT = f"scale_rows{SHORT_GROUP}"  # row-group scales of at most SHORT_GROUP elements
 LAYOUT_SHORT = f"layout{SHORT_GROUP}"  # the layout with those scales (registry.COMPACT_4BIT, Gefen-4bit-compact)
+REFRESH_EVERY = 100  # steps between codebook refreshes (codebook_refresh_every)
+REFRESH = "refresh"  # the codebook learned again every REFRESH_EVERY steps (not a kind of tensor)
 # variants that are no kind of tensor: a Gefen option on every tensor
 CHANGES = {FIRST_MOMENT: dict(quantize_first_moment=False), CODE_ROUNDING: dict(first_moment_rounding="stochastic"),
            VECTOR_BLOCKS: dict(share_vector_second_moment=True), ROW_BLOCKS: dict(share_matrix_rows=True),
            ROW_SCALES: dict(row_group_scales=True), WHOLE_FACTOR: dict(whole_matrix_factor=True), LAYOUT: COMPACT,
-           ROW_SCALES_SHORT: dict(row_group_scales=SHORT_GROUP), LAYOUT_SHORT: COMPACT_4BIT}
+           ROW_SCALES_SHORT: dict(row_group_scales=SHORT_GROUP), LAYOUT_SHORT: COMPACT_4BIT,
+           REFRESH: dict(codebook_refresh_every=REFRESH_EVERY),
+           f"{LAYOUT}_{REFRESH}": dict(COMPACT, codebook_refresh_every=REFRESH_EVERY),
+           f"{LAYOUT_SHORT}_{REFRESH}": dict(COMPACT_4BIT, codebook_refresh_every=REFRESH_EVERY)}
+# options of CHANGES that are one per optimizer: the constructor's, in no group
+OPTIMIZER_WIDE = ("codebook_refresh_every",)
 UNDER_FACTOR = (VECTOR_BLOCKS, ROW_BLOCKS, ROW_SCALES, WHOLE_FACTOR, LAYOUT, ROW_SCALES_SHORT,
-                LAYOUT_SHORT)  # changes that act under the factor only
+                LAYOUT_SHORT, f"{LAYOUT}_{REFRESH}", f"{LAYOUT_SHORT}_{REFRESH}")  # changes that act under the factor only
 PEERS = ("gefen-x",)  # other optimizers that may train beside AdamW (registry names)
 QUICK_VARIANTS = ["none", "all", "attn_qkv", "embedding", FACTORED]
 FULL_SIZES = ["full", "docstrings"]
@@ -198,12 +208,19 @@ def per_element_v_groups(model, pattern, factored=False, **every):
 
 def variant_groups(model, variant: str, arch: str = "gpt"):
     """Param groups of one Gefen ``variant`` (``[factored+]<kind>``, ``factored``, ``[factored+]<change>``
-    of ``CHANGES``)."""
+    of ``CHANGES``), without the change's ``variant_options``."""
     own = variant.removeprefix(f"{FACTORED}+")
     factored = variant.startswith(FACTORED)
     if own in CHANGES:
-        return per_element_v_groups(model, None, factored, **CHANGES[own])
+        every = {k: v for k, v in CHANGES[own].items() if k not in OPTIMIZER_WIDE}
+        return per_element_v_groups(model, None, factored, **every)
     return per_element_v_groups(model, None if own == FACTORED else PATTERNS[arch][own], factored)
+
+
+def variant_options(variant: str) -> dict:
+    """The optimizer-wide options of one Gefen ``variant``'s change (``OPTIMIZER_WIDE``), for its constructor."""
+    change = CHANGES.get(variant.removeprefix(f"{FACTORED}+"), {})
+    return {k: v for k, v in change.items() if k in OPTIMIZER_WIDE}
 
 
 def final_loss(size: dict, variant: str | None, seed: int, lr: float, tracking: Tracking | None = None,
@@ -222,7 +239,7 @@ def final_loss(size: dict, variant: str | None, seed: int, lr: float, tracking: 
     else:
         name = f"Gefen-{bits}bit[{variant}]"
         groups = variant_groups(model, variant, size.get("arch", "gpt"))
-        opt = make_optimizer(f"Gefen-{bits}bit", groups, lr, WEIGHT_DECAY)
+        opt = make_optimizer(f"Gefen-{bits}bit", groups, lr, WEIGHT_DECAY, **variant_options(variant))
     run = tracking.train_run(model=char_lm_label(size), optimizer=name, lr=lr, seed=seed, config=dict(
         {k: v for k, v in size.items() if k not in ("lrs", "seeds")}, model=vars(cfg), params=n_params,
         variant=variant or "AdamW", bits=bits, weight_decay=WEIGHT_DECAY, grad_clip=GRAD_CLIP)) if tracking else Run()
