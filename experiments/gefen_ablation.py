@@ -22,6 +22,9 @@
     # 4-bit codes: the row-group scales of 2,048 and of 512 elements, alone and in the layout, 1,000 steps
     python experiments/gefen_ablation.py --experiment gefen_ablation_4bit   # -> results/gefen_ablation_4bit.csv
     python analysis/gefen_ablation_4bit.py
+    # 4-bit codes with the codebook learned again every 100 steps, on the factor and under that layout
+    python experiments/gefen_ablation.py --experiment gefen_ablation_refresh   # -> results/gefen_ablation_refresh.csv
+    python analysis/gefen_ablation_refresh.py
 
 Each variant is 8-bit Gefen (registry name Gefen-8bit) with ``share_second_moment=False`` (a
 per-element v, as block length 1) on the named group of tensors only, through a second parameter
@@ -76,7 +79,9 @@ does so on the encoder at 1,000 steps with ``scale_rows`` and ``layout``, and ``
 ``layout512``, the same with groups of at most 512 elements (``row_group_scales=512``).
 ``refresh`` (a variant on request, no kind of tensor) learns the codebook again every
 ``REFRESH_EVERY`` steps from that step's gradients (``codebook_refresh_every``);
-``layout_refresh`` and ``layout512_refresh`` do so under each layout.
+``layout_refresh`` and ``layout512_refresh`` do so under each layout; ``--experiment
+gefen_ablation_refresh`` (``REFRESH_ABLATION``) makes FOUR_BIT_ABLATION's runs with the factor and
+``layout512``, each without and with ``refresh``.
 
 Rows: ``val_loss`` per variant (and AdamW) and seed, ``val_loss_vs_adamw`` (paired by seed), its
 ``_mean`` and ``_std``, and ``delta_vs_shared`` (the paired difference of ratios against ``none``),
@@ -188,11 +193,16 @@ VECTOR_ABLATION = dict(LONG_ABLATION, peers=[],
 FOUR_BIT_ABLATION = dict(sizes=["encoder"], steps=1000, seeds=5, peers=[], lr=4e-3, bits=4,
                          variants=[FACTORED, *(f"{FACTORED}+{v}" for v in (ROW_SCALES, ROW_SCALES_SHORT, LAYOUT,
                                                                            LAYOUT_SHORT))])
+# the codebook learned again every REFRESH_EVERY steps, under 4-bit codes: FOUR_BIT_ABLATION's runs, on the
+# factor alone and under the layout of Gefen-4bit-compact
+REFRESH_ABLATION = dict(FOUR_BIT_ABLATION, variants=[FACTORED, f"{FACTORED}+{REFRESH}", f"{FACTORED}+{LAYOUT_SHORT}",
+                                                     f"{FACTORED}+{LAYOUT_SHORT}_{REFRESH}"])
 EXPERIMENTS = ("gefen_ablation", "gefen_ablation_arch", "gefen_ablation_long", "gefen_ablation_layout",
-               "gefen_ablation_column", "gefen_ablation_vectors", "gefen_ablation_4bit")
+               "gefen_ablation_column", "gefen_ablation_vectors", "gefen_ablation_4bit", "gefen_ablation_refresh")
 SETTINGS = {"gefen_ablation_arch": ARCH_ABLATION, "gefen_ablation_long": LONG_ABLATION,
             "gefen_ablation_layout": LAYOUT_ABLATION, "gefen_ablation_column": COLUMN_ABLATION,
-            "gefen_ablation_vectors": VECTOR_ABLATION, "gefen_ablation_4bit": FOUR_BIT_ABLATION}
+            "gefen_ablation_vectors": VECTOR_ABLATION, "gefen_ablation_4bit": FOUR_BIT_ABLATION,
+            "gefen_ablation_refresh": REFRESH_ABLATION}
 ON_TOP_ONLY = tuple(SETTINGS)[1:]  # the factor and changes on top of it, nothing else
 
 
@@ -270,10 +280,9 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(parser)
     parser.add_argument("--experiment", default=EXPERIMENTS[0], choices=EXPERIMENTS,
-                        help="results file name; gefen_ablation_arch, _long, _layout, _column, _vectors, _4bit: "
-                             "ARCH_ABLATION's, LONG_ABLATION's, LAYOUT_ABLATION's, COLUMN_ABLATION's, VECTOR_ABLATION's, "
-                             "FOUR_BIT_ABLATION's defaults "
-                             "(module docstring)")
+                        help="results file name; gefen_ablation_arch, _long, _layout, _column, _vectors, _4bit, "
+                             "_refresh: ARCH_ABLATION's, LONG_ABLATION's, LAYOUT_ABLATION's, COLUMN_ABLATION's, "
+                             "VECTOR_ABLATION's, FOUR_BIT_ABLATION's, REFRESH_ABLATION's defaults (module docstring)")
     parser.add_argument("--tiny", action="store_true", help="test size (seconds)")
     kinds = [*PATTERNS["gpt"], *CHANGES]
     parser.add_argument("--variants", nargs="+", default=None,

@@ -45,7 +45,8 @@ EXPERIMENTS = {
     "convergence": ["convergence", "convergence_encoder", "convergence_llama", "convergence_long",
                     "convergence_long_lr", "convergence_bf16"],
     "gefen_ablation": ["gefen_ablation", "gefen_ablation_arch", "gefen_ablation_long", "gefen_ablation_layout",
-                       "gefen_ablation_column", "gefen_ablation_vectors", "gefen_ablation_4bit"],
+                       "gefen_ablation_column", "gefen_ablation_vectors", "gefen_ablation_4bit",
+                       "gefen_ablation_refresh"],
     "hessian_alignment": ["hessian_alignment"],
     "codebook_dp": ["codebook"],
     "gefen_speed": ["gefen_speed"],
@@ -62,7 +63,8 @@ MORE_RUNS = {
                     ["--experiment", "convergence_long"], ["--experiment", "convergence_long_lr"]],
     "gefen_ablation": [["--experiment", "gefen_ablation_arch"], ["--experiment", "gefen_ablation_long"],
                        ["--experiment", "gefen_ablation_layout"], ["--experiment", "gefen_ablation_column"],
-                       ["--experiment", "gefen_ablation_vectors"], ["--experiment", "gefen_ablation_4bit"]],
+                       ["--experiment", "gefen_ablation_vectors"], ["--experiment", "gefen_ablation_4bit"],
+                       ["--experiment", "gefen_ablation_refresh"]],
 }
 # arguments of MORE_RUNS that set a full run's size: a quick run leaves them out and gets its quick size
 FULL_SIZE_FLAGS = ("--size",)
@@ -89,7 +91,7 @@ FIGURE_OF = {"correctness": None, "dsa_fault_injection": None, "dsa_throughput":
              "gefen_budgets": "gefen_budgets", "gefen_distributed": "gefen_distributed", "gefen_ablation": "gefen_ablation", "gefen_ablation_arch": "gefen_ablation_arch",
              "gefen_ablation_long": "gefen_ablation_long", "gefen_ablation_layout": "gefen_ablation_layout",
              "gefen_ablation_column": "gefen_ablation_column", "gefen_ablation_vectors": "gefen_ablation_vectors",
-             "gefen_ablation_4bit": "gefen_ablation_4bit",
+             "gefen_ablation_4bit": "gefen_ablation_4bit", "gefen_ablation_refresh": "gefen_ablation_refresh",
              "hessian_alignment": "hessian_alignment",
              "convergence": "convergence", "convergence_bf16": "convergence_bf16",
              "convergence_encoder": "convergence_encoder", "convergence_llama": "convergence_llama",
