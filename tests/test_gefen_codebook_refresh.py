@@ -219,3 +219,23 @@ def test_step_in_backward_equals_the_ordinary_loop(every):
     assert torch.equal(opt.codebook, opt2.codebook)
     for p, q in zip(loop.parameters(), hooked.parameters()):
         assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_the_triton_step_takes_the_refreshed_codebook(bits):
+    """The Triton step (its interpreter here) after each refresh steps with the new codebook's
+    tables: codebooks, scales and codes equal the torch step's at every step, weights to fp32
+    rounding (the kernel sums g**2 in another order)."""
+    grads = _grads(5)
+    runs = {name: _make(2, bits, name, factor_second_moment=True) for name in ("triton", "torch")}
+    for gs in grads:
+        for params, opt in runs.values():
+            set_grads(params, gs)
+            opt.step()
+        assert torch.equal(runs["triton"][1].codebook, runs["torch"][1].codebook)
+    (pt, ot), (pr, orf) = runs["triton"], runs["torch"]
+    assert [ot._path_of(p, ot.param_groups[0], ot._backends[p].backend) for p in pt] == ["triton"] * len(pt)
+    for p, q in zip(pt, pr):
+        a, b = ot.state[p], orf.state[q]
+        assert torch.equal(a[K.SCALES], b[K.SCALES]) and torch.equal(a[K.CODES], b[K.CODES]), tuple(p.shape)
+        assert torch.allclose(p, q, atol=1e-5), tuple(p.shape)
