@@ -239,3 +239,20 @@ def test_the_triton_step_takes_the_refreshed_codebook(bits):
         a, b = ot.state[p], orf.state[q]
         assert torch.equal(a[K.SCALES], b[K.SCALES]) and torch.equal(a[K.CODES], b[K.CODES]), tuple(p.shape)
         assert torch.allclose(p, q, atol=1e-5), tuple(p.shape)
+
+
+def test_non_finite_gradients_at_a_refresh_count_as_zeros():
+    """A refresh step whose gradients hold NaN and inf learns from the finite ones (those elements
+    as zeros): the codebook a run with zeros there learns, and training goes on."""
+    grads = _grads(3)
+    bad = [g.clone() for g in grads[2]]
+    bad[0][0, 0], bad[1][2, 3], bad[3][0, 0, 0] = float("nan"), float("inf"), -float("inf")
+    zeroed = [torch.nan_to_num(g, nan=0.0, posinf=0.0, neginf=0.0) for g in bad]
+    books = []
+    for last in (bad, zeroed):
+        params, opt = _make(2, 4)
+        for gs in grads[:2] + [last]:
+            set_grads(params, gs)
+            opt.step()
+        books.append(opt.codebook)
+    assert torch.equal(books[0], books[1]) and bool(torch.isfinite(books[0]).all())

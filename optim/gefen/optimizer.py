@@ -428,9 +428,11 @@ class Gefen(OptimizerBase):
         """Learn the codebook again from the gradients now in ``p.grad`` of the quantised
         parameters with codes, as the first step learns it, and re-encode every stored code onto
         it (``Codebook.relearn``); once a step (``_refresh_step``). Without a gradient on any rank
-        there is nothing to learn from: the next call with gradients does it."""
+        there is nothing to learn from: the next call with gradients does it. A gradient's NaN and
+        infinite elements count as zeros here (the step then treats them as any step does), so a
+        bad step does not stop training where it happens to be a refresh step."""
         t = self._refresh_step()
-        grads = {p: signed(local_tensor(p.grad), g) for g in self.param_groups if g["quantize_first_moment"]
+        grads = {p: _finite(signed(local_tensor(p.grad), g)) for g in self.param_groups if g["quantize_first_moment"]
                  for p in g["params"] if p.grad is not None and K.CODES in self.state.get(p, {})}
         qparams = [p for g in self.param_groups if g["quantize_first_moment"] for p in g["params"]
                    if p.grad is not None]
@@ -577,6 +579,11 @@ class Gefen(OptimizerBase):
             self.set_codebook(None)
         else:
             self.set_codebook(codebook.to(local_tensor(params[0]).device) if params else codebook)
+
+
+def _finite(g: torch.Tensor) -> torch.Tensor:
+    """``g``, or a copy with its NaN and infinite elements as zeros where it has any."""
+    return g if bool(torch.isfinite(g).all()) else torch.nan_to_num(g, nan=0.0, posinf=0.0, neginf=0.0)
 
 
 _SETTINGS = ("backend", "fused", "verbose", "bits", "block_rule", "capturable", "codebook_refresh_every", "_seed",
