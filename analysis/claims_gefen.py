@@ -7,6 +7,7 @@ import statistics
 
 from analysis.common import GEFEN_TARGET_BPP, TARGET_WIDTH, ResultsError, select
 from analysis.gefen_memory import TARGET_FACTORED_STEP
+from experiments.gefen_ablation import REFRESH_EVERY
 from analysis.claims_common import (Row, cmd, fig, joined, listed, median_over_seeds, pct, pct_range, points, sci,
                                    signed, span, times)
 
@@ -544,6 +545,26 @@ def _four_bit_scales(R):
             f"(better on {sum(d < 0 for d in short)} of {len(short)}).")
 
 
+def _codebook_refresh(R):
+    """The sentence on the codebook learned again under 4-bit codes (gefen_ablation_refresh): each
+    layout's median loss ratio without and with it, and the change paired by seed."""
+    e = "gefen_ablation_refresh"
+    per_seed = {v: {r["seed"]: r["value"] for r in select(R.rows(e, "val_loss_vs_adamw"), "val_loss_vs_adamw", v)}
+                for v in ("factored", "factored+refresh", "factored+layout512", "factored+layout512_refresh")}
+    parts = []
+    for words, base, new in (("factored", "factored", "factored+refresh"),
+                             ("compact (512-element scales)", "factored+layout512", "factored+layout512_refresh")):
+        a, b = per_seed[base], per_seed[new]
+        if not a or a.keys() != b.keys():
+            raise ResultsError(f"{R.dir / e}.csv: no seed-paired val_loss_vs_adamw of {base} and {new}")
+        d = [b[k] - a[k] for k in sorted(a)]
+        parts.append(f"{words} {pct(statistics.median(a.values()))} -> {pct(statistics.median(b.values()))} "
+                     f"(paired {pct(1 + statistics.fmean(d))} on the mean, better on {sum(x < 0 for x in d)} of {len(d)})")
+    return (f"With the codebook learned again every {REFRESH_EVERY} steps "
+            f"(`codebook_refresh_every`; encoder, 4-bit codes, {R.config(e)['steps']:,} steps, median over "
+            f"{len(per_seed['factored'])} seeds): " + "; ".join(parts) + ".")
+
+
 def gefen_layout(R):
     e = "gefen_ablation_layout"
     labels = [v.removesuffix("/gefen-x") for v in variants_of(R, "gefen_memory", "state_bytes_per_param_of_kind")
@@ -576,7 +597,7 @@ def gefen_layout(R):
               "section. Each option alone on the factor, paired with the factored by seed (mean; worse on): "
               + "; ".join(f"{words} {pct(1 + statistics.fmean(d))} ({sum(x > 0 for x in d)} of {len(d)})"
                           for words, d in ((w, _paired_with_factored(R, x, v)) for x, v, w in LAYOUT_ALONE)) + ". "
-              + _four_bit_scales(R))
+              + _four_bit_scales(R) + " " + _codebook_refresh(R))
     lo, hi = (f(per["8bit"][k] for k in wide) for f in (min, max))
     return Row("The factored state at Gefen-X's bytes or fewer (compact layout, ours)", verdict,
                f"8-bit {lo:.3f}–{hi:.3f} B/param at width ≥ {WIDE}, ≤ gefen-x's on "
