@@ -432,11 +432,13 @@ class Gefen(OptimizerBase):
         infinite elements count as zeros here (the step then treats them as any step does), so a
         bad step does not stop training where it happens to be a refresh step."""
         t = self._refresh_step()
+        if t is None:
+            return
         grads = {p: _finite(signed(local_tensor(p.grad), g)) for g in self.param_groups if g["quantize_first_moment"]
                  for p in g["params"] if p.grad is not None and K.CODES in self.state.get(p, {})}
         qparams = [p for g in self.param_groups if g["quantize_first_moment"] for p in g["params"]
                    if p.grad is not None]
-        if t is None or not (grads or _dist.joins_codebook(qparams)):
+        if not (grads or _dist.joins_codebook(qparams)):
             return
         counts = _dist.global_histogram(self.codebook_histogram, grads, qparams)
         if int(counts.sum()) == 0:  # no rank had a gradient element
