@@ -78,9 +78,10 @@ class Gefen(OptimizerBase):
     ``codebook_refresh_every=N`` (not in the paper; Gefen-X's keyword) learns the codebook again,
     as the first step does, from the gradients of steps 1 + N, 1 + 2N, ... (before they are
     stepped), and re-encodes every stored code to its nearest entry of the new codebook
-    (``codebook.code_map``; the scales are unchanged): the gradients' spread relative to their
-    scale block's largest element drifts in training, and a codebook fitted to the first
-    gradients alone leaves the few levels of 4-bit codes where later first moments are not.
+    (``codebook.code_map``; the scales are unchanged): where the gradients' spread relative to
+    their scale block's largest element drifts in training, a codebook fitted to the first
+    gradients alone puts the few levels of 4-bit codes where later first moments are not. Whether
+    that costs loss depends on the model (results/README.md, "Claims in detail").
 
     Args:
         params: parameters or param groups (dicts); groups may set ``lr``, ``betas``, ``eps``,
