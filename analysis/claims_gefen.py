@@ -519,13 +519,13 @@ LAYOUT_ALONE = [("gefen_ablation_layout", "factored+scale_rows", "row-group scal
                 ("gefen_ablation_vectors", "factored+rows_v", "v over whole rows of rule-less matrices")]
 
 
-def _paired_with_factored(R, e, variant):
-    """The loss ratio of ``variant`` less the factored one's, seed by seed, in experiment ``e``."""
+def _paired(R, e, variant, base="factored"):
+    """The loss ratio of ``variant`` less ``base``'s, seed by seed, in experiment ``e``."""
     seeds = {v: {r["seed"]: r["value"] for r in select(R.rows(e, "val_loss_vs_adamw"), "val_loss_vs_adamw", v)}
-             for v in ("factored", variant)}
-    if not seeds["factored"] or seeds["factored"].keys() != seeds[variant].keys():
-        raise ResultsError(f"{R.dir / e}.csv: no seed-paired val_loss_vs_adamw of factored and {variant}")
-    return [seeds[variant][k] - seeds["factored"][k] for k in sorted(seeds["factored"])]
+             for v in (base, variant)}
+    if not seeds[base] or seeds[base].keys() != seeds[variant].keys():
+        raise ResultsError(f"{R.dir / e}.csv: no seed-paired val_loss_vs_adamw of {base} and {variant}")
+    return [seeds[variant][k] - seeds[base][k] for k in sorted(seeds[base])]
 
 
 def _four_bit_scales(R):
@@ -537,8 +537,8 @@ def _four_bit_scales(R):
              "factored+layout512": "with 512 (Gefen-4bit-compact's)"}
     med = {v: statistics.median(r["value"] for r in select(R.rows(e, "val_loss_vs_adamw"), "val_loss_vs_adamw", v))
            for v in names}
-    short = [a - b for a, b in zip(_paired_with_factored(R, e, "factored+layout512"),
-                                   _paired_with_factored(R, e, "factored+layout"))]
+    short = [a - b for a, b in zip(_paired(R, e, "factored+layout512"),
+                                   _paired(R, e, "factored+layout"))]
     return (f"Under 4-bit codes (encoder, {R.config(e)['steps']:,} steps, median over {len(short)} seeds): "
             + ", ".join(f"{w} {pct(med[v])}" for v, w in names.items())
             + f"; the 512-element layout paired with the 2,048 one {pct(1 + statistics.fmean(short))} on the mean "
@@ -549,20 +549,17 @@ def _codebook_refresh(R):
     """The sentence on the codebook learned again under 4-bit codes (gefen_ablation_refresh): each
     layout's median loss ratio without and with it, and the change paired by seed."""
     e = "gefen_ablation_refresh"
-    per_seed = {v: {r["seed"]: r["value"] for r in select(R.rows(e, "val_loss_vs_adamw"), "val_loss_vs_adamw", v)}
-                for v in ("factored", "factored+refresh", "factored+layout512", "factored+layout512_refresh")}
+    rows = R.rows(e, "val_loss_vs_adamw")
     parts = []
     for words, base, new in (("factored", "factored", "factored+refresh"),
                              ("compact (512-element scales)", "factored+layout512", "factored+layout512_refresh")):
-        a, b = per_seed[base], per_seed[new]
-        if not a or a.keys() != b.keys():
-            raise ResultsError(f"{R.dir / e}.csv: no seed-paired val_loss_vs_adamw of {base} and {new}")
-        d = [b[k] - a[k] for k in sorted(a)]
-        parts.append(f"{words} {pct(statistics.median(a.values()))} -> {pct(statistics.median(b.values()))} "
+        d = _paired(R, e, new, base)
+        before, after = (median_over_seeds(rows, "val_loss_vs_adamw", v) for v in (base, new))
+        parts.append(f"{words} {pct(before)} -> {pct(after)} "
                      f"(paired {pct(1 + statistics.fmean(d))} on the mean, better on {sum(x < 0 for x in d)} of {len(d)})")
     return (f"With the codebook learned again every {REFRESH_EVERY} steps "
             f"(`codebook_refresh_every`; encoder, 4-bit codes, {R.config(e)['steps']:,} steps, median over "
-            f"{len(per_seed['factored'])} seeds): " + "; ".join(parts) + ".")
+            f"{len(d)} seeds): " + "; ".join(parts) + ".")
 
 
 def gefen_layout(R):
@@ -596,7 +593,7 @@ def gefen_layout(R):
               f"{pct(med['factored+scale_rows'])}; gefen-x at these settings and seeds is in gefen_ablation_long's "
               "section. Each option alone on the factor, paired with the factored by seed (mean; worse on): "
               + "; ".join(f"{words} {pct(1 + statistics.fmean(d))} ({sum(x > 0 for x in d)} of {len(d)})"
-                          for words, d in ((w, _paired_with_factored(R, x, v)) for x, v, w in LAYOUT_ALONE)) + ". "
+                          for words, d in ((w, _paired(R, x, v)) for x, v, w in LAYOUT_ALONE)) + ". "
               + _four_bit_scales(R) + " " + _codebook_refresh(R))
     lo, hi = (f(per["8bit"][k] for k in wide) for f in (min, max))
     return Row("The factored state at Gefen-X's bytes or fewer (compact layout, ours)", verdict,

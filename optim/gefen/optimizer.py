@@ -380,10 +380,12 @@ class Gefen(OptimizerBase):
         one parameter's new state and temporaries beside them, not all of it. The parameters are
         checked as a step checks them, and the step's own codebook is this one, so every result is
         the one-step result."""
-        if not self.needs_every_gradient():
+        if self.codebook is not None:  # learned: learned again where a refresh step is due
+            t = self._refresh_step()
+            if t is not None:
+                self._refresh_codebook(t)
             return
-        if self.codebook is not None:  # a refresh step
-            self._refresh_codebook()
+        if not self.needs_every_gradient():
             return
         grads, blocks = {}, {}
         for gi, group in enumerate(self.param_groups):
@@ -404,8 +406,7 @@ class Gefen(OptimizerBase):
         of the quantised groups (``codebook_histogram``'s ``blocks``)."""
         # [distributed] sharded (FSDP2) histograms are summed over the ranks, so every
         # rank learns the same codebook; a rank whose local shards are all empty still joins.
-        qparams = [p for g in self.param_groups if g["quantize_first_moment"] for p in g["params"]
-                   if p.grad is not None]
+        qparams = self._quantised(with_grad=True)
         if self.codebook is not None or not (grads or _dist.joins_codebook(qparams)):
             return
         dev = next(iter(grads.values())).device if grads else local_tensor(qparams[0]).device
@@ -420,25 +421,26 @@ class Gefen(OptimizerBase):
         have none left, so the others' count still names the step under way."""
         if not self.codebook_refresh_every or self.codebook is None:
             return None
-        qparams = [p for g in self.param_groups if g["quantize_first_moment"] for p in g["params"]]
+        qparams = self._quantised()
         steps = [st[K.STEP] for p in qparams if p.grad is not None and K.CODES in (st := self.state.get(p, {}))]
         t = _dist.latest_step(max(steps, default=0), qparams) + 1
         return t if refresh_due(t, self.codebook_refresh_every) and t != self._refreshed_at else None
 
-    def _refresh_codebook(self) -> None:
-        """Learn the codebook again from the gradients now in ``p.grad`` of the quantised
-        parameters with codes, as the first step learns it, and re-encode every stored code onto
-        it (``Codebook.relearn``); once a step (``_refresh_step``). Without a gradient on any rank
+    def _quantised(self, with_grad: bool = False) -> list:
+        """The parameters of the groups that quantise their first moment (those with a gradient now)."""
+        return [p for g in self.param_groups if g["quantize_first_moment"] for p in g["params"]
+                if not with_grad or p.grad is not None]
+
+    def _refresh_codebook(self, t: int) -> None:
+        """At step ``t`` (``_refresh_step``'s), learn the codebook again from the gradients now in
+        ``p.grad`` of the quantised parameters with codes, as the first step learns it, and
+        re-encode every stored code onto it (``Codebook.relearn``). Without a gradient on any rank
         there is nothing to learn from: the next call with gradients does it. A gradient's NaN and
         infinite elements count as zeros here (the step then treats them as any step does), so a
         bad step does not stop training where it happens to be a refresh step."""
-        t = self._refresh_step()
-        if t is None:
-            return
         grads = {p: _finite(signed(local_tensor(p.grad), g)) for g in self.param_groups if g["quantize_first_moment"]
                  for p in g["params"] if p.grad is not None and K.CODES in self.state.get(p, {})}
-        qparams = [p for g in self.param_groups if g["quantize_first_moment"] for p in g["params"]
-                   if p.grad is not None]
+        qparams = self._quantised(with_grad=True)
         if not (grads or _dist.joins_codebook(qparams)):
             return
         counts = _dist.global_histogram(self.codebook_histogram, grads, qparams)
@@ -514,8 +516,9 @@ class Gefen(OptimizerBase):
         return loss
 
     def _step(self):
-        if self.codebook_refresh_every:
-            self._refresh_codebook()
+        t = self._refresh_step()
+        if t is not None:
+            self._refresh_codebook(t)
         key = signature(self.param_groups, local_tensor)
         plan = self._plans.get(key)
         if plan is not None and all(c.current() for c in plan[0]):
