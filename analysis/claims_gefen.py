@@ -98,6 +98,20 @@ def _state(R, e, variant):
     return statistics.fmean(R.values(e, "state_bytes_per_param", variant))
 
 
+def _compact(R, e, protocols, **where) -> str:
+    """The sentence on Gefen-X's-bytes layout (``registry.COMPACT_OF``) in convergence experiment ``e``:
+    each width's median loss ratio, the worst of ``protocols`` (variant prefixes), and its state; empty
+    where the run has no compact rows."""
+    names = [f"Gefen-{b}-compact" for b in ("8bit", "4bit")]
+    have = set(variants_of(R, e, "val_loss_vs_adamw_median"))
+    if not all(p + n in have for p in protocols for n in names):
+        return ""
+    loss = [max(R.need(e, "val_loss_vs_adamw_median", p + n, **where) for p in protocols) for n in names]
+    state = [_state(R, e, protocols[0] + n) for n in names]
+    return (f" The compact layout (gefen-x's bytes or fewer): 8-bit {pct(loss[0])}, 4-bit {pct(loss[1])} at "
+            f"{state[0]:.3f} / {state[1]:.3f} B/param.")
+
+
 def _factored_verdict(losses, states):
     """Loss met where both widths are within their targets; bytes met where both are within theirs."""
     loss_ok = [l8 - 1 <= LOSS_TARGET["8bit"] and l4 - 1 <= LOSS_TARGET["4bit"] for l8, l4 in losses]
@@ -211,7 +225,8 @@ def _untuned(R, e, model, claim, about, ablation_prefix):
     verdict = ("loss met" if loss_ok[0] else "loss not met") + f"; {bytes_word}"
     head = f"8-bit {pct(loss[0])}, 4-bit {pct(loss[1])} vs AdamW (both protocols); {state[0]:.2f} / {state[1]:.2f} B/param"
     return Row(claim, verdict, head, fig(e), cmd(f"python experiments/convergence.py --experiment {e}"),
-               _untuned_detail(R, e, model, about, state) + " " + _ablation_arch(R, ablation_prefix))
+               _untuned_detail(R, e, model, about, state) + _compact(R, e, ("", "dropin/"), x_value=model) + " "
+               + _ablation_arch(R, ablation_prefix))
 
 
 def _untuned_detail(R, e, model, about, state):
@@ -270,7 +285,8 @@ def gefen_long(R):
     return Row(f"… and after {R.config(e)['steps']:,} steps (the encoder, drop-in, same lr)", verdict,
                f"8-bit {pct(long[0])} ({R.config(short)['steps']:,} steps: {pct(before[0])}), 4-bit {pct(long[1])} "
                f"({pct(before[1])}) vs AdamW",
-               fig(e), cmd(f"python experiments/convergence.py --experiment {e}"), _long_detail(R, e, short, best, seeds))
+               fig(e), cmd(f"python experiments/convergence.py --experiment {e}"),
+               _long_detail(R, e, short, best, seeds) + _compact(R, e, ("dropin/",)))
 
 
 def _long_detail(R, e, short, best, seeds):
