@@ -85,12 +85,17 @@ def gefen_ablation(R):
                fig(e), cmd(f"python experiments/{e}.py"), detail)
 
 
+def _layout(R, e, layout, protocols=("", "dropin/"), prefix="", **where):
+    """(8-bit, 4-bit) median loss ratios of Gefen-<bits>-``layout``, the worst of ``protocols``
+    (variant prefixes), and their mean state B/param (variants ``prefix`` + name)."""
+    names = [f"Gefen-{b}-{layout}" for b in ("8bit", "4bit")]
+    loss = [max(R.need(e, "val_loss_vs_adamw_median", p + n, **where) for p in protocols) for n in names]
+    return loss, [_state(R, e, prefix + n) for n in names]
+
+
 def _factored(R, e, model, prefix=""):
     """(8-bit, 4-bit) median loss ratios, worst of both protocols, and mean state B/param."""
-    loss = [max(R.need(e, "val_loss_vs_adamw_median", p + f"Gefen-{b}-factored", x_value=model) for p in ("", "dropin/"))
-            for b in ("8bit", "4bit")]
-    state = [_state(R, e, prefix + f"Gefen-{b}-factored") for b in ("8bit", "4bit")]
-    return loss, state
+    return _layout(R, e, "factored", prefix=prefix, x_value=model)
 
 
 def _state(R, e, variant):
@@ -102,12 +107,10 @@ def _compact(R, e, protocols, **where) -> str:
     """The sentence on Gefen-X's-bytes layout (``registry.COMPACT_OF``) in convergence experiment ``e``:
     each width's median loss ratio, the worst of ``protocols`` (variant prefixes), and its state; empty
     where the run has no compact rows."""
-    names = [f"Gefen-{b}-compact" for b in ("8bit", "4bit")]
     have = set(variants_of(R, e, "val_loss_vs_adamw_median"))
-    if not all(p + n in have for p in protocols for n in names):
+    if not all(f"{p}Gefen-{b}-compact" in have for p in protocols for b in ("8bit", "4bit")):
         return ""
-    loss = [max(R.need(e, "val_loss_vs_adamw_median", p + n, **where) for p in protocols) for n in names]
-    state = [_state(R, e, protocols[0] + n) for n in names]
+    loss, state = _layout(R, e, "compact", protocols, protocols[0], **where)
     return (f" The compact layout (gefen-x's bytes or fewer): 8-bit {pct(loss[0])}, 4-bit {pct(loss[1])} at "
             f"{state[0]:.3f} / {state[1]:.3f} B/param.")
 
