@@ -11,7 +11,7 @@
     python analysis/convergence_encoder.py; python analysis/convergence_llama.py   # their figures and tables
     # the encoder at 3,000 steps (3 seeds, drop-in) -> results/convergence_long.csv
     python experiments/convergence.py --experiment convergence_long; python analysis/convergence_long.py
-    # the same at the 1,000-step run's lr, 4e-3, held fixed -> results/convergence_long_lr.csv
+    # the same at the 1,000-step run's lr, 4e-3, held fixed, 5 seeds -> results/convergence_long_lr.csv
     python experiments/convergence.py --experiment convergence_long_lr; python analysis/convergence_long_lr.py
     # bf16 weights (stochastic rounding) beside fp32 AdamW on the 1.27M model -> results/convergence_bf16.csv
     python experiments/convergence.py --experiment convergence_bf16 --size large --extra none \
@@ -44,7 +44,7 @@ developed on, each its own experiment and results file (``--experiment convergen
 ``convergence_llama``: the architecture as the main configuration, no extra ones, the optimizers
 of ``UNTUNED``, both protocols; ``--extra encoder llama`` adds them to a run of this file instead;
 ``convergence_long`` trains the encoder 3,000 steps, 3 seeds, drop-in protocol, AdamW on lrs 2e-3..8e-3;
-``convergence_long_lr`` the same at 4e-3 only, the 1,000-step run's drop-in lr):
+``convergence_long_lr`` the same at 4e-3 only, the 1,000-step run's drop-in lr, 5 seeds):
 ``CHAR_LM["encoder"]``, a stack of
 PyTorch's pre-norm ``nn.TransformerEncoderLayer`` with its fused q/k/v tensor, and
 ``CHAR_LM["llama"]``, a Llama-style decoder (RMSNorm, SwiGLU, rotary embeddings, no biases); both
@@ -127,7 +127,7 @@ ARCH_EXPERIMENTS = {
 }
 # the same 3,000 steps at the 1,000-step run's drop-in lr held fixed (AdamW's best there, 4e-3): with
 # the lr unchanged, a gap that still grows is the training length's, not the lr's
-ARCH_EXPERIMENTS["convergence_long_lr"] = dict(ARCH_EXPERIMENTS["convergence_long"], lrs=[4e-3])
+ARCH_EXPERIMENTS["convergence_long_lr"] = dict(ARCH_EXPERIMENTS["convergence_long"], lrs=[4e-3], seeds=5)
 PROTOCOLS = ("best", "dropin", "both")
 DROPIN = "dropin/"  # the variant prefix of the drop-in protocol's rows
 # optimizers whose authors advise a multiple of AdamW's lr: in the drop-in protocol they also run at

@@ -803,7 +803,7 @@ def test_an_architecture_experiment_has_its_own_defaults_and_file(tmp_path, monk
     assert (args.size, args.steps, args.seeds, args.protocol) == ("encoder", 3000, 3, "dropin")
     assert args.lrs == [2e-3, 4e-3, 8e-3] and conv.parse_args(["--experiment", "convergence_encoder"]).lrs is None
     args = conv.parse_args(["--experiment", "convergence_long_lr"])  # the same at the 1,000-step lr only
-    assert (args.size, args.steps, args.seeds, args.protocol, args.lrs) == ("encoder", 3000, 3, "dropin", [4e-3])
+    assert (args.size, args.steps, args.seeds, args.protocol, args.lrs) == ("encoder", 3000, 5, "dropin", [4e-3])
     args = conv.parse_args(["--experiment", "convergence_long", "--quick"])
     assert (args.size, args.steps, args.seeds, args.lrs) == (None, None, None, None)  # the quick size's own
 
