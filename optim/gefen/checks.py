@@ -10,7 +10,7 @@ import torch
 
 from .._checks import check_flags, check_hyper, check_option
 from . import state as K
-from .state import holds_factor, state_dtype, whole_factor
+from .state import FACTOR_DTYPES, factor_dtype, half_factor, holds_factor, state_dtype, whole_factor
 from .partition import factor_tiles, tile_elements
 from .reference import num_code_bytes, num_scales
 
@@ -34,6 +34,15 @@ def stochastic_codes_refusal(group) -> str | None:
     return None
 
 
+def half_factor_refusal(group) -> str | None:
+    """Why a compiled step cannot step ``group``, or None: bf16 factors w, rounded stochastically
+    (``factor_dtype="bfloat16"``), are the torch step's alone (both compiled backends' ``refuses``)."""
+    if half_factor(group):
+        return ("its group keeps the factors w in bf16 (factor_dtype='bfloat16'), which only the torch "
+                "step rounds")
+    return None
+
+
 def makes_row_group_scales(group) -> bool:
     """True where ``group`` keeps one first-moment scale per group of a matrix's rows
     (``row_group_scales`` under a quantised, factored second moment): states of such a group may
@@ -42,13 +51,15 @@ def makes_row_group_scales(group) -> bool:
 
 
 def expected_state(n: int, block: int, bits: int, quant: bool, dtype: torch.dtype,
-                   factored: bool = False, tiles: int = 1, scale: int | None = None) -> dict:
+                   factored: bool = False, tiles: int = 1, scale: int | None = None,
+                   factor: torch.dtype = torch.float32) -> dict:
     """{key: (dtype, numel)} of the per-parameter tensors of an n-element parameter (``tiles``:
     of the factored second moment, ``partition.factor_tiles``; ``scale``: the scale-block length
-    where it is not the default of ``block``, ``state.SCALE_BLOCK``)."""
+    where it is not the default of ``block``, ``state.SCALE_BLOCK``; ``factor``: w's dtype,
+    ``state.factor_dtype``)."""
     out = {K.V: (dtype, n // block)}
     if factored:
-        out[K.W] = (torch.float32, tiles * block)
+        out[K.W] = (factor, tiles * block)
     if quant:
         out[K.SCALES] = (torch.float32, num_scales(n, scale or block))
         out[K.CODES] = (torch.uint8, num_code_bytes(n, bits))
@@ -62,23 +73,25 @@ def check_state_fits(st, p, group, bits, where: str):
     layout of its shape and group options now: a parameter replaced by one of another size or
     shape after its state was made (``p.data = ...``), or an option that decides the layout
     (``share_second_moment``, ``quantize_first_moment``, ``factor_second_moment``,
-    ``share_vector_second_moment``, ``whole_matrix_factor``; ``row_group_scales`` switched off) edited in
+    ``share_vector_second_moment``, ``whole_matrix_factor``, ``factor_dtype``; ``row_group_scales`` switched off) edited in
     the group since, is refused before any kernel sees
     the state (a step is factored where its state holds w: ``plan.Call.factored``)."""
     n, block = p.numel(), st[K.BLOCK]
     tiles = len(factor_tiles(tuple(p.shape), block, whole_factor(group))) if n % block == 0 else 0
     want = expected_state(n, block, bits, group["quantize_first_moment"], state_dtype(p.dtype, group),
-                          holds_factor(group, p.dim()), tiles, st.get(K.SCALE_BLOCK)) if tiles else {}
+                          holds_factor(group, p.dim()), tiles, st.get(K.SCALE_BLOCK), factor_dtype(group)) if tiles else {}
     per_element = not group["share_second_moment"] and block != 1  # its blocks say otherwise
     grouped = K.SCALE_BLOCK in st and not makes_row_group_scales(group)  # a layout its group does not make
     if (per_element or grouped or not want or (K.W in st) != (K.W in want)
-            or any(key not in st or st[key].numel() != size for key, (_, size) in want.items())):
+            or any(key not in st or st[key].numel() != size or (key == K.W and st[key].dtype != dtype)
+                   for key, (dtype, size) in want.items())):
         made = st[K.V].numel() * block
         raise ValueError(f"Gefen: {where} is now {tuple(p.shape)} ({n} elements), its state was made for "
                          f"{made} elements, of another shape or under other group options (block {block}): a "
                          "parameter keeps its shape, and its group its share_second_moment, quantize_first_moment, "
-                         "factor_second_moment, share_vector_second_moment, row_group_scales and "
-                         "whole_matrix_factor, once its state exists; build a new optimizer for another")
+                         "factor_second_moment, share_vector_second_moment, row_group_scales, "
+                         "whole_matrix_factor and factor_dtype, once its state exists; build a new optimizer "
+                         "for another")
 
 
 def check_group(group, gi):
@@ -97,6 +110,8 @@ def check_group(group, gi):
         check_row_group_scales(group.get("row_group_scales", False))
         check_option("first_moment_rounding", group.get("first_moment_rounding", "nearest"), ROUNDINGS,
                      f"one of {ROUNDINGS}")
+        check_option("factor_dtype", group.get("factor_dtype", "float32"), tuple(FACTOR_DTYPES),
+                     f"one of {tuple(FACTOR_DTYPES)} (a string)")
     except ValueError as exc:
         raise ValueError(f"{exc} (Gefen, group {gi})") from None
     if group.get("first_moment_rounding") == "stochastic" and not group["quantize_first_moment"]:
@@ -203,7 +218,8 @@ def check_saved(st, p, group, bits, k):
         # a factor saved as one w for the whole tensor, before tiles: each tile starts from it
         st = dict(st, **{K.W: st[K.W].repeat(tiles)})
     want = expected_state(n, block, bits, group["quantize_first_moment"],
-                          state_dtype(p.dtype, group), holds_factor(group, p.dim()), tiles, scale)
+                          state_dtype(p.dtype, group), holds_factor(group, p.dim()), tiles, scale,
+                          factor_dtype(group))
     if set(st) - extra != set(want) | {K.STEP, K.BLOCK}:
         raise ValueError(f"{where} has keys {sorted(st)}, expected "
                          f"{sorted(set(want) | {K.STEP, K.BLOCK})} for this group's "
@@ -234,6 +250,10 @@ def _check_group_matches(st, group, ndim: int, where: str):
         vector_option = ndim < 2 and group["factor_second_moment"]  # the option that decides a vector's w
         found.append(("share_vector_second_moment" if vector_option else "factor_second_moment",
                       "a factor 'w'" if K.W in st else "no factor 'w'"))
+    w = st.get(K.W)
+    if torch.is_tensor(w) and holds_factor(group, ndim) and w.dtype != factor_dtype(group) and w.dtype in (
+            torch.float32, torch.bfloat16):
+        found.append(("factor_dtype", f"a {str(w.dtype).removeprefix('torch.')} factor 'w'"))
     if K.SCALE_BLOCK in st and not (group.get("row_group_scales") and K.W in st and quant):
         found.append(("row_group_scales", f"scale blocks of its own length {K.SCALE_BLOCK!r}"))
     for option, holds in found:
@@ -314,7 +334,7 @@ def check_state_dict(sd: dict, groups: list, *, bits: int, wide: dict, local) ->
                          f"groups, this optimizer {len(groups)}; load it into the optimizer "
                          "it was saved from")
     old = {"factor_second_moment": False, "share_vector_second_moment": False, "share_matrix_rows": False,
-           "row_group_scales": False, "whole_matrix_factor": False, "maximize": False}
+           "row_group_scales": False, "whole_matrix_factor": False, "factor_dtype": "float32", "maximize": False}
     sd["param_groups"] = [{**old, **g,
                            "stochastic_rounding": mine["stochastic_rounding"],
                            "first_moment_rounding": mine["first_moment_rounding"], **wide}

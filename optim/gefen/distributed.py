@@ -26,7 +26,8 @@ the group:
       m       fp32 ``shape``: the first moment   (groups with quantize_first_moment=False)
       w       fp32 ``shape``: the factor w of the element's offset in its block, from its
               shard's w of its tile (``partition.factor_tiles``, one a local shard under
-              ``whole_matrix_factor``)   (states with a factor: ``state.holds_factor``)
+              ``whole_matrix_factor``; a bf16 w is written exactly, and loads as its group's
+              ``factor_dtype``)   (states with a factor: ``state.holds_factor``)
       layout  int64 (rows, 4), the same on every rank: per row of dim 0, the saved block length
               P, the row's first element's position in its v-block and in its scale block, and
               the step count
@@ -377,6 +378,11 @@ def _local_rows_of(t, p, r0, r1):
     return t.reshape(-1)
 
 
+def _factor_dtype(group) -> torch.dtype:
+    """The dtype a loaded factor w takes: its group's (``state.factor_dtype``), fp32 without one."""
+    return torch.float32 if group is None else K.factor_dtype(group)
+
+
 def _from_distributed_one(p, st, *, codebook, bits, name, group=None):
     r0, r1, rows, row_len = shard_rows(p)
     layout = local_shard(st[LAYOUT]).cpu().to(torch.int64)
@@ -403,7 +409,7 @@ def _from_distributed_one(p, st, *, codebook, bits, name, group=None):
         w = _local_rows_of(st[K.W], p, r0, r1).double()
         whole = group is not None and K.whole_factor(group)
         out[K.W] = torch.cat([w[a:b].view(-1, block).mean(dim=0)
-                              for a, b in tile_elements(shape, block, whole)]).float().to(dev)
+                              for a, b in tile_elements(shape, block, whole)]).to(dev, _factor_dtype(group))
     if K.M in st:
         out[K.M] = _local_rows_of(st[K.M], p, r0, r1).float().to(dev).clone()
         return out

@@ -22,7 +22,7 @@ import torch
 from .._cache import BoundedCache
 from .._threads import numba_threads
 from . import torch_ops
-from .checks import check_factors, check_launch, float64_state_refusal, stochastic_codes_refusal
+from .checks import check_factors, check_launch, float64_state_refusal, half_factor_refusal, stochastic_codes_refusal
 from .._rounding import STOCHASTIC_DTYPES, round_stochastic
 from .codebook import code_table
 from .reference import factor_ratio, scale_block_length
@@ -37,7 +37,7 @@ def refuses(param_dtype: torch.dtype, group) -> str | None:
     """Why this step cannot update a parameter of ``param_dtype`` in ``group``, known when it is
     added (``optim.backends.choose_backend``), or None: float64 moments, stochastically rounded codes
     (both the torch step's)."""
-    return float64_state_refusal(param_dtype, group) or stochastic_codes_refusal(group)
+    return float64_state_refusal(param_dtype, group) or stochastic_codes_refusal(group) or half_factor_refusal(group)
 
 
 def data_refusal(*, block: int | None, bits: int, quant: bool, tables=None, scale: int | None = None) -> str | None:

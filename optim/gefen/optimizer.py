@@ -15,7 +15,8 @@ from .checks import (check_adamw_keywords, check_capturable, check_group, check_
                      check_state_dict, check_state_fits)
 from .codebook import Codebook, refresh_due
 from .partition import RULES, constant_magnitude
-from .plan import Call, draw_seeds, rounds_codes, run, signature, signed, step_module, step_scalars, tiles_of
+from .plan import (Call, draw_seeds, every_parameter_seeded, run, seeded, signature, signed, step_module,
+                   step_scalars, tiles_of)
 from .torch_ops import histogram, remap_codes_
 
 
@@ -147,6 +148,16 @@ class Gefen(OptimizerBase):
             keeps one column factor w for the whole matrix (Adafactor's, Gefen-X's), not one per
             square tile of rows (above): 4 bytes a column instead of a column per tile, at the cost of
             one factor for the parts of a fused projection. Every backend. (Default: False)
+        factor_dtype: "float32" or "bfloat16", the dtype of the factors w (under
+            ``factor_second_moment``). bf16 halves their bytes (4 bytes a column a tile -> 2): w is
+            updated in fp32 and stored rounded stochastically (``reference.factor_update``), its
+            random bits drawn as ``stochastic_rounding``'s are, from each parameter's seed
+            (``state.SEED``, then made for fp32 parameters too) mixed with ``plan.FACTOR_STREAM``:
+            runs repeat given ``torch.manual_seed`` and a run resumed from a state dict equals the
+            uninterrupted one. Decides the state layout, as ``whole_matrix_factor`` does (a state
+            dict restores the saved group's setting). The torch step's alone for now: a compiled
+            backend asked for by name refuses such a group, "auto" steps it with torch.
+            (Default: "float32")
         stochastic_rounding: write bf16 and fp16 parameters rounded stochastically (up with the
             probability of the fraction of the gap, so exact in expectation) instead of to nearest,
             so updates under half a unit in the last place still move a low-precision weight on
@@ -210,7 +221,7 @@ class Gefen(OptimizerBase):
                  share_second_moment=True, quantize_first_moment=True, backend="auto",
                  block_rule="adjacent_log", *, factor_second_moment=False, share_vector_second_moment=False,
                  share_matrix_rows=False, row_group_scales=False, whole_matrix_factor=False,
-                 stochastic_rounding=False,
+                 factor_dtype="float32", stochastic_rounding=False,
                  first_moment_rounding="nearest", codebook_refresh_every=0, maximize=False, fused=None,
                  verbose=False, amsgrad=False, foreach=None, capturable=False, differentiable=False):
         check_option("bits", bits, (8, 4), "8 or 4 (an int)")
@@ -239,7 +250,7 @@ class Gefen(OptimizerBase):
                         factor_second_moment=factor_second_moment,
                         share_vector_second_moment=share_vector_second_moment,
                         share_matrix_rows=share_matrix_rows, row_group_scales=row_group_scales,
-                        whole_matrix_factor=whole_matrix_factor,
+                        whole_matrix_factor=whole_matrix_factor, factor_dtype=factor_dtype,
                         stochastic_rounding=stochastic_rounding,
                         first_moment_rounding=first_moment_rounding, codebook_refresh_every=codebook_refresh_every,
                         maximize=maximize,
@@ -274,6 +285,7 @@ class Gefen(OptimizerBase):
             group.setdefault("share_matrix_rows", False)
             group.setdefault("row_group_scales", False)
             group.setdefault("whole_matrix_factor", False)
+            group.setdefault("factor_dtype", "float32")
             group.setdefault("maximize", False)
             group.setdefault("stochastic_rounding", False)
             group.setdefault("first_moment_rounding", "nearest")
@@ -285,6 +297,7 @@ class Gefen(OptimizerBase):
         self.defaults.setdefault("share_matrix_rows", False)
         self.defaults.setdefault("row_group_scales", False)
         self.defaults.setdefault("whole_matrix_factor", False)
+        self.defaults.setdefault("factor_dtype", "float32")
         self.defaults.setdefault("maximize", False)
         self.defaults.setdefault("stochastic_rounding", False)
         self.defaults.setdefault("first_moment_rounding", "nearest")
@@ -327,7 +340,7 @@ class Gefen(OptimizerBase):
     def _path(self, backend: str, group, block, scale=None) -> str:
         """``backend``, or "torch" where its ``data_refusal`` deviates for ``block``, the scale blocks
         (``scale``: ``state.SCALE_BLOCK``) and the codebook."""
-        if backend == "torch" or rounds_codes(group):  # stochastic codes: the torch step's (``refuses``)
+        if backend == "torch" or every_parameter_seeded(group):  # stochastic codes and factors: the torch step's
             return "torch"
         quant = group["quantize_first_moment"]
         tables = self._codebook.table() if quant and self.codebook is not None else None
@@ -509,7 +522,7 @@ class Gefen(OptimizerBase):
                 loss = closure()
         if _dist.is_state_dict_init_step(self):  # [distributed] torch's zero-grad lr=0 probe
             return loss
-        if self._seed is None and any(g["stochastic_rounding"] or rounds_codes(g) for g in self.param_groups):
+        if self._seed is None and any(seeded(g) for g in self.param_groups):
             # [distributed] every rank steps here, with or without a parameter to round
             self._seed = _dist.shared_seed(fresh_seed())
         self._step()
@@ -551,8 +564,8 @@ class Gefen(OptimizerBase):
         calls = []
         for (block, _, _, _, backend, _, scale), params in buckets.items():
             states = [self.state[p] for p in params]
-            if group["stochastic_rounding"] or rounds_codes(group):
-                draw_seeds(params, states, self._seed, self.param_groups, every=rounds_codes(group))
+            if seeded(group):
+                draw_seeds(params, states, self._seed, self.param_groups, every=every_parameter_seeded(group))
             tiles = [t for k, (p, st) in enumerate(zip(params, states))
                      for t in tiles_of(k, local_tensor(p), st, bits=self.bits)]
             path = self._path(backend, group, block, scale)

@@ -35,10 +35,12 @@ from .partition import factor_tiles, tile_elements
 # weight_decay are read from the group at every step.
 STRUCTURAL = ("share_second_moment", "quantize_first_moment", "factor_second_moment", "share_vector_second_moment",
               "stochastic_rounding", "first_moment_rounding", "row_group_scales",
-              "whole_matrix_factor", "maximize")
+              "whole_matrix_factor", "factor_dtype", "maximize")
 # Mixed into a parameter's seed (``state.SEED``) for the words of its codes' stochastic rounding, so
-# that they are not the words its bf16 or fp16 weights are rounded with (murmur3's second constant).
+# that they are not the words its bf16 or fp16 weights are rounded with (murmur3's second constant),
+# and for those of its bf16 factor w (the third).
 CODE_STREAM = 0x85EBCA6B
+FACTOR_STREAM = 0xC2B2AE35
 
 
 class Tile(NamedTuple):
@@ -121,6 +123,11 @@ class Call:
         """True where the call's first-moment codes are rounded stochastically (seeds drawn)."""
         return rounds_codes(self.group) and K.SEED in self.states[0]
 
+    @property
+    def factor_sr(self) -> bool:
+        """True where the call's factors w are bf16, rounded stochastically (seeds drawn)."""
+        return self.factored and self.states[0][K.W].dtype != torch.float32 and K.SEED in self.states[0]
+
     def lists(self) -> tuple:
         """(ps, vs, scales, firsts, ws) of the tiles, the backends' list arguments, built once.
         Unquantised, ``scales`` repeats ``vs`` (an unused slot) and ``ws`` is None unless ``factored``."""
@@ -139,13 +146,15 @@ class Call:
             out.append(g if t.rows is None else g[t.rows[0]:t.rows[1]])
         return out
 
-    def seeds(self, step: int, codes: bool = False) -> list | None:
-        """Each tile's stochastic-rounding seed at ``step`` (``optim._rounding``) for its weights, or
-        with ``codes`` for its first moment's codes (the parameter's seed mixed with ``CODE_STREAM``
-        first); None where the call does not round them stochastically."""
-        if not (self.code_sr if codes else self.sr):
+    def seeds(self, step: int, stream: str = "weights") -> list | None:
+        """Each tile's stochastic-rounding seed at ``step`` (``optim._rounding``) for ``stream``: its
+        weights, its first moment's "codes" or its "factor" w (the parameter's seed mixed with
+        ``CODE_STREAM`` or ``FACTOR_STREAM`` first); None where the call does not round those
+        stochastically."""
+        if not {"weights": self.sr, "codes": self.code_sr, "factor": self.factor_sr}[stream]:
             return None
-        per = [step_seed(code_stream(st[K.SEED]) if codes else st[K.SEED], 0, step) for st in self.states]
+        mix = {"weights": 0, "codes": CODE_STREAM, "factor": FACTOR_STREAM}[stream]
+        per = [step_seed(hash32_int(st[K.SEED] ^ mix) if mix else st[K.SEED], 0, step) for st in self.states]
         return [per[t.owner] if t.tile is None else step_seed(per[t.owner], t.tile, 0) for t in self.tiles]
 
 
@@ -154,9 +163,15 @@ def rounds_codes(group) -> bool:
     return group["first_moment_rounding"] == "stochastic" and bool(group["quantize_first_moment"])
 
 
-def code_stream(seed: int) -> int:
-    """The base seed of a parameter's code rounding, from its seed ``state.SEED`` (``CODE_STREAM``)."""
-    return hash32_int(seed ^ CODE_STREAM)
+def seeded(group) -> bool:
+    """True where ``group`` rounds something stochastically, so that its parameters need seeds."""
+    return bool(group["stochastic_rounding"]) or every_parameter_seeded(group)
+
+
+def every_parameter_seeded(group) -> bool:
+    """True where every parameter of ``group`` needs a seed, fp32 ones too: its codes or its
+    factors are rounded stochastically (``draw_seeds``' ``every``)."""
+    return rounds_codes(group) or K.half_factor(group)
 
 
 def _held(st) -> tuple:
@@ -269,7 +284,9 @@ def run_call(call: Call, step: int | None, codebook, *, bits: int) -> None:
             written(call)
             return
     if call.rows is None:
-        extra = dict(seeds=call.seeds(step), code_seeds=call.seeds(step, codes=True))
+        extra = dict(seeds=call.seeds(step), code_seeds=call.seeds(step, "codes"))
+        if call.factor_sr:
+            extra["factor_seeds"] = call.seeds(step, "factor")
     else:
         extra = dict(seeds=True if call.sr else None, hyper=call.rows)
     if call.scale is not None:  # row-group scales (``state.SCALE_BLOCK``)

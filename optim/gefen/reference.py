@@ -31,11 +31,13 @@ scale blocks (length S)
     (padding, never read).
     The first moment is ``m_i = codebook[code_i] * scales[i // S]``. Fresh state: codes 0 and
     scales 0, i.e. m = 0.
-``w`` (fp32, shape ``(P,)``; only with ``factor_second_moment=True``)
+``w`` (fp32 or bf16, shape ``(P,)``; only with ``factor_second_moment=True``)
     Per-offset factor of the second moment: ``w_j`` is an EMA (same beta2) of the squared
     gradient at offset j inside a block, averaged over all blocks of the tensor. See
     "Factored second moment" below. Fresh state: zeros. (The optimizer keeps one such ``w`` per
-    tile of a tall matrix and steps each tile as a tensor of this module; see below.)
+    tile of a tall matrix and steps each tile as a tensor of this module; see below.) A bf16
+    ``w`` (the optimizer's ``factor_dtype="bfloat16"``) is updated in fp32 and stored rounded
+    stochastically (``factor_update``).
 ``codebook`` (fp32, shape ``(2**bits,)``, sorted ascending; learned with its ends pinned at -1, +1)
     One per model (all parameters, all groups), learned at the first optimizer step.
     ``codebook=None`` means the first moment is not quantised: ``codes`` is then the fp32 first
@@ -90,7 +92,7 @@ import math
 
 import torch
 
-from .._rounding import random_bits
+from .._rounding import random_bits, round_stochastic
 
 CHUNK = 256  # scale-block length for P == 1 tensors (upstream: largest divisor of n <= 256)
 
@@ -182,26 +184,38 @@ def dequantize(scales, codes, codebook, *, numel: int, block: int, bits: int) ->
     return codebook[unpack_codes(codes, numel, bits)] * s
 
 
-def factor_update(w, g, *, block, beta2):
+def factor_update(w, g, *, block, beta2, seed=None):
     """New per-offset factor ``w`` (P floats) from gradient ``g``: EMA of ``mean_b(g[b, j]**2)``.
 
     The first thing a factored step does (before ``v``, which it does not depend on). An offset
     whose new value is not finite (a gradient of inf or NaN, or one whose square overflows) keeps
     its old value: one element must not set every other offset's ratio ``w_j / mean(w)`` to 0 for
-    good. The element's own block is then frozen by its v, as without the factor."""
+    good. The element's own block is then frozen by its v, as without the factor.
+
+    A bf16 ``w`` is updated in fp32 and the result rounded to bf16 stochastically with the words
+    of offsets 0 .. P - 1 of the 32-bit ``seed`` (``_rounding.round_stochastic``): an EMA step of
+    ``1 - beta2`` = 0.001 moves w by less than half a bf16 unit (2**-9 of it) unless the new square
+    differs from w by about half, so round-to-nearest would freeze it; rounded stochastically it
+    follows the fp32 EMA in expectation. An offset kept (not finite) stays bitwise."""
     g = g.float().reshape(-1)
-    new = beta2 * w + (1 - beta2) * (g * g).view(-1, block).mean(dim=0)
-    return torch.where(torch.isfinite(new), new, w)
+    old = w.float()
+    new = beta2 * old + (1 - beta2) * (g * g).view(-1, block).mean(dim=0)
+    new = torch.where(torch.isfinite(new), new, old)
+    if w.dtype == torch.float32:
+        return new
+    return round_stochastic(new, w.dtype, seed)
 
 
 def factor_ratio(w):
-    """``r_j = w_j / mean(w)`` (all ones where ``mean(w) == 0``): the per-offset scale of v."""
+    """``r_j = w_j / mean(w)`` (all ones where ``mean(w) == 0``): the per-offset scale of v, in
+    fp32 (a bf16 ``w`` is read as fp32)."""
+    w = w.float()
     mean = w.mean()
     return w / mean if float(mean) > 0 else torch.ones_like(w)
 
 
 def gefen_step(p, g, v, scales, codes, codebook, *, step, lr, beta1, beta2, eps, weight_decay,
-               block, bits, w=None, code_seed=None, scale=None):
+               block, bits, w=None, code_seed=None, scale=None, factor_seed=None):
     """One Gefen step on one flat tensor (see the module docstring). Returns new (p, v, scales, codes),
     and the new ``w`` last when ``w`` is given.
 
@@ -209,7 +223,8 @@ def gefen_step(p, g, v, scales, codes, codebook, *, step, lr, beta1, beta2, eps,
     ``w``: the per-offset factor of the factored second moment (P floats), or None for the
     published, unfactored rule. ``code_seed``: the 32-bit seed of this step's stochastic rounding
     of the codes (``quantize``), or None for the nearest entry. ``scale``: the length S of the scale
-    blocks where it is not ``scale_block_length(block)``, a multiple of ``block``.
+    blocks where it is not ``scale_block_length(block)``, a multiple of ``block``. ``factor_seed``:
+    the 32-bit seed of a bf16 ``w``'s stochastic rounding (``factor_update``).
     """
     s_len = scale or block  # what quantize and dequantize read their scale blocks from
     p = p.float().reshape(-1)
@@ -217,7 +232,7 @@ def gefen_step(p, g, v, scales, codes, codebook, *, step, lr, beta1, beta2, eps,
     n = p.numel()
     ratio = None
     if w is not None:
-        w = factor_update(w, g, block=block, beta2=beta2)
+        w = factor_update(w, g, block=block, beta2=beta2, seed=factor_seed)
         ratio = factor_ratio(w)
     v = beta2 * v + (1 - beta2) * (g * g).view(-1, block).mean(dim=1)
     p = p * (1 - lr * weight_decay)

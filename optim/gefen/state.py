@@ -12,7 +12,8 @@ Per parameter (``optimizer.state[p]``; layout and shapes in ``reference.py``'s d
     W       fp32 (tiles * P,), per-offset factor of the second moment, one P-vector a tile of rows
             (``partition.factor_tiles``; one tile with whole_matrix_factor=True; groups with
             factor_second_moment=True, except a tensor of fewer than two dimensions in a group with
-            share_vector_second_moment=True: ``holds_factor``)
+            share_vector_second_moment=True: ``holds_factor``); bf16 in groups with
+            factor_dtype="bfloat16" (``factor_dtype``), rounded stochastically from SEED
     SCALE_BLOCK  int, the length S of the first moment's scale blocks where it is not the default
             (``reference.scale_block_length(BLOCK)``): factored matrices of groups with
             row_group_scales=True (``partition.row_group_scale_length``); ``scale_length`` reads either
@@ -21,7 +22,8 @@ Per parameter (``optimizer.state[p]``; layout and shapes in ``reference.py``'s d
             first gradient that varies (``recut``)
     SEED    int, the seed of stochastic rounding (groups with stochastic_rounding=True, or with
             first_moment_rounding="stochastic", whose codes draw from it mixed with
-            ``plan.CODE_STREAM``): a hash of the optimizer's ROUNDING_SEED and the parameter's index
+            ``plan.CODE_STREAM``, or with factor_dtype="bfloat16", whose factors draw from it mixed
+            with ``plan.FACTOR_STREAM``): a hash of the optimizer's ROUNDING_SEED and the parameter's index
 
 Optimizer-wide (top-level keys of ``Gefen.state_dict()``)::
 
@@ -78,6 +80,19 @@ def holds_factor(group: dict, ndim: int) -> bool:
     every tensor but a vector (fewer than two dimensions) under ``share_vector_second_moment``, which
     has no columns for the factor and steps as in an unfactored group."""
     return bool(group["factor_second_moment"]) and not (ndim < 2 and group["share_vector_second_moment"])
+
+
+FACTOR_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # factor_dtype -> W's dtype
+
+
+def factor_dtype(group: dict) -> torch.dtype:
+    """The dtype of the factors w of ``group``'s states (``factor_dtype``; fp32 where unset)."""
+    return FACTOR_DTYPES[group.get("factor_dtype", "float32")]
+
+
+def half_factor(group: dict) -> bool:
+    """True where ``group`` keeps its factors w in bf16, rounded stochastically (``factor_dtype``)."""
+    return bool(group["factor_second_moment"]) and factor_dtype(group) != torch.float32
 
 
 def whole_factor(group: dict) -> bool:
@@ -178,7 +193,7 @@ def create(st: dict, g: torch.Tensor, group: dict, *, dtype: torch.dtype, bits: 
         st[M] = torch.zeros(n, device=dev, dtype=dtype)
     if holds_factor(group, g.dim()):
         st[W] = torch.zeros(len(factor_tiles(g.shape, block, whole_factor(group))) * block, device=dev,
-                            dtype=torch.float32)
+                            dtype=factor_dtype(group))
     if provisional:
         st[PROVISIONAL] = True
 

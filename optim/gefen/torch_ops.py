@@ -132,11 +132,12 @@ def code_slice(c: torch.Tensor, rows: range, S: int, numel: int, bits: int) -> t
 
 
 @torch.no_grad()
-def factor_update_(ws, gs, *, block, beta2):
+def factor_update_(ws, gs, *, block, beta2, seeds=None):
     """``reference.factor_update`` in place on each (w, g): the factored steps' first pass, over
-    pieces of ``PIECE_ELEMENTS`` (whole blocks) of each gradient."""
+    pieces of ``PIECE_ELEMENTS`` (whole blocks) of each gradient. ``seeds``: one 32-bit seed per
+    bf16 w, which is stored rounded stochastically (None where every w is fp32)."""
     limit = piece_limit([g.numel() for g in gs], block, _element_size(gs))
-    for w, g in zip(ws, gs):
+    for k, (w, g) in enumerate(zip(ws, gs)):
         flat = g.detach().reshape(-1)
         rows = flat.numel() // block
         step = max(1, limit // block)
@@ -144,13 +145,16 @@ def factor_update_(ws, gs, *, block, beta2):
         for a in range(0, rows, step):
             part = flat[a * block:min(a + step, rows) * block].float()
             total += (part * part).view(-1, block).sum(dim=0)
-        new = beta2 * w + (1 - beta2) * (total / rows)
-        w.copy_(torch.where(torch.isfinite(new), new, w))  # a non-finite offset keeps its value
+        old = w.float()
+        new = beta2 * old + (1 - beta2) * (total / rows)
+        new = torch.where(torch.isfinite(new), new, old)  # a non-finite offset keeps its value
+        w.copy_(new if w.dtype == torch.float32 else round_stochastic(new, w.dtype, seeds[k]))
 
 
 @torch.no_grad()
 def gefen_step_(ps, gs, vs, scales, codes, codebook, *, step, lr, beta1, beta2, eps,
-                weight_decay, block, bits, tables=None, ws=None, seeds=None, code_seeds=None, scale=None):
+                weight_decay, block, bits, tables=None, ws=None, seeds=None, code_seeds=None, scale=None,
+                factor_seeds=None):
     """In-place Gefen step on lists of tensors sharing ``block`` and ``step`` (see module doc).
 
     ``tables``: ``code_table(codebook)``, built here when not given (pass it to avoid rebuilding
@@ -160,13 +164,14 @@ def gefen_step_(ps, gs, vs, scales, codes, codebook, *, step, lr, beta1, beta2, 
     None for round-to-nearest. ``code_seeds``: one 32-bit seed per tensor for stochastic rounding
     of the first moment's codes (``reference.quantize``), or None for the nearest entry. ``scale``:
     the length S of the scale blocks where it is not ``scale_block_length(block)``, a multiple of
-    ``block`` (``reference.gefen_step``'s). The work is done a piece at a time (``pieces``).
+    ``block`` (``reference.gefen_step``'s). ``factor_seeds``: one 32-bit seed per bf16 w
+    (``factor_update_``). The work is done a piece at a time (``pieces``).
     """
     if tables is None and codebook is not None:
         tables = code_table(codebook)
     ratios = None
     if ws is not None:
-        factor_update_(ws, gs, block=block, beta2=beta2)
+        factor_update_(ws, gs, block=block, beta2=beta2, seeds=factor_seeds)
         if block > 1:  # r == 1 exactly at block 1: nothing to scale
             ratios = [factor_ratio(w) for w in ws]
     S = scale or scale_block_length(block)

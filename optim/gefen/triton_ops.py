@@ -60,7 +60,7 @@ from ._triton_kernels import (ELEMS_PER_THREAD, FACTOR_ITERS, FACTOR_ROWS, FACTO
                               _factor_finalize_kernel, _factor_stats_kernel, _gefen_hyper_kernel,
                               _gefen_step4_kernel, _gefen_step_kernel)
 from . import torch_ops
-from .checks import check_factors, float64_state_refusal, stochastic_codes_refusal
+from .checks import check_factors, float64_state_refusal, half_factor_refusal, stochastic_codes_refusal
 from .codebook import code_table
 from .reference import num_code_bytes, num_scales, scale_block_length
 
@@ -246,7 +246,7 @@ def refuses(param_dtype: torch.dtype, group) -> str | None:
     added (``optim.backends.choose_backend``), or None."""
     if param_dtype not in TL_DTYPES:
         return f"the Triton kernels take fp32, bf16 or fp16 parameters, got {param_dtype}"
-    return float64_state_refusal(param_dtype, group) or stochastic_codes_refusal(group)
+    return float64_state_refusal(param_dtype, group) or stochastic_codes_refusal(group) or half_factor_refusal(group)
 
 
 def _scale_refusal(block: int, bits: int, quant: bool, scale: int | None) -> str | None:
