@@ -864,6 +864,20 @@ def _factor_reduce(meta, jobs, wptrs, block, beta2, one_minus_beta2, partial, ra
 
 
 @njit(nogil=True, error_model="numpy", cache=True)
+def factor_ratios(w, ratio):
+    """``ratio[t] = sqrt(w[t] / mean(w[t]))`` (ones where the mean is 0) for stored factors ``w``
+    (tensors, block), their mean added as ``_factor_reduce`` adds it: the ratios of bf16 factors,
+    read back after rounding."""
+    for t in range(w.shape[0]):
+        s = np.float32(0.0)
+        for j in range(w.shape[1]):
+            s += w[t, j]
+        mean = s / np.float32(w.shape[1])
+        for j in range(w.shape[1]):
+            ratio[t, j] = np.sqrt(w[t, j] / mean) if mean > np.float32(0.0) else np.float32(1.0)
+
+
+@njit(nogil=True, error_model="numpy", cache=True)
 def _factor_job(meta, jobs, k, block, S, partial):
     t = jobs[k, 0]
     n = meta[t, 5]

@@ -266,16 +266,18 @@ def _is_vector(t, size) -> bool:
     return torch.is_tensor(t) and t.dtype == torch.float32 and t.dim() == 1 and t.numel() == size
 
 
-def check_factors(ps, ws, *, block, device_type="cpu"):
-    """Raise ``ValueError`` unless ``ws`` holds one contiguous fp32 factor of ``block`` floats per
-    parameter, on ``device_type`` (the kernels read ``w`` through its address)."""
+def check_factors(ps, ws, *, block, device_type="cpu", dtypes=(torch.float32,)):
+    """Raise ``ValueError`` unless ``ws`` holds one contiguous factor of ``block`` elements per
+    parameter, all of one dtype among ``dtypes``, on ``device_type`` (the kernels read ``w``
+    through its address)."""
     if len(ws) != len(ps):
         raise ValueError(f"Gefen kernel: {len(ws)} factors w for {len(ps)} parameters")
     for i, w in enumerate(ws):
-        if (w.dtype != torch.float32 or w.numel() != block or not w.is_contiguous()
+        if (w.dtype not in dtypes or w.dtype != ws[0].dtype or w.numel() != block or not w.is_contiguous()
                 or w.device.type != device_type):
-            raise ValueError(f"Gefen kernel: w[{i}] must be a contiguous float32 {device_type} tensor "
-                             f"of {block} elements, got {w.dtype} {tuple(w.shape)} on {w.device}")
+            names = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
+            raise ValueError(f"Gefen kernel: w[{i}] must be a contiguous {names} {device_type} tensor "
+                             f"of {block} elements, as w[0], got {w.dtype} {tuple(w.shape)} on {w.device}")
 
 
 def check_launch(ps, gs, vs, scales, codes, *, block, bits, quant, device_type="cpu", scale=None):

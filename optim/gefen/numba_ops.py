@@ -22,7 +22,7 @@ import torch
 from .._cache import BoundedCache
 from .._threads import numba_threads
 from . import torch_ops
-from .checks import check_factors, check_launch, float64_state_refusal, half_factor_refusal, stochastic_codes_refusal
+from .checks import check_factors, check_launch, float64_state_refusal, stochastic_codes_refusal
 from .._rounding import STOCHASTIC_DTYPES, round_stochastic
 from .codebook import code_table
 from .reference import factor_ratio, scale_block_length
@@ -37,7 +37,7 @@ def refuses(param_dtype: torch.dtype, group) -> str | None:
     """Why this step cannot update a parameter of ``param_dtype`` in ``group``, known when it is
     added (``optim.backends.choose_backend``), or None: float64 moments, stochastically rounded codes
     (both the torch step's)."""
-    return float64_state_refusal(param_dtype, group) or stochastic_codes_refusal(group) or half_factor_refusal(group)
+    return float64_state_refusal(param_dtype, group) or stochastic_codes_refusal(group)
 
 
 def data_refusal(*, block: int | None, bits: int, quant: bool, tables=None, scale: int | None = None) -> str | None:
@@ -115,7 +115,8 @@ class Prepared(NamedTuple):
     jobs: np.ndarray
     luts: KernelLuts
     lut_scale: np.float32
-    wptrs: np.ndarray | None  # factor addresses (factored), else None
+    wptrs: np.ndarray | None  # fp32 factor addresses (factored), else None
+    half: tuple | None  # the bf16 factors (factored, ``factor_dtype="bfloat16"``), else None
     block: int
     S: int
     bits: int
@@ -141,7 +142,8 @@ def prepare(ps, gs, vs, scales, codes, codebook, *, block, bits, tables=None, ws
     if not all(t.dtype == torch.float32 and t.is_contiguous() for t in (*ps, *gs)):
         return None
     if ws is not None:
-        check_factors(ps, ws, block=block)
+        check_factors(ps, ws, block=block, dtypes=(torch.float32, torch.bfloat16))
+    half = ws is not None and ws[0].dtype == torch.bfloat16
     addr = _addresses(ps, gs, vs, scales, codes)
     n = len(ps)
     S = scale or scale_block_length(block)
@@ -149,13 +151,15 @@ def prepare(ps, gs, vs, scales, codes, codebook, *, block, bits, tables=None, ws
     return Prepared(addr.meta, np.arange(n, dtype=np.int64) if owners is None else np.asarray(owners, dtype=np.int64),
                     np.zeros(n, dtype=np.int64) if offsets is None else np.asarray(offsets, dtype=np.int64) * 4,
                     _jobs(tuple(addr.meta[:, 5].tolist()), S, bits if quant else 8), luts, lut_scale,
-                    None if ws is None else np.array([w.data_ptr() for w in ws], dtype=np.int64),
+                    None if ws is None or half else np.array([w.data_ptr() for w in ws], dtype=np.int64),
+                    tuple(ws) if half else None,
                     block, S, bits, quant, (tuple(ps), tuple(vs), tuple(scales), tuple(codes), ws, tables))
 
 
-def run(prep: Prepared, gs, *, step, lr, beta1, beta2, eps, weight_decay):
+def run(prep: Prepared, gs, *, step, lr, beta1, beta2, eps, weight_decay, factor_seeds=None):
     """One step of a prepared launch on gradients ``gs`` (contiguous fp32, of the sizes and order
-    it was prepared with: the caller's plan guarantees it)."""
+    it was prepared with: the caller's plan guarantees it). ``factor_seeds``: one 32-bit seed per
+    bf16 factor (``Prepared.half``)."""
     from ._numba_kernels import factor_kernel, kernel
 
     f32 = np.float32
@@ -166,17 +170,32 @@ def run(prep: Prepared, gs, *, step, lr, beta1, beta2, eps, weight_decay):
     hyper = _hyper(step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
     parallel = numba_threads() > 1
     ratio = _NO_RATIO
-    if prep.wptrs is not None:
+    factored = prep.wptrs is not None or prep.half is not None
+    if factored:
         partial = np.empty((prep.jobs.shape[0], block), dtype=np.float32)
-        ratio = np.empty((len(prep.wptrs), block), dtype=np.float32)
-        factor_kernel(parallel)(meta, prep.jobs, prep.wptrs, block, S, f32(beta2), f32(1 - beta2), partial, ratio)
-    step_fn = kernel(prep.bits, block == 1, parallel=parallel, factored=prep.wptrs is not None, quant=prep.quant)
+        ratio = np.empty((len(meta), block), dtype=np.float32)
+        fresh = None if prep.half is None else torch.stack(prep.half).float().numpy()
+        wptrs = prep.wptrs if fresh is None else fresh.ctypes.data + np.arange(len(fresh), dtype=np.int64) * block * 4
+        factor_kernel(parallel)(meta, prep.jobs, wptrs, block, S, f32(beta2), f32(1 - beta2), partial, ratio)
+        if fresh is not None:
+            _store_half(fresh, prep.half, factor_seeds, ratio)
+    step_fn = kernel(prep.bits, block == 1, parallel=parallel, factored=factored, quant=prep.quant)
     luts = prep.luts
     step_fn(meta, prep.jobs, ratio, luts.codebook, luts.bounds, luts.lut_code, luts.lut_bound, luts.lut_values,
             prep.lut_scale, block, S, *hyper)
 
 
 _DATA_PTR = torch.Tensor.data_ptr
+
+
+def _store_half(fresh: np.ndarray, ws, seeds, ratio: np.ndarray) -> None:
+    """Round each row of ``fresh`` (the fp32 updates of bf16 factors ``ws``) into its factor
+    stochastically with its seed, and write the ratios the step reads from the stored values."""
+    from ._numba_kernels import factor_ratios, round_bf16_stochastic
+
+    for t, w in enumerate(ws):
+        round_bf16_stochastic(fresh[t], w.view(torch.int16).numpy().view(np.uint16), seeds[t], 0)
+    factor_ratios(torch.stack(ws).float().numpy(), ratio)
 
 
 def _hyper(*, step, lr, beta1, beta2, eps, weight_decay) -> tuple:
@@ -189,7 +208,8 @@ def _hyper(*, step, lr, beta1, beta2, eps, weight_decay) -> tuple:
 
 @torch.no_grad()
 def gefen_step_(ps, gs, vs, scales, codes, codebook, *, step, lr, beta1, beta2, eps,
-                weight_decay, block, bits, tables=None, ws=None, seeds=None, code_seeds=None, scale=None):
+                weight_decay, block, bits, tables=None, ws=None, seeds=None, code_seeds=None, scale=None,
+                factor_seeds=None):
     """:func:`optim.gefen.torch_ops.gefen_step_` compiled for CPU tensors (see module doc).
 
     One kernel call for the whole list, runs of scale blocks in parallel on
@@ -210,16 +230,19 @@ def gefen_step_(ps, gs, vs, scales, codes, codebook, *, step, lr, beta1, beta2, 
         return torch_ops.gefen_step_(ps, gs, vs, scales, codes, codebook, step=step, lr=lr,
                                      beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
                                      block=block, bits=bits, tables=tables, ws=ws, seeds=seeds,
-                                     code_seeds=code_seeds, scale=scale)
+                                     code_seeds=code_seeds, scale=scale, factor_seeds=factor_seeds)
     prep = prepare(ps, gs, vs, scales, codes, codebook, block=block, bits=bits, tables=tables, ws=ws, scale=scale)
     if prep is not None:
-        return run(prep, gs, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
+        return run(prep, gs, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+                   factor_seeds=factor_seeds)
     hyper = _hyper(step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
     return _step_pieces(ps, gs, vs, scales, codes, tables, S=scale or scale_block_length(block), hyper=hyper,
-                        block=block, bits=bits, quant=quant, ws=ws, seeds=seeds, beta2=beta2)
+                        block=block, bits=bits, quant=quant, ws=ws, seeds=seeds, beta2=beta2,
+                        factor_seeds=factor_seeds)
 
 
-def _step_pieces(ps, gs, vs, scales, codes, tables, *, S, hyper, block, bits, quant, ws, seeds, beta2):
+def _step_pieces(ps, gs, vs, scales, codes, tables, *, S, hyper, block, bits, quant, ws, seeds, beta2,
+                 factor_seeds=None):
     """The step of a call with bf16, fp16 or strided parameters or gradients: a piece at a time
     (``torch_ops.pieces``), so the fp32 copies stay a piece long; the factor ``w`` is updated over
     whole gradients first (``torch_ops.factor_update_``)."""
@@ -227,7 +250,7 @@ def _step_pieces(ps, gs, vs, scales, codes, tables, *, S, hyper, block, bits, qu
 
     ratio = None
     if ws is not None:
-        torch_ops.factor_update_(ws, gs, block=block, beta2=beta2)
+        torch_ops.factor_update_(ws, gs, block=block, beta2=beta2, seeds=factor_seeds)
         if block > 1:
             ratio = np.stack([factor_ratio(w).sqrt().cpu().numpy() for w in ws]).astype(np.float32)
     numels = [p.numel() for p in ps]

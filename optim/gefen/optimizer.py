@@ -15,8 +15,8 @@ from .checks import (check_adamw_keywords, check_capturable, check_group, check_
                      check_state_dict, check_state_fits)
 from .codebook import Codebook, refresh_due
 from .partition import RULES, constant_magnitude
-from .plan import (Call, draw_seeds, every_parameter_seeded, run, seeded, signature, signed, step_module,
-                   step_scalars, tiles_of)
+from .plan import (Call, draw_seeds, every_parameter_seeded, rounds_codes, run, seeded, signature, signed,
+                   step_module, step_scalars, tiles_of)
 from .torch_ops import histogram, remap_codes_
 
 
@@ -155,9 +155,8 @@ class Gefen(OptimizerBase):
             (``state.SEED``, then made for fp32 parameters too) mixed with ``plan.FACTOR_STREAM``:
             runs repeat given ``torch.manual_seed`` and a run resumed from a state dict equals the
             uninterrupted one. Decides the state layout, as ``whole_matrix_factor`` does (a state
-            dict restores the saved group's setting). The torch step's alone for now: a compiled
-            backend asked for by name refuses such a group, "auto" steps it with torch.
-            (Default: "float32")
+            dict restores the saved group's setting). The torch and numba steps; the Triton step
+            refuses such a group by name ("auto" steps it with torch on a GPU). (Default: "float32")
         stochastic_rounding: write bf16 and fp16 parameters rounded stochastically (up with the
             probability of the fraction of the gap, so exact in expectation) instead of to nearest,
             so updates under half a unit in the last place still move a low-precision weight on
@@ -340,7 +339,7 @@ class Gefen(OptimizerBase):
     def _path(self, backend: str, group, block, scale=None) -> str:
         """``backend``, or "torch" where its ``data_refusal`` deviates for ``block``, the scale blocks
         (``scale``: ``state.SCALE_BLOCK``) and the codebook."""
-        if backend == "torch" or every_parameter_seeded(group):  # stochastic codes and factors: the torch step's
+        if backend == "torch" or rounds_codes(group):  # stochastic codes: the torch step's (``refuses``)
             return "torch"
         quant = group["quantize_first_moment"]
         tables = self._codebook.table() if quant and self.codebook is not None else None

@@ -280,7 +280,7 @@ def run_call(call: Call, step: int | None, codebook, *, bits: int) -> None:
                                             bits=bits, tables=tables, ws=ws, owners=[t.owner for t in call.tiles],
                                             offsets=[t.start for t in call.tiles], scale=call.scale) or False
         if call.native:
-            numba_ops.run(call.native, grads, **h._asdict())
+            numba_ops.run(call.native, grads, **h._asdict(), factor_seeds=call.seeds(step, "factor"))
             written(call)
             return
     if call.rows is None:
