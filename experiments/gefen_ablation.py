@@ -25,6 +25,9 @@
     # 4-bit codes with the codebook learned again every 100 steps, on the factor and under that layout
     python experiments/gefen_ablation.py --experiment gefen_ablation_refresh   # -> results/gefen_ablation_refresh.csv
     python analysis/gefen_ablation_refresh.py
+    # 4-bit codes: the layout with a column factor per square tile, in fp32 and in bf16, against one a matrix
+    python experiments/gefen_ablation.py --experiment gefen_ablation_factor16   # -> results/gefen_ablation_factor16.csv
+    python analysis/gefen_ablation_factor16.py
 
 Each variant is 8-bit Gefen (registry name Gefen-8bit) with ``share_second_moment=False`` (a
 per-element v, as block length 1) on the named group of tensors only, through a second parameter
@@ -81,7 +84,12 @@ does so on the encoder at 1,000 steps with ``scale_rows`` and ``layout``, and ``
 ``REFRESH_EVERY`` steps from that step's gradients (``codebook_refresh_every``);
 ``layout_refresh`` and ``layout512_refresh`` do so under each layout; ``--experiment
 gefen_ablation_refresh`` (``REFRESH_ABLATION``) makes FOUR_BIT_ABLATION's runs with the factor and
-``layout512``, each without and with ``refresh``.
+``layout512``, each without and with ``refresh``. ``w16`` keeps the column factors in bf16, rounded
+stochastically (``factor_dtype="bfloat16"``); ``layout512_tiles`` is ``layout512`` with a column
+factor per square tile of rows instead of one a matrix, ``layout512_w16`` the same in bf16 (the
+bytes of one a matrix or fewer at widths of 128 and more); ``--experiment gefen_ablation_factor16``
+(``FACTOR16_ABLATION``) makes FOUR_BIT_ABLATION's runs with the factor, ``w16``, ``layout512``,
+``layout512_tiles`` and ``layout512_w16``.
 
 Rows: ``val_loss`` per variant (and AdamW) and seed, ``val_loss_vs_adamw`` (paired by seed), its
 ``_mean`` and ``_std``, and ``delta_vs_shared`` (the paired difference of ratios against ``none``),
@@ -155,6 +163,9 @@ ROW_SCALES_SHORT = f"scale_rows{SHORT_GROUP}"  # row-group scales of at most SHO
 LAYOUT_SHORT = f"layout{SHORT_GROUP}"  # the layout with those scales (registry.COMPACT_4BIT, Gefen-4bit-compact)
 REFRESH_EVERY = 100  # steps between codebook refreshes (codebook_refresh_every)
 REFRESH = "refresh"  # the codebook learned again every REFRESH_EVERY steps (not a kind of tensor)
+FACTOR16 = "w16"  # the column factors in bf16, rounded stochastically (not a kind of tensor)
+LAYOUT_TILES = f"{LAYOUT_SHORT}_tiles"  # LAYOUT_SHORT with a column factor per square tile, not one a matrix
+LAYOUT_W16 = f"{LAYOUT_SHORT}_{FACTOR16}"  # the same with the factors in bf16
 # variants that are no kind of tensor: a Gefen option on every tensor
 CHANGES = {FIRST_MOMENT: dict(quantize_first_moment=False), CODE_ROUNDING: dict(first_moment_rounding="stochastic"),
            VECTOR_BLOCKS: dict(share_vector_second_moment=True), ROW_BLOCKS: dict(share_matrix_rows=True),
@@ -162,11 +173,14 @@ CHANGES = {FIRST_MOMENT: dict(quantize_first_moment=False), CODE_ROUNDING: dict(
            ROW_SCALES_SHORT: dict(row_group_scales=SHORT_GROUP), LAYOUT_SHORT: COMPACT_4BIT,
            REFRESH: dict(codebook_refresh_every=REFRESH_EVERY),
            f"{LAYOUT}_{REFRESH}": dict(COMPACT, codebook_refresh_every=REFRESH_EVERY),
-           f"{LAYOUT_SHORT}_{REFRESH}": dict(COMPACT_4BIT, codebook_refresh_every=REFRESH_EVERY)}
+           f"{LAYOUT_SHORT}_{REFRESH}": dict(COMPACT_4BIT, codebook_refresh_every=REFRESH_EVERY),
+           FACTOR16: dict(factor_dtype="bfloat16"), LAYOUT_TILES: dict(COMPACT_4BIT, whole_matrix_factor=False),
+           LAYOUT_W16: dict(COMPACT_4BIT, whole_matrix_factor=False, factor_dtype="bfloat16")}
 # options of CHANGES that are one per optimizer: the constructor's, in no group
 OPTIMIZER_WIDE = ("codebook_refresh_every",)
 UNDER_FACTOR = (VECTOR_BLOCKS, ROW_BLOCKS, ROW_SCALES, WHOLE_FACTOR, LAYOUT, ROW_SCALES_SHORT,
-                LAYOUT_SHORT, f"{LAYOUT}_{REFRESH}", f"{LAYOUT_SHORT}_{REFRESH}")  # changes that act under the factor only
+                LAYOUT_SHORT, f"{LAYOUT}_{REFRESH}", f"{LAYOUT_SHORT}_{REFRESH}", FACTOR16, LAYOUT_TILES,
+                LAYOUT_W16)  # changes that act under the factor only
 PEERS = ("gefen-x",)  # other optimizers that may train beside AdamW (registry names)
 QUICK_VARIANTS = ["none", "all", "attn_qkv", "embedding", FACTORED]
 FULL_SIZES = ["full", "docstrings"]
@@ -197,12 +211,16 @@ FOUR_BIT_ABLATION = dict(sizes=["encoder"], steps=1000, seeds=5, peers=[], lr=4e
 # factor alone and under the layout of Gefen-4bit-compact
 REFRESH_ABLATION = dict(FOUR_BIT_ABLATION, variants=[FACTORED, f"{FACTORED}+{REFRESH}", f"{FACTORED}+{LAYOUT_SHORT}",
                                                      f"{FACTORED}+{LAYOUT_SHORT}_{REFRESH}"])
+# the column factor per square tile under 4-bit codes and the layout, in fp32 and in bf16: FOUR_BIT_ABLATION's runs
+FACTOR16_ABLATION = dict(FOUR_BIT_ABLATION, variants=[FACTORED, *(f"{FACTORED}+{v}" for v in (FACTOR16, LAYOUT_SHORT,
+                                                                                            LAYOUT_TILES, LAYOUT_W16))])
 EXPERIMENTS = ("gefen_ablation", "gefen_ablation_arch", "gefen_ablation_long", "gefen_ablation_layout",
-               "gefen_ablation_column", "gefen_ablation_vectors", "gefen_ablation_4bit", "gefen_ablation_refresh")
+               "gefen_ablation_column", "gefen_ablation_vectors", "gefen_ablation_4bit", "gefen_ablation_refresh",
+               "gefen_ablation_factor16")
 SETTINGS = {"gefen_ablation_arch": ARCH_ABLATION, "gefen_ablation_long": LONG_ABLATION,
             "gefen_ablation_layout": LAYOUT_ABLATION, "gefen_ablation_column": COLUMN_ABLATION,
             "gefen_ablation_vectors": VECTOR_ABLATION, "gefen_ablation_4bit": FOUR_BIT_ABLATION,
-            "gefen_ablation_refresh": REFRESH_ABLATION}
+            "gefen_ablation_refresh": REFRESH_ABLATION, "gefen_ablation_factor16": FACTOR16_ABLATION}
 ON_TOP_ONLY = tuple(SETTINGS)[1:]  # the factor and changes on top of it, nothing else
 
 
