@@ -168,38 +168,48 @@ def test_the_distributed_form_round_trips_and_resumes_bit_for_bit(tmp_path, monk
     assert_same_state(opt, opt2, params, params2)
 
 
+@pytest.mark.parametrize("grouped", [False, True])
 @pytest.mark.parametrize("bits", [8, 4])
-def test_numba_steps_it_as_the_torch_step_and_triton_refuses_it_by_name(bits):
-    """On the CPU "auto" steps bf16 factors on numba, whose 4 steps hold the torch step's codes and
-    scales exactly, w to one bf16 unit (a column sum added in another order may cross a rounding
-    threshold) and v and p to 1e-5; the same with bf16 parameters (numba's piecewise step). The
-    Triton step's refusal names the option (its device aside)."""
-    from optim.gefen import triton_ops
-
+def test_every_backend_steps_it_as_the_torch_step(bits, grouped):
+    """bf16 factors on every backend, alone and with row-group scales (the compact layouts' v blocks
+    in lanes of their own): "auto" (numba on the CPU) and the Triton step (its interpreter here; with
+    row-group scales the (30, 7) matrix, odd P at 4 bits, excepted: the torch step's) hold the torch step's
+    codes and scales exactly after 4 steps, w to one bf16 unit (a column sum added in another
+    order may cross a rounding threshold) and v and p to 1e-5; the same with bf16 parameters
+    (numba's piecewise step, the Triton step's bf16 loads)."""
     steps = _grads(4)
     for dtype in (torch.float32, torch.bfloat16):
         runs = {}
-        for name in ("auto", "torch"):
+        for name in ("auto", "triton", "torch"):
             params = [torch.nn.Parameter(p.detach().to(dtype)) for p in _params()]
             opt = Gefen(params, lr=LR, weight_decay=WD, bits=bits, factor_second_moment=True,
-                        factor_dtype="bfloat16", backend=name)
+                        factor_dtype="bfloat16", row_group_scales=grouped, backend=name)
             for gs in steps:
                 set_grads(params, gs)
                 opt.step()
             runs[name] = (params, opt)
-        (pa, oa), (pt, ot) = runs["auto"], runs["torch"]
-        assert {oa._path_of(p, oa.param_groups[0], oa._backends[p].backend) for p in pa} == {"numba"}
-        for p, q in zip(pa, pt):
-            a, b = oa.state[p], ot.state[q]
-            assert a[K.W].dtype == torch.bfloat16 and a[K.SEED] == b[K.SEED]
-            assert torch.equal(a[K.CODES], b[K.CODES]) and torch.equal(a[K.SCALES], b[K.SCALES]), tuple(p.shape)
-            assert_close(a[K.W].float(), b[K.W].float(), rtol=2.0**-7, name=f"w {tuple(p.shape)}")
-            assert_close(a[K.V], b[K.V], rtol=1e-5, name=f"v {tuple(p.shape)}")
-            assert_close(p.float(), q.float(), atol=1e-5, rtol=1e-5 if dtype == torch.float32 else 2.0**-7,
-                         name=str(tuple(p.shape)))
-    group = Gefen(_params(), factor_second_moment=True, factor_dtype="bfloat16").param_groups[0]
-    assert "factor_dtype='bfloat16'" in triton_ops.refuses(torch.float32, group)
-    assert triton_ops.refuses(torch.float32, dict(group, factor_dtype="float32")) is None
+        pt, ot = runs["torch"]
+        paths = {name: [o._path_of(p, o.param_groups[0], o._backends[p].backend) for p in ps]
+                 for name, (ps, o) in runs.items()}
+        assert set(paths["auto"]) == {"numba"}
+        odd = grouped and bits == 4  # row-group scales of odd P at 4 bits: the torch step's
+        assert paths["triton"] == ["torch" if odd and p.shape[1] % 2 else "triton" for p in pt]
+        for name in ("auto", "triton"):
+            pa, oa = runs[name]
+            for p, q in zip(pa, pt):
+                a, b, where = oa.state[p], ot.state[q], f"{name} {tuple(p.shape)} {dtype}"
+                assert a[K.W].dtype == torch.bfloat16 and a[K.SEED] == b[K.SEED]
+                assert torch.equal(a[K.CODES], b[K.CODES]) and torch.equal(a[K.SCALES], b[K.SCALES]), where
+                assert_close(a[K.W].float(), b[K.W].float(), rtol=2.0**-7, name=f"w {where}")
+                assert_close(a[K.V], b[K.V], rtol=1e-5, name=f"v {where}")
+                assert_close(p.float(), q.float(), atol=1e-5, rtol=1e-5 if dtype == torch.float32 else 2.0**-7,
+                             name=where)
+
+
+def test_it_is_refused_with_capturable():
+    """capturable=True with bf16 factors is refused when the optimizer is made, naming both."""
+    with pytest.raises(ValueError, match="factor_dtype='bfloat16' with capturable=True"):
+        Gefen(_params(), factor_second_moment=True, factor_dtype="bfloat16", capturable=True, backend="triton")
 
 
 def test_a_factor_of_another_dtype_than_its_group_says_is_refused():

@@ -65,7 +65,7 @@ Why the kernel looks the way it does
   range of block rows (a program's rows in a loop, its partial sums into a scratch row of its own:
   no atomics, so the sums do not depend on the order programs run in), and
   ``_factor_finalize_kernel`` adds each tensor's partial rows in a fixed order and updates w in
-  place. A statistics program sums ``FACTOR_ITERS`` iterations of rows, and at least
+  place (a bf16 w, ``W16``, in fp32, stored rounded stochastically). A statistics program sums ``FACTOR_ITERS`` iterations of rows, and at least
   ``FACTOR_ROWS`` rows (a tensor's last program fewer), so the scratch holds S floats per tensor
   and beyond that at most 1/``FACTOR_ROWS`` of the gradients' elements. Alignment is read from the
   gradient's address at run time (one branch a program), so misaligned tiles cost no launch of
@@ -149,13 +149,14 @@ def _tensor_ptrs(ptr_tab, t, P_DT: tl.constexpr, G_DT: tl.constexpr, C_DT: tl.co
 
 
 @triton.jit
-def _factor_ratio(w_tab, t, offs, mask, S: tl.constexpr, WIDTH: tl.constexpr):
+def _factor_ratio(w_tab, t, offs, mask, S: tl.constexpr, WIDTH: tl.constexpr, W16: tl.constexpr):
     """r_j = w_j / mean(w) at block offsets ``offs`` (1 where mean(w) == 0): the factored second
-    moment's per-offset scale of v (``reference.factor_ratio``; w is already updated this step)."""
-    w_ptr = tl.load(w_tab + t).to(tl.pointer_type(tl.float32))
+    moment's per-offset scale of v (``reference.factor_ratio``; w is already updated this step;
+    W16: w is bf16, read as fp32)."""
+    w_ptr = tl.load(w_tab + t).to(tl.pointer_type(tl.bfloat16 if W16 else tl.float32))
     j = tl.arange(0, WIDTH)
-    mean = tl.div_rn(tl.sum(tl.load(w_ptr + j, mask=j < S, other=0.0), axis=0), S * 1.0)
-    wj = tl.load(w_ptr + offs, mask=mask, other=0.0)
+    mean = tl.div_rn(tl.sum(tl.load(w_ptr + j, mask=j < S, other=0.0).to(tl.float32), axis=0), S * 1.0)
+    wj = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     return tl.where(mean > 0, tl.div_rn(wj, tl.where(mean > 0, mean, 1.0)), 1.0)
 
 
@@ -198,13 +199,14 @@ def _gefen_step_kernel(
     S: tl.constexpr, BLOCK_V: tl.constexpr, QUANT: tl.constexpr, R: tl.constexpr,
     WIDTH: tl.constexpr, NLUT: tl.constexpr, NCMP: tl.constexpr, HAS_DUP: tl.constexpr,
     ALIGN: tl.constexpr, EXACT: tl.constexpr, FACTOR: tl.constexpr, SR: tl.constexpr, HYPER: tl.constexpr,
-    SUB: tl.constexpr = 1, WP: tl.constexpr = 1,
+    SUB: tl.constexpr = 1, WP: tl.constexpr = 1, W16: tl.constexpr = False,
 ):
     """8-bit codes or unquantised m: a tile of R scale blocks x WIDTH (>= S) element lanes.
 
     BLOCK_V == S: one v per scale block; BLOCK_V == 1: per-element v (then S == CHUNK and the
     last scale block of a tensor may be partial). FACTOR (BLOCK_V == S only): v of element j of
-    a block is scaled by r_j of the tensor's factor w (``w_tab``: one fp32 pointer a tensor).
+    a block is scaled by r_j of the tensor's factor w (``w_tab``: one pointer a tensor; fp32, or
+    bf16 with W16).
     SUB > 1 (row-group scales): a scale block holds SUB v blocks of P = S / SUB elements, each in
     WP = next_pow2(P) lanes of its own (WIDTH = next_pow2(SUB) * WP; ``_sub_blocks``).
     """
@@ -240,11 +242,11 @@ def _gefen_step_kernel(
         v = beta2 * v + omb2 * tl.div_rn(tl.sum(g * g, axis=1)[:, None], S * 1.0)
         tl.store(v_ptr + rows, v, mask=rmask)
         if FACTOR:
-            v = v * _factor_ratio(w_tab, t, cols, live, S, WIDTH)
+            v = v * _factor_ratio(w_tab, t, cols, live, S, WIDTH, W16)
     else:
         v = _sub_blocks(g * g, v_ptr, rows, n, beta2, omb2, S, SUB, WP, R, WIDTH)
         if FACTOR:
-            v = v * _factor_ratio(w_tab, t, cols, live, S // SUB, WP)
+            v = v * _factor_ratio(w_tab, t, cols, live, S // SUB, WP, W16)
     denom = tl.div_rn(tl.sqrt_rn(v), _device_scalar(hyper_tab, t, 2, sqrt_bc2, HYPER)) + eps
 
     if QUANT:
@@ -314,7 +316,7 @@ def _gefen_step4_kernel(
     S: tl.constexpr, BLOCK_V: tl.constexpr, GROUP: tl.constexpr, R: tl.constexpr,
     WIDTH: tl.constexpr, NLUT: tl.constexpr, NCMP: tl.constexpr, HAS_DUP: tl.constexpr,
     ALIGN: tl.constexpr, EXACT: tl.constexpr, FACTOR: tl.constexpr, SR: tl.constexpr, HYPER: tl.constexpr,
-    SUB: tl.constexpr = 1, WP: tl.constexpr = 1,
+    SUB: tl.constexpr = 1, WP: tl.constexpr = 1, W16: tl.constexpr = False,
 ):
     """Packed 4-bit codes: a tile of R rows x WIDTH byte lanes, each byte = elements (2k, 2k+1).
 
@@ -368,7 +370,7 @@ def _gefen_step4_kernel(
     if SUB > 1:
         v = _sub_blocks(g * g, v_ptr, rows, n, beta2, omb2, S, SUB, WP, R, 2 * WIDTH)
         if FACTOR:
-            v = v * _factor_ratio(w_tab, t, e % WP, elive, S // SUB, WP)
+            v = v * _factor_ratio(w_tab, t, e % WP, elive, S // SUB, WP, W16)
         v0, v1 = _pairs(v, R, WIDTH)
     elif BLOCK_V == 1:
         v0, v1 = _pairs(tl.load(v_ptr + fe, mask=me, other=0.0), R, WIDTH)
@@ -387,8 +389,8 @@ def _gefen_step4_kernel(
         v0 = tl.where(sub0, vb, va)
         v1 = tl.where(sub1, vb, va)
         if FACTOR:  # offset of each element in its block: 2k (+1), less S in a row's second block
-            v0 = v0 * _factor_ratio(w_tab, t, 2 * k - S * sub0.to(tl.int32), k < H, S, 2 * WIDTH)
-            v1 = v1 * _factor_ratio(w_tab, t, 2 * k + 1 - S * sub1.to(tl.int32), k < H, S, 2 * WIDTH)
+            v0 = v0 * _factor_ratio(w_tab, t, 2 * k - S * sub0.to(tl.int32), k < H, S, 2 * WIDTH, W16)
+            v1 = v1 * _factor_ratio(w_tab, t, 2 * k + 1 - S * sub1.to(tl.int32), k < H, S, 2 * WIDTH, W16)
     sqrt_bc2 = _device_scalar(hyper_tab, t, 2, sqrt_bc2, HYPER)
     d0 = tl.div_rn(tl.sqrt_rn(v0), sqrt_bc2) + eps
     d1 = tl.div_rn(tl.sqrt_rn(v1), sqrt_bc2) + eps
@@ -453,12 +455,14 @@ def _factor_stats_kernel(item_tab, ptr_tab, part_ptr, G_DT: tl.constexpr, S: tl.
 
 
 @triton.jit
-def _factor_finalize_kernel(fin_tab, numel_tab, w_tab, part_ptr, beta2, omb2, S: tl.constexpr,
-                            IB: tl.constexpr, FW: tl.constexpr):
+def _factor_finalize_kernel(fin_tab, numel_tab, w_tab, part_ptr, seed_tab, beta2, omb2, S: tl.constexpr,
+                            IB: tl.constexpr, FW: tl.constexpr, W16: tl.constexpr = False):
     """w <- beta2*w + (1 - beta2) * colsum / rows at offsets c*FW .. c*FW + FW - 1 of tensor t
     (program (t, c)), keeping an offset's old w where the new one is not finite
     (``reference.factor_update``). colsum: the tensor's ``count`` scratch rows from ``first``
-    (``fin_tab``: (first, count) a tensor) added IB at a time in a fixed order."""
+    (``fin_tab``: (first, count) a tensor) added IB at a time in a fixed order. W16: w is bf16,
+    updated in fp32 and stored rounded stochastically with tensor t's seed (``seed_tab``) and
+    the words of its offsets (``reference.factor_update``); without it ``seed_tab`` is unused."""
     t = tl.program_id(0)
     first = tl.load(fin_tab + 2 * t)
     count = tl.load(fin_tab + 2 * t + 1)
@@ -471,10 +475,13 @@ def _factor_finalize_kernel(fin_tab, numel_tab, w_tab, part_ptr, beta2, omb2, S:
         acc += tl.load(part_ptr + (first + items) * S + j[None, :], mask=(items < count) & jmask[None, :],
                        other=0.0)
     mean = tl.div_rn(tl.sum(acc, axis=0), rows)
-    w_ptr = tl.load(w_tab + t).to(tl.pointer_type(tl.float32))
-    w = tl.load(w_ptr + j, mask=jmask, other=0.0)
+    w_ptr = tl.load(w_tab + t).to(tl.pointer_type(tl.bfloat16 if W16 else tl.float32))
+    w = tl.load(w_ptr + j, mask=jmask, other=0.0).to(tl.float32)
     new = beta2 * w + omb2 * mean
-    tl.store(w_ptr + j, tl.where(tl.abs(new) < float("inf"), new, w), mask=jmask)
+    new = tl.where(tl.abs(new) < float("inf"), new, w)
+    if W16:
+        new = round_stochastic(new, tl.load(seed_tab + t), j, tl.bfloat16)
+    tl.store(w_ptr + j, new, mask=jmask)
 
 
 @triton.jit

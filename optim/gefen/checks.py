@@ -34,15 +34,6 @@ def stochastic_codes_refusal(group) -> str | None:
     return None
 
 
-def half_factor_refusal(group) -> str | None:
-    """Why a compiled step cannot step ``group``, or None: bf16 factors w, rounded stochastically
-    (``factor_dtype="bfloat16"``), are the torch step's alone (both compiled backends' ``refuses``)."""
-    if half_factor(group):
-        return ("its group keeps the factors w in bf16 (factor_dtype='bfloat16'), which only the torch "
-                "step rounds")
-    return None
-
-
 def makes_row_group_scales(group) -> bool:
     """True where ``group`` keeps one first-moment scale per group of a matrix's rows
     (``row_group_scales`` under a quantised, factored second moment): states of such a group may
@@ -114,6 +105,10 @@ def check_group(group, gi):
                      f"one of {tuple(FACTOR_DTYPES)} (a string)")
     except ValueError as exc:
         raise ValueError(f"{exc} (Gefen, group {gi})") from None
+    if group.get("capturable") is True and half_factor(group):
+        raise ValueError(f"Gefen does not implement factor_dtype='bfloat16' with capturable=True (group {gi}): "
+                         "its factors' seeds are passed from the host each step; set factor_dtype='float32' "
+                         "or capturable=False")
     if group.get("first_moment_rounding") == "stochastic" and not group["quantize_first_moment"]:
         raise ValueError(f"Gefen: group {gi} has first_moment_rounding='stochastic' and quantize_first_moment="
                          "False: only codes are rounded, an fp32 first moment is not; set "

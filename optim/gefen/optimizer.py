@@ -155,8 +155,8 @@ class Gefen(OptimizerBase):
             (``state.SEED``, then made for fp32 parameters too) mixed with ``plan.FACTOR_STREAM``:
             runs repeat given ``torch.manual_seed`` and a run resumed from a state dict equals the
             uninterrupted one. Decides the state layout, as ``whole_matrix_factor`` does (a state
-            dict restores the saved group's setting). The torch and numba steps; the Triton step
-            refuses such a group by name ("auto" steps it with torch on a GPU). (Default: "float32")
+            dict restores the saved group's setting). Every backend; refused with
+            ``capturable=True`` (the seeds come from the host). (Default: "float32")
         stochastic_rounding: write bf16 and fp16 parameters rounded stochastically (up with the
             probability of the fraction of the gap, so exact in expectation) instead of to nearest,
             so updates under half a unit in the last place still move a low-precision weight on

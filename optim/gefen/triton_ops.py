@@ -60,7 +60,7 @@ from ._triton_kernels import (ELEMS_PER_THREAD, FACTOR_ITERS, FACTOR_ROWS, FACTO
                               _factor_finalize_kernel, _factor_stats_kernel, _gefen_hyper_kernel,
                               _gefen_step4_kernel, _gefen_step_kernel)
 from . import torch_ops
-from .checks import check_factors, float64_state_refusal, half_factor_refusal, stochastic_codes_refusal
+from .checks import check_factors, float64_state_refusal, stochastic_codes_refusal
 from .codebook import code_table
 from .reference import num_code_bytes, num_scales, scale_block_length
 
@@ -181,12 +181,12 @@ def sub_blocks(block: int, scale: int | None) -> int:
 
 
 def step_plan(*, block, bits, quant, p_dtype, g_dtype, align, exact, factor=False, sr=False, hyper=False,
-              tile=TILE, num_warps=None, scale=None) -> StepPlan:
+              tile=TILE, num_warps=None, scale=None, w16=False) -> StepPlan:
     """The kernel, constexprs and warps of one launch: the launcher's only choice. A tile is R
     whole tile rows of WIDTH = next_pow2(lanes) lanes, R*WIDTH ~ ``tile`` elements (bytes for
     packed 4-bit codes), ELEMS_PER_THREAD elements a thread. With row-group scales (``scale``, SUB
     v blocks a scale block) a row's WIDTH is next_pow2(SUB) x next_pow2(P) element lanes (half as
-    many byte lanes at 4 bits), each v block in lanes of its own."""
+    many byte lanes at 4 bits), each v block in lanes of its own. ``w16``: the factors are bf16."""
     s_len = scale or scale_block_length(block)
     four = quant and bits == 4
     group = 2 if four and s_len % 2 else 1
@@ -218,17 +218,20 @@ def step_plan(*, block, bits, quant, p_dtype, g_dtype, align, exact, factor=Fals
                  num_warps=warps)
     if sub > 1:
         const.update(SUB=sub, WP=next_pow2(block))
+    if factor and w16:
+        const["W16"] = True
     if warps > 16:
         const["maxnreg"] = 64
     const.update({"GROUP": group} if four else {"QUANT": quant})
     return StepPlan(_gefen_step4_kernel if four else _gefen_step_kernel, const, lanes)
 
 
-def factor_plan(*, block, g_dtype) -> FactorPlan:
+def factor_plan(*, block, g_dtype, w16=False) -> FactorPlan:
     """The constexprs and warps of the factor's two launches: the launcher's only choice for them.
     A statistics program sums R block rows x BW offsets an iteration (R*BW = ``FACTOR_TILE``;
     blocks longer than ``FACTOR_WIDTH`` in column chunks) and at least ``FACTOR_ROWS`` rows in
-    all; a finalize program adds IB scratch rows x FW offsets an iteration."""
+    all; a finalize program adds IB scratch rows x FW offsets an iteration (``w16``: into bf16
+    factors, rounded stochastically)."""
     bw = min(next_pow2(block), FACTOR_WIDTH)
     rr = max(1, FACTOR_TILE // bw)
     fw = min(next_pow2(block), FINAL_WIDTH)
@@ -237,6 +240,8 @@ def factor_plan(*, block, g_dtype) -> FactorPlan:
                  num_warps=max(1, min(16, rr * bw // (32 * ELEMS_PER_THREAD))))
     final = dict(S=block, IB=ib, FW=fw, enable_fp_fusion=False,
                  num_warps=max(1, min(8, ib * fw // (32 * ELEMS_PER_THREAD))))
+    if w16:
+        final["W16"] = True
     rows_per_item = rr * max(FACTOR_ITERS, -(-FACTOR_ROWS // rr))
     return FactorPlan(stats, final, rows_per_item, -(-block // bw), -(-block // fw))
 
@@ -246,7 +251,7 @@ def refuses(param_dtype: torch.dtype, group) -> str | None:
     added (``optim.backends.choose_backend``), or None."""
     if param_dtype not in TL_DTYPES:
         return f"the Triton kernels take fp32, bf16 or fp16 parameters, got {param_dtype}"
-    return float64_state_refusal(param_dtype, group) or stochastic_codes_refusal(group) or half_factor_refusal(group)
+    return float64_state_refusal(param_dtype, group) or stochastic_codes_refusal(group)
 
 
 def _scale_refusal(block: int, bits: int, quant: bool, scale: int | None) -> str | None:
@@ -274,7 +279,7 @@ def data_refusal(*, block: int | None, bits: int, quant: bool, tables=None, scal
     return None if block is None else _scale_refusal(block, bits, quant, scale)
 
 
-def _step_launches(rows, *, block, bits, quant, tile, num_warps, factor, sr, hyper, scale=None) -> list:
+def _step_launches(rows, *, block, bits, quant, tile, num_warps, factor, sr, hyper, scale=None, w16=False) -> list:
     """The step's ``Launch`` es of ``rows`` (``_Row`` s: flat, contiguous, validated, on one device):
     one per kind of tensor, each program naming its tensor by position in ``rows`` (the plan's
     tables)."""
@@ -292,7 +297,7 @@ def _step_launches(rows, *, block, bits, quant, tile, num_warps, factor, sr, hyp
     for (pdt, gdt, align, exact), ks in by_kind.items():
         plan = step_plan(block=block, bits=bits, quant=quant, p_dtype=pdt, g_dtype=gdt, align=align,
                          exact=exact, factor=factor, sr=sr, hyper=hyper, tile=tile, num_warps=num_warps,
-                         scale=scale)
+                         scale=scale, w16=w16)
         R = plan.constexprs["R"]
         numels = [rows[k].p.numel() for k in ks]
         trows = [-(-(num_code_bytes(n, 4) if four else n) // plan.lanes) for n in numels]
@@ -305,12 +310,12 @@ def _step_launches(rows, *, block, bits, quant, tile, num_warps, factor, sr, hyp
     return launches
 
 
-def _factor_pass(rows, *, block) -> FactorPass:
+def _factor_pass(rows, *, block, w16=False) -> FactorPass:
     """The factor's launches over ``rows``: one statistics launch a gradient dtype (one for a model
     of one dtype), each tensor cut into programs of ``rows_per_item`` block rows, and one finalize
     launch over every tensor."""
     device = rows[0].p.device
-    first = factor_plan(block=block, g_dtype=rows[0].g.dtype)  # all but G_DT is the same for every dtype
+    first = factor_plan(block=block, g_dtype=rows[0].g.dtype, w16=w16)  # all but G_DT is the same for every dtype
     per = first.rows_per_item
     by_dtype: dict = {}
     fin, slot = [], 0
@@ -353,10 +358,11 @@ def _stats_args(items, ptrs, part):
     return items, ptrs, part
 
 
-def _final_args(fin_tab, numel_tab, w_tab, part, *, beta2):
+def _final_args(fin_tab, numel_tab, w_tab, part, seed_tab, *, beta2):
     """Arguments of the finalize launch: the tensors' scratch rows, sizes and factor pointers, the
-    scratch, beta2 and 1 - beta2."""
-    return fin_tab, numel_tab, w_tab, part, float(beta2), 1 - float(beta2)
+    scratch, the bf16 factors' seeds (any int64 tensor for fp32 factors: unused), beta2 and
+    1 - beta2."""
+    return fin_tab, numel_tab, w_tab, part, seed_tab, float(beta2), 1 - float(beta2)
 
 
 class _Plan:
@@ -371,8 +377,8 @@ class _Plan:
     pointers).
     """
 
-    __slots__ = ("launches", "factor", "ptrs", "gcol", "numels", "wtab", "seed_tab", "hyper_tab", "order",
-                 "aligned", "device", "gptrs", "gnumels", "gdtypes", "temporaries")
+    __slots__ = ("launches", "factor", "ptrs", "gcol", "numels", "wtab", "seed_tab", "factor_seed_tab", "hyper_tab",
+                 "order", "aligned", "device", "gptrs", "gnumels", "gdtypes", "temporaries")
 
     def __init__(self, rows, gs, ws, *, block, bits, quant, tile, num_warps, sr, hyper=None, scale=None):
         device = rows[0].p.device
@@ -384,10 +390,13 @@ class _Plan:
         for r in rows:
             if hyper is not None and hyper[r.index].device != device:
                 raise ValueError(f"hyper[{r.index}] is on {hyper[r.index].device}, p[{r.index}] on {device}")
+        w16 = ws is not None and ws[0].dtype == torch.bfloat16
+        if w16 and hyper is not None:
+            raise ValueError("Gefen kernel: bf16 factors w (factor_dtype='bfloat16') have no capturable step")
         self.launches = _step_launches(rows, block=block, bits=bits, quant=quant, tile=tile, num_warps=num_warps,
                                        factor=ws is not None and block > 1, sr=sr, hyper=hyper is not None,
-                                       scale=scale)
-        self.factor = None if ws is None else _factor_pass(rows, block=block)
+                                       scale=scale, w16=w16)
+        self.factor = None if ws is None else _factor_pass(rows, block=block, w16=w16)
         self.ptrs = torch.tensor([[t.data_ptr() for t in (r.p, r.g, r.v, r.scales, r.codes)] for r in rows],
                                  dtype=torch.int64).to(device)
         self.gcol = self.ptrs[:, 1]  # column 1: g
@@ -396,6 +405,7 @@ class _Plan:
             [ws[r.index].data_ptr() for r in rows], dtype=torch.int64).to(device)
         uses_seeds = hyper is None and any(ln.constexprs["SR"] for ln in self.launches)
         self.seed_tab = torch.zeros(len(rows), dtype=torch.int64, device=device) if uses_seeds else None
+        self.factor_seed_tab = torch.zeros(len(rows), dtype=torch.int64, device=device) if w16 else None
         self.hyper_tab = None if hyper is None else torch.tensor(
             [hyper[r.index].data_ptr() for r in rows], dtype=torch.int64).to(device)
         self.order = [r.index for r in rows]
@@ -430,9 +440,11 @@ class _Plan:
         self.gptrs = gptrs
         return True
 
-    def upload_seeds(self, seeds):
-        """This step's stochastic-rounding seeds into the seed table (one small copy)."""
-        self.seed_tab.copy_(torch.tensor([seeds[i] for i in self.order], dtype=torch.int64), non_blocking=True)
+    def upload_seeds(self, seeds, table=None):
+        """This step's stochastic-rounding seeds into the seed table (``table``: another, such as the
+        bf16 factors'; one small copy)."""
+        table = self.seed_tab if table is None else table
+        table.copy_(torch.tensor([seeds[i] for i in self.order], dtype=torch.int64), non_blocking=True)
 
 
 _NO_GUARD = contextlib.nullcontext()
@@ -502,7 +514,8 @@ def _plan(ps, gs, vs, ss, cs, *, block, bits, quant, tile, num_warps, ws=None, s
         if all(map(_IS_CONTIGUOUS, ps)) and plan.update_grads(gs, gptrs):
             return plan, []
     if ws is not None:
-        check_factors(ps, ws, block=block, device_type=ps[0].device.type if ps else "cpu")
+        check_factors(ps, ws, block=block, device_type=ps[0].device.type if ps else "cpu",
+                      dtypes=(torch.float32, torch.bfloat16))
     if hyper is not None:
         check_rows(hyper, len(ps))
     rows, copies = _validate(ps, gs, vs, ss, cs, block=block, bits=bits, quant=quant, scale=scale)
@@ -523,7 +536,7 @@ def _launch(kernel, grid, args, kwargs, device):
 
 def gefen_step_(ps, gs, vs, scales, codes, codebook, *, step, lr, beta1, beta2, eps, weight_decay,
                 block, bits, tables=None, tile=TILE, num_warps=None, ws=None, seeds=None, hyper=None,
-                code_seeds=None, scale=None):
+                code_seeds=None, scale=None, factor_seeds=None):
     """One Gefen step in place: the rule and state layout of :func:`optim.gefen.reference.gefen_step`.
 
     ``ps, gs, vs, scales, codes`` are tensors of one parameter, or equal-length lists of them (a
@@ -533,7 +546,7 @@ def gefen_step_(ps, gs, vs, scales, codes, codebook, *, step, lr, beta1, beta2, 
     ``codebook is None``, ``scales`` then unused), which must be contiguous. ``step`` is t, counted
     from 1. ``tables``: ``code_table(codebook)`` (built and cached here when not given). ``tile``
     and ``num_warps`` are tuning knobs for benchmarks. ``ws``: per-offset factors of a factored
-    second moment (contiguous fp32, ``block`` floats each), updated in place before the step by
+    second moment (contiguous, fp32 or all bf16, ``block`` elements each), updated in place before the step by
     the factor's kernels (column means of g**2 over a tensor's blocks), then read by the step
     kernel (``FACTOR``; with ``block == 1`` only w moves). ``seeds``: one 32-bit seed per tensor:
     bf16 and fp16 parameters are then written with stochastic rounding (``optim._rounding``;
@@ -545,7 +558,8 @@ def gefen_step_(ps, gs, vs, scales, codes, codebook, *, step, lr, beta1, beta2, 
     rounding of the codes, one 32-bit seed per tensor) has no kernel here: such a call is
     ``torch_ops.gefen_step_``'s. ``scale``: the length S of the first moment's scale blocks where
     it is not ``scale_block_length(block)`` (row-group scales, a multiple of ``block``;
-    ``sub_blocks``). Returns None.
+    ``sub_blocks``). ``factor_seeds``: one 32-bit seed per tensor for bf16 factors, stored rounded
+    stochastically (``reference.factor_update``; not under ``hyper``). Returns None.
 
     Host cost: the first call with a set of tensors validates them and builds the plan (launch
     and pointer tables, the factor's scratch); later calls with the same p, v, scales, codes and w
@@ -560,7 +574,8 @@ def gefen_step_(ps, gs, vs, scales, codes, codebook, *, step, lr, beta1, beta2, 
             raise ValueError("Gefen kernel: stochastic rounding of the codes has no capturable step")
         return torch_ops.gefen_step_(ps, gs, vs, scales, codes, codebook, step=step, lr=lr, beta1=beta1,
                                      beta2=beta2, eps=eps, weight_decay=weight_decay, block=block, bits=bits,
-                                     tables=tables, ws=ws, seeds=seeds, code_seeds=code_seeds, scale=scale)
+                                     tables=tables, ws=ws, seeds=seeds, code_seeds=code_seeds, scale=scale,
+                                     factor_seeds=factor_seeds)
     ps, gs, vs, ss, cs = (_as_list(x) for x in (ps, gs, vs, scales, codes))
     if not len(ps) == len(gs) == len(vs) == len(ss) == len(cs):
         raise ValueError("p, g, v, scales, codes must be lists of the same length")
@@ -583,12 +598,18 @@ def gefen_step_(ps, gs, vs, scales, codes, codebook, *, step, lr, beta1, beta2, 
     device = plan.device
     if plan.seed_tab is not None:  # the seeds change every step
         plan.upload_seeds(seeds)
+    if plan.factor_seed_tab is not None:
+        if factor_seeds is None:
+            raise ValueError("Gefen kernel: bf16 factors w need factor_seeds, one 32-bit seed a tensor")
+        plan.upload_seeds(factor_seeds, plan.factor_seed_tab)
     if plan.factor is not None:  # w first: every block's step reads its tensor's whole w
         fp = plan.factor
         for items, grid, const in fp.stats:
             _launch(_factor_stats_kernel, grid, _stats_args(items, plan.ptrs, fp.part), const, device)
         _launch(_factor_finalize_kernel, fp.fin_grid,
-                _final_args(fp.fin_tab, plan.numels, plan.wtab, fp.part, beta2=beta2), fp.final, device)
+                _final_args(fp.fin_tab, plan.numels, plan.wtab, fp.part,
+                            plan.numels if plan.factor_seed_tab is None else plan.factor_seed_tab, beta2=beta2),
+                fp.final, device)
     tabs = _device_tables(tables, device, bits) if quant else None
     for ln in plan.launches:
         args, table_const = _kernel_args(ln.tiles, plan.ptrs, plan.numels, tabs, plan.wtab, step=step, lr=lr,
@@ -683,7 +704,7 @@ _BLOCKS = [1] + [b for k in range(1, 11) for b in ((1 << k), (1 << k) - 1) if b 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 _TABLES = [(1, False, 4096), (1, True, 1024), (2, True, 65536), (3, False, 65536)]  # (ncmp, has_dup, nlut)
 _COMMON = dict(block=_BLOCKS, p_dtype=_DTYPES, g_dtype=_DTYPES, align=[True, False], exact=[True, False],
-               factor=[False, True], sr=[False, True], hyper=[False, True])
+               factor=[False, True], sr=[False, True], hyper=[False, True], w16=[False, True])
 # The factor's kernels (factor_plan): blocks as the step's, and beyond FACTOR_WIDTH (column chunks,
 # aligned or masked) up to the longest a 4-bit tile row holds. The step scalars' kernel (advance_): lr
 # a host float or a tensor on the device (fp32, or fp64), stochastic rounding's seeds or none.
@@ -701,7 +722,7 @@ PLAN_AXES = {
     "4bit_groups": dict(_NO_BLOCK, group=[g for g in _GROUPS if g[0] % 2 == 0] + _GROUPS_512, bits=[4],
                         quant=[True], table=_TABLES),
     "fp32_m": dict(_COMMON, bits=[8], quant=[False]),
-    "factor": dict(block=_BLOCKS + [2047, 2048, 3000, 2 * MAX_TILE_WIDTH], g_dtype=_DTYPES),
+    "factor": dict(block=_BLOCKS + [2047, 2048, 3000, 2 * MAX_TILE_WIDTH], g_dtype=_DTYPES, w16=[False, True]),
     "scalars": dict(lr=["float", torch.float32, torch.float64], sr=[False, True]),
 }
 
@@ -750,7 +771,7 @@ def _factor_launch_configs(configs, axes) -> list:
         stats.append(KernelLaunch("gefen_factor_stats/" + name, _factor_stats_kernel, _stats_args(i64, i64, part),
                                   fp.stats))
         final.append(KernelLaunch("gefen_factor_finalize/" + name, _factor_finalize_kernel,
-                                  _final_args(i64, i64, i64, part, beta2=0.999), fp.final))
+                                  _final_args(i64, i64, i64, part, i64, beta2=0.999), fp.final))
     return stats + final
 
 
