@@ -511,7 +511,10 @@ def test_gefen_ablation_arch_runs_each_architecture_at_its_lr(tmp_path, monkeypa
     ("gefen_ablation_4bit", {"factored+scale_rows", "factored+scale_rows512", "factored+layout", "factored+layout512"},
      ["4-bit codes", "group of rows of at most 512 elements", "options with scale groups of at most 512"]),
     ("gefen_ablation_refresh", {"factored+refresh", "factored+layout512", "factored+layout512_refresh"},
-     ["4-bit codes", "the codebook learned again every 100 steps", "scale groups of at most 512 elements and the codebook"])])
+     ["4-bit codes", "the codebook learned again every 100 steps", "scale groups of at most 512 elements and the codebook"]),
+    ("gefen_ablation_factor16", {"factored+w16", "factored+layout512", "factored+layout512_tiles",
+                                 "factored+layout512_w16"},
+     ["4-bit codes", "the column factors in bf16", "a column factor per square tile in bf16"])])
 def test_gefen_ablation_on_the_factor_runs_the_factor_and_its_changes_only(tmp_path, monkeypatch, experiment,
                                                                           changes, words):
     """``--experiment gefen_ablation_long`` / ``gefen_ablation_layout`` ``--tiny``: the tiny size in the
