@@ -11,6 +11,7 @@ and the optimizers are defined here once, for the ranks and for the single-proce
 (``ref``) alike. ``SCENARIO:OPT@1`` runs on rank 0 alone, in a process group of one.
 """
 
+import contextlib
 import os
 import sys
 import time
@@ -60,6 +61,10 @@ def make_optimizer(name: str, params):
         return Gefen(params, lr=LR, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1, factor_second_moment=True,
                      share_vector_second_moment=True, share_matrix_rows=True, row_group_scales=True,
                      whole_matrix_factor=True, backend="torch")
+    if name == "gefenh":  # the compact 4-bit layout with a bf16 column factor per square tile
+        return Gefen(params, lr=LR, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1, bits=4, factor_second_moment=True,
+                     share_vector_second_moment=True, share_matrix_rows=True, row_group_scales=512,
+                     factor_dtype="bfloat16", backend="torch")
     if name == "gefenr":  # 4-bit, factored, the codebook relearned every 2 steps (steps 3, 5, ...)
         return Gefen(params, lr=LR, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1, bits=4, factor_second_moment=True,
                      codebook_refresh_every=2, backend="torch")
@@ -536,6 +541,23 @@ SCENARIOS = {
 }
 
 
+@contextlib.contextmanager
+def _alone(alone: bool):
+    """A scenario on rank 0 alone: Gefen's seed is its own (``shared_seed`` broadcasts it over the
+    default group, which the other rank is not stepping in), as in a process without a group."""
+    if not alone:
+        yield
+        return
+    from optim.gefen import distributed as gd
+
+    shared = gd.shared_seed
+    gd.shared_seed = lambda seed: seed
+    try:
+        yield
+    finally:
+        gd.shared_seed = shared
+
+
 def main(argv):
     """Run the scenarios in order. ``SCENARIO:OPT@1`` runs on rank 0 alone, in a group of one
     (a 1-rank job inside the same launch: it saves starting a second set of processes)."""
@@ -556,8 +578,9 @@ def main(argv):
                 continue
             GROUP = solo if alone else None
             try:
-                result = SCENARIOS[name](opt_name or "adamw", 0 if alone else rank, 1 if alone else world,
-                                         out_dir)
+                with _alone(alone):
+                    result = SCENARIOS[name](opt_name or "adamw", 0 if alone else rank, 1 if alone else world,
+                                             out_dir)
             except Exception:  # recorded per scenario so that one failure does not hide the others
                 result = {"error": f"rank {rank}: " + traceback.format_exc()}
             # Keep ranks in step even when one failed half-way (a failed collective raises on all).

@@ -64,7 +64,8 @@ def runs(tmp_path_factory):
     specs += ["train:gefen", "dcp_aligned:gefen", "dcp_mismatch:gefen", "hist:", "dcp:gefen4",
               "dcp_ddp:gefen", "dcp_flat:gefen", "dcp_fresh:gefen", "hsdp:gefen", "full_sd:gefen",
               "ddp_to_fsdp:gefen", "ref:gefenf@1", "ddp:gefenf", "dcp:gefenf", "dcp_aligned:gefenf", "dcp:gefenc",
-              "dcp_aligned:gefenc", "ref:gefenr@1", "ddp:gefenr", "train:gefenr", "dcp:gefenr"]
+              "dcp_aligned:gefenc", "ref:gefenr@1", "ddp:gefenr", "train:gefenr", "dcp:gefenr", "ref:gefenh@1",
+              "ddp:gefenh", "dcp:gefenh"]
     # 2-rank checkpoints onto 1 rank; full Gefen only from the "aligned" one (blocks agree)
     specs += [f"reshard:{o}@1" for o in OPTS if o != "gefen"]
     specs += ["reshard_aligned:gefen@1", "reshard_mismatch:gefen@1", "reshard_aligned:gefenf@1",
@@ -78,7 +79,7 @@ def runs(tmp_path_factory):
 @pytest.fixture(scope="module")
 def references(runs):
     """Single process, same global batches, gradients accumulated over the 2 ranks' halves."""
-    return {o: result(runs, f"ref:{o}") for o in OPTS + ["gefenf", "gefenr"]}
+    return {o: result(runs, f"ref:{o}") for o in OPTS + ["gefenf", "gefenr", "gefenh"]}
 
 
 def _assert_params_close(actual: dict, expected: dict, **tol):
@@ -87,11 +88,11 @@ def _assert_params_close(actual: dict, expected: dict, **tol):
         assert_close(actual[k], expected[k], name=k, **tol)
 
 
-@pytest.mark.parametrize("opt", OPTS + ["gefenf", "gefenr"])
+@pytest.mark.parametrize("opt", OPTS + ["gefenf", "gefenr", "gefenh"])
 def test_ddp_equals_single_process(runs, references, opt):
     """DDP averages the two half-batch gradients exactly as the reference accumulates them, so
-    every optimizer, full Gefen included (same blocks, same codebook; factored: same w), must
-    match bit for bit."""
+    every optimizer, full Gefen included (same blocks, same codebook; factored: same w; bf16
+    factors: the same seeds on every rank), must match bit for bit."""
     res = result(runs, f"ddp:{opt}")
     _assert_params_close(res["params"], references[opt]["params"], atol=0.0)
 
@@ -150,12 +151,12 @@ def test_histogram_summed_over_shards_counted_once_for_replicas(runs):
 
 
 @pytest.mark.parametrize("spec", [f"dcp:{o}" for o in OPTS] + ["dcp:gefen4", "dcp_ddp:gefen", "dcp:gefenf",
-                                                                 "dcp:gefenc", "dcp:gefenr"])
+                                                                 "dcp:gefenc", "dcp:gefenr", "dcp:gefenh"])
 def test_dcp_round_trip_continues_identically(runs, spec):
     """Save, train on; a fresh model and optimizer load and train the same steps: bit for bit.
     FSDP2 (blocks chosen per rank, both ranks' shards differ), 4-bit codes, DDP, the factored
     second moment (w per local shard), and it at Gefen-X's bytes (row-group scales, one factor a
-    local shard, v shared on vectors)."""
+    local shard, v shared on vectors), and the compact 4-bit layout with bf16 factors per tile."""
     res = result(runs, spec)
     _assert_params_close(res["resumed"], res["uninterrupted"], atol=0.0)
     assert_close(res["resumed_losses"], res["uninterrupted_losses"], atol=0.0, name="losses")
