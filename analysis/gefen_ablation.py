@@ -35,10 +35,8 @@ CHANGES = {"fp32_m": "the first moment in fp32", "sr_m": "the first moment's cod
            "layout512_refresh": "the four layout options with scale groups of at most 512 elements and the codebook "
                                 f"learned again every {REFRESH_EVERY} steps",
            "w16": "the column factors in bf16, rounded stochastically",
-           "layout512_tiles": "the layout with scale groups of at most 512 elements and a column factor per "
-                              "square tile, not one per matrix",
-           "layout512_w16": "the layout with scale groups of at most 512 elements and a column factor per "
-                            "square tile in bf16"}
+           "layout512_tiles": "the 512-element layout, a column factor per tile",
+           "layout512_w16": "the 512-element layout, a bf16 column factor per tile"}
 LABELS = {"none": "nothing (Gefen as published)", "all": "every tensor", "embedding": "the embeddings",
           "vectors": "the vectors (norm gains, biases)",
           "factored": "nothing, the second moment factored",
