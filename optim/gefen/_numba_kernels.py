@@ -864,20 +864,6 @@ def _factor_reduce(meta, jobs, wptrs, block, beta2, one_minus_beta2, partial, ra
 
 
 @njit(nogil=True, error_model="numpy", cache=True)
-def factor_ratios(w, ratio):
-    """``ratio[t] = sqrt(w[t] / mean(w[t]))`` (ones where the mean is 0) for stored factors ``w``
-    (tensors, block), their mean added as ``_factor_reduce`` adds it: the ratios of bf16 factors,
-    read back after rounding."""
-    for t in range(w.shape[0]):
-        s = np.float32(0.0)
-        for j in range(w.shape[1]):
-            s += w[t, j]
-        mean = s / np.float32(w.shape[1])
-        for j in range(w.shape[1]):
-            ratio[t, j] = np.sqrt(w[t, j] / mean) if mean > np.float32(0.0) else np.float32(1.0)
-
-
-@njit(nogil=True, error_model="numpy", cache=True)
 def _factor_job(meta, jobs, k, block, S, partial):
     t = jobs[k, 0]
     n = meta[t, 5]
@@ -1166,3 +1152,26 @@ def round_bf16_stochastic(x, out, seed, offset):
             else:
                 up = ((b + np.uint64(0x7FFF) + ((b >> np.uint64(16)) & np.uint64(1))) & _MASK32) >> np.uint64(16)
         out[i] = np.uint16(up)
+
+
+@njit(nogil=True, error_model="numpy", cache=True)
+def _factor_ratios(w, ratio):
+    """``ratio[t] = sqrt(w[t] / mean(w[t]))`` (ones where the mean is 0) for factors ``w``
+    (tensors, block), their mean added as ``_factor_reduce`` adds it."""
+    for t in range(w.shape[0]):
+        s = np.float32(0.0)
+        for j in range(w.shape[1]):
+            s += w[t, j]
+        mean = s / np.float32(w.shape[1])
+        for j in range(w.shape[1]):
+            ratio[t, j] = np.sqrt(w[t, j] / mean) if mean > np.float32(0.0) else np.float32(1.0)
+
+
+@njit(nogil=True, error_model="numpy", cache=True)
+def store_bf16_factors(fresh, seeds, out, ratio):
+    """The fp32 factor updates ``fresh`` (tensors, block) rounded stochastically into ``out`` (uint16
+    bf16 bit patterns, row t with ``seeds[t]`` and offsets 0 .. block - 1: ``round_bf16_stochastic``),
+    and ``ratio`` (as ``factor_kernel``'s) from the stored values."""
+    for t in range(fresh.shape[0]):
+        round_bf16_stochastic(fresh[t], out[t], seeds[t], 0)
+    _factor_ratios((out.astype(np.uint32) << np.uint32(16)).view(np.float32), ratio)

@@ -191,11 +191,11 @@ _DATA_PTR = torch.Tensor.data_ptr
 def _store_half(fresh: np.ndarray, ws, seeds, ratio: np.ndarray) -> None:
     """Round each row of ``fresh`` (the fp32 updates of bf16 factors ``ws``) into its factor
     stochastically with its seed, and write the ratios the step reads from the stored values."""
-    from ._numba_kernels import factor_ratios, round_bf16_stochastic
+    from ._numba_kernels import store_bf16_factors
 
-    for t, w in enumerate(ws):
-        round_bf16_stochastic(fresh[t], w.view(torch.int16).numpy().view(np.uint16), seeds[t], 0)
-    factor_ratios(torch.stack(ws).float().numpy(), ratio)
+    out = np.empty(fresh.shape, dtype=np.uint16)
+    store_bf16_factors(fresh, np.asarray(seeds, dtype=np.int64), out, ratio)
+    torch._foreach_copy_(list(ws), list(torch.from_numpy(out).view(torch.bfloat16).unbind(0)))
 
 
 def _hyper(*, step, lr, beta1, beta2, eps, weight_decay) -> tuple:
