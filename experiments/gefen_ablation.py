@@ -28,6 +28,9 @@
     # 4-bit codes: the layout with a column factor per square tile, in fp32 and in bf16, against one a matrix
     python experiments/gefen_ablation.py --experiment gefen_ablation_factor16   # -> results/gefen_ablation_factor16.csv
     python analysis/gefen_ablation_factor16.py
+    # 4-bit codes: the vectors' shared v and whole-row v, each alone on the factor, the same runs
+    python experiments/gefen_ablation.py --experiment gefen_ablation_vectors4   # -> results/gefen_ablation_vectors4.csv
+    python analysis/gefen_ablation_vectors4.py
 
 Each variant is 8-bit Gefen (registry name Gefen-8bit) with ``share_second_moment=False`` (a
 per-element v, as block length 1) on the named group of tensors only, through a second parameter
@@ -89,7 +92,8 @@ stochastically (``factor_dtype="bfloat16"``); ``layout512_tiles`` is ``layout512
 factor per square tile of rows instead of one a matrix, ``layout512_w16`` the same in bf16 (the
 bytes of one a matrix or fewer at widths of 128 and more); ``--experiment gefen_ablation_factor16``
 (``FACTOR16_ABLATION``) makes FOUR_BIT_ABLATION's runs with the factor, ``w16``, ``layout512``,
-``layout512_tiles`` and ``layout512_w16``.
+``layout512_tiles`` and ``layout512_w16``; ``--experiment gefen_ablation_vectors4``
+(``VECTORS4_ABLATION``) makes them with ``vec_v`` and ``rows_v``, each alone on the factor.
 
 Rows: ``val_loss`` per variant (and AdamW) and seed, ``val_loss_vs_adamw`` (paired by seed), its
 ``_mean`` and ``_std``, and ``delta_vs_shared`` (the paired difference of ratios against ``none``),
@@ -214,13 +218,16 @@ REFRESH_ABLATION = dict(FOUR_BIT_ABLATION, variants=[FACTORED, f"{FACTORED}+{REF
 # the column factor per square tile under 4-bit codes and the layout, in fp32 and in bf16: FOUR_BIT_ABLATION's runs
 FACTOR16_ABLATION = dict(FOUR_BIT_ABLATION, variants=[FACTORED, *(f"{FACTORED}+{v}" for v in (FACTOR16, LAYOUT_SHORT,
                                                                                             LAYOUT_TILES, LAYOUT_W16))])
+# the two options that share v where the factor keeps it per element, each alone under 4-bit codes
+VECTORS4_ABLATION = dict(FOUR_BIT_ABLATION, variants=[FACTORED, f"{FACTORED}+{VECTOR_BLOCKS}", f"{FACTORED}+{ROW_BLOCKS}"])
 EXPERIMENTS = ("gefen_ablation", "gefen_ablation_arch", "gefen_ablation_long", "gefen_ablation_layout",
                "gefen_ablation_column", "gefen_ablation_vectors", "gefen_ablation_4bit", "gefen_ablation_refresh",
-               "gefen_ablation_factor16")
+               "gefen_ablation_factor16", "gefen_ablation_vectors4")
 SETTINGS = {"gefen_ablation_arch": ARCH_ABLATION, "gefen_ablation_long": LONG_ABLATION,
             "gefen_ablation_layout": LAYOUT_ABLATION, "gefen_ablation_column": COLUMN_ABLATION,
             "gefen_ablation_vectors": VECTOR_ABLATION, "gefen_ablation_4bit": FOUR_BIT_ABLATION,
-            "gefen_ablation_refresh": REFRESH_ABLATION, "gefen_ablation_factor16": FACTOR16_ABLATION}
+            "gefen_ablation_refresh": REFRESH_ABLATION, "gefen_ablation_factor16": FACTOR16_ABLATION,
+            "gefen_ablation_vectors4": VECTORS4_ABLATION}
 ON_TOP_ONLY = tuple(SETTINGS)[1:]  # the factor and changes on top of it, nothing else
 
 
