@@ -581,25 +581,38 @@ def _codebook_refresh(R):
             f"{len(d)} seeds): " + "; ".join(parts) + ".")
 
 
-def _bf16_factors(R):
-    """The sentence on the column factors per square tile in bf16 under 4-bit codes
-    (gefen_ablation_factor16): each variant's median loss ratio, and the per-tile bf16 factors
-    paired by seed with the fp32 ones and with one factor a matrix."""
-    e = "gefen_ablation_factor16"
+def _medians_and_pairs(R, e, intro, names, pairs, option=""):
+    """One sentence on an ablation ``e`` under 4-bit codes: ``intro`` (``option``: the keyword it
+    names), each variant's median loss ratio (``names``: variant -> words) and, paired by seed, the
+    mean difference of each of ``pairs`` ((words, variant, base))."""
     rows = R.rows(e, "val_loss_vs_adamw")
-    names = {"factored": "factored", "factored+w16": "its factors in bf16",
-             "factored+layout512": "compact (one column factor a matrix)", "factored+layout512_tiles": "compact with one a tile",
-             "factored+layout512_w16": "the same in bf16"}
     med = {v: median_over_seeds(rows, "val_loss_vs_adamw", v) for v in names}
-    pairs = [(words, _paired(R, e, new, base)) for words, new, base in (
-        ("bf16 against fp32 factors", "factored+w16", "factored"),
-        ("compact with bf16 factors a tile against one a matrix", "factored+layout512_w16", "factored+layout512"),
-        ("against fp32 factors a tile", "factored+layout512_w16", "factored+layout512_tiles"))]
-    return (f"Column factors per square tile in bf16, rounded stochastically (`factor_dtype`; encoder, 4-bit codes, "
-            f"{R.config(e)['steps']:,} steps, median over {len(pairs[0][1])} seeds): "
+    diffs = [(words, _paired(R, e, new, base)) for words, new, base in pairs]
+    return (f"{intro} ({option + '; ' if option else ''}encoder, 4-bit codes, {R.config(e)['steps']:,} steps, median over {len(diffs[0][1])} seeds): "
             + ", ".join(f"{w} {pct(med[v])}" for v, w in names.items()) + "; paired by seed, "
             + "; ".join(f"{w} {pct(1 + statistics.fmean(d))} on the mean (better on {sum(x < 0 for x in d)} of {len(d)})"
-                        for w, d in pairs) + ".")
+                        for w, d in diffs) + ".")
+
+
+def _bf16_factors(R):
+    """The sentence on the column factors per square tile in bf16 under 4-bit codes
+    (gefen_ablation_factor16)."""
+    return _medians_and_pairs(
+        R, "gefen_ablation_factor16", "Column factors per square tile in bf16, rounded stochastically",
+        {"factored": "factored", "factored+w16": "its factors in bf16",
+         "factored+layout512": "compact (one column factor a matrix)", "factored+layout512_tiles": "compact with one a tile",
+         "factored+layout512_w16": "the same in bf16"},
+        [("bf16 against fp32 factors", "factored+w16", "factored"),
+         ("compact with bf16 factors a tile against one a matrix", "factored+layout512_w16", "factored+layout512"),
+         ("against fp32 factors a tile", "factored+layout512_w16", "factored+layout512_tiles")],
+        option="`factor_dtype`")
+
+
+def _four_bit_vectors(R):
+    """The sentence on the vectors' shared v and whole-row v under 4-bit codes (gefen_ablation_vectors4)."""
+    names = {"factored": "factored", "factored+vec_v": "the vectors' v shared", "factored+rows_v": "whole-row v"}
+    return _medians_and_pairs(R, "gefen_ablation_vectors4", "The compact layout's two v options, each alone", names,
+                              [(w, v, "factored") for v, w in names.items() if v != "factored"])
 
 
 def gefen_layout(R):
@@ -634,7 +647,8 @@ def gefen_layout(R):
               "section. Each option alone on the factor, paired with the factored by seed (mean; worse on): "
               + "; ".join(f"{words} {pct(1 + statistics.fmean(d))} ({sum(x > 0 for x in d)} of {len(d)})"
                           for words, d in ((w, _paired(R, x, v)) for x, v, w in LAYOUT_ALONE)) + ". "
-              + _four_bit_scales(R) + " " + _codebook_refresh(R) + " " + _bf16_factors(R))
+              + _four_bit_scales(R) + " " + _codebook_refresh(R) + " " + _bf16_factors(R) + " "
+              + _four_bit_vectors(R))
     lo, hi = (f(per["8bit"][k] for k in wide) for f in (min, max))
     return Row("The factored state at Gefen-X's bytes or fewer (compact layout, ours)", verdict,
                f"8-bit {lo:.3f}–{hi:.3f} B/param at width ≥ {WIDE}, ≤ gefen-x's on "

@@ -514,7 +514,9 @@ def test_gefen_ablation_arch_runs_each_architecture_at_its_lr(tmp_path, monkeypa
      ["4-bit codes", "the codebook learned again every 100 steps", "scale groups of at most 512 elements and the codebook"]),
     ("gefen_ablation_factor16", {"factored+w16", "factored+layout512", "factored+layout512_tiles",
                                  "factored+layout512_w16"},
-     ["4-bit codes", "the column factors in bf16", "a bf16 column factor per tile"])])
+     ["4-bit codes", "the column factors in bf16", "a bf16 column factor per tile"]),
+    ("gefen_ablation_vectors4", {"factored+vec_v", "factored+rows_v"},
+     ["4-bit codes", "the vectors' v shared", "v over whole rows where the rule finds no block"])])
 def test_gefen_ablation_on_the_factor_runs_the_factor_and_its_changes_only(tmp_path, monkeypatch, experiment,
                                                                           changes, words):
     """``--experiment gefen_ablation_long`` / ``gefen_ablation_layout`` ``--tiny``: the tiny size in the
