@@ -151,9 +151,9 @@ class Call:
         weights, its first moment's "codes" or its "factor" w (the parameter's seed mixed with
         ``CODE_STREAM`` or ``FACTOR_STREAM`` first); None where the call does not round those
         stochastically."""
-        if not {"weights": self.sr, "codes": self.code_sr, "factor": self.factor_sr}[stream]:
+        flag, mix = _STREAMS[stream]
+        if not getattr(self, flag):
             return None
-        mix = {"weights": 0, "codes": CODE_STREAM, "factor": FACTOR_STREAM}[stream]
         per = [step_seed(hash32_int(st[K.SEED] ^ mix) if mix else st[K.SEED], 0, step) for st in self.states]
         return [per[t.owner] if t.tile is None else step_seed(per[t.owner], t.tile, 0) for t in self.tiles]
 
@@ -161,6 +161,10 @@ class Call:
 def rounds_codes(group) -> bool:
     """True where ``group`` rounds its first moment's codes stochastically."""
     return group["first_moment_rounding"] == "stochastic" and bool(group["quantize_first_moment"])
+
+
+# a seeds stream -> (the ``Call`` property that says the call rounds it, the constant mixed into the seed)
+_STREAMS = {"weights": ("sr", 0), "codes": ("code_sr", CODE_STREAM), "factor": ("factor_sr", FACTOR_STREAM)}
 
 
 def seeded(group) -> bool:
