@@ -36,7 +36,10 @@ CHANGES = {"fp32_m": "the first moment in fp32", "sr_m": "the first moment's cod
                                 f"learned again every {REFRESH_EVERY} steps",
            "w16": "the column factors in bf16, rounded stochastically",
            "layout512_tiles": "the 512-element layout, a column factor per tile",
-           "layout512_w16": "the 512-element layout, a bf16 column factor per tile"}
+           "layout512_w16": "the 512-element layout, a bf16 column factor per tile",
+           "scale_rows256": "one first-moment scale per group of rows of at most 256 elements",
+           "layout256": "the four layout options with scale groups of at most 256 elements",
+           "layout256_w16": "the 256-element layout, its column factor in bf16"}
 LABELS = {"none": "nothing (Gefen as published)", "all": "every tensor", "embedding": "the embeddings",
           "vectors": "the vectors (norm gains, biases)",
           "factored": "nothing, the second moment factored",

@@ -31,6 +31,9 @@
     # 4-bit codes: the vectors' shared v and whole-row v, each alone on the factor, the same runs
     python experiments/gefen_ablation.py --experiment gefen_ablation_vectors4   # -> results/gefen_ablation_vectors4.csv
     python analysis/gefen_ablation_vectors4.py
+    # 4-bit codes: row-group scales of 256 elements, alone and in the layout, its factor in fp32 and in bf16
+    python experiments/gefen_ablation.py --experiment gefen_ablation_scales4   # -> results/gefen_ablation_scales4.csv
+    python analysis/gefen_ablation_scales4.py
 
 Each variant is 8-bit Gefen (registry name Gefen-8bit) with ``share_second_moment=False`` (a
 per-element v, as block length 1) on the named group of tensors only, through a second parameter
@@ -93,7 +96,11 @@ factor per square tile of rows instead of one a matrix, ``layout512_w16`` the sa
 bytes of one a matrix or fewer at widths of 128 and more); ``--experiment gefen_ablation_factor16``
 (``FACTOR16_ABLATION``) makes FOUR_BIT_ABLATION's runs with the factor, ``w16``, ``layout512``,
 ``layout512_tiles`` and ``layout512_w16``; ``--experiment gefen_ablation_vectors4``
-(``VECTORS4_ABLATION``) makes them with ``vec_v`` and ``rows_v``, each alone on the factor.
+(``VECTORS4_ABLATION``) makes them with ``vec_v`` and ``rows_v``, each alone on the factor;
+``--experiment gefen_ablation_scales4`` (``SCALES4_ABLATION``) makes them with ``layout512``,
+``scale_rows256``, ``layout256`` (``layout512`` with groups of at most 256 elements) and
+``layout256_w16`` (the same with its one column factor a matrix in bf16, at fewer bytes than
+``layout512`` at widths of 128 and more).
 
 Rows: ``val_loss`` per variant (and AdamW) and seed, ``val_loss_vs_adamw`` (paired by seed), its
 ``_mean`` and ``_std``, and ``delta_vs_shared`` (the paired difference of ratios against ``none``),
@@ -170,6 +177,10 @@ REFRESH = "refresh"  # the codebook learned again every REFRESH_EVERY steps (not
 FACTOR16 = "w16"  # the column factors in bf16, rounded stochastically (not a kind of tensor)
 LAYOUT_TILES = f"{LAYOUT_SHORT}_tiles"  # LAYOUT_SHORT with a column factor per square tile, not one a matrix
 LAYOUT_W16 = f"{LAYOUT_SHORT}_{FACTOR16}"  # the same with the factors in bf16
+FINE_GROUP = 256  # elements: finer row-group scales than SHORT_GROUP, paid for by bf16 factors
+ROW_SCALES_FINE = f"scale_rows{FINE_GROUP}"  # row-group scales of at most FINE_GROUP elements
+LAYOUT_FINE = f"layout{FINE_GROUP}"  # the 4-bit layout with those scales
+LAYOUT_FINE_W16 = f"{LAYOUT_FINE}_{FACTOR16}"  # the same with its one column factor a matrix in bf16
 # variants that are no kind of tensor: a Gefen option on every tensor
 CHANGES = {FIRST_MOMENT: dict(quantize_first_moment=False), CODE_ROUNDING: dict(first_moment_rounding="stochastic"),
            VECTOR_BLOCKS: dict(share_vector_second_moment=True), ROW_BLOCKS: dict(share_matrix_rows=True),
@@ -179,12 +190,14 @@ CHANGES = {FIRST_MOMENT: dict(quantize_first_moment=False), CODE_ROUNDING: dict(
            f"{LAYOUT}_{REFRESH}": dict(COMPACT, codebook_refresh_every=REFRESH_EVERY),
            f"{LAYOUT_SHORT}_{REFRESH}": dict(COMPACT_4BIT, codebook_refresh_every=REFRESH_EVERY),
            FACTOR16: dict(factor_dtype="bfloat16"), LAYOUT_TILES: dict(COMPACT_4BIT, whole_matrix_factor=False),
-           LAYOUT_W16: dict(COMPACT_4BIT, whole_matrix_factor=False, factor_dtype="bfloat16")}
+           LAYOUT_W16: dict(COMPACT_4BIT, whole_matrix_factor=False, factor_dtype="bfloat16"),
+           ROW_SCALES_FINE: dict(row_group_scales=FINE_GROUP), LAYOUT_FINE: dict(COMPACT_4BIT, row_group_scales=FINE_GROUP),
+           LAYOUT_FINE_W16: dict(COMPACT_4BIT, row_group_scales=FINE_GROUP, factor_dtype="bfloat16")}
 # options of CHANGES that are one per optimizer: the constructor's, in no group
 OPTIMIZER_WIDE = ("codebook_refresh_every",)
 UNDER_FACTOR = (VECTOR_BLOCKS, ROW_BLOCKS, ROW_SCALES, WHOLE_FACTOR, LAYOUT, ROW_SCALES_SHORT,
                 LAYOUT_SHORT, f"{LAYOUT}_{REFRESH}", f"{LAYOUT_SHORT}_{REFRESH}", FACTOR16, LAYOUT_TILES,
-                LAYOUT_W16)  # changes that act under the factor only
+                LAYOUT_W16, ROW_SCALES_FINE, LAYOUT_FINE, LAYOUT_FINE_W16)  # changes that act under the factor only
 PEERS = ("gefen-x",)  # other optimizers that may train beside AdamW (registry names)
 QUICK_VARIANTS = ["none", "all", "attn_qkv", "embedding", FACTORED]
 FULL_SIZES = ["full", "docstrings"]
@@ -220,14 +233,18 @@ FACTOR16_ABLATION = dict(FOUR_BIT_ABLATION, variants=[FACTORED, *(f"{FACTORED}+{
                                                                                             LAYOUT_TILES, LAYOUT_W16))])
 # the two options that share v where the factor keeps it per element, each alone under 4-bit codes
 VECTORS4_ABLATION = dict(FOUR_BIT_ABLATION, variants=[FACTORED, f"{FACTORED}+{VECTOR_BLOCKS}", f"{FACTORED}+{ROW_BLOCKS}"])
+# row-group scales of FINE_GROUP elements under 4-bit codes, alone and in the layout, with the layout's
+# factor in fp32 and in bf16 (the bf16 factor pays for the finer scales' bytes): FOUR_BIT_ABLATION's runs
+SCALES4_ABLATION = dict(FOUR_BIT_ABLATION, variants=[FACTORED, *(f"{FACTORED}+{v}" for v in (LAYOUT_SHORT, ROW_SCALES_FINE,
+                                                                                           LAYOUT_FINE, LAYOUT_FINE_W16))])
 EXPERIMENTS = ("gefen_ablation", "gefen_ablation_arch", "gefen_ablation_long", "gefen_ablation_layout",
                "gefen_ablation_column", "gefen_ablation_vectors", "gefen_ablation_4bit", "gefen_ablation_refresh",
-               "gefen_ablation_factor16", "gefen_ablation_vectors4")
+               "gefen_ablation_factor16", "gefen_ablation_vectors4", "gefen_ablation_scales4")
 SETTINGS = {"gefen_ablation_arch": ARCH_ABLATION, "gefen_ablation_long": LONG_ABLATION,
             "gefen_ablation_layout": LAYOUT_ABLATION, "gefen_ablation_column": COLUMN_ABLATION,
             "gefen_ablation_vectors": VECTOR_ABLATION, "gefen_ablation_4bit": FOUR_BIT_ABLATION,
             "gefen_ablation_refresh": REFRESH_ABLATION, "gefen_ablation_factor16": FACTOR16_ABLATION,
-            "gefen_ablation_vectors4": VECTORS4_ABLATION}
+            "gefen_ablation_vectors4": VECTORS4_ABLATION, "gefen_ablation_scales4": SCALES4_ABLATION}
 ON_TOP_ONLY = tuple(SETTINGS)[1:]  # the factor and changes on top of it, nothing else
 
 
