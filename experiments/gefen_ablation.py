@@ -34,6 +34,9 @@
     # 4-bit codes: row-group scales of 256 elements, alone and in the layout, its factor in fp32 and in bf16
     python experiments/gefen_ablation.py --experiment gefen_ablation_scales4   # -> results/gefen_ablation_scales4.csv
     python analysis/gefen_ablation_scales4.py
+    # the encoder at 3,000 steps and AdamW's best lr there (8e-3): the first moment in fp32, the compact layout
+    python experiments/gefen_ablation.py --experiment gefen_ablation_long_best   # -> results/gefen_ablation_long_best.csv
+    python analysis/gefen_ablation_long_best.py
 
 Each variant is 8-bit Gefen (registry name Gefen-8bit) with ``share_second_moment=False`` (a
 per-element v, as block length 1) on the named group of tensors only, through a second parameter
@@ -70,7 +73,9 @@ or ``--tiny`` it runs that size in each architecture.
 the 1,000-step lr held fixed (4e-3, AdamW's best there), gefen-x beside it: the factor alone and the
 factor with its first moment's codes rounded stochastically (``sr_m``, no kind of tensor:
 ``first_moment_rounding="stochastic"`` on every tensor), to see whether that holds a gap that grows
-with training. ``--experiment gefen_ablation_layout`` (``LAYOUT_ABLATION``) makes the same runs with
+with training; ``--experiment gefen_ablation_long_best`` (``LONG_BEST_ABLATION``) makes them at
+AdamW's best lr at 3,000 steps (8e-3, convergence_long's) with the factor alone, the first moment in
+fp32 (``fp32_m``) and ``layout`` (below), each on the factor. ``--experiment gefen_ablation_layout`` (``LAYOUT_ABLATION``) makes the same runs with
 the layout options that cut the factored state's bytes on top of the factor (gefen-x at these
 settings is in gefen_ablation_long's file, whose seeds these are): ``layout``, all four together,
 and ``scale_rows`` alone, the one that coarsens the first moment's quantisation. The options (each
@@ -211,6 +216,9 @@ ARCH_ABLATION = dict(sizes=["encoder", "llama"], seeds=3, peers=["gefen-x"], on_
 # architecture experiments, at their 1,000-step lr (AdamW's best there) held fixed
 LONG_ABLATION = dict(sizes=["encoder"], steps=3000, seeds=5, peers=["gefen-x"], lr=4e-3,
                      variants=[FACTORED, f"{FACTORED}+{CODE_ROUNDING}"])
+# the same at AdamW's best lr at 3,000 steps (convergence_long's), with the first moment in fp32 and the
+# compact layout (the differences from Gefen-X that cut bytes, together) each alone on the factor
+LONG_BEST_ABLATION = dict(LONG_ABLATION, lr=8e-3, variants=[FACTORED, f"{FACTORED}+{FIRST_MOMENT}", f"{FACTORED}+{LAYOUT}"])
 # the options that cut the factored state's bytes, for loss: LONG_ABLATION's runs, the four together and
 # the one that coarsens the first moment's quantisation on its own
 LAYOUT_ABLATION = dict(LONG_ABLATION, peers=[], variants=[FACTORED, f"{FACTORED}+{LAYOUT}", f"{FACTORED}+{ROW_SCALES}"])
@@ -239,12 +247,14 @@ SCALES4_ABLATION = dict(FOUR_BIT_ABLATION, variants=[FACTORED, *(f"{FACTORED}+{v
                                                                                            LAYOUT_FINE, LAYOUT_FINE_W16))])
 EXPERIMENTS = ("gefen_ablation", "gefen_ablation_arch", "gefen_ablation_long", "gefen_ablation_layout",
                "gefen_ablation_column", "gefen_ablation_vectors", "gefen_ablation_4bit", "gefen_ablation_refresh",
-               "gefen_ablation_factor16", "gefen_ablation_vectors4", "gefen_ablation_scales4")
+               "gefen_ablation_factor16", "gefen_ablation_vectors4", "gefen_ablation_scales4",
+               "gefen_ablation_long_best")
 SETTINGS = {"gefen_ablation_arch": ARCH_ABLATION, "gefen_ablation_long": LONG_ABLATION,
             "gefen_ablation_layout": LAYOUT_ABLATION, "gefen_ablation_column": COLUMN_ABLATION,
             "gefen_ablation_vectors": VECTOR_ABLATION, "gefen_ablation_4bit": FOUR_BIT_ABLATION,
             "gefen_ablation_refresh": REFRESH_ABLATION, "gefen_ablation_factor16": FACTOR16_ABLATION,
-            "gefen_ablation_vectors4": VECTORS4_ABLATION, "gefen_ablation_scales4": SCALES4_ABLATION}
+            "gefen_ablation_vectors4": VECTORS4_ABLATION, "gefen_ablation_scales4": SCALES4_ABLATION,
+            "gefen_ablation_long_best": LONG_BEST_ABLATION}
 ON_TOP_ONLY = tuple(SETTINGS)[1:]  # the factor and changes on top of it, nothing else
 
 
@@ -322,9 +332,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(parser)
     parser.add_argument("--experiment", default=EXPERIMENTS[0], choices=EXPERIMENTS,
-                        help="results file name; gefen_ablation_arch, _long, _layout, _column, _vectors, _4bit, "
-                             "_refresh: ARCH_ABLATION's, LONG_ABLATION's, LAYOUT_ABLATION's, COLUMN_ABLATION's, "
-                             "VECTOR_ABLATION's, FOUR_BIT_ABLATION's, REFRESH_ABLATION's defaults (module docstring)")
+                        help="results file name; every name but gefen_ablation runs its SETTINGS' defaults (module docstring)")
     parser.add_argument("--tiny", action="store_true", help="test size (seconds)")
     kinds = [*PATTERNS["gpt"], *CHANGES]
     parser.add_argument("--variants", nargs="+", default=None,
