@@ -34,7 +34,7 @@
     # 4-bit codes: row-group scales of 256 elements, alone and in the layout, its factor in fp32 and in bf16
     python experiments/gefen_ablation.py --experiment gefen_ablation_scales4   # -> results/gefen_ablation_scales4.csv
     python analysis/gefen_ablation_scales4.py
-    # the encoder at 3,000 steps and AdamW's best lr there (8e-3): the first moment in fp32, the codebook learned again
+    # the encoder at 3,000 steps and AdamW's best lr there (8e-3): the first moment in fp32, the refresh, the layout
     python experiments/gefen_ablation.py --experiment gefen_ablation_long_best   # -> results/gefen_ablation_long_best.csv
     python analysis/gefen_ablation_long_best.py
 
@@ -75,7 +75,7 @@ factor with its first moment's codes rounded stochastically (``sr_m``, no kind o
 ``first_moment_rounding="stochastic"`` on every tensor), to see whether that holds a gap that grows
 with training; ``--experiment gefen_ablation_long_best`` (``LONG_BEST_ABLATION``) makes them at
 AdamW's best lr at 3,000 steps (8e-3, convergence_long's) with the factor alone, the first moment in
-fp32 (``fp32_m``) and the codebook learned again (``refresh``, below), each on the factor. ``--experiment gefen_ablation_layout`` (``LAYOUT_ABLATION``) makes the same runs with
+fp32 (``fp32_m``), the codebook learned again (``refresh``) and ``layout`` (below), each on the factor. ``--experiment gefen_ablation_layout`` (``LAYOUT_ABLATION``) makes the same runs with
 the layout options that cut the factored state's bytes on top of the factor (gefen-x at these
 settings is in gefen_ablation_long's file, whose seeds these are): ``layout``, all four together,
 and ``scale_rows`` alone, the one that coarsens the first moment's quantisation. The options (each
@@ -216,10 +216,11 @@ ARCH_ABLATION = dict(sizes=["encoder", "llama"], seeds=3, peers=["gefen-x"], on_
 # architecture experiments, at their 1,000-step lr (AdamW's best there) held fixed
 LONG_ABLATION = dict(sizes=["encoder"], steps=3000, seeds=5, peers=["gefen-x"], lr=4e-3,
                      variants=[FACTORED, f"{FACTORED}+{CODE_ROUNDING}"])
-# the same at AdamW's best lr at 3,000 steps (convergence_long's), with the first moment in fp32 and the
+# the same at AdamW's best lr at 3,000 steps (convergence_long's), with the first moment in fp32, the
 # codebook learned again every REFRESH_EVERY steps (a codebook learned at step 1 may fit later steps' m less
-# well), each alone on the factor
-LONG_BEST_ABLATION = dict(LONG_ABLATION, lr=8e-3, variants=[FACTORED, f"{FACTORED}+{FIRST_MOMENT}", f"{FACTORED}+{REFRESH}"])
+# well) and the compact layout (Gefen-X's bytes or fewer), each on the factor
+LONG_BEST_ABLATION = dict(LONG_ABLATION, lr=8e-3, variants=[FACTORED, *(f"{FACTORED}+{v}" for v in (FIRST_MOMENT, REFRESH,
+                                                                                                  LAYOUT))])
 # the options that cut the factored state's bytes, for loss: LONG_ABLATION's runs, the four together and
 # the one that coarsens the first moment's quantisation on its own
 LAYOUT_ABLATION = dict(LONG_ABLATION, peers=[], variants=[FACTORED, f"{FACTORED}+{LAYOUT}", f"{FACTORED}+{ROW_SCALES}"])
