@@ -284,12 +284,49 @@ def gefen_long(R):
                                 f"dropin/Gefen-{b}-factored", seeds) for b in ("8bit", "4bit")]
     if not all(math.isfinite(b) for b in before):
         raise ResultsError(f"{R.dir / short}.csv: no val_loss_vs_adamw of the factored Gefens' seeds {sorted(seeds)}")
-    verdict = "not met: the factored gaps grow" if any(a > b for a, b in zip(long, before)) else "met"
+    change = [_seed_change(R, e, short, f"dropin/Gefen-{b}-factored", seeds) for b in ("8bit", "4bit")]
+    grew = [(a - b) * 100 for a, b in zip(long, before)]
+    verdict = ("met" if not any(g > 0 for g in grew) else
+               f"not met by the median: the factored gaps grow {' / '.join(signed(g) for g in grew)} points; "
+               f"paired by seed {' / '.join(f'{signed(m)} ± {se:.2f}' for m, se in change)} (mean ± s.e.)")
     return Row(f"… and after {R.config(e)['steps']:,} steps (the encoder, drop-in, same lr)", verdict,
                f"8-bit {pct(long[0])} ({R.config(short)['steps']:,} steps: {pct(before[0])}), 4-bit {pct(long[1])} "
                f"({pct(before[1])}) vs AdamW",
                fig(e), cmd(f"python experiments/convergence.py --experiment {e}"),
                _long_detail(R, e, short, best, seeds) + _compact(R, e, ("dropin/",)))
+
+
+def _seed_change(R, e, short, variant, seeds):
+    """(mean, standard error) in points of ``variant``'s loss ratio in ``e`` less its ratio in
+    ``short``, paired by seed over ``seeds``."""
+    ratio = [{r["seed"]: r["value"] for r in select(R.rows(x, "val_loss_vs_adamw"), "val_loss_vs_adamw", variant)}
+             for x in (e, short)]
+    d = [(ratio[0][k] - ratio[1][k]) * 100 for k in sorted(seeds) if k in ratio[0] and k in ratio[1]]
+    if len(d) < 2:
+        raise ResultsError(f"{R.dir / e}.csv, {R.dir / short}.csv: fewer than two seeds of {variant} in both")
+    return statistics.fmean(d), statistics.stdev(d) / math.sqrt(len(d))
+
+
+TAIL = 3  # evaluations at the end of a run whose loss ratios a tail mean averages
+
+
+def _tail_ratio(R, e, variant, seeds, base="dropin/AdamW"):
+    """Median over ``seeds`` of ``variant``'s mean loss ratio to ``base`` over the run's last ``TAIL``
+    evaluations, paired by seed and step: less sensitive than the final loss to one evaluation."""
+    curves = {v: {} for v in (variant, base)}
+    for v in curves:
+        for r in select(R.rows(e, "val_loss"), "val_loss", v):
+            if r["seed"] in seeds:
+                curves[v].setdefault(r["seed"], {})[r["x_value"]] = r["value"]
+    per_seed = []
+    for k, own in curves[variant].items():
+        steps = sorted(own)[-TAIL:]
+        if len(steps) < TAIL or any(x not in curves[base].get(k, {}) for x in steps):
+            raise ResultsError(f"{R.dir / e}.csv: no val_loss of {base} at {variant}'s last steps (seed {k})")
+        per_seed.append(statistics.fmean(own[x] / curves[base][k][x] for x in steps))
+    if not per_seed:
+        raise ResultsError(f"{R.dir / e}.csv: no val_loss of {variant}")
+    return statistics.median(per_seed)
 
 
 def _long_detail(R, e, short, best, seeds):
@@ -330,7 +367,14 @@ def _long_detail(R, e, short, best, seeds):
             f"unchanged lr the factored gaps move by {points(now[names[0]], then[names[0]])} (8-bit) and "
             f"{points(now[names[1]], then[names[1]])} (4-bit) with training, and gefen-x's by "
             f"{points(now[names[2]], then[names[2]])}; the means at {fixed_lr:g} are {pct(mean(e, names[2]))} (gefen-x) "
-            f"and {pct(mean(e, names[0]))} (factored 8-bit), within {len(seeds)} seeds' spread. State "
+            f"and {pct(mean(e, names[0]))} (factored 8-bit), within {len(seeds)} seeds' spread. Paired by seed, the "
+            f"change from {steps[1]:,} to {steps[0]:,} steps (mean ± standard error, points): "
+            + ", ".join(f"{w} {signed(m)} ± {se:.2f}" for w, (m, se) in
+                        zip(("factored 8-bit", "4-bit", "gefen-x"), (_seed_change(R, e, short, v, seeds) for v in names)))
+            + f". Averaged over each run's last {TAIL} evaluations ({R.config(e)['eval_every']} steps apart) instead of the "
+            f"final one, the medians are " + ", ".join(
+                f"{w} {pct(_tail_ratio(R, e, v, seeds))} (from {pct(_tail_ratio(R, short, v, seeds))})"
+                for w, v in zip(("factored 8-bit", "4-bit", "gefen-x"), names)) + ". State "
             f"{_state(R, e, names[0]):.3f} / {_state(R, e, names[1]):.3f} B/param (gefen-x {_state(R, e, names[2]):.3f}).")
 
 
@@ -582,37 +626,37 @@ def _codebook_refresh(R):
 
 
 def _medians_and_pairs(R, e, intro, names, pairs, option=""):
-    """One sentence on an ablation ``e`` under 4-bit codes: ``intro`` (``option``: the keyword it
-    names), each variant's median loss ratio (``names``: variant -> words) and, paired by seed, the
-    mean difference of each of ``pairs`` ((words, variant, base))."""
+    """One sentence on an ablation ``e`` of the encoder: ``intro`` (``option``: the keyword it names),
+    its code width, steps and lr, each variant's median loss ratio (``names``: variant -> words) and,
+    paired by seed, the mean difference of each of ``pairs`` ((words, variant, base))."""
     rows = R.rows(e, "val_loss_vs_adamw")
     med = {v: median_over_seeds(rows, "val_loss_vs_adamw", v) for v in names}
     diffs = [(words, _paired(R, e, new, base)) for words, new, base in pairs]
-    return (f"{intro} ({option + '; ' if option else ''}encoder, 4-bit codes, {R.config(e)['steps']:,} steps, median over {len(diffs[0][1])} seeds): "
+    c = R.config(e)
+    return (f"{intro} ({option + '; ' if option else ''}encoder, {c.get('bits') or 8}-bit codes, {c['steps']:,} steps, "
+            f"lr {c['lr']:g}, median over {len(diffs[0][1])} seeds): "
             + ", ".join(f"{w} {pct(med[v])}" for v, w in names.items()) + "; paired by seed, "
             + "; ".join(f"{w} {pct(1 + statistics.fmean(d))} on the mean (better on {sum(x < 0 for x in d)} of {len(d)})"
                         for w, d in diffs) + ".")
 
 
-def _bf16_factors(R):
-    """The sentence on the column factors per square tile in bf16 under 4-bit codes
-    (gefen_ablation_factor16)."""
-    return _medians_and_pairs(
-        R, "gefen_ablation_factor16", "Column factors per square tile in bf16, rounded stochastically",
+_VECTORS4 = {"factored": "factored", "factored+vec_v": "the vectors' v shared", "factored+rows_v": "whole-row v"}
+# the sentences on the compact layout's options under 4-bit codes, one an ablation:
+# experiment -> (intro, {variant: words}, [(words, variant, base) paired by seed], the option's keyword)
+FOUR_BIT_SENTENCES = {
+    "gefen_ablation_factor16": (
+        "Column factors per square tile in bf16, rounded stochastically",
         {"factored": "factored", "factored+w16": "its factors in bf16",
          "factored+layout512": "compact (one column factor a matrix)", "factored+layout512_tiles": "compact with one a tile",
          "factored+layout512_w16": "the same in bf16"},
         [("bf16 against fp32 factors", "factored+w16", "factored"),
          ("compact with bf16 factors a tile against one a matrix", "factored+layout512_w16", "factored+layout512"),
          ("against fp32 factors a tile", "factored+layout512_w16", "factored+layout512_tiles")],
-        option="`factor_dtype`")
-
-
-def _four_bit_vectors(R):
-    """The sentence on the vectors' shared v and whole-row v under 4-bit codes (gefen_ablation_vectors4)."""
-    names = {"factored": "factored", "factored+vec_v": "the vectors' v shared", "factored+rows_v": "whole-row v"}
-    return _medians_and_pairs(R, "gefen_ablation_vectors4", "The compact layout's two v options, each alone", names,
-                              [(w, v, "factored") for v, w in names.items() if v != "factored"])
+        "`factor_dtype`"),
+    "gefen_ablation_vectors4": (
+        "The compact layout's two v options, each alone", _VECTORS4,
+        [(w, v, "factored") for v, w in _VECTORS4.items() if v != "factored"], ""),
+}
 
 
 def gefen_layout(R):
@@ -647,8 +691,8 @@ def gefen_layout(R):
               "section. Each option alone on the factor, paired with the factored by seed (mean; worse on): "
               + "; ".join(f"{words} {pct(1 + statistics.fmean(d))} ({sum(x > 0 for x in d)} of {len(d)})"
                           for words, d in ((w, _paired(R, x, v)) for x, v, w in LAYOUT_ALONE)) + ". "
-              + _four_bit_scales(R) + " " + _codebook_refresh(R) + " " + _bf16_factors(R) + " "
-              + _four_bit_vectors(R))
+              + " ".join([_four_bit_scales(R), _codebook_refresh(R),
+                          *(_medians_and_pairs(R, x, *spec) for x, spec in FOUR_BIT_SENTENCES.items())]))
     lo, hi = (f(per["8bit"][k] for k in wide) for f in (min, max))
     return Row("The factored state at Gefen-X's bytes or fewer (compact layout, ours)", verdict,
                f"8-bit {lo:.3f}–{hi:.3f} B/param at width ≥ {WIDE}, ≤ gefen-x's on "
