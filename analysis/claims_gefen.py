@@ -656,6 +656,15 @@ FOUR_BIT_SENTENCES = {
     "gefen_ablation_vectors4": (
         "The compact layout's two v options, each alone", _VECTORS4,
         [(w, v, "factored") for v, w in _VECTORS4.items() if v != "factored"], ""),
+    "gefen_ablation_scales4": (
+        "Row-group scales of at most 256 elements",
+        {"factored": "factored", "factored+layout512": "compact (512-element scales)",
+         "factored+scale_rows256": "256-element scales alone", "factored+layout256": "compact with 256",
+         "factored+layout256_w16": "the same, its column factor in bf16"},
+        [("256-element scales alone against the factored", "factored+scale_rows256", "factored"),
+         ("compact with 256 against 512", "factored+layout256", "factored+layout512"),
+         ("its factor in bf16 against fp32", "factored+layout256_w16", "factored+layout256")],
+        "`row_group_scales=256`"),
 }
 
 

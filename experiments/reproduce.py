@@ -46,7 +46,8 @@ EXPERIMENTS = {
                     "convergence_long_lr", "convergence_bf16"],
     "gefen_ablation": ["gefen_ablation", "gefen_ablation_arch", "gefen_ablation_long", "gefen_ablation_layout",
                        "gefen_ablation_column", "gefen_ablation_vectors", "gefen_ablation_4bit",
-                       "gefen_ablation_refresh", "gefen_ablation_factor16", "gefen_ablation_vectors4"],
+                       "gefen_ablation_refresh", "gefen_ablation_factor16", "gefen_ablation_vectors4",
+                       "gefen_ablation_scales4"],
     "hessian_alignment": ["hessian_alignment"],
     "codebook_dp": ["codebook"],
     "gefen_speed": ["gefen_speed"],
@@ -65,7 +66,7 @@ MORE_RUNS = {
                        ["--experiment", "gefen_ablation_layout"], ["--experiment", "gefen_ablation_column"],
                        ["--experiment", "gefen_ablation_vectors"], ["--experiment", "gefen_ablation_4bit"],
                        ["--experiment", "gefen_ablation_refresh"], ["--experiment", "gefen_ablation_factor16"],
-                       ["--experiment", "gefen_ablation_vectors4"]],
+                       ["--experiment", "gefen_ablation_vectors4"], ["--experiment", "gefen_ablation_scales4"]],
 }
 # arguments of MORE_RUNS that set a full run's size: a quick run leaves them out and gets its quick size
 FULL_SIZE_FLAGS = ("--size",)
@@ -94,6 +95,7 @@ FIGURE_OF = {"correctness": None, "dsa_fault_injection": None, "dsa_throughput":
              "gefen_ablation_column": "gefen_ablation_column", "gefen_ablation_vectors": "gefen_ablation_vectors",
              "gefen_ablation_4bit": "gefen_ablation_4bit", "gefen_ablation_refresh": "gefen_ablation_refresh",
              "gefen_ablation_factor16": "gefen_ablation_factor16", "gefen_ablation_vectors4": "gefen_ablation_vectors4",
+             "gefen_ablation_scales4": "gefen_ablation_scales4",
              "hessian_alignment": "hessian_alignment",
              "convergence": "convergence", "convergence_bf16": "convergence_bf16",
              "convergence_encoder": "convergence_encoder", "convergence_llama": "convergence_llama",

@@ -516,7 +516,10 @@ def test_gefen_ablation_arch_runs_each_architecture_at_its_lr(tmp_path, monkeypa
                                  "factored+layout512_w16"},
      ["4-bit codes", "the column factors in bf16", "a bf16 column factor per tile"]),
     ("gefen_ablation_vectors4", {"factored+vec_v", "factored+rows_v"},
-     ["4-bit codes", "the vectors' v shared", "v over whole rows where the rule finds no block"])])
+     ["4-bit codes", "the vectors' v shared", "v over whole rows where the rule finds no block"]),
+    ("gefen_ablation_scales4", {"factored+layout512", "factored+scale_rows256", "factored+layout256",
+                                "factored+layout256_w16"},
+     ["4-bit codes", "group of rows of at most 256 elements", "the 256-element layout, its column factor in bf16"])])
 def test_gefen_ablation_on_the_factor_runs_the_factor_and_its_changes_only(tmp_path, monkeypatch, experiment,
                                                                           changes, words):
     """``--experiment gefen_ablation_long`` / ``gefen_ablation_layout`` ``--tiny``: the tiny size in the
