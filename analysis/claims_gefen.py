@@ -293,7 +293,7 @@ def gefen_long(R):
                f"8-bit {pct(long[0])} ({R.config(short)['steps']:,} steps: {pct(before[0])}), 4-bit {pct(long[1])} "
                f"({pct(before[1])}) vs AdamW",
                fig(e), cmd(f"python experiments/convergence.py --experiment {e}"),
-               _long_detail(R, e, short, best, seeds) + _compact(R, e, ("dropin/",)))
+               _long_detail(R, e, short, best, seeds) + _compact(R, e, ("dropin/",)) + _long_best(R))
 
 
 def _seed_change(R, e, short, variant, seeds):
@@ -666,6 +666,18 @@ FOUR_BIT_SENTENCES = {
          ("its factor in bf16 against fp32", "factored+layout256_w16", "factored+layout256")],
         "`row_group_scales=256`"),
 }
+
+
+def _long_best(R):
+    """The sentence on the factored 8-bit at 3,000 steps and AdamW's best lr there
+    (gefen_ablation_long_best): the factor alone, its first moment in fp32, the codebook learned
+    again, the compact layout, gefen-x."""
+    names = {"factored": "factored 8-bit", "factored+fp32_m": "its first moment in fp32",
+             "factored+refresh": f"the codebook learned again every {REFRESH_EVERY} steps",
+             "factored+layout": "compact", "gefen-x": "gefen-x"}
+    return " " + _medians_and_pairs(
+        R, "gefen_ablation_long_best", "The same length at AdamW's best lr there, with one change each", names,
+        [(f"{w} against the factored", v, "factored") for v, w in names.items() if v != "factored"])
 
 
 def gefen_layout(R):

@@ -503,6 +503,9 @@ def test_gefen_ablation_arch_runs_each_architecture_at_its_lr(tmp_path, monkeypa
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("experiment, changes, words", [
     ("gefen_ablation_long", {"factored+sr_m"}, ["codes rounded stochastically"]),
+    ("gefen_ablation_long_best", {"factored+fp32_m", "factored+refresh", "factored+layout"},
+     ["the first moment in fp32", "the codebook learned again every 100 steps",
+      "row-group scales and one column factor per matrix"]),
     ("gefen_ablation_layout", {"factored+layout", "factored+scale_rows"},
      ["row-group scales and one column factor per matrix", "one first-moment scale per group of rows"]),
     ("gefen_ablation_column", {"factored+whole_w"}, ["one column factor per matrix"]),
@@ -533,7 +536,8 @@ def test_gefen_ablation_on_the_factor_runs_the_factor_and_its_changes_only(tmp_p
     rows = _rows(tmp_path / f"{experiment}.csv", experiment)
     assert {r["variant"] for r in rows} == {"AdamW", "factored", *changes}
     config = json.loads((tmp_path / f"{experiment}.config.json").read_text())["config"]
-    assert config["arch"] == "encoder" and config["lr"] == SETTINGS[experiment]["lr"] == 4e-3
+    lr = 8e-3 if experiment.endswith("_best") else 4e-3  # AdamW's best at 3,000 steps, else at 1,000
+    assert config["arch"] == "encoder" and config["lr"] == SETTINGS[experiment]["lr"] == lr
     out = tmp_path / f"{experiment}.png"
     _analysis(experiment, tmp_path, out)
     _assert_png(out)
