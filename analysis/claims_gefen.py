@@ -293,7 +293,7 @@ def gefen_long(R):
                f"8-bit {pct(long[0])} ({R.config(short)['steps']:,} steps: {pct(before[0])}), 4-bit {pct(long[1])} "
                f"({pct(before[1])}) vs AdamW",
                fig(e), cmd(f"python experiments/convergence.py --experiment {e}"),
-               _long_detail(R, e, short, best, seeds) + _compact(R, e, ("dropin/",)) + _long_best(R))
+               " ".join([_long_detail(R, e, short, best, seeds) + _compact(R, e, ("dropin/",)), _long_best(R)]))
 
 
 def _seed_change(R, e, short, variant, seeds):
@@ -355,6 +355,7 @@ def _long_detail(R, e, short, best, seeds):
     fixed_lr = R.config(e)["lrs"][0]
     near = sweep[fixed_lr] / sweep[top] - 1 if fixed_lr in sweep and top in sweep else math.nan
     steps = (R.config(e)["steps"], R.config(short)["steps"])
+    words = ("factored 8-bit", "4-bit", "gefen-x")  # of names
     return (f"The encoder {steps[0] // steps[1]}× as long, {len(seeds)} seeds, drop-in protocol, twice: at AdamW's best "
             f"lr of {' / '.join(f'{x:g}' for x in grid)} ({top:g}" + (", the grid's top" if top == max(grid) else "")
             + f"; {fixed_lr:g} within {near:.2%}), and at the {steps[1]:,}-step run's lr, {fixed_lr:g}, held fixed, so "
@@ -369,12 +370,12 @@ def _long_detail(R, e, short, best, seeds):
             f"{points(now[names[2]], then[names[2]])}; the means at {fixed_lr:g} are {pct(mean(e, names[2]))} (gefen-x) "
             f"and {pct(mean(e, names[0]))} (factored 8-bit), within {len(seeds)} seeds' spread. Paired by seed, the "
             f"change from {steps[1]:,} to {steps[0]:,} steps (mean ± standard error, points): "
-            + ", ".join(f"{w} {signed(m)} ± {se:.2f}" for w, (m, se) in
-                        zip(("factored 8-bit", "4-bit", "gefen-x"), (_seed_change(R, e, short, v, seeds) for v in names)))
-            + f". Averaged over each run's last {TAIL} evaluations ({R.config(e)['eval_every']} steps apart) instead of the "
-            f"final one, the medians are " + ", ".join(
+            + ", ".join(f"{w} {signed(m)} ± {se:.2f}"
+                        for w, (m, se) in zip(words, (_seed_change(R, e, short, v, seeds) for v in names)))
+            + f". Averaged over each run's last {TAIL} evaluations ({R.config(e)['eval_every']} steps apart) "
+            "instead of the final one, the medians are " + ", ".join(
                 f"{w} {pct(_tail_ratio(R, e, v, seeds))} (from {pct(_tail_ratio(R, short, v, seeds))})"
-                for w, v in zip(("factored 8-bit", "4-bit", "gefen-x"), names)) + ". State "
+                for w, v in zip(words, names)) + ". State "
             f"{_state(R, e, names[0]):.3f} / {_state(R, e, names[1]):.3f} B/param (gefen-x {_state(R, e, names[2]):.3f}).")
 
 
@@ -675,7 +676,7 @@ def _long_best(R):
     names = {"factored": "factored 8-bit", "factored+fp32_m": "its first moment in fp32",
              "factored+refresh": f"the codebook learned again every {REFRESH_EVERY} steps",
              "factored+layout": "compact", "gefen-x": "gefen-x"}
-    return " " + _medians_and_pairs(
+    return _medians_and_pairs(
         R, "gefen_ablation_long_best", "The same length at AdamW's best lr there, with one change each", names,
         [(f"{w} against the factored", v, "factored") for v, w in names.items() if v != "factored"])
 

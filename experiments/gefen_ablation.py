@@ -75,7 +75,8 @@ factor with its first moment's codes rounded stochastically (``sr_m``, no kind o
 ``first_moment_rounding="stochastic"`` on every tensor), to see whether that holds a gap that grows
 with training; ``--experiment gefen_ablation_long_best`` (``LONG_BEST_ABLATION``) makes them at
 AdamW's best lr at 3,000 steps (8e-3, convergence_long's) with the factor alone, the first moment in
-fp32 (``fp32_m``), the codebook learned again (``refresh``) and ``layout`` (below), each on the factor. ``--experiment gefen_ablation_layout`` (``LAYOUT_ABLATION``) makes the same runs with
+fp32 (``fp32_m``), the codebook learned again (``refresh``) and ``layout`` (below), each on the
+factor. ``--experiment gefen_ablation_layout`` (``LAYOUT_ABLATION``) makes the same runs with
 the layout options that cut the factored state's bytes on top of the factor (gefen-x at these
 settings is in gefen_ablation_long's file, whose seeds these are): ``layout``, all four together,
 and ``scale_rows`` alone, the one that coarsens the first moment's quantisation. The options (each
@@ -196,7 +197,8 @@ CHANGES = {FIRST_MOMENT: dict(quantize_first_moment=False), CODE_ROUNDING: dict(
            f"{LAYOUT_SHORT}_{REFRESH}": dict(COMPACT_4BIT, codebook_refresh_every=REFRESH_EVERY),
            FACTOR16: dict(factor_dtype="bfloat16"), LAYOUT_TILES: dict(COMPACT_4BIT, whole_matrix_factor=False),
            LAYOUT_W16: dict(COMPACT_4BIT, whole_matrix_factor=False, factor_dtype="bfloat16"),
-           ROW_SCALES_FINE: dict(row_group_scales=FINE_GROUP), LAYOUT_FINE: dict(COMPACT_4BIT, row_group_scales=FINE_GROUP),
+           ROW_SCALES_FINE: dict(row_group_scales=FINE_GROUP),
+           LAYOUT_FINE: dict(COMPACT_4BIT, row_group_scales=FINE_GROUP),
            LAYOUT_FINE_W16: dict(COMPACT_4BIT, row_group_scales=FINE_GROUP, factor_dtype="bfloat16")}
 # options of CHANGES that are one per optimizer: the constructor's, in no group
 OPTIMIZER_WIDE = ("codebook_refresh_every",)
@@ -219,8 +221,8 @@ LONG_ABLATION = dict(sizes=["encoder"], steps=3000, seeds=5, peers=["gefen-x"], 
 # the same at AdamW's best lr at 3,000 steps (convergence_long's), with the first moment in fp32, the
 # codebook learned again every REFRESH_EVERY steps (a codebook learned at step 1 may fit later steps' m less
 # well) and the compact layout (Gefen-X's bytes or fewer), each on the factor
-LONG_BEST_ABLATION = dict(LONG_ABLATION, lr=8e-3, variants=[FACTORED, *(f"{FACTORED}+{v}" for v in (FIRST_MOMENT, REFRESH,
-                                                                                                  LAYOUT))])
+LONG_BEST_ABLATION = dict(LONG_ABLATION, lr=8e-3,
+                          variants=[FACTORED, *(f"{FACTORED}+{v}" for v in (FIRST_MOMENT, REFRESH, LAYOUT))])
 # the options that cut the factored state's bytes, for loss: LONG_ABLATION's runs, the four together and
 # the one that coarsens the first moment's quantisation on its own
 LAYOUT_ABLATION = dict(LONG_ABLATION, peers=[], variants=[FACTORED, f"{FACTORED}+{LAYOUT}", f"{FACTORED}+{ROW_SCALES}"])
@@ -245,8 +247,8 @@ FACTOR16_ABLATION = dict(FOUR_BIT_ABLATION, variants=[FACTORED, *(f"{FACTORED}+{
 VECTORS4_ABLATION = dict(FOUR_BIT_ABLATION, variants=[FACTORED, f"{FACTORED}+{VECTOR_BLOCKS}", f"{FACTORED}+{ROW_BLOCKS}"])
 # row-group scales of FINE_GROUP elements under 4-bit codes, alone and in the layout, with the layout's
 # factor in fp32 and in bf16 (the bf16 factor pays for the finer scales' bytes): FOUR_BIT_ABLATION's runs
-SCALES4_ABLATION = dict(FOUR_BIT_ABLATION, variants=[FACTORED, *(f"{FACTORED}+{v}" for v in (LAYOUT_SHORT, ROW_SCALES_FINE,
-                                                                                           LAYOUT_FINE, LAYOUT_FINE_W16))])
+SCALES4_ABLATION = dict(FOUR_BIT_ABLATION, variants=[
+    FACTORED, *(f"{FACTORED}+{v}" for v in (LAYOUT_SHORT, ROW_SCALES_FINE, LAYOUT_FINE, LAYOUT_FINE_W16))])
 EXPERIMENTS = ("gefen_ablation", "gefen_ablation_arch", "gefen_ablation_long", "gefen_ablation_layout",
                "gefen_ablation_column", "gefen_ablation_vectors", "gefen_ablation_4bit", "gefen_ablation_refresh",
                "gefen_ablation_factor16", "gefen_ablation_vectors4", "gefen_ablation_scales4",
@@ -334,7 +336,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(parser)
     parser.add_argument("--experiment", default=EXPERIMENTS[0], choices=EXPERIMENTS,
-                        help="results file name; every name but gefen_ablation runs its SETTINGS' defaults (module docstring)")
+                        help="results file name; every name but gefen_ablation runs its SETTINGS' defaults "
+                             "(module docstring)")
     parser.add_argument("--tiny", action="store_true", help="test size (seconds)")
     kinds = [*PATTERNS["gpt"], *CHANGES]
     parser.add_argument("--variants", nargs="+", default=None,
