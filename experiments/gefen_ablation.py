@@ -37,6 +37,9 @@
     # the encoder at 3,000 steps and AdamW's best lr there (8e-3): the first moment in fp32, the refresh, the layout
     python experiments/gefen_ablation.py --experiment gefen_ablation_long_best   # -> results/gefen_ablation_long_best.csv
     python analysis/gefen_ablation_long_best.py
+    # 4-bit codes: the codebook learned again every 100 steps on the factor, on all five convergence models
+    python experiments/gefen_ablation.py --experiment gefen_ablation_refresh_models   # -> its CSV
+    python analysis/gefen_ablation_refresh_models.py
 
 Each variant is 8-bit Gefen (registry name Gefen-8bit) with ``share_second_moment=False`` (a
 per-element v, as block length 1) on the named group of tensors only, through a second parameter
@@ -64,7 +67,7 @@ the first configuration carry the variant name, those of the others ``<model lab
 
 ``--experiment gefen_ablation_arch`` (``ARCH_ABLATION``) ablates the factor on the ``encoder`` and
 ``llama`` configurations of convergence.py's architecture experiments, each at AdamW's best lr of
-that experiment's grid (``ARCH_LR``, the drop-in protocol), with gefen-x as a peer: Gefen as
+that experiment's grid (``DROPIN_LR``, the drop-in protocol), with gefen-x as a peer: Gefen as
 published, v per element everywhere, the factor, and the factor with each kind of matrix per element
 or the first moment in fp32 (vectors keep v per element under the factor already). With ``--quick``
 or ``--tiny`` it runs that size in each architecture.
@@ -106,7 +109,10 @@ bytes of one a matrix or fewer at widths of 128 and more); ``--experiment gefen_
 ``--experiment gefen_ablation_scales4`` (``SCALES4_ABLATION``) makes them with ``layout512``,
 ``scale_rows256``, ``layout256`` (``layout512`` with groups of at most 256 elements) and
 ``layout256_w16`` (the same with its one column factor a matrix in bf16, at fewer bytes than
-``layout512`` at widths of 128 and more).
+``layout512`` at widths of 128 and more). ``--experiment gefen_ablation_refresh_models``
+(``REFRESH_MODELS_ABLATION``) makes the factor with and without ``refresh`` under 4-bit codes on each
+of convergence.py's five configurations (116k, 1.27M, 429k prose, encoder, Llama-style), at its own
+steps and AdamW's best lr there (``DROPIN_LR``), 5 seeds each.
 
 Rows: ``val_loss`` per variant (and AdamW) and seed, ``val_loss_vs_adamw`` (paired by seed), its
 ``_mean`` and ``_std``, and ``delta_vs_shared`` (the paired difference of ratios against ``none``),
@@ -209,8 +215,9 @@ PEERS = ("gefen-x",)  # other optimizers that may train beside AdamW (registry n
 QUICK_VARIANTS = ["none", "all", "attn_qkv", "embedding", FACTORED]
 FULL_SIZES = ["full", "docstrings"]
 ON_FACTORED = {"docstrings"}  # sizes whose full run also ablates on top of the factored second moment
-# AdamW's best lr on the grid of convergence.py's --experiment convergence_<arch> (the committed runs)
-ARCH_LR = {"encoder": 4e-3, "llama": 2e-3}
+# AdamW's best lr on the grid of each configuration's convergence run (the committed runs of convergence.py,
+# --experiment convergence_<arch> for the encoder and Llama-style models): the drop-in protocol's lr
+DROPIN_LR = {"full": 3e-3, "large": 1e-3, "docstrings": 3e-3, "encoder": 4e-3, "llama": 2e-3}
 ARCH_ABLATION = dict(sizes=["encoder", "llama"], seeds=3, peers=["gefen-x"], on_factored=True,
                      variants=["none", "all", FACTORED, "embedding", "lm_head", "attn_qkv", "attn_out", "mlp_in",
                                "mlp_out", FIRST_MOMENT])
@@ -243,6 +250,10 @@ REFRESH_ABLATION = dict(FOUR_BIT_ABLATION, variants=[FACTORED, f"{FACTORED}+{REF
 # the column factor per square tile under 4-bit codes and the layout, in fp32 and in bf16: FOUR_BIT_ABLATION's runs
 FACTOR16_ABLATION = dict(FOUR_BIT_ABLATION, variants=[FACTORED, *(f"{FACTORED}+{v}" for v in (FACTOR16, LAYOUT_SHORT,
                                                                                             LAYOUT_TILES, LAYOUT_W16))])
+# the codebook learned again under 4-bit codes on the factor, on every convergence configuration at its
+# own steps and AdamW's best lr there (DROPIN_LR): does REFRESH_ABLATION's gain on the encoder hold elsewhere
+REFRESH_MODELS_ABLATION = dict(sizes=list(DROPIN_LR), seeds=5, peers=[], bits=4,
+                               variants=[FACTORED, f"{FACTORED}+{REFRESH}"])
 # the two options that share v where the factor keeps it per element, each alone under 4-bit codes
 VECTORS4_ABLATION = dict(FOUR_BIT_ABLATION, variants=[FACTORED, f"{FACTORED}+{VECTOR_BLOCKS}", f"{FACTORED}+{ROW_BLOCKS}"])
 # row-group scales of FINE_GROUP elements under 4-bit codes, alone and in the layout, with the layout's
@@ -252,13 +263,13 @@ SCALES4_ABLATION = dict(FOUR_BIT_ABLATION, variants=[
 EXPERIMENTS = ("gefen_ablation", "gefen_ablation_arch", "gefen_ablation_long", "gefen_ablation_layout",
                "gefen_ablation_column", "gefen_ablation_vectors", "gefen_ablation_4bit", "gefen_ablation_refresh",
                "gefen_ablation_factor16", "gefen_ablation_vectors4", "gefen_ablation_scales4",
-               "gefen_ablation_long_best")
+               "gefen_ablation_long_best", "gefen_ablation_refresh_models")
 SETTINGS = {"gefen_ablation_arch": ARCH_ABLATION, "gefen_ablation_long": LONG_ABLATION,
             "gefen_ablation_layout": LAYOUT_ABLATION, "gefen_ablation_column": COLUMN_ABLATION,
             "gefen_ablation_vectors": VECTOR_ABLATION, "gefen_ablation_4bit": FOUR_BIT_ABLATION,
             "gefen_ablation_refresh": REFRESH_ABLATION, "gefen_ablation_factor16": FACTOR16_ABLATION,
             "gefen_ablation_vectors4": VECTORS4_ABLATION, "gefen_ablation_scales4": SCALES4_ABLATION,
-            "gefen_ablation_long_best": LONG_BEST_ABLATION}
+            "gefen_ablation_long_best": LONG_BEST_ABLATION, "gefen_ablation_refresh_models": REFRESH_MODELS_ABLATION}
 ON_TOP_ONLY = tuple(SETTINGS)[1:]  # the factor and changes on top of it, nothing else
 
 
@@ -347,7 +358,7 @@ def main(argv=None):
     parser.add_argument("--seeds", type=int, default=None, help="default: the size's seeds (3 full, 1 quick)")
     parser.add_argument("--steps", type=int, default=None, help="default: the size's steps")
     parser.add_argument("--lr", type=float, default=None,
-                        help="peak learning rate of every run (default 3e-3; gefen_ablation_arch: ARCH_LR per size)")
+                        help="peak learning rate of every run (default 3e-3; an experiment's: DROPIN_LR per size)")
     parser.add_argument("--peers", nargs="*", default=None, choices=PEERS,
                         help="optimizers trained beside AdamW at the same lr (default: none; gefen_ablation_arch: "
                              "gefen-x)")
@@ -373,18 +384,23 @@ def main(argv=None):
     args.peers = args.peers or []
     args.bits = args.bits or 8
     size_names = args.sizes or (settings["sizes"] if arch else FULL_SIZES if full else [small])
+    if arch and not full and args.sizes is None:  # the test or quick size once in each architecture
+        first = {}
+        for name in size_names:
+            first.setdefault(CHAR_LM[name].get("arch", "gpt"), name)
+        size_names = list(first.values())
     jobs = args.jobs or (2 if full else 1)
     configs = []
     for k, name in enumerate(size_names):
         size = dict(CHAR_LM[name])
         if arch and not full and args.sizes is None:  # the test or quick size in that architecture
-            size = dict(CHAR_LM[small], arch=size["arch"])
+            size = dict(CHAR_LM[small], arch=size.get("arch", "gpt"))
         size["steps"] = args.steps or size["steps"]
         cfg, corpus, n_params = char_lm_problem(size)
         label = char_lm_label(size)
         seeds = list(range(args.seed, args.seed + (args.seeds or size["seeds"])))
         variants = variants_of(name, args)
-        lr = args.lr or (ARCH_LR.get(name, 3e-3) if arch else 3e-3)
+        lr = args.lr or (DROPIN_LR.get(name, 3e-3) if arch else 3e-3)
         configs.append((size, dict(size, size=name, label=label, prefix="" if k == 0 else label + "/", seeds=seeds,
                                    variants=variants, model=vars(cfg), params=n_params, lr=lr,
                                    patterns={v: PATTERNS[size.get("arch", "gpt")].get(v.removeprefix(f"{FACTORED}+"))

@@ -478,9 +478,9 @@ def test_gefen_ablation_fp32_m_keeps_the_first_moment_in_fp32_on_every_tensor():
 @pytest.mark.timeout(300)
 def test_gefen_ablation_arch_runs_each_architecture_at_its_lr(tmp_path, monkeypatch):
     """``--experiment gefen_ablation_arch --tiny``: the tiny size in the encoder and the Llama-style
-    architecture, each at ``ARCH_LR`` of its full size, only variants on top of the factor (and the
+    architecture, each at ``DROPIN_LR`` of its full size, only variants on top of the factor (and the
     published Gefen as the base), its own results file and analysis."""
-    from experiments.gefen_ablation import ARCH_ABLATION, ARCH_LR
+    from experiments.gefen_ablation import ARCH_ABLATION, DROPIN_LR
 
     _main("experiments.gefen_ablation", ["--experiment", "gefen_ablation_arch", "--tiny", "--peers", "--seeds", 1,
                                          "--variants", "attn_qkv", "factored+fp32_m", "--results-dir", tmp_path,
@@ -491,13 +491,28 @@ def test_gefen_ablation_arch_runs_each_architecture_at_its_lr(tmp_path, monkeypa
     assert label.startswith("char-llama-")
     assert variants == {p + v for p in ("", label + "/") for v in ("AdamW", "none", "factored+attn_qkv", "factored+fp32_m")}
     config = json.loads((tmp_path / "gefen_ablation_arch.config.json").read_text())["config"]
-    assert config["arch"] == "encoder" and config["lr"] == ARCH_LR[ARCH_ABLATION["sizes"][0]]
-    assert config["extra"][label]["arch"] == "llama" and config["extra"][label]["lr"] == ARCH_LR["llama"]
+    assert config["arch"] == "encoder" and config["lr"] == DROPIN_LR[ARCH_ABLATION["sizes"][0]]
+    assert config["extra"][label]["arch"] == "llama" and config["extra"][label]["lr"] == DROPIN_LR["llama"]
     out = tmp_path / "gefen_ablation_arch.png"
     _analysis("gefen_ablation_arch", tmp_path, out)
     _assert_png(out)
     text = (tmp_path / "README.md").read_text()
     assert "By the median over seeds" in text and "factored, and the first moment in fp32" in text
+
+
+@pytest.mark.parametrize("size, experiment, first", [("full", "convergence", True), ("large", "convergence", False),
+                                                    ("docstrings", "convergence", False),
+                                                    ("encoder", "convergence_encoder", True),
+                                                    ("llama", "convergence_llama", True)])
+def test_dropin_lr_is_adamw_best_in_the_committed_convergence_run(size, experiment, first):
+    """The ablations' drop-in lr of a configuration is AdamW's best lr in its committed convergence run
+    (first configuration of a file unprefixed, the others under their model label)."""
+    from experiments.gefen_ablation import DROPIN_LR
+    from experiments.train import CHAR_LM, char_lm_label
+
+    variant = "AdamW" if first else f"{char_lm_label(CHAR_LM[size])}/AdamW"
+    best = {r["value"] for r in read_results(experiment) if r["metric"] == "best_lr" and r["variant"] == variant}
+    assert best == {DROPIN_LR[size]}, (size, best)
 
 
 @pytest.mark.timeout(300)
