@@ -40,6 +40,9 @@
     # 4-bit codes: the codebook learned again every 100 steps on the factor, on all five convergence models
     python experiments/gefen_ablation.py --experiment gefen_ablation_refresh_models   # -> its CSV
     python analysis/gefen_ablation_refresh_models.py
+    # 4-bit codes: the layout of Gefen-4bit-compact with one of its four options left out at a time
+    python experiments/gefen_ablation.py --experiment gefen_ablation_leave_out4   # -> its CSV
+    python analysis/gefen_ablation_leave_out4.py
 
 Each variant is 8-bit Gefen (registry name Gefen-8bit) with ``share_second_moment=False`` (a
 per-element v, as block length 1) on the named group of tensors only, through a second parameter
@@ -112,7 +115,10 @@ bytes of one a matrix or fewer at widths of 128 and more); ``--experiment gefen_
 ``layout512`` at widths of 128 and more). ``--experiment gefen_ablation_refresh_models``
 (``REFRESH_MODELS_ABLATION``) makes the factor with and without ``refresh`` under 4-bit codes on each
 of convergence.py's five configurations (116k, 1.27M, 429k prose, encoder, Llama-style), at its own
-steps and AdamW's best lr there (``DROPIN_LR``), 5 seeds each.
+steps and AdamW's best lr there (``DROPIN_LR``), 5 seeds each. ``layout512_no_<option>`` is
+``layout512`` with one of its options (``vec_v``, ``rows_v``, ``scale_rows``, ``whole_w``) left out;
+``--experiment gefen_ablation_leave_out4`` (``LEAVE_OUT4_ABLATION``) makes FOUR_BIT_ABLATION's runs
+with the factor, ``layout512`` and each of the four.
 
 Rows: ``val_loss`` per variant (and AdamW) and seed, ``val_loss_vs_adamw`` (paired by seed), its
 ``_mean`` and ``_std``, and ``delta_vs_shared`` (the paired difference of ratios against ``none``),
@@ -193,6 +199,12 @@ FINE_GROUP = 256  # elements: finer row-group scales than SHORT_GROUP, paid for 
 ROW_SCALES_FINE = f"scale_rows{FINE_GROUP}"  # row-group scales of at most FINE_GROUP elements
 LAYOUT_FINE = f"layout{FINE_GROUP}"  # the 4-bit layout with those scales
 LAYOUT_FINE_W16 = f"{LAYOUT_FINE}_{FACTOR16}"  # the same with its one column factor a matrix in bf16
+# the layout's four options by variant, as Gefen's keywords
+LAYOUT_OPTIONS = {VECTOR_BLOCKS: "share_vector_second_moment", ROW_BLOCKS: "share_matrix_rows",
+                  ROW_SCALES: "row_group_scales", WHOLE_FACTOR: "whole_matrix_factor"}
+# the 4-bit layout with one option left out (the other three together): <LAYOUT_SHORT>_no_<option>
+LAYOUT_WITHOUT = {f"{LAYOUT_SHORT}_no_{v}": {k: x for k, x in COMPACT_4BIT.items() if k != key}
+                  for v, key in LAYOUT_OPTIONS.items()}
 # variants that are no kind of tensor: a Gefen option on every tensor
 CHANGES = {FIRST_MOMENT: dict(quantize_first_moment=False), CODE_ROUNDING: dict(first_moment_rounding="stochastic"),
            VECTOR_BLOCKS: dict(share_vector_second_moment=True), ROW_BLOCKS: dict(share_matrix_rows=True),
@@ -205,12 +217,14 @@ CHANGES = {FIRST_MOMENT: dict(quantize_first_moment=False), CODE_ROUNDING: dict(
            LAYOUT_W16: dict(COMPACT_4BIT, whole_matrix_factor=False, factor_dtype="bfloat16"),
            ROW_SCALES_FINE: dict(row_group_scales=FINE_GROUP),
            LAYOUT_FINE: dict(COMPACT_4BIT, row_group_scales=FINE_GROUP),
-           LAYOUT_FINE_W16: dict(COMPACT_4BIT, row_group_scales=FINE_GROUP, factor_dtype="bfloat16")}
+           LAYOUT_FINE_W16: dict(COMPACT_4BIT, row_group_scales=FINE_GROUP, factor_dtype="bfloat16"),
+           **LAYOUT_WITHOUT}
 # options of CHANGES that are one per optimizer: the constructor's, in no group
 OPTIMIZER_WIDE = ("codebook_refresh_every",)
 UNDER_FACTOR = (VECTOR_BLOCKS, ROW_BLOCKS, ROW_SCALES, WHOLE_FACTOR, LAYOUT, ROW_SCALES_SHORT,
                 LAYOUT_SHORT, f"{LAYOUT}_{REFRESH}", f"{LAYOUT_SHORT}_{REFRESH}", FACTOR16, LAYOUT_TILES,
-                LAYOUT_W16, ROW_SCALES_FINE, LAYOUT_FINE, LAYOUT_FINE_W16)  # changes that act under the factor only
+                LAYOUT_W16, ROW_SCALES_FINE, LAYOUT_FINE, LAYOUT_FINE_W16,
+                *LAYOUT_WITHOUT)  # changes that act under the factor only
 PEERS = ("gefen-x",)  # other optimizers that may train beside AdamW (registry names)
 QUICK_VARIANTS = ["none", "all", "attn_qkv", "embedding", FACTORED]
 FULL_SIZES = ["full", "docstrings"]
@@ -250,6 +264,10 @@ REFRESH_ABLATION = dict(FOUR_BIT_ABLATION, variants=[FACTORED, f"{FACTORED}+{REF
 # the column factor per square tile under 4-bit codes and the layout, in fp32 and in bf16: FOUR_BIT_ABLATION's runs
 FACTOR16_ABLATION = dict(FOUR_BIT_ABLATION, variants=[FACTORED, *(f"{FACTORED}+{v}" for v in (FACTOR16, LAYOUT_SHORT,
                                                                                             LAYOUT_TILES, LAYOUT_W16))])
+# which options of the 4-bit layout together carry its gap over the factor, where each alone is level with it:
+# the layout with one option left out at a time, FOUR_BIT_ABLATION's runs
+LEAVE_OUT4_ABLATION = dict(FOUR_BIT_ABLATION, variants=[FACTORED, f"{FACTORED}+{LAYOUT_SHORT}",
+                                                        *(f"{FACTORED}+{v}" for v in LAYOUT_WITHOUT)])
 # the codebook learned again under 4-bit codes on the factor, on every convergence configuration at its
 # own steps and AdamW's best lr there (DROPIN_LR): does REFRESH_ABLATION's gain on the encoder hold elsewhere
 REFRESH_MODELS_ABLATION = dict(sizes=list(DROPIN_LR), seeds=5, peers=[], bits=4,
@@ -263,13 +281,14 @@ SCALES4_ABLATION = dict(FOUR_BIT_ABLATION, variants=[
 EXPERIMENTS = ("gefen_ablation", "gefen_ablation_arch", "gefen_ablation_long", "gefen_ablation_layout",
                "gefen_ablation_column", "gefen_ablation_vectors", "gefen_ablation_4bit", "gefen_ablation_refresh",
                "gefen_ablation_factor16", "gefen_ablation_vectors4", "gefen_ablation_scales4",
-               "gefen_ablation_long_best", "gefen_ablation_refresh_models")
+               "gefen_ablation_long_best", "gefen_ablation_refresh_models", "gefen_ablation_leave_out4")
 SETTINGS = {"gefen_ablation_arch": ARCH_ABLATION, "gefen_ablation_long": LONG_ABLATION,
             "gefen_ablation_layout": LAYOUT_ABLATION, "gefen_ablation_column": COLUMN_ABLATION,
             "gefen_ablation_vectors": VECTOR_ABLATION, "gefen_ablation_4bit": FOUR_BIT_ABLATION,
             "gefen_ablation_refresh": REFRESH_ABLATION, "gefen_ablation_factor16": FACTOR16_ABLATION,
             "gefen_ablation_vectors4": VECTORS4_ABLATION, "gefen_ablation_scales4": SCALES4_ABLATION,
-            "gefen_ablation_long_best": LONG_BEST_ABLATION, "gefen_ablation_refresh_models": REFRESH_MODELS_ABLATION}
+            "gefen_ablation_long_best": LONG_BEST_ABLATION, "gefen_ablation_refresh_models": REFRESH_MODELS_ABLATION,
+            "gefen_ablation_leave_out4": LEAVE_OUT4_ABLATION}
 ON_TOP_ONLY = tuple(SETTINGS)[1:]  # the factor and changes on top of it, nothing else
 
 
