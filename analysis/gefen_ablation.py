@@ -39,13 +39,20 @@ CHANGES = {"fp32_m": "the first moment in fp32", "sr_m": "the first moment's cod
            "layout512_w16": "the 512-element layout, a bf16 column factor per tile",
            "scale_rows256": "one first-moment scale per group of rows of at most 256 elements",
            "layout256": "the four layout options with scale groups of at most 256 elements",
-           "layout256_w16": "the 256-element layout, its column factor in bf16"}
+           "layout256_w16": "the 256-element layout, its column factor in bf16",
+           **{f"layout512_no_{k}": f"the 512-element layout without {w}"
+              for k, w in (("vec_v", "the vectors' shared v"), ("rows_v", "whole-row v"),
+                           ("scale_rows", "row-group scales (one scale a row)"),
+                           ("whole_w", "one column factor a matrix (one a tile)"))}}
+# optimizers trained beside AdamW as they are (registry names), not variants
+PEER_LABELS = {"gefen-x": "(peer) gefen-x 0.5.0 at its defaults, same lr",
+               "Gefen-4bit-factored": "(beside) Gefen-4bit-factored, same lr"}
 LABELS = {"none": "nothing (Gefen as published)", "all": "every tensor", "embedding": "the embeddings",
           "vectors": "the vectors (norm gains, biases)",
           "factored": "nothing, the second moment factored",
-          "gefen-x": "(peer) gefen-x 0.5.0 at its defaults, same lr",
+          **PEER_LABELS,
           **{k: f"nothing, {text}" for k, text in CHANGES.items()}}
-NOT_KINDS = ("none", "all", "factored", "gefen-x", *CHANGES)  # variants that are no kind of tensor
+NOT_KINDS = ("none", "all", "factored", *PEER_LABELS, *CHANGES)  # variants that are no kind of tensor
 TARGET = 1.03
 ARCH_TEXT = {"gpt": "character GPT", "encoder": "character LM of PyTorch's pre-norm `nn.TransformerEncoderLayer`",
              "llama": "Llama-style character LM"}
@@ -89,7 +96,7 @@ def _figure_finding(data, prefixes, config):
     """The title: the variant nearest AdamW's loss in each configuration (mean ratio)."""
     parts = []
     for prefix, d in zip(prefixes, data):
-        kinds = {n: v[0] for n, v in d.items() if n != "gefen-x" and math.isfinite(v[0])}
+        kinds = {n: v[0] for n, v in d.items() if n not in PEER_LABELS and math.isfinite(v[0])}
         if kinds:
             best = min(kinds, key=kinds.get)
             parts.append(f"{prefix.rstrip('/') or _main_label(config)}: nearest AdamW's loss with "
@@ -98,8 +105,8 @@ def _figure_finding(data, prefixes, config):
 
 
 def _color(name):
-    """Grey for the peer, orange on top of the factor, blue on the published Gefen."""
-    return "tab:gray" if name == "gefen-x" else "tab:orange" if name.startswith("factored") else "tab:blue"
+    """Grey for a peer, orange on top of the factor, blue on the published Gefen."""
+    return "tab:gray" if name in PEER_LABELS else "tab:orange" if name.startswith("factored") else "tab:blue"
 
 
 def _draw_one(ax, data, label, target=TARGET):
@@ -142,8 +149,10 @@ def body(rows, config, center="mean"):
     if names & {"fp32_m", "factored+fp32_m"}:
         text[0] += (" `the first moment in fp32` keeps m uncompressed (`quantize_first_moment=False`) on every "
                     "tensor, v as the variant says.")
-    if "gefen-x" in names:
-        text[0] += " gefen-x trains at the same lr and seeds, as a peer."
+    peers = [p for p in PEER_LABELS if p in names]
+    if peers:
+        text[0] += f" {' and '.join(peers)} train{'s' if len(peers) == 1 else ''} at the same lr and seeds, as " + (
+            "a peer." if len(peers) == 1 else "peers.")
     for prefix in configurations(rows, "val_loss_vs_adamw"):
         cc = (c.get("extra") or {}).get(prefix.rstrip("/"), {}) if prefix else c
         data = collect(rows, prefix)
@@ -186,9 +195,7 @@ def _finding(data, center="mean"):
             if f"factored+{change}" in data:
                 out += f"; with {text} {data[f'factored+{change}'] - 1:+.2%}"
         out += "."
-    if "gefen-x" in data:
-        out += f" gefen-x at the same lr: {data['gefen-x'] - 1:+.2%}."
-    return out
+    return out + _peers_finding(data)
 
 
 def _factored_finding(data, center):
@@ -200,9 +207,7 @@ def _factored_finding(data, center):
         if v.startswith("factored+"):
             out += f"; {_label(v).removeprefix('factored, and ')} {r - 1:+.2%}"
     out += "."
-    if "gefen-x" in data:
-        out += f" gefen-x at the same lr: {data['gefen-x'] - 1:+.2%}."
-    return out
+    return out + _peers_finding(data)
 
 
 def factored_report(name: str, title: str, figure_title: str, target: float = 1.003) -> Report:
@@ -211,6 +216,11 @@ def factored_report(name: str, title: str, figure_title: str, target: float = 1.
     return Report(name, name, title, functools.partial(body, center="median"),
                   functools.partial(draw, target=target, title=figure_title), metrics=("val_loss_vs_adamw",))
 
+
+
+def _peers_finding(data):
+    """The peers' sentence: each one's ratio at the same lr (``data``: {variant: the center of its ratios})."""
+    return "".join(f" {p} at the same lr: {data[p] - 1:+.2%}." for p in PEER_LABELS if p in data)
 
 REPORT = Report("gefen_ablation", "gefen_ablation", "Gefen: where the loss gap comes from (ablation)", body, draw,
                 metrics=("val_loss_vs_adamw",))

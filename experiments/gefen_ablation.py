@@ -43,6 +43,9 @@
     # 4-bit codes: the layout of Gefen-4bit-compact with one of its four options left out at a time
     python experiments/gefen_ablation.py --experiment gefen_ablation_leave_out4   # -> its CSV
     python analysis/gefen_ablation_leave_out4.py
+    # the encoder's drop-in protocol at 15 seeds: factored 8-bit and 4-bit, gefen-x, AdamW
+    python experiments/gefen_ablation.py --experiment gefen_ablation_seeds   # -> its CSV
+    python analysis/gefen_ablation_seeds.py
 
 Each variant is 8-bit Gefen (registry name Gefen-8bit) with ``share_second_moment=False`` (a
 per-element v, as block length 1) on the named group of tensors only, through a second parameter
@@ -59,8 +62,8 @@ architecture has the same kinds of tensors under its own names (``PATTERNS``): t
 ``mlp_in`` its gate and up projections; ``vectors`` (every norm gain and bias) is a variant on
 request, since the rule shares v inside some of them in those models. ``fp32_m`` is no kind of
 tensor: the first moment in fp32 (``quantize_first_moment=False``) on every tensor, v unchanged, so
-``factored+fp32_m`` is what the factor costs without the codebook. Peers (``--peers``: gefen-x, at its
-defaults) train beside AdamW at the same lr and report the same ratios.
+``factored+fp32_m`` is what the factor costs without the codebook. Peers (``--peers``: gefen-x at its
+defaults, or Gefen-4bit-factored) train beside AdamW at the same lr and report the same ratios.
 
 The full run ablates two configurations (``--sizes``, ``CHAR_LM`` names): ``full`` (convergence.py's
 116k model on documentation plus code, every variant) and ``docstrings`` (a 429k model on English
@@ -118,7 +121,10 @@ of convergence.py's five configurations (116k, 1.27M, 429k prose, encoder, Llama
 steps and AdamW's best lr there (``DROPIN_LR``), 5 seeds each. ``layout512_no_<option>`` is
 ``layout512`` with one of its options (``vec_v``, ``rows_v``, ``scale_rows``, ``whole_w``) left out;
 ``--experiment gefen_ablation_leave_out4`` (``LEAVE_OUT4_ABLATION``) makes FOUR_BIT_ABLATION's runs
-with the factor, ``layout512`` and each of the four.
+with the factor, ``layout512`` and each of the four. ``--experiment gefen_ablation_seeds``
+(``SEEDS_ABLATION``) trains the encoder 1,000 steps at AdamW's best lr there (convergence_encoder's
+drop-in protocol) on 15 seeds, the first 5 convergence_encoder's: AdamW, the factored 8-bit, and as
+peers the registry's Gefen-4bit-factored and gefen-x.
 
 Rows: ``val_loss`` per variant (and AdamW) and seed, ``val_loss_vs_adamw`` (paired by seed), its
 ``_mean`` and ``_std``, and ``delta_vs_shared`` (the paired difference of ratios against ``none``),
@@ -225,7 +231,9 @@ UNDER_FACTOR = (VECTOR_BLOCKS, ROW_BLOCKS, ROW_SCALES, WHOLE_FACTOR, LAYOUT, ROW
                 LAYOUT_SHORT, f"{LAYOUT}_{REFRESH}", f"{LAYOUT_SHORT}_{REFRESH}", FACTOR16, LAYOUT_TILES,
                 LAYOUT_W16, ROW_SCALES_FINE, LAYOUT_FINE, LAYOUT_FINE_W16,
                 *LAYOUT_WITHOUT)  # changes that act under the factor only
-PEERS = ("gefen-x",)  # other optimizers that may train beside AdamW (registry names)
+# other optimizers that may train beside AdamW (registry names): Gefen-X, and our 4-bit factored Gefen
+# beside an 8-bit ablation
+PEERS = ("gefen-x", "Gefen-4bit-factored")
 QUICK_VARIANTS = ["none", "all", "attn_qkv", "embedding", FACTORED]
 FULL_SIZES = ["full", "docstrings"]
 ON_FACTORED = {"docstrings"}  # sizes whose full run also ablates on top of the factored second moment
@@ -268,6 +276,11 @@ FACTOR16_ABLATION = dict(FOUR_BIT_ABLATION, variants=[FACTORED, *(f"{FACTORED}+{
 # the layout with one option left out at a time, FOUR_BIT_ABLATION's runs
 LEAVE_OUT4_ABLATION = dict(FOUR_BIT_ABLATION, variants=[FACTORED, f"{FACTORED}+{LAYOUT_SHORT}",
                                                         *(f"{FACTORED}+{v}" for v in LAYOUT_WITHOUT)])
+# the encoder's drop-in protocol at 15 seeds (convergence_encoder's 5 and 10 more): the factored 8-bit, the
+# factored 4-bit (registry name, as a peer) and gefen-x against AdamW, to judge +0.3% / +0.6% targets whose
+# paired error at 5 seeds is about as large
+SEEDS_ABLATION = dict(sizes=["encoder"], steps=1000, seeds=15, peers=["gefen-x", "Gefen-4bit-factored"],
+                      lr=DROPIN_LR["encoder"], variants=[FACTORED])
 # the codebook learned again under 4-bit codes on the factor, on every convergence configuration at its
 # own steps and AdamW's best lr there (DROPIN_LR): does REFRESH_ABLATION's gain on the encoder hold elsewhere
 REFRESH_MODELS_ABLATION = dict(sizes=list(DROPIN_LR), seeds=5, peers=[], bits=4,
@@ -281,14 +294,15 @@ SCALES4_ABLATION = dict(FOUR_BIT_ABLATION, variants=[
 EXPERIMENTS = ("gefen_ablation", "gefen_ablation_arch", "gefen_ablation_long", "gefen_ablation_layout",
                "gefen_ablation_column", "gefen_ablation_vectors", "gefen_ablation_4bit", "gefen_ablation_refresh",
                "gefen_ablation_factor16", "gefen_ablation_vectors4", "gefen_ablation_scales4",
-               "gefen_ablation_long_best", "gefen_ablation_refresh_models", "gefen_ablation_leave_out4")
+               "gefen_ablation_long_best", "gefen_ablation_refresh_models", "gefen_ablation_leave_out4",
+               "gefen_ablation_seeds")
 SETTINGS = {"gefen_ablation_arch": ARCH_ABLATION, "gefen_ablation_long": LONG_ABLATION,
             "gefen_ablation_layout": LAYOUT_ABLATION, "gefen_ablation_column": COLUMN_ABLATION,
             "gefen_ablation_vectors": VECTOR_ABLATION, "gefen_ablation_4bit": FOUR_BIT_ABLATION,
             "gefen_ablation_refresh": REFRESH_ABLATION, "gefen_ablation_factor16": FACTOR16_ABLATION,
             "gefen_ablation_vectors4": VECTORS4_ABLATION, "gefen_ablation_scales4": SCALES4_ABLATION,
             "gefen_ablation_long_best": LONG_BEST_ABLATION, "gefen_ablation_refresh_models": REFRESH_MODELS_ABLATION,
-            "gefen_ablation_leave_out4": LEAVE_OUT4_ABLATION}
+            "gefen_ablation_leave_out4": LEAVE_OUT4_ABLATION, "gefen_ablation_seeds": SEEDS_ABLATION}
 ON_TOP_ONLY = tuple(SETTINGS)[1:]  # the factor and changes on top of it, nothing else
 
 
