@@ -613,17 +613,36 @@ def _codebook_refresh(R):
     """The sentence on the codebook learned again under 4-bit codes (gefen_ablation_refresh): each
     layout's median loss ratio without and with it, and the change paired by seed."""
     e = "gefen_ablation_refresh"
-    rows = R.rows(e, "val_loss_vs_adamw")
-    parts = []
-    for words, base, new in (("factored", "factored", "factored+refresh"),
-                             ("compact (512-element scales)", "factored+layout512", "factored+layout512_refresh")):
-        d = _paired(R, e, new, base)
-        before, after = (median_over_seeds(rows, "val_loss_vs_adamw", v) for v in (base, new))
-        parts.append(f"{words} {pct(before)} -> {pct(after)} "
-                     f"(paired {pct(1 + statistics.fmean(d))} on the mean, better on {sum(x < 0 for x in d)} of {len(d)})")
+    parts = [f"{words} {_before_after(R, e, base, new)}"
+             for words, base, new in (("factored", "factored", "factored+refresh"),
+                                      ("compact (512-element scales)", "factored+layout512",
+                                       "factored+layout512_refresh"))]
     return (f"With the codebook learned again every {REFRESH_EVERY} steps "
             f"(`codebook_refresh_every`; encoder, 4-bit codes, {R.config(e)['steps']:,} steps, median over "
-            f"{len(d)} seeds): " + "; ".join(parts) + ".")
+            f"{len(_paired(R, e, 'factored'))} seeds): " + "; ".join(parts) + ".")
+
+
+def _before_after(R, e, base, new):
+    """``base``'s median loss ratio -> ``new``'s in experiment ``e``, and their difference paired by
+    seed: its mean and on how many seeds ``new`` is better."""
+    rows = R.rows(e, "val_loss_vs_adamw")
+    d = _paired(R, e, new, base)
+    before, after = (median_over_seeds(rows, "val_loss_vs_adamw", v) for v in (base, new))
+    return (f"{pct(before)} -> {pct(after)} "
+            f"(paired {pct(1 + statistics.fmean(d))} on the mean, better on {sum(x < 0 for x in d)} of {len(d)})")
+
+
+def _refresh_models(R):
+    """The sentence on the codebook learned again under 4-bit codes on every convergence configuration
+    (gefen_ablation_refresh_models): per model the factored 4-bit's median without and with it."""
+    e = "gefen_ablation_refresh_models"
+    c = R.config(e)
+    labels = [c["label"], *c["extra"]]
+    prefixes = ["", *(f"{m}/" for m in labels[1:])]
+    return (f"The same on the {len(labels)} convergence configurations, each at its steps and AdamW's best lr "
+            f"there (factored 4-bit, median over {len(_paired(R, e, 'factored'))} seeds): "
+            + "; ".join(f"{m} {_before_after(R, e, p + 'factored', p + 'factored+refresh')}"
+                        for m, p in zip(labels, prefixes)) + ".")
 
 
 def _medians_and_pairs(R, e, intro, names, pairs, option=""):
@@ -713,7 +732,7 @@ def gefen_layout(R):
               "section. Each option alone on the factor, paired with the factored by seed (mean; worse on): "
               + "; ".join(f"{words} {pct(1 + statistics.fmean(d))} ({sum(x > 0 for x in d)} of {len(d)})"
                           for words, d in ((w, _paired(R, x, v)) for x, v, w in LAYOUT_ALONE)) + ". "
-              + " ".join([_four_bit_scales(R), _codebook_refresh(R),
+              + " ".join([_four_bit_scales(R), _codebook_refresh(R), _refresh_models(R),
                           *(_medians_and_pairs(R, x, *spec) for x, spec in FOUR_BIT_SENTENCES.items())]))
     lo, hi = (f(per["8bit"][k] for k in wide) for f in (min, max))
     return Row("The factored state at Gefen-X's bytes or fewer (compact layout, ours)", verdict,

@@ -560,6 +560,29 @@ def test_gefen_ablation_on_the_factor_runs_the_factor_and_its_changes_only(tmp_p
     assert "the factored second moment ends at" in text and all(w in text for w in words)
 
 
+@pytest.mark.timeout(300)
+def test_gefen_ablation_refresh_models_runs_each_architecture_once_at_its_dropin_lr(tmp_path, monkeypatch):
+    """``--experiment gefen_ablation_refresh_models --tiny``: the tiny size once per architecture (the
+    GPT's three configurations are one there), each at ``DROPIN_LR`` of its first full size, 4-bit
+    codes, the factor without and with the codebook refresh; its analysis names the change."""
+    from experiments.gefen_ablation import DROPIN_LR
+
+    _main("experiments.gefen_ablation", ["--experiment", "gefen_ablation_refresh_models", "--tiny", "--seeds", 1,
+                                         "--results-dir", tmp_path, "--wandb", "disabled"], monkeypatch)
+    rows = _rows(tmp_path / "gefen_ablation_refresh_models.csv", "gefen_ablation_refresh_models")
+    config = json.loads((tmp_path / "gefen_ablation_refresh_models.config.json").read_text())["config"]
+    labels = list(config["extra"])
+    assert [label.split("-")[1] for label in labels] == ["encoder", "llama"]
+    assert {r["variant"] for r in rows} == {p + v for p in ("", *(f"{m}/" for m in labels))
+                                            for v in ("AdamW", "factored", "factored+refresh")}
+    assert config["bits"] == 4 and config["arch"] == "gpt" and config["lr"] == DROPIN_LR["full"]
+    assert [config["extra"][m]["lr"] for m in labels] == [DROPIN_LR["encoder"], DROPIN_LR["llama"]]
+    out = tmp_path / "gefen_ablation_refresh_models.png"
+    _analysis("gefen_ablation_refresh_models", tmp_path, out)
+    _assert_png(out)
+    assert (tmp_path / "README.md").read_text().count("the codebook learned again every 100 steps") >= 3
+
+
 @pytest.mark.skipif(not (GEFEN_X_DIR / "gefen").is_dir(), reason="gefen-x is not installed in third_party/gefen_x")
 def test_gefen_ablation_peer_trains_gefen_x():
     from experiments.gefen_ablation import final_loss
