@@ -660,6 +660,9 @@ def _medians_and_pairs(R, e, intro, names, pairs, option=""):
                         for w, d in diffs) + ".")
 
 
+# the compact layout's four options (experiments/gefen_ablation.py's LAYOUT_OPTIONS), as words
+_OPTIONS = (("vec_v", "the vectors' shared v"), ("rows_v", "whole-row v"), ("scale_rows", "row-group scales"),
+            ("whole_w", "one column factor a matrix"))
 _VECTORS4 = {"factored": "factored", "factored+vec_v": "the vectors' v shared", "factored+rows_v": "whole-row v"}
 # the sentences on the compact layout's options under 4-bit codes, one an ablation:
 # experiment -> (intro, {variant: words}, [(words, variant, base) paired by seed], the option's keyword)
@@ -685,6 +688,12 @@ FOUR_BIT_SENTENCES = {
          ("compact with 256 against 512", "factored+layout256", "factored+layout512"),
          ("its factor in bf16 against fp32", "factored+layout256_w16", "factored+layout256")],
         "`row_group_scales=256`"),
+    "gefen_ablation_leave_out4": (
+        "The compact 4-bit layout with one of its options left out",
+        {"factored": "factored", "factored+layout512": "compact",
+         **{f"factored+layout512_no_{o}": f"without {w}" for o, w in _OPTIONS}},
+        [(f"without {w} against compact", f"factored+layout512_no_{o}", "factored+layout512") for o, w in _OPTIONS],
+        ""),
 }
 
 

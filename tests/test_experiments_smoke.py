@@ -537,7 +537,11 @@ def test_dropin_lr_is_adamw_best_in_the_committed_convergence_run(size, experime
      ["4-bit codes", "the vectors' v shared", "v over whole rows where the rule finds no block"]),
     ("gefen_ablation_scales4", {"factored+layout512", "factored+scale_rows256", "factored+layout256",
                                 "factored+layout256_w16"},
-     ["4-bit codes", "group of rows of at most 256 elements", "the 256-element layout, its column factor in bf16"])])
+     ["4-bit codes", "group of rows of at most 256 elements", "the 256-element layout, its column factor in bf16"]),
+    ("gefen_ablation_leave_out4", {"factored+layout512", *(f"factored+layout512_no_{o}"
+                                                          for o in ("vec_v", "rows_v", "scale_rows", "whole_w"))},
+     ["4-bit codes", "the 512-element layout without the vectors' shared v", "without whole-row v",
+      "without row-group scales", "without one column factor a matrix"])])
 def test_gefen_ablation_on_the_factor_runs_the_factor_and_its_changes_only(tmp_path, monkeypatch, experiment,
                                                                           changes, words):
     """``--experiment gefen_ablation_long`` / ``gefen_ablation_layout`` ``--tiny``: the tiny size in the
