@@ -46,6 +46,9 @@
     # the drop-in protocol at 15 seeds, encoder and 116k GPT: factored 8-bit and 4-bit, gefen-x, AdamW
     python experiments/gefen_ablation.py --experiment gefen_ablation_seeds   # -> its CSV
     python analysis/gefen_ablation_seeds.py
+    # the same runs of the factored 8-bit with its first moment in fp32
+    python experiments/gefen_ablation.py --experiment gefen_ablation_seeds_fp32m   # -> its CSV
+    python analysis/gefen_ablation_seeds_fp32m.py
 
 Each variant is 8-bit Gefen (registry name Gefen-8bit) with ``share_second_moment=False`` (a
 per-element v, as block length 1) on the named group of tensors only, through a second parameter
@@ -124,7 +127,9 @@ steps and AdamW's best lr there (``DROPIN_LR``), 5 seeds each. ``layout512_no_<o
 with the factor, ``layout512`` and each of the four. ``--experiment gefen_ablation_seeds``
 (``SEEDS_ABLATION``) trains the encoder and the 116k GPT (``full``) at their steps and AdamW's best
 lr there (the convergence runs' drop-in protocol) on 15 seeds, the first of them the convergence
-runs': AdamW, the factored 8-bit, and as peers the registry's Gefen-4bit-factored and gefen-x.
+runs': AdamW, the factored 8-bit, and as peers the registry's Gefen-4bit-factored and gefen-x;
+``--experiment gefen_ablation_seeds_fp32m`` (``SEEDS_FP32_ABLATION``) makes the same runs of the
+factored 8-bit without and with ``fp32_m``.
 
 Rows: ``val_loss`` per variant (and AdamW) and seed, ``val_loss_vs_adamw`` (paired by seed), its
 ``_mean`` and ``_std``, and ``delta_vs_shared`` (the paired difference of ratios against ``none``),
@@ -282,6 +287,8 @@ LEAVE_OUT4_ABLATION = dict(FOUR_BIT_ABLATION, variants=[FACTORED, f"{FACTORED}+{
 # at 3 to 5 seeds is about as large
 SEEDS_ABLATION = dict(sizes=["encoder", "full"], seeds=15, peers=["gefen-x", "Gefen-4bit-factored"],
                       variants=[FACTORED])
+# the same runs of the factored 8-bit with its first moment in fp32: what the codes cost there, and the factor
+SEEDS_FP32_ABLATION = dict(SEEDS_ABLATION, peers=[], variants=[FACTORED, f"{FACTORED}+{FIRST_MOMENT}"])
 # the codebook learned again under 4-bit codes on the factor, on every convergence configuration at its
 # own steps and AdamW's best lr there (DROPIN_LR): does REFRESH_ABLATION's gain on the encoder hold elsewhere
 REFRESH_MODELS_ABLATION = dict(sizes=list(DROPIN_LR), seeds=5, peers=[], bits=4,
@@ -296,14 +303,15 @@ EXPERIMENTS = ("gefen_ablation", "gefen_ablation_arch", "gefen_ablation_long", "
                "gefen_ablation_column", "gefen_ablation_vectors", "gefen_ablation_4bit", "gefen_ablation_refresh",
                "gefen_ablation_factor16", "gefen_ablation_vectors4", "gefen_ablation_scales4",
                "gefen_ablation_long_best", "gefen_ablation_refresh_models", "gefen_ablation_leave_out4",
-               "gefen_ablation_seeds")
+               "gefen_ablation_seeds", "gefen_ablation_seeds_fp32m")
 SETTINGS = {"gefen_ablation_arch": ARCH_ABLATION, "gefen_ablation_long": LONG_ABLATION,
             "gefen_ablation_layout": LAYOUT_ABLATION, "gefen_ablation_column": COLUMN_ABLATION,
             "gefen_ablation_vectors": VECTOR_ABLATION, "gefen_ablation_4bit": FOUR_BIT_ABLATION,
             "gefen_ablation_refresh": REFRESH_ABLATION, "gefen_ablation_factor16": FACTOR16_ABLATION,
             "gefen_ablation_vectors4": VECTORS4_ABLATION, "gefen_ablation_scales4": SCALES4_ABLATION,
             "gefen_ablation_long_best": LONG_BEST_ABLATION, "gefen_ablation_refresh_models": REFRESH_MODELS_ABLATION,
-            "gefen_ablation_leave_out4": LEAVE_OUT4_ABLATION, "gefen_ablation_seeds": SEEDS_ABLATION}
+            "gefen_ablation_leave_out4": LEAVE_OUT4_ABLATION, "gefen_ablation_seeds": SEEDS_ABLATION,
+            "gefen_ablation_seeds_fp32m": SEEDS_FP32_ABLATION}
 ON_TOP_ONLY = tuple(SETTINGS)[1:]  # the factor and changes on top of it, nothing else
 
 
