@@ -6,6 +6,7 @@ import math
 import statistics
 
 from analysis.common import GEFEN_TARGET_BPP, TARGET_WIDTH, ResultsError, select
+from analysis.gefen_ablation_seeds import REPORT as SEEDS_REPORT
 from analysis.gefen_memory import TARGET_FACTORED_STEP
 from experiments.gefen_ablation import REFRESH_EVERY
 from analysis.claims_common import (Row, cmd, fig, joined, listed, median_over_seeds, pct, pct_range, points, sci,
@@ -94,8 +95,34 @@ def _layout(R, e, layout, protocols=("", "dropin/"), prefix="", **where):
 
 
 def _factored(R, e, model, prefix=""):
-    """(8-bit, 4-bit) median loss ratios, worst of both protocols, and mean state B/param."""
-    return _layout(R, e, "factored", prefix=prefix, x_value=model)
+    """(8-bit, 4-bit) median loss ratios, worst of both protocols, and mean state B/param. Where the
+    runs on many seeds have ``model`` (``_seeds_prefix``), they give the drop-in protocol's median, and
+    the other's where an optimizer's best lr is AdamW's: they hold the convergence run's seeds and more."""
+    names = [f"Gefen-{b}-factored" for b in ("8bit", "4bit")]
+    loss, state = _layout(R, e, "factored", prefix=prefix, x_value=model)
+    seeds = _seeds_prefix(R, model)
+    if seeds is None:
+        return loss, state
+    best = {r["variant"]: r["value"] for r in select(R.rows(e, "best_lr"), "best_lr")}
+    many = [R.median(SEEDS, "val_loss_vs_adamw", seeds + v) for v in SEEDS_NAMES]
+    own = [many[k] if best[prefix + n] == best[prefix + "AdamW"] else
+           R.need(e, "val_loss_vs_adamw_median", n, x_value=model) for k, n in enumerate(names)]
+    return [max(a, b) for a, b in zip(own, many)], state
+
+
+SEEDS = "gefen_ablation_seeds"  # the drop-in protocol on many seeds
+SEEDS_NAMES = ("factored", "Gefen-4bit-factored")  # its factored 8-bit and 4-bit
+
+
+def _seeds_count(R) -> int:
+    """How many seeds the runs on many seeds have."""
+    return len(R.config(SEEDS)["seeds"])
+
+
+def _seeds_prefix(R, model):
+    """The variant prefix of convergence model ``model`` (a label) in the runs on many seeds, or None."""
+    c = R.config(SEEDS)
+    return "" if c["label"] == model else f"{model}/" if model in (c.get("extra") or {}) else None
 
 
 def _state(R, e, variant):
@@ -189,14 +216,15 @@ def gefen_factored(R):
     out = [_factored(R, e, m, p) for m, p in zip(MODELS, prefixes)]
     loss_ok, bytes_word = _factored_verdict([o[0] for o in out], [o[1] for o in out])
     names = list(MODELS.values())
-    met = [n for n, ok in zip(names, loss_ok) if ok]
-    missed = [n for n, ok in zip(names, loss_ok) if not ok]
+    many = {n: f" ({_seeds_count(R)} seeds)" if _seeds_prefix(R, m) is not None else "" for m, n in zip(MODELS, names)}
+    met = [n + many[n] for n, ok in zip(names, loss_ok) if ok]
+    missed = [n + many[n] for n, ok in zip(names, loss_ok) if not ok]
     verdict = (f"loss met on {', '.join(met) or 'none'}" + (f"; not on {', '.join(missed)}" if missed else "")
                + f"; {bytes_word}")
     head = (f"worse protocol: 8-bit {' / '.join(pct(o[0][0]) for o in out)}, 4-bit {' / '.join(pct(o[0][1]) for o in out)}; "
             f"8-bit state {' / '.join(f'{o[1][0]:.2f}' for o in out)} B/param ({' / '.join(names)})")
     return Row("Gefen at AdamW's loss with a factored second moment (ours), both protocols", verdict, head,
-               fig(e), cmd(f"python experiments/{e}.py"), _factored_detail(R, e))
+               fig(e), cmd(f"python experiments/{e}.py"), " ".join([_factored_detail(R, e), *(_many_seeds(R, m) for m in MODELS if _seeds_prefix(R, m) is not None)]))
 
 
 def _ablation_arch(R, prefix):
@@ -226,10 +254,13 @@ def _untuned(R, e, model, claim, about, ablation_prefix):
     loss, state = _factored(R, e, model)
     loss_ok, bytes_word = _factored_verdict([loss], [state])
     verdict = ("loss met" if loss_ok[0] else "loss not met") + f"; {bytes_word}"
-    head = f"8-bit {pct(loss[0])}, 4-bit {pct(loss[1])} vs AdamW (both protocols); {state[0]:.2f} / {state[1]:.2f} B/param"
+    many = f"; drop-in: {_seeds_count(R)} seeds" if _seeds_prefix(R, model) is not None else ""
+    head = (f"8-bit {pct(loss[0])}, 4-bit {pct(loss[1])} vs AdamW (both protocols{many}); {state[0]:.2f} / "
+            f"{state[1]:.2f} B/param")
     return Row(claim, verdict, head, fig(e), cmd(f"python experiments/convergence.py --experiment {e}"),
                _untuned_detail(R, e, model, about, state) + _compact(R, e, ("", "dropin/"), x_value=model) + " "
-               + _ablation_arch(R, ablation_prefix))
+               + _ablation_arch(R, ablation_prefix)
+               + ("" if _seeds_prefix(R, model) is None else " " + _many_seeds(R, model)))
 
 
 def _untuned_detail(R, e, model, about, state):
@@ -305,6 +336,28 @@ def _seed_change(R, e, short, variant, seeds):
     if len(d) < 2:
         raise ResultsError(f"{R.dir / e}.csv, {R.dir / short}.csv: fewer than two seeds of {variant} in both")
     return statistics.fmean(d), statistics.stdev(d) / math.sqrt(len(d))
+
+
+def _mean_se(xs) -> str:
+    """"mean ± standard error" in points of loss ratios ``xs`` less 1."""
+    d = [(x - 1) * 100 for x in xs]
+    return f"{signed(statistics.fmean(d))} ± {statistics.stdev(d) / math.sqrt(len(d)):.2f}"
+
+
+def _many_seeds(R, model):
+    """The sentence on convergence model ``model``'s drop-in protocol at many seeds (SEEDS and its
+    _fp32m run): each optimizer's median loss ratio and mean ± standard error over seeds, and the
+    factored 8-bit's first moment in fp32 paired with its codes."""
+    e, f, prefix = SEEDS, f"{SEEDS}_fp32m", _seeds_prefix(R, model)
+    names = {"factored": "factored 8-bit", "Gefen-4bit-factored": "factored 4-bit", "gefen-x": "gefen-x"}
+    ratios = {v: R.values(e, "val_loss_vs_adamw", prefix + v) for v in names}
+    fp32 = R.values(f, "val_loss_vs_adamw", prefix + "factored+fp32_m")
+    codes = _paired(R, f, prefix + "factored", prefix + "factored+fp32_m")
+    return (f"On {len(ratios['factored'])} seeds of {model}'s drop-in protocol (section \"{SEEDS_REPORT.title}\", the first "
+            f"of them these runs'; median, then mean ± s.e. in points): "
+            + ", ".join(f"{w} {pct(statistics.median(ratios[v]))} ({_mean_se(ratios[v])})" for v, w in names.items())
+            + f"; the factored 8-bit with its first moment in fp32 {pct(statistics.median(fp32))} "
+            f"({_mean_se(fp32)}), so its 8-bit codes cost {_mean_se([1 + d for d in codes])} points, paired by seed.")
 
 
 TAIL = 3  # evaluations at the end of a run whose loss ratios a tail mean averages

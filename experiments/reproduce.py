@@ -48,7 +48,7 @@ EXPERIMENTS = {
                        "gefen_ablation_column", "gefen_ablation_vectors", "gefen_ablation_4bit",
                        "gefen_ablation_refresh", "gefen_ablation_factor16", "gefen_ablation_vectors4",
                        "gefen_ablation_scales4", "gefen_ablation_long_best", "gefen_ablation_refresh_models",
-                       "gefen_ablation_leave_out4"],
+                       "gefen_ablation_leave_out4", "gefen_ablation_seeds", "gefen_ablation_seeds_fp32m"],
     "hessian_alignment": ["hessian_alignment"],
     "codebook_dp": ["codebook"],
     "gefen_speed": ["gefen_speed"],
@@ -69,7 +69,8 @@ MORE_RUNS = {
                        ["--experiment", "gefen_ablation_refresh"], ["--experiment", "gefen_ablation_factor16"],
                        ["--experiment", "gefen_ablation_vectors4"], ["--experiment", "gefen_ablation_scales4"],
                        ["--experiment", "gefen_ablation_long_best"], ["--experiment", "gefen_ablation_refresh_models"],
-                       ["--experiment", "gefen_ablation_leave_out4"]],
+                       ["--experiment", "gefen_ablation_leave_out4"], ["--experiment", "gefen_ablation_seeds"],
+                       ["--experiment", "gefen_ablation_seeds_fp32m"]],
 }
 # arguments of MORE_RUNS that set a full run's size: a quick run leaves them out and gets its quick size
 FULL_SIZE_FLAGS = ("--size",)
@@ -100,7 +101,8 @@ FIGURE_OF = {"correctness": None, "dsa_fault_injection": None, "dsa_throughput":
              "gefen_ablation_factor16": "gefen_ablation_factor16", "gefen_ablation_vectors4": "gefen_ablation_vectors4",
              "gefen_ablation_scales4": "gefen_ablation_scales4", "gefen_ablation_long_best": "gefen_ablation_long_best",
              "gefen_ablation_refresh_models": "gefen_ablation_refresh_models",
-             "gefen_ablation_leave_out4": "gefen_ablation_leave_out4", "hessian_alignment": "hessian_alignment",
+             "gefen_ablation_leave_out4": "gefen_ablation_leave_out4", "gefen_ablation_seeds": "gefen_ablation_seeds",
+             "gefen_ablation_seeds_fp32m": "gefen_ablation_seeds_fp32m", "hessian_alignment": "hessian_alignment",
              "convergence": "convergence", "convergence_bf16": "convergence_bf16",
              "convergence_encoder": "convergence_encoder", "convergence_llama": "convergence_llama",
              "convergence_long": "convergence_long",

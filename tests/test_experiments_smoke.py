@@ -587,6 +587,56 @@ def test_gefen_ablation_refresh_models_runs_each_architecture_once_at_its_dropin
     assert (tmp_path / "README.md").read_text().count("the codebook learned again every 100 steps") >= 3
 
 
+@pytest.mark.timeout(300)
+def test_gefen_ablation_seeds_trains_the_registry_peer_beside_the_factor(tmp_path, monkeypatch):
+    """``--experiment gefen_ablation_seeds --tiny``: the tiny size in the encoder and the GPT, each at
+    its drop-in lr, AdamW, the factored 8-bit and the registry's Gefen-4bit-factored as a peer on every
+    seed; the peer is the registry's optimizer (its loss that of a run of that name), and the analysis
+    names it."""
+    from experiments.gefen_ablation import DROPIN_LR, final_loss
+    from experiments.train import CHAR_LM
+
+    _main("experiments.gefen_ablation", ["--experiment", "gefen_ablation_seeds", "--tiny", "--seeds", 2, "--peers",
+                                         "Gefen-4bit-factored", "--results-dir", tmp_path, "--wandb", "disabled"],
+          monkeypatch)
+    rows = _rows(tmp_path / "gefen_ablation_seeds.csv", "gefen_ablation_seeds")
+    config = json.loads((tmp_path / "gefen_ablation_seeds.config.json").read_text())["config"]
+    (label,) = config["extra"]
+    assert {r["variant"] for r in rows} == {p + v for p in ("", f"{label}/")
+                                            for v in ("AdamW", "factored", "Gefen-4bit-factored")}
+    assert config["arch"] == "encoder" and config["lr"] == DROPIN_LR["encoder"] and config["seeds"] == [0, 1]
+    assert config["extra"][label]["arch"] == "gpt" and config["extra"][label]["lr"] == DROPIN_LR["full"]
+    peer, factored = ({int(r["seed"]): r["value"] for r in rows if r["variant"] == v and r["metric"] == "val_loss"}
+                      for v in ("Gefen-4bit-factored", "factored"))
+    size = dict(CHAR_LM["tiny"], arch="encoder")
+    assert peer[1] == final_loss(size, "Gefen-4bit-factored", 1, DROPIN_LR["encoder"]) != factored[1]
+    out = tmp_path / "gefen_ablation_seeds.png"
+    _analysis("gefen_ablation_seeds", tmp_path, out)
+    _assert_png(out)
+    assert "Gefen-4bit-factored at the same lr" in (tmp_path / "README.md").read_text()
+
+
+@pytest.mark.timeout(300)
+def test_gefen_ablation_seeds_fp32m_runs_the_factor_with_and_without_its_codes(tmp_path, monkeypatch):
+    """``--experiment gefen_ablation_seeds_fp32m --tiny``: gefen_ablation_seeds' configurations without
+    peers, the factored 8-bit and its first moment in fp32 (no codes: no codebook in its state)."""
+    from experiments.gefen_ablation import DROPIN_LR
+
+    experiment = "gefen_ablation_seeds_fp32m"
+    _main("experiments.gefen_ablation", ["--experiment", experiment, "--tiny", "--seeds", 1, "--results-dir", tmp_path,
+                                         "--wandb", "disabled"], monkeypatch)
+    rows = _rows(tmp_path / f"{experiment}.csv", experiment)
+    config = json.loads((tmp_path / f"{experiment}.config.json").read_text())["config"]
+    (label,) = config["extra"]
+    assert {r["variant"] for r in rows} == {p + v for p in ("", f"{label}/")
+                                            for v in ("AdamW", "factored", "factored+fp32_m")}
+    assert (config["lr"], config["extra"][label]["lr"]) == (DROPIN_LR["encoder"], DROPIN_LR["full"])
+    out = tmp_path / f"{experiment}.png"
+    _analysis(experiment, tmp_path, out)
+    _assert_png(out)
+    assert (tmp_path / "README.md").read_text().count("the first moment in fp32") >= 2
+
+
 @pytest.mark.skipif(not (GEFEN_X_DIR / "gefen").is_dir(), reason="gefen-x is not installed in third_party/gefen_x")
 def test_gefen_ablation_peer_trains_gefen_x():
     from experiments.gefen_ablation import final_loss
