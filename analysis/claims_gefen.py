@@ -224,7 +224,8 @@ def gefen_factored(R):
     head = (f"worse protocol: 8-bit {' / '.join(pct(o[0][0]) for o in out)}, 4-bit {' / '.join(pct(o[0][1]) for o in out)}; "
             f"8-bit state {' / '.join(f'{o[1][0]:.2f}' for o in out)} B/param ({' / '.join(names)})")
     return Row("Gefen at AdamW's loss with a factored second moment (ours), both protocols", verdict, head,
-               fig(e), cmd(f"python experiments/{e}.py"), " ".join([_factored_detail(R, e), *(_many_seeds(R, m) for m in MODELS if _seeds_prefix(R, m) is not None)]))
+               fig(e), cmd(f"python experiments/{e}.py"),
+               " ".join([_factored_detail(R, e), *(_many_seeds(R, m) for m in MODELS if _seeds_prefix(R, m) is not None)]))
 
 
 def _ablation_arch(R, prefix):
@@ -349,7 +350,7 @@ def _many_seeds(R, model):
     _fp32m run): each optimizer's median loss ratio and mean ± standard error over seeds, and the
     factored 8-bit's first moment in fp32 paired with its codes."""
     e, f, prefix = SEEDS, f"{SEEDS}_fp32m", _seeds_prefix(R, model)
-    names = {"factored": "factored 8-bit", "Gefen-4bit-factored": "factored 4-bit", "gefen-x": "gefen-x"}
+    names = dict(zip(SEEDS_NAMES, ("factored 8-bit", "factored 4-bit")), **{"gefen-x": "gefen-x"})
     ratios = {v: R.values(e, "val_loss_vs_adamw", prefix + v) for v in names}
     fp32 = R.values(f, "val_loss_vs_adamw", prefix + "factored+fp32_m")
     codes = _paired(R, f, prefix + "factored", prefix + "factored+fp32_m")
@@ -672,7 +673,7 @@ def _codebook_refresh(R):
                                        "factored+layout512_refresh"))]
     return (f"With the codebook learned again every {REFRESH_EVERY} steps "
             f"(`codebook_refresh_every`; encoder, 4-bit codes, {R.config(e)['steps']:,} steps, median over "
-            f"{len(_paired(R, e, 'factored'))} seeds): " + "; ".join(parts) + ".")
+            f"{len(R.values(e, 'val_loss_vs_adamw', 'factored'))} seeds): " + "; ".join(parts) + ".")
 
 
 def _before_after(R, e, base, new):
@@ -693,7 +694,7 @@ def _refresh_models(R):
     labels = [c["label"], *c["extra"]]
     prefixes = ["", *(f"{m}/" for m in labels[1:])]
     return (f"The same on the {len(labels)} convergence configurations, each at its steps and AdamW's best lr "
-            f"there (factored 4-bit, median over {len(_paired(R, e, 'factored'))} seeds): "
+            f"there (factored 4-bit, median over {len(R.values(e, 'val_loss_vs_adamw', 'factored'))} seeds): "
             + "; ".join(f"{m} {_before_after(R, e, p + 'factored', p + 'factored+refresh')}"
                         for m, p in zip(labels, prefixes)) + ".")
 
