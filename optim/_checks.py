@@ -7,6 +7,9 @@ optimizers make keep their sentence here, followed by what to do.
 
 from __future__ import annotations
 
+import math
+import numbers
+
 import torch
 
 
@@ -29,18 +32,37 @@ def check_option(name, value, allowed, meaning):
         raise ValueError(f"{name} must be {meaning}, got {value!r}")
 
 
+def _number(name, value, *, tensor_ok=False) -> float:
+    """``value`` as a float: a real number (not a bool, not a string) or, where ``tensor_ok``, a
+    one-element real tensor; refused by name otherwise."""
+    if isinstance(value, torch.Tensor) and tensor_ok:
+        if value.numel() != 1 or value.is_complex():
+            raise ValueError(f"Tensor {name} must be 1-element: give a scalar tensor or a float")
+        return float(value.item())
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        return float(value)
+    raise ValueError(f"{name} must be a real number, got {value!r} ({type(value).__name__})")
+
+
 def check_hyper(lr, betas, eps, *, weight_decay=None, lr_may_be_zero=False):
-    """The checks of SparseAdam (lr > 0) or AdamW (lr >= 0, ``weight_decay``) with their messages."""
-    if isinstance(lr, torch.Tensor) and lr.numel() != 1:
-        raise ValueError("Tensor lr must be 1-element: give a scalar tensor or a float")
-    if not (scalar(lr) >= 0.0 if lr_may_be_zero else scalar(lr) > 0.0):
-        raise ValueError(f"Invalid learning rate: {lr} (lr must be {'>=' if lr_may_be_zero else '>'} 0)")
-    if not eps >= 0.0 if lr_may_be_zero else not eps > 0.0:
-        raise ValueError(f"Invalid epsilon value: {eps} (eps must be {'>=' if lr_may_be_zero else '>'} 0)")
+    """The checks of SparseAdam (lr > 0) or AdamW (lr >= 0, ``weight_decay``) with their messages, and
+    what torch leaves to a later ``TypeError`` or accepts: every value a finite real number (lr, betas
+    and weight_decay may be one-element tensors, as torch's ``capturable`` optimizers take them)."""
+    floor = ">=" if lr_may_be_zero else ">"
+
+    def above(x):
+        return math.isfinite(x) and (x >= 0.0 if lr_may_be_zero else x > 0.0)
+
+    if not above(_number("lr", lr, tensor_ok=True)):
+        raise ValueError(f"Invalid learning rate: {lr} (lr must be {floor} 0 and finite)")
+    if not above(_number("eps", eps)):
+        raise ValueError(f"Invalid epsilon value: {eps} (eps must be {floor} 0 and finite)")
     if not isinstance(betas, (tuple, list)) or len(betas) != 2:
         raise ValueError(f"betas must be two numbers (beta1, beta2), got {betas!r}")
     for k, b in enumerate(betas):
-        if not 0.0 <= b < 1.0:
+        if not 0.0 <= _number(f"betas[{k}]", b, tensor_ok=True) < 1.0:
             raise ValueError(f"Invalid beta parameter at index {k}: {b} (betas must be in [0, 1))")
-    if weight_decay is not None and not 0.0 <= weight_decay:
-        raise ValueError(f"Invalid weight_decay value: {weight_decay} (weight_decay must be >= 0)")
+    if weight_decay is not None:
+        decay = _number("weight_decay", weight_decay, tensor_ok=True)
+        if not (math.isfinite(decay) and decay >= 0.0):
+            raise ValueError(f"Invalid weight_decay value: {weight_decay} (weight_decay must be >= 0 and finite)")

@@ -33,8 +33,13 @@ FILE_OPTIONS = ("state_dir", "state_format", "backend", "staging", "huge_pages")
 
 
 def _listed(params):
-    """``params`` as a list (a generator can be read once), as torch's Optimizer reads it."""
-    return params if isinstance(params, torch.Tensor) else list(params)  # a tensor: torch's error
+    """``params`` as a list, and each group's ``"params"`` as a list too (a generator can be read once:
+    read here to size the state, it must not reach torch's Optimizer empty). A tensor or a set is left
+    for torch's error."""
+    if isinstance(params, torch.Tensor):
+        return params
+    return [dict(item, params=_listed(item["params"])) if isinstance(item, dict) and "params" in item
+            and not isinstance(item["params"], (torch.Tensor, set)) else item for item in params]
 
 
 def _planned_bytes(params, rule) -> int:
