@@ -23,6 +23,7 @@ from typing import NamedTuple
 
 import torch
 
+from ._checks import check_distinct
 from ._torch_private import state_dict_hooks
 from .backends import choose_backend
 
@@ -148,6 +149,7 @@ class OptimizerBase(torch.optim.Optimizer):
         super().add_param_group(param_group)
         gi, group = len(self.param_groups) - 1, self.param_groups[-1]
         try:
+            check_distinct(group["params"], gi, type(self).__name__)
             self._check_new_group(group, gi)
             self._check_optimizer_wide(group, gi)
             chosen = {p: self._resolve(p, group, gi, pi) for pi, p in enumerate(group["params"])}

@@ -66,3 +66,14 @@ def check_hyper(lr, betas, eps, *, weight_decay=None, lr_may_be_zero=False):
         decay = _number("weight_decay", weight_decay, tensor_ok=True)
         if not (math.isfinite(decay) and decay >= 0.0):
             raise ValueError(f"Invalid weight_decay value: {weight_decay} (weight_decay must be >= 0 and finite)")
+
+
+def check_distinct(params, gi: int, owner: str):
+    """No tensor twice in one group (torch refuses one in two groups and only warns here): the
+    optimizers keep one state per tensor and update it once a step, in parallel where they can."""
+    first = {}
+    for pi, p in enumerate(params):
+        k = first.setdefault(id(p), pi)
+        if k != pi:
+            raise ValueError(f"{owner}: group {gi} gives one tensor twice, as parameters {k} and {pi} (shape "
+                             f"{tuple(p.shape)}); give each parameter once (a model's parameters() already does)")

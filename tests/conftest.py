@@ -24,3 +24,13 @@ def _seed_everything():
     np.random.seed(0)
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture
+def track():
+    """Keeps the optimizers a test makes and closes those with files (``close()``) at its end."""
+    opts = []
+    yield lambda opt: opts.append(opt) or opt
+    for opt in opts:
+        if hasattr(opt, "close"):
+            opt.close()

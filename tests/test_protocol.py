@@ -24,186 +24,16 @@ compact state, codebooks, ...) is tested in its own files.
 
 import contextlib
 import copy
-import io
 import re
 import warnings
-import zlib
-from dataclasses import dataclass, field
-from typing import Callable, Optional
 
-import geoopt
 import pytest
 import torch
-import torch.nn.functional as F
 from torch.optim.lr_scheduler import ExponentialLR, ReduceLROnPlateau, StepLR
 
-from optim import DiskSparseAdam, DiskSparseRiemannianAdam, Gefen
-from tests.geo import ball, random_points
+from tests.optimizer_cases import (CASES, ON_BACKENDS, STEPS, TOL, _copy, counts, each_case, named, params_of, run,
+                                   saved, steps_of, tick, two_groups, without_names)
 from tests.utils import assert_match, assert_same_state_dict
-
-STEPS = 6
-
-
-def _skips(k, t):
-    """Parameter 1 has no gradient at every fourth step (t = 3, 7, ...)."""
-    return t is not None and k == 1 and t % 4 == 3
-
-
-def _gen(*seed):
-    """A generator seeded by ``seed`` (a stable hash: Python's hash of a string varies per process)."""
-    return torch.Generator().manual_seed(zlib.crc32(repr(seed).encode()))
-
-
-def _copy(p):
-    return torch.nn.Parameter(p.detach().clone())
-
-
-@dataclass(frozen=True)
-class Case:
-    """One optimizer under the protocol: its parameters and gradients, ours, the reference (or None)."""
-
-    id: str
-    shapes: tuple
-    draw: Callable                             # draw(shape, generator): a parameter's or a target's values
-    ours: Callable[..., torch.optim.Optimizer]
-    reference: Optional[Callable[..., torch.optim.Optimizer]] = None
-    twin: Callable = _copy                     # the reference's copy of one of our parameters
-    tol: dict = field(default_factory=dict)    # backend: assert_close's tolerances against the reference
-                                               # (a backend not named: bitwise)
-    hyper: dict = field(default_factory=dict)  # hyper-parameters both sides get
-    backends: tuple = ("torch",)               # where the numerical tests run; the first for the others
-    sparse: bool = True                        # row-sparse gradients or dense ones (see loss)
-    drop_in: bool = False                      # state dicts load into the reference and back
-    bad_kwargs: tuple = ()                     # (id, kwargs, regex): invalid arguments of this optimizer only
-
-    def params(self):
-        return [torch.nn.Parameter(self.draw(s, _gen("param", k))) for k, s in enumerate(self.shapes)]
-
-    def loss(self, params, t):
-        """Step t's loss (t=None: the whole objective), the squared distance to fixed targets: of 8 rows
-        looked up with duplicates (``F.embedding(sparse=True)``: row-sparse gradients; t=None: every
-        row), or of whole tensors with random positive weights (dense gradients; t=None: weights 1)."""
-        total = 0
-        for k, (p, shape) in enumerate(zip(params, self.shapes)):
-            target = self.draw(shape, _gen("target", k))
-            if _skips(k, t):
-                continue
-            if self.sparse:
-                idx = torch.arange(len(p)) if t is None else torch.randint(0, len(p), (8,), generator=_gen(t, k))
-                total = total + ((F.embedding(idx, p, sparse=True) - target[idx]) ** 2).sum()
-            else:
-                w = 1.0 if t is None else torch.rand(p.shape, generator=_gen(t, k)) + 0.5
-                total = total + (w * (p - target) ** 2).sum()
-        return total
-
-    def make(self, params, backend=None, **kw):
-        return self.ours(params, **{**self.hyper, "backend": backend or self.backends[0], **kw})
-
-    def make_reference(self, params, **kw):
-        return self.reference(params, **{**self.hyper, **kw})
-
-    def tolerance(self, backend=None):
-        return self.tol.get(backend or self.backends[0])
-
-    def sides(self, backend=None):
-        """(construct, parameters) for ours (on ``backend``) and, where there is one, the reference."""
-        out = [(lambda params, **kw: self.make(params, backend, **kw), self.params())]
-        if self.reference is not None:
-            out.append((self.make_reference, [self.twin(p) for p in self.params()]))
-        return out
-
-    def __repr__(self):
-        return self.id
-
-
-ALL_BACKENDS = ("torch", "numba", "triton")
-TOL = dict(atol=1e-6, rtol=1e-6)  # 6 float32 steps; measured at most 3e-8 (max |diff|)
-TABLES = ((20, 5), (7, 3))
-DENSE = ((5, 6), (5,), (300,))
-C = 1.0  # the ball's curvature is -c
-WEIGHT_DECAY = (("weight_decay-negative", dict(weight_decay=-1), "Invalid weight_decay value: -1"),)
-CASES = [
-    Case("dsa", TABLES, lambda s, g: torch.randn(s, generator=g), DiskSparseAdam, torch.optim.SparseAdam,
-         # Triton's sqrt is correctly rounded, torch's CPU sqrt not always: an ulp here and there
-         tol={"triton": TOL}, hyper=dict(lr=1e-2), backends=ALL_BACKENDS,
-         drop_in=True),
-    Case("ball", TABLES, lambda s, g: random_points(*s, C, torch.float32, g), DiskSparseRiemannianAdam,
-         geoopt.optim.SparseRiemannianAdam, lambda p: geoopt.ManifoldParameter(p.detach().clone(), manifold=ball(C)),
-         tol={"torch": TOL, "numba": TOL, "triton": TOL}, hyper=dict(lr=1e-2), backends=("torch", "numba", "triton")),
-    Case("gefen-adamw", DENSE, lambda s, g: torch.randn(s, generator=g),
-         lambda ps, **kw: Gefen(ps, share_second_moment=False, quantize_first_moment=False, **kw),
-         lambda ps, **kw: torch.optim.AdamW(ps, foreach=False, **kw),  # foreach takes no tensor lr
-         tol={b: TOL for b in ALL_BACKENDS}, hyper=dict(lr=1e-2, weight_decay=0.1), backends=ALL_BACKENDS,
-         sparse=False, bad_kwargs=WEIGHT_DECAY),
-    Case("gefen", DENSE, lambda s, g: torch.randn(s, generator=g), Gefen, hyper=dict(lr=1e-2, weight_decay=0.1),
-         backends=ALL_BACKENDS, sparse=False, bad_kwargs=WEIGHT_DECAY),
-]
-ON_BACKENDS = [pytest.param(c, b, id=f"{c.id}-{b}") for c in CASES for b in c.backends]
-each_case = pytest.mark.parametrize("case", CASES, ids=repr)
-
-
-@pytest.fixture
-def track():
-    """Keeps the optimizers a test makes and closes those with files (``close()``) at its end."""
-    opts = []
-    yield lambda opt: opts.append(opt) or opt
-    for opt in opts:
-        if hasattr(opt, "close"):
-            opt.close()
-
-
-# -- helpers ----------------------------------------------------------------------------------------
-def run(case, opt, params, steps, start=0, scheduler=None):
-    for t in range(start, start + steps):
-        opt.zero_grad()
-        case.loss(params, t).backward()
-        opt.step()
-        tick(scheduler)
-
-
-def tick(scheduler):
-    if isinstance(scheduler, ReduceLROnPlateau):
-        scheduler.step(1.0)  # a metric that never improves: the lr falls after every step
-    elif scheduler is not None:
-        scheduler.step()
-
-
-def counts(params, ts):
-    """Each parameter's step count after the steps ``ts`` (parameter 1 skips some)."""
-    return [sum(not _skips(k, t) for t in ts) for k in range(len(params))]
-
-
-def steps_of(opt, params):
-    """Each parameter's step count, None where it has no state."""
-    return [int(opt.state[p]["step"]) if "step" in opt.state.get(p, {}) else None for p in params]
-
-
-def params_of(opt):
-    return [p for g in opt.param_groups for p in g["params"]]
-
-
-def saved(obj, weights_only=True):
-    """``obj`` through torch.save and torch.load(map_location="cpu")."""
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    buf.seek(0)
-    return torch.load(buf, map_location="cpu", weights_only=weights_only)
-
-
-def two_groups(params, lr1):
-    """The first parameter at the optimizer's lr, the others in a group at ``lr1``."""
-    return [{"params": params[:1]}, {"params": params[1:], "lr": lr1}]
-
-
-def named(params, yes=True):
-    return [(f"name{k}", p) for k, p in enumerate(params)] if yes else params
-
-
-def without_names(sd):
-    sd = copy.deepcopy(sd)
-    for g in sd["param_groups"]:
-        g.pop("param_names", None)
-    return sd
 
 
 # -- ours reduces to the reference ------------------------------------------------------------------
@@ -596,8 +426,6 @@ ERRORS = {  # id: (params and kwargs, PyTorch's type, the regex PyTorch's tests 
     "tensor-params": (lambda: (_p(), {}), TypeError,
                       "params argument given to the optimizer should be an iterable of Tensors or dicts"),
     "empty-params": (lambda: ([], {}), ValueError, "optimizer got an empty parameter list"),
-    "duplicates-in-a-group": (lambda: ((lambda q: [q, q])(_p()), {}), UserWarning,
-                              ".*a parameter group with duplicate parameters.*"),
     "duplicates-across-groups": (lambda: ((lambda q: [{"params": q}, {"params": q}])(_p()), {}), ValueError,
                                  "some parameters appear in more than one parameter group"),
     "names-missing": (lambda: ([("weight", _p()), _p()], {}), ValueError,
@@ -652,3 +480,27 @@ def test_invalid_arguments_raise_pytorchs_type_as_the_reference(case, inputs, et
 @pytest.mark.parametrize("case,inputs,etype,regex", _error_params())
 def test_invalid_arguments_carry_pytorchs_message(case, inputs, etype, regex):
     assert re.search(regex, str(_raised(case.make, inputs, etype)))
+
+
+ODD = {  # id: (keyword arguments, the argument the refusal must name): what torch accepts or fails on later
+    "lr-string": (dict(lr="0.1"), "lr"), "lr-bool": (dict(lr=True), "lr"), "lr-none": (dict(lr=None), "lr"),
+    "lr-inf": (dict(lr=float("inf")), "learning rate"), "eps-string": (dict(eps="1e-8"), "eps"),
+    "eps-inf": (dict(eps=float("inf")), "epsilon"), "beta-string": (dict(betas=("0.9", 0.999)), r"betas\[0\]"),
+    "betas-one": (dict(betas=(0.9,)), "betas"), "betas-three": (dict(betas=(0.9, 0.99, 0.999)), "betas"),
+}
+ODD_DECAY = {"weight_decay-string": (dict(weight_decay="0.1"), "weight_decay"),
+             "weight_decay-inf": (dict(weight_decay=float("inf")), "weight_decay")}
+
+
+@pytest.mark.parametrize("case,kw,name", [  # the Disk Sparse optimizers take no weight_decay, as SparseAdam
+    pytest.param(c, *v, id=f"{c.id}-{k}") for c in CASES
+    for k, v in {**ODD, **(ODD_DECAY if c.id.startswith("gefen") else {})}.items()])
+def test_odd_hyper_parameters_are_refused_naming_the_argument_and_value(case, kw, name, track):
+    """A string, bool, None, a non-finite number or the wrong count of betas is refused at construction
+    with a ValueError that names the argument and shows the value (torch accepts some of these and
+    fails on others at the first step, or with a bare TypeError)."""
+    with pytest.raises(ValueError, match=name) as info:
+        track(case.make([_p()], **kw))
+    value = next(iter(kw.values()))
+    shown = [value, value[0]] if isinstance(value, tuple) else [value]
+    assert any(repr(v) in str(info.value) or str(v) in str(info.value) for v in shown), str(info.value)

@@ -17,6 +17,7 @@ import os
 import torch
 
 from .._base import OptimizerBase
+from .._checks import check_distinct
 from .._torch_private import copy_optimizer_hooks
 from ..backends import BACKENDS, choose_backend
 from . import pipeline
@@ -110,6 +111,7 @@ class DiskSparseOptimizer(OptimizerBase):
         torch.optim.Optimizer.add_param_group(self, param_group)
         group = self.param_groups[-1]
         try:
+            check_distinct(group["params"], len(self.param_groups) - 1, type(self).__name__)
             self._check_optimizer_wide(group, len(self.param_groups) - 1)
             self.rule.check_group(group)
         except BaseException:
