@@ -179,24 +179,45 @@ def _refuse_clip(clip):
     return clip_unless_stepped_in_backward
 
 
-@functools.cache
+# (owner, name) -> torch's own function, while a guard stands in for it (only while a handle is installed)
+_GUARDED: dict = {}
+
+
 def _guard_torch() -> None:
-    """Make ``GradScaler.scale`` and gradient clipping refuse while a step runs in backward (they
-    pass through otherwise); done once, when the first handle is installed."""
-    torch.amp.GradScaler.scale = _refuse_scaler(torch.amp.GradScaler.scale)
+    """While a handle is installed, ``GradScaler.scale`` and gradient clipping refuse where a step runs
+    in backward (and pass through otherwise). torch's own functions come back when the last handle is
+    removed (``_unguard_if_idle``): nothing of torch stays replaced."""
+    if _GUARDED:
+        return
     from torch.nn.utils import clip_grad
-    for name in ("clip_grad_norm_", "clip_grad_value_"):
-        guarded = _refuse_clip(getattr(clip_grad, name))
-        setattr(clip_grad, name, guarded)
-        setattr(torch.nn.utils, name, guarded)
+    targets = [(torch.amp.GradScaler, "scale", _refuse_scaler)]
+    targets += [(owner, name, _refuse_clip) for name in ("clip_grad_norm_", "clip_grad_value_")
+                for owner in (clip_grad, torch.nn.utils)]
+    guards = {}  # one guard per original, where two modules export the same function
+    for owner, name, make in targets:
+        original = owner.__dict__[name]
+        guard = guards.setdefault(id(original), make(original))
+        _GUARDED[(owner, name)] = (original, guard)
+        setattr(owner, name, guard)
+
+
+def _unguard_if_idle() -> None:
+    """Give torch its functions back once no handle is installed (a guard that someone replaced since
+    stays under their function, passing calls through)."""
+    if _handles():
+        return
+    for (owner, name), (original, guard) in list(_GUARDED.items()):
+        if owner.__dict__.get(name) is guard:
+            setattr(owner, name, original)
+    _GUARDED.clear()
 
 
 def _accumulating() -> bool:
-    """True inside accelerate's ``accumulate()`` on a micro-batch that is not to step (its shared
-    ``GradientState.sync_gradients`` is False); False where accelerate is not in use."""
+    """True inside accelerate's ``accumulate()`` on a micro-batch that is not to step (its public
+    ``GradientState().sync_gradients`` is False); False where accelerate is not in use."""
     state = sys.modules.get("accelerate.state")
-    shared = getattr(getattr(state, "GradientState", None), "_shared_state", None)
-    return shared is not None and shared.get("sync_gradients", True) is False
+    gradient_state = getattr(state, "GradientState", None)
+    return gradient_state is not None and gradient_state().sync_gradients is False
 
 
 def _distributed_replicas(params) -> bool:
@@ -260,8 +281,9 @@ class StepInBackward:
                 f"device (shapes {meta[:3]}...), holding no data; materialise the model "
                 "(module.to_empty(...)) and build the optimizer after it")
         self._check_distributed(params)
-        _guard_torch()
         _ACTIVE[optimizer] = weakref.ref(self)
+        _guard_torch()
+        weakref.finalize(self, _unguard_if_idle)  # a handle collected without remove()
         try:
             self._hook_new()
         except BaseException:
@@ -292,6 +314,7 @@ class StepInBackward:
                     del opt.__dict__[name]
         if _installed(opt) is self:
             del _ACTIVE[opt]
+        _unguard_if_idle()
 
     def __enter__(self) -> "StepInBackward":
         return self

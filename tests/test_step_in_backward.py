@@ -477,3 +477,34 @@ def test_a_dropped_model_with_its_handle_installed_is_collected():
     assert gone() is None
     other = mlp()
     torch.amp.GradScaler("cpu").scale(loss_of(other, batches(1)[0])).backward()
+
+
+def _torch_functions():
+    from torch.nn.utils import clip_grad
+    return [torch.amp.GradScaler.__dict__["scale"], clip_grad.clip_grad_norm_, clip_grad.clip_grad_value_,
+            torch.nn.utils.clip_grad_norm_, torch.nn.utils.clip_grad_value_]
+
+
+def test_torch_is_as_it_was_once_every_handle_is_removed():
+    """The refusals of GradScaler and clipping stand only while a handle is installed: after the last
+    remove() (or once a handle never removed is collected) torch's own functions are back, the same
+    objects; with two handles, removing one keeps the refusals for the other."""
+    import gc
+
+    originals = _torch_functions()
+    a, b = mlp(), mlp()
+    first = step_in_backward(torch.optim.AdamW(a.parameters(), lr=1e-2))
+    second = step_in_backward(torch.optim.AdamW(b.parameters(), lr=1e-2))
+    first.remove()
+    loss_of(b, batches(1)[0]).backward()
+    with pytest.raises(RuntimeError, match="clip_grad_value_.*stepped inside backward"):
+        torch.nn.utils.clip_grad_value_(b.parameters(), 1.0)
+    second.remove()
+    assert all(x is y for x, y in zip(_torch_functions(), originals))
+
+    c = mlp()
+    step_in_backward(torch.optim.AdamW(c.parameters(), lr=1e-2))
+    assert _torch_functions()[0] is not originals[0]
+    del c
+    gc.collect()
+    assert all(x is y for x, y in zip(_torch_functions(), originals))
