@@ -17,6 +17,8 @@ It does three things once, so that each optimizer keeps only its own concept:
 from __future__ import annotations
 
 import copy
+import functools
+import sys
 from collections import defaultdict
 from itertools import chain
 from typing import NamedTuple
@@ -26,6 +28,23 @@ import torch
 from ._checks import check_distinct
 from ._torch_private import state_dict_hooks
 from .backends import choose_backend
+
+
+def eager(fn):
+    """``fn`` run eagerly inside a ``torch.compile``d function (``torch.compiler.disable``), with
+    ``torch._dynamo`` (seconds to import) imported only once something has imported it: without it
+    nothing compiles, so ``fn`` is called as it is."""
+    disabled = None
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        nonlocal disabled
+        if "torch._dynamo" not in sys.modules:
+            return fn(*args, **kwargs)
+        if disabled is None:
+            disabled = torch.compiler.disable(fn)
+        return disabled(*args, **kwargs)
+    return call
 
 
 class Resolved(NamedTuple):

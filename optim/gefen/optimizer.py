@@ -6,7 +6,7 @@ from collections import defaultdict
 
 import torch
 
-from .._base import OptimizerBase, local_tensor
+from .._base import OptimizerBase, eager, local_tensor
 from .._checks import check_option
 from .._rounding import MASK32, hash32_int
 from ..backends import BACKENDS
@@ -511,7 +511,7 @@ class Gefen(OptimizerBase):
     # --------------------------------------------------------------------------------- step
     # The step chooses blocks and learns the codebook from data, which a compiled graph would not
     # see (torch.compile around a training step): it always runs eagerly.
-    @torch.compiler.disable
+    @eager
     @torch.no_grad()
     def step(self, closure=None):
         """One optimizer step; ``closure`` re-evaluates the model and returns the loss."""
