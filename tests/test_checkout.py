@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import site
 import subprocess
 import sys
 from pathlib import Path
@@ -44,6 +45,23 @@ def _snapshot(root: Path) -> dict:
             for p in root.rglob("*") if p.is_file() and ".git" not in p.relative_to(root).parts}
 
 
+def _venv_with_this_environments_packages(dest: Path) -> str:
+    """A new virtual environment at ``dest`` that imports the packages of the environment running the
+    tests (pip, setuptools, torch, ...), whether that is a venv or the base interpreter; returns its python.
+
+    ``--system-site-packages`` would show the base interpreter's packages, not those of a venv the
+    tests run in, so the running environment's site-packages folders are listed in a ``.pth`` file
+    of the new one instead: after its own site-packages, and as plain folders, so their ``.pth``
+    files (an editable install of this checkout among them) are not run there."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(dest)], check=True)
+    python = str(dest / "bin" / "python")
+    own = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                         capture_output=True, text=True, check=True).stdout.strip()
+    folders = site.getsitepackages() + [site.getusersitepackages()] * bool(site.ENABLE_USER_SITE)
+    (Path(own) / "running_environment.pth").write_text("".join(f"{f}\n" for f in folders if os.path.isdir(f)))
+    return python
+
+
 @pytest.fixture(scope="module")
 def two_checkouts(tmp_path_factory):
     """(python of a venv with A installed editable, A, B, B's commit, environment for its runs)."""
@@ -53,16 +71,29 @@ def two_checkouts(tmp_path_factory):
     first, second = tmp / "A", tmp / "B"
     _copy_checkout(first, "first checkout")
     commit = _copy_checkout(second, "second checkout")
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", str(tmp / "venv")],
-                   check=True)
-    python = str(tmp / "venv" / "bin" / "python")
+    python = _venv_with_this_environments_packages(tmp / "venv")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "WANDB_DIR", "WANDB_MODE")}
-    subprocess.run([python, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-build-isolation",
-                    "--disable-pip-version-check", "-e", str(first)], check=True, env=env, capture_output=True)
+    pip = subprocess.run([python, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-build-isolation",
+                          "--disable-pip-version-check", "-e", str(first)], env=env, capture_output=True, text=True)
+    assert pip.returncode == 0, f"pip install -e {first} failed:\n{pip.stdout[-2000:]}{pip.stderr[-3000:]}"
     imported = subprocess.run([python, "-c", "import experiments.common as c; print(c.REPO_ROOT)"], cwd=tmp,
                               env=env, capture_output=True, text=True, check=True).stdout.strip()
     assert Path(imported) == first, f"the editable install should map experiments to {first}, not {imported}"
     return python, first, second, commit, env
+
+
+@pytest.mark.timeout(30)
+def test_the_checkouts_venv_imports_the_packages_of_the_environment_running_the_tests(two_checkouts):
+    """The same torch and pip as this process, also when it runs in a venv (where the base
+    interpreter's site-packages hold other versions, or none)."""
+    import pip
+    import torch
+
+    python, _, _, _, env = two_checkouts
+    seen = subprocess.run([python, "-c", "import pip, torch; print(pip.__file__); print(torch.__file__)"],
+                          env=env, capture_output=True, text=True, timeout=25)
+    assert seen.returncode == 0, seen.stderr[-2000:]
+    assert seen.stdout.split() == [pip.__file__, torch.__file__]
 
 
 @pytest.mark.timeout(120)
