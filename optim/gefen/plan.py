@@ -11,11 +11,14 @@ device tensors that a kernel advances (``triton_ops.StepScalars``, one a group a
 rows each call's tiles read: ``Call.rows``), and a call is not split by step.
 
 The plan is keyed by ``signature``: per group its structural options, per parameter whether it
-has a gradient and the address, shape, dtype and device of its data and its gradient's dtype,
-shape and layout. Anything that changes those (``p.data`` replaced or resized, a move or cast, a
-gradient that appears, disappears or changes dtype or layout, an option edited in place) gives
-another key and a new plan; what the key cannot see (state created, re-cut or loaded, a new
-codebook, a new group) drops the plans explicitly (``Gefen._drop_plans``).
+has a gradient, the Parameter object itself (its ``id``), the address of its data's first element
+(storage offset included), its strides, shape, dtype and device, and its gradient's dtype, shape
+and layout. Anything that changes those (a Parameter re-wrapped and put back into the group,
+``p.data`` replaced, resized, transposed or re-strided, a move or cast, a gradient that appears,
+disappears or changes dtype or layout, an option edited in place) gives another key and a new
+plan; what the key cannot see (state created, re-cut or loaded, a new codebook, a new group)
+drops the plans explicitly (``Gefen._drop_plans``). A plan holds the Parameters it steps, so no
+other object takes the ``id`` of one while the plan lives.
 """
 
 from __future__ import annotations
@@ -200,7 +203,8 @@ def signature(groups, local) -> tuple:
                 add(None)
                 continue
             x = local(p)
-            add((x.data_ptr(), x.shape, x.dtype, x.device, g.dtype, g.shape, g.layout, g.is_contiguous()))
+            add((id(p), x.data_ptr(), x.stride(), x.shape, x.dtype, x.device, g.dtype, g.shape, g.layout,
+                 g.is_contiguous()))
     return tuple(sig)
 
 
