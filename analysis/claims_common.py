@@ -9,7 +9,7 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from analysis.common import ResultsError, load_config, load_rows, select, value
+from analysis.common import ResultsError, is_quick, load_config, load_rows, select, value
 from experiments.common import RESULTS_DIR
 
 
@@ -34,6 +34,10 @@ class Results:
 
     def rows(self, experiment, *metrics):
         if experiment not in self._rows:
+            if is_quick(self.run(experiment), self.dir):  # a smoke test's rows are no evidence for a claim
+                raise ResultsError(f"{self.dir / experiment}.csv: a quick run's results, a smoke test and no evidence; "
+                                   f"the claims read full runs only: rerun experiments/{experiment.split('/')[-1]}.py "
+                                   "without --quick")
             self._rows[experiment] = load_rows(experiment, self.dir)
         if experiment not in self.read:
             self.read.append(experiment)

@@ -31,7 +31,7 @@ from typing import Callable
 import matplotlib
 
 from experiments import tracking
-from experiments.common import FIGS_DIR, REPO_ROOT, RESULTS_DIR, read_results
+from experiments.common import FIGS_DIR, REPO_ROOT, RESULTS_DIR, read_results, same_file_under
 
 matplotlib.use("Agg")  # before any script imports pyplot: figures are files, never windows
 
@@ -83,6 +83,11 @@ def is_quick(config: dict, results_dir) -> bool:
         (RESULTS_DIR / "quick").resolve())
 
 
+def is_same_file(path, other) -> bool:
+    """Whether both exist and are one file (device and inode): a hard link or a symbolic link to it."""
+    return Path(path).exists() and Path(other).exists() and os.path.samefile(path, other)
+
+
 def without_verdicts(text: str) -> str:
     """``text`` with every verdict word (met, not met, missed, reproduced, not reproduced) as "—"."""
     return VERDICT_WORDS.sub("—", text)
@@ -91,10 +96,11 @@ def without_verdicts(text: str) -> str:
 def figure_path(name: str, results_dir, out=None, quick=False) -> Path:
     """Where the figure of results in ``results_dir`` goes: ``out`` if given, else ``paper_figs/`` for
     the committed results of a full run and beside the results for any other. A figure of other
-    results is refused inside ``paper_figs/``, which holds only the committed results' figures."""
+    results is refused inside ``paper_figs/``, which holds only the committed results' figures, and
+    on a file of it under another name (a hard link), which drawing would rewrite in place."""
     committed = is_committed(results_dir) and not quick
     path = Path(out) if out is not None else (FIGS_DIR if committed else Path(results_dir)) / f"{name}.png"
-    if not committed and path.resolve().is_relative_to(FIGS_DIR.resolve()):
+    if not committed and (path.resolve().is_relative_to(FIGS_DIR.resolve()) or same_file_under(path, FIGS_DIR)):
         raise ResultsError(f"{path}: paper_figs/ holds the figures of the committed results/ only; the figure of "
                            f"{'a quick run' if quick else results_dir} goes beside its results (leave out --out)")
     return path
@@ -469,13 +475,19 @@ def main(report: Report, argv=None, doc=None):
     args = parser.parse_args(argv)
     rows = load_rows(report.experiment, args.results_dir, report.metrics)
     config = load_config(report.experiment, args.results_dir)
-    quick = is_quick(config, args.results_dir)
-    if quick and is_committed(args.results_dir):
-        raise ResultsError(f"{Path(args.results_dir) / report.experiment}.csv: a quick run's results in the committed "
-                           "results/; rerun the experiment without --quick, or with --results-dir results/quick")
     config["other_rows"] = {name: load_rows(name, args.results_dir) for name in report.reads
                             if (Path(args.results_dir) / f"{name}.csv").exists()}
+    # a quick run among those read (the experiment's or one it compares with) makes the section quick
+    quick_runs = [name for name in [report.experiment, *config["other_rows"]]
+                  if is_quick(load_config(name, args.results_dir), args.results_dir)]
+    quick = bool(quick_runs)
+    if quick and is_committed(args.results_dir):
+        raise ResultsError(f"{Path(args.results_dir) / quick_runs[0]}.csv: a quick run's results in the committed "
+                           "results/; rerun the experiment without --quick, or with --results-dir results/quick")
     readme = Path(args.results_dir) / "README.md"
+    if not is_committed(args.results_dir) and is_same_file(readme, RESULTS_DIR / "README.md"):
+        raise ResultsError(f"{readme}: results/README.md under another name (a link to it), which holds the committed "
+                           "results' sections only; other results get a README.md of their own: remove this one")
     parts = [f"## {report.title}"] + [f"**{QUICK_BANNER}** (small sizes, few steps: no verdicts)."] * quick
     parts.append(setup_line(config, rows))
     if report.draw is not None:

@@ -7,8 +7,9 @@ of one commit) with the columns of docs/DESIGN.md::
     git_commit, timestamp
 
 and ``results/<experiment>.config.json`` beside it: the resolved config, the commit, the device, the
-torch version, the command line and the run's wall time. ``--quick`` runs always write under
-``results/quick/`` (their analysis draws beside them), never over the committed files.
+torch version, the command line and the run's wall time. ``--quick`` runs write under
+``results/quick/`` by default (their analysis draws beside them) and are refused a ``--results-dir``
+that would write over the committed files.
 
 Usage inside an experiment::
 
@@ -45,6 +46,33 @@ FIELDS = [
 def results_dir(quick: bool) -> Path:
     """The default results folder: ``results/quick`` for --quick runs, else ``results``."""
     return RESULTS_DIR / "quick" if quick else RESULTS_DIR
+
+
+def same_file_under(path, folder, outside=None) -> bool:
+    """Whether ``path`` is an existing file that is also a file under ``folder`` (and not under
+    ``outside``), compared by identity (device and inode): a hard link or a symbolic link to it, under
+    any name, is the same file, and a write to it rewrites that one in place."""
+    if not Path(path).is_file():
+        return False
+    target = os.stat(path)
+    skip = Path(outside).resolve() if outside else None
+    return any(os.path.samestat(target, f.stat()) for f in Path(folder).resolve().rglob("*")
+               if f.is_file() and not (skip and f.resolve().is_relative_to(skip)))
+
+
+def refuse_committed_outputs(folder, names=()) -> None:
+    """Refuse a quick run's outputs on the committed results: ``folder`` inside ``results/`` but
+    outside ``results/quick``, however it is spelled (``..``, a symlink), or a file ``names`` of
+    ``folder`` that is a committed one under another name (a hard or symbolic link)."""
+    where, committed, quick = Path(folder).resolve(), RESULTS_DIR.resolve(), (RESULTS_DIR / "quick").resolve()
+    why = ("a quick run is a smoke test and never writes the committed results; leave out --results-dir "
+           "(it writes results/quick) or name a folder of its own")
+    if where.is_relative_to(committed) and not where.is_relative_to(quick):
+        raise ValueError(f"--results-dir {folder}: it is {where}, in the committed results/; {why}")
+    for name in names:
+        if same_file_under(where / name, committed, outside=quick):
+            raise ValueError(f"--results-dir {folder}: its {name} is a file of the committed results/ (a link to "
+                             f"it); {why}")
 
 
 def add_common_args(parser, default_seed: int = 0):
@@ -101,7 +129,8 @@ class Results:
 
     Every ``flush()`` (and the context's exit, also on an exception, so a run that fails late keeps
     what it measured) rewrites the CSV with all rows of this run. The output folder is
-    ``args.results_dir`` if given, else ``results/quick`` for ``args.quick``, else ``results``.
+    ``args.results_dir`` if given, else ``results/quick`` for ``args.quick``, else ``results``; a
+    quick (or tiny) run is refused one that would write over the committed results.
 
     W&B (experiments/tracking.py): ``self.tracking`` is the experiment's W&B settings, for training
     runs of its configurations (``self.tracking.train_run(...)``, in this or a worker process). The
@@ -115,7 +144,10 @@ class Results:
 
         self.experiment = experiment
         given = getattr(args, "results_dir", None)
-        self.results_dir = Path(given) if given else results_dir(bool(getattr(args, "quick", False)))
+        quick = bool(getattr(args, "quick", False) or getattr(args, "tiny", False))
+        self.results_dir = Path(given) if given else results_dir(quick)
+        if quick:
+            refuse_committed_outputs(self.results_dir, [f"{experiment}.csv", f"{experiment}.config.json"])
         self.seed = getattr(args, "seed", "")
         self.device = device_name(device)
         self.torch_version = torch.__version__

@@ -28,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-from experiments.common import FIGS_DIR, REPO_ROOT, RESULTS_DIR, results_dir
+from experiments.common import FIGS_DIR, REPO_ROOT, RESULTS_DIR, refuse_committed_outputs, results_dir
 
 # experiment script -> the analysis scripts that read its CSV, in the order results/README.md shows their
 # sections (Disk Sparse Adam, Gefen, the Triton kernels); a script runs after those whose CSVs it reads
@@ -137,6 +137,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
 
     results = args.results_dir or results_dir(args.quick)
+    if args.quick:  # before any step: each experiment would refuse it too
+        refuse_committed_outputs(results, [p.name for p in results.glob("*")])
     results.mkdir(parents=True, exist_ok=True)
     if args.figs_dir:
         args.figs_dir.mkdir(parents=True, exist_ok=True)
