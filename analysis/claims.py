@@ -16,6 +16,9 @@ A row whose CSV lacks a metric raises ``ResultsError`` naming the file. The rows
 
 from __future__ import annotations
 
+if not __package__:  # run as a file: stop with the install command if the repository is not installed
+    import _install_check  # noqa: F401
+
 import argparse
 import re
 import sys

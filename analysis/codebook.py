@@ -11,6 +11,9 @@ AdamW first moments quantised with each code (variants ``<code>/<bits>/<blocking
 
 from __future__ import annotations
 
+if not __package__:  # run as a file: stop with the install command if the repository is not installed
+    import _install_check  # noqa: F401
+
 import math
 from collections import defaultdict
 

@@ -20,6 +20,9 @@ every configuration under every protocol the run has.
 
 from __future__ import annotations
 
+if not __package__:  # run as a file: stop with the install command if the repository is not installed
+    import _install_check  # noqa: F401
+
 import math
 import statistics
 from collections import defaultdict

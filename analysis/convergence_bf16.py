@@ -8,6 +8,9 @@ and tables are analysis/convergence.py's, the verdict the bf16 target (within +0
 final validation loss, median over seeds paired by seed).
 """
 
+if not __package__:  # run as a file: stop with the install command if the repository is not installed
+    import _install_check  # noqa: F401
+
 from analysis.common import Report, main
 from analysis.convergence import body, draw
 

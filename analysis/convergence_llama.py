@@ -1,6 +1,9 @@
 """``python analysis/convergence_llama.py``: figure, tables and verdicts of the Llama-style model's
 run (``python experiments/convergence.py --experiment convergence_llama``), as analysis/convergence.py's."""
 
+if not __package__:  # run as a file: stop with the install command if the repository is not installed
+    import _install_check  # noqa: F401
+
 from analysis.convergence import arch_main, arch_report
 
 REPORT = arch_report("llama")

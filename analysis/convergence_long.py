@@ -5,6 +5,9 @@ analysis/convergence.py's figure and tables, then each optimizer's median ratio 
 steps against the same seeds' at 1,000 steps in the drop-in protocol of ``convergence_encoder.csv``
 (where that file is in the results folder): the target is a gap no larger at 3,000 steps."""
 
+if not __package__:  # run as a file: stop with the install command if the repository is not installed
+    import _install_check  # noqa: F401
+
 import dataclasses
 import math
 import statistics

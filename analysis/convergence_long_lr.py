@@ -4,6 +4,9 @@ drop-in lr held fixed (``python experiments/convergence.py --experiment converge
 The body of analysis/convergence_long.py: with the lr the same at both lengths, a gap that grows
 from 1,000 to 3,000 steps is the training length's."""
 
+if not __package__:  # run as a file: stop with the install command if the repository is not installed
+    import _install_check  # noqa: F401
+
 import dataclasses
 
 from analysis.convergence import arch_main

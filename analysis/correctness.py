@@ -9,6 +9,9 @@ the same random batches. The section is one table of both errors per comparison.
 
 from __future__ import annotations
 
+if not __package__:  # run as a file: stop with the install command if the repository is not installed
+    import _install_check  # noqa: F401
+
 from analysis.common import Report, fmt, main, md_table, select, value, variants
 
 

@@ -10,6 +10,9 @@ amplification, flush MiB/s; the scaling curve (variant ``DiskSparseAdam/compact/
 
 from __future__ import annotations
 
+if not __package__:  # run as a file: stop with the install command if the repository is not installed
+    import _install_check  # noqa: F401
+
 from analysis.common import Report, fmt, main, md_table, select
 
 

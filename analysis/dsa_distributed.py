@@ -11,6 +11,9 @@ with the bandwidth each needs for the claimed step time on the right axis.
 
 from __future__ import annotations
 
+if not __package__:  # run as a file: stop with the install command if the repository is not installed
+    import _install_check  # noqa: F401
+
 from analysis.common import Report, fmt, main, md_table, save_figure, select, value
 
 SETUPS = [("single", "one process, no group"), ("sharded", "ShardedEmbedding (all_to_all)"),

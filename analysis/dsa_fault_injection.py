@@ -11,6 +11,9 @@ and the verdict.
 
 from __future__ import annotations
 
+if not __package__:  # run as a file: stop with the install command if the repository is not installed
+    import _install_check  # noqa: F401
+
 from analysis.common import Report, duration, fmt, main, md_table, select
 
 METRICS = ("trials", "refused_dirty", "accepted_clean", "bitwise_continuations", "failures")

@@ -10,6 +10,9 @@ Section: a table per epoch and the verdict on the seed's numbers.
 
 from __future__ import annotations
 
+if not __package__:  # run as a file: stop with the install command if the repository is not installed
+    import _install_check  # noqa: F401
+
 from analysis.common import Report, fmt, main, md_table, save_figure, select, variants
 
 OURS, GEOOPT = "DiskSparseRiemannianAdam", "geoopt-SparseRiemannianAdam"

@@ -12,6 +12,9 @@ measured interleaved in one run, and each target met or missed.
 
 from __future__ import annotations
 
+if not __package__:  # run as a file: stop with the install command if the repository is not installed
+    import _install_check  # noqa: F401
+
 import matplotlib.ticker
 
 from analysis.common import Report, fmt, main, md_table, save_figure, select, value

@@ -18,6 +18,9 @@ script. tests/test_figures.py holds every figure to 0, 0, 0 and at most ``MAX_SE
 
 from __future__ import annotations
 
+if not __package__:  # run as a file: stop with the install command if the repository is not installed
+    import _install_check  # noqa: F401
+
 import argparse
 import contextlib
 import importlib

@@ -13,6 +13,9 @@ is the first moment in fp32 on every tensor. Section: the same means, deviations
 
 from __future__ import annotations
 
+if not __package__:  # run as a file: stop with the install command if the repository is not installed
+    import _install_check  # noqa: F401
+
 import functools
 import math
 import statistics

@@ -4,6 +4,9 @@ figure and table on the encoder at 1,000 steps, 4-bit codes, the row-group scale
 of up to 512 elements, alone and in the whole layout, on top of the factor, the findings by the median
 over seeds, the factored 4-bit's +0.6% target dashed. ``python analysis/gefen_ablation_4bit.py``"""
 
+if not __package__:  # run as a file: stop with the install command if the repository is not installed
+    import _install_check  # noqa: F401
+
 from analysis.common import main
 from analysis.gefen_ablation import factored_report
 

@@ -3,6 +3,9 @@
 the median over seeds (as the issue's targets), the factored 8-bit's +0.3% target dashed.
 ``python analysis/gefen_ablation_arch.py``"""
 
+if not __package__:  # run as a file: stop with the install command if the repository is not installed
+    import _install_check  # noqa: F401
+
 from analysis.common import main
 from analysis.gefen_ablation import factored_report
 

@@ -5,6 +5,9 @@ factors, and Gefen-4bit-compact's layout with one column factor a matrix, one pe
 per square tile in bf16, the findings by the median over seeds, the factored 4-bit's +0.6% target
 dashed. ``python analysis/gefen_ablation_factor16.py``"""
 
+if not __package__:  # run as a file: stop with the install command if the repository is not installed
+    import _install_check  # noqa: F401
+
 from analysis.common import main
 from analysis.gefen_ablation import factored_report
 

@@ -4,6 +4,9 @@ analysis/gefen_ablation.py's figure and table on the encoder at 1,000 steps, 4-b
 Gefen-4bit-compact's layout and that layout with each of its four options left out, the findings by
 the median over seeds, the factored 4-bit's +0.6% target dashed. ``python analysis/gefen_ablation_leave_out4.py``"""
 
+if not __package__:  # run as a file: stop with the install command if the repository is not installed
+    import _install_check  # noqa: F401
+
 from analysis.common import main
 from analysis.gefen_ablation import factored_report
 

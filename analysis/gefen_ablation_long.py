@@ -3,6 +3,9 @@
 figure and table on the encoder at 3,000 steps, the findings by the median over seeds, the factored
 8-bit's +0.3% target dashed. ``python analysis/gefen_ablation_long.py``"""
 
+if not __package__:  # run as a file: stop with the install command if the repository is not installed
+    import _install_check  # noqa: F401
+
 from analysis.common import main
 from analysis.gefen_ablation import factored_report
 

@@ -5,6 +5,9 @@ its first moment in fp32, with the codebook learned again every 100 steps and un
 layout, the findings by the median over seeds, the factored 8-bit's +0.3% target dashed.
 ``python analysis/gefen_ablation_long_best.py``"""
 
+if not __package__:  # run as a file: stop with the install command if the repository is not installed
+    import _install_check  # noqa: F401
+
 from analysis.common import main
 from analysis.gefen_ablation import factored_report
 

@@ -5,6 +5,9 @@ Gefen-4bit-compact (scale groups of at most 512 elements), scale groups of at mo
 and in that layout, and the same layout with its column factor in bf16, the findings by the median
 over seeds, the factored 4-bit's +0.6% target dashed. ``python analysis/gefen_ablation_scales4.py``"""
 
+if not __package__:  # run as a file: stop with the install command if the repository is not installed
+    import _install_check  # noqa: F401
+
 from analysis.common import main
 from analysis.gefen_ablation import factored_report
 

@@ -4,6 +4,9 @@ GPT at their steps and AdamW's best lr there, the factored 8-bit, Gefen-4bit-fac
 the findings by the median over seeds, the factored 8-bit's +0.3% target dashed.
 ``python analysis/gefen_ablation_seeds.py``"""
 
+if not __package__:  # run as a file: stop with the install command if the repository is not installed
+    import _install_check  # noqa: F401
+
 from analysis.common import main
 from analysis.gefen_ablation import factored_report
 

@@ -5,6 +5,9 @@ shared (``share_vector_second_moment``) and with whole-row v where the rule find
 (``share_matrix_rows``), each alone, the findings by the median over seeds, the factored 4-bit's
 +0.6% target dashed. ``python analysis/gefen_ablation_vectors4.py``"""
 
+if not __package__:  # run as a file: stop with the install command if the repository is not installed
+    import _install_check  # noqa: F401
+
 from analysis.common import main
 from analysis.gefen_ablation import factored_report
 

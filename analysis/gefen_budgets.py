@@ -10,6 +10,9 @@ with stochastic rounding, step in backward) trains a model >= 3x the parameters 
 
 from __future__ import annotations
 
+if not __package__:  # run as a file: stop with the install command if the repository is not installed
+    import _install_check  # noqa: F401
+
 import math
 
 import numpy as np

@@ -11,6 +11,9 @@ more throughput than AdamW under DDP and FSDP).
 
 from __future__ import annotations
 
+if not __package__:  # run as a file: stop with the install command if the repository is not installed
+    import _install_check  # noqa: F401
+
 import math
 
 import numpy as np

@@ -12,6 +12,9 @@ and each target met or missed; then, per convergence model (variants ``<model la
 
 from __future__ import annotations
 
+if not __package__:  # run as a file: stop with the install command if the repository is not installed
+    import _install_check  # noqa: F401
+
 import math
 
 import matplotlib.ticker

@@ -16,6 +16,9 @@ rounding, step in backward) peaks at <= 4.5 B/param on the 50.4 M MLP.
 
 from __future__ import annotations
 
+if not __package__:  # run as a file: stop with the install command if the repository is not installed
+    import _install_check  # noqa: F401
+
 import math
 
 import numpy as np

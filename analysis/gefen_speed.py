@@ -17,6 +17,9 @@ same numbers in tables and, for a full run, each target met or missed.
 
 from __future__ import annotations
 
+if not __package__:  # run as a file: stop with the install command if the repository is not installed
+    import _install_check  # noqa: F401
+
 import math
 from pathlib import Path
 

@@ -21,6 +21,9 @@ other schemes.
 
 from __future__ import annotations
 
+if not __package__:  # run as a file: stop with the install command if the repository is not installed
+    import _install_check  # noqa: F401
+
 import math
 import statistics
 from collections import defaultdict

@@ -12,6 +12,9 @@ predicted step <= 0.55x fused AdamW's).
 
 from __future__ import annotations
 
+if not __package__:  # run as a file: stop with the install command if the repository is not installed
+    import _install_check  # noqa: F401
+
 from collections import defaultdict
 
 from analysis.common import Report, fmt, main, md_table, select

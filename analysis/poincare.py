@@ -9,6 +9,9 @@ one line per optimizer. Section: both per optimizer and dimension.
 
 from __future__ import annotations
 
+if not __package__:  # run as a file: stop with the install command if the repository is not installed
+    import _install_check  # noqa: F401
+
 from analysis.common import Report, fmt, main, md_table, save_figure, select, variants
 
 RIEMANNIAN, GEOOPT = "DiskSparseRiemannianAdam", "geoopt-SparseRiemannianAdam"

@@ -37,6 +37,9 @@ the published DSA claims 134,212 samples/s on a Kaggle GPU.
 
 from __future__ import annotations
 
+if not __package__:  # run as a file: stop with the install command if the repository is not installed
+    import _install_check  # noqa: F401
+
 import argparse
 import statistics
 import sys

@@ -38,6 +38,9 @@ built on first use). A peer that cannot be built or run is skipped and its reaso
 stopped by a time limit keeps what it measured.
 """
 
+if not __package__:  # run as a file: stop with the install command if the repository is not installed
+    import _install_check  # noqa: F401
+
 import argparse
 import statistics
 import sys

@@ -27,6 +27,9 @@ Rows: relative error sum (m − m̂)² / sum m² and the MSE of the normalised v
 
 from __future__ import annotations
 
+if not __package__:  # run as a file: stop with the install command if the repository is not installed
+    import _install_check  # noqa: F401
+
 import argparse
 import statistics
 import sys

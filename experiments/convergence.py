@@ -82,6 +82,9 @@ place of the sweep and ``best_lr``.
 
 from __future__ import annotations
 
+if not __package__:  # run as a file: stop with the install command if the repository is not installed
+    import _install_check  # noqa: F401
+
 import argparse
 import math
 import statistics

@@ -20,6 +20,9 @@ experiments/registry.py, metrics ``max_abs_err`` and
 
 from __future__ import annotations
 
+if not __package__:  # run as a file: stop with the install command if the repository is not installed
+    import _install_check  # noqa: F401
+
 import argparse
 import os
 import sys

@@ -22,6 +22,9 @@ first, refuses if it is short, and removes every file it made.
 
 from __future__ import annotations
 
+if not __package__:  # run as a file: stop with the install command if the repository is not installed
+    import _install_check  # noqa: F401
+
 import argparse
 import os
 import shutil

@@ -29,6 +29,9 @@ GPU (2048 samples per step: 15.3 ms), with no overlap of communication and compu
 
 from __future__ import annotations
 
+if not __package__:  # run as a file: stop with the install command if the repository is not installed
+    import _install_check  # noqa: F401
+
 import argparse
 import json
 import math

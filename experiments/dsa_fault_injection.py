@@ -33,6 +33,9 @@ and ``wall_time`` (s) of all trials.
 
 from __future__ import annotations
 
+if not __package__:  # run as a file: stop with the install command if the repository is not installed
+    import _install_check  # noqa: F401
+
 import argparse
 import copy
 import os

@@ -36,6 +36,9 @@ Timings were taken on whatever else the machine ran: ratios come from one run, i
 
 from __future__ import annotations
 
+if not __package__:  # run as a file: stop with the install command if the repository is not installed
+    import _install_check  # noqa: F401
+
 import argparse
 import json
 import os

@@ -23,6 +23,9 @@ CPU, ``torch.cuda.max_memory_allocated`` on CUDA).
 
 from __future__ import annotations
 
+if not __package__:  # run as a file: stop with the install command if the repository is not installed
+    import _install_check  # noqa: F401
+
 import argparse
 import os
 import shutil

@@ -36,6 +36,9 @@ tagged seed@Nt, kg@Nt.
 
 from __future__ import annotations
 
+if not __package__:  # run as a file: stop with the install command if the repository is not installed
+    import _install_check  # noqa: F401
+
 import argparse
 import gc
 import os

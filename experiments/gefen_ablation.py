@@ -138,6 +138,9 @@ its ``_mean`` and ``_std``; all against ``steps``.
 
 from __future__ import annotations
 
+if not __package__:  # run as a file: stop with the install command if the repository is not installed
+    import _install_check  # noqa: F401
+
 import argparse
 import re
 import statistics

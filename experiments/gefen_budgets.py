@@ -28,6 +28,9 @@ Rows (x = the trial's micro-batch or parameters): ``micro_batch@<b>GiB/<opt>`` a
 
 from __future__ import annotations
 
+if not __package__:  # run as a file: stop with the install command if the repository is not installed
+    import _install_check  # noqa: F401
+
 import argparse
 import concurrent.futures as futures
 import json

@@ -28,6 +28,9 @@ Rows (variant ``ddp/<opt>`` or ``fsdp2/<opt>``; x = micro_batch), per kind of ru
 
 from __future__ import annotations
 
+if not __package__:  # run as a file: stop with the install command if the repository is not installed
+    import _install_check  # noqa: F401
+
 import argparse
 import json
 import os

@@ -31,6 +31,9 @@ after the first step of its training run of ``--seed``, which fixes the blocks: 
 ``kind`` (Adam-mini left out: its state needs the model's dimensions).
 """
 
+if not __package__:  # run as a file: stop with the install command if the repository is not installed
+    import _install_check  # noqa: F401
+
 import argparse
 import math
 import sys

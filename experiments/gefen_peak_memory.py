@@ -39,6 +39,9 @@ built); once (x = steps): ``state_bytes_per_param`` (registry.state_bytes after 
 
 from __future__ import annotations
 
+if not __package__:  # run as a file: stop with the install command if the repository is not installed
+    import _install_check  # noqa: F401
+
 import argparse
 import concurrent.futures as futures
 import json

@@ -50,6 +50,9 @@ Rows (long format, experiments/common.py):
   ``host_us_per_tensor``; the device column names the GPU.
 """
 
+if not __package__:  # run as a file: stop with the install command if the repository is not installed
+    import _install_check  # noqa: F401
+
 import argparse
 import contextlib
 import math

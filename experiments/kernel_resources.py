@@ -28,6 +28,9 @@ out), at a stated bandwidth (default: H200's 4.8 TB/s HBM3e peak), without launc
 
 from __future__ import annotations
 
+if not __package__:  # run as a file: stop with the install command if the repository is not installed
+    import _install_check  # noqa: F401
+
 import argparse
 import sys
 

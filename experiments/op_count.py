@@ -27,6 +27,9 @@ learns the codebook). ``count_in_child`` runs it with TRITON_INTERPRET=1 and ret
 
 from __future__ import annotations
 
+if not __package__:  # run as a file: stop with the install command if the repository is not installed
+    import _install_check  # noqa: F401
+
 import argparse
 import collections
 import contextlib

@@ -30,6 +30,9 @@ Optimizer names are experiments/registry.py's; the two DiskSparseAdam variants n
 
 from __future__ import annotations
 
+if not __package__:  # run as a file: stop with the install command if the repository is not installed
+    import _install_check  # noqa: F401
+
 import argparse
 import time
 

@@ -23,6 +23,9 @@ one of experiments/gpu_checks.sh's steps.
 
 from __future__ import annotations
 
+if not __package__:  # run as a file: stop with the install command if the repository is not installed
+    import _install_check  # noqa: F401
+
 import argparse
 import sys
 import tempfile

@@ -21,6 +21,9 @@ bench_kernels, profile_step) are not part of this run: they are the prepared che
 
 from __future__ import annotations
 
+if not __package__:  # run as a file: stop with the install command if the repository is not installed
+    import _install_check  # noqa: F401
+
 import argparse
 import os
 import subprocess

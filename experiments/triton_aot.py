@@ -18,6 +18,9 @@ in a subprocess without it (used by ``tests/test_triton_aot.py`` and
 
 from __future__ import annotations
 
+if not __package__:  # run as a file: stop with the install command if the repository is not installed
+    import _install_check  # noqa: F401
+
 import contextlib
 import io
 import os

@@ -131,3 +131,32 @@ def test_a_rerun_that_still_imports_the_other_checkout_stops_naming_both_and_the
     assert proc.returncode != 0, "the script ran with the other checkout's code:\n" + proc.stdout[-1000:]
     assert str(first) in proc.stderr and str(second) in proc.stderr, proc.stderr
     assert f"pip install --no-deps -e {second}" in proc.stderr, proc.stderr
+
+
+# every script a user runs: those with a ``__main__`` block
+SCRIPTS = sorted(str(p.relative_to(REPO)) for folder in ("experiments", "analysis") for p in (REPO / folder).glob("*.py")
+                 if 'if __name__ == "__main__"' in p.read_text())
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_a_script_run_without_the_repository_installed_says_how_to_install_it(tmp_path, script):
+    """``python -S``: no site-packages, so neither an installed repository nor its dependencies; the
+    script stops with the install command before it imports either."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([sys.executable, "-S", str(REPO / script), "--help"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 1, proc.stdout[-1000:] + proc.stderr[-2000:]
+    assert f"cd {REPO} && {sys.executable} -m pip install -e .\n" in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("command", [["experiments/reproduce.py"], ["-m", "experiments.reproduce"],
+                                     ["analysis/correctness.py"], ["-m", "analysis.correctness"]],
+                         ids=["file", "module", "analysis-file", "analysis-module"])
+def test_a_script_runs_as_a_file_or_a_module_where_the_repository_is_importable(tmp_path, command):
+    """The install check passes where the packages are found (here on PYTHONPATH, as an install finds them)."""
+    command = [str(REPO / command[0])] if command[0].endswith(".py") else command
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, *command, "--help"], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.startswith("usage:"), proc.stdout[-1000:] + proc.stderr[-2000:]
