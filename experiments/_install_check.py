@@ -4,7 +4,7 @@
 the repository's packages (``optim``, ``experiments``, ``analysis``) are found only once installed,
 since no script edits ``sys.path``. Run as a file, a script imports this module by its bare name
 (found in its own folder) before anything else, so a missing install is one clear message instead of
-a ``ModuleNotFoundError``. The same file is in ``experiments/`` and ``analysis/``.
+a ``ModuleNotFoundError``. ``analysis/_install_check.py`` is a link to this file.
 """
 
 import importlib.util
