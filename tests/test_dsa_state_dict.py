@@ -78,6 +78,8 @@ def test_sparse_adam_loaded_from_a_state_dict_never_writes_the_files(tmp_path):
     sa = torch.optim.SparseAdam(emb.parameters(), lr=1e-2)
     sa.load_state_dict(dsa.state_dict())
     at_close = {k: v.clone() if torch.is_tensor(v) else v for k, v in dsa.state_dict()["state"][0].items()}
+    resumed = sparse_embedding(N, DIM)  # the weights the files are flushed with, for the resume below
+    resumed.load_state_dict(emb.state_dict())
     dsa.close()  # clean at step 3
     for t in range(3, 6):  # SparseAdam goes on from the handed-over moments
         step_random_rows(emb, sa, t)
@@ -85,7 +87,7 @@ def test_sparse_adam_loaded_from_a_state_dict_never_writes_the_files(tmp_path):
     # The moments it got were the right ones. Not bitwise: SparseAdam takes the state dict's int64
     # step tensor and then computes its bias correction in float32.
     assert_close(emb.weight, ref.weight, atol=1e-6, rtol=1e-5, name="weight")
-    with DiskSparseAdam(sparse_embedding(N, DIM, seed=0).parameters(), state_dir=tmp_path, resume=True) as again:
+    with DiskSparseAdam(resumed.parameters(), state_dir=tmp_path, resume=True) as again:
         got = again.state_dict()["state"][0]
         assert int(got["step"]) == 3
         for key in ("exp_avg", "exp_avg_sq"):

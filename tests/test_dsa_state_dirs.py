@@ -1,11 +1,13 @@
 """Where Disk Sparse Adam's state goes: private directories of killed processes are removed at the
-next start (only those whose owner is gone), a state_dir on a RAM filesystem is refused beyond
-the memory available (warned about beyond a quarter of the limit) before any file is made, a state
-file deleted or replaced under an open optimizer is refused, and a resume knows its tables by name
-and refuses another number of ranks, extra files, or unnamed tables in another order."""
+next start (only those of this host whose owner is gone), a state_dir on a RAM filesystem is
+refused beyond the memory available (warned about beyond a quarter of the limit) before any file
+is made, a state file deleted or replaced under an open optimizer is refused, and a resume knows
+its tables by name and refuses another number of ranks, extra files, or unnamed tables in another
+order."""
 
 import os
 import signal
+import subprocess
 import tempfile
 import warnings
 
@@ -52,9 +54,9 @@ def test_a_private_dir_left_by_a_killed_process_is_removed_at_the_next_start(tmp
     live, live_dir, hold = _child(tmp_path, kill=False)
     try:
         assert os.path.isdir(live_dir)
-        ns = state_dirs.pid_namespace()
-        recycled = tmp_path / f"disk-sparse-adam-{os.getpid()}-1-{ns}-abc"  # this pid, another start time
-        elsewhere = tmp_path / f"disk-sparse-adam-{os.getpid()}-1-{ns + 1}-abc"  # another pid namespace
+        ns, host = state_dirs.pid_namespace(), state_dirs.host_identity()
+        recycled = tmp_path / f"disk-sparse-adam-{os.getpid()}-1-{ns}-{host}-abc"  # this pid, another start time
+        elsewhere = tmp_path / f"disk-sparse-adam-{os.getpid()}-1-{ns + 1}-{host}-abc"  # another pid namespace
         unnamed = tmp_path / "disk-sparse-adam-xyz"  # no owner recorded
         for d in (recycled, elsewhere, unnamed):
             d.mkdir()
@@ -69,6 +71,37 @@ def test_a_private_dir_left_by_a_killed_process_is_removed_at_the_next_start(tmp
         os.close(hold)
         os.waitpid(live, 0)
     assert not os.path.exists(live_dir)  # its own close
+
+
+def test_a_private_dir_of_another_host_is_left_alone(tmp_path, monkeypatch):
+    """On a $TMPDIR that hosts share (a cluster's scratch), the pid namespace's number is the same on
+    every host, so only the host tells whose a directory is: one named after another host (another
+    boot id) whose pid is dead here is left alone, and so is one named without a host (it cannot be
+    told); one of this host whose owner is gone is removed."""
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # its pid runs no process here now
+    ns, host = state_dirs.pid_namespace(), state_dirs.host_identity()
+    other = "0" * 12 if host != "0" * 12 else "1" * 12
+    here = tmp_path / f"disk-sparse-adam-{gone.pid}-1-{ns}-{host}-abc"
+    other_host = tmp_path / f"disk-sparse-adam-{gone.pid}-1-{ns}-{other}-abc"
+    no_host = tmp_path / f"disk-sparse-adam-{gone.pid}-1-{ns}-abc"
+    for d in (here, other_host, no_host):
+        d.mkdir()
+        (d / "param0000.dsa").write_bytes(b"")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    DiskSparseAdam(nn.Embedding(10, 4, sparse=True).parameters(), backend="torch").close()
+    assert not here.exists()
+    assert other_host.is_dir() and no_host.is_dir()
+
+
+def test_the_host_identity_is_a_short_hash_of_the_boot_id(tmp_path):
+    """Two boot ids give two identities, one boot id always the same; no boot id, none."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.write_text("ac256736-bdcf-4b26-bb05-5857eccd9a5d\n")
+    b.write_text("0f1e2d3c-bdcf-4b26-bb05-5857eccd9a5d\n")
+    ha, hb = state_dirs.host_identity(str(a)), state_dirs.host_identity(str(b))
+    assert len(ha) == len(hb) == 12 and ha != hb and ha == state_dirs.host_identity(str(a))
+    assert state_dirs.host_identity(str(tmp_path / "missing")) is None
 
 
 def _on_ram(monkeypatch, available, limit=None):

@@ -188,7 +188,7 @@ def test_existing_state_dir_needs_resume(tmp_path):
     # A second run of the same script must not continue the first one's moments unasked.
     with pytest.raises(StateFileError, match="already holds state files.*resume=True.*load_state_dict"):
         DiskSparseAdam(sparse_embedding(N, DIM, seed=0).parameters(), state_dir=tmp_path)
-    with DiskSparseAdam(sparse_embedding(N, DIM, seed=0).parameters(), state_dir=tmp_path, resume=True) as opt:
+    with DiskSparseAdam(emb.parameters(), state_dir=tmp_path, resume=True) as opt:  # with the weights of step 4
         assert opt.state_files()[0].step == 4  # the header says which step the file holds
         got = opt.state_dict()["state"][0]
         assert int(got["step"]) == 4

@@ -5,12 +5,16 @@ check at construction to the flush and close of every file (below). The function
 where a private directory goes and whether a directory lives in RAM.
 
 ``state_dir=None`` makes a private directory under ``tempfile.gettempdir()`` (``$TMPDIR``, else
-``/tmp``), named after its owner: ``disk-sparse-adam-<pid>-<start>-<ns>-<random>``, where ``<start>``
-is the process's start time (``/proc/<pid>/stat``, so a recycled pid is not taken for the owner) and
-``<ns>`` its pid namespace (a process of another container sharing ``/tmp`` is never judged).
+``/tmp``), named after its owner: ``disk-sparse-adam-<pid>-<start>-<ns>-<host>-<random>``, where
+``<start>`` is the process's start time (``/proc/<pid>/stat``, so a recycled pid is not taken for the
+owner), ``<ns>`` its pid namespace (a process of another container sharing ``/tmp`` is never judged)
+and ``<host>`` a hash of the kernel's boot id (``host_identity``: it differs between hosts and
+boots, so on a ``$TMPDIR`` that hosts share, such as a cluster's scratch, where the initial pid
+namespace has the same number on every host, another host's directory is never judged).
 ``close()`` removes it; a process killed before that leaves it behind, so each new private directory
 first removes those whose owner is gone (``remove_orphans``). A directory whose owner cannot be told
-(another naming, another namespace, no ``/proc``) is left alone, and so is one with a locked state file.
+(another naming, such as a name without a host; another host or namespace; no ``/proc``) is left
+alone, and so is one with a locked state file.
 
 A state_dir on a RAM filesystem (tmpfs, ramfs: ``/dev/shm``, often ``/tmp`` in containers) holds the
 "disk" state in memory. ``check_ram_state`` refuses state larger than the memory available there
@@ -20,6 +24,7 @@ a quarter of the memory limit (the optimizer warns once).
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import shutil
@@ -33,7 +38,8 @@ from .table import cols, state_bytes
 from .weights import weight_file
 
 PREFIX = "disk-sparse-adam-"
-_OWNED = re.compile(re.escape(PREFIX) + r"(\d+)-(\d+)-(\d+)-[^-]+$")
+_OWNED = re.compile(re.escape(PREFIX) + r"(\d+)-(\d+)-(\d+)-([0-9a-f]{12})-[^-]+$")  # pid, start, ns, host
+BOOT_ID = "/proc/sys/kernel/random/boot_id"
 RAM_FILESYSTEMS = ("tmpfs", "ramfs")
 WARN_FRACTION = 0.25  # of the memory limit: RAM-backed state beyond this gets a warning
 
@@ -58,19 +64,31 @@ def pid_namespace() -> int | None:
         return None
 
 
+def host_identity(path: str = BOOT_ID) -> str | None:
+    """12 hex digits of a hash of this kernel's boot id (``path``): the same for every process of
+    this host and boot, whatever its container, and another on any other host or boot (None where
+    it cannot be read)."""
+    try:
+        with open(path) as f:
+            boot = f.read().strip()
+    except OSError:
+        return None
+    return hashlib.blake2b(boot.encode(), digest_size=6).hexdigest() if boot else None
+
+
 def make_private_dir() -> str:
     """A new private state_dir under ``tempfile.gettempdir()`` named after this process, after
-    removing the private directories of processes that are gone."""
-    me, start, ns = os.getpid(), process_start(os.getpid()), pid_namespace()
-    if start is None or ns is None:  # the owner could never be told: a plain temporary name
+    removing the private directories of processes of this host that are gone."""
+    me, start, ns, host = os.getpid(), process_start(os.getpid()), pid_namespace(), host_identity()
+    if start is None or ns is None or host is None:  # the owner could never be told: a plain temporary name
         return tempfile.mkdtemp(prefix=PREFIX)
-    remove_orphans(tempfile.gettempdir(), ns)
-    return tempfile.mkdtemp(prefix=f"{PREFIX}{me}-{start}-{ns}-")
+    remove_orphans(tempfile.gettempdir(), ns, host)
+    return tempfile.mkdtemp(prefix=f"{PREFIX}{me}-{start}-{ns}-{host}-")
 
 
-def remove_orphans(parent, ns: int) -> list:
+def remove_orphans(parent, ns: int, host: str) -> list:
     """Remove the private state_dirs in ``parent`` whose owner (pid and start time, in namespace
-    ``ns``) is gone and none of whose state files is locked; return their paths."""
+    ``ns`` of host ``host``) is gone and none of whose state files is locked; return their paths."""
     removed = []
     try:
         names = os.listdir(parent)
@@ -79,7 +97,7 @@ def remove_orphans(parent, ns: int) -> list:
     uid = os.getuid()
     for name in names:
         m = _OWNED.match(name)
-        if m is None or int(m.group(3)) != ns:
+        if m is None or int(m.group(3)) != ns or m.group(4) != host:
             continue
         pid, start = int(m.group(1)), int(m.group(2))
         if process_start(pid) == start:
@@ -263,30 +281,69 @@ class StateDir:
             warnings.warn(message, UserWarning, stacklevel=6)
 
     def check_resumed(self, tables: dict):
-        """Refuse a resume that would continue only some of the files, or whose tables (``{param:
-        table.Table}``) come in another order than they were saved in: a table whose weights differ
-        from those its file was flushed with, but match those another file of the same shape and
-        dtype was flushed with, would take over that table's moments and steps."""
+        """Refuse a resume whose tables (``{param: table.Table}``) are not those the files were
+        flushed with, or that would continue only some of the files. Each file's recorded
+        fingerprint (``store.weights_fingerprint``) must be that of its table's weights: other
+        weights (another step's, or another table's: same-shape tables in another order) would
+        continue moments and steps that are not theirs. Tables whose recorded fingerprints agree
+        can only be told apart by the names their files hold (``named_parameters()``)."""
         held = {p: t.store.fingerprint() for p, t in tables.items()}
-        holder = {fp: p for p, fp in held.items() if fp is not None}
         for p, t in tables.items():
-            if p.is_meta or held[p] is None:
-                continue
-            mine = weights_fingerprint(p)
-            other = holder.get(mine)
-            if mine != held[p] and other is not None and other is not p:
-                raise StateFileError(
-                    f"state_dir {self.path}: the weights of parameter {t.index} ({tuple(p.shape)}) are those "
-                    f"{os.path.basename(tables[other].store.path)} (parameter {tables[other].index}) was saved "
-                    f"with, not those of {os.path.basename(t.store.path)}: were the tables given in another "
-                    "order? Give them in the order they were trained in (or by name: named_parameters()), or "
-                    "restore a checkpoint into a new state_dir")
+            if not p.is_meta and held[p] is not None and weights_fingerprint(p, held[p][1]) != held[p][0]:
+                raise StateFileError(self._not_its_weights(p, tables, held))
+        self._check_told_apart(tables, held)
         extra = sorted(set(state_files_in(self.path)) - {os.path.basename(t.store.path) for t in tables.values()})
         if extra:
             raise StateFileError(
                 f"state_dir {self.path} holds state files of more parameters than this optimizer has "
                 f"({', '.join(extra)}): it would resume only some of them. Give every parameter that was "
                 "trained with it, or restore a checkpoint into a new state_dir")
+
+    def _not_its_weights(self, p, tables: dict, held: dict) -> str:
+        """Why the weights of ``p`` cannot continue its state file: another file's weights (tables in
+        another order), or weights the file was not flushed with, and what to do."""
+        t = tables[p]
+        mine = os.path.basename(t.store.path)
+        for q, other in tables.items():
+            if q is not p and held[q] is not None and weights_fingerprint(p, held[q][1]) == held[q][0]:
+                return (f"state_dir {self.path}: the weights of parameter {t.index} ({tuple(p.shape)}) are those "
+                        f"{os.path.basename(other.store.path)} (parameter {other.index}) was saved with, not those "
+                        f"of {mine}: were the tables given in another order? Give them in the order they were "
+                        "trained in (or by name: named_parameters()), or restore a checkpoint into a new state_dir")
+        return (f"state_dir {self.path}: the weights of parameter {t.index} (shape {tuple(p.shape)}) are not those "
+                f"its state file {mine} was flushed with at step {t.store.step} (weights of another step, such as an "
+                "older checkpoint's, or changed since): its moments would continue with weights they do not "
+                f"belong to. Either restore the weights saved with this state (those of step {t.store.step}), or "
+                "restore a checkpoint (its weights, and load_state_dict of its optimizer state) into a new "
+                "state_dir. Weights changed on purpose carry the state over through a state dict: "
+                "load_state_dict(torch.load(checkpoint, mmap=True)) into an optimizer on a new state_dir")
+
+    def _check_told_apart(self, tables: dict, held: dict):
+        """Refuse tables whose files recorded one fingerprint unless the names the files hold tell
+        them apart (named now and in the files): in another order they would pass as each other."""
+        by_print = {}
+        for p, t in tables.items():
+            if held[p] is not None:
+                by_print.setdefault(held[p], []).append(t)
+        for same in by_print.values():
+            unnamed = [t for t in same if not (t.store.name and t.store.held_name)]
+            if len(same) < 2 or not unnamed:
+                continue
+            a, b = sorted(same, key=lambda t: t.index)[:2]
+            files = f"{os.path.basename(a.store.path)}, {os.path.basename(b.store.path)}"
+            if all(t.store.held_name for t in unnamed):
+                fix = ("Give the parameters by name, as they were trained: "
+                       "DiskSparseAdam(model.named_parameters(), ...)")
+            else:
+                fix = ("Their files hold no names: restore a checkpoint (its weights, and load_state_dict of its "
+                       "optimizer state) into a new state_dir, and give the optimizer named parameters "
+                       "(model.named_parameters()), so that its files record the names")
+            raise StateFileError(
+                f"state_dir {self.path}: parameters {a.index} and {b.index} (shape {a.layout[1]}) had the same "
+                f"weights' fingerprint when their files ({files}) were flushed (identical weights, or tables "
+                "larger than the fingerprint reads whole that differ only in rows it does not sample), and no "
+                "names tell them apart: they cannot be told apart, and in another order they would take each "
+                f"other's moments and steps. {fix}")
 
     def remove_made(self):
         """Remove the state files made here (zero state: nothing worth keeping), after a failed constructor."""
@@ -366,7 +423,8 @@ def _record_fingerprint(p, store):
     if p.is_meta or not store.owned() or store.closed or not store.dirty:
         return
     try:
-        digest = weights_fingerprint(p)
+        store.record_fingerprint(p)
+    except StateFileError:
+        raise
     except RuntimeError:  # weights that cannot be read now (a lost device): no check at resume
-        return
-    store.write_fingerprint(digest)
+        pass

@@ -8,8 +8,9 @@ Layout (little endian)::
                  parameter's name (UTF-8, 256 bytes, zero padded; empty where the optimizer was
                  given no names: then a resume can check shapes only); at offset 768 a 16-byte
                  fingerprint of the table's weights at the last clean point after writes
-                 (``weights_fingerprint``; zeros in files without one), which tells a resume that
-                 gives same-shape tables in another order
+                 (``weights_fingerprint``; zeros in files without one) and at 784 the number of
+                 the scheme that took it (u8), which tell a resume whether it is given the weights
+                 the file was flushed with
     HEADER_BYTES rows x width values of the state dtype; row i's record is contiguous
 
 The state format names what a record holds: 0 ``exact`` (float32/float64 moments, the layout of
@@ -58,6 +59,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import fcntl
+import hashlib
 import mmap
 import os
 import shutil
@@ -78,7 +80,17 @@ _CODES = {v: k for k, v in _DTYPES.items()}
 _NP_DTYPES = {torch.float32: np.float32, torch.float64: np.float64, torch.uint8: np.uint8}
 STATE_FORMATS = ("exact", "compact")
 NAME_OFFSET, NAME_BYTES = 512, 256  # the parameter's name, where the optimizer knows it (UTF-8, zero padded)
-PRINT_OFFSET, PRINT_BYTES = 768, 16  # a fingerprint of the weights at the last clean point (zeros: none)
+# a fingerprint of the weights at the last clean point (zeros: none), then the u8 number of its scheme
+PRINT_OFFSET, PRINT_BYTES = 768, 16
+# How a fingerprint reads a table, by the scheme number the header keeps beside it: (rows sampled,
+# evenly spaced; whether tables up to WHOLE_PRINT_BYTES are hashed whole). Scheme 0 is that of files
+# whose headers hold no number (a zero byte); new fingerprints take PRINT_SCHEME.
+PRINT_SCHEMES = ((16, False), (64, True))
+PRINT_SCHEME = len(PRINT_SCHEMES) - 1
+# Tables up to this size are hashed whole at each clean point (a few tens of milliseconds at most);
+# larger ones (a table memory-mapped from disk may be far larger than memory) by their sampled rows.
+WHOLE_PRINT_BYTES = 64 << 20
+PRINT_CHUNK_BYTES = 4 << 20  # a whole-table hash reads (and copies to the host) this much at a time
 _FILE_FORMATS = STATE_FORMATS + ("weights",)  # the header's format field; "weights": weights.py's files
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14+ (older kernels: EINVAL)
 WRITE_CHUNK_BYTES = 64 << 20  # write_all writes back at most this much, and 1/8 of the memory limit, at a time
@@ -176,19 +188,32 @@ def remove_dir_of(owner: int, path):
         shutil.rmtree(path, ignore_errors=True)
 
 
-def weights_fingerprint(weight: torch.Tensor, rows: int = 16) -> bytes:
-    """``PRINT_BYTES`` that identify a table's weights: a hash of up to ``rows`` evenly spaced rows
-    (with its shape and dtype), cheap for any table size and device."""
-    import hashlib
-
-    n = weight.shape[0]
-    idx = torch.linspace(0, max(n - 1, 0), min(rows, n)).round().long().to(weight.device)
-    sample = weight.detach().index_select(0, idx).to("cpu").contiguous()
+def weights_fingerprint(weight: torch.Tensor, scheme: int | None = None) -> bytes:
+    """``PRINT_BYTES`` that identify a table's weights, taken by ``PRINT_SCHEMES[scheme]`` (default
+    ``PRINT_SCHEME``): a hash of the shape, the dtype and evenly spaced rows, and of every row where
+    the scheme says so and the table has at most ``WHOLE_PRINT_BYTES`` (so same-shape tables that
+    differ only in rows the sample misses, zero-initialised tables trained on a few rows, differ).
+    Cheap for any table size and device: a larger table costs its sampled rows."""
+    scheme = PRINT_SCHEME if scheme is None else scheme
+    rows, whole = PRINT_SCHEMES[scheme]
+    w = weight.detach()
+    n = w.shape[0]
+    idx = torch.linspace(0, max(n - 1, 0), min(rows, n)).round().long().to(w.device)
     h = hashlib.blake2b(digest_size=PRINT_BYTES)
-    h.update(repr((tuple(weight.shape), str(weight.dtype))).encode())
-    h.update(sample.view(torch.uint8).numpy().tobytes() if sample.numel() else b"")
+    h.update(repr((tuple(w.shape), str(w.dtype))).encode())
+    h.update(_bytes_of(w.index_select(0, idx)))
+    if whole and w.numel() * w.element_size() <= WHOLE_PRINT_BYTES:
+        step = max(1, PRINT_CHUNK_BYTES // max(1, w[0].numel() * w.element_size()))
+        for r0 in range(0, n, step):
+            h.update(_bytes_of(w[r0:r0 + step]))
     digest = h.digest()
     return digest if digest != bytes(PRINT_BYTES) else b"\1" + digest[1:]
+
+
+def _bytes_of(t: torch.Tensor):
+    """The bytes of ``t``'s values in row-major order (a host copy where ``t`` is elsewhere)."""
+    t = t.to("cpu").contiguous()
+    return t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b""
 
 
 class StateFileError(RuntimeError):
@@ -213,6 +238,7 @@ class RowStateFile:
             raise ValueError(f"state file {path}: state_format must be one of {STATE_FORMATS}, got {state_format!r}")
         self.state_format = state_format
         self.name = name
+        self.held_name = ""  # the name the file holds (read on opening, written on creation)
         self.path = os.fspath(path)
         self.rows, self.cols, self.width, self.dtype = int(rows), int(cols), int(width), dtype
         self.nbytes = HEADER_BYTES + self.rows * self.width * torch.empty((), dtype=dtype).element_size()
@@ -262,6 +288,7 @@ class RowStateFile:
     def _create(self):
         self._allocate()
         os.pwrite(self._fd, self.name.encode()[:NAME_BYTES], NAME_OFFSET)
+        self.held_name = self.name.encode()[:NAME_BYTES].decode(errors="replace")
         self._write_header(step=0, clean=True)
 
     def _populate(self):
@@ -331,7 +358,7 @@ class RowStateFile:
                                  "header is damaged; restore the last checkpoint into a new state_dir")
         self._allocate()  # a sparse copy (cp --sparse, truncate) would otherwise SIGBUS on a full disk
         self._step = step
-        held = os.pread(self._fd, NAME_BYTES, NAME_OFFSET).rstrip(b"\0").decode(errors="replace")
+        held = self.held_name = os.pread(self._fd, NAME_BYTES, NAME_OFFSET).rstrip(b"\0").decode(errors="replace")
         if held and self.name and held != self.name[:NAME_BYTES]:
             raise StateFileError(
                 f"state file {self.path} holds the state of parameter {held!r}, but it would be opened for "
@@ -458,17 +485,26 @@ class RowStateFile:
         """Whether records were written since the last clean point."""
         return self._dirty
 
-    def write_fingerprint(self, digest: bytes):
-        """Record ``digest`` (``PRINT_BYTES``, ``weights_fingerprint`` of the weights at this clean
-        point) in the header, so a resume can tell whose weights it is given."""
+    def record_fingerprint(self, weight: torch.Tensor):
+        """Record the fingerprint of ``weight`` (``weights_fingerprint`` by ``PRINT_SCHEME``, the
+        weights at this clean point) and its scheme in the header, so a resume can tell whose
+        weights it is given."""
         self._check_open()
-        os.pwrite(self._fd, digest[:PRINT_BYTES].ljust(PRINT_BYTES, b"\0"), PRINT_OFFSET)
+        scheme = PRINT_SCHEME
+        os.pwrite(self._fd, weights_fingerprint(weight, scheme) + bytes([scheme]), PRINT_OFFSET)
 
-    def fingerprint(self) -> bytes | None:
-        """The weights' fingerprint recorded at the last clean point (None: never recorded)."""
+    def fingerprint(self) -> tuple | None:
+        """``(digest, scheme)`` of the weights' fingerprint recorded at the last clean point (None:
+        never recorded)."""
         self._check_open()
-        raw = os.pread(self._fd, PRINT_BYTES, PRINT_OFFSET)
-        return None if raw == bytes(PRINT_BYTES) else raw
+        raw = os.pread(self._fd, PRINT_BYTES + 1, PRINT_OFFSET)
+        if raw[:PRINT_BYTES] == bytes(PRINT_BYTES):
+            return None
+        if raw[PRINT_BYTES] >= len(PRINT_SCHEMES):
+            raise StateFileError(f"state file {self.path}: its weights' fingerprint is of scheme {raw[PRINT_BYTES]}, "
+                                 "which this code does not know (a newer version wrote it); restore a checkpoint "
+                                 "into a new state_dir")
+        return raw[:PRINT_BYTES], raw[PRINT_BYTES]
 
     def flush(self, step: int | None = None):
         """Write the records to disk and mark the file clean at ``step`` (a consistent point)."""
