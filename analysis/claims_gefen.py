@@ -131,7 +131,7 @@ def _state(R, e, variant):
 
 
 def _compact(R, e, protocols, **where) -> str:
-    """The sentence on Gefen-X's-bytes layout (``registry.COMPACT_OF``) in convergence experiment ``e``:
+    """The sentence on Gefen-X's-bytes layout (``layout="compact"``) in convergence experiment ``e``:
     each width's median loss ratio, the worst of ``protocols`` (variant prefixes), and its state; empty
     where the run has no compact rows."""
     have = set(variants_of(R, e, "val_loss_vs_adamw_median"))

@@ -20,7 +20,7 @@ cross tensors. Schemes:
 - ``per_tensor``: one block per tensor.
 - ``gefen_factored``: Gefen's blocks, kept inside matrix rows as the optimizer keeps them
   (``partition.factored_block``), with the factored second moment of
-  ``Gefen(factor_second_moment=True)``: v of entry j of block b is ``v_b * w_j / mean(w)``, w the
+  ``Gefen(layout="factored")``: v of entry j of block b is ``v_b * w_j / mean(w)``, w the
   per-tensor EMA of the mean over blocks of g**2 at offset j (:func:`factor_ids`,
   ``SharedVAdam(factors=...)``; ``optim/gefen/reference.py`` states the estimator).
 """

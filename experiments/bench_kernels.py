@@ -100,8 +100,8 @@ def agreement(shapes, dtype, device, seed, steps=5):
 
     ps, gs = make_set(shapes, dtype, device, seed)
     qs = [p.clone() for p in ps]
-    a = Gefen(ps, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, backend="triton")
-    b = Gefen(qs, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, backend="torch")
+    a = Gefen(ps, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, layout="published", backend="triton")
+    b = Gefen(qs, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, layout="published", backend="torch")
     for t in range(steps):
         for p, q, g in zip(ps, qs, gs):
             p.grad = g * (1 + 0.1 * t)

@@ -23,8 +23,8 @@ This is the one experiment that answers it: one Gefen-vs-AdamW number per model.
 character model (experiments/models.py) learns Python's documentation topics plus standard-library
 sources (experiments/data.py; 90/10 train/validation split by chunks). Optimizers (registry names):
 AdamW, Adam-mini, torchao-AdamW8bit, torchao-AdamW4bit, gefen-upstream, gefen-x, Gefen-8bit, Gefen-4bit,
-Gefen-8bit-factored, Gefen-4bit-factored (``factor_second_moment=True``), Gefen-8bit-compact,
-Gefen-4bit-compact (the factored state at Gefen-X's bytes or fewer, ``registry.COMPACT_OF``): the full
+Gefen-8bit-factored, Gefen-4bit-factored (``layout="factored"``), Gefen-8bit-compact,
+Gefen-4bit-compact (the factored state at Gefen-X's bytes or fewer, ``layout="compact"``): the full
 run's, and every configuration's below; and on
 bf16 weights (``--experiment convergence_bf16``: the
 model converted with ``.to(torch.bfloat16)``, no fp32 copy anywhere; the loss in fp32): AdamW+bf16

@@ -13,7 +13,7 @@ experiments/registry.py, metrics ``max_abs_err`` and
   CPU default, also with ``bitwise=False``) and the torch backend;
 - DiskSparseRiemannianAdam vs geoopt's SparseRiemannianAdam on PoincareBall / PoincareBallExact
   (float64, points up to 0.9 of the radius);
-- Gefen with share_second_moment=False, quantize_first_moment=False vs torch.optim.AdamW;
+- Gefen with layout="adamw" (its state is AdamW's) vs torch.optim.AdamW;
 - the Triton backend vs the torch backend of each optimizer (under TRITON_INTERPRET=1 on CPU; on
   the GPU when CUDA is present).
 """
@@ -133,8 +133,7 @@ def _dense_run(make_opt, steps, seed, device="cpu"):
 
 def check_gefen(res, steps, backends, device):
     ref = _dense_run(lambda g: make_optimizer("AdamW", g, 1e-3), steps, 4)
-    ours = _dense_run(lambda g: make_optimizer("Gefen-8bit", g, 1e-3, share_second_moment=False,
-                                               quantize_first_moment=False), steps, 4)
+    ours = _dense_run(lambda g: make_optimizer("Gefen-8bit", g, 1e-3, layout="adamw"), steps, 4)
     yield res, "Gefen[reduction] vs AdamW", ours, ref, steps
     if "triton" in backends:
         for bits in (8, 4):

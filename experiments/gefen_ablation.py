@@ -150,7 +150,8 @@ import torch
 from experiments.common import Results, add_common_args
 from experiments.models import char_lm_model
 from experiments.pool import RunPool
-from experiments.registry import COMPACT, COMPACT_4BIT, make_optimizer, state_bytes
+from experiments.registry import make_optimizer, state_bytes
+from optim.gefen.layout import layout_of
 from experiments.tracking import Run, Tracking, curve_summary, live_logger
 from experiments.train import CHAR_LM, GRAD_CLIP, WEIGHT_DECAY, char_lm_label, char_lm_problem, train_lm
 
@@ -200,10 +201,13 @@ VECTOR_BLOCKS = "vec_v"  # under the factor, the vectors share v by the publishe
 ROW_BLOCKS = "rows_v"  # under the factor, a matrix the rule finds no block in shares v over whole rows
 ROW_SCALES = "scale_rows"  # under the factor, one first-moment scale per group of rows (up to 2,048 elements)
 WHOLE_FACTOR = "whole_w"  # under the factor, one column factor a matrix, not one per square tile of rows
-LAYOUT = "layout"  # the four above together (registry.COMPACT, Gefen-8bit-compact): Gefen-X's bytes or fewer
+# the compact layout's fields beyond the factored one, by code width (group options of CHANGES)
+COMPACT, COMPACT_4BIT = ({k: v for k, v in layout_of("compact", bits).fields().items()
+                          if v != layout_of("factored", bits).fields()[k]} for bits in (8, 4))
+LAYOUT = "layout"  # the four above together (COMPACT, Gefen-8bit-compact): Gefen-X's bytes or fewer
 SHORT_GROUP = COMPACT_4BIT["row_group_scales"]  # elements: the short row-group scales (4-bit codes' 16 levels)
 ROW_SCALES_SHORT = f"scale_rows{SHORT_GROUP}"  # row-group scales of at most SHORT_GROUP elements
-LAYOUT_SHORT = f"layout{SHORT_GROUP}"  # the layout with those scales (registry.COMPACT_4BIT, Gefen-4bit-compact)
+LAYOUT_SHORT = f"layout{SHORT_GROUP}"  # the layout with those scales (COMPACT_4BIT, Gefen-4bit-compact)
 REFRESH_EVERY = 100  # steps between codebook refreshes (codebook_refresh_every)
 REFRESH = "refresh"  # the codebook learned again every REFRESH_EVERY steps (not a kind of tensor)
 FACTOR16 = "w16"  # the column factors in bf16, rounded stochastically (not a kind of tensor)
@@ -340,7 +344,7 @@ def variant_groups(model, variant: str, arch: str = "gpt"):
 
 
 def variant_options(variant: str) -> dict:
-    """The optimizer-wide options of one Gefen ``variant``'s change (``OPTIMIZER_WIDE``), for its constructor."""
+    """The optimizer-wide options of one Gefen ``variant``'s change (``OPTIMIZER_WIDE``), for its layout."""
     change = CHANGES.get(variant.removeprefix(f"{FACTORED}+"), {})
     return {k: v for k, v in change.items() if k in OPTIMIZER_WIDE}
 
@@ -361,7 +365,8 @@ def final_loss(size: dict, variant: str | None, seed: int, lr: float, tracking: 
     else:
         name = f"Gefen-{bits}bit[{variant}]"
         groups = variant_groups(model, variant, size.get("arch", "gpt"))
-        opt = make_optimizer(f"Gefen-{bits}bit", groups, lr, WEIGHT_DECAY, **variant_options(variant))
+        opt = make_optimizer(f"Gefen-{bits}bit", groups, lr, WEIGHT_DECAY,
+                             layout=layout_of("published", bits).replace(**variant_options(variant)))
     run = tracking.train_run(model=char_lm_label(size), optimizer=name, lr=lr, seed=seed, config=dict(
         {k: v for k, v in size.items() if k not in ("lrs", "seeds")}, model=vars(cfg), params=n_params,
         variant=variant or "AdamW", bits=bits, weight_decay=WEIGHT_DECAY, grad_clip=GRAD_CLIP)) if tracking else Run()

@@ -16,7 +16,7 @@ ratio to AdamW's median from the same run. Optimizers (registry names): AdamW (f
 torchao-AdamW8bit, torchao-AdamW4bit, gefen-upstream, Gefen-8bit, Gefen-4bit, and both with the
 factored second moment (Gefen-8bit-factored, Gefen-4bit-factored), whose step time is also given as a
 ratio to the unfactored Gefen's of the same bits, timed in the same interleaved run, and the factored
-layout at Gefen-X's bytes or fewer (Gefen-8bit-compact, Gefen-4bit-compact: registry.COMPACT_OF's
+layout at Gefen-X's bytes or fewer (Gefen-8bit-compact, Gefen-4bit-compact: layout "compact"'s
 options).
 
 Rows (variant = optimizer, x = model): ``state_bytes_per_param``, ``first_step_time`` (s: blocks,

@@ -138,23 +138,13 @@ def _bnb_adamw8bit(params, named, lr, weight_decay, **kw):
     return bitsandbytes.optim.AdamW8bit(params, lr=lr, weight_decay=weight_decay, **kw)
 
 
-# the factored layout at Gefen-X's bytes or fewer: the vectors' v shared, whole-row v where the rule finds
-# no block, one first-moment scale per group of rows, one column factor per matrix
-COMPACT = dict(share_vector_second_moment=True, share_matrix_rows=True, row_group_scales=True,
-               whole_matrix_factor=True)
-# 4-bit codes' 16 levels lose a row group's small m under one scale of 2,048 elements: groups of at
-# most 512 (results/gefen_ablation_4bit.csv), 4 bytes a scale still under Gefen-X's state
-COMPACT_4BIT = dict(COMPACT, row_group_scales=512)
-COMPACT_OF = {8: COMPACT, 4: COMPACT_4BIT}  # the compact layout's options by code width
-
-
-def _gefen(bits, factored=False, compact=False):
+def _gefen(bits, layout):
+    """Gefen at ``bits`` with the named ``layout`` (``optim.gefen.layout.LAYOUTS``); ``layout=`` among the
+    options gives another (a record, for an ablation)."""
     def make(params, named, lr, weight_decay, **kw):
         from optim import Gefen
 
-        kw.setdefault("factor_second_moment", factored or compact)
-        for key, value in (COMPACT_OF[bits].items() if compact else ()):
-            kw.setdefault(key, value)
+        kw.setdefault("layout", layout)
         return Gefen(params, lr=lr, weight_decay=weight_decay, bits=bits, **kw)
     return make
 
@@ -190,12 +180,12 @@ OPTIMIZERS = {
     "gefen-x": _gefen_x,
     "flashoptim-AdamW": _flashoptim_adamw,
     "bnb-AdamW8bit": _bnb_adamw8bit,
-    "Gefen-8bit": _gefen(8),
-    "Gefen-4bit": _gefen(4),
-    "Gefen-8bit-factored": _gefen(8, factored=True),
-    "Gefen-4bit-factored": _gefen(4, factored=True),
-    "Gefen-8bit-compact": _gefen(8, compact=True),
-    "Gefen-4bit-compact": _gefen(4, compact=True),
+    "Gefen-8bit": _gefen(8, "published"),
+    "Gefen-4bit": _gefen(4, "published"),
+    "Gefen-8bit-factored": _gefen(8, "factored"),
+    "Gefen-4bit-factored": _gefen(4, "factored"),
+    "Gefen-8bit-compact": _gefen(8, "compact"),
+    "Gefen-4bit-compact": _gefen(4, "compact"),
     "SparseAdam": _sparse_adam,
     "DiskSparseAdam": _dsa,
     "DiskSparseRiemannianAdam": _dsa_riemannian,

@@ -4,12 +4,13 @@ Public names only. They are imported lazily so that ``import optim`` stays cheap
 in Triton or the disk-state machinery until an optimizer is actually used.
 """
 
-__all__ = ["DiskSparseAdam", "DiskSparseRiemannianAdam", "Gefen", "mapped_embedding", "step_in_backward"]
+__all__ = ["DiskSparseAdam", "DiskSparseRiemannianAdam", "Gefen", "GefenLayout", "mapped_embedding", "step_in_backward"]
 
 _WHERE = {
     "DiskSparseAdam": "optim.disk_sparse.optimizer",
     "DiskSparseRiemannianAdam": "optim.disk_sparse.optimizer",
     "Gefen": "optim.gefen.optimizer",
+    "GefenLayout": "optim.gefen.layout",
     "mapped_embedding": "optim.disk_sparse.weights",
     "step_in_backward": "optim.backward",
 }

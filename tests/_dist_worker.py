@@ -47,29 +47,26 @@ def batch(i: int):
 def make_optimizer(name: str, params):
     if name == "adamw":
         return torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
-    from optim import Gefen
+    from optim import Gefen, GefenLayout
 
     if name == "gefen_reduction":
         return Gefen(params, lr=LR, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1,
-                     share_second_moment=False, quantize_first_moment=False, backend="torch")
+                     layout="adamw", backend="torch")
     if name == "gefen":
-        return Gefen(params, lr=LR, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1, backend="torch")
+        return Gefen(params, layout="published", lr=LR, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1, backend="torch")
     if name == "gefenf":  # factored second moment
         return Gefen(params, lr=LR, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1,
-                     factor_second_moment=True, backend="torch")
+                     layout="factored", backend="torch")
     if name == "gefenc":  # factored at Gefen-X's bytes: row-group scales, one factor a matrix
-        return Gefen(params, lr=LR, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1, factor_second_moment=True,
-                     share_vector_second_moment=True, share_matrix_rows=True, row_group_scales=True,
-                     whole_matrix_factor=True, backend="torch")
+        return Gefen(params, lr=LR, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1, layout="compact", backend="torch")
     if name == "gefenh":  # the compact 4-bit layout with a bf16 column factor per square tile
-        return Gefen(params, lr=LR, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1, bits=4, factor_second_moment=True,
-                     share_vector_second_moment=True, share_matrix_rows=True, row_group_scales=512,
-                     factor_dtype="bfloat16", backend="torch")
-    if name == "gefenr":  # 4-bit, factored, the codebook relearned every 2 steps (steps 3, 5, ...)
-        return Gefen(params, lr=LR, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1, bits=4, factor_second_moment=True,
-                     codebook_refresh_every=2, backend="torch")
-    if name == "gefen4":
         return Gefen(params, lr=LR, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1, bits=4,
+                     layout=GefenLayout(factor_second_moment=True, share_vector_second_moment=True, share_matrix_rows=True,
+                                        row_group_scales=512, factor_dtype="bfloat16"), backend="torch")
+    if name == "gefenr":  # 4-bit, factored, the codebook relearned every 2 steps (steps 3, 5, ...)
+        return Gefen(params, lr=LR, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1, bits=4, layout=GefenLayout(factor_second_moment=True, codebook_refresh_every=2), backend="torch")
+    if name == "gefen4":
+        return Gefen(params, layout="published", lr=LR, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1, bits=4,
                      backend="torch")
     raise ValueError(f"unknown optimizer {name!r}")
 
@@ -476,9 +473,9 @@ def sr_run(model, opt, steps, *, rank=0, world=1, hooked=False):
 
 
 def sr_optimizer(params):
-    from optim import Gefen
+    from optim import Gefen, GefenLayout
 
-    return Gefen(params, lr=LR, weight_decay=0.1, share_second_moment=False, quantize_first_moment=False,
+    return Gefen(params, lr=LR, weight_decay=0.1, layout="adamw",
                  stochastic_rounding=True, backend="torch")
 
 

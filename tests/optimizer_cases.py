@@ -111,7 +111,7 @@ CASES = [
          geoopt.optim.SparseRiemannianAdam, lambda p: geoopt.ManifoldParameter(p.detach().clone(), manifold=ball(C)),
          tol={"torch": TOL, "numba": TOL, "triton": TOL}, hyper=dict(lr=1e-2), backends=("torch", "numba", "triton")),
     Case("gefen-adamw", DENSE, lambda s, g: torch.randn(s, generator=g),
-         lambda ps, **kw: Gefen(ps, share_second_moment=False, quantize_first_moment=False, **kw),
+         lambda ps, **kw: Gefen(ps, layout="adamw", **kw),
          lambda ps, **kw: torch.optim.AdamW(ps, foreach=False, **kw),  # foreach takes no tensor lr
          tol={b: TOL for b in ALL_BACKENDS}, hyper=dict(lr=1e-2, weight_decay=0.1), backends=ALL_BACKENDS,
          sparse=False, bad_kwargs=WEIGHT_DECAY),

@@ -24,7 +24,6 @@ import pytest
 import torch
 from torch.optim.lr_scheduler import StepLR
 
-from experiments.registry import COMPACT_OF
 from optim import DiskSparseAdam, Gefen
 from tests.optimizer_cases import CASES, DENSE, TOL, Case, saved
 from tests.utils import assert_match
@@ -33,16 +32,8 @@ STEPS, SAVE_AT = 4, 2
 LRS = (1e-2, 3e-3, 5e-3)  # the lr of group k
 
 
-def _layout(bits, factored=False, compact=False):
-    kw = dict(bits=bits, factor_second_moment=factored or compact)
-    return {**kw, **(COMPACT_OF[bits] if compact else {})}
-
-
-LAYOUTS = {  # Gefen's layouts: the article's, the factored second moment, and Gefen-X's bytes
-    "published-8": _layout(8), "published-4": _layout(4),
-    "factored-8": _layout(8, factored=True), "factored-4": _layout(4, factored=True),
-    "compact-8": _layout(8, compact=True), "compact-4": _layout(4, compact=True),
-}
+LAYOUTS = {f"{name}-{bits}": dict(bits=bits, layout=name)  # Gefen's named layouts
+           for name in ("published", "factored", "compact") for bits in (8, 4)}
 
 
 def _gefen_case(name, layout):
@@ -184,7 +175,7 @@ def test_every_idiom_trains_every_parameter_as_the_reference(case, backend, stru
 
 
 @pytest.mark.parametrize("make", [pytest.param(lambda ps: DiskSparseAdam(ps), id="dsa"),
-                                  pytest.param(lambda ps: Gefen(ps), id="gefen")])
+                                  pytest.param(lambda ps: Gefen(ps, layout="published"), id="gefen")])
 @pytest.mark.parametrize("how", ["params", "add_param_group"])
 def test_a_tensor_given_twice_in_a_group_is_refused_by_name(make, how, track):
     """torch only warns and then updates the tensor twice a step; ours keep one state per tensor."""

@@ -89,15 +89,13 @@ def test_state_bytes_of_adamw_is_two_fp32_moments_plus_steps():
 
 @pytest.mark.parametrize("bits", [8, 4])
 def test_the_compact_gefen_is_the_factored_one_with_the_layout_options_and_fewer_bytes(bits):
-    """Gefen-<bits>-compact is Gefen-<bits>-factored with the compact options in its group
-    (registry.COMPACT; at 4 bits row-group scales of at most 512 elements) (a
-    keyword given still wins), and after one step on row-scaled gradients of a tall matrix, a bias and
-    a gain its state is smaller than the factored one's: the scales, factor and vectors' v it drops."""
-    import inspect
+    """Gefen-<bits>-compact is Gefen-<bits>-factored with the compact layout's four options in its group
+    (at 4 bits row-group scales of at most 512 elements) (a layout given still wins), and after one step
+    on row-scaled gradients of a tall matrix, a bias and a gain its state is smaller than the factored
+    one's: the scales, factor and vectors' v it drops."""
+    from optim.gefen import layout_of
 
-    from optim import Gefen
-
-    assert set(registry.COMPACT) <= set(inspect.signature(Gefen).parameters)
+    options = ("share_vector_second_moment", "share_matrix_rows", "row_group_scales", "whole_matrix_factor")
     per = {}
     for name in (f"Gefen-{bits}bit-factored", f"Gefen-{bits}bit-compact"):
         gen = torch.Generator().manual_seed(0)
@@ -105,7 +103,7 @@ def test_the_compact_gefen_is_the_factored_one_with_the_layout_options_and_fewer
         opt = registry.make_optimizer(name, params, 1e-3)
         group = opt.param_groups[0]
         compact = name.endswith("compact")
-        assert group["factor_second_moment"] and all(bool(group[k]) == compact for k in registry.COMPACT)
+        assert group["factor_second_moment"] and all(bool(group[k]) == compact for k in options)
         assert group["row_group_scales"] == ({8: True, 4: 512}[bits] if compact else False)
         for p in params:
             p.grad = torch.randn(p.shape, generator=gen) * (torch.exp(2 * torch.randn(p.shape[0], 1, generator=gen))
@@ -113,7 +111,8 @@ def test_the_compact_gefen_is_the_factored_one_with_the_layout_options_and_fewer
         opt.step()
         per[name] = registry.state_bytes(opt)
     assert per[f"Gefen-{bits}bit-compact"] < per[f"Gefen-{bits}bit-factored"]
-    opt = registry.make_optimizer(f"Gefen-{bits}bit-compact", params, 1e-3, row_group_scales=False)
+    opt = registry.make_optimizer(f"Gefen-{bits}bit-compact", params, 1e-3,
+                                  layout=layout_of("compact", bits).replace(row_group_scales=False))
     assert opt.param_groups[0]["row_group_scales"] is False
 
 

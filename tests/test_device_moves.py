@@ -59,8 +59,7 @@ def test_gefen_follows_a_model_moved_to_the_gpu():
     model = nn.Sequential(nn.Embedding(500, 32), nn.Linear(32, 8))
     ref = nn.Sequential(nn.Embedding(500, 32), nn.Linear(32, 8))
     ref.load_state_dict(model.state_dict())
-    opt = Gefen(model.parameters(), lr=1e-2, weight_decay=0.01, share_second_moment=False,
-                quantize_first_moment=False)
+    opt = Gefen(model.parameters(), lr=1e-2, weight_decay=0.01, layout="adamw")
     model.cuda()
     ref.cuda()
     loss_of = lambda m, idx: m(idx).pow(2).mean()  # noqa: E731

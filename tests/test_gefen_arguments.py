@@ -16,11 +16,11 @@ def test_upstream_fused_and_verbose_keywords(capsys):
     """``fused=False`` is the torch step; ``fused=True`` (upstream's default) the compiled one
     where the device has it; ``verbose`` prints each tensor's block length when it is chosen."""
     p = torch.nn.Parameter(torch.randn(32, 256))
-    assert Gefen([p], fused=False).backend_of(p) == "torch"
-    assert Gefen([p], fused=True).backend_of(p) == "numba"
+    assert Gefen([p], layout="published", fused=False).backend_of(p) == "torch"
+    assert Gefen([p], layout="published", fused=True).backend_of(p) == "numba"
     with pytest.raises(ValueError, match="fused=False"):
-        Gefen([p], fused=False, backend="numba")
-    opt = Gefen([p], verbose=True)
+        Gefen([p], layout="published", fused=False, backend="numba")
+    opt = Gefen([p], layout="published", verbose=True)
     p.grad = row_scaled_grad((32, 256))
     opt.step()
     out = capsys.readouterr().out
@@ -30,7 +30,7 @@ def test_upstream_fused_and_verbose_keywords(capsys):
 @pytest.mark.parametrize("betas", [(0.9,), (0.9, 0.99, 0.999), 0.9], ids=["one", "three", "float"])
 def test_betas_must_be_a_pair(betas):
     with pytest.raises(ValueError, match="betas must be two numbers"):
-        Gefen([torch.nn.Parameter(torch.randn(4))], betas=betas)
+        Gefen([torch.nn.Parameter(torch.randn(4))], layout="published", betas=betas)
 
 
 def test_triton_on_cpu_without_interpreter_says_what_to_do():
@@ -48,7 +48,7 @@ def test_triton_on_cpu_without_interpreter_says_what_to_do():
 
 def test_sparse_gradient_names_disk_sparse_adam():
     emb = torch.nn.Embedding(10, 4, sparse=True)
-    opt = Gefen(emb.parameters())
+    opt = Gefen(emb.parameters(), layout="published")
     emb(torch.tensor([1, 2])).sum().backward()
     with pytest.raises(RuntimeError, match="DiskSparseAdam"):
         opt.step()
@@ -56,12 +56,12 @@ def test_sparse_gradient_names_disk_sparse_adam():
 
 def test_complex_parameter_is_rejected():
     with pytest.raises(ValueError, match="complex"):
-        Gefen([torch.nn.Parameter(torch.randn(4, dtype=torch.complex64))])
+        Gefen([torch.nn.Parameter(torch.randn(4, dtype=torch.complex64))], layout="published")
 
 
 @pytest.mark.parametrize("kwargs,match", [({"bits": 3}, "bits"), ({"backend": "cuda"}, "backend"),
                                           ({"lr": -1.0}, "lr"), ({"betas": (0.9, 1.0)}, "betas"),
-                                          ({"block_rule": "names"}, "block_rule")])
+                                          ({"layout": "names"}, "layout")])
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         Gefen([torch.nn.Parameter(torch.randn(4))], **kwargs)
@@ -80,12 +80,12 @@ def test_adamws_keywords_at_their_defaults_run_unchanged():
         with pytest.raises(ValueError, match=f"Gefen does not implement {name}=True"):
             Gefen(tiny_mlp().parameters(), **{name: True})
     with pytest.raises(ValueError, match="amsgrad must be True or False"):
-        Gefen(tiny_mlp().parameters(), amsgrad="no")
+        Gefen(tiny_mlp().parameters(), layout="published", amsgrad="no")
 
 
 def test_odd_values_are_refused_at_construction():
-    for bad in (dict(bits=8.0), dict(bits="8"), dict(share_second_moment="no"), dict(maximize="yes"),
-                dict(factor_second_moment=1.5), dict(backend="cuda")):
+    for bad in (dict(bits=8.0), dict(bits="8"), dict(layout="no"), dict(maximize="yes"),
+                dict(layout=3), dict(backend="cuda")):
         with pytest.raises(ValueError):
             Gefen(tiny_mlp().parameters(), **bad)
 
@@ -98,8 +98,8 @@ def test_complex_params_refused_clearly():
     view_as_real, rather than stepping wrongly."""
     z = torch.nn.Parameter(torch.randn(4, dtype=torch.complex64))
     with pytest.raises(ValueError, match="complex"):
-        Gefen([z])
-    opt = Gefen(seeded_params(SHAPES))
+        Gefen([z], layout="published")
+    opt = Gefen(seeded_params(SHAPES), layout="published")
     with pytest.raises(ValueError, match="view_as_real"):
         opt.add_param_group({"params": [z]})
 
@@ -107,7 +107,7 @@ def test_complex_params_refused_clearly():
 def test_upstream_keywords_accepted():
     """``fused`` and ``verbose`` (AdamW's and upstream Gefen's keywords) are accepted."""
     ps = seeded_params(SHAPES)
-    opt = Gefen(ps, fused=False, verbose=False)
+    opt = Gefen(ps, layout="published", fused=False, verbose=False)
     set_or_clear_grads(ps, seeded_grads(ps, 0))
     opt.step()
     assert opt.backend == "torch"
@@ -119,6 +119,6 @@ def test_capturable_is_refused_off_the_triton_path(backend):
     params = [torch.nn.Parameter(torch.randn(4, 4)), torch.nn.Parameter(torch.randn(3))]
     with pytest.raises(ValueError, match=r"Gefen does not implement capturable=True for parameter 0 of group 0 "
                                          rf"\(shape \(4, 4\).*would run on {backend}.*needs the Triton step"):
-        Gefen(params, backend=backend, capturable=True)
+        Gefen(params, layout="published", backend=backend, capturable=True)
     with pytest.raises(ValueError, match="capturable=True for parameter 0 of group 0 .*on cpu.*(numba|torch)"):
-        Gefen(params, capturable=True)  # "auto" puts CPU tensors on numba or torch
+        Gefen(params, layout="published", capturable=True)  # "auto" puts CPU tensors on numba or torch

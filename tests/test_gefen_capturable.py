@@ -34,22 +34,22 @@ import pytest
 import torch
 
 from experiments.op_count import OpCount
-from optim import Gefen
+from optim import Gefen, GefenLayout
+from optim.gefen.layout import FIELDS
 from optim._rounding import step_seed
 from optim.gefen import state as K, triton_ops
 
 STEPS_CHECKED = 3000
 SHAPES = [(24, 48), (7, 13), (300,), (64, 64)]
 VARIANTS = {
-    "8bit": dict(),
-    "4bit": dict(bits=4),
-    "factored": dict(factor_second_moment=True),
-    "factored-4bit": dict(factor_second_moment=True, bits=4),
-    "compact": dict(factor_second_moment=True, share_vector_second_moment=True, share_matrix_rows=True,
-                    row_group_scales=True, whole_matrix_factor=True),
-    "fp32-m": dict(quantize_first_moment=False),
-    "bf16-sr": dict(stochastic_rounding=True, dtype=torch.bfloat16),
-    "maximize": dict(maximize=True),
+    "8bit": dict(layout="published"),
+    "4bit": dict(bits=4, layout="published"),
+    "factored": dict(layout="factored"),
+    "factored-4bit": dict(layout="factored", bits=4),
+    "compact": dict(layout="compact"),
+    "fp32-m": dict(layout=GefenLayout(quantize_first_moment=False)),
+    "bf16-sr": dict(stochastic_rounding=True, dtype=torch.bfloat16, layout="published"),
+    "maximize": dict(maximize=True, layout="published"),
 }
 HOST_READS = ("item", "__float__", "__int__", "__bool__", "__index__", "cpu", "tolist", "numpy")
 
@@ -241,7 +241,7 @@ def test_a_block_handed_to_torch_is_refused_by_name(monkeypatch):
     """What only the data decide (``triton_ops.data_refusal``: a block longer than one program)
     would put a parameter on the torch step: under capturable its first step refuses it by name."""
     params = [torch.nn.Parameter(torch.randn(8, 16))]
-    opt = Gefen(params, backend="triton", capturable=True)
+    opt = Gefen(params, layout="published", backend="triton", capturable=True)
     monkeypatch.setattr(triton_ops, "data_refusal", lambda **kw: "a stand-in refusal")
     params[0].grad = torch.randn(8, 16)
     with pytest.raises(ValueError, match=r"capturable=True for parameter 0 of group 0 \(shape \(8, 16\), block"):
@@ -272,7 +272,7 @@ def test_step_in_backward_steps_capturable_parameters_as_host_steps():
     for capturable in (False, True):
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
-        opt = Gefen(model.parameters(), lr=1e-2, backend="triton", capturable=capturable)
+        opt = Gefen(model.parameters(), layout="published", lr=1e-2, backend="triton", capturable=capturable)
         handle = step_in_backward(opt)
         g = torch.Generator().manual_seed(1)
         for _ in range(4):
@@ -286,7 +286,7 @@ def test_step_in_backward_steps_capturable_parameters_as_host_steps():
 
 def test_capturable_is_an_option_of_every_group_and_survives_pickling():
     params = [torch.nn.Parameter(torch.randn(8, 8))]
-    opt = Gefen(params, backend="triton", capturable=True)
+    opt = Gefen(params, layout="published", backend="triton", capturable=True)
     assert opt.defaults["capturable"] is True and opt.param_groups[0]["capturable"] is True
     params[0].grad = torch.randn(8, 8)
     opt.step()
@@ -294,8 +294,8 @@ def test_capturable_is_an_option_of_every_group_and_survives_pickling():
 
     twin = copy.deepcopy(opt)
     assert twin.capturable and torch.is_tensor(twin.state[twin.param_groups[0]["params"][0]][K.STEP])
-    again = Gefen(params, **{k: v for k, v in opt.state_dict()["param_groups"][0].items()
-                             if k not in ("params",)})
+    kwargs = {k: v for k, v in opt.state_dict()["param_groups"][0].items() if k != "params"}
+    again = Gefen(params, layout=GefenLayout(**{k: kwargs.pop(k) for k in FIELDS}), **kwargs)
     assert again.capturable
 
 
@@ -370,8 +370,8 @@ def test_cuda_graph_of_a_whole_training_step():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 32)).to(dev)
     twin = [torch.nn.Parameter(p.detach().clone()) for p in model.parameters()]
-    opt = Gefen(model.parameters(), lr=1e-2, weight_decay=0.1, capturable=True, factor_second_moment=True)
-    opt_e = Gefen(twin, lr=1e-2, weight_decay=0.1, factor_second_moment=True)
+    opt = Gefen(model.parameters(), lr=1e-2, weight_decay=0.1, capturable=True, layout="factored")
+    opt_e = Gefen(twin, lr=1e-2, weight_decay=0.1, layout="factored")
     x, y = torch.randn(16, 64, device=dev), torch.randn(16, 32, device=dev)
 
     def follow():  # the eager twin steps on the gradients the graph's model just made

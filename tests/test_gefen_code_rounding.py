@@ -24,7 +24,7 @@ import secrets
 import pytest
 import torch
 
-from optim import Gefen
+from optim import Gefen, GefenLayout
 from optim._rounding import hash32_int, random_bits, round_stochastic, step_seed
 from optim.backends import numba_available, triton_interpreted
 from optim.gefen import reference as R, state as K, torch_ops
@@ -279,7 +279,7 @@ def test_the_optimizer_rounds_with_the_documented_seeds():
     seed at step t derived as documented: step_seed(hash32(SEED ^ CODE_STREAM), 0, t), SEED =
     step_seed(rounding seed, parameter index, 0). Codes and scales bitwise."""
     params = _params()
-    opt = Gefen(params, first_moment_rounding="stochastic", **{k: HP[k] for k in ("lr", "weight_decay")},
+    opt = Gefen(params, layout=GefenLayout(first_moment_rounding="stochastic"), **{k: HP[k] for k in ("lr", "weight_decay")},
                 betas=(HP["beta1"], HP["beta2"]), eps=HP["eps"])
     assert all(opt.backend_of(p) == "torch" for p in params)
 
@@ -294,7 +294,7 @@ def test_the_optimizer_rounds_with_the_documented_seeds():
 def _trained(rounding, seed, steps=4, **kw):
     torch.manual_seed(seed)
     params = _params()
-    opt = Gefen(params, lr=1e-2, first_moment_rounding=rounding, **kw)
+    opt = Gefen(params, lr=1e-2, layout=GefenLayout(first_moment_rounding=rounding, **kw))
     _run(opt, params, steps)
     return params, opt
 
@@ -314,7 +314,7 @@ def test_rounding_leaves_the_global_random_stream_alone():
     want = torch.rand(4)
     torch.manual_seed(5)
     params = _params()
-    _run(Gefen(params, first_moment_rounding="stochastic"), params, 3)
+    _run(Gefen(params, layout=GefenLayout(first_moment_rounding="stochastic")), params, 3)
     assert torch.equal(torch.rand(4), want)
 
 
@@ -327,7 +327,7 @@ def test_codes_and_weights_draw_from_different_streams():
     n = 4096
     p = torch.nn.Parameter(torch.randn(n).bfloat16())
     p0 = p.detach().float().clone()
-    opt = Gefen([p], stochastic_rounding=True, first_moment_rounding="stochastic", lr=HP["lr"],
+    opt = Gefen([p], stochastic_rounding=True, layout=GefenLayout(first_moment_rounding="stochastic"), lr=HP["lr"],
                 weight_decay=HP["weight_decay"], betas=(HP["beta1"], HP["beta2"]), eps=HP["eps"])
     g = torch.randn(n).bfloat16()
     p.grad = g
@@ -349,7 +349,7 @@ def test_a_resumed_run_equals_the_uninterrupted_one(factored):
     """Checkpoint after two steps (the bias still without state: its seed comes later), load into
     an optimizer made under another torch seed: the next three steps are the uninterrupted run's,
     parameters and state bit for bit."""
-    kw = dict(lr=1e-2, first_moment_rounding="stochastic", factor_second_moment=factored)
+    kw = dict(lr=1e-2, layout=GefenLayout(first_moment_rounding="stochastic", factor_second_moment=factored))
     torch.manual_seed(11)
     whole = _params()
     ow = Gefen(whole, **kw)
@@ -379,7 +379,7 @@ def test_nearest_is_the_published_rule_bit_for_bit():
     """The default is "nearest": the same run as the reference without a code seed, codes and
     scales bitwise, no seed made, and the numba path still chosen where numba is installed."""
     params = _params()
-    opt = Gefen(params, backend="torch", **{k: HP[k] for k in ("lr", "weight_decay")},
+    opt = Gefen(params, backend="torch", layout="published", **{k: HP[k] for k in ("lr", "weight_decay")},
                 betas=(HP["beta1"], HP["beta2"]), eps=HP["eps"])
     assert opt.param_groups[0]["first_moment_rounding"] == "nearest"
 
@@ -391,7 +391,7 @@ def test_nearest_is_the_published_rule_bit_for_bit():
     explicit, oe = _trained("nearest", 0)
     default_params = _params()
     torch.manual_seed(0)
-    od = Gefen(default_params, lr=1e-2)
+    od = Gefen(default_params, layout="published", lr=1e-2)
     _run(od, default_params, 4)
     for p, q in zip(explicit, default_params):
         assert torch.equal(p, q) and torch.equal(oe.state[p][K.CODES], od.state[q][K.CODES])
@@ -402,12 +402,12 @@ def test_nearest_is_the_published_rule_bit_for_bit():
 def test_the_option_is_checked():
     params = _params()
     with pytest.raises(ValueError, match=r"first_moment_rounding must be one of \('nearest', 'stochastic'\)"):
-        Gefen(params, first_moment_rounding="random")
+        Gefen(params, layout=GefenLayout(first_moment_rounding="random"))
     with pytest.raises(ValueError, match="first_moment_rounding must be"):
-        Gefen(params, first_moment_rounding=True)
+        Gefen(params, layout=GefenLayout(first_moment_rounding=True))
     with pytest.raises(ValueError, match="quantize_first_moment=False: only codes are rounded"):
-        Gefen(params, first_moment_rounding="stochastic", quantize_first_moment=False)
-    opt = Gefen(params[:1], first_moment_rounding="stochastic")
+        Gefen(params, layout=GefenLayout(first_moment_rounding="stochastic", quantize_first_moment=False))
+    opt = Gefen(params[:1], layout=GefenLayout(first_moment_rounding="stochastic"))
     with pytest.raises(ValueError, match="group 1 has first_moment_rounding='stochastic' and quantize_first_moment"):
         opt.add_param_group({"params": params[1:], "quantize_first_moment": False})
     opt.add_param_group({"params": params[1:], "quantize_first_moment": False, "first_moment_rounding": "nearest"})
@@ -418,13 +418,13 @@ def test_compiled_backends_hand_it_to_the_torch_step():
     """"auto" runs a stochastic group on torch (and a nearest group beside it on numba); numba
     asked for by name is refused with the reason; capturable (the Triton step only) is refused."""
     params = _params()
-    opt = Gefen([{"params": params[:2], "first_moment_rounding": "stochastic"}, {"params": params[2:]}])
+    opt = Gefen([{"params": params[:2], "first_moment_rounding": "stochastic"}, {"params": params[2:]}], layout="published")
     assert [opt.backend_of(p) for p in params] == ["torch", "torch", "numba"]
     with pytest.raises(ValueError, match="backend='numba' cannot update .*rounds the first moment's codes "
                                          "stochastically.*use backend='torch'"):
-        Gefen(params, backend="numba", first_moment_rounding="stochastic")
+        Gefen(params, backend="numba", layout=GefenLayout(first_moment_rounding="stochastic"))
     with pytest.raises(ValueError, match="capturable=True .*would run on torch"):
-        Gefen(params, capturable=True, first_moment_rounding="stochastic")
+        Gefen(params, capturable=True, layout=GefenLayout(first_moment_rounding="stochastic"))
 
 
 def test_load_state_dict_keeps_this_optimizers_setting():
@@ -437,14 +437,14 @@ def test_load_state_dict_keeps_this_optimizers_setting():
         del g["first_moment_rounding"]
     for saved in (sd, old):
         qs = [torch.nn.Parameter(p.detach().clone()) for p in params]
-        opt = Gefen(qs, lr=1e-2, first_moment_rounding="stochastic")
+        opt = Gefen(qs, lr=1e-2, layout=GefenLayout(first_moment_rounding="stochastic"))
         opt.load_state_dict(saved)
         assert opt.param_groups[0]["first_moment_rounding"] == "stochastic"
         _run(opt, qs, 2, start=2)
         assert all(K.SEED in opt.state[q] for q in qs)
-    off = Gefen([torch.nn.Parameter(p.detach().clone()) for p in params], lr=1e-2)
+    off = Gefen([torch.nn.Parameter(p.detach().clone()) for p in params], layout="published", lr=1e-2)
     off.load_state_dict(opt.state_dict())
     assert off.param_groups[0]["first_moment_rounding"] == "nearest"
-    again = Gefen([torch.nn.Parameter(p.detach().clone()) for p in params], lr=1e-2)
+    again = Gefen([torch.nn.Parameter(p.detach().clone()) for p in params], layout="published", lr=1e-2)
     again.load_state_dict(old)
     assert again.param_groups[0]["first_moment_rounding"] == "nearest"

@@ -14,7 +14,7 @@ import pickle
 import pytest
 import torch
 
-from optim import Gefen, step_in_backward
+from optim import Gefen, GefenLayout, step_in_backward
 from optim.gefen import reference as R, state as K
 from optim.gefen.codebook import HIST_BINS, code_map, histogram, optimal_codebook, refresh_due
 from tests.utils import assert_same_state, checkpoint_and_continue, set_grads, small_params
@@ -40,7 +40,7 @@ def _grads(steps, seed=0):
 def _make(every, bits=8, backend="torch", **kw):
     params = small_params(SHAPES)
     return params, Gefen(params, lr=LR, weight_decay=WD, bits=bits, backend=backend,
-                         codebook_refresh_every=every, **kw)
+                         layout=GefenLayout(codebook_refresh_every=every, **kw))
 
 
 def _nearest_brute(x, codebook):
@@ -139,7 +139,7 @@ def test_copies_keep_the_setting_and_the_schedule():
     for clone in (copy.deepcopy(opt), pickle.loads(pickle.dumps(opt))):
         assert clone.codebook_refresh_every == 2 and clone.defaults["codebook_refresh_every"] == 2
     twin_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
-    twin = Gefen(twin_params, lr=LR, weight_decay=WD, bits=4, backend="torch", codebook_refresh_every=2)
+    twin = Gefen(twin_params, lr=LR, weight_decay=WD, bits=4, backend="torch", layout=GefenLayout(codebook_refresh_every=2))
     twin.load_state_dict(opt.state_dict())
     for gs in grads[2:]:
         set_grads(params, gs)
@@ -152,18 +152,18 @@ def test_copies_keep_the_setting_and_the_schedule():
 @pytest.mark.parametrize("value", [-1, True, 1.5, "3", None])
 def test_bad_values_are_refused_by_name(value):
     with pytest.raises(ValueError, match="codebook_refresh_every"):
-        Gefen(small_params(SHAPES), codebook_refresh_every=value)
+        Gefen(small_params(SHAPES), layout=GefenLayout(codebook_refresh_every=value))
 
 
 def test_refused_with_capturable_and_per_group():
     with pytest.raises(ValueError, match="codebook_refresh_every.*capturable"):
-        Gefen(small_params(SHAPES), codebook_refresh_every=5, capturable=True)
+        Gefen(small_params(SHAPES), layout=GefenLayout(codebook_refresh_every=5), capturable=True)
     params = small_params(SHAPES)
-    opt = Gefen(params[:2], codebook_refresh_every=5)
+    opt = Gefen(params[:2], layout=GefenLayout(codebook_refresh_every=5))
     with pytest.raises(ValueError, match="codebook_refresh_every"):
         opt.add_param_group({"params": params[2:], "codebook_refresh_every": 7})
     with pytest.raises(ValueError, match="codebook_refresh_every"):
-        Gefen([{"params": params[:2]}, {"params": params[2:], "codebook_refresh_every": 3}])
+        Gefen([{"params": params[:2]}, {"params": params[2:], "codebook_refresh_every": 3}], layout="published")
 
 
 def test_a_step_without_gradients_leaves_the_codebook_to_the_next_one():
@@ -195,7 +195,7 @@ def test_step_in_backward_equals_the_ordinary_loop(every):
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(12, 32), torch.nn.Tanh(), torch.nn.Linear(32, 3))
         return model, Gefen(model.parameters(), lr=LR, weight_decay=WD, bits=4, backend="torch",
-                            factor_second_moment=True, codebook_refresh_every=every)
+                            layout=GefenLayout(factor_second_moment=True, codebook_refresh_every=every))
 
     gen = torch.Generator().manual_seed(3)
     batches = [(torch.randn(16, 12, generator=gen) * (1 + t), torch.randn(16, 3, generator=gen)) for t in range(6)]

@@ -413,7 +413,7 @@ def test_distributed_form_round_trip_in_process(bits):
 
     def opt_for(ps):
         return Gefen([{"params": ps[:5]}, {"params": ps[5:], "quantize_first_moment": False}],
-                     lr=1e-2, weight_decay=0.1, bits=bits, backend="torch")
+                     layout="published", lr=1e-2, weight_decay=0.1, bits=bits, backend="torch")
 
     def grads(step):
         g = torch.Generator().manual_seed(100 + step)
@@ -464,7 +464,7 @@ def test_distributed_form_keeps_the_rounding_seed_and_a_provisional_block():
 
     torch.manual_seed(0)
     pa = [torch.nn.Parameter(torch.randn(64, 48).bfloat16()), torch.nn.Parameter(torch.randn(32, 40))]
-    a = Gefen(pa, lr=1e-2, stochastic_rounding=True, backend="torch")
+    a = Gefen(pa, layout="published", lr=1e-2, stochastic_rounding=True, backend="torch")
     for _ in range(2):
         pa[0].grad = torch.randn(64, 48).bfloat16()
         pa[1].grad = 0.25 * (torch.randint(0, 2, (32, 40)) * 2 - 1).float()
@@ -474,7 +474,7 @@ def test_distributed_form_keeps_the_rounding_seed_and_a_provisional_block():
     dense = dict(sd, state=dict(sd["state"]))
     D.to_distributed(dense["state"], pa, [0, 1], [True, True], codebook=a.codebook, bits=8)
     pb = [torch.nn.Parameter(p.detach().clone()) for p in pa]
-    b = Gefen(pb, lr=1e-2, stochastic_rounding=True, backend="torch")
+    b = Gefen(pb, layout="published", lr=1e-2, stochastic_rounding=True, backend="torch")
     b.load_state_dict(dense)
     for p, q in zip(pa, pb):
         assert a.state[p].keys() == b.state[q].keys()
@@ -515,14 +515,14 @@ def test_the_rounding_seed_survives_a_dcp_state_dict(monkeypatch):
     monkeypatch.setattr(D, "_uses_distributed_form", lambda params: True)
     torch.manual_seed(0)
     pa = [torch.nn.Parameter(torch.randn(64, 48).bfloat16()), torch.nn.Parameter(torch.randn(32, 40).bfloat16())]
-    a = Gefen(pa, lr=1e-2, stochastic_rounding=True, backend="torch")
+    a = Gefen(pa, layout="published", lr=1e-2, stochastic_rounding=True, backend="torch")
     pa[0].grad = torch.randn(64, 48).bfloat16()
     a.step()  # pa[1] has no gradient yet: its seed comes after the checkpoint
     sd = a.state_dict()
     kept = {"state": sd["state"], "param_groups": sd["param_groups"]}  # what DCP keeps
     torch.manual_seed(1)
     pb = [torch.nn.Parameter(p.detach().clone()) for p in pa]
-    b = Gefen(pb, lr=1e-2, stochastic_rounding=True, backend="torch")
+    b = Gefen(pb, layout="published", lr=1e-2, stochastic_rounding=True, backend="torch")
     b.load_state_dict(kept)
     g = torch.randn(32, 40).bfloat16()
     for opt, ps in ((a, pa), (b, pb)):

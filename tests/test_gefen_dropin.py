@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from optim import Gefen
+from optim.gefen import layout_of
 from optim.gefen import state as K
 from tests.utils import ADAMW, assert_close, mlp_params, row_growing_grads, row_scaled_grad
 
@@ -24,8 +25,7 @@ def test_float64_parameters_keep_float64_moments_and_reduce_to_adamw():
     shapes = [(24, 48), (300,), (1,)]
     ps = [torch.nn.Parameter(torch.randn(s, dtype=torch.float64)) for s in shapes]
     qs = [torch.nn.Parameter(p.detach().clone()) for p in ps]
-    ours = Gefen(ps, lr=1e-2, weight_decay=0.1, share_second_moment=False,
-                 quantize_first_moment=False)
+    ours = Gefen(ps, lr=1e-2, weight_decay=0.1, layout="adamw")
     ref = torch.optim.AdamW(qs, lr=1e-2, weight_decay=0.1)
     for _ in range(30):
         for p, q in zip(ps, qs):
@@ -44,7 +44,7 @@ def test_float64_parameters_keep_float64_moments_and_reduce_to_adamw():
 
 def test_deepcopy_is_independent_and_continues_like_the_original():
     ps = [torch.nn.Parameter(torch.randn(s)) for s in [(16, 96), (300,)]]
-    opt = Gefen(ps, lr=1e-2, weight_decay=0.1)
+    opt = Gefen(ps, layout="published", lr=1e-2, weight_decay=0.1)
     for _ in range(2):
         for p in ps:
             p.grad = row_scaled_grad(p.shape) if p.dim() > 1 else torch.randn(p.shape)
@@ -102,7 +102,7 @@ def test_one_bad_element_leaves_the_factor_and_the_other_blocks_alone(backend, s
     for bad in (None, spike):
         torch.manual_seed(0)
         p = torch.nn.Parameter(torch.randn(64, 128) * 0.1)
-        opt = Gefen([p], lr=1e-2, factor_second_moment=True, backend=backend)
+        opt = Gefen([p], lr=1e-2, layout="factored", backend=backend)
         gen = torch.Generator().manual_seed(1)
         for t in range(5):
             p.grad = torch.randn(64, 128, generator=gen)
@@ -121,7 +121,7 @@ def test_one_bad_element_leaves_the_factor_and_the_other_blocks_alone(backend, s
 def test_an_inf_gradient_after_the_first_step_does_not_crash(backend):
     torch.manual_seed(0)
     p = torch.nn.Parameter(torch.randn(300))
-    opt = Gefen([p], lr=1e-2, backend=backend)
+    opt = Gefen([p], layout="published", lr=1e-2, backend=backend)
     for t in range(3):
         p.grad = torch.randn(300)
         if t == 1:
@@ -193,15 +193,16 @@ def test_state_dtypes_do_not_follow_the_default_dtype(default, backend):
         old = torch.get_default_dtype()
         torch.set_default_dtype(dflt)
         try:
-            opt = Gefen(ps, lr=1e-2, backend=backend, factor_second_moment=True)
+            opt = Gefen(ps, lr=1e-2, backend=backend, layout="factored")
             _steps(opt, ps, 3)
             sd = opt.state_dict()
             ref, ours = mlp_params(), mlp_params()
-            adamw = Gefen(ours, lr=1e-2, weight_decay=0.1, factor_second_moment=True, backend="torch", **ADAMW)
+            adamw = Gefen(ours, lr=1e-2, weight_decay=0.1, backend="torch",
+                          layout=layout_of("adamw").replace(factor_second_moment=True))
             _steps(adamw, ours, 3)
         finally:
             torch.set_default_dtype(old)
-        Gefen(ps2, lr=1e-2, backend=backend, factor_second_moment=True).load_state_dict(sd)  # loads under fp32
+        Gefen(ps2, lr=1e-2, backend=backend, layout="factored").load_state_dict(sd)  # loads under fp32
         _steps(torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.1), ref, 3)
         for a, b in zip(ours, ref):
             assert_close(a, b, atol=1e-6, rtol=1e-5)
@@ -218,7 +219,7 @@ def test_a_step_bumps_the_version_of_the_parameters_as_adamw(backend):
     """A graph retained over a step (a GAN loop's second backward) must see that the weights
     changed: autograd's in-place error, as with AdamW, never the new weights silently."""
     w = torch.nn.Parameter(torch.randn(32, 32))
-    opt = Gefen([w], lr=1e-2, backend=backend)
+    opt = Gefen([w], layout="published", lr=1e-2, backend=backend)
     x = torch.randn(4, 32, requires_grad=True)
     for _ in range(2):  # the first step learns the codebook; the second is the plan's fast path
         loss = (x @ w).tanh().sum()
@@ -236,7 +237,7 @@ def test_a_step_bumps_the_version_of_the_parameters_as_adamw(backend):
 def test_maximize_with_one_gradient_shared_by_two_parameters(backend, quant):
     """One gradient tensor (or one storage) given to two parameters: each steps on -g once, as
     AdamW(maximize=True); the gradient is left as it was."""
-    kw = {} if quant else ADAMW
+    kw = {"layout": "published"} if quant else ADAMW
     a, b = torch.nn.Parameter(torch.randn(16, 8)), torch.nn.Parameter(torch.randn(16, 8))
     c, d = torch.nn.Parameter(a.detach().clone()), torch.nn.Parameter(b.detach().clone())
     up = Gefen([a, b], lr=1e-2, maximize=True, backend=backend, **kw)
@@ -313,7 +314,7 @@ def test_a_step_the_kernel_refuses_is_not_counted():
     """A step refused by the compiled kernel's checks (a state tensor replaced by a strided one)
     leaves the step count alone; with the state put back, the next step is the uninterrupted run's."""
     ps, ref = mlp_params(), mlp_params()
-    opt, opt_ref = Gefen(ps, lr=1e-2, backend="numba"), Gefen(ref, lr=1e-2, backend="numba")
+    opt, opt_ref = Gefen(ps, layout="published", lr=1e-2, backend="numba"), Gefen(ref, layout="published", lr=1e-2, backend="numba")
     _steps(opt, ps, 1)
     _steps(opt_ref, ref, 2)
     st = opt.state[ps[0]]

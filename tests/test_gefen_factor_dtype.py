@@ -12,7 +12,7 @@ import copy
 import pytest
 import torch
 
-from optim import Gefen
+from optim import Gefen, GefenLayout
 from optim._rounding import hash32_int, step_seed
 from optim.gefen import reference as R, state as K
 from tests.test_gefen_layout_options import SHAPES, _grads, _params, _tiles
@@ -105,7 +105,7 @@ def test_steps_equal_the_reference_with_a_bf16_factor(bits):
     steps = _grads(6)
     params = _params()
     starts = [p.detach().clone() for p in params]
-    opt = Gefen(params, lr=LR, weight_decay=WD, bits=bits, factor_second_moment=True, factor_dtype="bfloat16")
+    opt = Gefen(params, lr=LR, weight_decay=WD, bits=bits, layout=GefenLayout(factor_second_moment=True, factor_dtype="bfloat16"))
     for gs in steps:
         set_grads(params, gs)
         opt.step()
@@ -130,7 +130,7 @@ def test_a_bf16_factor_halves_the_factor_bytes_and_nothing_else():
     grad = torch.randn(512, 128, generator=gen) * torch.exp(2 * torch.randn(512, 1, generator=gen))
     per = {}
     for dtype in ("float32", "bfloat16"):
-        opt = Gefen([p], factor_second_moment=True, factor_dtype=dtype)
+        opt = Gefen([p], layout=GefenLayout(factor_second_moment=True, factor_dtype=dtype))
         p.grad = grad.clone()
         opt.step()
         per[dtype] = {k: t.numel() * t.element_size() for k, t in opt.state[p].items() if torch.is_tensor(t)}
@@ -141,7 +141,7 @@ def test_a_bf16_factor_halves_the_factor_bytes_and_nothing_else():
 
 def _make():
     ps = _params()
-    return ps, Gefen(ps, lr=LR, weight_decay=WD, factor_second_moment=True, factor_dtype="bfloat16")
+    return ps, Gefen(ps, lr=LR, weight_decay=WD, layout=GefenLayout(factor_second_moment=True, factor_dtype="bfloat16"))
 
 
 def test_state_dict_round_trip_resumes_bit_for_bit(tmp_path):
@@ -181,8 +181,8 @@ def test_every_backend_steps_it_as_the_torch_step(bits, grouped, dtype):
     runs = {}
     for name in ("auto", "triton", "torch"):
         params = [torch.nn.Parameter(p.detach().to(dtype)) for p in _params()]
-        opt = Gefen(params, lr=LR, weight_decay=WD, bits=bits, factor_second_moment=True,
-                    factor_dtype="bfloat16", row_group_scales=grouped, backend=name)
+        opt = Gefen(params, lr=LR, weight_decay=WD, bits=bits, layout=GefenLayout(factor_second_moment=True, factor_dtype="bfloat16", row_group_scales=grouped),
+                    backend=name)
         for gs in steps:
             set_grads(params, gs)
             opt.step()
@@ -208,7 +208,7 @@ def test_every_backend_steps_it_as_the_torch_step(bits, grouped, dtype):
 def test_it_is_refused_with_capturable():
     """capturable=True with bf16 factors is refused when the optimizer is made, naming both."""
     with pytest.raises(ValueError, match="factor_dtype='bfloat16' with capturable=True"):
-        Gefen(_params(), factor_second_moment=True, factor_dtype="bfloat16", capturable=True, backend="triton")
+        Gefen(_params(), layout=GefenLayout(factor_second_moment=True, factor_dtype="bfloat16"), capturable=True, backend="triton")
 
 
 def test_a_factor_of_another_dtype_than_its_group_says_is_refused():
@@ -218,7 +218,7 @@ def test_a_factor_of_another_dtype_than_its_group_says_is_refused():
     p = torch.nn.Parameter(torch.randn(8, 8))
     for value in ("bf16", torch.bfloat16, "float16", None):
         with pytest.raises(ValueError, match="factor_dtype"):
-            Gefen([p], factor_second_moment=True, factor_dtype=value)
+            Gefen([p], layout=GefenLayout(factor_second_moment=True, factor_dtype=value))
     steps = _grads(2)
     params, opt = _make()
     set_grads(params, steps[0])

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from optim import Gefen
+from optim import Gefen, GefenLayout
 from optim.gefen import reference as R, state as K
 from optim.gefen.partition import choose_block
 from tests.utils import assert_close, assert_same_state, checkpoint_and_continue, row_scaled_grad, set_grads
@@ -53,8 +53,7 @@ def test_block_1_keeps_per_element_v_and_reduces_to_adamw(backend):
     params = [torch.nn.Parameter(torch.randn(s)) for s in SHAPES]
     twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
     ours = Gefen([{"params": params[:3]}, {"params": params[3:], "lr": 3e-3, "weight_decay": 0.0}],
-                 lr=LR, weight_decay=WD, share_second_moment=False, quantize_first_moment=False,
-                 factor_second_moment=True, backend=backend)
+                 lr=LR, weight_decay=WD, layout=GefenLayout(share_second_moment=False, quantize_first_moment=False, factor_second_moment=True), backend=backend)
     ref = torch.optim.AdamW([{"params": twins[:3]}, {"params": twins[3:], "lr": 3e-3, "weight_decay": 0.0}],
                             lr=LR, weight_decay=WD)
     for _ in range(25):
@@ -84,8 +83,8 @@ def test_rank_one_squared_gradients_make_blocks_exact():
         if name == "adamw":
             opt = torch.optim.AdamW([p], lr=LR, weight_decay=WD)
         else:
-            opt = Gefen([p], lr=LR, weight_decay=WD, quantize_first_moment=False,
-                        factor_second_moment=name == "factored", backend="torch")
+            opt = Gefen([p], lr=LR, weight_decay=WD, layout=GefenLayout(quantize_first_moment=False, factor_second_moment=name == "factored"),
+                        backend="torch")
         gen = torch.Generator().manual_seed(5)
         for _ in range(30):
             p.grad = torch.sign(torch.randn(rows, cols, generator=gen)) * (a * c).sqrt()
@@ -136,7 +135,7 @@ def test_every_backend_matches_the_reference(bits, backend):
     tensor is factored in four tiles of rows, the reference run on each as a tensor of its own."""
     params = [torch.nn.Parameter(torch.randn(s) * 0.1) for s in SHAPES]
     starts = [p.detach().clone() for p in params]
-    opt = Gefen(params, lr=LR, weight_decay=WD, bits=bits, factor_second_moment=True, backend=backend)
+    opt = Gefen(params, lr=LR, weight_decay=WD, bits=bits, layout="factored", backend=backend)
     steps = [[row_scaled_grad(s, scale_columns=True) for s in SHAPES] for _ in range(8)]
     for gs in steps:
         set_grads(params, gs)
@@ -160,7 +159,7 @@ def test_per_param_group_and_state_dict_round_trip(tmp_path):
         torch.manual_seed(1)
         ps = [torch.nn.Parameter(torch.randn(s) * 0.1) for s in SHAPES]
         return ps, Gefen([{"params": ps[:3], "factor_second_moment": True}, {"params": ps[3:]}],
-                         weight_decay=WD, backend="numba")
+                         layout="published", weight_decay=WD, backend="numba")
 
     steps = [[row_scaled_grad(s, scale_columns=True) for s in SHAPES] for _ in range(5)]
     path = tmp_path / "opt.pt"
@@ -233,8 +232,7 @@ def test_a_block_of_whole_rows_becomes_one_row_and_is_adafactor(backend, rows, c
     start = torch.randn(rows, cols, generator=gen)
     assert choose_block(grads[0]) == 4 * cols
     p = torch.nn.Parameter(start.clone())
-    opt = Gefen([p], lr=LR, weight_decay=WD, quantize_first_moment=False, factor_second_moment=True,
-                backend=backend)
+    opt = Gefen([p], lr=LR, weight_decay=WD, layout=GefenLayout(quantize_first_moment=False, factor_second_moment=True), backend=backend)
     for g in grads:
         p.grad = g.clone()
         opt.step()
@@ -258,7 +256,7 @@ def test_tiles_of_a_strided_parameter_step_as_its_contiguous_copy(backend):
     a = torch.nn.Parameter(torch.randn(16, 48).t())
     b = torch.nn.Parameter(a.detach().contiguous())
     assert not a.is_contiguous()
-    opts = [Gefen([p], lr=LR, weight_decay=WD, factor_second_moment=True, backend=backend) for p in (a, b)]
+    opts = [Gefen([p], lr=LR, weight_decay=WD, layout="factored", backend=backend) for p in (a, b)]
     for _ in range(6):
         g = row_scaled_grad((48, 16), scale_columns=True)
         for p, opt in zip((a, b), opts):
@@ -276,7 +274,7 @@ def test_a_factor_saved_for_the_whole_tensor_loads_into_every_tile():
     held it."""
     torch.manual_seed(0)
     p = torch.nn.Parameter(torch.randn(48, 16))
-    opt = Gefen([p], lr=LR, factor_second_moment=True, backend="torch")
+    opt = Gefen([p], lr=LR, layout="factored", backend="torch")
     p.grad = row_scaled_grad((48, 16), scale_columns=True)
     opt.step()
     sd = opt.state_dict()
@@ -285,7 +283,7 @@ def test_a_factor_saved_for_the_whole_tensor_loads_into_every_tile():
     one = torch.rand(block) + 0.5
     sd["state"][0][K.W] = one.clone()
     q = torch.nn.Parameter(p.detach().clone())
-    opt2 = Gefen([q], lr=LR, factor_second_moment=True, backend="torch")
+    opt2 = Gefen([q], lr=LR, layout="factored", backend="torch")
     opt2.load_state_dict(sd)
     assert torch.equal(opt2.state[q][K.W], one.repeat(3))
 
@@ -301,9 +299,9 @@ def test_a_vector_keeps_v_per_element(backend):
     vec, mat = torch.randn(256), torch.randn(24, 48)
     a, b = [torch.nn.Parameter(vec.clone()) for _ in range(2)]
     ma, mb = [torch.nn.Parameter(mat.clone()) for _ in range(2)]
-    opt_a = Gefen([a, ma], lr=LR, weight_decay=WD, factor_second_moment=True, backend=backend)
+    opt_a = Gefen([a, ma], lr=LR, weight_decay=WD, layout="factored", backend=backend)
     opt_b = Gefen([{"params": [b], "share_second_moment": False}, {"params": [mb], "factor_second_moment": True}],
-                  lr=LR, weight_decay=WD, backend=backend)
+                  layout="published", lr=LR, weight_decay=WD, backend=backend)
     for t in range(5):
         gv, gm = torch.randn(256) * (runs if t == 0 else 1), row_scaled_grad((24, 48), scale_columns=True)
         a.grad, b.grad, ma.grad, mb.grad = gv.clone(), gv.clone(), gm.clone(), gm.clone()

@@ -18,7 +18,7 @@ import pickle
 import pytest
 import torch
 
-from optim import Gefen
+from optim import Gefen, GefenLayout
 from optim.gefen import distributed as D, reference as R, state as K
 from optim.gefen.partition import choose_block
 from tests.utils import (GEFEN_CPU_BACKENDS, assert_close, assert_copies_step_alike, assert_same_state,
@@ -100,7 +100,7 @@ def test_a_vector_takes_the_published_rules_block_and_no_w(kind, backend):
                          ("default", [{"params": None, "factor_second_moment": True}]),
                          ("unfactored", [{"params": None}])):
         vec, mat = torch.nn.Parameter(torch.randn(n)), torch.nn.Parameter(torch.randn(24, 48))
-        opt = Gefen([dict(groups[0], params=[vec, mat])], lr=LR, backend=backend)
+        opt = Gefen([dict(groups[0], params=[vec, mat])], layout="published", lr=LR, backend=backend)
         for g in (first, later):
             vec.grad, mat.grad = g.clone(), row_scaled_grad((24, 48), scale_columns=True)
             opt.step()
@@ -126,10 +126,10 @@ def test_vectors_step_as_the_unfactored_reference_and_matrices_as_the_factored(b
     the whole model equals, bit for bit, an optimizer with the vectors in an unfactored group."""
     params, twins = _params(), _params()
     starts = [p.detach().clone() for p in params]
-    opt = Gefen(params, lr=LR, weight_decay=WD, bits=bits, factor_second_moment=True, backend=backend,
-                **{SHARE: True})
+    opt = Gefen(params, lr=LR, weight_decay=WD, bits=bits, backend=backend,
+                layout=GefenLayout(factor_second_moment=True, **{SHARE: True}))
     two = Gefen([{"params": [q for k, q in enumerate(twins) if k not in VECTORS], "factor_second_moment": True},
-                 {"params": [twins[k] for k in VECTORS]}], lr=LR, weight_decay=WD, bits=bits, backend=backend)
+                 {"params": [twins[k] for k in VECTORS]}], layout="published", lr=LR, weight_decay=WD, bits=bits, backend=backend)
     steps = _grads(8)
     step_side_by_side([(opt, params), (two, twins)], steps)
     blocks = [opt.state[p][K.BLOCK] for p in params]
@@ -159,7 +159,8 @@ def test_a_vector_where_the_rule_finds_no_block_is_one_block(backend):
     starts = [p.detach().clone() for p in params]
     steps = [[torch.randn(s, generator=gen) for s in shapes] for _ in range(6)]
     assert all(choose_block(steps[0][k]) == 1 for k in (0, 1))
-    opt = Gefen(params, lr=LR, weight_decay=WD, factor_second_moment=True, backend=backend, **{SHARE: True})
+    opt = Gefen(params, lr=LR, weight_decay=WD, layout=GefenLayout(factor_second_moment=True, **{SHARE: True}),
+                backend=backend)
     for gs in steps:
         set_grads(params, gs)
         opt.step()
@@ -180,8 +181,9 @@ def test_the_default_is_unchanged(backend):
     optimizer with the option off by name."""
     params, twins = _params(), _params()
     starts = [p.detach().clone() for p in params]
-    opt = Gefen(params, lr=LR, weight_decay=WD, factor_second_moment=True, backend=backend)
-    off = Gefen(twins, lr=LR, weight_decay=WD, factor_second_moment=True, backend=backend, **{SHARE: False})
+    opt = Gefen(params, lr=LR, weight_decay=WD, layout="factored", backend=backend)
+    off = Gefen(twins, lr=LR, weight_decay=WD, layout=GefenLayout(factor_second_moment=True, **{SHARE: False}),
+                backend=backend)
     assert opt.param_groups[0][SHARE] is False
     steps = _grads(6)
     step_side_by_side([(opt, params), (off, twins)], steps)
@@ -207,7 +209,7 @@ def _make(share=True, backend="numba"):
     def make():
         ps = _params()
         return ps, Gefen([{"params": ps[:4], "factor_second_moment": True, SHARE: share}, {"params": ps[4:]}],
-                         lr=LR, weight_decay=WD, backend=backend)
+                         layout="published", lr=LR, weight_decay=WD, backend=backend)
     return make
 
 
@@ -234,7 +236,7 @@ def test_a_pickle_from_before_the_option_has_it_off():
     """An optimizer pickled before the option existed (no key in its groups and defaults) gets it
     off, in every group and the defaults."""
     ps = _params()
-    opt = Gefen(ps, factor_second_moment=True)
+    opt = Gefen(ps, layout="factored")
     state = opt.__getstate__()
     for g in state["param_groups"]:
         del g[SHARE]
@@ -300,9 +302,9 @@ def test_a_state_its_group_does_not_describe_is_refused(tmp_path):
 
 def test_the_option_is_a_flag():
     with pytest.raises(ValueError, match=SHARE):
-        Gefen(_params(), factor_second_moment=True, **{SHARE: "yes"})
+        Gefen(_params(), layout=GefenLayout(factor_second_moment=True, **{SHARE: "yes"}))
     with pytest.raises(ValueError, match=SHARE):
-        Gefen([{"params": _params(), SHARE: 1.5}])
+        Gefen([{"params": _params(), SHARE: 1.5}], layout="published")
 
 
 def test_the_distributed_form_holds_no_w_for_a_shared_vector():
@@ -357,8 +359,7 @@ def test_a_matrix_where_the_rule_finds_no_block_shares_whole_rows(backend):
     for rows in (False, True):
         params = [torch.nn.Parameter(0.1 * torch.randn(s, generator=torch.Generator().manual_seed(5))) for s in shapes]
         starts = [p.detach().clone() for p in params]
-        opt = Gefen(params, lr=LR, weight_decay=WD, factor_second_moment=True, backend=backend,
-                    share_matrix_rows=rows)
+        opt = Gefen(params, lr=LR, weight_decay=WD, layout=GefenLayout(factor_second_moment=True, share_matrix_rows=rows), backend=backend)
         for gs in steps:
             set_grads(params, gs)
             opt.step()
@@ -376,8 +377,8 @@ def test_a_matrix_where_the_rule_finds_no_block_shares_whole_rows(backend):
 def test_share_matrix_rows_is_a_flag_kept_in_the_groups():
     p = torch.nn.Parameter(torch.randn(4, 4))
     with pytest.raises(ValueError, match="share_matrix_rows"):
-        Gefen([p], factor_second_moment=True, share_matrix_rows="yes")
-    opt = Gefen([p], factor_second_moment=True, share_matrix_rows=True)
+        Gefen([p], layout=GefenLayout(factor_second_moment=True, share_matrix_rows="yes"))
+    opt = Gefen([p], layout=GefenLayout(factor_second_moment=True, share_matrix_rows=True))
     assert opt.param_groups[0]["share_matrix_rows"] and opt.state_dict()["param_groups"][0]["share_matrix_rows"]
     old = pickle.loads(pickle.dumps(opt))
     del old.param_groups[0]["share_matrix_rows"], old.defaults["share_matrix_rows"]

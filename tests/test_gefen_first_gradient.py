@@ -19,7 +19,7 @@ def test_zero_first_gradients_match_adamw_and_blocks_come_from_first_nonzero(bac
     shape = (32, 256)
     p = torch.nn.Parameter(torch.randn(shape))
     q = torch.nn.Parameter(p.detach().clone())
-    ours = Gefen([p], lr=1e-2, weight_decay=0.1, backend=backend)
+    ours = Gefen([p], layout="published", lr=1e-2, weight_decay=0.1, backend=backend)
     ref = torch.optim.AdamW([q], lr=1e-2, weight_decay=0.1)
     for _ in range(3):
         p.grad, q.grad = torch.zeros(shape), torch.zeros(shape)
@@ -40,8 +40,7 @@ def test_zero_first_gradients_then_adamw_trajectory_with_switches_off():
     corrections count the zero-gradient steps."""
     p = torch.nn.Parameter(torch.randn(16, 96))
     q = torch.nn.Parameter(p.detach().clone())
-    ours = Gefen([p], lr=1e-2, weight_decay=0.1, share_second_moment=False,
-                 quantize_first_moment=False)
+    ours = Gefen([p], lr=1e-2, weight_decay=0.1, layout="adamw")
     ref = torch.optim.AdamW([q], lr=1e-2, weight_decay=0.1)
     for t in range(10):
         g = torch.zeros(16, 96) if t < 2 else torch.randn(16, 96)
@@ -57,7 +56,7 @@ def test_non_finite_first_gradient_is_refused(bad, late):
     """The block length and codebook come from the first gradient: a NaN is refused as an inf is,
     also for a parameter whose first gradient comes after the codebook was learned."""
     a, b = torch.nn.Parameter(torch.randn(16, 96)), torch.nn.Parameter(torch.randn(16, 96))
-    opt = Gefen([a, b])
+    opt = Gefen([a, b], layout="published")
     if late:
         a.grad = row_scaled_grad((16, 96))
         opt.step()
@@ -80,7 +79,7 @@ def test_zero_first_gradients_leave_params_alone_without_decay(backend):
     parameters unchanged over all-zero first gradients, then steps once real ones arrive."""
     ps = seeded_params(SHAPES)
     before = [p.detach().clone() for p in ps]
-    opt = Gefen(ps, lr=1e-2, backend=backend)
+    opt = Gefen(ps, layout="published", lr=1e-2, backend=backend)
     for _ in range(2):
         set_or_clear_grads(ps, [torch.zeros_like(p) for p in ps])
         opt.step()

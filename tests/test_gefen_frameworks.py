@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from optim import Gefen
+from optim import Gefen, GefenLayout
+from optim.gefen.layout import FIELDS
 from tests.utils import ADAMW, tiny_mlp, train_steps
 
 
@@ -19,8 +20,8 @@ def test_a_compiled_training_step_equals_the_eager_one(bits):
     """The step chooses blocks and learns the codebook from data: it runs eagerly inside a compiled
     training step, which then equals the eager run bit for bit."""
     eager, compiled = tiny_mlp(), tiny_mlp()
-    losses_e = train_steps(eager, Gefen(eager.parameters(), lr=1e-2, bits=bits), 4)
-    losses_c = train_steps(compiled, Gefen(compiled.parameters(), lr=1e-2, bits=bits), 4, compiled=True)
+    losses_e = train_steps(eager, Gefen(eager.parameters(), layout="published", lr=1e-2, bits=bits), 4)
+    losses_c = train_steps(compiled, Gefen(compiled.parameters(), layout="published", lr=1e-2, bits=bits), 4, compiled=True)
     assert losses_e == losses_c
     assert all(torch.equal(a, b) for a, b in zip(eager.parameters(), compiled.parameters()))
 
@@ -40,8 +41,8 @@ def test_maximize_with_codes_is_the_step_of_the_negated_loss():
     the gradients as backward made them."""
     up, down = tiny_mlp(), tiny_mlp()
     x = torch.randn(8, 16)
-    opt_up = Gefen(up.parameters(), lr=1e-2, maximize=True)
-    opt_down = Gefen(down.parameters(), lr=1e-2)
+    opt_up = Gefen(up.parameters(), layout="published", lr=1e-2, maximize=True)
+    opt_down = Gefen(down.parameters(), layout="published", lr=1e-2)
     for _ in range(4):
         for model, opt, sign in ((up, opt_up, 1.0), (down, opt_down, -1.0)):
             opt.zero_grad()
@@ -53,12 +54,13 @@ def test_maximize_with_codes_is_the_step_of_the_negated_loss():
 
 
 def test_a_recreation_from_param_groups_keeps_every_option():
-    """PyKEEN re-creates the optimizer as ``type(opt)(params, **param_groups[0] minus params)``."""
+    """PyKEEN re-creates the optimizer as ``type(opt)(params, **param_groups[0] minus params)``; Gefen's
+    layout fields in the group make its ``layout`` record."""
     model = tiny_mlp()
-    opt = Gefen(model.parameters(), lr=3e-3, bits=4, backend="torch", block_rule="variance_drop",
-                factor_second_moment=True, maximize=True, weight_decay=0.1)
+    opt = Gefen(model.parameters(), lr=3e-3, bits=4, backend="torch", layout=GefenLayout(block_rule="variance_drop", factor_second_moment=True),
+                maximize=True, weight_decay=0.1)
     kwargs = {k: v for k, v in opt.state_dict()["param_groups"][0].items() if k != "params"}
-    twin = Gefen(model.parameters(), **kwargs)
+    twin = Gefen(model.parameters(), layout=GefenLayout(**{k: kwargs.pop(k) for k in FIELDS}), **kwargs)
     assert (twin.bits, twin.backend, twin.block_rule) == (4, "torch", "variance_drop")
     assert twin.defaults == opt.defaults
     with pytest.raises(ValueError, match="bits"):
@@ -91,7 +93,7 @@ def test_meta_parameters_left_behind_by_to_empty_are_refused_at_the_step():
     on the meta model holds dead ones and would train nothing. Its first step says so."""
     with torch.device("meta"):
         model = tiny_mlp()
-    opt = Gefen(model.parameters(), lr=1e-2)
+    opt = Gefen(model.parameters(), layout="published", lr=1e-2)
     model.to_empty(device="cpu")
     model.load_state_dict(tiny_mlp().state_dict())
     assert not any(p.is_meta for p in model.parameters())

@@ -291,8 +291,8 @@ def test_optimizer_triton_backend_matches_torch_backend(bits, dtype):
         return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 8)).to(dtype)
 
     ma, mb = model(), model()
-    oa = Gefen(ma.parameters(), lr=1e-2, weight_decay=0.1, bits=bits, backend="triton")
-    ob = Gefen(mb.parameters(), lr=1e-2, weight_decay=0.1, bits=bits, backend="torch")
+    oa = Gefen(ma.parameters(), layout="published", lr=1e-2, weight_decay=0.1, bits=bits, backend="triton")
+    ob = Gefen(mb.parameters(), layout="published", lr=1e-2, weight_decay=0.1, bits=bits, backend="torch")
     x = torch.randn(64, 32).to(dtype)
     for _ in range(4):
         for m, o in ((ma, oa), (mb, ob)):

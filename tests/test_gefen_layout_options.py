@@ -14,7 +14,7 @@ import pickle
 import pytest
 import torch
 
-from optim import Gefen
+from optim import Gefen, GefenLayout
 from optim.gefen import reference as R, state as K
 from tests.utils import (assert_close, assert_copies_step_alike, assert_same_state, checkpoint_and_continue,
                          scaled_grad_steps, set_grads, small_params)
@@ -82,8 +82,7 @@ def test_steps_equal_the_reference_with_row_group_scales_and_one_factor_a_matrix
     steps = _grads(6)
     params = _params()
     starts = [p.detach().clone() for p in params]
-    opt = Gefen(params, lr=LR, weight_decay=WD, bits=bits, factor_second_moment=True,
-                row_group_scales=scales, whole_matrix_factor=whole, backend=backend)
+    opt = Gefen(params, lr=LR, weight_decay=WD, bits=bits, layout=GefenLayout(factor_second_moment=True, row_group_scales=scales, whole_matrix_factor=whole), backend=backend)
     for gs in steps:
         set_grads(params, gs)
         opt.step()
@@ -114,7 +113,7 @@ def test_the_options_cut_the_bytes_they_say():
     grad = torch.randn(512, 128, generator=gen) * torch.exp(2 * torch.randn(512, 1, generator=gen))
     per = {}
     for scales, whole in [(False, False), (True, False), (False, True), (True, True), (256, True)]:
-        opt = Gefen([p], factor_second_moment=True, row_group_scales=scales, whole_matrix_factor=whole)
+        opt = Gefen([p], layout=GefenLayout(factor_second_moment=True, row_group_scales=scales, whole_matrix_factor=whole))
         p.grad = grad.clone()
         opt.step()
         per[scales, whole] = sum(t.numel() * t.element_size() for t in opt.state[p].values() if torch.is_tensor(t))
@@ -132,8 +131,8 @@ def test_row_group_scales_takes_a_flag_or_a_positive_int(value):
     group is added."""
     p = torch.nn.Parameter(torch.randn(8, 8))
     with pytest.raises(ValueError, match="row_group_scales"):
-        Gefen([p], factor_second_moment=True, row_group_scales=value)
-    opt = Gefen([p], factor_second_moment=True, row_group_scales=16)
+        Gefen([p], layout=GefenLayout(factor_second_moment=True, row_group_scales=value))
+    opt = Gefen([p], layout=GefenLayout(factor_second_moment=True, row_group_scales=16))
     with pytest.raises(ValueError, match="row_group_scales"):
         opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(4))], "row_group_scales": value})
 
@@ -148,7 +147,7 @@ def test_every_backend_steps_row_group_scales(bits):
     runs = {}
     for name in ("auto", "numba", "triton", "torch"):
         params = _params()
-        opt = Gefen(params, lr=LR, weight_decay=WD, bits=bits, factor_second_moment=True, row_group_scales=True,
+        opt = Gefen(params, lr=LR, weight_decay=WD, bits=bits, layout=GefenLayout(factor_second_moment=True, row_group_scales=True),
                     backend=name)
         for gs in steps:
             set_grads(params, gs)
@@ -172,8 +171,7 @@ def test_every_backend_steps_row_group_scales(bits):
 def _make(scales=True, whole=True, bits=8):
     def make():
         ps = _params()
-        return ps, Gefen(ps, lr=LR, weight_decay=WD, factor_second_moment=True, row_group_scales=scales,
-                         whole_matrix_factor=whole, bits=bits)
+        return ps, Gefen(ps, lr=LR, weight_decay=WD, layout=GefenLayout(factor_second_moment=True, row_group_scales=scales, whole_matrix_factor=whole), bits=bits)
     return make
 
 
@@ -300,8 +298,8 @@ def test_the_options_are_flags_off_in_a_pickle_from_before_them():
     p = torch.nn.Parameter(torch.randn(4, 4))
     for key in ("row_group_scales", "whole_matrix_factor"):
         with pytest.raises(ValueError, match=key):
-            Gefen([p], factor_second_moment=True, **{key: "yes"})
-    opt = Gefen([p], factor_second_moment=True, row_group_scales=True, whole_matrix_factor=True)
+            Gefen([p], layout=GefenLayout(factor_second_moment=True, **{key: "yes"}))
+    opt = Gefen([p], layout=GefenLayout(factor_second_moment=True, row_group_scales=True, whole_matrix_factor=True))
     state = opt.__getstate__()
     for g in state["param_groups"]:
         del g["row_group_scales"], g["whole_matrix_factor"]

@@ -34,8 +34,7 @@ def test_reduces_to_adamw_two_groups():
     def groups(ps):
         return [{"params": ps[:3]}, {"params": ps[3:], "lr": 3e-3, "weight_decay": 0.0}]
 
-    ours = Gefen(groups(params), lr=LR, weight_decay=WD, share_second_moment=False,
-                 quantize_first_moment=False)
+    ours = Gefen(groups(params), lr=LR, weight_decay=WD, layout="adamw")
     ref = torch.optim.AdamW(groups(twins), lr=LR, weight_decay=WD)
     for _ in range(50):
         grads = [torch.randn(s) for s in SHAPES]
@@ -63,7 +62,7 @@ def _run_reference(starts, grads_per_step, blocks, codebook, bits):
 def test_fast_path_matches_reference_20_steps(bits, backend):
     params = [torch.nn.Parameter(torch.randn(s) * 0.1) for s in SHAPES]
     starts = [p.detach().clone() for p in params]
-    opt = Gefen(params, lr=LR, weight_decay=WD, bits=bits, backend=backend)
+    opt = Gefen(params, layout="published", lr=LR, weight_decay=WD, bits=bits, backend=backend)
     steps = [[row_scaled_grad(s) for s in SHAPES] for _ in range(20)]
     for gs in steps:
         set_grads(params, gs)
@@ -83,7 +82,7 @@ def test_codebook_is_optimal_for_a_brute_force_histogram():
     shapes = [(16, 96), (300,)]
     params = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
     grads = [row_scaled_grad(s) for s in shapes]
-    opt = Gefen(params, bits=4)
+    opt = Gefen(params, layout="published", bits=4)
     set_grads(params, grads)
     opt.step()
     normalised = []
@@ -101,7 +100,7 @@ def test_codebook_is_optimal_for_a_brute_force_histogram():
 
 def test_late_parameter_gets_blocks_at_its_first_gradient_and_codebook_stays():
     a, b = torch.nn.Parameter(torch.randn(16, 96)), torch.nn.Parameter(torch.randn(24, 48))
-    opt = Gefen([a, b])
+    opt = Gefen([a, b], layout="published")
     a.grad = row_scaled_grad((16, 96))
     opt.step()
     cb = opt.codebook.clone()
@@ -120,7 +119,7 @@ def test_closure_and_scheduler():
     w = torch.nn.Parameter(torch.randn(8, 32))
     twin = torch.nn.Parameter(w.detach().clone())
     x = torch.randn(16, 32)
-    ours = Gefen([w], lr=0.1, share_second_moment=False, quantize_first_moment=False)
+    ours = Gefen([w], lr=0.1, layout="adamw")
     ref = torch.optim.AdamW([twin], lr=0.1, weight_decay=0.0)
     s1 = torch.optim.lr_scheduler.StepLR(ours, step_size=2, gamma=0.5)
     s2 = torch.optim.lr_scheduler.StepLR(ref, step_size=2, gamma=0.5)
@@ -150,7 +149,7 @@ def test_state_dict_round_trip_is_exact_with_4_bit_codes(tmp_path):
     def make():
         torch.manual_seed(1)
         ps = [torch.nn.Parameter(torch.randn(s) * 0.1) for s in SHAPES]
-        return ps, Gefen([{"params": ps[:2]}, {"params": ps[2:], "weight_decay": 0.0}], bits=bits,
+        return ps, Gefen([{"params": ps[:2]}, {"params": ps[2:], "weight_decay": 0.0}], layout="published", bits=bits,
                          weight_decay=WD)
 
     steps = [[row_scaled_grad(s) for s in SHAPES] for _ in range(5)]
@@ -164,7 +163,7 @@ def test_bf16_params_follow_the_reference_rounded_to_bf16():
     shapes = [(16, 96), (300,)]
     params = [torch.nn.Parameter((torch.randn(s) * 0.1).bfloat16()) for s in shapes]
     xs = [p.detach().clone() for p in params]
-    opt = Gefen(params, lr=LR, weight_decay=WD)
+    opt = Gefen(params, layout="published", lr=LR, weight_decay=WD)
     states = None
     for t in range(1, 6):
         gs = [row_scaled_grad(s).bfloat16() for s in shapes]
@@ -186,7 +185,7 @@ def test_state_bytes_per_parameter():
     """8-bit: 1 byte a code + 8 bytes per block; 4-bit: half a byte a code."""
     p = torch.nn.Parameter(torch.randn(32, 256))
     for bits, expected in [(8, 1.0), (4, 0.5)]:
-        opt = Gefen([p], bits=bits)
+        opt = Gefen([p], layout="published", bits=bits)
         p.grad = row_scaled_grad((32, 256))
         opt.step()
         st = opt.state[p]
@@ -202,7 +201,7 @@ def test_triton_backend_dispatch_matches_torch():
     shapes = [(16, 96), (300,)]
     ps = [torch.nn.Parameter(torch.randn(s) * 0.1) for s in shapes]
     qs = [torch.nn.Parameter(p.detach().clone()) for p in ps]
-    tri, ref = Gefen(ps, lr=LR, weight_decay=WD, backend="triton"), Gefen(qs, lr=LR, weight_decay=WD, backend="torch")
+    tri, ref = Gefen(ps, layout="published", lr=LR, weight_decay=WD, backend="triton"), Gefen(qs, layout="published", lr=LR, weight_decay=WD, backend="torch")
     for _ in range(2):
         gs = [row_scaled_grad(s) for s in shapes]
         set_grads(ps, gs)
@@ -242,7 +241,7 @@ def _step_once(opt, params):
     opt.step()
 
 
-ADAMW64 = dict(share_second_moment=False, quantize_first_moment=False)
+ADAMW64 = dict(layout="adamw")
 
 
 @pytest.mark.skipif(not numba_available(), reason="numba is not installed")
@@ -250,11 +249,11 @@ def test_backend_of_is_the_step_that_runs(ran):
     """CPU tensors: "auto" is numba, quantised or not; backend="triton" (interpreted here) is
     Triton; the step that runs is the one backend_of names."""
     ps = [torch.nn.Parameter(torch.randn(16, 96)), torch.nn.Parameter(torch.randn(300))]
-    opt = Gefen([{"params": ps[:1]}, {"params": ps[1:], "quantize_first_moment": False}])
+    opt = Gefen([{"params": ps[:1]}, {"params": ps[1:], "quantize_first_moment": False}], layout="published")
     assert [opt.backend_of(p) for p in ps] == ["numba", "numba"]
     _step_once(opt, ps)
     assert ran == ["numba", "numba"]
-    tri = Gefen([p := torch.nn.Parameter(torch.randn(16, 96))], backend="triton")
+    tri = Gefen([p := torch.nn.Parameter(torch.randn(16, 96))], layout="published", backend="triton")
     assert tri.backend_of(p) == "triton"
     ran.clear()
     _step_once(tri, [p])
@@ -275,8 +274,8 @@ def test_named_backend_that_cannot_update_a_parameter_is_refused_at_construction
         pytest.skip("numba is not installed")
     p32, p64 = torch.nn.Parameter(torch.randn(8, 16)), torch.nn.Parameter(torch.randn(8, 16, dtype=torch.float64))
     with pytest.raises(ValueError, match=match + ".*use backend='torch'"):
-        Gefen([{"params": [p32]}, {"params": [p64], **kwargs}], backend=backend)
-    opt = Gefen([p32], backend=backend)
+        Gefen([{"params": [p32]}, {"params": [p64], **kwargs}], layout="published", backend=backend)
+    opt = Gefen([p32], layout="published", backend=backend)
     with pytest.raises(ValueError, match="cannot update parameter 0 of group 1"):
         opt.add_param_group({"params": [p64], **kwargs})
     assert len(opt.param_groups) == 1 and opt.backend_of(p32) == backend
@@ -299,7 +298,7 @@ def test_numba_codebook_it_cannot_separate_runs_on_torch(ran):
     """The data-dependent exception (numba_ops.data_refusal): a codebook with repeated entries is
     known after construction; backend_of then says "torch", and the torch step runs."""
     p = torch.nn.Parameter(torch.randn(16, 96))
-    opt = Gefen([p], backend="numba")
+    opt = Gefen([p], layout="published", backend="numba")
     assert opt.backend_of(p) == "numba"
     opt.set_codebook(torch.linspace(-1, 1, 128).repeat_interleave(2))
     assert opt.backend_of(p) == "torch"
@@ -313,7 +312,7 @@ def test_triton_block_longer_than_a_program_runs_on_torch(ran):
 
     block = 2 * MAX_TILE_WIDTH
     p = torch.nn.Parameter(torch.randn(2, block) * 0.1)
-    opt = Gefen([p], backend="triton")
+    opt = Gefen([p], layout="published", backend="triton")
     assert opt.backend_of(p) == "triton"
     sd = opt.state_dict()
     sd["state"] = {0: {K.STEP: 1, K.BLOCK: block, K.V: torch.full((2,), 1e-4), K.SCALES: torch.full((2,), 0.1),
@@ -347,7 +346,7 @@ def test_copies_choose_the_same_backends(copy_):
     """Backends are not pickled (they are keyed by parameter): a copy chooses them again, and a
     pickle made before they existed loads the same way."""
     ps = [torch.nn.Parameter(torch.randn(16, 96)), torch.nn.Parameter(torch.randn(300, dtype=torch.float64))]
-    opt = Gefen([{"params": ps[:1]}, {"params": ps[1:], **ADAMW64}])
+    opt = Gefen([{"params": ps[:1]}, {"params": ps[1:], **ADAMW64}], layout="published")
     _step_once(opt, ps)
     opt2 = copy_(opt)
     ps2 = [p for g in opt2.param_groups for p in g["params"]]

@@ -180,10 +180,10 @@ def test_a_first_gradient_of_one_magnitude_does_not_fix_block_one(backend, bits,
     """g = +-c everywhere says nothing about blocks: the state is the cheapest (about 1 B/param at 8
     bits, not the 5 of per-element v), and the first gradient that varies chooses the block the rule
     picks from it, with v carried over exactly (one value everywhere until then)."""
-    from optim import Gefen
+    from optim import Gefen, GefenLayout
 
     w = torch.nn.Parameter(torch.randn(64, 96))
-    opt = Gefen([w], bits=bits, factor_second_moment=factored, backend=backend, betas=(0.9, 0.99))
+    opt = Gefen([w], bits=bits, layout=GefenLayout(factor_second_moment=factored), backend=backend, betas=(0.9, 0.99))
     w.grad = 0.5 * (torch.randint(0, 2, (64, 96)) * 2 - 1).float()
     opt.step()
     st = opt.state[w]
@@ -206,12 +206,12 @@ def test_a_first_gradient_of_one_magnitude_does_not_fix_block_one(backend, bits,
 def test_gradients_of_one_magnitude_forever_train_as_adamw():
     """A tensor whose gradients never vary in magnitude keeps its provisional block and is updated
     as AdamW updates it (shared v is exact for it; unquantised m so the comparison is to rounding)."""
-    from optim import Gefen
+    from optim import Gefen, GefenLayout
 
     torch.manual_seed(0)
     w = torch.nn.Parameter(torch.randn(32, 48))
     ref = torch.nn.Parameter(w.detach().clone())
-    opt = Gefen([w], lr=1e-2, weight_decay=0.1, quantize_first_moment=False, backend="torch")
+    opt = Gefen([w], lr=1e-2, weight_decay=0.1, layout=GefenLayout(quantize_first_moment=False), backend="torch")
     adamw = torch.optim.AdamW([ref], lr=1e-2, weight_decay=0.1)
     for step in range(10):
         g = 0.3 * (step + 1) * (torch.randint(0, 2, (32, 48)) * 2 - 1).float()
@@ -223,25 +223,25 @@ def test_gradients_of_one_magnitude_forever_train_as_adamw():
 
 
 def test_a_provisional_state_resumes_and_is_checked(tmp_path):
-    from optim import Gefen
+    from optim import Gefen, GefenLayout
 
     torch.manual_seed(0)
     grads = [0.5 * (torch.randint(0, 2, (64, 96)) * 2 - 1).float() for _ in range(2)]
     grads += [torch.randn(64, 96) * torch.exp(torch.randn(64, 1)) for _ in range(2)]
     w = torch.nn.Parameter(torch.randn(64, 96))
     w2 = torch.nn.Parameter(w.detach().clone())
-    opt = Gefen([w], backend="torch")
+    opt = Gefen([w], layout="published", backend="torch")
     for g in grads:
         w.grad = g.clone()
         opt.step()
-    opt2 = Gefen([w2], backend="torch")
+    opt2 = Gefen([w2], layout="published", backend="torch")
     for g in grads[:2]:
         w2.grad = g.clone()
         opt2.step()
     torch.save(opt2.state_dict(), tmp_path / "sd.pt")
     sd = torch.load(tmp_path / "sd.pt", weights_only=True)
     assert sd["state"][0]["provisional"] is True
-    opt3 = Gefen([w2], backend="torch")
+    opt3 = Gefen([w2], layout="published", backend="torch")
     opt3.load_state_dict(sd)
     for g in grads[2:]:
         w2.grad = g.clone()
@@ -249,4 +249,4 @@ def test_a_provisional_state_resumes_and_is_checked(tmp_path):
     assert torch.equal(w.detach(), w2.detach())
     bad = dict(sd, state={0: dict(sd["state"][0], provisional="yes")})
     with pytest.raises(ValueError, match="provisional"):
-        Gefen([w2], backend="torch").load_state_dict(bad)
+        Gefen([w2], layout="published", backend="torch").load_state_dict(bad)

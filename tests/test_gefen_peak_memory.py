@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from experiments.peak import PeakMemory
-from optim import Gefen
+from optim import Gefen, GefenLayout
 from tests.utils import GEFEN_CPU_BACKENDS, wide_mlp
 
 
@@ -30,7 +30,7 @@ def _bound(params) -> float:
 def test_no_transient_above_the_bound_at_any_step(backend, bits, factored, dtype):
     model = wide_mlp(dtype)
     params = list(model.parameters())
-    opt = Gefen(params, lr=1e-3, bits=bits, backend=backend, factor_second_moment=factored,
+    opt = Gefen(params, lr=1e-3, bits=bits, backend=backend, layout=GefenLayout(factor_second_moment=factored),
                 stochastic_rounding=dtype != torch.float32)
     bound = _bound(params)
     for step in range(2):  # the first step (blocks, codebook, state) and one after it

@@ -17,7 +17,7 @@ from optim.backends import numba_available
 from optim.gefen import state as K
 from tests.utils import assert_close, set_grads
 
-ADAMW = dict(share_second_moment=False, quantize_first_moment=False)
+ADAMW = dict(layout="adamw")
 SHAPES = [(24, 48), (7, 13), (300,), (64, 64)]
 BACKENDS = ["torch", pytest.param("numba", marks=pytest.mark.skipif(not numba_available(), reason="no numba")),
             "triton"]
@@ -120,7 +120,7 @@ def test_step_in_another_order_of_parameters_keeps_their_steps(backend):
 @pytest.mark.parametrize("how", ["resized", "reshaped_bigger"])
 def test_a_resized_parameter_is_refused_by_name(backend, how):
     p = torch.nn.Parameter(torch.randn(64, 32))
-    opt = Gefen([torch.nn.Parameter(torch.randn(8)), p], backend=backend)
+    opt = Gefen([torch.nn.Parameter(torch.randn(8)), p], layout="published", backend=backend)
     for q in opt.param_groups[0]["params"]:
         q.grad = torch.randn(q.shape)
     opt.step()
@@ -136,7 +136,7 @@ def test_a_parameter_cast_after_the_plan_is_stepped_in_its_new_dtype(backend):
     through the old storage's address and leave it unchanged)."""
     torch.manual_seed(0)
     ps = [torch.nn.Parameter(torch.randn(64, 64)), torch.nn.Parameter(torch.randn(64))]
-    opt = Gefen(ps, lr=1e-2, backend=backend)
+    opt = Gefen(ps, layout="published", lr=1e-2, backend=backend)
     for _ in range(2):
         set_grads(ps, [torch.randn(p.shape) for p in ps])
         opt.step()
@@ -183,7 +183,7 @@ def test_a_state_option_flipped_in_place_is_refused_by_name(backend, option):
     """An option that decides the state's layout, edited in the group after the state was made, is
     refused naming the parameter (never a kernel on state of another layout)."""
     ps = [torch.nn.Parameter(torch.randn(32, 64)), torch.nn.Parameter(torch.randn(64))]
-    opt = Gefen(ps, backend=backend)
+    opt = Gefen(ps, layout="published", backend=backend)
     row_scaled = torch.randn(32, 64) * torch.exp(2 * torch.randn(32, 1))  # rows of other scales: blocks > 1
     set_grads(ps, [row_scaled, torch.randn(64)])
     opt.step()

@@ -23,7 +23,7 @@ from optim.backends import numba_available
 from optim.gefen import reference as R, state as K
 from tests.utils import assert_close, row_scaled_grad, set_grads
 
-ADAMW = dict(share_second_moment=False, quantize_first_moment=False)
+ADAMW = dict(layout="adamw")
 LR, WD, BETAS, EPS = 1e-2, 0.1, (0.9, 0.999), 1e-8
 BACKENDS = ["torch", pytest.param("numba", marks=pytest.mark.skipif(not numba_available(), reason="no numba")),
             "triton"]
@@ -153,7 +153,7 @@ def _default_run(backend, change_params):
     ``change_params(params)`` (the group's list) before step ``CHANGE_AT``."""
     params = [torch.nn.Parameter(torch.randn(s) * 0.1) for s in SHAPES]
     starts = [p.detach().clone() for p in params]
-    opt = Gefen(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, backend=backend)
+    opt = Gefen(params, layout="published", lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, backend=backend)
     grads = [[row_scaled_grad(s) for s in SHAPES] for _ in range(5)]
     for t, gs in enumerate(grads, 1):
         if t == CHANGE_AT:
@@ -210,7 +210,7 @@ def test_restrided_factored_matrix_is_stepped_tile_by_tile_in_its_own_layout(bac
     shape, rows = (24, 6), 6
     p = torch.nn.Parameter(torch.randn(shape) * 0.1)
     x = p.detach().clone()
-    opt = Gefen([p], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, factor_second_moment=True, backend=backend)
+    opt = Gefen([p], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, layout="factored", backend=backend)
     grads = [row_scaled_grad(shape, scale_columns=True) for _ in range(5)]
     for t, g in enumerate(grads, 1):
         if t == CHANGE_AT:

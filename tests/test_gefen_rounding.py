@@ -20,7 +20,7 @@ from tests.utils import GEFEN_CPU_BACKENDS, mlp_params, row_growing_grads, wide_
 def _constant_gradient_run(dtype, sr, backend, steps=40, n=1 << 14, seed=0):
     torch.manual_seed(seed)
     p = torch.nn.Parameter(torch.ones(n, dtype=dtype))
-    opt = Gefen([p], lr=1e-3, backend=backend, stochastic_rounding=sr)
+    opt = Gefen([p], layout="published", lr=1e-3, backend=backend, stochastic_rounding=sr)
     g = torch.ones(n, dtype=dtype)
     for _ in range(steps):
         p.grad = g.clone()
@@ -72,20 +72,20 @@ def test_stochastic_rounding_resumes_from_the_state_dict(backend, tmp_path):
     twin = copy.deepcopy(model)
     grads = [[torch.randn(p.shape).bfloat16() for p in model.parameters()] for _ in range(6)]
     torch.manual_seed(7)  # the generator state the seeds are drawn from, for both runs
-    opt = Gefen(model.parameters(), lr=1e-2, backend=backend, stochastic_rounding=True)
+    opt = Gefen(model.parameters(), layout="published", lr=1e-2, backend=backend, stochastic_rounding=True)
     for gs in grads:
         for p, g in zip(model.parameters(), gs):
             p.grad = g.clone()
         opt.step()
     torch.manual_seed(7)
-    opt2 = Gefen(twin.parameters(), lr=1e-2, backend=backend, stochastic_rounding=True)
+    opt2 = Gefen(twin.parameters(), layout="published", lr=1e-2, backend=backend, stochastic_rounding=True)
     for gs in grads[:3]:
         for p, g in zip(twin.parameters(), gs):
             p.grad = g.clone()
         opt2.step()
     torch.save(opt2.state_dict(), tmp_path / "opt.pt")
     torch.manual_seed(12345)  # another generator state: the saved seeds decide
-    opt3 = Gefen(twin.parameters(), lr=1e-2, backend=backend, stochastic_rounding=True)
+    opt3 = Gefen(twin.parameters(), layout="published", lr=1e-2, backend=backend, stochastic_rounding=True)
     opt3.load_state_dict(torch.load(tmp_path / "opt.pt", weights_only=True))
     for gs in grads[3:]:
         for p, g in zip(twin.parameters(), gs):
@@ -97,13 +97,13 @@ def test_stochastic_rounding_resumes_from_the_state_dict(backend, tmp_path):
 
 def test_a_saved_seed_of_the_wrong_kind_is_refused():
     p = torch.nn.Parameter(torch.ones(64, dtype=torch.bfloat16))
-    opt = Gefen([p], stochastic_rounding=True, backend="torch")
+    opt = Gefen([p], layout="published", stochastic_rounding=True, backend="torch")
     p.grad = torch.randn(64).bfloat16()
     opt.step()
     sd = opt.state_dict()
     sd["state"][0]["seed"] = -1.5
     with pytest.raises(ValueError, match="seed"):
-        Gefen([p], stochastic_rounding=True, backend="torch").load_state_dict(sd)
+        Gefen([p], layout="published", stochastic_rounding=True, backend="torch").load_state_dict(sd)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
@@ -150,7 +150,7 @@ def test_backends_round_with_the_same_bits(dtype):
         torch.manual_seed(0)
         p = torch.nn.Parameter(torch.zeros(4096, dtype=dtype))
         opt = Gefen([p], lr=3e-3, backend=backend, stochastic_rounding=True,
-                    share_second_moment=False, quantize_first_moment=False)
+                    layout="adamw")
         p.grad = torch.randn(4096).to(dtype)
         opt.step()
         out[backend] = p.detach().clone()
@@ -175,7 +175,7 @@ def test_a_strided_parameter_steps_as_its_contiguous_twin(backend, dtype):
     grads = [torch.randn(64, 96).to(dtype) for _ in range(3)]
     for p in (a, b):
         torch.manual_seed(5)  # the same rounding seed for both
-        opt = Gefen([p], lr=1e-2, backend=backend, stochastic_rounding=True)
+        opt = Gefen([p], layout="published", lr=1e-2, backend=backend, stochastic_rounding=True)
         for g in grads:
             p.grad = g.clone()
             opt.step()
@@ -202,7 +202,7 @@ def test_stochastic_rounding_leaves_the_global_random_stream_alone(backend):
     want = torch.rand(4)
     torch.manual_seed(5)
     ps = _bf16_params()
-    _sr_steps(Gefen(ps, lr=1e-3, stochastic_rounding=True, backend=backend), ps, 3)
+    _sr_steps(Gefen(ps, layout="published", lr=1e-3, stochastic_rounding=True, backend=backend), ps, 3)
     assert torch.equal(torch.rand(4), want)
 
 
@@ -212,10 +212,10 @@ def test_a_resumed_rounding_run_equals_the_uninterrupted_one(backend):
     has another random state: the next three steps are the uninterrupted run's, bit for bit."""
     torch.manual_seed(11)
     whole = _bf16_params()
-    _sr_steps(Gefen(whole, lr=1e-3, stochastic_rounding=True, backend=backend), whole, 5)
+    _sr_steps(Gefen(whole, layout="published", lr=1e-3, stochastic_rounding=True, backend=backend), whole, 5)
     torch.manual_seed(11)
     first = _bf16_params()
-    opt = Gefen(first, lr=1e-3, stochastic_rounding=True, backend=backend)
+    opt = Gefen(first, layout="published", lr=1e-3, stochastic_rounding=True, backend=backend)
     _sr_steps(opt, first, 2)
     assert K.SEED not in opt.state[first[1]]
     buf = __import__("io").BytesIO()
@@ -224,7 +224,7 @@ def test_a_resumed_rounding_run_equals_the_uninterrupted_one(backend):
     saved = torch.load(buf)
     torch.manual_seed(999)  # another process
     resumed = [torch.nn.Parameter(p.clone()) for p in saved["params"]]
-    opt2 = Gefen(resumed, lr=1e-3, stochastic_rounding=True, backend=backend)
+    opt2 = Gefen(resumed, layout="published", lr=1e-3, stochastic_rounding=True, backend=backend)
     opt2.load_state_dict(saved["opt"])
     _sr_steps(opt2, resumed, 3, start=2)
     for a, b in zip(resumed, whole):
@@ -236,7 +236,7 @@ def test_loading_a_checkpoint_saved_without_rounding_keeps_rounding_on():
     run without it (or saved before the keyword existed) does not turn it off (every parameter
     gets its seed at the next steps); one that rounded, loaded into a run without, does not turn it on."""
     ps = _bf16_params()
-    plain = Gefen(ps, lr=1e-3)
+    plain = Gefen(ps, layout="published", lr=1e-3)
     _sr_steps(plain, ps, 2)
     sd = plain.state_dict()
     old = copy.deepcopy(sd)
@@ -244,12 +244,12 @@ def test_loading_a_checkpoint_saved_without_rounding_keeps_rounding_on():
         del g["stochastic_rounding"]
     for saved in (sd, old):
         qs = [torch.nn.Parameter(p.detach().clone()) for p in ps]
-        opt = Gefen(qs, lr=1e-3, stochastic_rounding=True)
+        opt = Gefen(qs, layout="published", lr=1e-3, stochastic_rounding=True)
         opt.load_state_dict(saved)
         assert opt.param_groups[0]["stochastic_rounding"] is True
         _sr_steps(opt, qs, 2, start=2)
         assert all(K.SEED in opt.state[q] for q in qs)
-    off = Gefen([torch.nn.Parameter(p.detach().clone()) for p in ps], lr=1e-3)
+    off = Gefen([torch.nn.Parameter(p.detach().clone()) for p in ps], layout="published", lr=1e-3)
     off.load_state_dict(opt.state_dict())
     assert off.param_groups[0]["stochastic_rounding"] is False
 

@@ -81,7 +81,7 @@ def test_state_dict_of_other_dtype_or_shape_is_refused_at_load(cast):
 def test_state_dict_of_noncontiguous_tensors_is_loaded_contiguous():
     """A strided copy of the right dtype and size is the same state: loaded as a contiguous copy."""
     p = torch.nn.Parameter(torch.randn(16, 96))
-    opt = Gefen([p], backend="numba")
+    opt = Gefen([p], layout="published", backend="numba")
     p.grad = row_scaled_grad((16, 96))
     opt.step()
     sd = opt.state_dict()
@@ -89,7 +89,7 @@ def test_state_dict_of_noncontiguous_tensors_is_loaded_contiguous():
     for k in (K.V, K.SCALES, K.CODES):
         st[k] = torch.stack([st[k], st[k]], dim=1)[:, 0]
         assert not st[k].is_contiguous()
-    opt2 = Gefen([torch.nn.Parameter(p.detach().clone())], backend="numba")
+    opt2 = Gefen([torch.nn.Parameter(p.detach().clone())], layout="published", backend="numba")
     opt2.load_state_dict(sd)
     for k in (K.V, K.SCALES, K.CODES):
         assert opt2.state[opt2.param_groups[0]["params"][0]][k].is_contiguous()
@@ -160,10 +160,10 @@ def test_state_changed_after_load_is_refused_before_launch(backend):
 
 def test_zero_gradient_state_survives_state_dict_round_trip():
     p = torch.nn.Parameter(torch.randn(16, 96))
-    opt = Gefen([p])
+    opt = Gefen([p], layout="published")
     p.grad = torch.zeros(16, 96)
     opt.step()
-    opt2 = Gefen([torch.nn.Parameter(p.detach().clone())])
+    opt2 = Gefen([torch.nn.Parameter(p.detach().clone())], layout="published")
     opt2.load_state_dict(opt.state_dict())
     assert dict(opt2.state[opt2.param_groups[0]["params"][0]]) == {K.STEP: 1}
 
@@ -171,13 +171,13 @@ def test_zero_gradient_state_survives_state_dict_round_trip():
 @pytest.mark.parametrize("option", ["quantize_first_moment", "factor_second_moment"])
 def test_a_saved_group_that_contradicts_its_state_is_named(option):
     p = torch.nn.Parameter(torch.randn(16, 8))
-    opt = Gefen([p], lr=1e-2, factor_second_moment=True)
+    opt = Gefen([p], lr=1e-2, layout="factored")
     p.grad = row_scaled_grad((16, 8))
     opt.step()
     sd = opt.state_dict()
     sd["param_groups"][0][option] = False
     with pytest.raises(ValueError, match=f"saved group says {option}=False"):
-        Gefen([p], factor_second_moment=True).load_state_dict(sd)
+        Gefen([p], layout="factored").load_state_dict(sd)
 
 
 def test_an_adamw_state_dict_is_refused_as_adamws():
@@ -192,17 +192,17 @@ def test_an_adamw_state_dict_is_refused_as_adamws():
 
 def test_state_dict_from_another_model_is_rejected():
     a = torch.nn.Parameter(torch.randn(16, 96))
-    opt = Gefen([a])
+    opt = Gefen([a], layout="published")
     a.grad = row_scaled_grad((16, 96))
     opt.step()
     sd = opt.state_dict()
-    other = Gefen([torch.nn.Parameter(torch.randn(16, 97))])
+    other = Gefen([torch.nn.Parameter(torch.randn(16, 97))], layout="published")
     with pytest.raises(ValueError, match="does not fit its shape"):
         other.load_state_dict(sd)
     with pytest.raises(ValueError, match="2 parameters|1 parameters"):
-        Gefen([torch.nn.Parameter(torch.randn(16, 96)), torch.nn.Parameter(torch.randn(3))]).load_state_dict(sd)
+        Gefen([torch.nn.Parameter(torch.randn(16, 96)), torch.nn.Parameter(torch.randn(3))], layout="published").load_state_dict(sd)
     with pytest.raises(ValueError, match="bits"):
-        Gefen([torch.nn.Parameter(torch.randn(16, 96))], bits=4).load_state_dict(sd)
+        Gefen([torch.nn.Parameter(torch.randn(16, 96))], layout="published", bits=4).load_state_dict(sd)
 
 
 SHAPES = [(5, 6), (5,), (300,)]
@@ -212,7 +212,7 @@ SHAPES = [(5, 6), (5,), (300,)]
 def test_state_dict_hooks_see_the_codebook(adamw):
     """state_dict's post-hook sees the dict state_dict() returns, codebook included, and its edits
     last; load_state_dict's post-hook sees the loaded codebook (none reduced to AdamW)."""
-    kw = ADAMW if adamw else {}
+    kw = ADAMW if adamw else {"layout": "published"}
     ps = seeded_params(SHAPES)
     opt = Gefen(ps, lr=1e-2, **kw)
     set_or_clear_grads(ps, seeded_grads(ps, 0))

@@ -8,7 +8,7 @@ import numba
 import pytest
 import torch
 
-from optim import Gefen
+from optim import Gefen, GefenLayout
 from optim.gefen import _numba_kernels as C, state as K
 
 # numels: odd blocks (3 x 7 x 11 rows), a prime (per-element v, chunked scales), a large even tensor
@@ -23,7 +23,7 @@ def _run(threads, bits, steps=3, factored=False):
         gen = torch.Generator().manual_seed(11)
         params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in SHAPES]
         opt = Gefen(params, lr=1e-2, weight_decay=0.01, bits=bits, backend="numba",
-                    factor_second_moment=factored)
+                    layout=GefenLayout(factor_second_moment=factored))
         for _ in range(steps):
             for p in params:
                 # row-structured gradient magnitudes so the block rule finds blocks > 1

@@ -107,7 +107,7 @@ def test_traffic_model_counts_the_state_gefen_keeps(bits):
     for p in params:
         g = torch.randn(p.shape)
         p.grad = g * torch.randn(p.shape[0], 1).mul(0.7).exp() if p.dim() == 2 else g
-    opt = Gefen(params, lr=1e-3, bits=bits, backend="torch")
+    opt = Gefen(params, lr=1e-3, bits=bits, layout="published", backend="torch")
     opt.step()
     assert [opt.state[p][K.BLOCK] for p in params] == [gefen_block(sh) for sh in shapes]
     state = sum(opt.state[p][k].numel() * opt.state[p][k].element_size()

@@ -14,7 +14,7 @@ import torch.nn as nn
 from optim import DiskSparseAdam, Gefen
 
 ROWS, DIM, STEPS, BATCH = 40, 4, 6, 8
-ADAMW = dict(share_second_moment=False, quantize_first_moment=False)
+ADAMW = dict(layout="adamw")
 
 
 def _indices(n=STEPS * BATCH, seed=3):
@@ -40,7 +40,7 @@ OPTIMIZERS = {  # name: (sparse model, ours, reference)
     "dsa": (True, lambda ps: DiskSparseAdam(ps, lr=0.05), lambda ps: torch.optim.SparseAdam(ps, lr=0.05)),
     "gefen": (False, lambda ps: Gefen(ps, lr=0.05, weight_decay=0.01, **ADAMW),
               lambda ps: torch.optim.AdamW(ps, lr=0.05, weight_decay=0.01)),
-    "gefen-8bit": (False, lambda ps: Gefen(ps, lr=0.05), None),
+    "gefen-8bit": (False, lambda ps: Gefen(ps, layout="published", lr=0.05), None),
 }
 
 

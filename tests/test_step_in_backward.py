@@ -73,10 +73,10 @@ OPTIMIZERS = [
     pytest.param(lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1), id="AdamW"),
     pytest.param(lambda ps: torch.optim.Adam(ps, lr=1e-2), id="Adam"),
     pytest.param(lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, nesterov=True), id="SGD-momentum"),
-    pytest.param(lambda ps: Gefen(ps, lr=1e-2, weight_decay=0.1, backend="torch"), id="Gefen-torch"),
-    pytest.param(lambda ps: Gefen(ps, lr=1e-2, bits=4, factor_second_moment=True, backend="torch"),
+    pytest.param(lambda ps: Gefen(ps, layout="published", lr=1e-2, weight_decay=0.1, backend="torch"), id="Gefen-torch"),
+    pytest.param(lambda ps: Gefen(ps, lr=1e-2, bits=4, layout="factored", backend="torch"),
                  id="Gefen-torch-4bit-factored"),
-    pytest.param(lambda ps: Gefen(ps, lr=1e-2, weight_decay=0.1, backend="numba"), id="Gefen-numba",
+    pytest.param(lambda ps: Gefen(ps, layout="published", lr=1e-2, weight_decay=0.1, backend="numba"), id="Gefen-numba",
                  marks=pytest.mark.skipif(not numba_available(), reason="numba is not installed")),
 ]
 
@@ -97,7 +97,7 @@ def test_gefen_first_step_holds_every_gradient_until_backward_ends():
     learns the codebook from all n, then steps (and frees) one parameter at a time, as the hooks
     of later backwards do."""
     model = mlp()
-    opt = Gefen(model.parameters(), lr=1e-2, backend="torch")
+    opt = Gefen(model.parameters(), layout="published", lr=1e-2, backend="torch")
     seen, learned = [], []
     params = list(model.parameters())
     opt.register_step_post_hook(lambda o, a, k: seen.append(sum(p.grad is not None for p in params)))
@@ -125,7 +125,7 @@ def test_gefen_first_step_in_backward_frees_each_gradient_after_its_step():
     twelfth of the state). Width 512: the codebook's own fixed temporaries are small beside it."""
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(512, 512, bias=False) for _ in range(12)])
-    opt = Gefen(model.parameters(), lr=1e-2, backend="torch")
+    opt = Gefen(model.parameters(), layout="published", lr=1e-2, backend="torch")
     params = list(model.parameters())
     weights = grads = sum(p.numel() * p.element_size() for p in params)
     with step_in_backward(opt):
@@ -321,7 +321,7 @@ def test_refuses_grad_scaler_before_any_parameter_is_stepped():
 
 @pytest.mark.parametrize("make_opt", [
     pytest.param(lambda ps: torch.optim.AdamW(ps, lr=1e-2), id="AdamW"),
-    pytest.param(lambda ps: Gefen(ps, lr=1e-2, backend="torch"), id="Gefen-torch"),
+    pytest.param(lambda ps: Gefen(ps, layout="published", lr=1e-2, backend="torch"), id="Gefen-torch"),
 ])
 def test_an_accelerate_wrapped_optimizer_matches_the_ordinary_loop(make_opt):
     """accelerate's ``AcceleratedOptimizer`` is unwrapped: Gefen's first step still holds every
@@ -350,7 +350,7 @@ def test_an_accelerate_wrapped_optimizer_matches_the_ordinary_loop(make_opt):
 @pytest.mark.parametrize("layer", [0, -1], ids=["first-layer", "last-layer"])
 @pytest.mark.parametrize("make_opt", [
     pytest.param(lambda ps: torch.optim.AdamW(ps, lr=1e-2), id="AdamW"),
-    pytest.param(lambda ps: Gefen(ps, lr=1e-2, backend="torch"), id="Gefen-torch"),
+    pytest.param(lambda ps: Gefen(ps, layout="published", lr=1e-2, backend="torch"), id="Gefen-torch"),
 ])
 def test_a_layer_unfrozen_later_is_stepped_as_in_the_ordinary_loop(make_opt, layer):
     """Fine-tuning schedule: a layer frozen when step_in_backward is installed and unfrozen after
@@ -391,7 +391,7 @@ class _Fails(torch.autograd.Function):
 
 @pytest.mark.parametrize("make_opt", [
     pytest.param(lambda ps: torch.optim.AdamW(ps, lr=1e-2), id="AdamW"),
-    pytest.param(lambda ps: Gefen(ps, lr=1e-2, backend="torch"), id="Gefen-torch-held-first-step"),
+    pytest.param(lambda ps: Gefen(ps, layout="published", lr=1e-2, backend="torch"), id="Gefen-torch-held-first-step"),
 ])
 def test_an_exception_inside_backward_leaves_the_next_backward_working(make_opt):
     """A backward that raises half-way: the parameters stepped before it keep their step (those

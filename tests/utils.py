@@ -134,7 +134,7 @@ def sparse_embedding(rows, dim, *, dtype=torch.float32, seed=None):
     return torch.nn.Embedding(rows, dim, sparse=True, dtype=dtype)
 
 
-ADAMW = dict(share_second_moment=False, quantize_first_moment=False)  # the Gefen options that make it AdamW
+ADAMW = dict(layout="adamw")  # the Gefen layout whose state is AdamW's
 
 
 def set_grads(params, grads):

@@ -330,9 +330,9 @@ def check_state_dict(sd: dict, groups: list, *, bits: int, wide: dict, local) ->
         raise ValueError(f"Gefen.load_state_dict: the state dict has {len(sd['param_groups'])} parameter "
                          f"groups, this optimizer {len(groups)}; load it into the optimizer "
                          "it was saved from")
-    old = {"factor_second_moment": False, "share_vector_second_moment": False, "share_matrix_rows": False,
-           "row_group_scales": False, "whole_matrix_factor": False, "factor_dtype": "float32", "maximize": False}
-    sd["param_groups"] = [{**old, **g,
+    from .layout import SAVED_BEFORE  # (layout.py reuses this module's checks)
+
+    sd["param_groups"] = [{**SAVED_BEFORE, **g,
                            "stochastic_rounding": mine["stochastic_rounding"],
                            "first_moment_rounding": mine["first_moment_rounding"], **wide}
                           for g, mine in zip(sd["param_groups"], groups)]

@@ -14,7 +14,8 @@ from . import distributed as _dist, state as K
 from .checks import (check_adamw_keywords, check_capturable, check_group, check_param, check_refresh,
                      check_state_dict, check_state_fits)
 from .codebook import Codebook, refresh_due
-from .partition import RULES, constant_magnitude
+from .layout import SAVED_BEFORE, layout_of
+from .partition import constant_magnitude
 from .plan import (Call, draw_seeds, every_parameter_seeded, rounds_codes, run, seeded, signature, signed,
                    step_module, step_scalars, tiles_of)
 from .torch_ops import histogram, remap_codes_
@@ -28,204 +29,61 @@ class Gefen(OptimizerBase):
     r"""AdamW with about one byte of state per parameter (Gefen, arXiv 2606.13894; upstream
     PyPI package ``gefen``).
 
-    Each tensor is flattened (under FSDP: its local shard) and split into blocks of a length P
-    chosen once from its first non-zero squared gradient (``partition.py``; no parameter names needed).
-    One second moment is kept per block and the first moment as ``bits``-bit codes into one
-    model-wide codebook, learned at the first step as the exact optimal ``2**bits``-level
-    quantiser (ends pinned at -1, +1) of a ``HIST_BINS`` = 4096-bin histogram of gradients divided by the
-    absmax of their scale block (P, or the chunk of 256 when P = 1: upstream divides a P = 1
-    tensor's gradients element by element, which puts all their mass at -1 and +1), times one
-    fp32 scale per scale block. For a block b, with t the tensor's step::
+    Each tensor is flattened (under FSDP: its local shard) and split into blocks of a length P chosen
+    once from its first non-zero squared gradient (``partition.py``). One second moment is kept per
+    block and the first moment as ``bits``-bit codes into one model-wide codebook, learned at the first
+    step, times one fp32 scale per block. For a block b, with t the tensor's step::
 
         v_b <- beta2 v_b + (1 - beta2) mean_b(g^2)
         p   <- p (1 - lr weight_decay)
         m~  <- lerp(C[code] s_b, g, 1 - beta1);  s_b <- max_b |m~|;  code <- nearest(C, m~ / s_b)
         p   <- p - lr (C[code] s_b / (1 - beta1^t)) / (sqrt(v_b / (1 - beta2^t)) + eps)
 
-    State: 1 byte (8 bits) or 0.5 byte (4 bits) per element plus 8 bytes per block of P (P = 1:
-    4 bytes per element for v and 4 per 256 elements for the scale). With
-    ``share_second_moment=False, quantize_first_moment=False`` it is ``torch.optim.AdamW``.
-
-    ``factor_second_moment=True`` (not in the paper) scales each block's ``v_b`` per offset j inside
-    the block, Adafactor's row-by-column estimate on Gefen's blocks: ``w_j`` is an EMA (beta2) of
-    the squared gradient at offset j averaged over the tensor's blocks, and the denominator is
-    ``sqrt(v_b w_j / mean(w) / (1 - beta2^t)) + eps``. A tensor of two or more dimensions keeps
-    its blocks inside the rows of its matrix view (shape[0], numel / shape[0]): P becomes the
-    largest divisor of the row length <= P (``partition.factored_block``), so a block of whole
-    rows is one row and the estimate is Adafactor's row-by-column one. A matrix of more rows
-    than columns C is factored in tiles of C rows, each with its own w (``partition.factor_tiles``):
-    the parts of a fused projection (``nn.MultiheadAttention``'s q, k and v in one weight) do not
-    share one column factor. A tensor of fewer than two dimensions (a norm gain, a bias) has no
-    columns to factor and keeps one v per element (P = 1, as AdamW's). It costs 4 P bytes per tile
-    (at most 4 bytes per row of a tall matrix; plus 8 bytes per block a cut block adds) and 4
-    bytes per element of a vector, and helps where squared gradients vary along a block (matrix
-    columns) or between the rows a block spanned (embedding rows); with P = 1 it changes nothing.
-    ``share_vector_second_moment=True`` gives a vector in a factored group shared v and no w
-    instead: the block length of ``partition.choose_block`` (as without the factor) or, where the
-    rule finds no block, the whole vector (its largest divisor <= ``partition.MAX_BLOCK``, as
-    Gefen-X falls back to one long block), about 1 + 8 / P bytes per element where the
-    per-element v costs 5.
-    Not for sparse gradients (``nn.Embedding(sparse=True)``: use ``DiskSparseAdam``) nor complex
-    parameters. The exact state layout is in ``optim/gefen/reference.py``.
-
-    ``first_moment_rounding="stochastic"`` (not in the paper; Gefen-X offers it) writes each code as
-    the lower or upper of the two entries around ``m~ / s_b``, the upper with probability
-    ``(m~ / s_b - C[lo]) / (C[hi] - C[lo])``, instead of the nearest: the stored first moment is
-    then ``m~`` in expectation, where nearest rounding's error can pile up along a long run in
-    the same direction (a small gradient that never moves a code off its entry). Its random bits
-    come from ``stochastic_rounding``'s seeds (below) on a stream of their own. Only the torch
-    step implements it: "auto" runs those groups on torch, "numba" or "triton" by name is refused.
-
-    ``codebook_refresh_every=N`` (not in the paper; Gefen-X's keyword) learns the codebook again,
-    as the first step does, from the gradients of steps 1 + N, 1 + 2N, ... (before they are
-    stepped), and re-encodes every stored code to its nearest entry of the new codebook
-    (``codebook.code_map``; the scales are unchanged): where the gradients' spread relative to
-    their scale block's largest element drifts in training, a codebook fitted to the first
-    gradients alone puts the few levels of 4-bit codes where later first moments are not. Whether
-    that costs loss depends on the model (results/README.md, "Claims in detail").
+    ``layout`` chooses what the state holds (``GefenLayout``, ``layout.py``): "factored" (the default:
+    v per block times Adafactor's column factor, AdamW's loss on four of five models at about 1.19
+    bytes a parameter), "compact" (the factored layout at Gefen-X's bytes), "published" (the article's
+    algorithm, above) or "adamw" (``torch.optim.AdamW``'s state). Not for sparse gradients
+    (``nn.Embedding(sparse=True)``: use ``DiskSparseAdam``) nor complex parameters. Each layout
+    field, the backends and ``capturable`` are described in docs/USAGE.md; the exact state in
+    ``reference.py``.
 
     Args:
-        params: parameters or param groups (dicts); groups may set ``lr``, ``betas``, ``eps``,
-            ``weight_decay``, ``share_second_moment``, ``quantize_first_moment``,
-            ``factor_second_moment``, ``share_vector_second_moment``, ``share_matrix_rows``,
-            ``stochastic_rounding``, ``first_moment_rounding``.
-        lr: learning rate: a float, or a one-element tensor that LR schedulers update in place (read
-            with ``float`` at each step, which waits for the device where it lives there, unless
-            ``capturable``, which reads it on the device). (Default: 1e-3)
+        params: parameters or param groups (dicts); a group may set ``lr``, ``betas``, ``eps``,
+            ``weight_decay``, ``maximize``, ``stochastic_rounding``, ``layout`` (a name or record for
+            that group) and single layout fields; ``bits``, ``backend``, ``capturable``,
+            ``block_rule`` and ``codebook_refresh_every`` are one per optimizer.
+        lr: learning rate, a float or a one-element tensor. (Default: 1e-3)
         betas: coefficients of the first and second moment averages. (Default: (0.9, 0.999))
         eps: added to the denominator. (Default: 1e-8)
-        weight_decay: decoupled weight decay, as AdamW. (Default: 0.0)
-        bits: code width of the first moment, 8 (256 levels) or 4 (16 levels, two codes a
-            byte). One codebook serves all groups. (Default: 8)
-        share_second_moment: one second moment per automatically found block; False keeps one
-            per element. (Default: True)
-        quantize_first_moment: store the first moment as codes and block scales; False keeps it
-            in fp32. (Default: True)
-        backend: "torch" (``torch_ops``, any device), "numba" (``numba_ops``, CPU tensors),
-            "triton" (``triton_ops``, CUDA tensors, or CPU under ``TRITON_INTERPRET=1``) or "auto"
-            (Triton for CUDA tensors, numba on CPU where it is installed, torch otherwise);
-            resolved per parameter when it is added (``optim.backends.choose_backend``). Neither
-            compiled step keeps float64 moments (float64 parameters in a group with
-            ``share_second_moment=False, quantize_first_moment=False``) and Triton takes fp32,
-            bf16 and fp16 parameters: "auto" runs those on torch, a compiled backend asked for
-            by name is refused. What only the data decide (a codebook numba's table cannot
-            separate, a block longer than a Triton program) runs on torch
-            (each backend's ``data_refusal``); :meth:`backend_of` tells which path updates a parameter.
-            The codebook's histogram is computed with torch on every backend (once per model).
-            (Default: "auto")
-        fused: upstream's keyword. False is ``backend="torch"``; True or None leave ``backend``
-            to choose (upstream's True also falls back to unfused code where its kernels cannot
-            run, as ``"auto"`` does). (Default: None)
-        verbose: print each tensor's block length when it is chosen (upstream's keyword).
-            (Default: False)
-        block_rule: "adjacent_log" (upstream's current rule) or "variance_drop" (the paper-era
-            rule); see ``partition.py``. (Default: "adjacent_log")
-        factor_second_moment: scale each block's second moment per offset inside the block,
-            blocks kept inside matrix rows (above; ``reference.py``). False is the published
-            algorithm. (Default: False)
-        share_vector_second_moment: under ``factor_second_moment``, a tensor of fewer than two
-            dimensions (norm gain, bias) shares v in the blocks of the published rule, or in one
-            block where the rule finds none, and holds no factor (above), instead of keeping one v
-            per element. Decides the state layout, as
-            ``factor_second_moment`` does: a state dict restores the saved group's setting (False
-            where it was saved before the option). No effect in an unfactored group, whose vectors
-            share v by the rule already. (Default: False)
-        share_matrix_rows: under ``factor_second_moment``, a tensor of two or more dimensions in
-            which the published rule finds no block (P = 1: one v per element, 5 bytes of state a
-            parameter) shares v over whole rows of its matrix view instead, times the column factor
-            (Adafactor's row-by-column estimate; a position table, for example). The block is chosen
-            when the state is made: a state dict keeps it. (Default: False)
-        row_group_scales: under ``factor_second_moment``, a matrix keeps one first-moment scale
-            per group of whole rows of at most 2,048 elements (Gefen-X's fallback block length),
-            not one per row (per block of P): 4 bytes a group instead of a row
-            (``partition.row_group_scale_length``; ``state.SCALE_BLOCK``). An int sets that bound
-            in elements (a group is never shorter than a block of P), for codes of few levels
-            that a long scale block leaves coarse. The scale length is chosen when the state is
-            made, as the block is: a state dict keeps it, and a bound changed later applies to new
-            states. Every backend (Triton hands blocks of 2 elements, and odd blocks at 4 bits, to
-            the torch step). (Default: False)
-        whole_matrix_factor: under ``factor_second_moment``, a matrix of more rows than columns
-            keeps one column factor w for the whole matrix (Adafactor's, Gefen-X's), not one per
-            square tile of rows (above): 4 bytes a column instead of a column per tile, at the cost of
-            one factor for the parts of a fused projection. Every backend. (Default: False)
-        factor_dtype: "float32" or "bfloat16", the dtype of the factors w (under
-            ``factor_second_moment``). bf16 halves their bytes (4 bytes a column a tile -> 2): w is
-            updated in fp32 and stored rounded stochastically (``reference.factor_update``), its
-            random bits drawn as ``stochastic_rounding``'s are, from each parameter's seed
-            (``state.SEED``, then made for fp32 parameters too) mixed with ``plan.FACTOR_STREAM``:
-            runs repeat given ``torch.manual_seed`` and a run resumed from a state dict equals the
-            uninterrupted one. Decides the state layout, as ``whole_matrix_factor`` does (a state
-            dict restores the saved group's setting). Every backend; refused with
-            ``capturable=True`` (the seeds come from the host). (Default: "float32")
-        stochastic_rounding: write bf16 and fp16 parameters rounded stochastically (up with the
-            probability of the fraction of the gap, so exact in expectation) instead of to nearest,
-            so updates under half a unit in the last place still move a low-precision weight on
-            average: the way to train with bf16 weights and no fp32 master copy. The random bits
-            are a hash of each parameter's seed (``state.SEED``, from the optimizer's seed, made at
-            its first step from ``torch.initial_seed()`` without drawing from torch's generator,
-            the same on every rank, and saved in the state dict), its step and the element
-            (``optim._rounding``): runs repeat given ``torch.manual_seed``, a resumed run equals
-            the uninterrupted one, and the torch, numba and Triton steps draw the same bits. fp32
-            parameters are not affected. ``load_state_dict`` keeps each group's setting: it says
-            how this run writes its weights, whatever the checkpoint's run did.
-            (Default: False)
-        first_moment_rounding: "nearest" (the published rule) or "stochastic": how ``m~ / s_b`` becomes
-            a code (above; ``reference.stochastic_round``). The random bits are drawn as
-            ``stochastic_rounding``'s are, from each parameter's seed (``state.SEED``, then made for
-            fp32 parameters too) mixed with ``plan.CODE_STREAM``, so codes and weights never share
-            bits; runs repeat given ``torch.manual_seed`` and a run resumed from a state dict equals
-            the uninterrupted one. Refused with ``quantize_first_moment=False`` (nothing to round).
-            ``load_state_dict`` keeps each group's setting, as ``stochastic_rounding``'s.
-            (Default: "nearest")
-        codebook_refresh_every: learn the codebook again every this many steps (above), from the
-            gradients of that step; 0 learns it once, at the first step (the published rule). One
-            value per optimizer (one codebook serves every group). A refresh step needs every
-            gradient at once, as the first step does: under ``step_in_backward`` that backward
-            holds them until it ends. Refused with ``capturable=True`` (a captured graph would
-            replay the old codebook). Under FSDP2 each step all-reduces one step count, so that
-            every rank refreshes at the same step. (Default: 0)
-        maximize: maximize the objective (each step is that of -g), as AdamW's. ``p.grad`` is never
-            written: each kernel call reads a negated copy of its gradients (shared, expanded and
-            ``create_graph`` gradients step as with AdamW). (Default: False)
-        capturable: keep each parameter's step count on the device (``state["step"]`` a float32
-            tensor, as torch's capturable AdamW keeps it) and compute the bias corrections,
-            ``1 - lr*weight_decay`` and the stochastic-rounding seeds there, in one small kernel a
-            parameter group a step (``triton_ops.advance_``), so that a step after the first reads
-            nothing back to the host and can be captured in a CUDA graph (``torch.cuda.graph``)
-            and replayed. ``lr`` may then be a one-element tensor on the parameters' device, read at
-            every step and replay (LR schedulers write it in place); a float lr, betas, eps and
-            weight decay are baked into a captured graph: changing them needs a new capture, as
-            with torch. The first step (block lengths, codebook) and any step that meets a new set
-            of tensors build their plan on the host and may synchronise: capture after a few eager
-            steps. Every parameter must be on the Triton path (CUDA tensors; CPU tensors under
-            ``TRITON_INTERPRET=1``), or it is refused by name. The numbers equal the host's: the
-            scalars are computed in float64 and rounded to fp32 once, ``beta**t`` by binary
-            powering, within one fp32 ulp of the host's ``pow`` and equal to it at every step the
-            tests enumerate. Steps count exactly up to 2**24. State dicts load into an optimizer
-            of either setting. (Default: False)
-        amsgrad, foreach, differentiable: AdamW's keywords, taken at AdamW's defaults so that a
-            configuration written for AdamW runs unchanged; ``foreach`` may be anything (it picks
-            among AdamW's implementations), the others are refused when True.
+        weight_decay: decoupled weight decay, as AdamW's. (Default: 0.0)
+        bits: code width of the first moment, 8 or 4. (Default: 8)
+        layout: a layout name ("factored", "compact", "published", "adamw") or a ``GefenLayout``
+            record (an ablation: ``layout_of("factored", bits).replace(...)``). (Default: "factored")
+        backend: "torch", "numba" (CPU), "triton" (CUDA) or "auto" (the fastest that runs each
+            parameter); :meth:`backend_of` tells which path updates a parameter. (Default: "auto")
+        stochastic_rounding: write bf16 and fp16 parameters rounded stochastically, seeded from
+            ``torch.initial_seed()``. (Default: False)
+        verbose: print each tensor's block length when it is chosen. (Default: False)
+        maximize: maximize the objective, as AdamW's. (Default: False)
+        fused: upstream's keyword: False is ``backend="torch"``. (Default: None)
+        capturable: keep step counts on the device so a step can be captured in a CUDA graph (Triton
+            path only). (Default: False)
+        amsgrad, foreach, differentiable: AdamW's keywords at AdamW's defaults (``foreach`` may be
+            anything; the others are refused when True). (Default: False, None, False)
 
-    Every option is also in ``defaults`` and every parameter group (``bits``, ``backend``,
-    ``block_rule`` and ``capturable`` one value per optimizer), so re-creating the optimizer from
-    ``state_dict()["param_groups"][0]`` gives the same one. The step always runs eagerly
-    (``torch.compiler.disable``): under ``torch.compile`` a training step compiles around it.
+    Every option is in ``defaults`` and every group, so ``state_dict()["param_groups"][0]`` re-creates
+    the optimizer. The step always runs eagerly (``torch.compiler.disable``).
     """
 
     OPTIMIZER_WIDE = OPTIMIZER_WIDE
     WIDE_REASON = "one codebook and one backend choice serve every group"
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, bits=8,
-                 share_second_moment=True, quantize_first_moment=True, backend="auto",
-                 block_rule="adjacent_log", *, factor_second_moment=False, share_vector_second_moment=False,
-                 share_matrix_rows=False, row_group_scales=False, whole_matrix_factor=False,
-                 factor_dtype="float32", stochastic_rounding=False,
-                 first_moment_rounding="nearest", codebook_refresh_every=0, maximize=False, fused=None,
-                 verbose=False, amsgrad=False, foreach=None, capturable=False, differentiable=False):
+                 layout="factored", backend="auto", *, stochastic_rounding=False, verbose=False, maximize=False,
+                 fused=None, amsgrad=False, foreach=None, capturable=False, differentiable=False):
         check_option("bits", bits, (8, 4), "8 or 4 (an int)")
-        check_refresh(codebook_refresh_every, capturable)
-        check_option("block_rule", block_rule, RULES, f"one of {RULES}")
+        layout = layout_of(layout, bits)
+        check_refresh(layout.codebook_refresh_every, capturable)
         check_option("backend", backend, BACKENDS, f"one of {BACKENDS}")
         check_adamw_keywords(amsgrad=amsgrad, foreach=foreach, capturable=capturable,
                              differentiable=differentiable)
@@ -237,26 +95,26 @@ class Gefen(OptimizerBase):
         self.capturable = capturable
         self.verbose = verbose
         self.bits = bits
-        self.block_rule = block_rule
-        self.codebook_refresh_every = codebook_refresh_every
+        self.block_rule = layout.block_rule
+        self.codebook_refresh_every = layout.codebook_refresh_every
         self._refreshed_at = None  # the step whose codebook refresh is done (a step's later calls skip it)
         self._codebook = Codebook(bits, histogram)
-        # Every option lives in the groups, so a framework that re-creates the optimizer from
-        # ``param_groups[0]`` gets this one back; bits, backend and block_rule are one per optimizer.
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                        share_second_moment=share_second_moment,
-                        quantize_first_moment=quantize_first_moment,
-                        factor_second_moment=factor_second_moment,
-                        share_vector_second_moment=share_vector_second_moment,
-                        share_matrix_rows=share_matrix_rows, row_group_scales=row_group_scales,
-                        whole_matrix_factor=whole_matrix_factor, factor_dtype=factor_dtype,
-                        stochastic_rounding=stochastic_rounding,
-                        first_moment_rounding=first_moment_rounding, codebook_refresh_every=codebook_refresh_every,
-                        maximize=maximize,
-                        bits=bits, backend=self.backend, block_rule=block_rule, capturable=capturable)
+        # Every option lives in the groups as a plain value, so a framework that re-creates the optimizer
+        # from ``param_groups[0]`` gets this one back, and state dicts hold no record.
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **layout.fields(),
+                        stochastic_rounding=stochastic_rounding, maximize=maximize,
+                        bits=bits, backend=self.backend, capturable=capturable)
         super().__init__(params, defaults)
         self._seed = None  # the optimizer's stochastic-rounding seed, drawn at its first use
         self._drop_plans()
+
+    def add_param_group(self, param_group: dict) -> None:
+        """torch's, where a group dict may also give ``layout`` (a name or record) for its fields;
+        fields the dict names beside it are the dict's."""
+        if isinstance(param_group, dict) and "layout" in param_group:
+            group = dict(param_group)
+            param_group = {**layout_of(group.pop("layout"), self.bits).fields(), **group}
+        super().add_param_group(param_group)
 
     def __getstate__(self):
         # torch's keeps only defaults, state and groups; the codebook and settings travel too
@@ -278,28 +136,11 @@ class Gefen(OptimizerBase):
         self.__dict__.setdefault("codebook_refresh_every", 0)
         self.__dict__.setdefault("_refreshed_at", None)
         self._drop_plans()
-        for group in self.param_groups:  # pickled before a keyword existed: its old meaning
-            group.setdefault("factor_second_moment", False)
-            group.setdefault("share_vector_second_moment", False)
-            group.setdefault("share_matrix_rows", False)
-            group.setdefault("row_group_scales", False)
-            group.setdefault("whole_matrix_factor", False)
-            group.setdefault("factor_dtype", "float32")
-            group.setdefault("maximize", False)
-            group.setdefault("stochastic_rounding", False)
-            group.setdefault("first_moment_rounding", "nearest")
+        for options in (*self.param_groups, self.defaults):  # pickled before an option existed: its old meaning
             for key in OPTIMIZER_WIDE:
-                group.setdefault(key, self.__dict__[key])
-        for key in OPTIMIZER_WIDE:
-            self.defaults.setdefault(key, self.__dict__[key])
-        self.defaults.setdefault("share_vector_second_moment", False)
-        self.defaults.setdefault("share_matrix_rows", False)
-        self.defaults.setdefault("row_group_scales", False)
-        self.defaults.setdefault("whole_matrix_factor", False)
-        self.defaults.setdefault("factor_dtype", "float32")
-        self.defaults.setdefault("maximize", False)
-        self.defaults.setdefault("stochastic_rounding", False)
-        self.defaults.setdefault("first_moment_rounding", "nearest")
+                options.setdefault(key, self.__dict__[key])
+            for key, value in SAVED_BEFORE.items():
+                options.setdefault(key, value)
         if "_backends" not in self.__dict__:  # unpickled or copied (load_state_dict keeps them)
             self._resolve_all()
 

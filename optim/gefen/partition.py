@@ -25,7 +25,7 @@ Triton program). Tensors with fewer than 2 * MIN_BLOCKS elements, and primes, ge
 v, first-moment scales over chunks of 256 (``reference.CHUNK``), so they never cost more than
 AdamW's per-element second moment plus one byte.
 
-With the factored second moment (``Gefen(factor_second_moment=True)``) a tensor of two or more
+With the factored second moment (``Gefen(layout="factored")``) a tensor of two or more
 dimensions, seen as the matrix (shape[0], row) with row = numel / shape[0] (a Linear weight, an
 embedding table, a conv weight by fan-in), takes ``factored_block(P, shape)``, the largest divisor of
 row that is <= P (P itself when P divides row, row when P is a multiple of it): each block then
