@@ -3,10 +3,11 @@
 * each named layout, at 8 and 4 bits, on torch, numba and Triton (interpreted), steps bit for bit as
   an optimizer whose group spells out the options that registry name passed as keywords before
   layouts were records (``SWITCHES``, written out here as the old registry wrote them);
-* a state dict saved at commit a61f9ed by each registry name (``tests/data/gefen_a61f9ed_state_dicts.pt``,
-  made by this file's ``__main__`` copied into a checkout of that commit: ``git archive a61f9ed | tar -x -C
-  /tmp/old; cp tests/test_gefen_layouts.py /tmp/old/tests/; cd /tmp/old; PYTHONPATH=. python
-  tests/test_gefen_layouts.py <out>``) loads into the registry name now and continues bit for bit; one
+* a state dict saved at commits b35d848 and a61f9ed by each registry name
+  (``tests/data/gefen_<commit>_state_dicts.pt``, made by this file's ``__main__`` copied into a checkout
+  of that commit: ``git archive <commit> | tar -x -C /tmp/old; cp tests/test_gefen_layouts.py
+  /tmp/old/tests/; cd /tmp/old; PYTHONPATH=. python tests/test_gefen_layouts.py <out>``) loads into the
+  registry name now and continues bit for bit; one
   saved before the layout options existed loads as the published layout;
 * ``layout_of`` refuses an unknown name, a record an invalid field, by name and value;
 * the constructor has at most five keywords beyond ``torch.optim.AdamW``'s.
@@ -25,7 +26,7 @@ import torch
 
 from experiments.registry import make_optimizer
 
-SAVED = Path(__file__).parent / "data" / "gefen_a61f9ed_state_dicts.pt"
+SAVED = {commit: Path(__file__).parent / "data" / f"gefen_{commit}_state_dicts.pt" for commit in ("b35d848", "a61f9ed")}
 SHAPES = [(24, 16), (16,), (40, 8), (7,)]
 NAMES = ("Gefen-8bit", "Gefen-4bit", "Gefen-8bit-factored", "Gefen-4bit-factored", "Gefen-8bit-compact",
          "Gefen-4bit-compact")
@@ -75,7 +76,8 @@ def _run_registry(name, stop=None):
 
 
 def _same_state(a: dict, b: dict):
-    assert a["param_groups"] == b["param_groups"]
+    """``a``'s state dict equals ``b``'s (its groups on the keys ``b``'s have: an older one lacks the later options)."""
+    assert [{k: g[k] for k in h} for g, h in zip(a["param_groups"], b["param_groups"])] == b["param_groups"]
     assert set(a["state"]) == set(b["state"])
     for k, st in a["state"].items():
         assert set(st) == set(b["state"][k]), k
@@ -121,11 +123,12 @@ def test_the_default_layout_is_the_factored_one_and_the_registry_names_are_the_l
         assert group["bits"] == bits
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_a_state_dict_saved_at_a61f9ed_continues_bit_for_bit(name):
-    """The registry name's state dict saved by the code of a61f9ed (switches as keywords) loads into
-    the same name now (a layout) and the last three steps give that run's weights and state."""
-    old = torch.load(SAVED, weights_only=True)[name]
+@pytest.mark.parametrize("commit,name", [(c, n) for c in SAVED for n in NAMES if c == "a61f9ed" or "compact" not in n])
+def test_a_state_dict_saved_before_layouts_continues_bit_for_bit(commit, name):
+    """The registry name's state dict saved by the code of ``commit`` (switches as keywords; the compact
+    names came after b35d848) loads into the same name now (a layout) and the last three steps give
+    that run's weights and state."""
+    old = torch.load(SAVED[commit], weights_only=True)[name]
     now = _run_registry(name)
     _same_state(now["saved"], old["saved"])  # the same run saves the same dict
     init, grads = _problem()
@@ -145,7 +148,7 @@ def test_a_state_dict_saved_before_the_layout_options_loads_as_the_published_lay
     layout: it loads into Gefen-8bit and continues as the full dict does."""
     from optim.gefen.layout import GefenLayout
 
-    old = torch.load(SAVED, weights_only=True)["Gefen-8bit"]
+    old = torch.load(SAVED["a61f9ed"], weights_only=True)["Gefen-8bit"]
     later = set(GefenLayout().fields()) - {"share_second_moment", "quantize_first_moment", "block_rule"}
     bare = dict(old["saved"], param_groups=[{k: v for k, v in g.items() if k not in later | {"maximize"}}
                                             for g in old["saved"]["param_groups"]])
@@ -213,5 +216,7 @@ def test_the_constructor_has_at_most_five_keywords_beyond_adamws():
     assert inspect.signature(Gefen).parameters["layout"].default == "factored"
 
 
-if __name__ == "__main__":  # under the checkout of a61f9ed (PYTHONPATH): write SAVED
-    torch.save({name: _run_registry(name) for name in NAMES}, sys.argv[1] if len(sys.argv) > 1 else SAVED)
+if __name__ == "__main__":  # copied into a checkout of an older commit (module docstring): write its SAVED file
+    from experiments.registry import OPTIMIZERS
+
+    torch.save({name: _run_registry(name) for name in NAMES if name in OPTIMIZERS}, sys.argv[1])
