@@ -473,7 +473,7 @@ def sr_run(model, opt, steps, *, rank=0, world=1, hooked=False):
 
 
 def sr_optimizer(params):
-    from optim import Gefen, GefenLayout
+    from optim import Gefen
 
     return Gefen(params, lr=LR, weight_decay=0.1, layout="adamw",
                  stochastic_rounding=True, backend="torch")

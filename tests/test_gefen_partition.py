@@ -223,7 +223,7 @@ def test_gradients_of_one_magnitude_forever_train_as_adamw():
 
 
 def test_a_provisional_state_resumes_and_is_checked(tmp_path):
-    from optim import Gefen, GefenLayout
+    from optim import Gefen
 
     torch.manual_seed(0)
     grads = [0.5 * (torch.randint(0, 2, (64, 96)) * 2 - 1).float() for _ in range(2)]
