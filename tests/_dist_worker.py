@@ -64,7 +64,8 @@ def make_optimizer(name: str, params):
                      layout=GefenLayout(factor_second_moment=True, share_vector_second_moment=True, share_matrix_rows=True,
                                         row_group_scales=512, factor_dtype="bfloat16"), backend="torch")
     if name == "gefenr":  # 4-bit, factored, the codebook relearned every 2 steps (steps 3, 5, ...)
-        return Gefen(params, lr=LR, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1, bits=4, layout=GefenLayout(factor_second_moment=True, codebook_refresh_every=2), backend="torch")
+        return Gefen(params, lr=LR, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1, bits=4,
+                     layout=GefenLayout(factor_second_moment=True, codebook_refresh_every=2), backend="torch")
     if name == "gefen4":
         return Gefen(params, layout="published", lr=LR, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1, bits=4,
                      backend="torch")

@@ -279,7 +279,8 @@ def test_the_optimizer_rounds_with_the_documented_seeds():
     seed at step t derived as documented: step_seed(hash32(SEED ^ CODE_STREAM), 0, t), SEED =
     step_seed(rounding seed, parameter index, 0). Codes and scales bitwise."""
     params = _params()
-    opt = Gefen(params, layout=GefenLayout(first_moment_rounding="stochastic"), **{k: HP[k] for k in ("lr", "weight_decay")},
+    opt = Gefen(params, layout=GefenLayout(first_moment_rounding="stochastic"),
+                **{k: HP[k] for k in ("lr", "weight_decay")},
                 betas=(HP["beta1"], HP["beta2"]), eps=HP["eps"])
     assert all(opt.backend_of(p) == "torch" for p in params)
 
@@ -418,7 +419,8 @@ def test_compiled_backends_hand_it_to_the_torch_step():
     """"auto" runs a stochastic group on torch (and a nearest group beside it on numba); numba
     asked for by name is refused with the reason; capturable (the Triton step only) is refused."""
     params = _params()
-    opt = Gefen([{"params": params[:2], "first_moment_rounding": "stochastic"}, {"params": params[2:]}], layout="published")
+    opt = Gefen([{"params": params[:2], "first_moment_rounding": "stochastic"}, {"params": params[2:]}],
+                layout="published")
     assert [opt.backend_of(p) for p in params] == ["torch", "torch", "numba"]
     with pytest.raises(ValueError, match="backend='numba' cannot update .*rounds the first moment's codes "
                                          "stochastically.*use backend='torch'"):

@@ -139,7 +139,8 @@ def test_copies_keep_the_setting_and_the_schedule():
     for clone in (copy.deepcopy(opt), pickle.loads(pickle.dumps(opt))):
         assert clone.codebook_refresh_every == 2 and clone.defaults["codebook_refresh_every"] == 2
     twin_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
-    twin = Gefen(twin_params, lr=LR, weight_decay=WD, bits=4, backend="torch", layout=GefenLayout(codebook_refresh_every=2))
+    twin = Gefen(twin_params, lr=LR, weight_decay=WD, bits=4, backend="torch",
+                 layout=GefenLayout(codebook_refresh_every=2))
     twin.load_state_dict(opt.state_dict())
     for gs in grads[2:]:
         set_grads(params, gs)

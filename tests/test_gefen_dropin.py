@@ -254,7 +254,8 @@ def test_maximize_with_one_gradient_shared_by_two_parameters(backend, quant):
     storage = torch.randn(2, 16, 8)
     e, f = torch.nn.Parameter(torch.randn(16, 8)), torch.nn.Parameter(torch.randn(16, 8))
     e2, f2 = torch.nn.Parameter(e.detach().clone()), torch.nn.Parameter(f.detach().clone())
-    opt, ref = Gefen([e, f], lr=1e-2, maximize=True, backend=backend, **ADAMW), torch.optim.AdamW([e2, f2], lr=1e-2, weight_decay=0.0, maximize=True)
+    opt = Gefen([e, f], lr=1e-2, maximize=True, backend=backend, **ADAMW)
+    ref = torch.optim.AdamW([e2, f2], lr=1e-2, weight_decay=0.0, maximize=True)
     for t in range(3):
         storage.normal_()
         e.grad, f.grad = storage[0], storage[0].view(16, 8)  # one storage, two tensors
@@ -314,7 +315,8 @@ def test_a_step_the_kernel_refuses_is_not_counted():
     """A step refused by the compiled kernel's checks (a state tensor replaced by a strided one)
     leaves the step count alone; with the state put back, the next step is the uninterrupted run's."""
     ps, ref = mlp_params(), mlp_params()
-    opt, opt_ref = Gefen(ps, layout="published", lr=1e-2, backend="numba"), Gefen(ref, layout="published", lr=1e-2, backend="numba")
+    opt = Gefen(ps, layout="published", lr=1e-2, backend="numba")
+    opt_ref = Gefen(ref, layout="published", lr=1e-2, backend="numba")
     _steps(opt, ps, 1)
     _steps(opt_ref, ref, 2)
     st = opt.state[ps[0]]

@@ -105,7 +105,8 @@ def test_steps_equal_the_reference_with_a_bf16_factor(bits):
     steps = _grads(6)
     params = _params()
     starts = [p.detach().clone() for p in params]
-    opt = Gefen(params, lr=LR, weight_decay=WD, bits=bits, layout=GefenLayout(factor_second_moment=True, factor_dtype="bfloat16"))
+    opt = Gefen(params, lr=LR, weight_decay=WD, bits=bits,
+                layout=GefenLayout(factor_second_moment=True, factor_dtype="bfloat16"))
     for gs in steps:
         set_grads(params, gs)
         opt.step()
@@ -181,7 +182,8 @@ def test_every_backend_steps_it_as_the_torch_step(bits, grouped, dtype):
     runs = {}
     for name in ("auto", "triton", "torch"):
         params = [torch.nn.Parameter(p.detach().to(dtype)) for p in _params()]
-        opt = Gefen(params, lr=LR, weight_decay=WD, bits=bits, layout=GefenLayout(factor_second_moment=True, factor_dtype="bfloat16", row_group_scales=grouped),
+        opt = Gefen(params, lr=LR, weight_decay=WD, bits=bits,
+                    layout=GefenLayout(factor_second_moment=True, factor_dtype="bfloat16", row_group_scales=grouped),
                     backend=name)
         for gs in steps:
             set_grads(params, gs)
@@ -208,7 +210,8 @@ def test_every_backend_steps_it_as_the_torch_step(bits, grouped, dtype):
 def test_it_is_refused_with_capturable():
     """capturable=True with bf16 factors is refused when the optimizer is made, naming both."""
     with pytest.raises(ValueError, match="factor_dtype='bfloat16' with capturable=True"):
-        Gefen(_params(), layout=GefenLayout(factor_second_moment=True, factor_dtype="bfloat16"), capturable=True, backend="triton")
+        Gefen(_params(), layout=GefenLayout(factor_second_moment=True, factor_dtype="bfloat16"), capturable=True,
+              backend="triton")
 
 
 def test_a_factor_of_another_dtype_than_its_group_says_is_refused():

@@ -83,7 +83,8 @@ def test_rank_one_squared_gradients_make_blocks_exact():
         if name == "adamw":
             opt = torch.optim.AdamW([p], lr=LR, weight_decay=WD)
         else:
-            opt = Gefen([p], lr=LR, weight_decay=WD, layout=GefenLayout(quantize_first_moment=False, factor_second_moment=name == "factored"),
+            opt = Gefen([p], lr=LR, weight_decay=WD,
+                        layout=GefenLayout(quantize_first_moment=False, factor_second_moment=name == "factored"),
                         backend="torch")
         gen = torch.Generator().manual_seed(5)
         for _ in range(30):
@@ -232,7 +233,8 @@ def test_a_block_of_whole_rows_becomes_one_row_and_is_adafactor(backend, rows, c
     start = torch.randn(rows, cols, generator=gen)
     assert choose_block(grads[0]) == 4 * cols
     p = torch.nn.Parameter(start.clone())
-    opt = Gefen([p], lr=LR, weight_decay=WD, layout=GefenLayout(quantize_first_moment=False, factor_second_moment=True), backend=backend)
+    opt = Gefen([p], lr=LR, weight_decay=WD, layout=GefenLayout(quantize_first_moment=False, factor_second_moment=True),
+                backend=backend)
     for g in grads:
         p.grad = g.clone()
         opt.step()

@@ -359,7 +359,8 @@ def test_a_matrix_where_the_rule_finds_no_block_shares_whole_rows(backend):
     for rows in (False, True):
         params = [torch.nn.Parameter(0.1 * torch.randn(s, generator=torch.Generator().manual_seed(5))) for s in shapes]
         starts = [p.detach().clone() for p in params]
-        opt = Gefen(params, lr=LR, weight_decay=WD, layout=GefenLayout(factor_second_moment=True, share_matrix_rows=rows), backend=backend)
+        opt = Gefen(params, lr=LR, weight_decay=WD,
+                    layout=GefenLayout(factor_second_moment=True, share_matrix_rows=rows), backend=backend)
         for gs in steps:
             set_grads(params, gs)
             opt.step()

@@ -21,7 +21,8 @@ def test_a_compiled_training_step_equals_the_eager_one(bits):
     training step, which then equals the eager run bit for bit."""
     eager, compiled = tiny_mlp(), tiny_mlp()
     losses_e = train_steps(eager, Gefen(eager.parameters(), layout="published", lr=1e-2, bits=bits), 4)
-    losses_c = train_steps(compiled, Gefen(compiled.parameters(), layout="published", lr=1e-2, bits=bits), 4, compiled=True)
+    losses_c = train_steps(compiled, Gefen(compiled.parameters(), layout="published", lr=1e-2, bits=bits), 4,
+                           compiled=True)
     assert losses_e == losses_c
     assert all(torch.equal(a, b) for a, b in zip(eager.parameters(), compiled.parameters()))
 
@@ -57,7 +58,8 @@ def test_a_recreation_from_param_groups_keeps_every_option():
     """PyKEEN re-creates the optimizer as ``type(opt)(params, **param_groups[0] minus params)``; Gefen's
     layout fields in the group make its ``layout`` record."""
     model = tiny_mlp()
-    opt = Gefen(model.parameters(), lr=3e-3, bits=4, backend="torch", layout=GefenLayout(block_rule="variance_drop", factor_second_moment=True),
+    opt = Gefen(model.parameters(), lr=3e-3, bits=4, backend="torch",
+                layout=GefenLayout(block_rule="variance_drop", factor_second_moment=True),
                 maximize=True, weight_decay=0.1)
     kwargs = {k: v for k, v in opt.state_dict()["param_groups"][0].items() if k != "params"}
     twin = Gefen(model.parameters(), layout=GefenLayout(**{k: kwargs.pop(k) for k in FIELDS}), **kwargs)

@@ -82,7 +82,9 @@ def test_steps_equal_the_reference_with_row_group_scales_and_one_factor_a_matrix
     steps = _grads(6)
     params = _params()
     starts = [p.detach().clone() for p in params]
-    opt = Gefen(params, lr=LR, weight_decay=WD, bits=bits, layout=GefenLayout(factor_second_moment=True, row_group_scales=scales, whole_matrix_factor=whole), backend=backend)
+    opt = Gefen(params, lr=LR, weight_decay=WD, bits=bits,
+                layout=GefenLayout(factor_second_moment=True, row_group_scales=scales, whole_matrix_factor=whole),
+                backend=backend)
     for gs in steps:
         set_grads(params, gs)
         opt.step()
@@ -113,7 +115,8 @@ def test_the_options_cut_the_bytes_they_say():
     grad = torch.randn(512, 128, generator=gen) * torch.exp(2 * torch.randn(512, 1, generator=gen))
     per = {}
     for scales, whole in [(False, False), (True, False), (False, True), (True, True), (256, True)]:
-        opt = Gefen([p], layout=GefenLayout(factor_second_moment=True, row_group_scales=scales, whole_matrix_factor=whole))
+        opt = Gefen([p], layout=GefenLayout(factor_second_moment=True, row_group_scales=scales,
+                                            whole_matrix_factor=whole))
         p.grad = grad.clone()
         opt.step()
         per[scales, whole] = sum(t.numel() * t.element_size() for t in opt.state[p].values() if torch.is_tensor(t))
@@ -147,7 +150,8 @@ def test_every_backend_steps_row_group_scales(bits):
     runs = {}
     for name in ("auto", "numba", "triton", "torch"):
         params = _params()
-        opt = Gefen(params, lr=LR, weight_decay=WD, bits=bits, layout=GefenLayout(factor_second_moment=True, row_group_scales=True),
+        opt = Gefen(params, lr=LR, weight_decay=WD, bits=bits,
+                    layout=GefenLayout(factor_second_moment=True, row_group_scales=True),
                     backend=name)
         for gs in steps:
             set_grads(params, gs)
@@ -171,7 +175,9 @@ def test_every_backend_steps_row_group_scales(bits):
 def _make(scales=True, whole=True, bits=8):
     def make():
         ps = _params()
-        return ps, Gefen(ps, lr=LR, weight_decay=WD, layout=GefenLayout(factor_second_moment=True, row_group_scales=scales, whole_matrix_factor=whole), bits=bits)
+        return ps, Gefen(ps, lr=LR, weight_decay=WD,
+                         layout=GefenLayout(factor_second_moment=True, row_group_scales=scales, whole_matrix_factor=whole),
+                         bits=bits)
     return make
 
 

@@ -201,7 +201,8 @@ def test_triton_backend_dispatch_matches_torch():
     shapes = [(16, 96), (300,)]
     ps = [torch.nn.Parameter(torch.randn(s) * 0.1) for s in shapes]
     qs = [torch.nn.Parameter(p.detach().clone()) for p in ps]
-    tri, ref = Gefen(ps, layout="published", lr=LR, weight_decay=WD, backend="triton"), Gefen(qs, layout="published", lr=LR, weight_decay=WD, backend="torch")
+    tri = Gefen(ps, layout="published", lr=LR, weight_decay=WD, backend="triton")
+    ref = Gefen(qs, layout="published", lr=LR, weight_decay=WD, backend="torch")
     for _ in range(2):
         gs = [row_scaled_grad(s) for s in shapes]
         set_grads(ps, gs)

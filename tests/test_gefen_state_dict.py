@@ -200,7 +200,8 @@ def test_state_dict_from_another_model_is_rejected():
     with pytest.raises(ValueError, match="does not fit its shape"):
         other.load_state_dict(sd)
     with pytest.raises(ValueError, match="2 parameters|1 parameters"):
-        Gefen([torch.nn.Parameter(torch.randn(16, 96)), torch.nn.Parameter(torch.randn(3))], layout="published").load_state_dict(sd)
+        Gefen([torch.nn.Parameter(torch.randn(16, 96)), torch.nn.Parameter(torch.randn(3))],
+              layout="published").load_state_dict(sd)
     with pytest.raises(ValueError, match="bits"):
         Gefen([torch.nn.Parameter(torch.randn(16, 96))], layout="published", bits=4).load_state_dict(sd)
 
