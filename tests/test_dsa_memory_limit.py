@@ -96,14 +96,14 @@ def test_states_larger_than_the_memory_limit_restore_and_save_within_it(tmp_path
             assert torch.equal(saved[key][sample], value[sample]), (fmt, key)
 
 
-def test_a_compact_state_larger_than_memory_saves_without_a_copy(tmp_path, monkeypatch):
-    """Where the compact state does not fit in memory, state_dict() gives each key its own mapping of
-    the file instead of copies (torch.save cannot save one storage as several dtypes); the saved
-    checkpoint loads into a new optimizer with the same state."""
-    from optim.disk_sparse import state_dirs, table
+def test_a_compact_state_larger_than_memory_saves_each_key_in_a_storage_of_its_own(tmp_path, monkeypatch):
+    """Where the compact state does not fit in memory, state_dict() gives each key a storage of its
+    own (torch.save cannot save one storage as several dtypes), in files rather than in anonymous
+    memory (tests/test_dsa_streaming_checkpoints.py); the saved checkpoint loads into a new
+    optimizer with the same state."""
+    from optim.disk_sparse import state_dirs
 
-    for module in (state_dirs, table):  # where the optimizer calls it: opening the files, state_dict
-        monkeypatch.setattr(module, "fits_in_page_cache", lambda nbytes: False)
+    monkeypatch.setattr(state_dirs, "fits_in_page_cache", lambda nbytes: False)  # opening the files
     emb = nn.Embedding(ROWS, DIM, sparse=True)
     opt = DiskSparseAdam(emb.parameters(), state_format="compact", state_dir=tmp_path / "a")
     for idx in index_batches(3, ROWS):

@@ -265,14 +265,16 @@ class DiskSparseOptimizer(OptimizerBase):
     # -- checkpoints -------------------------------------------------------------------------------
     def state_dict(self):
         """Step and moments of every parameter that has state (a step, a load or a resumed file:
-        as SparseAdam, none before); the moments are built now, as copy-on-write views of the files
-        (copies where the rule views one record's bytes as several dtypes, as the compact format
-        does: ``torch.save`` cannot save one storage as several dtypes).
+        as SparseAdam, none before); the moments are built now, as copy-on-write views of the files,
+        or where the rule views one record's bytes as several dtypes, as the compact format does
+        (``torch.save`` cannot save one storage as several dtypes), as copies in unlinked files in
+        the state_dir (``store.spilled_copy``), which go with the state dict.
 
-        ``torch.save`` streams them from the files without a copy in RAM. Until a later step
-        writes a row, the tensors show the file as it is (save before stepping again); what another
-        optimizer that loads them (``torch.optim.SparseAdam``) writes stays in its private pages and
-        never reaches the files (``RowStateFile.private_records``).
+        ``torch.save`` streams them from the files without a copy in anonymous memory, so a state
+        larger than the memory limit saves within it. Until a later step writes a row, the views
+        show the file as it is (save before stepping again); what another optimizer that loads them
+        (``torch.optim.SparseAdam``) writes stays in its private pages and never reaches the files
+        (``RowStateFile.private_records``).
         """
         return self._state_dict(every_param=False)
 

@@ -64,6 +64,7 @@ import mmap
 import os
 import shutil
 import struct
+import tempfile
 
 import numpy as np
 import torch
@@ -214,6 +215,50 @@ def _bytes_of(t: torch.Tensor):
     """The bytes of ``t``'s values in row-major order (a host copy where ``t`` is elsewhere)."""
     t = t.to("cpu").contiguous()
     return t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b""
+
+
+def write_chunk_bytes() -> int:
+    """Bytes a writer of more than memory writes (and writes back) at a time: ``WRITE_CHUNK_BYTES``,
+    at most an eighth of the memory limit. A memory cgroup cannot reclaim dirty pages before they
+    are written, so such a writer holds one chunk of them."""
+    return min(WRITE_CHUNK_BYTES, (memory_limit_bytes() or WRITE_CHUNK_BYTES * 8) // 8)
+
+
+def spilled_copy(t: torch.Tensor, directory) -> torch.Tensor:
+    """A copy of ``t`` (a CPU tensor) in a file of ``directory`` that is unlinked once mapped: its
+    memory is page cache, which the kernel can write back and drop (an anonymous copy of a state
+    larger than what a memory cgroup leaves free gets the process killed), and the file's blocks go
+    when the last tensor viewing it is gone (also if the process is killed). The rows are copied in
+    chunks of ``write_chunk_bytes()``, each written back before the next where there are several."""
+    nbytes = t.numel() * t.element_size()
+    if nbytes == 0:
+        return t.clone()
+    fd, path = tempfile.mkstemp(prefix=".state-dict-", suffix=".tmp", dir=directory)
+    try:
+        os.unlink(path)
+        try:
+            os.posix_fallocate(fd, 0, nbytes)
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                raise OSError(exc.errno, f"not enough disk space in {directory} for a state dict's copy of "
+                                         f"{nbytes / 2**20:.1f} MiB ({os.strerror(exc.errno)}); free space "
+                                         "there") from None
+            raise
+        mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    out = torch.from_numpy(np.frombuffer(mm, dtype=np.uint8)).view(t.dtype).view(t.shape)
+    if t.dim() == 0:
+        return out.copy_(t)
+    row_bytes = max(1, nbytes // max(1, t.shape[0]))
+    chunk = max(1, write_chunk_bytes() // row_bytes)
+    for r0 in range(0, t.shape[0], chunk):
+        r1 = min(t.shape[0], r0 + chunk)
+        out[r0:r1].copy_(t[r0:r1])
+        if chunk < t.shape[0]:
+            first = r0 * row_bytes // mmap.PAGESIZE * mmap.PAGESIZE
+            mm.flush(first, r1 * row_bytes - first)
+    return out
 
 
 class StateFileError(RuntimeError):
@@ -442,7 +487,7 @@ class RowStateFile:
         """
         self.mark_dirty()
         row_bytes = self.width * self.records.element_size()
-        chunk = max(1, min(WRITE_CHUNK_BYTES, (memory_limit_bytes() or WRITE_CHUNK_BYTES * 8) // 8) // row_bytes)
+        chunk = max(1, write_chunk_bytes() // row_bytes)
         for r0 in range(0, self.rows, chunk):
             r1 = min(self.rows, r0 + chunk)
             if columns is None:

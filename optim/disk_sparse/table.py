@@ -9,13 +9,14 @@ file, whether the parameter still fits its files, and the rule's state-dict view
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
 import torch
 
 from .pipeline import Stager
-from .store import HEADER_BYTES, RowStateFile, fits_in_page_cache
+from .store import HEADER_BYTES, RowStateFile, spilled_copy
 from .weights import WeightFile
 
 
@@ -96,16 +97,15 @@ def views(rule, p, records) -> dict:
 
 def saved_views(rule, p, store) -> dict:
     """The views ``state_dict`` saves: copy-on-write views of the file (``RowStateFile.private_records``),
-    or copies where the rule views one record's bytes as several dtypes (``torch.save`` cannot save one
-    storage as several dtypes) and they fit in memory, else one mapping of the file per key (no copy;
-    each saves the file)."""
+    or, where the rule views one record's bytes as several dtypes (``torch.save`` cannot save one
+    storage as several dtypes), a copy of each in an unlinked file beside the state file
+    (``store.spilled_copy``: page cache, never anonymous memory, so a state dict of a state larger
+    than the memory a cgroup leaves free is built and saved within it)."""
     records = store.private_records()
     out = views(rule, p, records)
     if all(v.dtype == records.dtype for v in out.values()):
         return out
-    if store.in_memory or fits_in_page_cache(records.numel()):
-        return {k: v.clone() for k, v in out.items()}
-    return {k: views(rule, p, store.private_records())[k] for k in out}
+    return {k: spilled_copy(v, os.path.dirname(store.path)) for k, v in out.items()}
 
 
 def meta_message(k) -> str:
