@@ -71,8 +71,10 @@ class Gefen(OptimizerBase):
         amsgrad, foreach, differentiable: AdamW's keywords at AdamW's defaults (``foreach`` may be
             anything; the others are refused when True). (Default: False, None, False)
 
-    Every option is in ``defaults`` and every group, so ``state_dict()["param_groups"][0]`` re-creates
-    the optimizer. The step always runs eagerly (``torch.compiler.disable``).
+    Every option is in ``defaults`` and every group as a plain value (the layout's fields under their
+    own names), so a state dict holds no record; re-creating the optimizer from a group takes those
+    fields back as ``layout=GefenLayout(**fields)`` (docs/USAGE.md). The step always runs eagerly
+    (``torch.compiler.disable``).
     """
 
     OPTIMIZER_WIDE = OPTIMIZER_WIDE
@@ -99,8 +101,8 @@ class Gefen(OptimizerBase):
         self.codebook_refresh_every = layout.codebook_refresh_every
         self._refreshed_at = None  # the step whose codebook refresh is done (a step's later calls skip it)
         self._codebook = Codebook(bits, histogram)
-        # Every option lives in the groups as a plain value, so a framework that re-creates the optimizer
-        # from ``param_groups[0]`` gets this one back, and state dicts hold no record.
+        # Every option lives in the groups as a plain value (state dicts hold no record, and load with
+        # weights_only=True); the layout's fields under their own names, as checkpoints have them.
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **layout.fields(),
                         stochastic_rounding=stochastic_rounding, maximize=maximize,
                         bits=bits, backend=self.backend, capturable=capturable)
