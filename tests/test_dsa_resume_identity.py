@@ -19,7 +19,7 @@ ROWS_A, ROWS_B = torch.tensor([1, 2, 3]), torch.tensor([4, 5])
 
 
 def _zero_tables():
-    """Two zero-initialised same-shape tables (as biases are), and a copy of each for the reference."""
+    """Two zero-initialised same-shape tables (as biases are)."""
     a, b = nn.Embedding(ROWS, DIM, sparse=True), nn.Embedding(ROWS, DIM, sparse=True)
     with torch.no_grad():
         a.weight.zero_()

@@ -5,6 +5,7 @@ checkpoint and saved again, and a compact state saved, within the limit."""
 
 import gc
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -97,6 +98,13 @@ def test_states_beside_weights_that_fill_most_of_the_memory_limit_restore_and_sa
     limit leaves free) is trained and saved with ``torch.save(opt.state_dict(), ...)``. The child
     exits 0; the restored state files equal the checkpoint (on 2,000 sampled rows) and the saved
     compact state its files (every row)."""
+    try:
+        _restore_and_save_beside_weights(tmp_path)
+    finally:  # some 450 MiB of checkpoints and state files: not left for pytest's kept temporaries
+        shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+def _restore_and_save_beside_weights(tmp_path):
     limit, rows, dim = 128 << 20, 393_216, 64
     gen = torch.Generator().manual_seed(4)
     groups = DiskSparseAdam([nn.Parameter(torch.zeros(2, dim))]).state_dict()["param_groups"]
