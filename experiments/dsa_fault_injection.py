@@ -232,18 +232,26 @@ def verify(trial_dir: Path, final, seed: int):
     except Exception:  # noqa: BLE001  (any error loading a checkpoint is a failed trial)
         return "torn_checkpoint", False
     emb = model(seed + 2)
-    try:
-        opt = DiskSparseAdam(emb.parameters(), lr=LR, state_dir=trial_dir / "state", resume=True)
-    except StateFileError:
+    opt = None
+    # A resume takes only the weights its files were flushed with: offer each checkpoint's, newest first.
+    for step in sorted(ckpts, reverse=True):
+        emb.load_state_dict(ckpts[step]["model"])
+        try:
+            opt = DiskSparseAdam(emb.parameters(), lr=LR, state_dir=trial_dir / "state", resume=True)
+            break
+        except StateFileError:
+            continue
+        except Exception:  # noqa: BLE001  (an error other than StateFileError is a failed trial)
+            return "crash", False
+    if opt is None:
         step = max(k for k, c in ckpts.items() if "opt" in c or k == 0)
         emb.load_state_dict(ckpts[step]["model"])
         opt = DiskSparseAdam(emb.parameters(), lr=LR, state_dir=trial_dir / "restored")
         if "opt" in ckpts[step]:
             opt.load_state_dict(ckpts[step]["opt"])
         outcome = "refused_dirty"
-    except Exception:  # noqa: BLE001  (an error other than StateFileError is a failed trial)
-        return "crash", False
     else:
+        # files that never stepped record no weights and take any: continue from their step's checkpoint
         step = opt.step_count(emb.weight)
         if step not in ckpts:
             opt.close()

@@ -322,6 +322,7 @@ def scenario_crash(arg, rank, world, out):
     emb = _sharded_table()
     opt = open_optimizer(emb, out / "crash", lr=LR, backend=BACKEND)
     _train(emb, opt, 0, 3, rank, world)
+    torch.save(emb.weight.detach().clone(), out / f"crash-weights-rank{rank}.pt")  # what a restart loads
     if rank == world - 1:
         os.kill(os.getpid(), signal.SIGKILL)
     opt.close()
@@ -339,6 +340,8 @@ def scenario_restart(arg, rank, world, out):
     if rank >= n:
         return {}
     emb = _sharded_table(group=group)
+    with torch.no_grad():  # the weights the state was trained with: only a dirty file may refuse
+        emb.weight.copy_(torch.load(out / f"crash-weights-rank{rank}.pt"))
     try:
         with open_optimizer(emb, out / "crash", resume=True, lr=LR, backend=BACKEND):
             return {"message": "opened"}
