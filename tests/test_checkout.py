@@ -85,15 +85,15 @@ def two_checkouts(tmp_path_factory):
 @pytest.mark.timeout(30)
 def test_the_checkouts_venv_imports_the_packages_of_the_environment_running_the_tests(two_checkouts):
     """The same torch and pip as this process, also when it runs in a venv (where the base
-    interpreter's site-packages hold other versions, or none)."""
-    import pip
-    import torch
-
+    interpreter's site-packages hold other versions, or none). pip's files are asked of a child of
+    this interpreter too: importing pip here would leave the standard library's distutils loaded, which
+    setuptools (torch.utils.cpp_extension) then refuses in later tests."""
     python, _, _, _, env = two_checkouts
-    seen = subprocess.run([python, "-c", "import pip, torch; print(pip.__file__); print(torch.__file__)"],
-                          env=env, capture_output=True, text=True, timeout=25)
-    assert seen.returncode == 0, seen.stderr[-2000:]
-    assert seen.stdout.split() == [pip.__file__, torch.__file__]
+    code = "import pip, torch; print(pip.__file__); print(torch.__file__)"
+    seen, here = (subprocess.run([exe, "-c", code], env=env, capture_output=True, text=True, timeout=25)
+                  for exe in (python, sys.executable))
+    assert seen.returncode == 0 and here.returncode == 0, seen.stderr[-2000:] + here.stderr[-2000:]
+    assert seen.stdout.split() == here.stdout.split()
 
 
 @pytest.mark.timeout(120)
