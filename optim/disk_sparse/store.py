@@ -224,6 +224,18 @@ def write_chunk_bytes() -> int:
     return min(WRITE_CHUNK_BYTES, (memory_limit_bytes() or WRITE_CHUNK_BYTES * 8) // 8)
 
 
+def reserve(fd: int, nbytes: int, what: str, advice: str):
+    """Reserve every block of the first ``nbytes`` of the open file ``fd`` (a no-op where it has
+    them), so a full disk fails here, named: "not enough disk space ``what``" and ``advice``."""
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            raise OSError(exc.errno, f"not enough disk space {what}: it needs {nbytes / 2**20:.1f} MiB "
+                                     f"({os.strerror(exc.errno)}); {advice}") from None
+        raise
+
+
 def spilled_copy(t: torch.Tensor, directory) -> torch.Tensor:
     """A copy of ``t`` (a CPU tensor) in a file of ``directory`` that is unlinked once mapped: its
     memory is page cache, which the kernel can write back and drop (an anonymous copy of a state
@@ -236,14 +248,7 @@ def spilled_copy(t: torch.Tensor, directory) -> torch.Tensor:
     fd, path = tempfile.mkstemp(prefix=".state-dict-", suffix=".tmp", dir=directory)
     try:
         os.unlink(path)
-        try:
-            os.posix_fallocate(fd, 0, nbytes)
-        except OSError as exc:
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-                raise OSError(exc.errno, f"not enough disk space in {directory} for a state dict's copy of "
-                                         f"{nbytes / 2**20:.1f} MiB ({os.strerror(exc.errno)}); free space "
-                                         "there") from None
-            raise
+        reserve(fd, nbytes, f"in {directory} for a state dict's copy", "free space there")
         mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)
@@ -356,14 +361,7 @@ class RowStateFile:
 
     def _allocate(self):
         """Reserve every block of the file (a no-op where it has them), so a full disk fails here."""
-        try:
-            os.posix_fallocate(self._fd, 0, self.nbytes)
-        except OSError as exc:
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-                raise OSError(exc.errno, f"not enough disk space for state file {self.path}: it needs "
-                                         f"{self.nbytes / 2**20:.1f} MiB ({os.strerror(exc.errno)}); "
-                                         "free space or choose another state_dir") from None
-            raise
+        reserve(self._fd, self.nbytes, f"for state file {self.path}", "free space or choose another state_dir")
 
     def _check_existing(self):
         raw = os.pread(self._fd, _HEADER.size, 0)
