@@ -59,7 +59,7 @@ verdicts are in the repository's `results/README.md`.
 # The verdict words a section of a full run may use; a quick section shows none of them.
 VERDICT_WORDS = re.compile(r"\*{0,2}\b(?:not met|met|missed|not reproduced|reproduced)\b\*{0,2}", re.I)
 
-# One colour per optimizer, so every figure reads the same.
+# The registry's optimizers in the order figures and tables list them (their colours: ``PALETTE``).
 OPTIMIZERS = ["AdamW", "Adam-mini", "torchao-AdamW8bit", "torchao-AdamW4bit", "gefen-upstream",
               "Gefen-8bit", "Gefen-4bit", "Gefen-8bit-factored", "Gefen-4bit-factored", "Gefen-8bit-compact",
               "Gefen-4bit-compact", "gefen-x"]
@@ -254,11 +254,10 @@ def setup_line(config: dict, rows) -> str:
 
 # ---------------------------------------------------------------------------------------- plotting
 def colour(name, i=0):
-    """The fixed colour of an optimizer name, else the i-th of the palette."""
+    """The fixed colour of an optimizer name (``colour_of``), else the i-th of tab10."""
     import matplotlib.pyplot as plt
 
-    cmap = plt.get_cmap("tab10")
-    return cmap(OPTIMIZERS.index(name)) if name in OPTIMIZERS else cmap(i % 10)
+    return colour_of(name) if optimizer_of(name) in PALETTE else plt.get_cmap("tab10")(i % 10)
 
 
 # Set by ``main`` while a quick run's figure is drawn: ``save_figure`` puts it above the title.
@@ -289,7 +288,51 @@ def save_figure(fig, out, title=None, dpi=130, rect=None):
 
 
 # ------------------------------------------------------------------------------------ figure style
-# The library's own optimizers are drawn in colour and heavier; peers in greys; the baseline black.
+# One colour and one legend label per optimizer, the same in every figure. The baseline is black; this
+# library's optimizers in strong colours, one hue per Gefen layout (8-bit dark, 4-bit light): the
+# published layout blue, the factored red, the compact orange; DSA green; peers in muted tones, the
+# upstream package's published Gefen a pale blue beside ours, Gefen-X (the gefen-x package) a pale purple.
+PALETTE = {
+    "AdamW": "#000000",
+    "AdamW+bf16": "#6b6b6b",
+    "SparseAdam": "#404040",
+    "Adam-mini": "#a0a0a0",
+    "torchao-AdamW8bit": "#b08d57",
+    "torchao-AdamW4bit": "#d8c09a",
+    "flashoptim-AdamW": "#7f9f7f",
+    "bnb-AdamW8bit": "#a07f9f",
+    "gefen-upstream": "#8fb3d9",
+    "gefen-x": "#a58ccf",
+    "Gefen-8bit": "#1f4e9c",
+    "Gefen-4bit": "#5b8fd6",
+    "Gefen-8bit-factored": "#c0281f",
+    "Gefen-4bit-factored": "#ee7a6b",
+    "Gefen-8bit-compact": "#d96c00",
+    "Gefen-4bit-compact": "#f2ae55",
+    "Gefen-8bit+bf16-sr": "#17a2b8",
+    "Gefen-8bit-factored+bf16-sr": "#8e1552",
+    "DiskSparseAdam": "#2ca02c",
+    "DiskSparseRiemannianAdam": "#00682a",
+    "geoopt-SparseRiemannianAdam": "#9fbf9f",
+}
+# Legend and axis labels: which Gefen is whose (the article's, reproduced here; ours; the packages').
+LABELS = {
+    "Gefen-8bit": "Gefen 8-bit, published (reproduced)",
+    "Gefen-4bit": "Gefen 4-bit, published (reproduced)",
+    "Gefen-8bit-factored": "Gefen 8-bit, factored (ours)",
+    "Gefen-4bit-factored": "Gefen 4-bit, factored (ours)",
+    "Gefen-8bit-compact": "Gefen 8-bit, compact (ours)",
+    "Gefen-4bit-compact": "Gefen 4-bit, compact (ours)",
+    "Gefen-8bit+bf16-sr": "Gefen 8-bit, published, bf16 weights",
+    "Gefen-8bit-factored+bf16-sr": "Gefen 8-bit, factored, bf16 weights (ours)",
+    "gefen-upstream": "Gefen, upstream package (published)",
+    "gefen-x": "Gefen-X (gefen-x package)",
+    "AdamW+bf16": "AdamW, bf16 weights",
+    # the ablations' short names (experiments/gefen_ablation.py's rows): the factored layout and its peers
+    "factored": "Gefen, factored (ours)",
+}
+# optimizer names the ablation tables use for the registry's
+ALIASES = {"factored": "Gefen-8bit-factored"}
 OURS_PREFIXES = ("Gefen", "DiskSparse", "DSA")
 OURS_COLOURS = ["#d62728", "#1f77b4", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf"]
 PEER_GREYS = ["0.4", "0.55", "0.3", "0.62", "0.48", "0.35"]
@@ -297,23 +340,54 @@ BASELINE = "black"
 TARGET_BAND = dict(color="#2ca02c", alpha=0.12, linewidth=0)  # the span a claim's target allows
 
 
+def optimizer_of(name: str) -> str:
+    """The optimizer a variant name stands for: ``<config>/`` prefixes dropped, an lr multiple
+    (``@0.6``) dropped, then ``+option`` suffixes dropped one at a time until a name of ``PALETTE``
+    remains (``Gefen-8bit-factored+bf16-sr+in-backward`` is ``Gefen-8bit-factored+bf16-sr``);
+    the bare name when none does."""
+    base = name.rsplit("/", 1)[-1].split("@", 1)[0]
+    base = ALIASES.get(base, base)
+    probe = base
+    while probe not in PALETTE and "+" in probe:
+        probe = probe.rsplit("+", 1)[0]
+        probe = ALIASES.get(probe, probe)
+    return probe if probe in PALETTE else base
+
+
+def colour_of(name: str, default: str = "0.5") -> str:
+    """The one colour of optimizer ``name`` in every figure (``PALETTE``, see ``optimizer_of``);
+    ``default`` for a name it does not know."""
+    return PALETTE.get(optimizer_of(name), default)
+
+
+def label_of(name: str) -> str:
+    """The legend label of optimizer ``name``: ``LABELS``' words for the Gefens (which layout, whose),
+    else the name; an lr multiple is kept ("gefen-x@0.6": "Gefen-X (gefen-x package), lr × 0.6")."""
+    bare = name.rsplit("/", 1)[-1]
+    base, _, lr = bare.partition("@")
+    label = LABELS.get(base, base)
+    return f"{label}, lr × {lr}" if lr else label
+
+
 def is_ours(name: str) -> bool:
     """Whether ``name`` (an optimizer or variant, any ``<config>/`` prefix dropped) is this library's."""
-    return name.rsplit("/", 1)[-1].startswith(OURS_PREFIXES)
+    return optimizer_of(name).startswith(OURS_PREFIXES)
 
 
 def style(name: str, rank: int = 0, baseline: str = "AdamW") -> dict:
-    """Plot keywords of optimizer ``name``, the ``rank``-th of its kind: ours in colour and heavier,
-    the baseline black, peers grey and thin."""
+    """Plot keywords of optimizer ``name``: its ``PALETTE`` colour (else the ``rank``-th of its kind),
+    ours heavier, the baseline black, peers thin."""
+    known = optimizer_of(name) in PALETTE
     if name == baseline:
-        return dict(color=BASELINE, linewidth=1.6, zorder=3)
+        return dict(color=colour_of(name) if known else BASELINE, linewidth=1.6, zorder=3)
     if is_ours(name):
-        return dict(color=OURS_COLOURS[rank % len(OURS_COLOURS)], linewidth=2.0, zorder=4)
-    return dict(color=PEER_GREYS[rank % len(PEER_GREYS)], linewidth=1.0, zorder=2)
+        return dict(color=colour_of(name) if known else OURS_COLOURS[rank % len(OURS_COLOURS)], linewidth=2.0,
+                    zorder=4)
+    return dict(color=colour_of(name) if known else PEER_GREYS[rank % len(PEER_GREYS)], linewidth=1.0, zorder=2)
 
 
 def styles(names, baseline: str = "AdamW") -> dict:
-    """{name: ``style``} with ours and peers each ranked in the given order."""
+    """{name: ``style``} with ours and peers each ranked in the given order (for names not in ``PALETTE``)."""
     ours = [n for n in names if is_ours(n)]
     peers = [n for n in names if not is_ours(n) and n != baseline]
     return {n: style(n, ours.index(n) if n in ours else peers.index(n) if n in peers else 0, baseline) for n in names}
