@@ -12,8 +12,9 @@ and prints, per figure, the counts that a reader's eye trips on:
 - ``series``: series in the busiest panel (lines, scatter sets, error bars; a bar set counts its bars
   when it is the panel's only one, since then each bar is one optimizer).
 
-``measure(fig)`` does it for one figure; ``draw_and_measure(name, results_dir)`` for one analysis
-script. tests/test_figures.py holds every figure to 0, 0, 0 and at most ``MAX_SERIES``.
+``measure(fig)`` does it for one figure (and keeps its texts); ``draw_and_measure(name, results_dir)``
+for one figure of ``figure_reports()``, every figure an analysis script draws. tests/test_figures.py
+holds every figure to 0, 0, 0 and at most ``MAX_SERIES``.
 """
 
 from __future__ import annotations
@@ -47,17 +48,34 @@ from matplotlib.text import Text
 MAX_SERIES = 8
 SLACK = 0.5  # pixels two boxes may share (anti-aliasing), and a text may pass the canvas's edge
 
-# analysis script -> the figure it draws, as experiments/reproduce.py runs them
-FIGURES = ["codebook", "convergence", "convergence_bf16", "convergence_encoder", "convergence_llama",
-           "convergence_long", "convergence_long_lr", "dsa_distributed", "dsa_out_of_core", "dsa_seed_benchmark",
-           "dsa_throughput", "gefen_ablation", "gefen_ablation_arch", "gefen_ablation_long", "gefen_budgets", "gefen_distributed",
-           "gefen_memory", "gefen_peak_memory", "gefen_speed", "hessian_alignment", "poincare"]
+def figure_reports() -> dict:
+    """{figure name: its ``Report``} of every analysis script that draws one, found by importing each
+    module of analysis/ and taking every ``Report`` with a ``draw`` it defines (alone, or in a list,
+    tuple or dict): no list to keep by hand."""
+    import pkgutil
+
+    import analysis
+    from analysis.common import Report
+
+    found = {}
+    for info in sorted(pkgutil.iter_modules(analysis.__path__), key=lambda m: m.name):
+        if info.name.startswith("_") or info.name in ("figure_check",):
+            continue
+        module = importlib.import_module(f"analysis.{info.name}")
+        for obj in vars(module).values():
+            items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else [obj]
+            for report in items:
+                if isinstance(report, Report) and report.draw is not None:
+                    found.setdefault(report.name, report)
+    return dict(sorted(found.items()))
 
 
 @dataclass
 class Geometry:
     """The counts of one figure, and what each count is made of (for a message that names it)."""
 
+    title: str = ""  # the figure's title (its suptitle)
+    texts: list = field(default_factory=list)  # every text drawn, as drawn (titles, labels, ticks, legends)
     overlaps: list = field(default_factory=list)  # (text, text) pairs
     outside: list = field(default_factory=list)  # texts
     covered: list = field(default_factory=list)  # (legend's first text, what it covers)
@@ -219,6 +237,8 @@ def measure(fig: Figure) -> Geometry:
     renderer = fig.canvas.get_renderer()
     g = Geometry()
     shown = texts(fig)
+    g.texts = [t.get_text() for t in shown]
+    g.title = fig._suptitle.get_text() if fig._suptitle is not None else ""
     boxes = [(t, _box(t, renderer)) for t in shown]
     canvas = fig.bbox
     for (t1, b1), (t2, b2) in itertools.combinations(boxes, 2):
@@ -242,17 +262,18 @@ def measure(fig: Figure) -> Geometry:
 
 @contextlib.contextmanager
 def capturing():
-    """Within: every ``Figure.savefig`` also measures the figure as saved (at the dpi it is saved
-    with); yields the list of ``(path, Geometry)`` it fills."""
+    """Within: every ``Figure.savefig`` also measures the figure as saved, at the dpi it is saved
+    with (text extents do not scale with the dpi: hinting moves them, so a lower dpi would judge
+    another figure); yields the list of ``(path, Geometry)`` it fills."""
     found = []
     original = Figure.savefig
 
     def savefig(fig, fname, *args, **kwargs):
         result = original(fig, fname, *args, **kwargs)
-        dpi = kwargs.get("dpi")
+        at = kwargs.get("dpi")
         old = fig.dpi
-        if isinstance(dpi, (int, float)):
-            fig.set_dpi(dpi)
+        if isinstance(at, (int, float)):
+            fig.set_dpi(at)
         try:
             found.append((fname, measure(fig)))
         finally:
@@ -267,11 +288,14 @@ def capturing():
 
 
 def draw_and_measure(name: str, results_dir, out=None) -> Geometry:
-    """Draw analysis/``name``.py's figure from ``results_dir`` into ``out`` (a temporary file when
-    None), as its script would, and measure it."""
+    """Draw the figure ``name`` (``figure_reports``) from ``results_dir`` into ``out`` (a temporary
+    file when None), as its script would, and measure it."""
     from analysis import common
 
-    report = importlib.import_module(f"analysis.{name}").REPORT
+    reports = figure_reports()
+    if name not in reports:
+        raise ValueError(f"figure {name!r}: no analysis script draws it; the figures are {sorted(reports)}")
+    report = reports[name]
     rows = common.load_rows(report.experiment, results_dir, report.metrics)
     config = common.load_config(report.experiment, results_dir)
     config["other_rows"] = {n: common.load_rows(n, results_dir) for n in report.reads
@@ -279,7 +303,7 @@ def draw_and_measure(name: str, results_dir, out=None) -> Geometry:
     with tempfile.TemporaryDirectory() as tmp, capturing() as found:
         report.draw(rows, Path(out) if out else Path(tmp) / f"{name}.png", config)
     if not found:
-        raise RuntimeError(f"analysis/{name}.py drew no figure")
+        raise RuntimeError(f"analysis script of figure {name!r} drew no figure")
     return found[-1][1]
 
 
@@ -287,15 +311,16 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--results-dir", type=Path, default=Path(__file__).resolve().parent.parent / "results")
     parser.add_argument("--verbose", "-v", action="store_true", help="name each defect")
-    parser.add_argument("names", nargs="*", default=FIGURES)
+    parser.add_argument("names", nargs="*", help="figures to check (default: every figure of figure_reports)")
     args = parser.parse_args(argv)
-    print(f"{'figure':24} overlaps outside covered series")
+    args.names = args.names or list(figure_reports())
+    print(f"{'figure':30} texts overlaps outside covered series")
     bad = 0
     for name in args.names:
         g = draw_and_measure(name, args.results_dir)
         o, c, u, s = g.counts()
         bad += bool(g.problems())
-        print(f"{name:24} {o:8d} {c:7d} {u:7d} {s:6d}")
+        print(f"{name:30} {len(g.texts):5d} {o:8d} {c:7d} {u:7d} {s:6d}")
         if args.verbose:
             for p in g.problems():
                 print("    " + p)
