@@ -8,6 +8,7 @@ import torch
 
 from .._base import OptimizerBase, eager, local_tensor
 from .._checks import check_option
+from .._compiling import compile_notice
 from .._rounding import MASK32, hash32_int
 from ..backends import BACKENDS
 from . import distributed as _dist, state as K
@@ -208,6 +209,11 @@ class Gefen(OptimizerBase):
         if self._seed is None and any(seeded(g) for g in self.param_groups):
             # [distributed] every rank steps here, with or without a parameter to round
             self._seed = _dist.shared_seed(fresh_seed())
+        with compile_notice("Gefen", lambda: any(r.backend == "numba" for r in self._backends.values())):
+            self._step()
+        return loss
+
+    def _step(self):
         t = refresh_step(self)
         if t is not None:
             refresh(self, t)
@@ -215,7 +221,7 @@ class Gefen(OptimizerBase):
         plan = self._plans.get(key)
         if plan is not None and all(c.current() for c in plan[0]):
             run(*plan, self._codebook, bits=self.bits)
-            return loss
+            return
         work = gather(self)
         learn_first(self, {p: signed(local_tensor(g), group) for group, items in work
                            if group["quantize_first_moment"] for p, g, _ in items})
@@ -228,7 +234,6 @@ class Gefen(OptimizerBase):
             if len(self._plans) > 4 * sum(len(g["params"]) for g in self.param_groups) + 16:
                 self._plans.clear()
             self._plans[key] = (steps, scalars)
-        return loss
 
     # --------------------------------------------------------------------------- state dict
     def _pack_state(self, sd):
