@@ -1,14 +1,15 @@
 """The README's claims table and results/README.md's "Claims in detail", generated from the results.
 
-    python analysis/claims.py            # rewrite the README's claims table and the results' claims detail
-    python analysis/claims.py --check    # exit 1 if either differs from what would be written
+    python analysis/claims.py            # rewrite the README's claims table, results/claims.md and results/README.md
+    python analysis/claims.py --check    # exit 1 if any of them differs from what would be written
 
 One function per row reads the CSVs of ``results/`` (and ``results/gpu/``) and returns the row's
 cells: the claim, a verdict in plain words, a short headline figure formatted from the data, the
 figure and the command, and the detail paragraph (the conditions and caveats behind the headline,
 formatted from the same values, so the table and the detail cannot disagree). The detail block adds,
 for every CSV a row read, the run's commit, seeds and command and a link to the section with the full
-tables. Every ratio is a speed ("×" = times as fast as the named baseline) unless the text says
+tables. results/README.md, the index of the results book (analysis/book.py), holds the claims'
+verdicts and the list of pages. Every ratio is a speed ("×" = times as fast as the named baseline) unless the text says
 "times ... time", memory is bytes per parameter or MiB, loss is a percentage above or below AdamW's.
 A row whose CSV lacks a metric raises ``ResultsError`` naming the file. The rows are in
 ``claims_dsa.py`` and ``claims_gefen.py``, what they share in ``claims_common.py``.
@@ -24,9 +25,9 @@ import re
 import sys
 from pathlib import Path
 
-from analysis import claims_dsa, claims_gefen
+from analysis import book, claims_dsa, claims_gefen
 from analysis.claims_common import Results, cmd
-from analysis.common import DETAIL, ResultsError, anchor, load_config, read_section, write_section
+from analysis.common import DETAIL, ResultsError, load_config, read_section, write_section
 from experiments.common import REPO_ROOT, RESULTS_DIR
 
 README = REPO_ROOT / "README.md"
@@ -84,8 +85,8 @@ def block(results_dir=RESULTS_DIR) -> str:
     """The Markdown between the claims markers."""
     R = Results(results_dir)
     cells = [f(R) for f in ROWS]
-    lines = ["× = times as fast as the baseline named; every figure is read from the CSV named in "
-             "results/README.md's section.", "", setup_line(R), "",
+    lines = ["× = times as fast as the baseline named; every figure is read from the CSV named in its section "
+             "of the [results book](results/README.md).", "", setup_line(R), "",
              "| claim | verdict | headline figure | figure | command |", "|---|---|---|---|---|"]
     lines += [f"| {r.claim} | **{r.verdict}** | {r.headline} | {r.figure} | {r.command} |" for r in cells]
     return "\n".join(lines + ["", GLOSSARY])
@@ -107,7 +108,8 @@ DETAIL_NOTES = ("**Gefen checkpoints under torch.distributed** (no row of the ta
 
 
 def section_titles() -> dict:
-    """{experiment: title of its section in results/README.md}, from every analysis script's ``REPORT``."""
+    """{experiment: (section, title)} of every analysis script's ``REPORT`` (an experiment it reads
+    beside its own, such as each ablation's, maps to its section too)."""
     import importlib
     import pkgutil
 
@@ -115,11 +117,13 @@ def section_titles() -> dict:
 
     out = {}
     for module in pkgutil.iter_modules(analysis.__path__):
-        if module.name in ("claims", "common", "figure_check"):
+        if module.name in ("claims", "common", "figure_check", "book"):
             continue
-        report = getattr(importlib.import_module(f"analysis.{module.name}"), "REPORT", None)
+        mod = importlib.import_module(f"analysis.{module.name}")
+        report = getattr(mod, "REPORT", None)
         if report is not None:
-            out[report.experiment] = report.title
+            for experiment in (report.experiment, *getattr(mod, "ABLATIONS", ())):
+                out[experiment] = (report.name, report.title)
     return out
 
 
@@ -138,8 +142,8 @@ def run_text(R, experiment, titles) -> str:
     """Where a row's figures come from: the section (or CSV) of ``experiment``, its run's commit, seeds, command."""
     rows = R.rows(experiment)
     config = R.run(experiment)
-    title = titles.get(experiment)
-    where = f"[{title}](#{anchor(title)})" if title else f"[results/{experiment}.csv]({experiment}.csv)"
+    section, title = titles.get(experiment, (None, None))
+    where = book.link(section, title) if title else f"[results/{experiment}.csv]({experiment}.csv)"
     facts = [f"commit `{config.get('git_commit') or rows[0]['git_commit']}`"]
     device = config.get("device") or rows[0]["device"]
     if not device.startswith("cpu"):
@@ -152,19 +156,51 @@ def run_text(R, experiment, titles) -> str:
     return f"{where} ({', '.join(facts)})"
 
 
+def rows_read(R) -> list:
+    """[(row, [experiments it read])] of every claim row, in the table's order."""
+    out = []
+    for f in ROWS:
+        R.read = []
+        out.append((f(R), list(R.read)))
+    return out
+
+
 def detail(results_dir=RESULTS_DIR) -> str:
-    """The section "Claims in detail" of results/README.md: one paragraph a row of the table, after its setup."""
+    """The section "Claims in detail" (results/claims.md): one paragraph a row of the table, after its setup."""
     R = Results(results_dir)
     titles = section_titles()
     parts = ["## Claims in detail", DETAIL_INTRO, f"{setup_line(R)} {DETAIL_SETUP}"]
-    for f in ROWS:
-        R.read = []
-        row = f(R)
-        runs = "; ".join(run_text(R, e, titles) for e in list(R.read))
+    for row, read in rows_read(R):
+        runs = "; ".join(run_text(R, e, titles) for e in read)
         parts.append(f"**{row.claim}** (*{row.verdict}*): {row.headline}." + (f" {row.detail}" if row.detail else "")
                      + f" From {runs}.")
     parts.append(DETAIL_NOTES)
-    return "\n\n".join(parts)
+    return book.wrapped("\n\n".join(parts))
+
+
+INDEX_HEAD = """# Results
+
+The results book: the claims' verdicts below, each topic's sections on a page of its own. Every page is
+generated from the committed CSVs (`results/*.csv`, one clean run of one commit each): an analysis
+script (`python analysis/NAME.py`) writes its section NAME on its page, `python analysis/claims.py`
+writes this index, the claims' detail and the top-level README's claims table
+(`python analysis/claims.py --check` fails when any of them differs from the results). How to use the
+optimizers, every option and refusal: [docs/USAGE.md](../docs/USAGE.md).
+"""
+
+
+def index(results_dir=RESULTS_DIR) -> str:
+    """results/README.md: its head, each claim's verdict with a link to the section of its first run, the pages."""
+    R = Results(results_dir)
+    titles = section_titles()
+    lines = ["| claim | verdict | section |", "|---|---|---|"]
+    for row, read in rows_read(R):
+        section, title = next((titles[e] for e in read if e in titles), (None, None))
+        where = book.link(section, title) if title else "[claims in detail](claims.md)"
+        lines.append(f"| {row.claim} | **{row.verdict}** | {where} |")
+    table = ("Each claim's headline figure, conditions and runs: [the claims in detail](claims.md).\n\n"
+             + "\n".join(lines))
+    return INDEX_HEAD + "\n" + book.index(table) + "\n"
 
 
 def replace_block(doc: str, text: str) -> str:
@@ -178,26 +214,31 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
     parser.add_argument("--readme", type=Path, default=README)
-    parser.add_argument("--results-readme", type=Path, default=None,
-                        help=f"where the claims' detail goes (default: RESULTS_DIR/README.md, its section {DETAIL})")
+    parser.add_argument("--book", type=Path, default=None,
+                        help="the folder of the results book's index (README.md) and claims page (claims.md) "
+                             "(default: RESULTS_DIR)")
     parser.add_argument("--check", action="store_true",
-                        help="exit 1 if the README's table or the results' detail is not what would be written")
+                        help="exit 1 if the README's table, the claims page or the index is not what would be written")
     args = parser.parse_args(argv)
-    results_readme = args.results_readme or args.results_dir / "README.md"
+    folder = args.book or args.results_dir
+    claims_page, index_page = folder / "claims.md", folder / "README.md"
     doc = args.readme.read_text()
     new = replace_block(doc, block(args.results_dir))
-    text = detail(args.results_dir)
+    text, index_text = detail(args.results_dir), index(args.results_dir)
     if args.check:
         stale = [str(p) for p, ok in ((args.readme, new == doc),
-                                      (results_readme, results_readme.exists() and read_section(results_readme, DETAIL) == text))
+                                      (claims_page, claims_page.exists() and read_section(claims_page, DETAIL) == text),
+                                      (index_page, index_page.exists() and index_page.read_text() == index_text))
                  if not ok]
         for path in stale:
             print(f"{path}: the claims differ from the results; run python analysis/claims.py")
         return 1 if stale else 0
     args.readme.write_text(new)
-    write_section(results_readme, DETAIL, text)
-    print(f"wrote the claims table of {args.readme} and the claims' detail of {results_readme}")
+    write_section(claims_page, DETAIL, text, head=book.head("claims"))
+    index_page.write_text(index_text)
+    print(f"wrote the claims table of {args.readme}, {claims_page} and {index_page}")
     return 0
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -6,7 +6,7 @@ import math
 import statistics
 
 from analysis.common import GEFEN_TARGET_BPP, TARGET_WIDTH, ResultsError, select
-from analysis.gefen_ablation_seeds import REPORT as SEEDS_REPORT
+from analysis.gefen_ablation import REPORT as ABLATIONS_REPORT
 from analysis.gefen_memory import TARGET_FACTORED_STEP
 from experiments.gefen_ablation import REFRESH_EVERY
 from analysis.claims_common import (Row, cmd, fig, joined, listed, median_over_seeds, pct, pct_range, points, sci,
@@ -354,7 +354,7 @@ def _many_seeds(R, model):
     ratios = {v: R.values(e, "val_loss_vs_adamw", prefix + v) for v in names}
     fp32 = R.values(f, "val_loss_vs_adamw", prefix + "factored+fp32_m")
     codes = _paired(R, f, prefix + "factored", prefix + "factored+fp32_m")
-    return (f"On {len(ratios['factored'])} seeds of {model}'s drop-in protocol (section \"{SEEDS_REPORT.title}\", the first "
+    return (f"On {len(ratios['factored'])} seeds of {model}'s drop-in protocol (section \"{ABLATIONS_REPORT.title}\", the first "
             f"of them these runs'; median, then mean ± s.e. in points): "
             + ", ".join(f"{w} {pct(statistics.median(ratios[v]))} ({_mean_se(ratios[v])})" for v, w in names.items())
             + f"; the factored 8-bit with its first moment in fp32 {pct(statistics.median(fp32))} "
@@ -801,8 +801,8 @@ def gefen_layout(R):
     return Row("The factored state at Gefen-X's bytes or fewer (compact layout, ours)", verdict,
                f"8-bit {lo:.3f}–{hi:.3f} B/param at width ≥ {WIDE}, ≤ gefen-x's on "
                f"{sum(a <= x for a, x in zip(per['8bit'], gx))} of {len(gx)} models; loss {pct(med['factored+layout'])} "
-               f"(factored {pct(med['factored'])}; encoder, {R.config(e)['steps']:,} steps)", fig(e),
-               cmd(f"python experiments/gefen_ablation.py --experiment {e}"), detail)
+               f"(factored {pct(med['factored'])}; encoder, {R.config(e)['steps']:,} steps)", fig("gefen_ablation"),
+               cmd(f"python experiments/gefen_ablation.py --ablation {e}"), detail)
 
 
 ROWS = [gefen_memory, gefen_quality, gefen_ablation, gefen_factored, gefen_encoder, gefen_llama, gefen_long,

@@ -30,6 +30,7 @@ from typing import Callable
 
 import matplotlib
 
+from analysis import book
 from experiments import tracking
 from experiments.common import FIGS_DIR, REPO_ROOT, RESULTS_DIR, read_results, same_file_under
 
@@ -312,6 +313,7 @@ PALETTE = {
     "Gefen-8bit+bf16-sr": "#17a2b8",
     "Gefen-8bit-factored+bf16-sr": "#8e1552",
     "DiskSparseAdam": "#2ca02c",
+    "DiskSparseAdam-compact": "#8fd18a",
     "DiskSparseRiemannianAdam": "#00682a",
     "geoopt-SparseRiemannianAdam": "#9fbf9f",
 }
@@ -558,7 +560,7 @@ def main(report: Report, argv=None, doc=None):
     if quick and is_committed(args.results_dir):
         raise ResultsError(f"{Path(args.results_dir) / quick_runs[0]}.csv: a quick run's results in the committed "
                            "results/; rerun the experiment without --quick, or with --results-dir results/quick")
-    readme = Path(args.results_dir) / "README.md"
+    readme = book.page_file(report.name, args.results_dir)  # its page of the committed book, else README.md
     if not is_committed(args.results_dir) and is_same_file(readme, RESULTS_DIR / "README.md"):
         raise ResultsError(f"{readme}: results/README.md under another name (a link to it), which holds the committed "
                            "results' sections only; other results get a README.md of their own: remove this one")
@@ -577,7 +579,11 @@ def main(report: Report, argv=None, doc=None):
         print(f"wrote {out}")
     body = report.body(rows, config).strip()
     parts.append(without_verdicts(body) if quick else body)
-    write_section(readme, report.name, "\n\n".join(parts), head=QUICK_README_HEAD if quick else README_HEAD)
+    text = "\n\n".join(parts)
+    if book.is_page(readme):
+        write_section(readme, report.name, book.wrapped(text), head=book.head(readme.stem))
+    else:
+        write_section(readme, report.name, text, head=QUICK_README_HEAD if quick else README_HEAD)
     print(f"wrote section {report.name} of {readme}")
     return readme
 

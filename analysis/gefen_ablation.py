@@ -1,14 +1,15 @@
-"""Figure and README section: Gefen's loss relative to AdamW's with a per-element v on one kind of tensor.
+"""Every Gefen ablation in one table and one figure: its page of the results book.
 
     python analysis/gefen_ablation.py [--results-dir results] [--out paper_figs/gefen_ablation.png]
 
-Reads ``gefen_ablation.csv``: per variant (which tensors keep v per element; ``none`` is Gefen as
-published) and seed, ``val_loss_vs_adamw``, the final validation loss over AdamW's of the same seed;
-variants ``<label>/<name>`` belong to a further configuration. Figure: per configuration one
-horizontal bar per variant (on top of the factored second moment in orange), mean over seeds with
-the standard deviation and every seed as a dot, the target dashed (3% for the published Gefen here;
-analysis/gefen_ablation_arch.py: the factored 8-bit's +0.3%). Peers (gefen-x) are grey bars; ``fp32_m``
-is the first moment in fp32 on every tensor. Section: the same means, deviations and medians.
+Reads each ablation's CSV (``<name>.csv`` of experiments/gefen_ablation.py's ``ABLATIONS``, the ones
+in the results folder): per variant and seed ``val_loss_vs_adamw``, the final validation loss over
+AdamW's of the same seed; and ``gefen_memory.csv`` for the state bytes of the variants that are a
+named layout. The summary table has one row a variant of each model of each ablation: its median
+ratio over seeds, the paired change against the ablation's reference (``none``, the published Gefen,
+where it ran, else ``factored``) per seed, mean ± standard error, and its state bytes per parameter.
+The figure: where the published Gefen's gap comes from (v per element on one kind of tensor, each
+seed a dot), and every change on top of the factor as its paired change, 8-bit and 4-bit codes.
 """
 
 from __future__ import annotations
@@ -16,217 +17,261 @@ from __future__ import annotations
 if not __package__:  # run as a file: stop with the install command if the repository is not installed
     import _install_check  # noqa: F401
 
-import functools
 import math
 import statistics
 
-from analysis.common import (CORPUS_TEXT, Report, configurations, fmt, in_configuration, main, md_table, mean_std, pm, save_figure,
-                             select, variants)
-from experiments.gefen_ablation import REFRESH_EVERY
+from analysis.common import (Report, configurations, finding_title, in_configuration, legend_below, main, md_table,
+                             new_figure, save_figure, select, variants)
+from experiments.gefen_ablation import ABLATIONS, CHANGES, FACTORED, PEERS, REFRESH_EVERY, variant_layout
+from optim.gefen.layout import LAYOUTS
 
-# variants that change an option on every tensor (experiments/gefen_ablation.py's CHANGES), as words
-CHANGES = {"fp32_m": "the first moment in fp32", "sr_m": "the first moment's codes rounded stochastically",
-           "vec_v": "the vectors' v shared (the published rule's blocks, else one a vector)",
-           "rows_v": "v over whole rows where the rule finds no block",
-           "scale_rows": "one first-moment scale per group of rows",
-           "whole_w": "one column factor per matrix",
-           "layout": "the vectors' v shared, whole-row v, row-group scales and one column factor per matrix",
-           "scale_rows512": "one first-moment scale per group of rows of at most 512 elements",
-           "layout512": "the four layout options with scale groups of at most 512 elements",
-           "refresh": f"the codebook learned again every {REFRESH_EVERY} steps",
-           "layout_refresh": f"the four layout options and the codebook learned again every {REFRESH_EVERY} steps",
-           "layout512_refresh": "the four layout options with scale groups of at most 512 elements and the codebook "
-                                f"learned again every {REFRESH_EVERY} steps",
-           "w16": "the column factors in bf16, rounded stochastically",
-           "layout512_tiles": "the 512-element layout, a column factor per tile",
-           "layout512_w16": "the 512-element layout, a bf16 column factor per tile",
-           "scale_rows256": "one first-moment scale per group of rows of at most 256 elements",
-           "layout256": "the four layout options with scale groups of at most 256 elements",
-           "layout256_w16": "the 256-element layout, its column factor in bf16",
-           **{f"layout512_no_{k}": f"the 512-element layout without {w}"
-              for k, w in (("vec_v", "the vectors' shared v"), ("rows_v", "whole-row v"),
-                           ("scale_rows", "row-group scales (one scale a row)"),
-                           ("whole_w", "one column factor a matrix (one a tile)"))}}
-# optimizers trained beside AdamW as they are (registry names), not variants
-PEER_LABELS = {"gefen-x": "(peer) gefen-x 0.5.0 at its defaults, same lr",
-               "Gefen-4bit-factored": "(beside) Gefen-4bit-factored, same lr"}
-LABELS = {"none": "nothing (Gefen as published)", "all": "every tensor", "embedding": "the embeddings",
-          "vectors": "the vectors (norm gains, biases)",
-          "factored": "nothing, the second moment factored",
-          **PEER_LABELS,
-          **{k: f"nothing, {text}" for k, text in CHANGES.items()}}
-NOT_KINDS = ("none", "all", "factored", *PEER_LABELS, *CHANGES)  # variants that are no kind of tensor
-TARGET = 1.03
-ARCH_TEXT = {"gpt": "character GPT", "encoder": "character LM of PyTorch's pre-norm `nn.TransformerEncoderLayer`",
-             "llama": "Llama-style character LM"}
+METRIC = "val_loss_vs_adamw"
+MEMORY = "gefen_memory"  # the state bytes of the named layouts, per model
+FIRST = "gefen_ablation"  # the ablation whose rows this report's setup line describes; the others are read beside it
+# the kinds of tensor and changes, as words
+KIND_WORDS = {"none": "Gefen as published", "all": "v per element on every tensor", "factored": "the factored layout",
+              "embedding": "the embeddings", "lm_head": "the output head", "attn_qkv": "the attention input matrices",
+              "attn_out": "the attention output matrices", "mlp_in": "the MLP input matrices",
+              "mlp_out": "the MLP output matrices", "vectors": "the vectors (norm gains, biases)"}
+CHANGE_WORDS = {"fp32_m": "the first moment in fp32", "sr_m": "the first moment's codes rounded stochastically",
+                "vec_v": "the vectors' v shared", "rows_v": "v over whole rows where the rule finds no block",
+                "scale_rows": "one m scale per group of rows (≤ 2,048 elements)",
+                "whole_w": "one column factor a matrix", "layout": "the compact layout's four options",
+                "refresh": f"the codebook learned again every {REFRESH_EVERY} steps", "w16": "the column factors in bf16"}
+TARGET = {8: 1.003, 4: 1.006}  # the factored layout's loss targets by code width (the claims')
 
 
-def collect(rows, prefix=""):
-    """{variant: (mean, std, [per-seed ratios])} of one configuration (names without its prefix), in
-    the order the experiment ran them."""
+def words(variant: str) -> str:
+    """A variant name in words: ``factored+attn_qkv`` -> "the factored layout, v per element on the
+    attention input matrices"."""
+    if variant in PEERS:
+        return f"{variant} (a peer, same lr)"
+    own = variant.removeprefix(f"{FACTORED}+")
+    head = "the factored layout, " if own != variant else ""
+    if own in KIND_WORDS and own not in ("none", "all", FACTORED):
+        return head + "v per element on " + KIND_WORDS[own]
+    return head + (KIND_WORDS.get(own) or CHANGE_WORDS.get(own) or f"`{own}`")
+
+
+def ablation_rows(rows, config) -> dict:
+    """{ablation name: its rows} of every ablation in the results folder, this report's first."""
+    other = config.get("other_rows") or {}
+    return {FIRST: rows, **{name: other[name] for name in ABLATIONS if name != FIRST and name in other}}
+
+
+def ratios(rows, prefix) -> dict:
+    """{variant (without ``prefix``): {seed: ratio}} of one configuration, in the order the run wrote them."""
     out = {}
-    for v in variants(rows, "val_loss_vs_adamw"):
-        if in_configuration(v, prefix):
-            seeds = [r["value"] for r in select(rows, "val_loss_vs_adamw", v)]
-            out[v.removeprefix(prefix)] = (*mean_std(seeds), seeds)
+    for v in variants(rows, METRIC):
+        if in_configuration(v, prefix) and not v.endswith("AdamW"):
+            out[v.removeprefix(prefix)] = {r["seed"]: r["value"] for r in select(rows, METRIC, v)}
     return out
 
 
-def _label(name: str) -> str:
-    base, plus, own = name.rpartition("+")
-    if plus and own in CHANGES:
-        return f"factored, and {CHANGES[own]}"
-    if plus:
-        return f"factored, and per element on {LABELS.get(own, f'`{own}`')}"
-    return LABELS.get(name, f"`{name}`")
+def reference(data: dict) -> str | None:
+    """The variant the paired changes are taken against: ``none`` where it ran, else ``factored``."""
+    return next((v for v in ("none", FACTORED) if v in data), None)
 
 
-def draw(rows, out, config, target=TARGET, title="Gefen 8-bit: v per element on one kind of tensor"):
-    from analysis.common import finding_title, legend_below, new_figure
+def paired(data: dict, variant: str, ref: str):
+    """(mean, standard error) over seeds of ``variant``'s ratio minus ``ref``'s, or None."""
+    if ref is None or variant == ref:
+        return None
+    diffs = [r - data[ref][s] for s, r in data[variant].items() if s in data[ref]]
+    if not diffs:
+        return None
+    return statistics.fmean(diffs), (statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else math.nan)
 
-    prefixes = configurations(rows, "val_loss_vs_adamw")
-    data = [collect(rows, p) for p in prefixes]
-    heights = [0.26 * len(d) + 1.3 for d in data]
-    fig, axes = new_figure(len(prefixes), 1, width=8, height=sum(heights) + 0.9,
+
+def registry_name(variant: str, bits: int) -> str | None:
+    """The registry name of a variant that is a named layout on every tensor (or a peer), else None."""
+    if variant in PEERS:
+        return variant
+    own = variant.removeprefix(f"{FACTORED}+")
+    if own not in ("none", FACTORED) and own not in CHANGES:
+        return None  # a kind of tensor with v per element: no named layout
+    layout = variant_layout(variant, bits)
+    for name, by_bits in LAYOUTS.items():
+        if name != "adamw" and by_bits[bits] == layout:
+            return f"Gefen-{bits}bit" + ("" if name == "published" else f"-{name}")
+    return None
+
+
+def bytes_per_param(memory_rows, label: str, name: str | None) -> float:
+    """State bytes per parameter of registry ``name`` on model ``label`` from gefen_memory.csv's bytes by
+    kind of tensor (weighted by the kinds' parameters, as its section's table); NaN where it holds none."""
+    if not memory_rows or name is None:
+        return math.nan
+    per = {r["x_value"]: r["value"] for r in select(memory_rows, "state_bytes_per_param_of_kind", f"{label}/{name}")}
+    counts = {r["x_value"]: r["value"] for r in select(memory_rows, "params_of_kind", f"{label}/{name}")}
+    total = sum(counts.values())
+    if "shared" not in per or not total:
+        return math.nan
+    return per["shared"] + sum(per[k] * n for k, n in counts.items() if k in per and k != "shared") / total
+
+
+def configurations_of(rows) -> list:
+    """[(prefix, label, steps, seeds)] of one ablation's CSV, in its order."""
+    out = []
+    for prefix in configurations(rows, METRIC):
+        data = ratios(rows, prefix)
+        if not data:
+            continue
+        r0 = select(rows, METRIC, prefix + next(iter(data)))[0]
+        label = prefix.rstrip("/") or None
+        out.append((prefix, label, int(float(r0["x_value"])), max(len(s) for s in data.values())))
+    return out
+
+
+def summary(rows, config) -> list:
+    """The summary's rows: (ablation, variant, model, steps, seeds, median ratio, paired change or None,
+    B/param), every ablation in ``ABLATIONS`` order."""
+    memory = (config.get("other_rows") or {}).get(MEMORY)
+    out = []
+    for name, arows in ablation_rows(rows, config).items():
+        first_label = _first_label(name, config)
+        for prefix, label, steps, n in configurations_of(arows):
+            label = label or first_label
+            data = ratios(arows, prefix)
+            ref = reference(data)
+            for v, seeds in data.items():
+                out.append((name, v, label, steps, n, statistics.median(seeds.values()), paired(data, v, ref),
+                            bytes_per_param(memory, label, registry_name(v, ABLATIONS[name].bits))))
+    return out
+
+
+def _first_label(name, config):
+    """The label of an ablation's first (unprefixed) configuration: this run's config for the first
+    ablation, else the model of the ablation's first size."""
+    from experiments.train import CHAR_LM, char_lm_label
+
+    if name == FIRST and (config.get("config") or {}).get("label"):
+        return config["config"]["label"]
+    return char_lm_label(CHAR_LM[ABLATIONS[name].sizes[0]])
+
+
+def _change(p) -> str:
+    if p is None:
+        return "—"
+    mean, se = p
+    return f"{mean * 100:+.2f} ± {se * 100:.2f}".replace("-", "−") if math.isfinite(se) else f"{mean * 100:+.2f}"
+
+
+def body(rows, config):
+    """The page: what the ablations ask, the variant names, the summary table."""
+    table = summary(rows, config)
+    shown = list(dict.fromkeys(t[0] for t in table))
+    text = ["Each ablation is one row of `ABLATIONS` in experiments/gefen_ablation.py, run by "
+            "`python experiments/gefen_ablation.py --ablation NAME` into `results/NAME.csv`; every ablation trains "
+            "AdamW beside its variants on the same seeds, initialisations and batches, so each ratio is paired by seed. "
+            "A variant is one Gefen layout record (`GefenLayout`) on every tensor; a kind of tensor also keeps its own "
+            "tensors' v per element (block length 1).",
+            "The ablations (the commit each CSV was run at):",
+            "\n".join(f"- `{n}`: {ABLATIONS[n].question} ({ABLATIONS[n].bits}-bit codes; commit "
+                      f"`{ablation_rows(rows, config)[n][0]['git_commit']}`)." for n in shown),
+            "Variant names: `none` is Gefen as published, `factored` the factored layout, `factored+X` X on top of it; "
+            "a kind of tensor (`embedding`, `lm_head`, `attn_qkv`, `attn_out`, `mlp_in`, `mlp_out`, `vectors`, "
+            "`all`) keeps v per element on those tensors; a change replaces layout fields on every tensor: "
+            + "; ".join(f"`{k}` {w}" for k, w in CHANGE_WORDS.items())
+            + f"; `scale_rowsN` / `layoutN` the same with row groups of at most N elements; `_no_X` the layout without "
+              "option X; `_tiles` a column factor per square tile; `_w16` in bf16.",
+            "Columns: *loss / AdamW* is the median over seeds of the final validation loss over AdamW's, as a "
+            "percentage above it; *paired change* is the variant's ratio minus the reference's (`none` where the "
+            "ablation ran it, else `factored`) per seed, mean ± standard error, in percentage points; *B/param* is "
+            f"the state bytes per parameter of a variant that is a named layout, from `{MEMORY}.csv` (— where it is "
+            "not a named layout or the file holds no such model).",
+            md_table(["ablation", "variant", "model", "steps", "seeds", "loss / AdamW", "paired change", "B/param"],
+                     [[n.removeprefix("gefen_ablation_") if n != FIRST else "(gap)", f"`{v}`", label, f"{steps:,}",
+                       seeds, f"{(med - 1) * 100:+.2f}%".replace("-", "−"), _change(p),
+                       "—" if not math.isfinite(b) else f"{b:.3f}"]
+                      for n, v, label, steps, seeds, med, p, b in table])]
+    return "\n\n".join(text)
+
+
+# ------------------------------------------------------------------------------------------- figure
+def draw(rows, out, config):
+    """Top: each configuration of the first ablation, every seed's ratio per variant (dots) and their
+    median (a bar); below: each change on the factor as its paired change, mean ± s.e., by code width."""
+    firsts = [(p, ratios(rows, p)) for p in configurations(rows, METRIC)]
+    firsts = [(p, d) for p, d in firsts if d]
+    on_factor = {8: [], 4: []}
+    for name, arows in ablation_rows(rows, config).items():
+        if name == FIRST:
+            continue
+        for prefix, label, steps, _ in configurations_of(arows):
+            data = ratios(arows, prefix)
+            for v in data:
+                p = paired(data, v, FACTORED if FACTORED in data else None)
+                if p is not None and v not in PEERS and v.startswith(f"{FACTORED}+"):
+                    model = (label or _first_label(name, config)).removeprefix("char-")
+                    on_factor[ABLATIONS[name].bits].append((f"{v.removeprefix('factored+')} ({model}, {steps:,})", p))
+    panels = [("gap", p, d) for p, d in firsts] + [("factor", b, on_factor[b]) for b in (8, 4) if on_factor[b]]
+    heights = [0.22 * len(d) + 1.2 for _, _, d in panels]
+    fig, axes = new_figure(len(panels), 1, width=8, height=sum(heights) + 0.9,
                            gridspec_kw={"height_ratios": heights})
-    for ax, prefix, d in zip(axes[:, 0], prefixes, data):
-        _draw_one(ax, d, prefix.rstrip("/") or _main_label(config), target)
+    for ax, (kind, key, data) in zip(axes[:, 0], panels):
+        if kind == "gap":
+            _draw_gap(ax, data, key.rstrip("/") or _first_label(FIRST, config))
+        else:
+            _draw_changes(ax, data, key)
     legend_below(axes[-1, 0], ncols=4)
-    save_figure(fig, out, finding_title(_figure_finding(data, prefixes, config), title + "; rows as the table's", fig))
+    finding = _finding(firsts, on_factor)
+    save_figure(fig, out, finding_title(finding, "Gefen ablations: loss against AdamW's, paired by seed", fig))
 
 
-def _figure_finding(data, prefixes, config):
-    """The title: the variant nearest AdamW's loss in each configuration (mean ratio)."""
+def _finding(firsts, on_factor):
+    """The title: what v per element everywhere leaves, and the largest change on the factor."""
     parts = []
-    for prefix, d in zip(prefixes, data):
-        kinds = {n: v[0] for n, v in d.items() if n not in PEER_LABELS and math.isfinite(v[0])}
-        if kinds:
-            best = min(kinds, key=kinds.get)
-            parts.append(f"{prefix.rstrip('/') or _main_label(config)}: nearest AdamW's loss with "
-                         f"{_label(best).replace('`', '')} ({(kinds[best] - 1):+.2%})")
-    return "; ".join(parts) or "Gefen: the loss relative to AdamW's per variant"
+    if firsts and "none" in firsts[0][1] and "all" in firsts[0][1]:
+        d = firsts[0][1]
+        parts.append(f"published {statistics.median(d['none'].values()) - 1:+.2%}, v per element everywhere "
+                     f"{statistics.median(d['all'].values()) - 1:+.2%}")
+    changes = [c for items in on_factor.values() for c in items]
+    if changes:
+        worst = max(changes, key=lambda c: c[1][0])
+        parts.append(f"largest change on the factor: {worst[0]} {worst[1][0] * 100:+.2f} points")
+    return "; ".join(parts) or "Gefen ablations"
 
 
-def _color(name):
-    """Grey for a peer, orange on top of the factor, blue on the published Gefen."""
-    return "tab:gray" if name in PEER_LABELS else "tab:orange" if name.startswith("factored") else "tab:blue"
-
-
-def _draw_one(ax, data, label, target=TARGET):
-    """A dot plot: per variant its seeds' ratios to AdamW's (dots) and their mean (a bar), the 1× and
-    target lines."""
+def _draw_gap(ax, data, label):
+    """Per variant its seeds' ratios (dots) and their median (a bar), the 1× line."""
     names = list(data)
-    means = [data[n][0] for n in names]
-    seeds = [(x, k) for k, n in enumerate(names) for x in data[n][2]]
-    ax.scatter([x for x, _ in seeds], [k for _, k in seeds], s=10, color="black", alpha=0.6, linewidths=0, zorder=3,
-               label="seeds")
-    ax.scatter(means, range(len(names)), marker="|", s=200, linewidths=2.2, c=[_color(n) for n in names], zorder=4,
-               label="mean (blue: on Gefen, orange: on the factored)")
+    for k, n in enumerate(names):
+        xs = list(data[n].values())
+        ax.scatter(xs, [k] * len(xs), s=10, color="black", alpha=0.6, linewidths=0, zorder=3,
+                   label="seeds" if k == 0 else None)
+        ax.scatter([statistics.median(xs)], [k], marker="|", s=200, linewidths=2.2, zorder=4,
+                   color="tab:orange" if n.startswith(FACTORED) else "tab:blue",
+                   label="median (blue: published, orange: factored)" if k == 0 else None)
     ax.axvline(1.0, color="k", lw=1, label="AdamW")
-    ax.axvline(target, color="tab:green", ls="--", lw=1.2, label=f"{target - 1:+.1%} target")
-    ax.set_yticks(range(len(names)), [_label(n).replace("`", "") for n in names], fontsize=7)
+    ax.set_yticks(range(len(names)), [words(n) for n in names], fontsize=6)
     ax.set_ylim(len(names) - 0.5, -0.5)
     ax.set_xlabel("final validation loss / AdamW's (paired by seed)", fontsize=8)
-    ax.set_title(label, fontsize=9)
-    xs = [x for x, _ in seeds]
-    ax.set_xlim(min(0.99, min(xs) - 0.005), max(target + 0.005, max(xs)) + 0.005)
+    ax.set_title(f"where the gap comes from: {label}", fontsize=9)
     ax.tick_params(axis="x", labelsize=8)
     ax.grid(alpha=0.3, axis="x")
 
 
-def _main_label(config):
-    c = config.get("config", {})
-    return c.get("label") or f"character model, {c.get('steps', '?')} steps"
+def _draw_changes(ax, items, bits):
+    """Each change on the factor: its paired change (mean ± s.e.) in points, the target's margin dashed."""
+    labels = [n for n, _ in items]
+    means = [p[0] * 100 for _, p in items]
+    errs = [p[1] * 100 if math.isfinite(p[1]) else 0 for _, p in items]
+    ax.errorbar(means, range(len(items)), xerr=errs, fmt="o", ms=3, color="tab:orange", ecolor="0.4", elinewidth=1,
+                capsize=2, label="change on the factor (mean ± s.e.)")
+    ax.axvline(0.0, color="k", lw=1)
+    ax.axvline((TARGET[bits] - 1) * 100, color="tab:green", ls="--", lw=1.2,
+               label=f"{TARGET[bits] - 1:+.1%} (the factored {bits}-bit's target)")
+    ax.set_yticks(range(len(items)), labels, fontsize=6)
+    ax.set_ylim(len(items) - 0.5, -0.5)
+    ax.set_xlabel("paired change against the factored layout (percentage points)", fontsize=8)
+    ax.set_title(f"changes on the factored layout, {bits}-bit codes (model, steps)", fontsize=9)
+    ax.tick_params(axis="x", labelsize=8)
+    ax.grid(alpha=0.3, axis="x")
 
 
-def body(rows, config, center="mean"):
-    """The section: per configuration its setup, the table, and ``_finding`` on the ``center``
-    ("mean" or "median") of the per-seed ratios."""
-    c = config.get("config", {})
-    text = ["Each variant gives a per-element v (block length 1) to one kind of tensor, through a parameter "
-            "group with `share_second_moment=False`; names pick the tensors for this ablation only. `factored` "
-            "is `factor_second_moment=True` on every tensor; `factored, and per element on X` gives X a "
-            "per-element v and factors the rest. Vectors (norm gains, biases) already have block length 1 in "
-            "the character GPT, and under the factor in every model."]
-    names = {v.rpartition("/")[2] for v in variants(rows, "val_loss_vs_adamw")}
-    if names & {"fp32_m", "factored+fp32_m"}:
-        text[0] += (" `the first moment in fp32` keeps m uncompressed (`quantize_first_moment=False`) on every "
-                    "tensor, v as the variant says.")
-    peers = [p for p in PEER_LABELS if p in names]
-    if peers:
-        text[0] += f" {' and '.join(peers)} train{'s' if len(peers) == 1 else ''} at the same lr and seeds, as " + (
-            "a peer." if len(peers) == 1 else "peers.")
-    for prefix in configurations(rows, "val_loss_vs_adamw"):
-        cc = (c.get("extra") or {}).get(prefix.rstrip("/"), {}) if prefix else c
-        data = collect(rows, prefix)
-        n_seeds = max(len(d[2]) for d in data.values())
-        corpus = cc.get("corpus", "docs+code")
-        text.append(f"**{prefix.rstrip('/') or _main_label(config)}**: {ARCH_TEXT[cc.get('arch', 'gpt')]} of "
-                    f"{fmt(cc.get('params'))} parameters (n_embd {cc.get('model', {}).get('n_embd', '?')}) on "
-                    f"{CORPUS_TEXT.get(corpus, corpus)}, {cc.get('steps', '?')} steps, {c.get('bits', 8)}-bit codes, "
-                    f"lr {cc.get('lr') or c.get('lr', '?')}, {n_seeds} seed(s).")
-        text.append(md_table(["v per element on", "loss / AdamW (mean ± std, paired by seed)", "median", "min .. max"],
-                             [[_label(v), pm(m, s, 3), f"{statistics.median(x):.3f}", f"{min(x):.3f} .. {max(x):.3f}"]
-                              for v, (m, s, x) in data.items()]))
-        text.append(_finding({v: statistics.median(d[2]) if center == "median" else d[0] for v, d in data.items()},
-                             center))
-    return "\n\n".join(t for t in text if t)
-
-
-def _finding(data, center="mean"):
-    """What the figures say (``data``: {variant: the ``center`` of its ratios}): the gap, what
-    per-element v everywhere leaves, what closes half of it, what the factor leaves."""
-    if "none" not in data:
-        return _factored_finding(data, center)
-    gap = data["none"] - 1
-    closes = [v for v, r in data.items() if v not in NOT_KINDS and "+" not in v and r - 1 < gap / 2]
-    out = f"By the {center} over seeds, Gefen as published ends at {data['none']:.3f} of AdamW's loss"
-    out += f", and {data['all']:.3f} with v per element everywhere." if "all" in data else "."
-    if gap <= 0:
-        out += " There is no gap to close here."
-    elif any(v not in NOT_KINDS and "+" not in v for v in data):
-        out += (f" Per-element v on {', '.join(_label(v) for v in closes)} alone closes at least half of the gap."
-                if closes else " No single kind of tensor closes half of the gap.")
-    if "factored" in data:
-        out += f" The factored second moment leaves {data['factored'] - 1:+.2%}"
-        on_top = {v.partition("+")[2]: r for v, r in data.items()
-                  if v.startswith("factored+") and v.partition("+")[2] not in NOT_KINDS}
-        if on_top:
-            best = min(on_top, key=on_top.get)
-            out += f"; with per-element v on top of it the lowest is on {_label(best)} ({on_top[best] - 1:+.2%})"
-        for change, text in CHANGES.items():
-            if f"factored+{change}" in data:
-                out += f"; with {text} {data[f'factored+{change}'] - 1:+.2%}"
-        out += "."
-    return out + _peers_finding(data)
-
-
-def _factored_finding(data, center):
-    """The finding of a run of the factor and changes on top of it only (no published Gefen)."""
-    if "factored" not in data:
-        return ""
-    out = f"By the {center} over seeds, the factored second moment ends at {data['factored'] - 1:+.2%} of AdamW's loss"
-    for v, r in data.items():
-        if v.startswith("factored+"):
-            out += f"; {_label(v).removeprefix('factored, and ')} {r - 1:+.2%}"
-    out += "."
-    return out + _peers_finding(data)
-
-
-def factored_report(name: str, title: str, figure_title: str, target: float = 1.003) -> Report:
-    """The report of an ablation on top of the factor: this figure and table, findings by the median
-    over seeds, the ``target`` dashed (the factored 8-bit's +0.3%)."""
-    return Report(name, name, title, functools.partial(body, center="median"),
-                  functools.partial(draw, target=target, title=figure_title), metrics=("val_loss_vs_adamw",))
-
-
-
-def _peers_finding(data):
-    """The peers' sentence: each one's ratio at the same lr (``data``: {variant: the center of its ratios})."""
-    return "".join(f" {p} at the same lr: {data[p] - 1:+.2%}." for p in PEER_LABELS if p in data)
-
-REPORT = Report("gefen_ablation", "gefen_ablation", "Gefen: where the loss gap comes from (ablation)", body, draw,
-                metrics=("val_loss_vs_adamw",))
+REPORT = Report(FIRST, FIRST, "Gefen ablations: which part of the state carries the loss", body, draw,
+                metrics=(METRIC,), reads=(*(n for n in ABLATIONS if n != FIRST), MEMORY))
 
 if __name__ == "__main__":
     main(REPORT, doc=__doc__)

@@ -47,11 +47,7 @@ EXPERIMENTS = {
     "gefen_memory": ["gefen_memory"],
     "convergence": ["convergence", "convergence_encoder", "convergence_llama", "convergence_long",
                     "convergence_long_lr", "convergence_bf16"],
-    "gefen_ablation": ["gefen_ablation", "gefen_ablation_arch", "gefen_ablation_long", "gefen_ablation_layout",
-                       "gefen_ablation_column", "gefen_ablation_vectors", "gefen_ablation_4bit",
-                       "gefen_ablation_refresh", "gefen_ablation_factor16", "gefen_ablation_vectors4",
-                       "gefen_ablation_scales4", "gefen_ablation_long_best", "gefen_ablation_refresh_models",
-                       "gefen_ablation_leave_out4", "gefen_ablation_seeds", "gefen_ablation_seeds_fp32m"],
+    "gefen_ablation": ["gefen_ablation"],  # one page of every ablation's CSV
     "hessian_alignment": ["hessian_alignment"],
     "codebook_dp": ["codebook"],
     "gefen_speed": ["gefen_speed"],
@@ -66,14 +62,12 @@ MORE_RUNS = {
                      "AdamW", "AdamW+bf16", "Gefen-8bit-factored", "Gefen-8bit+bf16-sr", "Gefen-8bit-factored+bf16-sr"],
                     ["--experiment", "convergence_encoder"], ["--experiment", "convergence_llama"],
                     ["--experiment", "convergence_long"], ["--experiment", "convergence_long_lr"]],
-    "gefen_ablation": [["--experiment", "gefen_ablation_arch"], ["--experiment", "gefen_ablation_long"],
-                       ["--experiment", "gefen_ablation_layout"], ["--experiment", "gefen_ablation_column"],
-                       ["--experiment", "gefen_ablation_vectors"], ["--experiment", "gefen_ablation_4bit"],
-                       ["--experiment", "gefen_ablation_refresh"], ["--experiment", "gefen_ablation_factor16"],
-                       ["--experiment", "gefen_ablation_vectors4"], ["--experiment", "gefen_ablation_scales4"],
-                       ["--experiment", "gefen_ablation_long_best"], ["--experiment", "gefen_ablation_refresh_models"],
-                       ["--experiment", "gefen_ablation_leave_out4"], ["--experiment", "gefen_ablation_seeds"],
-                       ["--experiment", "gefen_ablation_seeds_fp32m"]],
+    "gefen_ablation": [["--ablation", name] for name in (
+        "gefen_ablation_arch", "gefen_ablation_long", "gefen_ablation_layout", "gefen_ablation_column",
+        "gefen_ablation_vectors", "gefen_ablation_4bit", "gefen_ablation_refresh", "gefen_ablation_factor16",
+        "gefen_ablation_vectors4", "gefen_ablation_scales4", "gefen_ablation_long_best",
+        "gefen_ablation_refresh_models", "gefen_ablation_leave_out4", "gefen_ablation_seeds",
+        "gefen_ablation_seeds_fp32m")],  # experiments/gefen_ablation.py's ABLATIONS after the first
 }
 # arguments of MORE_RUNS that set a full run's size: a quick run leaves them out and gets its quick size
 FULL_SIZE_FLAGS = ("--size",)
@@ -97,15 +91,7 @@ def run_arguments(extra, quick):
 # analysis script -> the figure it draws (None: a results/README.md section only)
 FIGURE_OF = {"correctness": None, "dsa_fault_injection": None, "dsa_throughput": "dsa_throughput", "dsa_seed_benchmark": "dsa_seed_benchmark", "dsa_billions": None, "dsa_out_of_core": "dsa_out_of_core", "dsa_distributed": "dsa_distributed", "poincare": "poincare", "codebook": "codebook",
              "gefen_memory": "gefen_memory", "gefen_speed": "gefen_speed", "gefen_peak_memory": "gefen_peak_memory",
-             "gefen_budgets": "gefen_budgets", "gefen_distributed": "gefen_distributed", "gefen_ablation": "gefen_ablation", "gefen_ablation_arch": "gefen_ablation_arch",
-             "gefen_ablation_long": "gefen_ablation_long", "gefen_ablation_layout": "gefen_ablation_layout",
-             "gefen_ablation_column": "gefen_ablation_column", "gefen_ablation_vectors": "gefen_ablation_vectors",
-             "gefen_ablation_4bit": "gefen_ablation_4bit", "gefen_ablation_refresh": "gefen_ablation_refresh",
-             "gefen_ablation_factor16": "gefen_ablation_factor16", "gefen_ablation_vectors4": "gefen_ablation_vectors4",
-             "gefen_ablation_scales4": "gefen_ablation_scales4", "gefen_ablation_long_best": "gefen_ablation_long_best",
-             "gefen_ablation_refresh_models": "gefen_ablation_refresh_models",
-             "gefen_ablation_leave_out4": "gefen_ablation_leave_out4", "gefen_ablation_seeds": "gefen_ablation_seeds",
-             "gefen_ablation_seeds_fp32m": "gefen_ablation_seeds_fp32m", "hessian_alignment": "hessian_alignment",
+             "gefen_budgets": "gefen_budgets", "gefen_distributed": "gefen_distributed", "gefen_ablation": "gefen_ablation", "hessian_alignment": "hessian_alignment",
              "convergence": "convergence", "convergence_bf16": "convergence_bf16",
              "convergence_encoder": "convergence_encoder", "convergence_llama": "convergence_llama",
              "convergence_long": "convergence_long",
