@@ -327,28 +327,29 @@ def test_sections_are_replaced_in_place_and_others_kept(tmp_path):
     assert readme.read_text() == before
 
 
-def test_the_committed_results_book_has_its_head_and_every_section_in_order():
-    """results/README.md starts with the head a new one gets, and every section it holds is one that
-    experiments/reproduce.py lists, in that order (a script missing from the list would sort last)."""
+def test_every_page_of_the_committed_book_has_its_head_and_its_sections_in_order():
+    """Each page of the results book starts with the head a new page gets and holds the sections its
+    entry of analysis/book.py's PAGES lists, in experiments/reproduce.py's order."""
+    from analysis import book
     from experiments.common import RESULTS_DIR
 
-    doc = (RESULTS_DIR / "README.md").read_text()
-    assert doc.startswith(common.README_HEAD)
-    names = [n for n in re.findall(r"^<!-- begin (\S+) -->$", doc, re.M) if n != "contents"]
     order = common.section_order()
-    assert set(names) <= set(order), set(names) - set(order)
-    assert names == sorted(names, key=order.index)
+    for page, (_, sections) in book.PAGES.items():
+        doc = (RESULTS_DIR / f"{page}.md").read_text()
+        assert doc.startswith(book.head(page)), page
+        names = [n for n in re.findall(r"^<!-- begin (\S+) -->$", doc, re.M) if n != "contents"]
+        assert names == sections == sorted(sections, key=order.index), page
 
 
 def test_sections_come_in_reproduce_order_whatever_order_they_are_written_in(tmp_path):
     """Sections sort by experiments/reproduce.py's list (the claims' detail first, a name it does not
     know last); text written by hand between sections leaves the order alone."""
     readme = tmp_path / "README.md"
-    for name in ["kernel_resources", "mine", "gefen_ablation_4bit", "convergence", "correctness", common.DETAIL]:
+    for name in ["kernel_resources", "mine", "gefen_ablation", "convergence", "correctness", common.DETAIL]:
         common.write_section(readme, name, f"## {name}\n\nbody of {name}")
     doc = readme.read_text()
     shown = [line[3:] for line in doc.splitlines() if line.startswith("## ")]
-    assert shown == [common.DETAIL, "correctness", "convergence", "gefen_ablation_4bit", "kernel_resources", "mine"]
+    assert shown == [common.DETAIL, "correctness", "convergence", "gefen_ablation", "kernel_resources", "mine"]
     listed = [line for line in doc.splitlines() if line.startswith("- [")]
     assert [item[3:item.index("]")] for item in listed] == shown
     for name in shown:
