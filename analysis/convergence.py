@@ -27,8 +27,12 @@ import math
 import statistics
 from collections import defaultdict
 
-from analysis.common import (CORPUS_TEXT, GEFEN_TARGET_BPP, OPTIMIZERS, TARGET_WIDTH, Report, colour, configurations, fixed, fmt, in_configuration, kind_table, main,
-                             md_table, mean_std, pm, save_figure, select, value, variants)
+import functools
+
+from analysis.claims_common import pct
+from analysis.common import (CORPUS_TEXT, GEFEN_TARGET_BPP, OPTIMIZERS, TARGET_WIDTH, Report, colour, configurations, fixed, fmt,
+                             in_configuration, kind_table, label_of, main, md_table, mean_std, pm, save_figure, select,
+                             value, variants)
 
 TARGET = 0.03  # Gefen's claim: final loss within 3% of AdamW's
 # the factored second moment's targets, in either layout (median over seeds, paired): loss within this of AdamW's
@@ -134,9 +138,60 @@ def panel_label(rows, prefix):
     return label + (", drop-in: AdamW's lr" if is_dropin(prefix) else ", each at its best lr")
 
 
-def draw(rows, out, config):
+def setup_of(config) -> str:
+    """The run's setup in words: steps, seeds, and the lr protocol's grid (or the one lr held fixed)."""
+    c = config.get("config") or {}
+    lrs = c.get("lrs") or []
+    lr = (f"every optimizer at lr {lrs[0]:g}" if len(lrs) == 1 else
+          f"lr grid {', '.join(f'{x:g}' for x in lrs)}" if lrs else "")
+    parts = [f"{c['steps']:,} steps" if c.get("steps") else "", f"{len(c['seeds'])} seeds" if c.get("seeds") else "", lr]
+    return ", ".join(p for p in parts if p)
+
+
+def model_short(label: str) -> str:
+    """A model label as the claims table names it: char-gpt-1266k -> "1.27M", char-gpt-429k-docstrings ->
+    "429k prose"."""
+    parts = label.split("-")
+    k = next((int(p[:-1]) for p in parts if p.endswith("k") and p[:-1].isdigit()), None)
+    size = label if k is None else f"{k / 1000:.2f}M" if k >= 1000 else f"{k}k"
+    return size + (" prose" if "docstrings" in parts else "")
+
+
+def _ratio(rows, stat, variant, **where) -> float:
+    """The run's own summary of ``variant``'s loss over AdamW's (``val_loss_vs_adamw_<stat>``, stat "mean"
+    or "median" over seeds paired by seed), the number the claims table reads."""
+    return value(rows, f"val_loss_vs_adamw_{stat}", variant, **where)
+
+
+def quality_headline(rows, config) -> str:
+    """The published 8-bit Gefen on every model of the run, mean over seeds (the claims table's "Gefen
+    trains at AdamW's quality")."""
+    models = list(dict.fromkeys(r["x_value"] for r in select(rows, "val_loss_vs_adamw_mean", "Gefen-8bit")))
+    gaps = [pct(_ratio(rows, "mean", "Gefen-8bit", x_value=m)) for m in models]
+    return (f"{label_of('Gefen-8bit')}: {' / '.join(gaps)} over AdamW's loss "
+            f"({' / '.join(model_short(m) for m in models)}; mean of seeds, each at its best lr)")
+
+
+def factored_headline(rows, config) -> str:
+    """The factored 8-bit and 4-bit, the worse of both protocols' medians over seeds (the claims table's
+    rows of the models Gefen was not tuned on)."""
+    worst = [max(_ratio(rows, "median", p + f"Gefen-{b}-factored") for p in ("", DROPIN)) for b in ("8bit", "4bit")]
+    return (f"Gefen factored (ours): 8-bit {pct(worst[0])}, 4-bit {pct(worst[1])} vs AdamW's loss "
+            "(median of seeds, the worse of both protocols)")
+
+
+def bf16_headline(rows, config) -> str:
+    """The factored and published 8-bit on bf16 weights against fp32 AdamW, medians over seeds."""
+    ours, published = (_ratio(rows, "median", n) for n in ("Gefen-8bit-factored+bf16-sr", "Gefen-8bit+bf16-sr"))
+    return (f"bf16 weights, stochastic rounding: factored 8-bit {pct(ours)} (ours), published 8-bit {pct(published)} "
+            "vs fp32 AdamW's loss (median of seeds)")
+
+
+def draw(rows, out, config, headline=None):
     """One panel per configuration: each optimizer's final validation loss relative to AdamW's
-    (paired by seed; dots the seeds, a bar the median), its target band shaded; ours in colour."""
+    (paired by seed; dots the seeds, a bar the median), its target band shaded; ours in colour. The
+    title: ``headline(rows, config)`` where given (the claim's number, as the claims table has it),
+    else the Gefen median closest to or furthest past its target; then the run's setup."""
     from analysis.common import finding_title, new_figure, signed_pct
 
     prefixes = prefixes_of(rows)
@@ -144,7 +199,7 @@ def draw(rows, out, config):
     nrows = math.ceil(len(prefixes) / ncols)
     per = [paired_ratios(rows, p) for p in prefixes]
     height = max((len(r) for r in per), default=1) * 0.3 + 1.5
-    fig, axes = new_figure(nrows, ncols, width=6.2 * ncols, height=height * nrows + 0.8)
+    fig, axes = new_figure(nrows, ncols, width=6.6 * ncols, height=height * nrows + 1.0)
     worst = None
     for ax, prefix, ratios_ in zip(axes.flat, prefixes, per):
         summary = summarise(rows, prefix)
@@ -156,18 +211,21 @@ def draw(rows, out, config):
                     worst = (med, name, panel_label(rows, prefix))
     for ax in list(axes.flat)[len(prefixes):]:
         ax.set_axis_off()
-    if worst:
+    if headline is not None:
+        finding = headline(rows, config)
+    elif worst:
         med, name, where = worst
         t = target_of(name)
         if med - 1 <= t:
-            finding = (f"Every Gefen median within its target; the closest: {name} at {signed_pct(med)} over "
+            finding = (f"Every Gefen median within its target; the closest: {label_of(name)} at {signed_pct(med)} over "
                        f"AdamW's loss (target at most {t:+.1%}; {where})")
         else:
-            finding = f"{name}: median {signed_pct(med)} over AdamW's loss, past its {t:+.1%} target ({where})"
+            finding = f"{label_of(name)}: median {signed_pct(med)} over AdamW's loss, past its {t:+.1%} target ({where})"
     else:
         finding = "Final validation loss relative to AdamW's"
-    save_figure(fig, out, finding_title(finding, "dots: seeds, bar: median, green: the target's span, "
-                                                 "B/p: optimizer state bytes per parameter", fig))
+    setup = "; ".join(p for p in (setup_of(config), "dots: seeds, bar: median, green: the target's span, "
+                                                     "B/p: optimizer state bytes per parameter") if p)
+    save_figure(fig, out, finding_title(finding, setup, fig))
 
 
 def _main_label(rows):
@@ -199,7 +257,7 @@ def _draw_ratios(ax, per, bpp, label):
              for y, n in zip(ys, names) if target_of(n) is not None]
     ax.add_collection(PolyCollection(bands, facecolor="#2ca02c", alpha=0.18, linewidth=0, zorder=1))
     ax.axvline(0, color="black", linewidth=1, zorder=2)
-    ax.set_yticks(list(ys), [f"{n} · {fmt(bpp.get(n, math.nan), 2)} B/p" for n in names], fontsize=8)
+    ax.set_yticks(list(ys), [f"{label_of(n)} · {fmt(bpp.get(n, math.nan), 2)} B/p" for n in names], fontsize=8)
     for tick, n in zip(ax.get_yticklabels(), names):
         tick.set_color(look[n]["color"])
         tick.set_fontweight("bold" if n in GEFEN or n.removesuffix("@0.6") in GEFEN else "normal")
@@ -427,7 +485,8 @@ def _untuned(rows, c, prefixes, rel):
     return text
 
 
-REPORT = Report("convergence", "convergence", "Gefen: convergence at AdamW's quality", body, draw,
+REPORT = Report("convergence", "convergence", "Gefen: convergence at AdamW's quality", body,
+                functools.partial(draw, headline=quality_headline),
                 metrics=("final_val_loss", "val_loss", "best_lr"))
 
 
@@ -436,7 +495,7 @@ def arch_report(arch: str, name: str = "", more: str = "") -> Report:
     ``ARCH_TEXT``; ``more`` ends its title."""
     name = name or f"convergence_{arch}"
     return Report(name, name, f"Gefen where it was not tuned: the {ARCH_TEXT[arch].split(' (')[0]}{more}", body,
-                  draw, metrics=("final_val_loss", "val_loss", "best_lr"))
+                  functools.partial(draw, headline=factored_headline), metrics=("final_val_loss", "val_loss", "best_lr"))
 
 
 def arch_main(report: Report, doc: str):

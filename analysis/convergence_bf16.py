@@ -11,10 +11,13 @@ final validation loss, median over seeds paired by seed).
 if not __package__:  # run as a file: stop with the install command if the repository is not installed
     import _install_check  # noqa: F401
 
-from analysis.common import Report, main
-from analysis.convergence import body, draw
+import functools
 
-REPORT = Report("convergence_bf16", "convergence_bf16", "Gefen on bf16 weights with stochastic rounding", body, draw,
+from analysis.common import Report, main
+from analysis.convergence import bf16_headline, body, draw
+
+REPORT = Report("convergence_bf16", "convergence_bf16", "Gefen on bf16 weights with stochastic rounding", body,
+                functools.partial(draw, headline=bf16_headline),
                 metrics=("final_val_loss", "val_loss", "best_lr"))
 
 if __name__ == "__main__":
