@@ -10,8 +10,9 @@ It does three things once, so that each optimizer keeps only its own concept:
 * one check of the options that are one per optimizer (``OPTIMIZER_WIDE``): "a group's option must be
   the optimizer's", made when a group is added.
 * one per-parameter backend table: a parameter's backend is chosen (``optim.backends.choose_backend``)
-  when its group is added, chosen again at its next use after a move to another device or dtype (as
-  torch's optimizers create their state lazily), and ``backend_of`` answers from it.
+  when its group is added (or at its first use, where the optimizer defers it), chosen again at its
+  next use after a move to another device or dtype (as torch's optimizers create their state
+  lazily), and ``backend_of`` answers from it.
 """
 
 from __future__ import annotations
@@ -64,14 +65,14 @@ class OptimizerBase(torch.optim.Optimizer):
     """A ``torch.optim.Optimizer`` with the state-dict protocol, optimizer-wide options and backend
     table above. A subclass sets ``backend`` (the asked-for name) before calling ``__init__`` and
     fills in the template methods: ``_pack_state``, ``_unpack_state``, ``_refusal`` and, where it
-    needs them, ``_check_new_group``, ``_check_backends``, ``_group_added``, ``_state_device`` and
-    ``_path_of``."""
+    needs them, ``_check_new_group``, ``_check_backends``, ``_group_added``, ``_state_device``,
+    ``_path_of`` and ``_resolve`` (to defer a parameter's choice to its first use)."""
 
     OPTIMIZER_WIDE: tuple = ()  # group options with one value per optimizer
     WIDE_REASON = "one optimizer has one value"  # why, said in the refusal
 
     def __init__(self, params, defaults):
-        self._backends = {}  # param -> Resolved, filled by add_param_group
+        self._backends = {}  # param -> Resolved, filled by add_param_group (or at the param's first use)
         super().__init__(params, defaults)
 
     # ---------------------------------------------------------------------- template methods
@@ -176,7 +177,7 @@ class OptimizerBase(torch.optim.Optimizer):
         except BaseException:
             self.param_groups.pop()  # a refused group is not added
             raise
-        self._backends.update(chosen)
+        self._backends.update((p, r) for p, r in chosen.items() if r is not None)
         self._group_added(group)
 
     def _check_optimizer_wide(self, group: dict, gi: int) -> None:
@@ -188,8 +189,9 @@ class OptimizerBase(torch.optim.Optimizer):
                                  "optimizer for another")
 
     # ----------------------------------------------------------------------------- backends
-    def _resolve(self, p, group: dict, gi: int, pi: int) -> Resolved:
-        """``choose_backend`` for parameter ``pi`` of group ``gi`` on the device and dtype it has now."""
+    def _resolve(self, p, group: dict, gi: int, pi: int) -> Resolved | None:
+        """``choose_backend`` for parameter ``pi`` of group ``gi`` on the device and dtype it has now (an
+        override may return None: chosen at the parameter's first use, ``_backend``)."""
         local = local_tensor(p)
         name = choose_backend(
             self.backend, local.device, lambda b: self._refusal(b, local, group), owner=type(self).__name__,
@@ -198,8 +200,9 @@ class OptimizerBase(torch.optim.Optimizer):
 
     def _resolve_all(self) -> None:
         """Choose every parameter's backend afresh (an unpickled or copied optimizer)."""
-        self._backends = {p: self._resolve(p, group, gi, pi) for gi, group in enumerate(self.param_groups)
-                          for pi, p in enumerate(group["params"])}
+        chosen = ((p, self._resolve(p, group, gi, pi)) for gi, group in enumerate(self.param_groups)
+                  for pi, p in enumerate(group["params"]))
+        self._backends = {p: r for p, r in chosen if r is not None}
 
     def _backend(self, p, group: dict, gi: int, pi: int) -> str:
         """The backend chosen for ``p``; chosen again for a parameter moved to another device or
@@ -223,13 +226,19 @@ class OptimizerBase(torch.optim.Optimizer):
                                 f"was built, it is a {local.dtype} tensor on {local.device} now)") from exc
         return chosen.backend
 
-    def backend_of(self, p) -> str:
-        """Which path updates ``p``: "torch", "numba" or "triton" (chosen again if ``p`` moved to another
-        device or dtype since it was added)."""
+    def _position(self, p, caller: str) -> tuple:
+        """``(group, gi, pi)``: where parameter ``p`` is; ``caller`` names the public method in the
+        refusal of a tensor that is no parameter here."""
         for gi, group in enumerate(self.param_groups):
             for pi, q in enumerate(group["params"]):
                 if q is p:
-                    return self._path_of(p, group, self._backend(p, group, gi, pi))
-        raise ValueError(f"{type(self).__name__}.backend_of: the tensor (shape {tuple(p.shape)}) is not a "
+                    return group, gi, pi
+        raise ValueError(f"{type(self).__name__}.{caller}: the tensor (shape {tuple(p.shape)}) is not a "
                          "parameter of this optimizer")
+
+    def backend_of(self, p) -> str:
+        """Which path updates ``p``: "torch", "numba" or "triton" (chosen again if ``p`` moved to another
+        device or dtype since it was added)."""
+        group, gi, pi = self._position(p, "backend_of")
+        return self._path_of(p, group, self._backend(p, group, gi, pi))
 

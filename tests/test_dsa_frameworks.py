@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 
 from optim import DiskSparseAdam, DiskSparseRiemannianAdam, mapped_embedding
+from optim.backends import numba_available
 from optim.disk_sparse import torch_ops
 from optim.disk_sparse.store import StateFileError
 from optim.disk_sparse.weights import close_mapped
@@ -93,6 +94,28 @@ def test_a_table_on_meta_trains_once_materialised(tmp_path):
         _train(emb, opt, 3)
         _train(ref, sparse_adam, 3)
         assert opt.backend_of(emb.weight) in ("numba", "torch")
+        assert torch.equal(emb.weight, ref.weight)
+        opt.close()
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(False)
+
+
+@pytest.mark.skipif(not numba_available(), reason="numba is not installed")
+def test_a_table_on_meta_chooses_a_named_backend_once_materialised(tmp_path):
+    """``backend="numba"`` cannot run on the meta device, so a table built there has its backend
+    chosen at its first step, on the device ``to_empty`` gave it; it then steps as SparseAdam."""
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        with torch.device("meta"):
+            emb = nn.Embedding(ROWS, DIM, sparse=True)
+        opt = DiskSparseAdam(emb.parameters(), lr=0.1, state_dir=tmp_path / "s", backend="numba")
+        emb.to_empty(device="cpu")
+        ref = sparse_embedding(ROWS, DIM, seed=0)
+        with torch.no_grad():
+            emb.weight.copy_(ref.weight)
+        _train(emb, opt, 3)
+        _train(ref, torch.optim.SparseAdam(ref.parameters(), lr=0.1), 3)
+        assert opt.backend_of(emb.weight) == "numba"
         assert torch.equal(emb.weight, ref.weight)
         opt.close()
     finally:

@@ -66,6 +66,16 @@ def check_grad(p, k, owner, rule):
                        f"got sparse_dim {g.sparse_dim()}")
 
 
+def announced_param(params, param):
+    """The parameter whose rows ``prefetch`` announces: ``param``, or else the only one of ``params``."""
+    if param is None:
+        if len(params) != 1:
+            raise ValueError(f"prefetch: this optimizer has {len(params)} parameters; say which "
+                             "one the indices belong to with param=")
+        param = next(iter(params))
+    return param
+
+
 def announced_rows(indices, p, k) -> torch.Tensor:
     """The sorted unique rows (CPU int64) of ``indices`` announced for parameter ``k`` (``p``) by
     ``prefetch``: integers (any integer dtype and shape) inside the table."""

@@ -2,8 +2,8 @@
 
 :class:`Table` is everything ``base.DiskSparseOptimizer`` keeps per parameter, in one dict
 (parameter -> Table): its position, its state file, the layout that file was made for, its weight
-file, its step count and its :class:`Route` (how it is stepped on the device its weights are on
-now). The functions here are what a table's record says about its parameter: the size of its state
+file, its step count and its ``routes.Route`` (how it is stepped on the device its weights are
+on now). The functions here are what a table's record says about its parameter: the size of its state
 file, whether the parameter still fits its files, and the rule's state-dict views of its records.
 """
 
@@ -11,22 +11,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Callable, NamedTuple
 
 import torch
 
-from .pipeline import Stager
+from .routes import Route
 from .store import HEADER_BYTES, RowStateFile, spilled_copy
 from .weights import WeightFile
-
-
-class Route(NamedTuple):
-    """How one parameter is stepped: its stager, the backend's name and its functions."""
-
-    stager: Stager
-    backend: str
-    rows_fn: Callable  # rows_fn(w, g, state, step, **hyper)
-    sparse_fn: Callable | None  # sparse_fn(weight, indices, values, records, step, **hyper), or None
 
 
 @dataclass(eq=False)
