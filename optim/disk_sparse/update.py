@@ -1,6 +1,6 @@
 """One table's update from its sparse gradient: the step function of ``base.DiskSparseOptimizer``.
 
-``update_table`` takes the route (``table.Route``) chosen for the parameter. A backend with a fused
+``update_table`` takes the route (``routes.Route``) chosen for the parameter. A backend with a fused
 update straight from the uncoalesced gradient (numba, for CPU weights) takes the whole step: the
 rows' cold pages are read ahead together, then one compiled pass sums each row's duplicates and
 updates its record in the mapped file and its weight row in place. Otherwise the gradient is
