@@ -74,21 +74,22 @@ def kernel_only_step(opt, tile=None, num_warps=None):
 
     from optim.gefen import state as K
     from optim.gefen import triton_ops
+    from optim.gefen.plan import Hyper, Tile
 
     groups = defaultdict(list)
     for p, st in opt.state.items():
         groups[st[K.BLOCK]].append((p, st))
+    tiles_of = {block: [Tile(p, st[K.V], st[K.SCALES], st[K.CODES]) for p, st in items]
+                for block, items in groups.items()}
     counter = {"t": max(st[K.STEP] for st in opt.state.values())}
     knobs = {} if tile is None else {"tile": tile, "num_warps": num_warps}
 
     def step():
         counter["t"] += 1
-        for block, items in groups.items():
-            triton_ops.gefen_step_([p for p, _ in items], [p.grad for p, _ in items],
-                                [st[K.V] for _, st in items], [st[K.SCALES] for _, st in items],
-                                [st[K.CODES] for _, st in items], opt.codebook, step=counter["t"],
-                                lr=LR, beta1=BETAS[0], beta2=BETAS[1], eps=EPS, weight_decay=WD,
-                                block=block, bits=opt.bits, **knobs)
+        for block, tiles in tiles_of.items():
+            triton_ops.gefen_step_(tiles, [t.p.grad for t in tiles], opt.codebook,
+                                   Hyper(counter["t"], LR, BETAS[0], BETAS[1], EPS, WD), block=block, bits=opt.bits,
+                                   **knobs)
     return step
 
 

@@ -38,6 +38,8 @@ def _mirror(x, storages):
             storages[key] = (st, _device_storage(st))
         return torch.empty(0, dtype=x.dtype, device=DEVICE).set_(storages[key][1], x.storage_offset(),
                                                                  x.size(), x.stride())
+    if isinstance(x, tuple) and hasattr(x, "_fields"):  # a record (``plan.Tile``, ``plan.Hyper``)
+        return type(x)(*(_mirror(y, storages) for y in x))
     if isinstance(x, (list, tuple)):
         return type(x)(_mirror(y, storages) for y in x)
     return x
@@ -47,7 +49,8 @@ def on_device(fn):
     @functools.wraps(fn)
     def run(*args, **kwargs):
         storages = {}
-        args = [a if i == 5 and fn.__name__ == "gefen_step_" else _mirror(a, storages) for i, a in enumerate(args)]
+        host = 2 if fn.__name__ == "gefen_step_" else None  # gefen_step_'s codebook, as HOST_ARGS
+        args = [a if i == host else _mirror(a, storages) for i, a in enumerate(args)]
         kwargs = {k: v if k in HOST_ARGS else _mirror(v, storages) for k, v in kwargs.items()}
         out = fn(*args, **kwargs)
         for host, dev in storages.values():

@@ -29,6 +29,7 @@ from optim._rounding import hash32_int, random_bits, round_stochastic, step_seed
 from optim.backends import numba_available, triton_interpreted
 from optim.gefen import reference as R, state as K, torch_ops
 from optim.gefen.codebook import code_table, stochastic_code
+from optim.gefen.plan import Hyper, Tile
 from tests.utils import assert_close, rel_rms
 
 HP = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
@@ -146,8 +147,8 @@ def test_a_small_steady_gradient_moves_the_stored_moment_in_expectation():
         v, s, c = R.init_state(n, block=1, bits=4)
         for t in range(1, steps + 1):
             code_seeds = [step_seed(5, 0, t)] if rounding == "stochastic" else None
-            torch_ops.gefen_step_([p], [g], [v], [s], [c], cb, step=t, block=1, bits=4, code_seeds=code_seeds,
-                                  **dict(HP, weight_decay=0.0))
+            torch_ops.gefen_step_([Tile(p, v, s, c)], [g], cb, Hyper(t, **dict(HP, weight_decay=0.0)), block=1, bits=4,
+                                  code_seeds=code_seeds)
         stored[rounding] = R.dequantize(s, c, cb, numel=n, block=1, bits=4)[small].double()
     ema = delta * (1 - HP["beta1"]**steps)
     assert bool((stored["nearest"] == 0).all())
@@ -186,8 +187,8 @@ def test_torch_step_matches_the_reference_over_steps(shapes, block, bits, dtype)
     for t in range(1, 5):
         gs = [torch.randn(p.shape, generator=gen).to(dtype) for p in ps]
         seeds = [step_seed(1234, k, t) for k in range(len(ps))]
-        torch_ops.gefen_step_(ps, gs, *[[st[i] for st in states] for i in range(3)], cb, step=t, block=block,
-                              bits=bits, code_seeds=seeds, **HP)
+        torch_ops.gefen_step_([Tile(p, *st) for p, st in zip(ps, states)], gs, cb, Hyper(t, **HP), block=block,
+                              bits=bits, code_seeds=seeds)
         for k, (p, g, st) in enumerate(zip(ps, gs, states)):
             ref = list(R.gefen_step(refs[k][0], g, *refs[k][1:], cb, step=t, block=block, bits=bits,
                                     code_seed=seeds[k], **HP))
@@ -221,9 +222,8 @@ def test_compiled_steps_hand_code_seeds_to_the_torch_step(module):
     for t in range(1, 3):
         g = torch.randn(n, generator=gen)
         seeds = [step_seed(9, 0, t)]
-        step_([p], [g], *[[x] for x in state], cb, step=t, block=block, bits=8, code_seeds=seeds, **HP)
-        torch_ops.gefen_step_([twin[0]], [g], *[[x] for x in twin[1:]], cb, step=t, block=block, bits=8,
-                              code_seeds=seeds, **HP)
+        step_([Tile(p, *state)], [g], cb, Hyper(t, **HP), block=block, bits=8, code_seeds=seeds)
+        torch_ops.gefen_step_([Tile(*twin)], [g], cb, Hyper(t, **HP), block=block, bits=8, code_seeds=seeds)
         for a, b in zip([p, *state], twin):
             assert torch.equal(a, b)
 

@@ -73,19 +73,20 @@ def test_triton_launch_cache_checks_a_state_tensor_at_a_known_address(alias):
     from the launch cache."""
     from optim.gefen import reference as R, triton_ops
     from optim.gefen.codebook import code_table
+    from optim.gefen.plan import Hyper, Tile
 
     cb = torch.linspace(-1, 1, 256)
     n, block = 4096, 64
     p, g = torch.randn(n), torch.randn(n)
     v, s, c = R.init_state(n, block=block, bits=8)
-    kw = dict(tables=code_table(cb), step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
-              weight_decay=0.0, block=block, bits=8)
-    triton_ops.gefen_step_([p], [g], [v], [s], [c], cb, **kw)
-    bad = {"v_as_int32": ([v.view(torch.int32)], [s], [c]), "v_shorter": ([v[:-1]], [s], [c]),
-           "codes_as_int8": ([v], [s], [c.view(torch.int8)]),
-           "scales_strided": ([v], [s.view(-1, 2)[:, 0]], [c])}[alias]
+    kw = dict(tables=code_table(cb), block=block, bits=8)
+    hyper = Hyper(1, 1e-3, 0.9, 0.999, 1e-8, 0.0)
+    triton_ops.gefen_step_([Tile(p, v, s, c)], [g], cb, hyper, **kw)
+    bad = {"v_as_int32": Tile(p, v.view(torch.int32), s, c), "v_shorter": Tile(p, v[:-1], s, c),
+           "codes_as_int8": Tile(p, v, s, c.view(torch.int8)),
+           "scales_strided": Tile(p, v, s.view(-1, 2)[:, 0], c)}[alias]
     with pytest.raises(ValueError):
-        triton_ops.gefen_step_([p], [g], *bad, cb, **kw)
+        triton_ops.gefen_step_([bad], [g], cb, hyper, **kw)
 
 
 # ------------------------------------------------------------------- non-finite gradients later on
@@ -143,6 +144,7 @@ def test_strided_gradients_step_as_their_contiguous_copies(backend, layout, quan
     memory: garbage in v and the weights.)"""
     from optim.gefen import numba_ops, reference as R, torch_ops, triton_ops
     from optim.gefen.codebook import code_table
+    from optim.gefen.plan import Hyper, Tile
 
     fn = {"numba": numba_ops, "triton": triton_ops}[backend].gefen_step_
     torch.manual_seed(0)
@@ -157,11 +159,11 @@ def test_strided_gradients_step_as_their_contiguous_copies(backend, layout, quan
     for name, step, gs in (("torch", torch_ops.gefen_step_, dense), (backend, fn, strided)):
         ps = [p.clone() for p in p0]
         st = [R.init_state(p.numel(), block=block, bits=8, quantized=quant) for p in ps]
-        vs, ss, cs = ([s[0] for s in st], [s[1] if quant else s[0] for s in st], [s[-1] for s in st])
+        tiles = [Tile(p, s[0], s[1] if quant else None, s[-1]) for p, s in zip(ps, st)]
         for t in (1, 2):
-            step(ps, gs, vs, ss, cs, cb, tables=code_table(cb) if quant else None, step=t, lr=1e-2, beta1=0.9,
-                 beta2=0.999, eps=1e-8, weight_decay=0.1, block=block, bits=8)
-        out[name] = (ps, vs, cs)
+            step(tiles, gs, cb, Hyper(t, 1e-2, 0.9, 0.999, 1e-8, 0.1), tables=code_table(cb) if quant else None,
+                 block=block, bits=8)
+        out[name] = (ps, [x.v for x in tiles], [x.first for x in tiles])
     for (a, va, ca), (b, vb, cb_) in [(out["torch"], out[backend])]:
         for i in range(len(shapes)):
             assert_close(b[i], a[i], atol=1e-6, name=f"p[{i}]")

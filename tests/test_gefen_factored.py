@@ -188,6 +188,7 @@ def test_per_param_group_and_state_dict_round_trip(tmp_path):
 
 def test_kernels_refuse_a_factor_of_the_wrong_layout():
     from optim.gefen import numba_ops
+    from optim.gefen.plan import Hyper, Tile
 
     p, g = torch.zeros(64), torch.randn(64)
     v, s, c = R.init_state(64, block=16, bits=8)
@@ -195,8 +196,7 @@ def test_kernels_refuse_a_factor_of_the_wrong_layout():
     for w, why in ((torch.zeros(8), "16 elements"), (torch.zeros(16, dtype=torch.float64), "float32"),
                    (torch.zeros(32)[::2], "contiguous")):
         with pytest.raises(ValueError, match=why):
-            numba_ops.gefen_step_([p], [g], [v], [s], [c], cb, step=1, lr=LR, beta1=B1, beta2=B2,
-                                  eps=1e-8, weight_decay=0.0, block=16, bits=8, ws=[w])
+            numba_ops.gefen_step_([Tile(p, v, s, c, w)], [g], cb, Hyper(1, LR, B1, B2, 1e-8, 0.0), block=16, bits=8)
 
 
 def _adafactor_adam(start, grads, *, lr, wd, eps=1e-8):

@@ -16,6 +16,7 @@ import torch
 
 from optim.gefen import numba_ops, torch_ops, triton_ops
 from optim.gefen import reference as R
+from optim.gefen.plan import Hyper, Tile
 from tests.test_gefen_kernels import HP
 
 STEPS = [pytest.param(torch_ops.gefen_step_, id="torch"), pytest.param(numba_ops.gefen_step_, id="numba"),
@@ -40,6 +41,6 @@ def test_lerp_is_fused_as_the_reference(step_):
                                  step=2, block=1, bits=8, **HP)
     assert rc.tolist() == [255, 110] and rs.tolist() == [1.0]
     p, v, s, c = torch.zeros(2), torch.zeros(2), scales.clone(), codes.clone()
-    step_([p], [g], [v], [s], [c], cb, step=2, block=1, bits=8, **HP)
+    step_([Tile(p, v, s, c)], [g], cb, Hyper(2, **HP), block=1, bits=8)
     assert c.tolist() == [255, 110]
     assert s.tolist() == [1.0]

@@ -17,7 +17,7 @@
   cached launch follows gradients re-allocated every step (and a gradient dtype change);
   misaligned views and ragged sizes (their own, unvectorised launches on a GPU) are still exact.
 * ``optim.Gefen(backend="triton")`` (which dispatches to these kernels) against its torch backend.
-* ``torch_ops.histogram`` (the codebook's histogram on every backend) against ``torch.histc`` of
+* ``tiling.histogram`` (the codebook's histogram on every backend) against ``torch.histc`` of
   the block-normalised gradient.
 * Bad inputs raise errors that name the argument.
 """
@@ -25,8 +25,9 @@
 import pytest
 import torch
 
-from optim.gefen import numba_ops, torch_ops, triton_ops as K
+from optim.gefen import numba_ops, tiling, torch_ops, triton_ops as K
 from optim.gefen import reference as R
+from optim.gefen.plan import Hyper, Tile
 from tests.utils import assert_close, rel_rms
 
 HP = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
@@ -86,7 +87,7 @@ def test_step_matches_reference_over_steps(shape, block, bits, dtype, step_):
         g = torch.randn(shape).to(dtype)
         ref = list(R.gefen_step(*ref[:1], g, *ref[1:], cb, step=t, block=block, bits=bits, **HP))
         ref[0] = ref[0].to(dtype).float()  # the optimizer stores the reference's p in p's dtype
-        step_([kp], [g], [kv], [ks], [kc], cb, step=t, block=block, bits=bits, **HP)
+        step_([Tile(kp, kv, ks, kc)], [g], cb, Hyper(t, **HP), block=block, bits=bits)
         if dtype == torch.float32:
             assert_close(kp.reshape(-1), ref[0], atol=1e-5, name=f"p after step {t}")
         else:
@@ -113,7 +114,7 @@ def test_codes_and_scales_after_one_step(n, block, bits, kind):
     p = torch.randn(n)
     _, rv, rs, rc = R.gefen_step(p, g, v.clone(), s.clone(), c.clone(), cb, step=5, block=block,
                                  bits=bits, **HP)
-    K.gefen_step_(p, g, v, s, c, cb, step=5, block=block, bits=bits, **HP)
+    K.gefen_step_([Tile(p, v, s, c)], [g], cb, Hyper(5, **HP), block=block, bits=bits)
     assert_close(s, rs, atol=0, rtol=1e-6, name="scales")
     assert_close(v, rv, atol=0, rtol=1e-6, name="v")
     # m~ / s as the reference computes it, then: is the kernel's entry a nearest one?
@@ -148,7 +149,7 @@ def test_unquantised_per_element_is_adamw(dtype, step_):
         opt.step()
         with torch.no_grad():
             ref.copy_(ref.to(dtype).float())
-        step_([p], [g], [v], [s], [m], None, step=t, block=1, bits=8, **HP)
+        step_([Tile(p, v, None, m)], [g], None, Hyper(t, **HP), block=1, bits=8)
     if dtype == torch.float32:
         assert_close(p, ref.detach(), atol=1e-6, name="p vs AdamW")
         assert_close(m, opt.state[ref]["exp_avg"], atol=1e-7, rtol=1e-6, name="m vs exp_avg")
@@ -171,7 +172,7 @@ def test_unquantised_step_matches_reference_over_steps(n, block, dtype, step_):
         g = torch.randn(n).to(dtype)
         ref = list(R.gefen_step(ref[0], g, *ref[1:], None, step=t, block=block, bits=8, **HP))
         ref[0] = ref[0].to(dtype).float()
-        step_([p], [g], [v], [s], [m], None, step=t, block=block, bits=8, **HP)
+        step_([Tile(p, v, None, m)], [g], None, Hyper(t, **HP), block=block, bits=8)
         assert torch.equal(m, ref[3]), f"m after step {t}: {(m != ref[3]).sum()} differ"
         assert_close(v, ref[1], atol=1e-7, rtol=1e-5, name=f"v after step {t}")
         if dtype == torch.float32:
@@ -188,10 +189,9 @@ def test_group_launch_equals_one_tensor_at_a_time():
     gs = [torch.randn(sh).to(dt) for sh, dt in zip(shapes, dtypes)]
     states = [random_state(p.numel(), 1, 8) for p in ps]
     alone = [(p.clone(), *(t.clone() for t in st)) for p, st in zip(ps, states)]
-    K.gefen_step_(ps, gs, [st[0] for st in states], [st[1] for st in states],
-                  [st[2] for st in states], cb, step=2, block=1, bits=8, **HP)
+    K.gefen_step_([Tile(p, *st) for p, st in zip(ps, states)], gs, cb, Hyper(2, **HP), block=1, bits=8)
     for (p1, v1, s1, c1), g, p, st in zip(alone, gs, ps, states):
-        K.gefen_step_(p1, g, v1, s1, c1, cb, step=2, block=1, bits=8, **HP)
+        K.gefen_step_([Tile(p1, v1, s1, c1)], [g], cb, Hyper(2, **HP), block=1, bits=8)
         assert torch.equal(p1, p) and torch.equal(v1, st[0]) and torch.equal(s1, st[1])
         assert torch.equal(c1, st[2])
 
@@ -208,8 +208,7 @@ def test_cached_launch_follows_new_gradient_tensors():
     for t, gdt in zip(range(1, 5), [torch.float32, torch.float32, torch.bfloat16, torch.float32]):
         gs = [torch.randn(sh).to(gdt) for sh in shapes]
         keep.append(gs)  # keep old gradients alive, so new ones get new addresses
-        K.gefen_step_(ps, gs, [s[0] for s in states], [s[1] for s in states],
-                      [s[2] for s in states], cb, step=t, block=8, bits=8, **HP)
+        K.gefen_step_([Tile(p, *st) for p, st in zip(ps, states)], gs, cb, Hyper(t, **HP), block=8, bits=8)
         for k, g in enumerate(gs):
             refs[k] = list(R.gefen_step(refs[k][0], g, *refs[k][1:], cb, step=t, block=8, bits=8, **HP))
             assert_close(ps[k].reshape(-1), refs[k][0], atol=1e-5, name=f"p[{k}] after step {t}")
@@ -227,8 +226,7 @@ def test_misaligned_and_ragged_tensors_in_one_group():
     states = [random_state(p.numel(), 1, 8) for p in ps]
     refs = [R.gefen_step(p, g, *(t.clone() for t in st), cb, step=3, block=1, bits=8, **HP)
             for p, g, st in zip(ps, gs, states)]
-    K.gefen_step_(ps, gs, [s[0] for s in states], [s[1] for s in states], [s[2] for s in states],
-                  cb, step=3, block=1, bits=8, **HP)
+    K.gefen_step_([Tile(p, *st) for p, st in zip(ps, states)], gs, cb, Hyper(3, **HP), block=1, bits=8)
     for k, (p, st, ref) in enumerate(zip(ps, states, refs)):
         assert_close(p, ref[0], atol=1e-5, name=f"p[{k}]")
         assert_close(st[1], ref[2], rtol=1e-6, name=f"scales[{k}]")
@@ -243,7 +241,7 @@ def test_non_contiguous_parameter_is_written_back():
     v, s, c = random_state(600, 1, 8)
     ref = R.gefen_step(p.reshape(-1), g, v.clone(), s.clone(), c.clone(), cb, step=1, block=1,
                        bits=8, **HP)
-    K.gefen_step_(p, g, v, s, c, cb, step=1, block=1, bits=8, **HP)
+    K.gefen_step_([Tile(p, v, s, c)], [g], cb, Hyper(1, **HP), block=1, bits=8)
     assert_close(base.t().reshape(-1), ref[0], atol=1e-6, name="p through a transposed view")
 
 
@@ -252,7 +250,7 @@ def test_histogram_matches_histc(block):
     """Counts of g / (scale-block absmax) against torch.histc; two tensors and bf16 accumulate."""
     gs = [torch.randn(n) * torch.rand(n) ** 3 for n in ((4120, 1032) if block != 515 else (2060, 515))]
     gs[0][: R.scale_block_length(block)] = 0  # an all-zero scale block normalises to 0
-    counts = torch_ops.histogram(gs, block=block) + torch_ops.histogram([gs[0].bfloat16()], block=block)
+    counts = tiling.histogram(gs, block=block) + tiling.histogram([gs[0].bfloat16()], block=block)
     expect = torch.zeros(4096)
     S = R.scale_block_length(block)
     for x in (gs[0], gs[1], gs[0].bfloat16().float()):
@@ -266,19 +264,19 @@ def test_bad_inputs_name_the_argument(monkeypatch):
     p, g = torch.randn(16), torch.randn(16)
     v, s, c = R.init_state(16, block=8, bits=8)
     with pytest.raises(ValueError, match="scales"):
-        K.gefen_step_(p, g, v, s[:1], c, cb, step=1, block=8, bits=8, **HP)
+        K.gefen_step_([Tile(p, v, s[:1], c)], [g], cb, Hyper(1, **HP), block=8, bits=8)
     with pytest.raises(ValueError, match="codes"):
-        K.gefen_step_(p, g, v, s, c.float(), cb, step=1, block=8, bits=8, **HP)
+        K.gefen_step_([Tile(p, v, s, c.float())], [g], cb, Hyper(1, **HP), block=8, bits=8)
     with pytest.raises(ValueError, match="bits"):
-        K.gefen_step_(p, g, v, s, c, cb, step=1, block=8, bits=3, **HP)
+        K.gefen_step_([Tile(p, v, s, c)], [g], cb, Hyper(1, **HP), block=8, bits=3)
     with pytest.raises(ValueError, match="block"):
-        K.gefen_step_(p, g, v, s, c, cb, step=1, block=5, bits=8, **HP)
+        K.gefen_step_([Tile(p, v, s, c)], [g], cb, Hyper(1, **HP), block=5, bits=8)
     with pytest.raises(ValueError, match="sorted"):
-        K.gefen_step_(p, g, v, s, c, cb.flip(0), step=1, block=8, bits=8, **HP)
+        K.gefen_step_([Tile(p, v, s, c)], [g], cb.flip(0), Hyper(1, **HP), block=8, bits=8)
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # CPU tensors the kernels have not seen yet
     p, g = torch.randn(24), torch.randn(24)
     with pytest.raises(RuntimeError, match="backend='torch'"):
-        K.gefen_step_(p, g, *R.init_state(24, block=8, bits=8), cb, step=1, block=8, bits=8, **HP)
+        K.gefen_step_([Tile(p, *R.init_state(24, block=8, bits=8))], [g], cb, Hyper(1, **HP), block=8, bits=8)
 
 
 @pytest.mark.parametrize("bits,dtype", [(8, torch.float32), (4, torch.bfloat16)], ids=["8bit-fp32", "4bit-bf16"])
@@ -332,7 +330,7 @@ def test_row_group_scales_match_reference_over_steps(n, block, scale, bits, dtyp
     p = torch.randn(n).to(dtype)
     ref = [p.float(), v.clone(), s.clone(), c.clone()] + ([w.clone()] if factored else [])
     kp, kv, ks, kc = p.clone(), v.clone(), s.clone(), c.clone()
-    kw = [w.clone()] if factored else None
+    kw = w.clone() if factored else None
     gen = torch.Generator().manual_seed(n + block)
     for t in range(1, 4):
         g = (torch.randn(n // block, block, generator=gen) * torch.exp(torch.randn(n // block, 1, generator=gen)))
@@ -340,12 +338,12 @@ def test_row_group_scales_match_reference_over_steps(n, block, scale, bits, dtyp
         ref = list(R.gefen_step(ref[0], g, *ref[1:4], cb, step=t, block=block, bits=bits, scale=scale,
                                 w=ref[4] if factored else None, **HP))
         ref[0] = ref[0].to(dtype).float()
-        step_([kp], [g], [kv], [ks], [kc], cb, step=t, block=block, bits=bits, ws=kw, scale=scale, **HP)
+        step_([Tile(kp, kv, ks, kc, kw)], [g], cb, Hyper(t, **HP), block=block, bits=bits, scale=scale)
         assert torch.equal(ks, ref[2]), f"scales after step {t}"
         assert torch.equal(kc, ref[3]), f"codes after step {t}: {(kc != ref[3]).sum()} differ"
         assert_close(kv, ref[1], atol=1e-7, rtol=1e-5, name=f"v after step {t}")
         if factored:
-            assert_close(kw[0], ref[4], rtol=1e-5, name=f"w after step {t}")
+            assert_close(kw, ref[4], rtol=1e-5, name=f"w after step {t}")
         if dtype == torch.float32:
             assert_close(kp, ref[0], atol=1e-5, name=f"p after step {t}")
         else:
@@ -360,10 +358,12 @@ def test_triton_refuses_row_group_scales_it_cannot_hold():
     cb = random_codebook(4)
     v, s, c = R.init_state(86, block=43, bits=4, scale=86)
     with pytest.raises(ValueError, match="scale=86.*even block"):
-        K.gefen_step_(torch.zeros(86), torch.zeros(86), v, s, c, cb, step=1, block=43, bits=4, scale=86, **HP)
+        K.gefen_step_([Tile(torch.zeros(86), v, s, c)], [torch.zeros(86)], cb, Hyper(1, **HP), block=43, bits=4,
+                      scale=86)
     assert "even block" in K.data_refusal(block=43, bits=4, quant=True, scale=86)
     assert K.data_refusal(block=43, bits=8, quant=True, scale=86) is None
     assert "3 elements or more" in K.data_refusal(block=2, bits=8, quant=True, scale=2048)
     v, s, c = R.init_state(120, block=20, bits=8, scale=60)
     with pytest.raises(ValueError, match="no whole number of v blocks"):
-        K.gefen_step_(torch.zeros(120), torch.zeros(120), v, s, c, cb, step=1, block=20, bits=8, scale=30, **HP)
+        K.gefen_step_([Tile(torch.zeros(120), v, s, c)], [torch.zeros(120)], cb, Hyper(1, **HP), block=20, bits=8,
+                      scale=30)

@@ -99,6 +99,8 @@ _LAUNCH_SCRIPT = """
 import torch
 from optim.gefen import numba_ops, reference as R
 from optim.gefen.codebook import code_table
+from optim.gefen.plan import Hyper, Tile
+hyper = Hyper(1, 1e-3, 0.9, 0.999, 1e-8, 0.0)
 cb = torch.linspace(-1, 1, 256)
 n, block = 4096, 64
 def state():
@@ -116,16 +118,14 @@ for name, f in bad.items():
     v, s, c = f(*state())
     p, g = torch.randn(n), torch.randn(n)
     try:
-        numba_ops.gefen_step_([p], [g], [v], [s], [c], cb, tables=code_table(cb), step=1, lr=1e-3,
-                              beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, block=block, bits=8)
+        numba_ops.gefen_step_([Tile(p, v, s, c)], [g], cb, hyper, tables=code_table(cb), block=block, bits=8)
     except ValueError as e:
         print("REFUSED", name, e)
     else:
         print("LAUNCHED", name)
 p, g = torch.randn(n), torch.randn(n + 1)
 try:
-    numba_ops.gefen_step_([p], [g], *[[t] for t in state()], cb, tables=code_table(cb), step=1,
-                          lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, block=block, bits=8)
+    numba_ops.gefen_step_([Tile(p, *state())], [g], cb, hyper, tables=code_table(cb), block=block, bits=8)
 except ValueError as e:
     print("REFUSED", "g_long", e)
 """

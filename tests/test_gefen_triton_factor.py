@@ -3,7 +3,7 @@ step that issues no per-tensor torch operation.
 
 Independent reference: w written out in float64 from the rule of ``reference.factor_update``
 (column means of g**2 over a tensor's blocks, then the EMA; an offset whose new value is not finite
-keeps its old one), and ``torch_ops.factor_update_`` beside it. The kernels add the squares in
+keeps its old one), and the torch step's ``tiling.factor_update_`` beside it. The kernels add the squares in
 another order than either (rows in order in each lane, lanes in a tree, programs' partial sums in
 order), so w agrees to fp32 rounding, not bitwise. A sum of non-negative fp32 terms errs by at most
 its depth (the additions on its longest chain) times 2**-24, relative; the deepest here is about 70
@@ -23,14 +23,15 @@ import torch
 import triton.runtime.interpreter as interpreter
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from optim.gefen import torch_ops, triton_ops
+from optim.gefen import tiling, triton_ops
 from optim.gefen.codebook import code_table
+from optim.gefen.plan import Hyper, Tile
 from optim.gefen.reference import init_state
 from tests.utils import assert_close
 
 BETA2 = 0.9  # a small beta2, so that w's new column means weigh as much as its old value
 RTOL = 1e-5  # see the module docstring
-KW = dict(lr=1e-3, beta1=0.9, beta2=BETA2, eps=1e-8, weight_decay=0.1, bits=8)
+HYPER = dict(lr=1e-3, beta1=0.9, beta2=BETA2, eps=1e-8, weight_decay=0.1)
 CODEBOOK = torch.linspace(-1, 1, 256)
 
 
@@ -65,10 +66,14 @@ def _tables():
     return code_table(CODEBOOK)
 
 
+def _tiles(ps, vs, ss, cs, ws, quant):
+    """The ``plan.Tile`` records of ``_state``'s tensors (no scales when not ``quant``)."""
+    return [Tile(p, v, s if quant else None, c, w) for p, v, s, c, w in zip(ps, vs, ss, cs, ws)]
+
+
 def _step(state, gs, block, quant, step=1, seeds=None):
-    ps, vs, ss, cs, ws = state
-    triton_ops.gefen_step_(ps, gs, vs, ss, cs, CODEBOOK if quant else None, tables=_tables() if quant else None,
-                           ws=ws, step=step, block=block, seeds=seeds, **KW)
+    triton_ops.gefen_step_(_tiles(*state, quant), gs, CODEBOOK if quant else None, Hyper(step, **HYPER),
+                           tables=_tables() if quant else None, block=block, bits=8, seeds=seeds)
 
 
 BLOCKS_OF_TENSORS = [1, 3, 63, 127]  # blocks in each tensor of a call
@@ -88,7 +93,7 @@ CASES = [
 def test_factor_matches_float64_brute_force_and_torch_ops(block, numels, dtypes):
     """Three steps of one call over tensors of 1, 3, 63 and 127 blocks (and one of several
     statistics programs), each step on new gradient tensors (the plan re-points its tables at
-    them): every w equals the float64 brute force and ``torch_ops.factor_update_`` to ``RTOL``."""
+    them): every w equals the float64 brute force and ``tiling.factor_update_`` to ``RTOL``."""
     quant = block <= 64  # the quantised and the unquantised step kernels both read the new w
     state = _state(numels, block, quant)
     want = [w.double() for w in state[4]]
@@ -97,7 +102,7 @@ def test_factor_matches_float64_brute_force_and_torch_ops(block, numels, dtypes)
         gs = _grads(numels, block, dtypes)
         _step(state, gs, block, quant, step=t)
         want = [_brute_force(w, g, block) for w, g in zip(want, gs)]
-        torch_ops.factor_update_(ref, gs, block=block, beta2=BETA2)
+        tiling.factor_update_(ref, gs, block=block, beta2=BETA2)
         for k, (w, w64, w_torch) in enumerate(zip(state[4], want, ref)):
             assert_close(w, w64, rtol=RTOL, name=f"w[{k}] vs float64, step {t}")
             assert_close(w, w_torch, rtol=RTOL, name=f"w[{k}] vs torch_ops, step {t}")
@@ -200,13 +205,14 @@ def test_the_unfactored_step_counts_the_same(counter):
     for count in (40, 160):
         numels = [8 * (2 + k % 5) for k in range(count)]
         ps, vs, ss, cs, _ = _state(numels, 8, quant=True)
+        tiles = [Tile(p, v, s, c) for p, v, s, c in zip(ps, vs, ss, cs)]
         gs = _grads(numels, 8, [torch.float32])
-        kw = dict(KW, step=1, block=8, tables=_tables())
-        triton_ops.gefen_step_(ps, gs, vs, ss, cs, CODEBOOK, **kw)
+        kw = dict(block=8, bits=8, tables=_tables())
+        triton_ops.gefen_step_(tiles, gs, CODEBOOK, Hyper(1, **HYPER), **kw)
         gs = [g.clone() for g in gs]
         before = counter.launches
         with counter:
-            triton_ops.gefen_step_(ps, gs, vs, ss, cs, CODEBOOK, **kw)
+            triton_ops.gefen_step_(tiles, gs, CODEBOOK, Hyper(1, **HYPER), **kw)
         seen[count] = (dict(counter.ops), counter.launches - before)
         counter.ops.clear()
     assert seen[40] == seen[160] and sum(seen[40][0].values()) <= 2 and seen[40][1] == 1, seen

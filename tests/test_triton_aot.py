@@ -79,7 +79,9 @@ def test_real_launches_use_enumerated_configurations(monkeypatch):
     from optim.disk_sparse import triton_ops as dsa
     from optim.gefen import triton_ops as gefen
     from optim.gefen.codebook import code_table
+    from optim.gefen.plan import Hyper, Tile
 
+    hyper = Hyper(1, 1e-3, 0.9, 0.999, 1e-8, 0.0)
     dsa_all = dsa.launch_configs(axis_product)
     for name in ("_adam_rows_kernel", "_riemannian_adam_rows_kernel"):
         monkeypatch.setattr(dsa, name, _Recorder(getattr(dsa, name)))
@@ -101,22 +103,21 @@ def test_real_launches_use_enumerated_configurations(monkeypatch):
         p, gr = torch.zeros(n, dtype=torch.float16), torch.zeros(n)
         v, sc = torch.zeros(n // block), torch.zeros(n // block)
         codes = torch.zeros(n if bits == 8 else n // 2, dtype=torch.uint8)
-        gefen.gefen_step_(p, gr, v, sc, codes, cb, step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
-                          weight_decay=0.0, block=block, bits=bits, tables=code_table(cb))
+        gefen.gefen_step_([Tile(p, v, sc, codes)], [gr], cb, hyper, block=block, bits=bits, tables=code_table(cb))
     for name in ("_factor_stats_kernel", "_factor_finalize_kernel"):
         monkeypatch.setattr(gefen, name, _Recorder(getattr(gefen, name)))
     block, n = 96, 96 * 8  # the factor's kernels: a block of masked lanes, bf16 gradients
-    gefen.gefen_step_(torch.zeros(n), torch.zeros(n, dtype=torch.bfloat16), torch.zeros(n // block),
-                      torch.zeros(n // block), torch.zeros(n, dtype=torch.uint8), cb, step=1, lr=1e-3, beta1=0.9,
-                      beta2=0.999, eps=1e-8, weight_decay=0.0, block=block, bits=8, tables=code_table(cb),
-                      ws=[torch.zeros(block)])
+    tile = Tile(torch.zeros(n), torch.zeros(n // block), torch.zeros(n // block), torch.zeros(n, dtype=torch.uint8),
+                torch.zeros(block))
+    gefen.gefen_step_([tile], [torch.zeros(n, dtype=torch.bfloat16)], cb, hyper, block=block, bits=8,
+                      tables=code_table(cb))
     # capturable: the step scalars' kernel (a tensor lr read on the device, seeds), then a step reading them
     monkeypatch.setattr(gefen, "_gefen_hyper_kernel", _Recorder(gefen._gefen_hyper_kernel))
     sc = gefen.StepScalars([torch.zeros(())], [5], [None], "cpu")
     gefen.advance_(sc, lr=torch.tensor(1e-3), beta1=0.9, beta2=0.999, weight_decay=0.1)
-    gefen.gefen_step_(torch.zeros(n), torch.zeros(n), torch.zeros(n // block), torch.zeros(n // block),
-                      torch.zeros(n, dtype=torch.uint8), cb, step=None, lr=None, beta1=0.9, beta2=0.999, eps=1e-8,
-                      weight_decay=0.0, block=block, bits=8, tables=code_table(cb), hyper=sc.rows)
+    tile = Tile(torch.zeros(n), torch.zeros(n // block), torch.zeros(n // block), torch.zeros(n, dtype=torch.uint8))
+    gefen.gefen_step_([tile], [torch.zeros(n)], cb, hyper._replace(step=None, lr=None), block=block, bits=8,
+                      tables=code_table(cb), rows=sc.rows)
     data = ("S", "BLOCK_V", "NLUT", "NCMP", "HAS_DUP")  # block length and codebook table: data
     listed = [(la.kernel, _without(la.kwargs, data)) for la in gefen_all]
     for name, calls in (("_gefen_step_kernel", 3), ("_gefen_step4_kernel", 1), ("_factor_stats_kernel", 1),

@@ -1,8 +1,9 @@
 """The ``@numba.njit`` bodies of Gefen's CPU step; launched by ``numba_ops.py``.
 
 Layout: one call per step for all tensors of a group (same block length and step). Python
-passes a table of raw data addresses (``meta``: p, g, v, scales, codes addresses and sizes per
-tensor) and a job table (tensor, first and last scale block); jobs run in parallel
+passes a table of raw data addresses (``meta``: a row per tensor, the named columns below:
+addresses of p, g, v, and of the codes and scales or of the unquantised first moment m, and
+sizes) and a job table (tensor, first and last scale block); jobs run in parallel
 (``prange``, numba threads = ``torch.get_num_threads()``). A job is a run of whole scale blocks,
 so every block's v, absmax and codes are computed exactly as in the serial loop (results do not
 depend on the thread count); with 4-bit codes and an odd scale-block length, jobs start at even
@@ -81,6 +82,14 @@ from numba.extending import intrinsic
 from llvmlite import ir
 
 _I8, _I32 = ir.IntType(8), ir.IntType(32)
+# The columns of the address table ``meta`` (int64, a row per tensor, ``numba_ops._addresses``): the
+# addresses of p, g (fp32, contiguous), v, scales (fp32), codes (uint8) and of the unquantised fp32
+# first moment m, then the element counts of p (and of g and m), v, scales and codes. A tensor the
+# call has not (scales and codes unquantised, m quantised) has address 0 and count 0.
+P_ADDR, G_ADDR, V_ADDR, SCALES_ADDR, CODES_ADDR, M_ADDR = 0, 1, 2, 3, 4, 5
+NUMEL, V_NUMEL, SCALES_NUMEL, CODES_NUMEL = 6, 7, 8, 9
+ADDRESS_COLUMNS = 10
+
 MAX_S = 1024  # longest scale block with stack scratch (partition.MAX_BLOCK); longer ones get heap arrays
 _LANES = 64  # lane sums of v's sum of squares
 _TABLE = 256  # entries of the portable path's stack copy of the codebook
@@ -102,14 +111,13 @@ def kernel(bits: int, per_element_v: bool, parallel: bool = True, factored: bool
     ``factored``: the second moment of element j of a block is ``v_b * r_j`` (block > 1), with
     ``ratio[t, j] = sqrt(r_j)``.
 
-    ``quant=False``: the codes column of ``meta`` is the address of an fp32 first moment (one float
-    an element), updated in place; scales, codebook and tables are not read (``bits`` is ignored).
+    ``quant=False``: the first moment is ``meta``'s ``M_ADDR`` (fp32, one float an element), updated
+    in place; scales, codes, codebook and tables are not read (``bits`` is ignored).
 
     ``kernel(...)(meta, jobs, ratio, cb, bounds, lut_code, lut_bound, lut_values, lut_scale, block,
-    S, w1, beta2, one_minus_beta2, decay, neg_step, bc2_sqrt, eps)``: ``meta`` int64 (tensors, 9) =
-    addresses of p, g, v, scales, codes (contiguous fp32, fp32, fp32, fp32, uint8) and their
-    element counts; ``jobs`` int64 (jobs, 3) = tensor row, first scale block, end scale block;
-    ``cb`` the codebook's distinct entries, ``bounds`` its fp32 decision boundaries
+    S, w1, beta2, one_minus_beta2, decay, neg_step, bc2_sqrt, eps)``: ``meta`` int64 (tensors,
+    ``ADDRESS_COLUMNS``): the address table (its named columns above); ``jobs`` int64 (jobs, 3) =
+    tensor row, first scale block, end scale block; ``cb`` the codebook's distinct entries, ``bounds`` its fp32 decision boundaries
     (``CodeTable.boundaries``: levels - 1 and a trailing +inf), ``lut_code``/``lut_bound`` the
     table's lower code and boundary a bin (``lut_values`` is not read: the entries come from
     ``cb``); ``ratio`` fp32 (tensors, block), ``factor_kernel``'s output (read only when
@@ -851,7 +859,7 @@ def _factor_reduce(meta, jobs, wptrs, block, beta2, one_minus_beta2, partial, ra
             total[t, j] += partial[k, j]
     for t in range(meta.shape[0]):
         w = carray(_f32_ptr(wptrs[t]), (block,))
-        nb = np.float32(meta[t, 5] // block)
+        nb = np.float32(meta[t, NUMEL] // block)
         s = np.float32(0.0)
         for j in range(block):
             new = beta2 * w[j] + one_minus_beta2 * (total[t, j] / nb)
@@ -866,8 +874,8 @@ def _factor_reduce(meta, jobs, wptrs, block, beta2, one_minus_beta2, partial, ra
 @njit(nogil=True, error_model="numpy", cache=True)
 def _factor_job(meta, jobs, k, block, S, partial):
     t = jobs[k, 0]
-    n = meta[t, 5]
-    g = carray(_f32_ptr(meta[t, 1]), (n,))
+    n = meta[t, NUMEL]
+    g = carray(_f32_ptr(meta[t, G_ADDR]), (n,))
     gk = g[jobs[k, 1] * S:min(jobs[k, 2] * S, n)]
     if block == 1:  # one column: the lane sum (a single accumulator would be latency-bound)
         partial[k, 0] = _sum_sq(gk, carray(_alloca(np.float32, _LANES), (_LANES,)))
@@ -1044,12 +1052,12 @@ def _blocks(bits4, per_element, factored, quant, p, g, v, scales, codes, m_fp32,
 def _job(bits4, per_element, factored, quant, meta, jobs, k, ratio, cb, lut, tabs, lut8, lut_scale, block, S,
          w1, beta2, one_minus_beta2, decay, neg_step, bc2_sqrt, eps):
     t = jobs[k, 0]
-    p = carray(_f32_ptr(meta[t, 0]), (meta[t, 5],))
-    g = carray(_f32_ptr(meta[t, 1]), (meta[t, 5],))
-    v = carray(_f32_ptr(meta[t, 2]), (meta[t, 6],))
-    scales = carray(_f32_ptr(meta[t, 3]), (meta[t, 7] if quant else 0,))
-    codes = carray(_u8_ptr(meta[t, 4]), (meta[t, 8] if quant else 0,))
-    m_fp32 = carray(_f32_ptr(meta[t, 4]), (0 if quant else meta[t, 8],))
+    p = carray(_f32_ptr(meta[t, P_ADDR]), (meta[t, NUMEL],))
+    g = carray(_f32_ptr(meta[t, G_ADDR]), (meta[t, NUMEL],))
+    v = carray(_f32_ptr(meta[t, V_ADDR]), (meta[t, V_NUMEL],))
+    scales = carray(_f32_ptr(meta[t, SCALES_ADDR]), (meta[t, SCALES_NUMEL] if quant else 0,))
+    codes = carray(_u8_ptr(meta[t, CODES_ADDR]), (meta[t, CODES_NUMEL] if quant else 0,))
+    m_fp32 = carray(_f32_ptr(meta[t, M_ADDR]), (0 if quant else meta[t, NUMEL],))
     r = ratio[t if factored else 0]
     if S <= MAX_S:
         m = carray(_alloca(np.float32, _BUF), (_BUF,))

@@ -89,6 +89,12 @@ FINAL_TILE = 1024  # partial sums a finalize program adds per loop iteration (IB
 FINAL_WIDTH = 128  # most offsets one finalize program updates
 HYPER_BLOCK = 128  # rows of step scalars _gefen_hyper_kernel writes per loop iteration
 
+# The columns of the step's pointer table (int64, a row per tensor, ``triton_ops._Plan.ptrs``): the
+# addresses of p, g, v, scales, codes and of the unquantised first moment m (fp32); a tensor the call
+# has not (scales and codes unquantised, m quantised) has address 0.
+PTR_P, PTR_G, PTR_V, PTR_SCALES, PTR_CODES, PTR_M = (tl.constexpr(k) for k in range(6))
+PTR_COLUMNS = tl.constexpr(6)
+
 TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
@@ -130,15 +136,20 @@ def _new_m(g, code, s_old, cb_ptr, w):
 
 @triton.jit
 def _tensor_ptrs(ptr_tab, t, P_DT: tl.constexpr, G_DT: tl.constexpr, C_DT: tl.constexpr,
-                 ALIGN: tl.constexpr):
-    """The tensor's five pointers from the table; ALIGN (all five 16-byte aligned, checked by the
-    launcher) declares the alignment the compiler cannot see in them (module docstring)."""
-    base = ptr_tab + 5 * t
-    p_ptr = tl.load(base + 0).to(tl.pointer_type(P_DT))
-    g_ptr = tl.load(base + 1).to(tl.pointer_type(G_DT))
-    v_ptr = tl.load(base + 2).to(tl.pointer_type(tl.float32))
-    s_ptr = tl.load(base + 3).to(tl.pointer_type(tl.float32))
-    c_ptr = tl.load(base + 4).to(tl.pointer_type(C_DT))
+                 ALIGN: tl.constexpr, QUANT: tl.constexpr):
+    """The tensor's pointers from the table (its named columns, ``PTR_P`` ...): p, g, v, scales and
+    the first moment (codes where QUANT, else m; C_DT its dtype). ALIGN (all 16-byte aligned,
+    checked by the launcher) declares the alignment the compiler cannot see in them (module
+    docstring)."""
+    base = ptr_tab + PTR_COLUMNS * t
+    p_ptr = tl.load(base + PTR_P).to(tl.pointer_type(P_DT))
+    g_ptr = tl.load(base + PTR_G).to(tl.pointer_type(G_DT))
+    v_ptr = tl.load(base + PTR_V).to(tl.pointer_type(tl.float32))
+    s_ptr = tl.load(base + PTR_SCALES).to(tl.pointer_type(tl.float32))
+    if QUANT:
+        c_ptr = tl.load(base + PTR_CODES).to(tl.pointer_type(C_DT))
+    else:
+        c_ptr = tl.load(base + PTR_M).to(tl.pointer_type(C_DT))
     if ALIGN:
         p_ptr = tl.multiple_of(p_ptr, 16)
         g_ptr = tl.multiple_of(g_ptr, 16)
@@ -214,7 +225,7 @@ def _gefen_step_kernel(
     t = tl.load(tile_ptr + 2 * pid)
     row0 = tl.load(tile_ptr + 2 * pid + 1)
     n = tl.load(numel_tab + t)
-    p_ptr, g_ptr, v_ptr, s_ptr, c_ptr = _tensor_ptrs(ptr_tab, t, P_DT, G_DT, C_DT, ALIGN)
+    p_ptr, g_ptr, v_ptr, s_ptr, c_ptr = _tensor_ptrs(ptr_tab, t, P_DT, G_DT, C_DT, ALIGN, QUANT)
 
     rows = row0 + tl.arange(0, R)[:, None]  # [R, 1] scale-block index (int64)
     lane = tl.arange(0, WIDTH)[None, :]
@@ -330,7 +341,7 @@ def _gefen_step4_kernel(
     t = tl.load(tile_ptr + 2 * pid)
     row0 = tl.load(tile_ptr + 2 * pid + 1)
     n = tl.load(numel_tab + t)
-    p_ptr, g_ptr, v_ptr, s_ptr, c_ptr = _tensor_ptrs(ptr_tab, t, P_DT, G_DT, C_DT, ALIGN)
+    p_ptr, g_ptr, v_ptr, s_ptr, c_ptr = _tensor_ptrs(ptr_tab, t, P_DT, G_DT, C_DT, ALIGN, True)
 
     rows = row0 + tl.arange(0, R)[:, None]
     k = tl.arange(0, WIDTH)[None, :]
@@ -434,7 +445,7 @@ def _factor_stats_kernel(item_tab, ptr_tab, part_ptr, G_DT: tl.constexpr, S: tl.
     """Partial column sums of g**2: program (i, c) sums block rows [row0, row1) of tensor t (its
     n elements seen as (n / S, S)) at offsets c*BW .. c*BW + BW - 1 of the blocks, into row
     ``slot`` of the (slots, S) fp32 scratch ``part_ptr``. ``item_tab``: (t, row0, row1, slot) a
-    program; ``ptr_tab``: the step's (T, 5) pointer table, g in column 1."""
+    program; ``ptr_tab``: the step's (T, ``PTR_COLUMNS``) pointer table, g in column ``PTR_G``."""
     pid = tl.program_id(0)
     t = tl.load(item_tab + 4 * pid)
     row0 = tl.load(item_tab + 4 * pid + 1)
@@ -442,7 +453,7 @@ def _factor_stats_kernel(item_tab, ptr_tab, part_ptr, G_DT: tl.constexpr, S: tl.
     slot = tl.load(item_tab + 4 * pid + 3)
     cols = tl.program_id(1) * BW + tl.arange(0, BW)
     cmask = cols < S
-    g_addr = tl.load(ptr_tab + 5 * t + 1)
+    g_addr = tl.load(ptr_tab + PTR_COLUMNS * t + PTR_G)
     # 128-bit loads where the address is aligned (S keeps the rows so). The pointer is made in each
     # branch: multiple_of marks the operation that defines its argument, wherever that is used.
     if g_addr % 16 == 0:

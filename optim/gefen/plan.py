@@ -2,11 +2,12 @@
 
 A plan holds, for the parameters that have a gradient, one ``Call`` per kernel call (a bucket of
 tensors sharing group, block length, step, device, state dtype, path and whether their state holds
-a factor w) and in each the ``Tile``
-records the kernels step: a parameter, or with a factored second moment one tile of its rows
-(``partition.factor_tiles``), with views of its state. A later step only reads each parameter's
-gradient and advances its step count; the backends keep their own launch tables for a call
-(``numba_ops.prepare``, ``triton_ops``' plan cache). With ``capturable`` the step counts are
+a factor w) and in each the ``Tile`` records the kernels step: a parameter, or with a factored
+second moment one tile of its rows (``partition.factor_tiles``), with views of its state. A step
+hands a backend a call's ``Tile`` records, their gradients and a ``Hyper`` record of the call's
+hyper-parameters (``run_call``). A later step only reads each parameter's gradient and advances
+its step count; the backends keep their own launch tables for a call (``numba_ops.prepare``,
+``triton_ops``' plan cache). With ``capturable`` the step counts are
 device tensors that a kernel advances (``triton_ops.StepScalars``, one a group and device, whose
 rows each call's tiles read: ``Call.rows``), and a call is not split by step.
 
@@ -47,21 +48,24 @@ FACTOR_STREAM = 0xC2B2AE35
 
 
 class Tile(NamedTuple):
-    """One tensor a kernel steps: a parameter (local shard), or a tile of its rows."""
+    """One tensor a kernel steps: a parameter (local shard), or a tile of its rows, with views of its
+    state; the record each backend's ``gefen_step_`` reads by name. ``Tile(p, v, scales, first, w)``
+    is a whole tensor of its own (what the kernel tests build)."""
 
-    owner: int  # index of its parameter in ``Call.params``
-    rows: tuple | None  # (r0, r1): the rows of a tile of several; None for a whole tensor
-    start: int  # its first element in the parameter
     p: torch.Tensor  # the parameter, or the view of the tile's rows
-    v: torch.Tensor
-    scales: torch.Tensor | None  # quantised first moment: fp32 scale per scale block
-    first: torch.Tensor  # uint8 codes, or the fp32 first moment when unquantised
-    w: torch.Tensor | None  # the tile's factor (factored groups)
-    tile: int | None  # k of ``step_seed(seed, k, 0)`` for a tile of several; None for a whole tensor
+    v: torch.Tensor  # fp32 second moment, one a v block
+    scales: torch.Tensor | None  # quantised first moment: fp32 scale per scale block; None unquantised
+    first: torch.Tensor  # uint8 codes, or the fp32 first moment m when unquantised
+    w: torch.Tensor | None = None  # the tile's factor (factored calls); None otherwise
+    owner: int = 0  # index of its parameter in ``Call.params``
+    rows: tuple | None = None  # (r0, r1): the rows of a tile of several; None for a whole tensor
+    start: int = 0  # its first element in the parameter
+    tile: int | None = None  # k of ``step_seed(seed, k, 0)`` for a tile of several; None for a whole tensor
 
 
 class Hyper(NamedTuple):
-    """The hyper-parameters of one call at one step (step None: on the device, ``Call.rows``)."""
+    """The hyper-parameters of one call at one step, the record each backend's ``gefen_step_``
+    reads by name (step None: on the device, ``Call.rows``; lr then may be a device tensor)."""
 
     step: int | None
     lr: float | torch.Tensor
@@ -80,7 +84,7 @@ class Call:
     None where the host passes them."""
 
     __slots__ = ("group", "path", "block", "scale", "params", "states", "tiles", "native", "held", "rows",
-                 "_lists")
+                 "written")
 
     def __init__(self, group, path, block, params, states, tiles):
         self.group, self.path, self.block = group, path, block
@@ -89,7 +93,7 @@ class Call:
         self.native = None
         self.held = [_held(st) for st in states]
         self.rows = None
-        self._lists = None
+        self.written = [t.p for t in tiles]  # what a compiled kernel writes through addresses (``written``)
 
     def current(self) -> bool:
         """True while every parameter of the call is at one step and holds the state tensors the
@@ -130,16 +134,6 @@ class Call:
     def factor_sr(self) -> bool:
         """True where the call's factors w are bf16, rounded stochastically (seeds drawn)."""
         return self.factored and self.states[0][K.W].dtype != torch.float32 and K.SEED in self.states[0]
-
-    def lists(self) -> tuple:
-        """(ps, vs, scales, firsts, ws) of the tiles, the backends' list arguments, built once.
-        Unquantised, ``scales`` repeats ``vs`` (an unused slot) and ``ws`` is None unless ``factored``."""
-        if self._lists is None:
-            t = self.tiles
-            quant = self.group["quantize_first_moment"]
-            self._lists = ([x.p for x in t], [x.v for x in t], [x.scales if quant else x.v for x in t],
-                           [x.first for x in t], [x.w for x in t] if self.factored else None)
-        return self._lists
 
     def gradients(self, grads) -> list:
         """Each tile's gradient: the parameter's, or the view of the tile's elements."""
@@ -216,11 +210,11 @@ def tiles_of(owner: int, p: torch.Tensor, st: dict, *, bits: int) -> list:
     quant, scale = K.CODES in st, K.scale_length(st)
     first = st[K.CODES] if quant else st[K.M]
     if w is None or w.numel() == block:
-        return [Tile(owner, None, 0, p, st[K.V], st.get(K.SCALES), first, w, None)]
+        return [Tile(p, st[K.V], st.get(K.SCALES), first, w, owner=owner)]
     v, scales = st[K.V], st.get(K.SCALES)
-    return [Tile(owner, (r0, r1), a, p[r0:r1], v[a // block:b // block],
-                 None if scales is None else scales[a // scale:b // scale],
-                 first[c0:c1] if quant else first[a:b], w[k * block:(k + 1) * block], k)
+    return [Tile(p[r0:r1], v[a // block:b // block], None if scales is None else scales[a // scale:b // scale],
+                 first[c0:c1] if quant else first[a:b], w[k * block:(k + 1) * block], owner=owner, rows=(r0, r1),
+                 start=a, tile=k)
             for k, (r0, r1, a, b, c0, c1) in enumerate(tile_plan(tuple(p.shape), block, bits))]
 
 
@@ -236,7 +230,8 @@ def tile_plan(shape: tuple, block: int, bits: int) -> tuple:
 # ------------------------------------------------------------------------------ running a plan
 def step_module(backend: str):
     """The step module of a concrete backend ("torch", "numba", "triton"), imported when first used:
-    each has ``gefen_step_`` (one signature), ``refuses`` and ``data_refusal``."""
+    each has ``gefen_step_(tiles, gs, codebook, hyper, *, block, bits, ...)`` (``Tile`` records, their
+    gradients, a ``Hyper`` record), ``refuses`` and ``data_refusal``."""
     return importlib.import_module(f"{__package__}.{backend}_ops")
 
 
@@ -276,19 +271,19 @@ def run(calls, scalars, codebook, *, bits: int) -> None:
 
 
 def run_call(call: Call, step: int | None, codebook, *, bits: int) -> None:
-    """Step one call's tiles on its path at ``step`` (None: the step count is on the device)."""
+    """Step one call's tiles on its path at ``step`` (None: the step count is on the device): the
+    backend gets the ``Tile`` records, their gradients and the ``Hyper`` record."""
     grads = [signed(local_tensor(p.grad), call.group) for p in call.params]
     quant = call.group["quantize_first_moment"]
     values, tables = codebook.on(call.tiles[0].p.device) if quant else (None, None)
     h = call.hyper(step)
-    ps, vs, ss, cs, ws = call.lists()
     if call.path == "numba" and call.native is not False:
         if call.native is None:
-            call.native = numba_ops.prepare(ps, call.gradients(grads), vs, ss, cs, values, block=call.block,
-                                            bits=bits, tables=tables, ws=ws, owners=[t.owner for t in call.tiles],
+            call.native = numba_ops.prepare(call.tiles, call.gradients(grads), values, block=call.block, bits=bits,
+                                            tables=tables, owners=[t.owner for t in call.tiles],
                                             offsets=[t.start for t in call.tiles], scale=call.scale) or False
         if call.native:
-            numba_ops.run(call.native, grads, **h._asdict(), factor_seeds=call.seeds(step, "factor"))
+            numba_ops.run(call.native, grads, h, factor_seeds=call.seeds(step, "factor"))
             written(call)
             return
     if call.rows is None:
@@ -296,11 +291,11 @@ def run_call(call: Call, step: int | None, codebook, *, bits: int) -> None:
         if call.factor_sr:
             extra["factor_seeds"] = call.seeds(step, "factor")
     else:
-        extra = dict(seeds=True if call.sr else None, hyper=call.rows)
+        extra = dict(seeds=True if call.sr else None, rows=call.rows)
     if call.scale is not None:  # row-group scales (``state.SCALE_BLOCK``)
         extra["scale"] = call.scale
-    step_module(call.path).gefen_step_(ps, call.gradients(grads), vs, ss, cs, values, tables=tables,
-                                       **h._asdict(), block=call.block, bits=bits, ws=ws, **extra)
+    step_module(call.path).gefen_step_(call.tiles, call.gradients(grads), values, h, tables=tables,
+                                       block=call.block, bits=bits, **extra)
     if call.path != "torch":
         written(call)
 
@@ -309,7 +304,7 @@ def written(call: Call) -> None:
     """Tell autograd that a compiled kernel wrote the call's parameters through their addresses (a
     torch op in place does it itself): a graph that saved them then refuses its backward, as after
     AdamW's step, instead of using the new values."""
-    torch.autograd.graph.increment_version(call.lists()[0])  # views share their base's counter
+    torch.autograd.graph.increment_version(call.written)  # views share their base's counter
 
 
 def signed(g: torch.Tensor, group) -> torch.Tensor:

@@ -40,7 +40,7 @@ import torch
 from .partition import (MAX_BLOCK, cap_block, choose_block, constant_magnitude, factor_tiles, factored_block,
                         provisional_block, row_group_scale_length, scale_group_elements)
 from .reference import num_code_bytes, num_scales, scale_block_length
-from .torch_ops import requantize_
+from .tiling import requantize_
 
 STEP = "step"
 BLOCK = "block"

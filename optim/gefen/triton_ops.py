@@ -1,17 +1,17 @@
 """Gefen's fused in-place step in Triton: launchers for the kernels of ``_triton_kernels.py``.
 
-    gefen_step_(ps, gs, vs, scales, codes, codebook, *, step, lr, beta1, beta2, eps, weight_decay,
-                block, bits, tables=None)
+    gefen_step_(tiles, gs, codebook, hyper, *, block, bits, tables=None)
 
-takes the signature of :func:`optim.gefen.torch_ops.gefen_step_` and the state layout fixed in
+takes the signature of :func:`optim.gefen.torch_ops.gefen_step_` (``plan.Tile`` records with fields
+p, v, scales, first, w; their gradients; a ``plan.Hyper`` record) and the state layout fixed in
 ``reference.py``'s docstring (v and scales fp32, codes uint8 or packed 4-bit low nibble first,
 scale blocks of ``S = block`` or ``S = CHUNK = 256`` when ``block == 1`` with a partial last chunk,
-``codebook=None`` for an unquantised fp32 first moment stored in ``codes``), and updates ``p``,
-``v``, ``scales`` and ``codes`` in place. ``p``/``g`` may be fp32, bf16 or fp16; the math is fp32.
-Each of ``ps, gs, vs, scales, codes`` is a list (a group of tensors that share ``block``, ``bits``
-and the hyperparameters) or one tensor: the whole group is one kernel launch per kind of tensor,
+``codebook=None`` for an unquantised fp32 first moment m in ``first``, ``scales`` None), and updates
+``p``, ``v``, ``scales`` and ``first`` in place. ``p``/``g`` may be fp32, bf16 or fp16; the math is
+fp32. The tiles are a group of tensors that share ``block``, ``bits`` and the hyperparameters: the
+whole group is one kernel launch per kind of tensor,
 because a model's step is many small tensors whose one launch each would leave the GPU waiting on
-the host. With ``ws`` (a factored second moment) two launches before the step, again over every
+the host. With the tiles' ``w`` (a factored second moment) two launches before the step, again over every
 tensor at once, update the per-offset factors w from the gradients (``_factor_stats_kernel``,
 ``_factor_finalize_kernel``). The launch tables, the pointer tables and the factors' scratch are
 built once per set of tensors and cached (``_Plan``, ``optim._cache.BoundedCache``): a repeated
@@ -21,7 +21,7 @@ host-to-device copy) when the gradients moved, and two more for stochastic round
 For ``Gefen(capturable=True)`` the step count, lr and bias corrections live on the device:
 ``StepScalars`` holds a group's step counters and one row of step scalars per tensor, ``advance_``
 (one launch of ``_gefen_hyper_kernel``) advances the counters and writes the rows, and
-``gefen_step_(..., hyper=rows)`` launches kernels that read them (``HYPER``). No launch then reads a
+``gefen_step_(..., rows=rows)`` launches kernels that read them (``HYPER``). No launch then reads a
 host value that changes between steps, and none waits for the device: the step can be captured in a
 CUDA graph (a gradient moved inside a capture is written into the pointer table by device fills).
 
@@ -31,7 +31,7 @@ Agreement with the reference: one step from the same state gives the reference's
 exactly; p and v only to fp32 rounding, because v's block mean of g**2 is summed in another order
 than ``torch.mean``, and torch's CPU ``sqrt`` is not always correctly rounded where ``tl.sqrt_rn``
 is; w also to fp32 rounding, its column sums of g**2 being added in another order than
-``torch_ops.factor_update_``'s. Over a training run those ulps change the next gradients, and once
+``tiling.factor_update_``'s. Over a training run those ulps change the next gradients, and once
 a value m~/s of the two runs falls on the two sides of a code boundary the runs hold different
 codes: m^ then differs by one codebook gap times the scale, and the weights part by more than
 rounding from then on. The numba backend, also correct to rounding, parts from the torch one the
@@ -56,13 +56,13 @@ from .._torch_private import version_counter
 from .._triton_common import KernelLaunch, axis_pairs, next_pow2, prev_pow2
 from ..backends import triton_interpreted
 from ._triton_kernels import (ELEMS_PER_THREAD, FACTOR_ITERS, FACTOR_ROWS, FACTOR_TILE, FACTOR_WIDTH,
-                              FINAL_TILE, FINAL_WIDTH, HYPER_BLOCK, MAX_TILE_WIDTH, TILE, TL_DTYPES,
-                              _factor_finalize_kernel, _factor_stats_kernel, _gefen_hyper_kernel,
-                              _gefen_step4_kernel, _gefen_step_kernel)
-from . import torch_ops
+                              FINAL_TILE, FINAL_WIDTH, HYPER_BLOCK, MAX_TILE_WIDTH, PTR_CODES, PTR_COLUMNS, PTR_G,
+                              PTR_M, PTR_P, PTR_SCALES, PTR_V, TILE, TL_DTYPES, _factor_finalize_kernel,
+                              _factor_stats_kernel, _gefen_hyper_kernel, _gefen_step4_kernel, _gefen_step_kernel)
 from .checks import check_factors, float64_state_refusal, stochastic_codes_refusal
 from .codebook import code_table
 from .reference import num_code_bytes, num_scales, scale_block_length
+from .tiling import factors
 
 
 def _check_runnable(t: torch.Tensor, name: str):
@@ -132,14 +132,25 @@ class FactorPass(NamedTuple):
 
 
 class _Row(NamedTuple):
-    """A validated tensor of the call (flat and contiguous where the kernel reads it)."""
+    """A validated tile of the call (contiguous where the kernel reads it) and its gradient."""
 
-    index: int
+    index: int  # its position among the call's tiles
     p: torch.Tensor
     g: torch.Tensor
     v: torch.Tensor
-    scales: torch.Tensor  # v again when unquantised (the slot is unused)
-    codes: torch.Tensor
+    scales: torch.Tensor | None  # None unquantised
+    first: torch.Tensor  # uint8 codes, or the fp32 first moment m unquantised
+    quant: bool
+
+    def pointers(self) -> list:
+        """Its row of the pointer table (``_triton_kernels``' named columns ``PTR_P`` ...)."""
+        row = [0] * PTR_COLUMNS.value
+        row[PTR_P.value], row[PTR_G.value], row[PTR_V.value] = self.p.data_ptr(), self.g.data_ptr(), self.v.data_ptr()
+        if self.quant:
+            row[PTR_SCALES.value], row[PTR_CODES.value] = self.scales.data_ptr(), self.first.data_ptr()
+        else:
+            row[PTR_M.value] = self.first.data_ptr()
+        return row
 
 
 def _table_of(codebook):
@@ -290,7 +301,7 @@ def _step_launches(rows, *, block, bits, quant, tile, num_warps, factor, sr, hyp
     # whole number of tile rows only de-vectorises its own launch.
     by_kind: dict = {}
     for k, r in enumerate(rows):
-        align = all(t.data_ptr() % 16 == 0 for t in (r.p, r.g, r.v, r.scales, r.codes))
+        align = all(t.data_ptr() % 16 == 0 for t in (r.p, r.g, r.v, r.scales, r.first) if t is not None)
         exact = r.p.numel() % ((2 if four and s_len % 2 else 1) * s_len) == 0
         by_kind.setdefault((r.p.dtype, r.g.dtype, align, exact), []).append(k)
     launches = []
@@ -366,7 +377,7 @@ def _final_args(fin_tab, numel_tab, w_tab, part, seed_tab, *, beta2):
 
 
 class _Plan:
-    """What a step derives from one set of (p, v, scales, codes, w) tensors, built once: the step's
+    """What a step derives from one set of tiles (p, v, scales, first, w), built once: the step's
     launches, the tables they share (pointers, sizes, factor pointers, seeds), the factor's
     launches and scratch, and the gradients last seen.
 
@@ -380,7 +391,7 @@ class _Plan:
     __slots__ = ("launches", "factor", "ptrs", "gcol", "numels", "wtab", "seed_tab", "factor_seed_tab", "hyper_tab",
                  "order", "aligned", "device", "gptrs", "gnumels", "gdtypes", "temporaries")
 
-    def __init__(self, rows, gs, ws, *, block, bits, quant, tile, num_warps, sr, hyper=None, scale=None):
+    def __init__(self, rows, gs, ws, *, block, bits, quant, tile, num_warps, sr, scalar_rows=None, scale=None):
         device = rows[0].p.device
         for r in rows:
             for name, t in (("p", r.p),) + ((("w", ws[r.index]),) if ws is not None else ()):
@@ -388,26 +399,25 @@ class _Plan:
                     raise ValueError(f"{name}[{r.index}] is on {t.device}, p[{rows[0].index}] on {device}: "
                                      "the tensors of one call must be on one device")
         for r in rows:
-            if hyper is not None and hyper[r.index].device != device:
-                raise ValueError(f"hyper[{r.index}] is on {hyper[r.index].device}, p[{r.index}] on {device}")
+            if scalar_rows is not None and scalar_rows[r.index].device != device:
+                raise ValueError(f"rows[{r.index}] is on {scalar_rows[r.index].device}, p[{r.index}] on {device}")
         w16 = ws is not None and ws[0].dtype == torch.bfloat16
-        if w16 and hyper is not None:
+        if w16 and scalar_rows is not None:
             raise ValueError("Gefen kernel: bf16 factors w (factor_dtype='bfloat16') have no capturable step")
         self.launches = _step_launches(rows, block=block, bits=bits, quant=quant, tile=tile, num_warps=num_warps,
-                                       factor=ws is not None and block > 1, sr=sr, hyper=hyper is not None,
+                                       factor=ws is not None and block > 1, sr=sr, hyper=scalar_rows is not None,
                                        scale=scale, w16=w16)
         self.factor = None if ws is None else _factor_pass(rows, block=block, w16=w16)
-        self.ptrs = torch.tensor([[t.data_ptr() for t in (r.p, r.g, r.v, r.scales, r.codes)] for r in rows],
-                                 dtype=torch.int64).to(device)
-        self.gcol = self.ptrs[:, 1]  # column 1: g
+        self.ptrs = torch.tensor([r.pointers() for r in rows], dtype=torch.int64).to(device)
+        self.gcol = self.ptrs[:, PTR_G.value]
         self.numels = torch.tensor([r.p.numel() for r in rows], dtype=torch.int64).to(device)
         self.wtab = self.numels if ws is None else torch.tensor(
             [ws[r.index].data_ptr() for r in rows], dtype=torch.int64).to(device)
-        uses_seeds = hyper is None and any(ln.constexprs["SR"] for ln in self.launches)
+        uses_seeds = scalar_rows is None and any(ln.constexprs["SR"] for ln in self.launches)
         self.seed_tab = torch.zeros(len(rows), dtype=torch.int64, device=device) if uses_seeds else None
         self.factor_seed_tab = torch.zeros(len(rows), dtype=torch.int64, device=device) if w16 else None
-        self.hyper_tab = None if hyper is None else torch.tensor(
-            [hyper[r.index].data_ptr() for r in rows], dtype=torch.int64).to(device)
+        self.hyper_tab = None if scalar_rows is None else torch.tensor(
+            [scalar_rows[r.index].data_ptr() for r in rows], dtype=torch.int64).to(device)
         self.order = [r.index for r in rows]
         self.aligned = [i for ln in self.launches if ln.constexprs["ALIGN"] for i in ln.indices]
         self.device = device
@@ -457,15 +467,12 @@ def _state_key(t):
     return (t.data_ptr(), t.numel(), t.dtype, t.device, _IS_CONTIGUOUS(t))
 
 
-def _as_list(x):
-    return list(x) if isinstance(x, (list, tuple)) else [x]
-
-
-def _validate(ps, gs, vs, ss, cs, *, block, bits, quant, scale=None):
-    """Check every tensor against the reference's layout; return (``_Row`` s to launch, (parameter,
+def _validate(tiles, gs, *, block, bits, quant, scale=None):
+    """Check every tile against the reference's layout; return (``_Row`` s to launch, (parameter,
     contiguous copy) pairs to copy back)."""
     rows, copies = [], []
-    for i, (pi, gi, vi, si, ci) in enumerate(zip(ps, gs, vs, ss, cs)):
+    for i, (t, gi) in enumerate(zip(tiles, gs)):
+        pi, vi, si, ci = t.p, t.v, t.scales, t.first
         n = pi.numel()
         if gi.numel() != n:
             raise ValueError(f"g[{i}] has {gi.numel()} elements, p[{i}] has {n}")
@@ -479,35 +486,40 @@ def _validate(ps, gs, vs, ss, cs, *, block, bits, quant, scale=None):
         if quant:
             if scale and n % scale:
                 raise ValueError(f"scale={scale} does not divide p[{i}].numel()={n}")
+            if si is None:
+                raise ValueError(f"tile {i} has no scales: a quantised first moment (a codebook) needs them")
             want += [("scales", si, torch.float32, num_scales(n, scale or block)),
                      ("codes", ci, torch.uint8, num_code_bytes(n, bits))]
         else:
-            want += [("codes", ci, torch.float32, n)]
-        for name, t, dt, size in want:
-            if t.dtype != dt or t.numel() != size or not t.is_contiguous():
+            want += [("m", ci, torch.float32, n)]
+        for name, x, dt, size in want:
+            if x.dtype != dt or x.numel() != size or not x.is_contiguous():
                 raise ValueError(f"{name}[{i}] must be a contiguous {dt} tensor of {size} elements "
-                                 f"(reference.init_state layout), got {t.dtype} {tuple(t.shape)}")
-        for name, t in (("g", gi), ("v", vi), ("codes", ci)) + ((("scales", si),) if quant else ()):
-            if t.device != pi.device:
-                raise ValueError(f"{name}[{i}] is on {t.device}, p[{i}] on {pi.device}")
+                                 f"(reference.init_state layout), got {x.dtype} {tuple(x.shape)}")
+        for name, x, _, _ in [("g", gi, None, None)] + want:
+            if x.device != pi.device:
+                raise ValueError(f"{name}[{i}] is on {x.device}, p[{i}] on {pi.device}")
         _check_runnable(pi, f"p[{i}]")
         pw = pi if pi.is_contiguous() else pi.contiguous()
         if pw is not pi:
             copies.append((pi, pw))
-        rows.append(_Row(i, pw, gi.contiguous(), vi, si if quant else vi, ci))
+        rows.append(_Row(i, pw, gi.contiguous(), vi, si if quant else None, ci, quant))
     return rows, copies
 
 
-def _plan(ps, gs, vs, ss, cs, *, block, bits, quant, tile, num_warps, ws=None, sr=False, hyper=None, scale=None):
+def _plan(tiles, gs, *, block, bits, quant, tile, num_warps, sr=False, scalar_rows=None, scale=None):
     """(cached or new ``_Plan``, contiguous copies of parameters to write back); (None, []) when
     every tensor is empty."""
+    ps = [t.p for t in tiles]
+    ws = factors(tiles)
     # state tensors by address, size, dtype and layout: a view at a cached address (another
     # dtype, a shorter slice) is validated again, never launched on a plan made for another
     key = (block, scale, bits, quant, tile, num_warps, sr, tuple(map(_DATA_PTR, ps)), tuple(map(_NUMEL, ps)),
-           tuple(p.dtype for p in ps), tuple(map(_state_key, vs)), tuple(map(_state_key, cs)),
-           tuple(map(_state_key, ss)) if quant else None,
+           tuple(p.dtype for p in ps), tuple(_state_key(t.v) for t in tiles),
+           tuple(_state_key(t.first) for t in tiles),
+           tuple(_state_key(t.scales) for t in tiles) if quant else None,
            tuple(map(_state_key, ws)) if ws is not None else None,
-           tuple(map(_state_key, hyper)) if hyper is not None else None)
+           tuple(map(_state_key, scalar_rows)) if scalar_rows is not None else None)
     plan = _PLAN_CACHE.get(key)
     if plan is not None:
         gptrs = tuple(map(_DATA_PTR, gs))
@@ -516,13 +528,13 @@ def _plan(ps, gs, vs, ss, cs, *, block, bits, quant, tile, num_warps, ws=None, s
     if ws is not None:
         check_factors(ps, ws, block=block, device_type=ps[0].device.type if ps else "cpu",
                       dtypes=(torch.float32, torch.bfloat16))
-    if hyper is not None:
-        check_rows(hyper, len(ps))
-    rows, copies = _validate(ps, gs, vs, ss, cs, block=block, bits=bits, quant=quant, scale=scale)
+    if scalar_rows is not None:
+        check_rows(scalar_rows, len(ps))
+    rows, copies = _validate(tiles, gs, block=block, bits=bits, quant=quant, scale=scale)
     if not rows:
         return None, []
     plan = _Plan(rows, gs, ws, block=block, bits=bits, quant=quant, tile=tile, num_warps=num_warps, sr=sr,
-                 hyper=hyper, scale=scale)
+                 scalar_rows=scalar_rows, scale=scale)
     if not copies and all(map(_IS_CONTIGUOUS, gs)):  # a temporary contiguous copy has a new address each call
         _PLAN_CACHE.put(key, plan)
     return plan, copies
@@ -534,51 +546,56 @@ def _launch(kernel, grid, args, kwargs, device):
         kernel[grid](*args, **kwargs)
 
 
-def gefen_step_(ps, gs, vs, scales, codes, codebook, *, step, lr, beta1, beta2, eps, weight_decay,
-                block, bits, tables=None, tile=TILE, num_warps=None, ws=None, seeds=None, hyper=None,
-                code_seeds=None, scale=None, factor_seeds=None):
+def _torch_step(tiles, gs, codebook, hyper, **options):
+    """``torch_ops.gefen_step_``: the step of what these kernels do not compile (stochastically
+    rounded codes)."""
+    from . import torch_ops
+
+    return torch_ops.gefen_step_(tiles, gs, codebook, hyper, **options)
+
+
+def gefen_step_(tiles, gs, codebook, hyper, *, block, bits, tables=None, tile=TILE, num_warps=None, seeds=None,
+                rows=None, code_seeds=None, scale=None, factor_seeds=None):
     """One Gefen step in place: the rule and state layout of :func:`optim.gefen.reference.gefen_step`.
 
-    ``ps, gs, vs, scales, codes`` are tensors of one parameter, or equal-length lists of them (a
-    group sharing ``block``, ``bits`` and every hyperparameter; launched together, split only by
-    parameter and gradient dtype). ``p`` (fp32/bf16/fp16, any shape) is updated in place, as are
-    ``v`` (fp32), ``scales`` (fp32) and ``codes`` (uint8; the fp32 first moment when
-    ``codebook is None``, ``scales`` then unused), which must be contiguous. ``step`` is t, counted
-    from 1. ``tables``: ``code_table(codebook)`` (built and cached here when not given). ``tile``
-    and ``num_warps`` are tuning knobs for benchmarks. ``ws``: per-offset factors of a factored
-    second moment (contiguous, fp32 or all bf16, ``block`` elements each), updated in place before the step by
-    the factor's kernels (column means of g**2 over a tensor's blocks), then read by the step
-    kernel (``FACTOR``; with ``block == 1`` only w moves). ``seeds``: one 32-bit seed per tensor:
-    bf16 and fp16 parameters are then written with stochastic rounding (``optim._rounding``;
-    ``SR``), else rounded to nearest. ``hyper``: each tensor's row of step scalars on the device
+    ``tiles``: ``plan.Tile`` records (fields p, v, scales, first, w) of a group sharing ``block``,
+    ``bits`` and every hyperparameter (launched together, split only by parameter and gradient
+    dtype); ``gs`` their gradients; ``hyper`` a ``plan.Hyper`` (step t counted from 1, lr, betas,
+    eps, weight decay). ``p`` (fp32/bf16/fp16, any shape) is updated in place, as are ``v``
+    (fp32), ``scales`` (fp32) and ``first`` (uint8 codes; the fp32 first moment m when
+    ``codebook is None``, ``scales`` then None), which must be contiguous. ``tables``:
+    ``code_table(codebook)`` (built and cached here when not given). ``tile`` and ``num_warps`` are
+    tuning knobs for benchmarks. ``w`` (every tile's or none): per-offset factors of a factored
+    second moment (contiguous, fp32 or all bf16, ``block`` elements each), updated in place before
+    the step by the factor's kernels (column means of g**2 over a tensor's blocks), then read by
+    the step kernel (``FACTOR``; with ``block == 1`` only w moves). ``seeds``: one 32-bit seed per
+    tile: bf16 and fp16 parameters are then written with stochastic rounding (``optim._rounding``;
+    ``SR``), else rounded to nearest. ``rows``: each tile's row of step scalars on the device
     (``StepScalars.rows``, written by :func:`advance_` before this call): the kernels read
-    ``1 - lr*wd``, the bias corrections and the seed there (``HYPER``) and ``step`` and ``lr``
-    are not read, so a captured launch stays valid at every replay; ``seeds`` is then True (any
-    value but None) to round stochastically with the rows' seeds. ``code_seeds`` (stochastic
-    rounding of the codes, one 32-bit seed per tensor) has no kernel here: such a call is
-    ``torch_ops.gefen_step_``'s. ``scale``: the length S of the first moment's scale blocks where
-    it is not ``scale_block_length(block)`` (row-group scales, a multiple of ``block``;
-    ``sub_blocks``). ``factor_seeds``: one 32-bit seed per tensor for bf16 factors, stored rounded
-    stochastically (``reference.factor_update``; not under ``hyper``). Returns None.
+    ``1 - lr*wd``, the bias corrections and the seed there (``HYPER``) and ``hyper.step`` and
+    ``hyper.lr`` are not read, so a captured launch stays valid at every replay; ``seeds`` is then
+    True (any value but None) to round stochastically with the rows' seeds. ``code_seeds``
+    (stochastic rounding of the codes, one 32-bit seed per tile) has no kernel here: such a call
+    is the torch step's (``_torch_step``). ``scale``: the length S of the first moment's scale
+    blocks where it is not ``scale_block_length(block)`` (row-group scales, a multiple of
+    ``block``; ``sub_blocks``). ``factor_seeds``: one 32-bit seed per tile for bf16 factors, stored
+    rounded stochastically (``reference.factor_update``; not under ``rows``). Returns None.
 
     Host cost: the first call with a set of tensors validates them and builds the plan (launch
-    and pointer tables, the factor's scratch); later calls with the same p, v, scales, codes and w
+    and pointer tables, the factor's scratch); later calls with the same p, v, scales, first and w
     (same addresses, sizes, dtypes) go straight to the launches after a few attribute reads per
     tensor, with no torch operation; new gradient addresses (re-allocated grads) cost one small
-    host-to-device copy of their pointers, and ``seeds`` one more. Launches: with ``ws``, one
+    host-to-device copy of their pointers, and ``seeds`` one more. Launches: with w, one
     statistics launch per gradient dtype and one finalize launch, then one step launch per kind
     of tensor (dtypes, alignment, exactness): three for a model of one dtype.
     """
     if code_seeds is not None and codebook is not None:
-        if hyper is not None:
+        if rows is not None:
             raise ValueError("Gefen kernel: stochastic rounding of the codes has no capturable step")
-        return torch_ops.gefen_step_(ps, gs, vs, scales, codes, codebook, step=step, lr=lr, beta1=beta1,
-                                     beta2=beta2, eps=eps, weight_decay=weight_decay, block=block, bits=bits,
-                                     tables=tables, ws=ws, seeds=seeds, code_seeds=code_seeds, scale=scale,
-                                     factor_seeds=factor_seeds)
-    ps, gs, vs, ss, cs = (_as_list(x) for x in (ps, gs, vs, scales, codes))
-    if not len(ps) == len(gs) == len(vs) == len(ss) == len(cs):
-        raise ValueError("p, g, v, scales, codes must be lists of the same length")
+        return _torch_step(tiles, gs, codebook, hyper, block=block, bits=bits, tables=tables, seeds=seeds,
+                           code_seeds=code_seeds, scale=scale, factor_seeds=factor_seeds)
+    if len(tiles) != len(gs):
+        raise ValueError(f"Gefen kernel: {len(gs)} gradients for {len(tiles)} tiles; pass one a tile")
     if bits not in (4, 8):
         raise ValueError(f"bits must be 4 or 8, got {bits}")
     if not isinstance(block, int) or block < 1:
@@ -590,9 +607,8 @@ def gefen_step_(ps, gs, vs, scales, codes, codebook, *, step, lr, beta1, beta2, 
         raise ValueError(f"scale={scale!r}: {why}")
     if quant and tables is None:
         tables = _table_of(codebook)
-    plan, copies = _plan(ps, gs, vs, ss, cs, block=block, bits=bits, quant=quant, tile=tile,
-                         num_warps=num_warps, ws=None if ws is None else _as_list(ws), sr=seeds is not None,
-                         hyper=None if hyper is None else _as_list(hyper), scale=scale)
+    plan, copies = _plan(tiles, gs, block=block, bits=bits, quant=quant, tile=tile, num_warps=num_warps,
+                         sr=seeds is not None, scalar_rows=rows, scale=scale)
     if plan is None:
         return
     device = plan.device
@@ -608,13 +624,14 @@ def gefen_step_(ps, gs, vs, scales, codes, codebook, *, step, lr, beta1, beta2, 
             _launch(_factor_stats_kernel, grid, _stats_args(items, plan.ptrs, fp.part), const, device)
         _launch(_factor_finalize_kernel, fp.fin_grid,
                 _final_args(fp.fin_tab, plan.numels, plan.wtab, fp.part,
-                            plan.numels if plan.factor_seed_tab is None else plan.factor_seed_tab, beta2=beta2),
+                            plan.numels if plan.factor_seed_tab is None else plan.factor_seed_tab, beta2=hyper.beta2),
                 fp.final, device)
     tabs = _device_tables(tables, device, bits) if quant else None
     for ln in plan.launches:
-        args, table_const = _kernel_args(ln.tiles, plan.ptrs, plan.numels, tabs, plan.wtab, step=step, lr=lr,
-                                         beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
-                                         seed_tab=plan.seed_tab, hyper_tab=plan.hyper_tab)
+        args, table_const = _kernel_args(ln.tiles, plan.ptrs, plan.numels, tabs, plan.wtab, step=hyper.step,
+                                         lr=hyper.lr, beta1=hyper.beta1, beta2=hyper.beta2, eps=hyper.eps,
+                                         weight_decay=hyper.weight_decay, seed_tab=plan.seed_tab,
+                                         hyper_tab=plan.hyper_tab)
         _launch(ln.kernel, ln.grid, args, dict(table_const, **ln.constexprs), device)
     for pi, pw in copies:
         pi.copy_(pw.view_as(pi))
@@ -628,7 +645,7 @@ def check_rows(rows, n: int):
         raise ValueError(f"Gefen kernel: {len(rows)} rows of step scalars for {n} parameters")
     for i, r in enumerate(rows):
         if r.dtype != torch.float32 or r.numel() != 4 or not r.is_contiguous():
-            raise ValueError(f"Gefen kernel: hyper[{i}] must be a contiguous float32 tensor of 4 elements, "
+            raise ValueError(f"Gefen kernel: rows[{i}] must be a contiguous float32 tensor of 4 elements, "
                              f"got {r.dtype} {tuple(r.shape)}")
 
 
@@ -641,7 +658,7 @@ class StepScalars:
     by the tiles of a parameter); ``seeds``: each tile's stochastic-rounding seed (``state.SEED``)
     or None; ``tiles``: each tile's index among its parameter's tiles, None for a whole tensor.
     ``rows`` (one (4,) fp32 view a tile: ``1 - lr*wd``, ``-lr / (1 - beta1**t)``,
-    ``sqrt(1 - beta2**t)``, the seed's bits) go to :func:`gefen_step_` as ``hyper``; built once.
+    ``sqrt(1 - beta2**t)``, the seed's bits) go to :func:`gefen_step_` as ``rows``; built once.
     """
 
     __slots__ = ("buf", "bits", "rows", "tab", "device", "sr")
@@ -738,7 +755,8 @@ def launch_configs(cover=axis_pairs) -> list:
     """``KernelLaunch`` of the configurations in ``cover(PLAN_AXES[mode])`` (``axis_pairs``: every
     pair of axis values; ``_triton_common.axis_product``: all), built by the launcher's own code."""
     out = []
-    tile_tabs = torch.zeros(1, 2, dtype=torch.int64), torch.zeros(1, 5, dtype=torch.int64), torch.ones(1, dtype=torch.int64)
+    tile_tabs = (torch.zeros(1, 2, dtype=torch.int64), torch.zeros(1, PTR_COLUMNS.value, dtype=torch.int64),
+                 torch.ones(1, dtype=torch.int64))
     for mode, axes in PLAN_AXES.items():
         if mode == "factor":
             out += _factor_launch_configs(cover(axes), axes)
