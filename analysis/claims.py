@@ -28,7 +28,7 @@ from pathlib import Path
 from analysis import book, claims_dsa, claims_gefen
 from analysis.claims_common import Results, cmd
 from analysis.common import DETAIL, ResultsError, load_config, read_section, write_section
-from experiments.common import REPO_ROOT, RESULTS_DIR
+from experiments.harness.common import REPO_ROOT, RESULTS_DIR
 
 README = REPO_ROOT / "README.md"
 BEGIN, END = "<!-- begin claims -->", "<!-- end claims -->"

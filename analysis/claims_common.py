@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from analysis.common import ResultsError, is_quick, load_config, load_rows, select, value
-from experiments.common import RESULTS_DIR
+from experiments.harness.common import RESULTS_DIR
 
 
 @dataclass(frozen=True)

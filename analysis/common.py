@@ -31,8 +31,8 @@ from typing import Callable
 import matplotlib
 
 from analysis import book
-from experiments import tracking
-from experiments.common import FIGS_DIR, REPO_ROOT, RESULTS_DIR, read_results, same_file_under
+from experiments.harness import tracking
+from experiments.harness.common import FIGS_DIR, REPO_ROOT, RESULTS_DIR, read_results, same_file_under
 
 matplotlib.use("Agg")  # before any script imports pyplot: figures are files, never windows
 
@@ -164,7 +164,7 @@ GEFEN_TARGET_BPP = {"Gefen-8bit": 1.05, "Gefen-4bit": 0.55, "Gefen-8bit-factored
 TARGET_WIDTH = 128  # the model width (n_embd) from which GEFEN_TARGET_BPP holds; below it Gefen-X's bytes bound
 
 
-# experiments/data.py's corpora, as the sections name them
+# experiments/harness/data.py's corpora, as the sections name them
 CORPUS_TEXT = {"docs+code": "`pydoc_data.topics` plus standard-library sources",
                "docstrings": "the docstrings of the standard library's packages (English prose)"}
 

@@ -143,7 +143,7 @@ def summary(rows, config) -> list:
 def _first_label(name, config):
     """The label of an ablation's first (unprefixed) configuration: this run's config for the first
     ablation, else the model of the ablation's first size."""
-    from experiments.train import CHAR_LM, char_lm_label
+    from experiments.harness.train import CHAR_LM, char_lm_label
 
     if name == FIRST and (config.get("config") or {}).get("label"):
         return config["config"]["label"]

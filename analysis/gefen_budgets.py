@@ -119,7 +119,7 @@ def body(rows, config):
             + f"Memory cgroups joined after the warm-up, so each counts what training adds, as a GPU's memory "
             f"would; {c.get('fit_steps', 3)} steps without an OOM kill: the largest micro-batch of the peaks' GPT "
             f"and the largest MLP (twelve layers, micro-batch {size.get('ladder', {}).get('micro_batch', 8)}, "
-            "width in multiples of 64), searched to 10% (experiments/budget.py); × fused AdamW's. Lean mode: "
+            "width in multiples of 64), searched to 10% (experiments/harness/budget.py); × fused AdamW's. Lean mode: "
             f"**{LEAN}**.\n\n" + _budget_table(rows)]
     notes = c.get("notes") or []
     if notes:

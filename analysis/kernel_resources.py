@@ -111,7 +111,7 @@ def body(rows, config):
         "Every Triton kernel compiled ahead of time on a machine without a GPU, at the configurations "
         f"its launcher's planning code lists (`PLAN_AXES` in `optim/*/triton_ops.py`; {coverage(cfg)}), "
         "read from `ptxas -v` and the cubin. Occupancy is theoretical: resident warps per SM / 64 from registers, threads, blocks and "
-        "shared memory (`experiments/triton_aot.py`).",
+        "shared memory (`experiments/harness/triton_aot.py`).",
         resource_table(rows),
         verdicts(rows),
         f"**Predicted** traffic of one optimizer step: every tensor read once and every written tensor "

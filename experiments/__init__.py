@@ -1,5 +1,5 @@
-"""Experiments: one script per claim on one shared harness (``experiments/common.py``)."""
+"""Experiments: one script per claim on one shared harness (``experiments/harness/common.py``)."""
 
-from experiments.checkout import use_own_checkout
+from experiments.harness.checkout import use_own_checkout
 
 use_own_checkout(__file__)

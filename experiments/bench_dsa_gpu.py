@@ -48,9 +48,9 @@ import time
 
 import torch
 
-from experiments.common import Results, add_common_args
-from experiments.gpu import batches, make_table, script_device, sync
-from experiments.registry import make_optimizer
+from experiments.harness.common import Results, add_common_args
+from experiments.harness.gpu import batches, make_table, script_device, sync
+from experiments.harness.registry import make_optimizer
 
 MiB = 2**20
 DRY_RUN = dict(rows=400, dim=8, batch=64, steps=2, repeats=2, warmup=2, check_steps=2, profile_steps=2)
@@ -84,7 +84,7 @@ def train_steps(emb, opt, idx_list):
 
 
 def optimizers(args, tmp):
-    """variant -> constructor(params) (None: the no-optimizer ceiling); names as experiments/registry.py."""
+    """variant -> constructor(params) (None: the no-optimizer ceiling); names as experiments/harness/registry.py."""
     def dsa(name, **kw):  # Triton and staging: what "auto" and None choose for CUDA weights
         return lambda p: make_optimizer(name, p, args.lr, state_dir=tempfile.mkdtemp(dir=tmp),
                                         backend="triton", **kw)
@@ -150,8 +150,8 @@ def throughput(args, res, dev, embs, opts):
 def where_time_goes(args, res, dev, embs, opts):
     """Per variant and training iteration: the host's time (the calls' wall time, no synchronisation
     added; median), the device's busy time, the host's waits and the launches (a short profiled
-    window, experiments/profiling.py)."""
-    from experiments.profiling import profile_steps
+    window, experiments/harness/profiling.py)."""
+    from experiments.harness.profiling import profile_steps
 
     idx = batches(args.rows, args.batch, args.steps + args.profile_steps + 1, dev, args.seed + 50)
     for name in embs:

@@ -27,7 +27,7 @@ length capped at 1024, P = 1 for vectors). For each optimizer, in one run, inter
 * ``agree_*``: Gefen(backend="triton") against Gefen(backend="torch") on the device over 5 steps
   (max |Δp|, relative RMS, fraction of equal codes).
 
-Variants (experiments/registry.py's names): ``Gefen-8bit`` and ``Gefen-4bit`` (``backend="triton"``),
+Variants (experiments/harness/registry.py's names): ``Gefen-8bit`` and ``Gefen-4bit`` (``backend="triton"``),
 ``Gefen-8bit/kernel`` (``triton_ops.gefen_step_`` on the same state without the optimizer's Python
 work: the kernels' own time; ``/kernel-t{TILE}w{WARPS}`` at other tile sizes and warp counts),
 ``AdamW`` (fused), ``gefen-upstream`` (its CUDA extension, built with nvcc on first use) and the
@@ -46,10 +46,10 @@ import statistics
 import sys
 import time
 
-from experiments.common import Results, add_common_args
-from experiments.gpu import Timer, copy_bandwidth, quick_shapes, script_device, tensor_bytes
-from experiments.models import GPT2_SIZES, gpt2_shapes, make_param_set as make_set
-from experiments.registry import GPU_PEERS, make_optimizer
+from experiments.harness.common import Results, add_common_args
+from experiments.harness.gpu import Timer, copy_bandwidth, quick_shapes, script_device, tensor_bytes
+from experiments.harness.models import GPT2_SIZES, gpt2_shapes, make_param_set as make_set
+from experiments.harness.registry import GPU_PEERS, make_optimizer
 
 SIZES = GPT2_SIZES
 LR, BETAS, EPS, WD = 1e-3, (0.9, 0.999), 1e-8, 0.01

@@ -4,7 +4,7 @@
     python experiments/codebook_dp.py --quick    # smaller sizes -> results/quick/
     python analysis/codebook.py                  # paper_figs/codebook.png from the CSV
 
-Part 1, the DP. A character MLP on Python's documentation text (experiments/data.py, no download)
+Part 1, the DP. A character MLP on Python's documentation text (experiments/harness/data.py, no download)
 gives its first gradients; block-normalised as Gefen does (block length from upstream gefen's
 current rule on g², absmax per block), they are histogrammed with 256 ... 16384 bins. For each
 histogram and 16 / 256 levels, ``optim.gefen.codebook.optimal_codebook`` (numba and numpy
@@ -39,9 +39,9 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from experiments import data
-from experiments.common import Results, add_common_args
-from experiments.train import interleaved
+from experiments.harness import data
+from experiments.harness.common import Results, add_common_args
+from experiments.harness.train import interleaved
 from optim.gefen.codebook import histogram, nearest_code, optimal_codebook
 
 CHUNK = 256  # m-scale block for absmax-256 blocking and for Gefen tensors with block length 1
@@ -217,7 +217,7 @@ else:
     from optim.gefen.codebook import optimal_codebook
     optimal_codebook(centers, counts, {K}, backend={impl!r}.split("-")[1])
 wall, cpu = time.perf_counter() - t1, time.process_time() - c1
-from experiments.child import emit_result
+from experiments.harness.child import emit_result
 emit_result([wall, cpu])
 """
 
@@ -226,7 +226,7 @@ def cold_start(res, norm_g1, args, bins, K):
     """First call in a fresh process (imports, numba's cache load or compile), in a subprocess."""
     import tempfile
 
-    from experiments.child import child_env, run_child
+    from experiments.harness.child import child_env, run_child
 
     with tempfile.TemporaryDirectory() as tmp:
         path = str(Path(tmp) / "values.pt")

@@ -20,8 +20,8 @@
 
 Does Gefen reach AdamW's validation loss with about one byte of optimizer state per parameter?
 This is the one experiment that answers it: one Gefen-vs-AdamW number per model. A nanoGPT-style
-character model (experiments/models.py) learns Python's documentation topics plus standard-library
-sources (experiments/data.py; 90/10 train/validation split by chunks). Optimizers (registry names):
+character model (experiments/harness/models.py) learns Python's documentation topics plus standard-library
+sources (experiments/harness/data.py; 90/10 train/validation split by chunks). Optimizers (registry names):
 AdamW, Adam-mini, torchao-AdamW8bit, torchao-AdamW4bit, gefen-upstream, gefen-x, Gefen-8bit, Gefen-4bit,
 Gefen-8bit-factored, Gefen-4bit-factored (``layout="factored"``), Gefen-8bit-compact,
 Gefen-4bit-compact (the factored state at Gefen-X's bytes or fewer, ``layout="compact"``): the full
@@ -51,7 +51,7 @@ PyTorch's pre-norm ``nn.TransformerEncoderLayer`` with its fused q/k/v tensor, a
 430k parameters on the default corpus, batch 32, 1,000 steps, 5 seeds, with the optimizers of
 ``EXTRA_OPTIMIZERS``.
 
-Protocol (experiments/train.py): the same initialisation and batches per seed for every optimizer,
+Protocol (experiments/harness/train.py): the same initialisation and batches per seed for every optimizer,
 linear warm-up over 5% of the steps then cosine decay to 10%, gradient clipping at 1.0, decoupled
 weight decay 0.1 on every tensor (Adam-mini exempts norms and biases by its own name rule). Each
 optimizer's peak learning rate is the best of a grid by the final validation loss of the first
@@ -68,7 +68,7 @@ Rows (variant = the optimizer's registry name):
 - per seed at the best lr: ``val_loss`` and ``train_loss`` (nats/char) against ``step``;
   ``final_val_loss``, ``state_bytes``, ``state_bytes_per_param``, ``params``, ``step_time`` (median
   ``optimizer.step()``, ms) and ``wall_time`` against ``lr``; ``state_bytes_per_param_of_kind`` and
-  ``params_of_kind`` against ``kind`` (experiments/registry.py's ``state_bytes_by_kind``: matrix, embedding, vector,
+  ``params_of_kind`` against ``kind`` (experiments/harness/registry.py's ``state_bytes_by_kind``: matrix, embedding, vector,
   and shared state per parameter of the model);
 - ``val_loss_vs_adamw`` per seed (final validation loss / AdamW's of the same seed) and its
   ``_mean``, ``_median``, ``_std``, ``_min`` and ``_max`` over seeds, against ``model`` (variant = the
@@ -92,13 +92,13 @@ import sys
 
 import torch
 
-from experiments import data
-from experiments.common import Results, add_common_args, add_kind_rows
-from experiments.models import char_lm_model
-from experiments.pool import RunPool
-from experiments.registry import DENSE, make_optimizer, state_bytes, state_bytes_by_kind
-from experiments.tracking import Run, Tracking, curve_summary, live_logger
-from experiments.train import CHAR_LM, GRAD_CLIP, WEIGHT_DECAY, char_lm_label, char_lm_problem, train_lm
+from experiments.harness import data
+from experiments.harness.common import Results, add_common_args, add_kind_rows
+from experiments.harness.models import char_lm_model
+from experiments.harness.pool import RunPool
+from experiments.harness.registry import DENSE, make_optimizer, state_bytes, state_bytes_by_kind
+from experiments.harness.tracking import Run, Tracking, curve_summary, live_logger
+from experiments.harness.train import CHAR_LM, GRAD_CLIP, WEIGHT_DECAY, char_lm_label, char_lm_problem, train_lm
 
 EXPERIMENT = "convergence"
 # bf16 weights: "<registry name>+bf16" (rounding to nearest) or "+bf16-sr" (Gefen's stochastic rounding)

@@ -6,7 +6,7 @@
     python experiments/correctness.py --quick --checks DiskSparseAdam/triton  # one group
 
 Rows (results/correctness.csv): variant "<ours>[<backend>,...] vs <reference>" with both named as in
-experiments/registry.py, metrics ``max_abs_err`` and
+experiments/harness/registry.py, metrics ``max_abs_err`` and
 ``rel_rms_err`` of the weights after N steps from the same start on the same random batches.
 
 - DiskSparseAdam vs torch.optim.SparseAdam (fp32, heavy duplicate indices): the numba backend (the
@@ -29,8 +29,8 @@ import sys
 
 import torch
 
-from experiments.common import Results, add_common_args
-from experiments.registry import make_optimizer
+from experiments.harness.common import Results, add_common_args
+from experiments.harness.registry import make_optimizer
 
 
 def _errors(ours, ref):

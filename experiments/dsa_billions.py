@@ -34,11 +34,11 @@ import time
 
 import torch
 
-from experiments.common import Results, add_common_args
-from experiments.child import run_child
-from experiments.memcg import cgroups_usable, enter_memory_cgroup, leave_memory_cgroup
-from experiments.peak import peak_rss_bytes
-from experiments.registry import dsa_state_bytes_per_row
+from experiments.harness.common import Results, add_common_args
+from experiments.harness.child import run_child
+from experiments.harness.memcg import cgroups_usable, enter_memory_cgroup, leave_memory_cgroup
+from experiments.harness.peak import peak_rss_bytes
+from experiments.harness.registry import dsa_state_bytes_per_row
 
 DIM, BATCH, SCALE_DIM = 64, 8192, 16
 

@@ -42,8 +42,8 @@ import time
 
 import torch
 
-from experiments.child import child_env, emit_result, module_cmd, run_ranks
-from experiments.common import Results, add_common_args
+from experiments.harness.child import child_env, emit_result, module_cmd, run_ranks
+from experiments.harness.common import Results, add_common_args
 
 CLAIMED_SAMPLES_PER_S = 134_212  # the seed's GPU claim (README), for the bandwidth on paper
 PAPER_RANKS = (2, 8, 64, 512)

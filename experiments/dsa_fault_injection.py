@@ -50,8 +50,8 @@ from pathlib import Path
 
 import torch
 
-from experiments.child import child_env
-from experiments.common import REPO_ROOT, Results, add_common_args
+from experiments.harness.child import child_env
+from experiments.harness.common import REPO_ROOT, Results, add_common_args
 
 ROWS, DIM, BATCH, HOT = 2000, 16, 512, 200
 LR, START, TOTAL, EVERY = 1e-2, 5, 40, 5

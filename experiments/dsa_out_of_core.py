@@ -52,12 +52,12 @@ import time
 import torch
 import torch.nn as nn
 
-from experiments import memcg
-from experiments.child import emit_result, module_cmd, run_child
-from experiments.common import Results, add_common_args
-from experiments.disk import drop_cache, random_read_rate
-from experiments.models import DistMult
-from experiments.registry import dsa_state_bytes_per_row, make_optimizer
+from experiments.harness import memcg
+from experiments.harness.child import emit_result, module_cmd, run_child
+from experiments.harness.common import Results, add_common_args
+from experiments.harness.disk import drop_cache, random_read_rate
+from experiments.harness.models import DistMult
+from experiments.harness.registry import dsa_state_bytes_per_row, make_optimizer
 
 # -- cold steps ------------------------------------------------------------------------------------
 def _seed_step(emb, opt, idx, announce=None):

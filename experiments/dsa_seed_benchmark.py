@@ -36,9 +36,9 @@ import time
 
 import torch
 
-from experiments.child import child_env, module_cmd
-from experiments.common import REPO_ROOT, Results, add_common_args
-from experiments.peak import peak_rss_bytes
+from experiments.harness.child import child_env, module_cmd
+from experiments.harness.common import REPO_ROOT, Results, add_common_args
+from experiments.harness.peak import peak_rss_bytes
 
 OPTIMIZERS = ("DiskSparseRiemannianAdam", "geoopt-SparseRiemannianAdam", "SparseAdam")
 SEED_LOSS = {1: 0.000100, 20: 0.000028}  # the seed's reported losses by epoch

@@ -49,11 +49,11 @@ import time
 
 import torch
 
-from experiments.common import Results, add_common_args
-from experiments.disk import random_read_rate
-from experiments.models import DistMult, EmbeddingSquare
-from experiments.registry import make_optimizer
-from experiments.train import interleaved
+from experiments.harness.common import Results, add_common_args
+from experiments.harness.disk import random_read_rate
+from experiments.harness.models import DistMult, EmbeddingSquare
+from experiments.harness.registry import make_optimizer
+from experiments.harness.train import interleaved
 
 
 def rss_mib():

@@ -7,7 +7,7 @@
     python experiments/gefen_ablation.py --sizes large --on-factored --variants none attn_qkv mlp_in
 
 An ablation is one row of ``ABLATIONS``: its models (``CHAR_LM`` configurations of
-experiments/train.py), steps, seeds, lr (a number, or None: the drop-in protocol, AdamW's best lr of
+experiments/harness/train.py), steps, seeds, lr (a number, or None: the drop-in protocol, AdamW's best lr of
 each model's convergence run, ``DROPIN_LR``), code width, peers and variants. A variant is one Gefen
 layout record (``optim.gefen.layout.GefenLayout``, ``variant_layout``) and, for a kind of tensor, the
 tensors that keep v per element (``PATTERNS``):
@@ -42,15 +42,15 @@ from dataclasses import dataclass
 
 import torch
 
-from experiments.common import Results, add_common_args
-from experiments.models import char_lm_model
-from experiments.pool import RunPool
-from experiments.registry import make_optimizer, state_bytes
-from experiments.tracking import Run, Tracking, curve_summary, live_logger
-from experiments.train import CHAR_LM, GRAD_CLIP, WEIGHT_DECAY, char_lm_label, char_lm_problem, train_lm
+from experiments.harness.common import Results, add_common_args
+from experiments.harness.models import char_lm_model
+from experiments.harness.pool import RunPool
+from experiments.harness.registry import make_optimizer, state_bytes
+from experiments.harness.tracking import Run, Tracking, curve_summary, live_logger
+from experiments.harness.train import CHAR_LM, GRAD_CLIP, WEIGHT_DECAY, char_lm_label, char_lm_problem, train_lm
 from optim.gefen.layout import GefenLayout, layout_of
 
-# kind of tensor -> regular expression of the parameter names (of experiments/models.py's GPT) that get a
+# kind of tensor -> regular expression of the parameter names (of experiments/harness/models.py's GPT) that get a
 # per-element v (None: no tensor). Names select the tensors of the ablation only; the optimizer never sees them.
 VARIANTS = {
     "none": None,
@@ -62,7 +62,7 @@ VARIANTS = {
     "mlp_in": r"mlp\.fc\.weight$",
     "mlp_out": r"mlp\.proj\.weight$",
 }
-# the same kinds of tensors in every architecture of experiments/models.py, and its vectors
+# the same kinds of tensors in every architecture of experiments/harness/models.py, and its vectors
 PATTERNS = {
     "gpt": dict(VARIANTS, vectors=r"(bias|ln_\d\.weight|ln_f\.weight)$"),
     "encoder": {

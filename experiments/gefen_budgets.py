@@ -12,7 +12,7 @@ model adds, as a GPU's memory would), 3 steps must run without an OOM kill (expe
 measured_step.fit_trial, the step and configurations of experiments/gefen_peak_memory.py): the
 largest micro-batch of the peaks' GPT under each of ``--mb-budgets-gib``, and the largest MLP (twelve
 layers, micro-batch 8, width searched in multiples of 64) under each of ``--model-budgets-gib``.
-The search is experiments/budget.py's: a geometric ladder from a start, then bisection to 10% in
+The search is experiments/harness/budget.py's: a geometric ladder from a start, then bisection to 10% in
 micro-batch and 6% in width (12% in parameters). The start is the size the peaks predict, read from
 ``gefen_peak_memory.csv`` in the same results folder (run experiments/gefen_peak_memory.py first, as
 experiments/reproduce.py does); without it, or for an optimizer it lacks, a fixed guess (4 samples,
@@ -36,11 +36,11 @@ import concurrent.futures as futures
 import json
 import sys
 
-from experiments import budget
-from experiments.common import Results, add_common_args, results_dir
-from experiments.measured_step import (CONFIGS, FIT_STEPS, GPT_SPEC, LEAN, LR, TIMEOUT, available, fit_trial,
+from experiments.harness import budget
+from experiments.harness.common import Results, add_common_args, results_dir
+from experiments.harness.measured_step import (CONFIGS, FIT_STEPS, GPT_SPEC, LEAN, LR, TIMEOUT, available, fit_trial,
                                        model_name, note, train_in_budget, versions, worker_main)
-from experiments.memcg import CGROUP_ROOT, cgroups_usable
+from experiments.harness.memcg import CGROUP_ROOT, cgroups_usable
 
 MODULE = "experiments.gefen_budgets"
 LADDER = {"full": dict(kind="mlp", depth=12, micro_batch=8, max_width=16384, budgets=[0.5, 1.0], trials=8),

@@ -8,14 +8,14 @@ Claim judged (Gefen, arXiv 2606.13894): more throughput than AdamW under DDP and
 micro-batches its memory allows.
 
 2 gloo ranks (one process and one thread each), DDP and FSDP2 (``fully_shard`` per GPT block and the
-root), the peaks' GPT (experiments/measured_step.py's step and configurations): tokens/s over both
+root), the peaks' GPT (experiments/harness/measured_step.py's step and configurations): tokens/s over both
 ranks at the micro-batch every optimizer fits (equal), and under ``--budget-gib``, every rank in a
 cgroup of that size, at each one's single-process largest micro-batch in that budget, divided by 1.4
 after each kill for memory (up to 3 times; a rank holds more than one process does: buckets,
 gathered shards). That largest micro-batch is experiments/gefen_budgets.py's, read from
 ``gefen_budgets.csv`` in the same results folder where that run searched the same GPT under the same
 budget (run it first, as experiments/reproduce.py does); for an optimizer it lacks, this run searches
-it itself with the same search (experiments/budget.py, from the peaks' prediction where
+it itself with the same search (experiments/harness/budget.py, from the peaks' prediction where
 ``gefen_peak_memory.csv`` is there). A note of the run says which. A run that fails or is killed is a
 row (``outcome``: 0 ok, 1 killed for memory, 2 error, 3 timeout) and a note. With DDP the ranks'
 weights are compared after the steps (``ranks_agree``). The budget runs need memory cgroups (root,
@@ -40,14 +40,14 @@ import time
 
 import torch
 
-from experiments import budget
-from experiments.child import run_ranks
-from experiments.common import Results, add_common_args, read_results
-from experiments.measured_step import (CONFIGS, GPT_SPEC, LEAN, LR, TIMEOUT, available, build_model,
+from experiments.harness import budget
+from experiments.harness.child import run_ranks
+from experiments.harness.common import Results, add_common_args, read_results
+from experiments.harness.measured_step import (CONFIGS, GPT_SPEC, LEAN, LR, TIMEOUT, available, build_model,
                                        build_optimizer, fit_trial, make_batch, model_name, note, train_in_budget,
                                        train_step, versions, warm_up, worker_cmd, worker_env, worker_main)
-from experiments.memcg import cgroups_usable, join_memory_cgroup
-from experiments.peak import peak_rss_bytes, reset_peak_rss, rss_bytes
+from experiments.harness.memcg import cgroups_usable, join_memory_cgroup
+from experiments.harness.peak import peak_rss_bytes, reset_peak_rss, rss_bytes
 
 MODULE = "experiments.gefen_distributed"
 STEP_DOWN = 1.4  # a run killed for memory is tried again at micro-batch / this, up to 3 times

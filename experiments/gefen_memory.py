@@ -8,9 +8,9 @@ Claims judged: on a 3.4 M-parameter ``nn.TransformerEncoder`` model (d=256, 4 la
 parameter MLP, Gefen keeps <= 1.05 bytes of state per parameter at 8 bits and <= 0.55 at 4 bits, and
 its CPU step costs <= 4x fused AdamW's. (Its loss against AdamW is experiments/convergence.py's.)
 
-Memory: tensor bytes of ``optimizer.state_dict()`` after one step (experiments/registry.py's rule),
+Memory: tensor bytes of ``optimizer.state_dict()`` after one step (experiments/harness/registry.py's rule),
 divided by the parameter count. Time: median over repeats of one ``step()`` on fixed gradients,
-every optimizer stepped once per repeat in turn (experiments/train.py's ``interleaved``), all on
+every optimizer stepped once per repeat in turn (experiments/harness/train.py's ``interleaved``), all on
 ``--threads`` torch threads (ours runs its numba kernels on as many); rows carry the time and its
 ratio to AdamW's median from the same run. Optimizers (registry names): AdamW (fused), Adam-mini,
 torchao-AdamW8bit, torchao-AdamW4bit, gefen-upstream, Gefen-8bit, Gefen-4bit, and both with the
@@ -41,10 +41,10 @@ import time
 
 import torch
 
-from experiments.common import Results, add_common_args, add_kind_rows
-from experiments.models import MODELS, char_lm_model, model_loss
-from experiments.registry import DENSE, make_optimizer, state_bytes, state_bytes_by_kind
-from experiments.train import CHAR_LM, WEIGHT_DECAY, char_lm_label, char_lm_problem, interleaved, median, train_lm
+from experiments.harness.common import Results, add_common_args, add_kind_rows
+from experiments.harness.models import MODELS, char_lm_model, model_loss
+from experiments.harness.registry import DENSE, make_optimizer, state_bytes, state_bytes_by_kind
+from experiments.harness.train import CHAR_LM, WEIGHT_DECAY, char_lm_label, char_lm_problem, interleaved, median, train_lm
 
 
 def memory_and_time(res, model_name, names, repeats, seed):

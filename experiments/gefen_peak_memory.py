@@ -14,12 +14,12 @@ temporaries count too. What each optimizer trains in a memory budget is experime
 (it starts its searches from these peaks), its throughput on two ranks experiments/gefen_distributed.py.
 
 Models: MLPs of twelve ``Linear(w, w)`` + ReLU (w = 2048: 50.4 M parameters, and w = 2896: 100.7 M)
-at micro-batches 8 and 64, and experiments/models.py's GPT (d=512, 4 layers, 64 tokens, character
+at micro-batches 8 and 64, and experiments/harness/models.py's GPT (d=512, 4 layers, 64 tokens, character
 data) at 4 and 16. Optimizers (registry names): AdamW (fused), AdamW on bf16 weights (pure bf16),
 Adam-mini, torchao-AdamW8bit/4bit, gefen-upstream, gefen-x and ours (Gefen-8bit, -4bit,
 -8bit-factored, -4bit-factored), ours also on bf16 weights with stochastic rounding (``+bf16-sr``)
 and with the step inside backward (``+in-backward``, ``optim.step_in_backward``); the step and the
-configurations are experiments/measured_step.py's. Each optimizer runs in a fresh process per model
+configurations are experiments/harness/measured_step.py's. Each optimizer runs in a fresh process per model
 on one torch thread (its micro-batches in turn, each on a model built anew, with the allocator's
 free pages given back in between), first warmed up on a tiny model (and torchao's compiled steps on
 the measured shapes), so that what is measured is the training of the measured model. bf16 models
@@ -49,12 +49,12 @@ import sys
 
 import torch
 
-from experiments.common import Results, add_common_args
-from experiments.measured_step import (CONFIGS, GPT_SPEC, LEAN, LR, TIMEOUT, available, build_model, build_optimizer,
+from experiments.harness.common import Results, add_common_args
+from experiments.harness.measured_step import (CONFIGS, GPT_SPEC, LEAN, LR, TIMEOUT, available, build_model, build_optimizer,
                                        make_batch, model_name, note, release, run_worker, train_step, versions,
                                        warm_up, worker_main)
-from experiments.peak import PeakMemory, peak_rss_bytes, rss_bytes
-from experiments.registry import state_bytes
+from experiments.harness.peak import PeakMemory, peak_rss_bytes, rss_bytes
+from experiments.harness.registry import state_bytes
 
 STEPS = 4  # measured steps: 0 is the first, 1..3 later ones
 MODELS = {  # (model spec, micro-batches) of the peaks

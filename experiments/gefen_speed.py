@@ -17,7 +17,7 @@ CPU (``--parts cpu``): the transformer and MLP of experiments/gefen_memory.py (`
 3.4 M and 1.9 M parameters) and ``models.small_tensor_stack(160)`` (40 x (Linear(64, 64) +
 LayerNorm(64)): 160 tensors, 171,520 parameters), each optimizer on its own copy of the model with
 fixed gradients (one backward) after its first step (blocks, codebook, compilation). Per model, one
-interleaved run per ``--threads`` count (experiments/train.py's ``interleaved``: every optimizer
+interleaved run per ``--threads`` count (experiments/harness/train.py's ``interleaved``: every optimizer
 stepped once per repeat, in a shuffled order; ours runs its numba kernels on as many threads), after
 two untimed rounds. Optimizers (registry names): AdamW (fused: the baseline), Gefen-8bit,
 Gefen-4bit, Gefen-8bit-factored, Gefen-4bit-factored, Gefen-8bit-compact, Gefen-4bit-compact (the
@@ -25,7 +25,7 @@ factored state at Gefen-X's bytes), and the peers torchao-AdamW8bit and gefen-x;
 peer that is missing or fails is reported on stderr and left out. ``--quick``: a d=64 two-layer
 transformer, a 256-wide MLP, the same 160 small tensors, torchao left out (it compiles on first use).
 
-Triton path (``--parts count``): experiments/op_count.py's counts in a child process with
+Triton path (``--parts count``): experiments/harness/op_count.py's counts in a child process with
 TRITON_INTERPRET=1, on CPU tensors of ``small_tensor_stack(n)`` for n in ``--count-tensors``, each
 Gefen variant with ``backend="triton"`` (fused AdamW beside it as the reference), the largest over
 ``--count-steps`` steps after the first.
@@ -36,7 +36,7 @@ on its own copy after ``--gpu-warmup`` steps, whole ``step()`` timed with CUDA e
 repeats; the host time of each call (wall clock, no synchronisation) beside it; and the counts of
 ``--parts count`` on CUDA tensors (variants ``cuda/<optimizer>``).
 
-Rows (long format, experiments/common.py):
+Rows (long format, experiments/harness/common.py):
 
 * CPU, variant ``<model>/<optimizer>``, x = ``threads``: ``step_time_median`` (s),
   ``step_time_vs_adamw`` (ratio to AdamW's median of the same interleaved run),
@@ -62,12 +62,12 @@ import sys
 
 import torch
 
-from experiments.common import Results, add_common_args, device_name
-from experiments.models import (GPT2_SIZES, MODELS, Encoder, gpt2_shapes, make_mlp, make_param_set, model_loss,
+from experiments.harness.common import Results, add_common_args, device_name
+from experiments.harness.models import (GPT2_SIZES, MODELS, Encoder, gpt2_shapes, make_mlp, make_param_set, model_loss,
                                 small_tensor_stack)
-from experiments.op_count import count_in_child, count_optimizer, optimizer_options
-from experiments.registry import DENSE, make_optimizer
-from experiments.train import WEIGHT_DECAY, interleaved, median
+from experiments.harness.op_count import count_in_child, count_optimizer, optimizer_options
+from experiments.harness.registry import DENSE, make_optimizer
+from experiments.harness.train import WEIGHT_DECAY, interleaved, median
 
 OPTIMIZERS = ["AdamW", "Gefen-8bit", "Gefen-4bit", "Gefen-8bit-factored", "Gefen-4bit-factored", "Gefen-8bit-compact",
               "Gefen-4bit-compact", "torchao-AdamW8bit", "gefen-x"]

@@ -19,7 +19,7 @@ each):
    coupling decile and Spearman rank correlations.
 2. blocks: within-block coupling, within-block spread and dispersion (RMS of log(v_i / block mean v))
    for Gefen's blocks (both rules of ``optim.gefen.partition``), random blocks of the same sizes,
-   Adam-mini's name-based blocks and one block per tensor (``experiments/_hessian_blocks.py``).
+   Adam-mini's name-based blocks and one block per tensor (``experiments/harness/_hessian_blocks.py``).
 3. loss: each block scheme trained with a shared, unquantised second moment (``SharedVAdam``) against
    ``torch.optim.AdamW``, same steps, lr and batches, several seeds; validation loss at the end.
    ``gefen_factored`` adds Gefen's factored second moment (per-offset factor inside the blocks).
@@ -37,11 +37,11 @@ import torch
 from torch.func import grad_and_value, vmap
 from tqdm import tqdm
 
-from experiments._hessian_blocks import FACTORED, SCHEMES, SharedVAdam, block_stats, factor_ids, scheme_ids
-from experiments._hessian_models import (
+from experiments.harness._hessian_blocks import FACTORED, SCHEMES, SharedVAdam, block_stats, factor_ids, scheme_ids
+from experiments.harness._hessian_models import (
     FlatModel, build_model, hessian, load_text_ids, minibatch_grads, sample_batch,
 )
-from experiments.common import Results, add_common_args
+from experiments.harness.common import Results, add_common_args
 
 NAME = "hessian_alignment"
 BLOCK_SCHEMES = tuple(s for s in SCHEMES if s != "per_element")

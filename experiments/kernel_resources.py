@@ -10,7 +10,7 @@ GPU needed, deterministic for one Triton version.
 Resources: each launcher's planning code lists its configurations as axes (``PLAN_AXES`` in
 ``optim/*/triton_ops.py``); the full run compiles every pair of axis values for sm_90 (the H100 /
 H200 class the targets are about) and every axis value for sm_80 and sm_100, as ``kernel[grid]``
-would specialise them (``experiments/triton_aot.py``), and reads ``ptxas -v`` and the cubin. Occupancy is
+would specialise them (``experiments/harness/triton_aot.py``), and reads ``ptxas -v`` and the cubin. Occupancy is
 the theoretical one: resident warps per SM / 64, from registers (65,536 per SM, allocated per warp in
 units of 256), threads (2,048 per SM), resident blocks (32) and shared memory (227 KiB a block on
 sm_90 / sm_100, 163 KiB on sm_80).
@@ -34,8 +34,8 @@ if not __package__:  # run as a file: stop with the install command if the repos
 import argparse
 import sys
 
-from experiments.common import Results, add_common_args, read_results
-from experiments.models import GPT2_SIZES, gpt2_shapes
+from experiments.harness.common import Results, add_common_args, read_results
+from experiments.harness.models import GPT2_SIZES, gpt2_shapes
 
 HBM_PEAK = 4.8e12  # B/s, H200 SXM (vendor); H100 SXM: 3.35e12
 PCIE_PEAK = 64e9  # B/s a direction, PCIe 5.0 x16
@@ -48,7 +48,7 @@ RESOURCE_METRICS = [("regs", "registers", "per thread"), ("spill_stores", "spill
 
 # ------------------------------------------------------------------------------------- resources
 def compile_plan(quick: bool) -> dict:
-    """{capability: (cover, stride)} for ``experiments.triton_aot.reports``."""
+    """{capability: (cover, stride)} for ``experiments.harness.triton_aot.reports``."""
     if quick:
         return {90: ("each", 1)}
     return {80: ("each", 1), 90: ("pairs", 1), 100: ("each", 1)}
@@ -177,7 +177,7 @@ def main(argv=None):
                         help="a GPU run's CSV with a measured copy bandwidth (Default: H200's 4.8 TB/s peak)")
     parser.add_argument("--workers", type=int, default=2, help="compiler processes")
     args = parser.parse_args(argv)
-    from experiments.triton_aot import reports
+    from experiments.harness.triton_aot import reports
 
     bw, source = bandwidth(args.bandwidth_from)
     plan = compile_plan(args.quick)

@@ -25,7 +25,7 @@ Optimizers compared on identical data, initialisation, batches and negatives (on
                              step (what Euclidean Adam plus norm clipping does on the ball)
   DiskSparseAdam-euclidean   Nickel & Kiela's Euclidean baseline: the same loss with the Euclidean
                              distance |u - v|, embeddings in R^d, DiskSparseAdam
-Optimizer names are experiments/registry.py's; the two DiskSparseAdam variants name their setup.
+Optimizer names are experiments/harness/registry.py's; the two DiskSparseAdam variants name their setup.
 """
 
 from __future__ import annotations
@@ -41,9 +41,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from experiments.common import Results, add_common_args
-from experiments.data import related_matrix, stdlib_hierarchy
-from experiments.registry import make_optimizer
+from experiments.harness.common import Results, add_common_args
+from experiments.harness.data import related_matrix, stdlib_hierarchy
+from experiments.harness.registry import make_optimizer
 from optim.disk_sparse import poincare
 
 

@@ -4,7 +4,7 @@
     python experiments/profile_step.py --results-dir results/gpu --parts dsa
     python experiments/profile_step.py --dry-run --results-dir /tmp/dry      # tiny, on the CPU
 
-Writes short text reports (experiments/profiling.py's format) into the results folder:
+Writes short text reports (experiments/harness/profiling.py's format) into the results folder:
 
 * ``dsa_profile.txt``: one training iteration (embedding forward, backward, optimizer step, the next
   batch announced through ``prefetch``) at the seed's configuration (nn.Embedding(1,000,000 x 128,
@@ -33,15 +33,15 @@ from pathlib import Path
 
 import torch
 
-from experiments.gpu import script_device
-from experiments.profiling import format_profile, profile_steps
+from experiments.harness.gpu import script_device
+from experiments.harness.profiling import format_profile, profile_steps
 
 DSA_VARIANTS = ("SparseAdam", "DiskSparseAdam", "DiskSparseAdam/direct", "DiskSparseRiemannianAdam")
 GEFEN_VARIANTS = ("AdamW", "Gefen-8bit", "Gefen-8bit-factored")
 
 
 def _header(args, device) -> str:
-    from experiments.common import device_name, git_commit
+    from experiments.harness.common import device_name, git_commit
 
     import triton  # noqa: F401  (its version belongs in the header where it is installed)
 
@@ -51,8 +51,8 @@ def _header(args, device) -> str:
 
 
 def dsa_profiles(args, device, tmp) -> str:
-    from experiments.gpu import batches, make_table
-    from experiments.registry import make_optimizer
+    from experiments.harness.gpu import batches, make_table
+    from experiments.harness.registry import make_optimizer
 
     out = [f"# Disk Sparse Adam: one training iteration, {args.rows:,} x {args.dim}, batch {args.batch}\n"]
     n = args.warmup + args.steps + 1
@@ -89,7 +89,7 @@ def dsa_profiles(args, device, tmp) -> str:
 
 def gefen_kernel_bytes(opt, params, grads) -> dict[str, float]:
     """{kernel-name substring: bytes all of that kernel's calls in one step read or write, each once}."""
-    from experiments.gpu import tensor_bytes
+    from experiments.harness.gpu import tensor_bytes
     from optim.gefen import state as K
 
     state = [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v) and v.dim() > 0]
@@ -104,9 +104,9 @@ def gefen_kernel_bytes(opt, params, grads) -> dict[str, float]:
 
 
 def gefen_profiles(args, device) -> str:
-    from experiments.gpu import Timer, copy_bandwidth, quick_shapes
-    from experiments.models import GPT2_SIZES, gpt2_shapes, make_param_set
-    from experiments.registry import make_optimizer
+    from experiments.harness.gpu import Timer, copy_bandwidth, quick_shapes
+    from experiments.harness.models import GPT2_SIZES, gpt2_shapes, make_param_set
+    from experiments.harness.registry import make_optimizer
 
     shapes = quick_shapes(2**12) if args.dry_run else gpt2_shapes(*GPT2_SIZES["125M"])
     n = sum(torch.Size(s).numel() for s in shapes)

@@ -31,7 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-from experiments.common import FIGS_DIR, REPO_ROOT, RESULTS_DIR, refuse_committed_outputs, results_dir
+from experiments.harness.common import FIGS_DIR, REPO_ROOT, RESULTS_DIR, refuse_committed_outputs, results_dir
 
 # experiment script -> the analysis scripts that read its CSV, in the order results/README.md shows their
 # sections (Disk Sparse Adam, Gefen, the Triton kernels); a script runs after those whose CSVs it reads

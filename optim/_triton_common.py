@@ -73,7 +73,7 @@ class KernelLaunch:
 
     ``name`` identifies the configuration in reports (kernel and the planner's choices); the
     arguments are small CPU stand-ins whose dtypes and alignment are what the compiler sees
-    (compiled ahead of time by ``experiments/triton_aot.py``).
+    (compiled ahead of time by ``experiments/harness/triton_aot.py``).
     """
 
     name: str

@@ -11,7 +11,7 @@ import pytest
 
 from analysis import (codebook, common, convergence, correctness, dsa_throughput, gefen_ablation, gefen_memory,
                       gefen_speed, hessian_alignment, poincare)
-from experiments.common import FIELDS
+from experiments.harness.common import FIELDS
 
 CONFIG = {"config": {"steps": 10}, "git_commit": "abc1234", "device": "cpu:Test CPU x2",
           "torch_version": "2.13.0+cpu", "command": "python experiments/demo.py --quick",
@@ -331,7 +331,7 @@ def test_every_page_of_the_committed_book_has_its_head_and_its_sections_in_order
     """Each page of the results book starts with the head a new page gets and holds the sections its
     entry of analysis/book.py's PAGES lists, in experiments/reproduce.py's order."""
     from analysis import book
-    from experiments.common import RESULTS_DIR
+    from experiments.harness.common import RESULTS_DIR
 
     order = common.section_order()
     for page, (_, sections) in book.PAGES.items():

@@ -76,7 +76,7 @@ def two_checkouts(tmp_path_factory):
     pip = subprocess.run([python, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-build-isolation",
                           "--disable-pip-version-check", "-e", str(first)], env=env, capture_output=True, text=True)
     assert pip.returncode == 0, f"pip install -e {first} failed:\n{pip.stdout[-2000:]}{pip.stderr[-3000:]}"
-    imported = subprocess.run([python, "-c", "import experiments.common as c; print(c.REPO_ROOT)"], cwd=tmp,
+    imported = subprocess.run([python, "-c", "import experiments.harness.common as c; print(c.REPO_ROOT)"], cwd=tmp,
                               env=env, capture_output=True, text=True, check=True).stdout.strip()
     assert Path(imported) == first, f"the editable install should map experiments to {first}, not {imported}"
     return python, first, second, commit, env
@@ -123,7 +123,7 @@ def test_a_second_checkouts_experiment_runs_its_own_code_and_leaves_the_installe
 def test_a_rerun_that_still_imports_the_other_checkout_stops_naming_both_and_the_fix(two_checkouts):
     """A re-run under the second checkout that still imports the first (here: told it already was
     re-run) stops with an error instead of running the wrong code or re-running again."""
-    from experiments.checkout import RERUN_MARKER
+    from experiments.harness.checkout import RERUN_MARKER
 
     python, first, second, _, env = two_checkouts
     proc = subprocess.run([python, str(second / "analysis" / "codebook.py"), "--help"], cwd=second,

@@ -8,7 +8,7 @@ import pytest
 
 from analysis import claims, claims_common, claims_dsa, claims_gefen
 from analysis.common import ResultsError, read_section
-from experiments.common import FIELDS, REPO_ROOT, RESULTS_DIR
+from experiments.harness.common import FIELDS, REPO_ROOT, RESULTS_DIR
 
 
 def _reads():

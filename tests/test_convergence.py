@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from experiments import convergence as conv
-from experiments import data as charlm
-from experiments import models, registry
-from experiments.common import read_results
-from experiments.train import CHAR_LM, model_label_of
+from experiments.harness import data as charlm
+from experiments.harness import models, registry
+from experiments.harness.common import read_results
+from experiments.harness.train import CHAR_LM, model_label_of
 
 TINY = ["--tiny", "--wandb", "disabled", "--no-progress", "--protocol", "best"]  # one protocol: its rows alone
 

@@ -27,7 +27,7 @@ def _run_in_memory_cgroup(code, limit_bytes, timeout=120):
     included) once it has imported what an optimizer needs (a throwaway DiskSparseAdam pulls in
     torch's optimizer machinery, some 250 MiB of imports), so that only what ``code`` allocates
     counts; the cgroup is removed after. Returns the CompletedProcess and the cgroup's peak usage."""
-    from experiments.memcg import make_memory_cgroup, remove_memory_cgroup
+    from experiments.harness.memcg import make_memory_cgroup, remove_memory_cgroup
 
     cg = make_memory_cgroup("dsa-test", limit_bytes)
     if cg is None:

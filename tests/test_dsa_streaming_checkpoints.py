@@ -28,7 +28,7 @@ def _run_in_memory_cgroup(code, limit_bytes, timeout=120):
     many rows runs the parallel kernels: tens of MiB of compilation that would otherwise count), so
     that only what ``code`` allocates counts; the cgroup is removed after. Returns the
     CompletedProcess and the cgroup's peak usage (page cache included)."""
-    from experiments.memcg import make_memory_cgroup, peak_usage, remove_memory_cgroup
+    from experiments.harness.memcg import make_memory_cgroup, peak_usage, remove_memory_cgroup
 
     cg = make_memory_cgroup("dsa-test", limit_bytes)
     if cg is None:

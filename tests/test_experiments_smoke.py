@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from experiments.common import FIELDS, read_results
-from experiments.registry import GEFEN_X_DIR
+from experiments.harness.common import FIELDS, read_results
+from experiments.harness.registry import GEFEN_X_DIR
 
 REPO = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -127,7 +127,7 @@ def test_poincare_reconstruction_matches_brute_force(geometry):
 
 
 def test_poincare_related_matrix_is_the_symmetric_closure():
-    from experiments.data import related_matrix
+    from experiments.harness.data import related_matrix
 
     edges = torch.tensor([[0, 1], [1, 2], [0, 2]])
     rel = related_matrix(4, edges)
@@ -364,8 +364,8 @@ def test_reproduce_full_run_defaults_and_timeout(tmp_path, monkeypatch, capsys):
 # ---------------------------------------------------------------------------- gefen_ablation
 def test_gefen_ablation_groups_give_per_element_v_only_to_the_named_tensors():
     from experiments.gefen_ablation import VARIANTS, per_element_v_groups
-    from experiments.models import GPT, GPTConfig
-    from experiments.registry import make_optimizer
+    from experiments.harness.models import GPT, GPTConfig
+    from experiments.harness.registry import make_optimizer
 
     model = GPT(GPTConfig(block=16, n_layer=1, n_head=2, n_embd=64))
     for variant, pattern in VARIANTS.items():  # every pattern names some tensor of the model
@@ -397,7 +397,7 @@ def test_gefen_ablation_patterns_name_the_same_kinds_in_every_architecture():
     import re
 
     from experiments.gefen_ablation import PATTERNS
-    from experiments.models import ARCHITECTURES, char_lm_model
+    from experiments.harness.models import ARCHITECTURES, char_lm_model
 
     for arch, patterns in PATTERNS.items():
         assert set(patterns) == set(PATTERNS["gpt"]), arch
@@ -433,7 +433,7 @@ def test_gefen_ablation_tiny_run_and_figure(tmp_path, monkeypatch):
 def test_gefen_ablation_two_configurations_two_jobs_equal_one(tmp_path, monkeypatch):
     """A second configuration (the tiny model on the docstring corpus) writes ``<label>/<variant>`` rows
     and its own AdamW baseline; runs in two worker processes give the rows of one process."""
-    from experiments.train import CHAR_LM, model_label_of
+    from experiments.harness.train import CHAR_LM, model_label_of
 
     monkeypatch.setitem(CHAR_LM, "tiny-docstrings", dict(CHAR_LM["tiny"], corpus="docstrings"))
     argv = ["--tiny", "--sizes", "tiny", "tiny-docstrings", "--variants", "factored", "--seeds", 1,
@@ -444,7 +444,7 @@ def test_gefen_ablation_two_configurations_two_jobs_equal_one(tmp_path, monkeypa
     assert sorted((r["variant"], r["metric"], r["value"]) for r in one) == \
         sorted((r["variant"], r["metric"], r["value"]) for r in two)
     tiny = {r["variant"]: r["value"] for r in one if r["metric"] == "val_loss"}
-    from experiments.models import GPT, GPTConfig
+    from experiments.harness.models import GPT, GPTConfig
 
     t = CHAR_LM["tiny"]
     label = model_label_of(sum(p.numel() for p in GPT(GPTConfig(block=t["block"], n_layer=t["n_layer"],
@@ -458,8 +458,8 @@ def test_gefen_ablation_fp32_m_keeps_the_first_moment_in_fp32_on_every_tensor():
     """``factored+fp32_m``: every tensor factored (matrices) and its first moment a plain fp32 tensor,
     after one step (1 - beta1) times the gradient (the first moment starts at zero)."""
     from experiments.gefen_ablation import variant_groups
-    from experiments.models import ARCHITECTURES, char_lm_model
-    from experiments.registry import make_optimizer
+    from experiments.harness.models import ARCHITECTURES, char_lm_model
+    from experiments.harness.registry import make_optimizer
 
     torch.manual_seed(0)
     model = char_lm_model(ARCHITECTURES["encoder"][0](block=16, n_layer=1, n_head=2, n_embd=32))
@@ -504,7 +504,7 @@ def test_dropin_lr_is_adamw_best_in_the_committed_convergence_run(size, experime
     """The ablations' drop-in lr of a configuration is AdamW's best lr in its committed convergence run
     (first configuration of a file unprefixed, the others under their model label)."""
     from experiments.gefen_ablation import DROPIN_LR
-    from experiments.train import CHAR_LM, char_lm_label
+    from experiments.harness.train import CHAR_LM, char_lm_label
 
     variant = "AdamW" if first else f"{char_lm_label(CHAR_LM[size])}/AdamW"
     best = {r["value"] for r in read_results(experiment) if r["metric"] == "best_lr" and r["variant"] == variant}
@@ -581,7 +581,7 @@ def test_gefen_ablation_seeds_trains_the_registry_peer_beside_the_factor(tmp_pat
     seed; the peer is the registry's optimizer (its loss that of a run of that name), and the analysis
     names it."""
     from experiments.gefen_ablation import DROPIN_LR, final_loss
-    from experiments.train import CHAR_LM
+    from experiments.harness.train import CHAR_LM
 
     _main("experiments.gefen_ablation", ["--experiment", "gefen_ablation_seeds", "--tiny", "--seeds", 2, "--peers",
                                          "Gefen-4bit-factored", "--results-dir", tmp_path, "--wandb", "disabled"],
@@ -619,7 +619,7 @@ def test_gefen_ablation_seeds_fp32m_runs_the_factor_with_and_without_its_codes(t
 @pytest.mark.skipif(not (GEFEN_X_DIR / "gefen").is_dir(), reason="gefen-x is not installed in third_party/gefen_x")
 def test_gefen_ablation_peer_trains_gefen_x():
     from experiments.gefen_ablation import final_loss
-    from experiments.train import CHAR_LM
+    from experiments.harness.train import CHAR_LM
 
     size = dict(CHAR_LM["tiny"], steps=3)
     peer, adamw = final_loss(size, "gefen-x", 0, 1e-3), final_loss(size, None, 0, 1e-3)
@@ -650,9 +650,9 @@ def test_results_replace_the_csv_and_write_the_run_config(tmp_path, monkeypatch)
     import argparse
     import json
 
-    from experiments.common import Results, add_common_args
+    from experiments.harness.common import Results, add_common_args
 
-    from experiments.common import REPO_ROOT
+    from experiments.harness.common import REPO_ROOT
 
     monkeypatch.setattr(sys, "argv", [str(REPO_ROOT / "experiments/x.py"), "--seed", "3", "--results-dir",
                                       str(REPO_ROOT / "results/quick")])
@@ -675,7 +675,7 @@ def test_results_replace_the_csv_and_write_the_run_config(tmp_path, monkeypatch)
 def test_quick_runs_write_under_quick(monkeypatch):
     import argparse
 
-    from experiments import common
+    from experiments.harness import common
 
     parse = common.add_common_args(argparse.ArgumentParser()).parse_args
     assert common.Results("x", parse(["--quick", "--wandb", "disabled"])).results_dir == common.RESULTS_DIR / "quick"
@@ -683,7 +683,7 @@ def test_quick_runs_write_under_quick(monkeypatch):
 
 
 def test_registry_names_are_the_canonical_ones():
-    from experiments.registry import DENSE, GPU_PEERS, OPTIMIZERS
+    from experiments.harness.registry import DENSE, GPU_PEERS, OPTIMIZERS
 
     assert DENSE == ["AdamW", "Adam-mini", "torchao-AdamW8bit", "torchao-AdamW4bit", "gefen-upstream", "gefen-x",
                      "Gefen-8bit", "Gefen-4bit", "Gefen-8bit-factored", "Gefen-4bit-factored", "Gefen-8bit-compact",
@@ -711,7 +711,7 @@ def test_experiments_do_not_import_each_other():
 
 
 def test_interleaved_timer_runs_each_candidate_once_per_repeat():
-    from experiments.train import interleaved, median
+    from experiments.harness.train import interleaved, median
 
     calls = []
     fns = {name: (lambda n=name: calls.append(n)) for name in "abc"}
@@ -730,7 +730,7 @@ def test_dsa_seed_benchmark_smallest_run(tmp_path):
     from analysis.dsa_seed_benchmark import REPORT
     from analysis.common import main as analysis_main
     from experiments import dsa_seed_benchmark
-    from experiments.common import read_results
+    from experiments.harness.common import read_results
 
     assert dsa_seed_benchmark.main(["--rows", "3000", "--epochs", "2", "--wandb", "disabled",
                                     "--results-dir", str(tmp_path)]) == 0
@@ -778,8 +778,8 @@ def test_new_architectures_are_causal_lms_that_adamw_trains(arch):
     """A tiny model of each: a finite fp32 loss near log(vocab) at initialisation, logits at a position
     independent of later tokens, the loss lower after a few AdamW steps on one batch; the encoder keeps
     torch's fused q/k/v tensor and zero positions, the Llama-style model has no biases."""
-    from experiments.data import VOCAB_SIZE
-    from experiments.models import ARCHITECTURES, char_lm_model
+    from experiments.harness.data import VOCAB_SIZE
+    from experiments.harness.models import ARCHITECTURES, char_lm_model
 
     config_cls, model_cls = ARCHITECTURES[arch]
     model = char_lm_model(config_cls(block=16, n_layer=1, n_head=2, n_embd=32))
@@ -811,8 +811,8 @@ def test_new_architectures_are_causal_lms_that_adamw_trains(arch):
 
 def test_char_lm_labels_name_the_architecture():
     """Sizes of one shape and corpus but another architecture get distinct labels."""
-    from experiments.models import ARCHITECTURES, char_lm_model
-    from experiments.train import CHAR_LM, model_label_of
+    from experiments.harness.models import ARCHITECTURES, char_lm_model
+    from experiments.harness.train import CHAR_LM, model_label_of
 
     labels = {}
     for name in ("docstrings", "encoder", "llama"):
@@ -834,7 +834,7 @@ def test_dropin_protocol_tiny_quick(tmp_path, monkeypatch):
     from analysis import convergence as analysis
     from analysis.common import main as analysis_main, read_section
     from experiments import convergence as conv
-    from experiments.train import CHAR_LM, char_lm_label
+    from experiments.harness.train import CHAR_LM, char_lm_label
 
     monkeypatch.setitem(CHAR_LM, "tiny-encoder", dict(CHAR_LM["tiny"], arch="encoder"))
     monkeypatch.setattr(conv, "LR_SCALED", {"Gefen-4bit-factored": 0.5})

@@ -11,7 +11,7 @@ import pytest
 from analysis import claims_dsa, claims_gefen
 from analysis.claims_common import Results
 from analysis.figure_check import draw_and_measure
-from experiments.common import RESULTS_DIR
+from experiments.harness.common import RESULTS_DIR
 
 NUMBER = re.compile(r"[+−-]?\d[\d,]*(?:\.\d+)?(?:e-?\d+)?[×%]?")
 # claims row -> how many of its headline's numbers, from the first, its figure shows

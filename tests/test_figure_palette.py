@@ -4,7 +4,7 @@ import matplotlib.colors as mcolors
 import pytest
 
 from analysis.common import LABELS, PALETTE, colour_of, label_of, optimizer_of
-from experiments.registry import OPTIMIZERS
+from experiments.harness.registry import OPTIMIZERS
 
 
 def test_every_registered_optimizer_has_a_palette_colour():

@@ -10,7 +10,7 @@ import re
 import pytest
 
 from analysis.figure_check import MAX_SERIES, draw_and_measure, figure_reports
-from experiments.common import FIGS_DIR, REPO_ROOT, RESULTS_DIR
+from experiments.harness.common import FIGS_DIR, REPO_ROOT, RESULTS_DIR
 
 FIGURES = list(figure_reports())
 

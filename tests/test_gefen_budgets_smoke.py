@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from experiments import budget
-from experiments.measured_step import LEAN
-from experiments.memcg import cgroups_usable
+from experiments.harness import budget
+from experiments.harness.measured_step import LEAN
+from experiments.harness.memcg import cgroups_usable
 from tests.utils import write_results
 
 REPO = Path(__file__).resolve().parents[1]
@@ -33,7 +33,7 @@ def test_one_worker_trains_the_fit_steps():
 @pytest.mark.timeout(240)
 @pytest.mark.skipif(not cgroups_usable(), reason="memory cgroups need root and the cgroup v1 memory controller")
 def test_a_trial_fits_a_large_budget_and_is_killed_in_a_small_one():
-    from experiments.measured_step import fit_trial
+    from experiments.harness.measured_step import fit_trial
 
     code, peak, why = fit_trial("experiments.gefen_budgets", "AdamW", SMALL, 8, 1.0, 0, 110)
     assert (code, why) == (1, None) and peak > 0

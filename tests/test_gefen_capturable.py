@@ -15,7 +15,7 @@ TRITON_INTERPRET=1:
   scheduler, and under ``step_in_backward``;
 - after the first step (which chooses blocks and learns the codebook on the host) a step reads
   no tensor value on the host: no ``aten::_local_scalar_dense`` or other data-dependent operation
-  (``experiments.op_count.OpCount``) and no call of ``Tensor.item``, ``__float__``, ``__int__``,
+  (``experiments.harness.op_count.OpCount``) and no call of ``Tensor.item``, ``__float__``, ``__int__``,
   ``__bool__``, ``cpu``, ``tolist`` or ``numpy`` outside the kernel launches (the interpreter
   itself moves tensors inside a launch); nor does the host path with a float lr;
 - state dicts move between capturable and host-step optimizers both ways and continue exactly;
@@ -33,7 +33,7 @@ import os
 import pytest
 import torch
 
-from experiments.op_count import OpCount
+from experiments.harness.op_count import OpCount
 from optim import Gefen, GefenLayout
 from optim.gefen.layout import FIELDS
 from optim._rounding import step_seed

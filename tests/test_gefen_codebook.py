@@ -408,7 +408,7 @@ def test_fixed_level_cost_matches_loop():
 def test_experiment_rows_tiny(tmp_path):
     import argparse
 
-    from experiments.common import Results, read_results
+    from experiments.harness.common import Results, read_results
 
     exp = _experiment()
     args = argparse.Namespace(quick=True, wandb="disabled", results_dir=tmp_path, seed=0, repeats=None)

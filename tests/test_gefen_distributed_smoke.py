@@ -7,7 +7,7 @@ import json
 import pytest
 
 from experiments import gefen_distributed
-from experiments.measured_step import LEAN, model_name
+from experiments.harness.measured_step import LEAN, model_name
 from tests.utils import write_results
 
 TINY_GPT = dict(kind="gpt", n_embd=32, n_layer=1, n_head=2, block=16)
@@ -16,8 +16,8 @@ TINY_GPT = dict(kind="gpt", n_embd=32, n_layer=1, n_head=2, block=16)
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
 def test_two_ranks_train_and_agree(strategy):
-    from experiments.child import run_ranks
-    from experiments.measured_step import worker_cmd, worker_env
+    from experiments.harness.child import run_ranks
+    from experiments.harness.measured_step import worker_cmd, worker_env
 
     spec = dict(task="dist", config="AdamW", model=TINY_GPT, micro_batch=2, strategy=strategy, steps=[1, 1], seed=0,
                 timeout=200)

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from experiments.registry import make_optimizer
+from experiments.harness.registry import make_optimizer
 
 SAVED = {commit: Path(__file__).parent / "data" / f"gefen_{commit}_state_dicts.pt" for commit in ("b35d848", "a61f9ed")}
 SHAPES = [(24, 16), (16,), (40, 8), (7,)]
@@ -217,6 +217,6 @@ def test_the_constructor_has_at_most_five_keywords_beyond_adamws():
 
 
 if __name__ == "__main__":  # copied into a checkout of an older commit (module docstring): write its SAVED file
-    from experiments.registry import OPTIMIZERS
+    from experiments.harness.registry import OPTIMIZERS
 
     torch.save({name: _run_registry(name) for name in NAMES if name in OPTIMIZERS}, sys.argv[1])

@@ -3,13 +3,13 @@
 The bound on transients: at no moment of a step (the first included: blocks and codebook) does
 Gefen hold more than max(the largest parameter's bytes, 0.25 B per parameter) beyond weights,
 gradients and state, on every backend, at 8 and 4 bits, factored or not. Measured with
-``experiments.peak.PeakMemory`` (live tensor bytes, what CUDA's ``max_memory_allocated`` counts).
+``experiments.harness.peak.PeakMemory`` (live tensor bytes, what CUDA's ``max_memory_allocated`` counts).
 """
 
 import pytest
 import torch
 
-from experiments.peak import PeakMemory
+from experiments.harness.peak import PeakMemory
 from optim import Gefen, GefenLayout
 from tests.utils import GEFEN_CPU_BACKENDS, wide_mlp
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from experiments.measured_step import LEAN
-from experiments.registry import GEFEN_X_DIR
+from experiments.harness.measured_step import LEAN
+from experiments.harness.registry import GEFEN_X_DIR
 from tests.utils import write_results
 
 REPO = Path(__file__).resolve().parents[1]
@@ -84,7 +84,7 @@ def test_analysis_writes_figure_and_verdicts(tmp_path, lean_peak, met):
 
 @pytest.mark.skipif(not (GEFEN_X_DIR / "gefen").is_dir(), reason="gefen-x is not installed in third_party/gefen_x")
 def test_gefen_x_loads_beside_upstream_gefen():
-    code = ("import gefen, sys; from experiments.registry import gefen_x, make_optimizer; import torch;"
+    code = ("import gefen, sys; from experiments.harness.registry import gefen_x, make_optimizer; import torch;"
             "gx = gefen_x(); assert sys.modules['gefen'] is gefen and gx is not gefen;"
             "assert gx.Gefen.__module__ == 'gefen_x.gefen';"
             "assert not any(m.startswith('gefen.') and 'gefen_x' in (getattr(sys.modules[m], '__file__', '') or '')"

@@ -1,4 +1,4 @@
-"""experiments/gefen_speed.py at its smallest and experiments/op_count.py's counting.
+"""experiments/gefen_speed.py at its smallest and experiments/harness/op_count.py's counting.
 
 The counter must see every torch operation issued outside a Triton launch (views apart from device
 operations, host reads as syncs) and every launch once, none of the operations the interpreter runs
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from experiments.common import FIELDS, read_results
+from experiments.harness.common import FIELDS, read_results
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -43,7 +43,7 @@ def test_op_count_counts_ops_outside_launches_and_launches_once():
     import triton.language as tl
     from triton.runtime.jit import JITFunction
 
-    from experiments.op_count import OpCount
+    from experiments.harness.op_count import OpCount
 
     @triton.jit
     def _add_one_kernel(x_ptr, n, BLOCK: tl.constexpr):

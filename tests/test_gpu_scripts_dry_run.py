@@ -13,7 +13,7 @@ import math
 
 import pytest
 
-from experiments.common import FIELDS, read_results
+from experiments.harness.common import FIELDS, read_results
 
 
 def _rows(path):

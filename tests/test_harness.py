@@ -1,4 +1,4 @@
-"""The experiments' shared harness: child processes (experiments/child.py)."""
+"""The experiments' shared harness: child processes (experiments/harness/child.py)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from experiments.child import child_env, emit_result, free_port, module_cmd, parse_result, run_child
-from experiments.common import REPO_ROOT
-from experiments.memcg import largest_that_fits
+from experiments.harness.child import child_env, emit_result, free_port, module_cmd, parse_result, run_child
+from experiments.harness.common import REPO_ROOT
+from experiments.harness.memcg import largest_that_fits
 
 
 def _py(code):
@@ -23,7 +23,7 @@ def test_child_result_is_its_last_result_line_among_other_output():
     code = ("import json, sys\n"
             "print('{\"a looks\": \"like json\"}'); print('RESULT ' + json.dumps(0))\n"
             "print('progress', file=sys.stderr)\n"
-            "from experiments.child import emit_result\n"
+            "from experiments.harness.child import emit_result\n"
             f"emit_result({value!r}); print('done')\n")
     run = run_child(_py(code), env=child_env(), timeout=60)
     assert run.outcome == "ok" and run.result == value
@@ -64,8 +64,8 @@ def test_child_env_puts_this_checkout_first_and_sets_extras(monkeypatch):
 
 
 def test_module_cmd_runs_a_module_of_this_checkout_with_this_interpreter():
-    cmd = module_cmd("experiments.child", "--x", 3)
-    assert cmd == [sys.executable, "-m", "experiments.child", "--x", "3"]
+    cmd = module_cmd("experiments.harness.child", "--x", 3)
+    assert cmd == [sys.executable, "-m", "experiments.harness.child", "--x", "3"]
 
 
 def test_free_port_can_be_listened_on():
@@ -79,9 +79,9 @@ def test_free_port_can_be_listened_on():
 def test_child_in_a_memory_cgroup_sets_its_path_or_runs_unlimited():
     """Without the rights to make a cgroup the child still runs, unlimited, with MEMCG_PATH empty;
     with them it runs inside one (its peak measured) that is removed afterwards."""
-    from experiments import memcg
+    from experiments.harness import memcg
 
-    code = "import os, json; from experiments.child import emit_result; emit_result(os.environ['MEMCG_PATH'])"
+    code = "import os, json; from experiments.harness.child import emit_result; emit_result(os.environ['MEMCG_PATH'])"
     run = run_child(_py(code), env=child_env(), memory=("harness-test", 256 * 2**20), timeout=60)
     assert run.outcome == "ok" and run.limited == memcg.cgroups_usable()
     if run.limited:
@@ -98,11 +98,11 @@ def test_a_cgroup_left_by_a_killed_parent_is_removed_at_the_next_one():
     import subprocess
     import sys
 
-    from experiments import memcg
+    from experiments.harness import memcg
 
     if not memcg.cgroups_usable():
         pytest.skip("making memory cgroups needs root and the v1 controller")
-    code = ("import time; from experiments.memcg import make_memory_cgroup; "
+    code = ("import time; from experiments.harness.memcg import make_memory_cgroup; "
             "print(make_memory_cgroup('harness-orphan', 2**26), flush=True); time.sleep(60)")
     parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=child_env())
     orphan = parent.stdout.readline().strip()
@@ -128,10 +128,10 @@ def test_parse_result_reads_json_values():
 
 
 def test_resident_set_helpers_see_memory_touched_and_freed():
-    """experiments/peak.py's public RSS helpers against a 64 MiB buffer this test touches and frees."""
+    """experiments/harness/peak.py's public RSS helpers against a 64 MiB buffer this test touches and frees."""
     import numpy as np
 
-    from experiments.peak import peak_rss_bytes, reset_peak_rss, rss_bytes
+    from experiments.harness.peak import peak_rss_bytes, reset_peak_rss, rss_bytes
 
     size = 64 * 2**20
     before = rss_bytes()
@@ -145,7 +145,7 @@ def test_resident_set_helpers_see_memory_touched_and_freed():
 
 
 def test_random_offsets_are_page_aligned_inside_the_file_past_its_header():
-    from experiments.disk import PAGE, random_offsets
+    from experiments.harness.disk import PAGE, random_offsets
 
     size = 37 * PAGE + 100  # the tail's partial page is not a whole page to read
     offs = random_offsets(size, 2000, seed=3)
@@ -159,7 +159,7 @@ def test_random_offsets_are_page_aligned_inside_the_file_past_its_header():
 @pytest.mark.parametrize("threads", [1, 4])
 def test_random_read_rate_reads_the_file_and_counts_the_reads(tmp_path, monkeypatch, threads):
     """Every offset is read once, with one 4 KiB pread, on the file asked for, whatever the threads."""
-    from experiments import disk
+    from experiments.harness import disk
 
     path = tmp_path / "f"
     path.write_bytes(os.urandom(64 * disk.PAGE))
@@ -171,11 +171,11 @@ def test_random_read_rate_reads_the_file_and_counts_the_reads(tmp_path, monkeypa
 
 
 def test_distmult_loss_is_the_logistic_loss_of_its_triple_scores():
-    """experiments/models.py's DistMult against the formula written out per triple."""
+    """experiments/harness/models.py's DistMult against the formula written out per triple."""
     import torch
     import torch.nn.functional as F
 
-    from experiments.models import DistMult
+    from experiments.harness.models import DistMult
 
     torch.manual_seed(0)
     model = DistMult(50, 7, 8, init_std=0.1)
@@ -193,7 +193,7 @@ def test_distmult_loss_is_the_logistic_loss_of_its_triple_scores():
 def test_sparse_embedding_models_give_sparse_gradients_on_the_rows_used():
     import torch
 
-    from experiments.models import DistMult, EmbeddingSquare
+    from experiments.harness.models import DistMult, EmbeddingSquare
 
     torch.manual_seed(0)
     model = EmbeddingSquare(100, 4)
@@ -211,7 +211,7 @@ def test_sparse_embedding_models_give_sparse_gradients_on_the_rows_used():
 def test_mlp_stack_has_depth_square_layers(width, depth):
     import torch
 
-    from experiments.models import mlp_stack
+    from experiments.harness.models import mlp_stack
 
     model = mlp_stack(width, depth)
     assert sum(p.numel() for p in model.parameters()) == depth * (width * width + width)
@@ -226,7 +226,7 @@ def test_dsa_state_bytes_per_row_is_what_a_state_file_grows_by_per_row(tmp_path)
     divide a record's alignment."""
     import torch
 
-    from experiments.registry import dsa_state_bytes_per_row
+    from experiments.harness.registry import dsa_state_bytes_per_row
     from optim import DiskSparseAdam
 
     headers = set()
@@ -244,13 +244,13 @@ def test_ranks_run_at_once_with_their_rank_and_one_free_port():
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
-        code = ("import os, time, pathlib; from experiments.child import emit_result\n"
+        code = ("import os, time, pathlib; from experiments.harness.child import emit_result\n"
                 f"d = pathlib.Path({tmp!r}); (d / os.environ['RANK']).touch()\n"
                 "t = time.time()\n"
                 "while len(list(d.iterdir())) < int(os.environ['WORLD_SIZE']) and time.time() - t < 20: time.sleep(0.01)\n"
                 "emit_result({k: os.environ[k] for k in ('RANK', 'WORLD_SIZE', 'MASTER_ADDR', 'MASTER_PORT')}"
                 " | {'met': len(list(d.iterdir()))})")
-        from experiments.child import run_ranks
+        from experiments.harness.child import run_ranks
 
         runs = run_ranks(_py(code), 3, env=child_env(), timeout=60)
     outs = [r.check("rank").result for r in runs]
@@ -260,11 +260,11 @@ def test_ranks_run_at_once_with_their_rank_and_one_free_port():
 
 
 def test_stdlib_hierarchy_child_gives_the_is_a_edges_of_the_modules_asked_for():
-    """experiments/data.py's class hierarchy, collected in an isolated child, against the same
+    """experiments/harness/data.py's class hierarchy, collected in an isolated child, against the same
     classes' ``__mro__`` read here."""
     import numbers
 
-    from experiments.data import stdlib_hierarchy
+    from experiments.harness.data import stdlib_hierarchy
 
     names, edges, info = stdlib_hierarchy(timeout=60, modules=["numbers"])
     pairs = {(names[a], names[b]) for a, b in edges.tolist()}

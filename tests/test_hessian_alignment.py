@@ -11,9 +11,9 @@ import torch
 from scipy.stats import spearmanr
 
 from experiments import hessian_alignment as ha
-from experiments._hessian_blocks import SharedVAdam, adam_mini_ids, block_stats, scheme_ids
-from experiments._hessian_models import FlatModel, build_model, hessian, load_text_ids, minibatch_grads, sample_batch
-from experiments.common import FIELDS, read_results
+from experiments.harness._hessian_blocks import SharedVAdam, adam_mini_ids, block_stats, scheme_ids
+from experiments.harness._hessian_models import FlatModel, build_model, hessian, load_text_ids, minibatch_grads, sample_batch
+from experiments.harness.common import FIELDS, read_results
 from tests.utils import assert_close
 
 REPO = Path(__file__).resolve().parents[1]
@@ -169,7 +169,7 @@ def test_factored_shared_v_equals_gefen_reference_unquantised():
     """SharedVAdam with ``factor_ids("gefen_factored")`` on a two-tensor vector equals Gefen's
     reference step with the factor and an unquantised first moment, tensor by tensor, on the
     blocks Gefen's rule picks from the first gradient."""
-    from experiments._hessian_blocks import factor_ids, gefen_lengths
+    from experiments.harness._hessian_blocks import factor_ids, gefen_lengths
     from optim.gefen import reference as R
 
     slices = [("a", (16, 32), slice(0, 512)), ("b", (12, 24), slice(512, 800))]
@@ -306,7 +306,7 @@ def test_bad_setting_is_named():
 
 
 def _fixture_csv(path: Path):
-    from experiments.common import Results
+    from experiments.harness.common import Results
 
     class A:
         results_dir, seed, wandb = path, 0, "disabled"

@@ -1,4 +1,4 @@
-"""experiments/profiling.py reduces a torch.profiler trace to per-step figures: checked against what a
+"""experiments/harness/profiling.py reduces a torch.profiler trace to per-step figures: checked against what a
 step is known to do (counted by hand in the test) and against brute force for the interval union."""
 
 import random
@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from experiments.profiling import Op, StepProfile, _union_us, format_profile, kernel_bandwidth, profile_steps
+from experiments.harness.profiling import Op, StepProfile, _union_us, format_profile, kernel_bandwidth, profile_steps
 
 
 def test_host_operations_are_counted_per_step():

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from analysis import claims_common, claims_dsa, common
-from experiments import common as experiments_common
+from experiments.harness import common as experiments_common
 from experiments import reproduce
 
 REPO = Path(__file__).resolve().parents[1]

@@ -12,7 +12,7 @@ import pytest
 
 from analysis import book, common
 from analysis import gefen_ablation as ablations
-from experiments.common import RESULTS_DIR, read_results
+from experiments.harness.common import RESULTS_DIR, read_results
 from experiments.gefen_ablation import ABLATIONS, variant_layout
 from optim.gefen.layout import layout_of
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from experiments.common import FIELDS, Results, add_common_args, read_results
+from experiments.harness.common import FIELDS, Results, add_common_args, read_results
 
 CONFIG_KEYS = {"config", "git_commit", "device", "torch_version", "command", "wall_seconds", "timestamp"}
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from experiments.peak import PeakMemory
+from experiments.harness.peak import PeakMemory
 from optim import DiskSparseAdam, DiskSparseRiemannianAdam, Gefen, step_in_backward
 from optim.backends import numba_available
 

@@ -8,7 +8,7 @@ space (hundreds to thousands of kernels), too many to compile here, so a subproc
 interpreter compiles a covering set in which every value of every axis occurs (``axis_each``) for
 sm_80 and sm_90, and every fourth of it for sm_100 (where this Triton ships the Blackwell ptxas),
 each specialised exactly as ``kernel[grid](...)`` would be, then reads ``ptxas -v`` and the cubin
-(``experiments/triton_aot.py``). ``experiments/kernel_resources.py`` compiles every pair of axis values.
+(``experiments/harness/triton_aot.py``). ``experiments/kernel_resources.py`` compiles every pair of axis values.
 
 Asserted: every configuration compiles for every target; no register spills and shared memory
 within the target's limit; the memory-bound kernels (DSA's Adam rows, Gefen's step and its factor's
@@ -21,7 +21,7 @@ launchers.
 import pytest
 import torch
 
-from experiments.triton_aot import reports
+from experiments.harness.triton_aot import reports
 from optim._cache import BoundedCache
 from optim._triton_common import axis_product
 

@@ -89,8 +89,8 @@ def convergence_runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("wandb")
     convergence.main(["--tiny", "--optimizers", "AdamW", "Gefen-8bit", "--protocol", "best", "--seeds", "2",
                       "--no-progress", "--wandb", "offline", "--wandb-dir", str(tmp), "--results-dir", str(tmp)])
-    from experiments.common import read_results
-    from experiments.train import CHAR_LM, char_lm_label
+    from experiments.harness.common import read_results
+    from experiments.harness.train import CHAR_LM, char_lm_label
 
     return read_runs(tmp), read_results(tmp / "convergence.csv"), json.loads(
         (tmp / "convergence.config.json").read_text()), char_lm_label(CHAR_LM["tiny"])
@@ -162,7 +162,7 @@ def test_results_run_holds_the_csv_as_an_artifact(convergence_runs):
 
 
 def test_benchmark_rows_go_against_their_numeric_x_and_strings_to_the_summary(tmp_path):
-    from experiments.common import Results
+    from experiments.harness.common import Results
 
     args = argparse.Namespace(wandb="offline", wandb_dir=tmp_path, results_dir=tmp_path, quick=True, seed=0)
     with Results("bench_probe", args, config={"rows": 3}) as res:
@@ -188,7 +188,7 @@ def test_the_figure_is_logged_as_an_image_in_the_experiments_group(tmp_path, mon
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from experiments.tracking import log_figure
+    from experiments.harness.tracking import log_figure
 
     fig, ax = plt.subplots(figsize=(2, 2))
     ax.plot([0, 1], [1, 0])
@@ -209,7 +209,7 @@ def test_the_figure_is_logged_as_an_image_in_the_experiments_group(tmp_path, mon
 
 
 def test_a_failing_wandb_costs_no_measurement(tmp_path, monkeypatch, capsys):
-    from experiments.common import Results, read_results
+    from experiments.harness.common import Results, read_results
 
     def broken(*a, **k):
         raise RuntimeError("no W&B service")
@@ -223,8 +223,8 @@ def test_a_failing_wandb_costs_no_measurement(tmp_path, monkeypatch, capsys):
 
 
 def test_wandb_disabled_imports_nothing_of_wandb(tmp_path):
-    code = ("import argparse, sys\nfrom pathlib import Path\nfrom experiments.common import Results\n"
-            "from experiments.tracking import Tracking\n"
+    code = ("import argparse, sys\nfrom pathlib import Path\nfrom experiments.harness.common import Results\n"
+            "from experiments.harness.tracking import Tracking\n"
             f"args = argparse.Namespace(wandb='disabled', results_dir=Path({str(tmp_path)!r}), quick=True, seed=0)\n"
             "with Results('bench_probe', args) as res:\n"
             "    res.add('DSA', 'throughput', 'rows/s', 1.0, x_name='rows', x_value=1)\n"
@@ -241,7 +241,7 @@ def test_wandb_disabled_imports_nothing_of_wandb(tmp_path):
 def test_numbers_only_keeps_numbers_and_drops_strings():
     import torch
 
-    from experiments.tracking import numbers_only
+    from experiments.harness.tracking import numbers_only
 
     got = numbers_only({"a": 1, "b": 2.5, "c": "x", "d": True, "e": torch.tensor(3.0), "f": None,
                         "g": float("nan"), "h": [1, 2]})

@@ -322,7 +322,7 @@ def write_results(folder, experiment, rows, config):
     import csv
     import json
 
-    from experiments.common import FIELDS
+    from experiments.harness.common import FIELDS
 
     with open(Path(folder) / f"{experiment}.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=FIELDS)

@@ -5,7 +5,7 @@
     c.device_ops, c.launches, c.host_syncs, c.ops.most_common(5)
 
     # the Triton path on CPU tensors, in a child process (Triton reads TRITON_INTERPRET at import):
-    TRITON_INTERPRET=1 python -m experiments.op_count --tensors 40 160 --optimizers Gefen-8bit Gefen-8bit-factored
+    TRITON_INTERPRET=1 python -m experiments.harness.op_count --tensors 40 160 --optimizers Gefen-8bit Gefen-8bit-factored
 
 A step's host cost on a GPU is set by how many things it enqueues: each torch operation on device
 tensors is a kernel launch (or a host synchronisation) of several microseconds, and so is each Triton
@@ -39,8 +39,8 @@ import sys
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from experiments.child import child_env, emit_result, module_cmd, run_child
-from experiments.common import REPO_ROOT
+from experiments.harness.child import child_env, emit_result, module_cmd, run_child
+from experiments.harness.common import REPO_ROOT
 
 # operations that wait for the device: a value read on the host, or an output shape that depends on data
 SYNC_OPS = {"_local_scalar_dense", "is_nonzero", "equal", "nonzero", "masked_select", "_unique2", "unique_dim",
@@ -196,8 +196,8 @@ def optimizer_options(name: str) -> dict:
 def count_optimizer(name: str, tensors: int, steps: int = 3, seed: int = 0, device="cpu") -> list[dict]:
     """Counts of each of ``steps`` steps after the first of registry optimizer ``name`` on
     ``models.small_tensor_stack(tensors)`` with fixed gradients (one backward)."""
-    from experiments.models import model_loss, small_tensor_stack
-    from experiments.registry import make_optimizer
+    from experiments.harness.models import model_loss, small_tensor_stack
+    from experiments.harness.registry import make_optimizer
 
     torch.manual_seed(seed)
     model = small_tensor_stack(tensors).to(device)
@@ -211,7 +211,7 @@ def count_in_child(names, tensor_counts, steps: int = 3, seed: int = 0, timeout:
     """``count_optimizer`` of each name at each tensor count on CPU tensors, in a child process with
     TRITON_INTERPRET=1 (the Triton path on the CPU). Records ``{"optimizer", "tensors", "steps": [summary]}``,
     or ``{"optimizer", "tensors", "error"}`` for one that failed."""
-    cmd = module_cmd("experiments.op_count", "--optimizers", *names, "--tensors", *tensor_counts,
+    cmd = module_cmd("experiments.harness.op_count", "--optimizers", *names, "--tensors", *tensor_counts,
                      "--steps", steps, "--seed", seed)
     run = run_child(cmd, cwd=REPO_ROOT, env=child_env(TRITON_INTERPRET=1), timeout=timeout)
     return run.check(" ".join(cmd)).result

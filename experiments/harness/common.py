@@ -31,9 +31,9 @@ import sys
 import time
 from pathlib import Path
 
-from experiments import tracking
+from experiments.harness import tracking
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 RESULTS_DIR = REPO_ROOT / "results"
 FIGS_DIR = REPO_ROOT / "paper_figs"
 
@@ -132,7 +132,7 @@ class Results:
     ``args.results_dir`` if given, else ``results/quick`` for ``args.quick``, else ``results``; a
     quick (or tiny) run is refused one that would write over the committed results.
 
-    W&B (experiments/tracking.py): ``self.tracking`` is the experiment's W&B settings, for training
+    W&B (experiments/harness/tracking.py): ``self.tracking`` is the experiment's W&B settings, for training
     runs of its configurations (``self.tracking.train_run(...)``, in this or a worker process). The
     experiment's results run gets each row as ``add`` makes it, unless ``wandb_rows=False`` (for
     experiments whose training runs log their curves), and at the exit the CSV and config.json as an

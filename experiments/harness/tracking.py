@@ -52,7 +52,7 @@ def resolve_mode(flag: str | None) -> str:
 
 
 def add_args(parser):
-    """The ``--wandb*`` flags (experiments.common.add_common_args adds them to every experiment)."""
+    """The ``--wandb*`` flags (experiments.harness.common.add_common_args adds them to every experiment)."""
     parser.add_argument("--wandb", choices=MODES, default=None,
                         help="Weights & Biases mode (default: $WANDB_MODE, else offline; "
                              "`wandb sync wandb/offline-run-*` uploads offline runs later)")
@@ -72,7 +72,7 @@ def versions() -> dict:
         except importlib.metadata.PackageNotFoundError:
             pass
     try:
-        from experiments.registry import gefen_x_version
+        from experiments.harness.registry import gefen_x_version
 
         if gefen_x_version():
             out["gefen-x"] = gefen_x_version()

@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from experiments.memcg import largest_that_fits
+from experiments.harness.memcg import largest_that_fits
 
 WIDTH_STEP = 64
 # the GPT's micro-batch search (experiments/gefen_budgets.py, and gefen_distributed.py without its CSV)
@@ -34,7 +34,7 @@ GUESS = {"micro_batch": 4, "width": 512}  # starts without peaks
 def read_peaks(results_dir) -> dict:
     """{(model, micro_batch, config): {"params", "tensor_peak", "rss_total"}} from
     ``<results_dir>/gefen_peak_memory.csv`` (the last two: bytes per parameter, per step); {} without it."""
-    from experiments.common import read_results
+    from experiments.harness.common import read_results
 
     path = Path(results_dir) / "gefen_peak_memory.csv"
     if not path.exists():

@@ -3,7 +3,7 @@
     path = make_memory_cgroup("my-run", 2 * 2**30)    # None where no cgroup can be made
     path = enter_memory_cgroup("my-run", 2 * 2**30)   # this process from now on
     largest, smallest_failure = largest_that_fits(fits, start=64, lo=1, hi=4096)   # the size a budget allows
-    # a child process in one: experiments/child.py, run_child(cmd, memory=("my-run", 2 * 2**30))
+    # a child process in one: experiments/harness/child.py, run_child(cmd, memory=("my-run", 2 * 2**30))
 
 A cgroup's limit counts the process's anonymous memory and the page cache it brings in. Making one
 needs root and the v1 memory controller at ``CGROUP_ROOT``; every helper here returns None (or

@@ -59,7 +59,7 @@ def _gefen_upstream(params, named, lr, weight_decay, **kw):
     return gefen.Gefen(named if named is not None else params, lr=lr, weight_decay=weight_decay, fused=fused, **kw)
 
 
-GEFEN_X_DIR = Path(__file__).resolve().parents[1] / "third_party" / "gefen_x"
+GEFEN_X_DIR = Path(__file__).resolve().parents[2] / "third_party" / "gefen_x"
 GEFEN_X_INSTALL = "python -m pip install --no-deps --upgrade --target third_party/gefen_x gefen-x==0.5.0"
 
 

@@ -216,13 +216,13 @@ def reports(plan: dict, workers: int = 2, timeout: float = 3600) -> dict:
     Capabilities this Triton cannot target are left out. Returns {caps, kernels, rows}."""
     import json
 
-    from experiments.child import child_env, module_cmd, run_child
-    from experiments.common import REPO_ROOT
+    from experiments.harness.child import child_env, module_cmd, run_child
+    from experiments.harness.common import REPO_ROOT
 
     env = child_env({k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9's default, stated (silences its warning)
     arg = json.dumps({"plan": {str(k): list(v) for k, v in plan.items()}, "workers": workers})
-    run = run_child(module_cmd("experiments.triton_aot", arg), env=env, cwd=REPO_ROOT, timeout=timeout)
+    run = run_child(module_cmd("experiments.harness.triton_aot", arg), env=env, cwd=REPO_ROOT, timeout=timeout)
     return run.check("ahead-of-time compilation").result
 
 
@@ -241,6 +241,6 @@ def _main(arg: str) -> dict:
 if __name__ == "__main__":
     import sys
 
-    from experiments.child import emit_result
+    from experiments.harness.child import emit_result
 
     emit_result(_main(sys.argv[1]))

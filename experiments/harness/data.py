@@ -210,10 +210,10 @@ def stdlib_hierarchy(timeout=600, modules=None):
     skipped; modules that fail to import are dropped. ``modules``: import only these (and their
     submodules) instead of the whole standard library.
     """
-    from experiments.child import run_child
+    from experiments.harness.child import run_child
 
     # -I: the child imports the standard library only (no site-packages, no checkout), and prints
-    # the result line as experiments/child.py's emit_result does
+    # the result line as experiments/harness/child.py's emit_result does
     run = run_child([sys.executable, "-I", "-c", _HIERARCHY_CODE, *(modules or [])], timeout=timeout)
     data = run.check("collecting the class hierarchy").result
     names = sorted({n for e in data["edges"] for n in e})

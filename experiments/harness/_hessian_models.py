@@ -3,9 +3,9 @@
 Used by ``experiments/hessian_alignment.py``. Everything works on one flat parameter vector, so the
 Hessian is an ordinary ``n x n`` matrix and every block scheme is a vector of block ids.
 
-- Data: Python's documentation topics (experiments/data.py), characters mapped to the ``vocab - 1`` most frequent ones plus one "other" symbol; the first 90 % is
+- Data: Python's documentation topics (experiments/harness/data.py), characters mapped to the ``vocab - 1`` most frequent ones plus one "other" symbol; the first 90 % is
   the training split, the rest the validation split.
-- Models (experiments/models.py): ``TinyCharTransformer`` and ``CharMLP``, built by ``build_model``.
+- Models (experiments/harness/models.py): ``TinyCharTransformer`` and ``CharMLP``, built by ``build_model``.
 - ``hessian``: forward-over-reverse Hessian-vector products (``torch.func.jvp`` of ``torch.func.grad``)
   against the identity, vmapped in chunks, float64.
 """
@@ -18,8 +18,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.func import functional_call, grad, jvp, vmap
 
-from experiments import data
-from experiments.models import CharMLP, TinyCharTransformer
+from experiments.harness import data
+from experiments.harness.models import CharMLP, TinyCharTransformer
 
 
 # ----------------------------------------------------------------------------------------- data

@@ -22,12 +22,12 @@ import time
 import torch
 from tqdm import tqdm
 
-from experiments import data
-from experiments.models import ARCHITECTURES, char_lm_model, evaluate
+from experiments.harness import data
+from experiments.harness.models import ARCHITECTURES, char_lm_model, evaluate
 
 GRAD_CLIP = 1.0
 WEIGHT_DECAY = 0.1
-# The character models' sizes and schedule (experiments/models.py), shared by the experiments that
+# The character models' sizes and schedule (experiments/harness/models.py), shared by the experiments that
 # train them so that their numbers compare: "tiny" for tests, "quick" for --quick, "full" for the run
 # whose results are committed. arch: models.ARCHITECTURES's name (default "gpt"); lrs: the peak
 # learning-rate grid; seeds: runs at the chosen rate; corpus: data.load_text's (default "docs+code").
@@ -122,7 +122,7 @@ def train_lm(model, opt, train_ids, val_xy, *, lr, steps, batch, seed, eval_ever
     ones. Returns ``val`` and ``train`` as [(step, loss)], ``final`` (NaN if the loss diverged),
     ``step_time`` (median seconds of ``opt.step()``), ``step_times`` (every step's seconds) and
     ``wall`` (seconds of the whole run). ``on_eval(metrics)``, if given, gets ``interval_metrics``
-    at every evaluation (experiments/tracking.py logs them live); it runs outside every timed region.
+    at every evaluation (experiments/harness/tracking.py logs them live); it runs outside every timed region.
     """
     vx, vy = val_xy
     block = vx.shape[1]

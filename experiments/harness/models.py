@@ -39,7 +39,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from experiments.data import VOCAB_SIZE
+from experiments.harness.data import VOCAB_SIZE
 
 
 @dataclass

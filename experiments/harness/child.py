@@ -4,7 +4,7 @@ memory limit and a timeout, and read back the one result it prints.
     run = run_child(module_cmd("experiments.x", "--worker", json.dumps(spec)), timeout=600)
     run.outcome     # "ok", "killed for memory", "timeout" or "exit N"
     run.result      # the JSON value of the child's last result line (None: it printed none)
-    run = run_child(cmd, memory=("my-run", 2 * 2**30))   # in a fresh memory cgroup (experiments/memcg.py)
+    run = run_child(cmd, memory=("my-run", 2 * 2**30))   # in a fresh memory cgroup (experiments/harness/memcg.py)
     runs = run_ranks(cmd, 2, timeout=600)                 # the ranks of one torch.distributed job
 
 The child prints its result with ``emit_result(value)``: one line, ``RESULT `` and the value as JSON,
@@ -23,8 +23,8 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
-from experiments import memcg
-from experiments.common import REPO_ROOT
+from experiments.harness import memcg
+from experiments.harness.common import REPO_ROOT
 
 RESULT_PREFIX = "RESULT "
 

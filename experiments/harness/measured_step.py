@@ -9,11 +9,11 @@
 experiments/gefen_peak_memory.py (peaks), gefen_budgets.py (what fits a memory budget) and
 gefen_distributed.py (DDP and FSDP2 throughput) share it: the optimizer configurations, the models
 (``{"kind": "mlp", "width", "depth"}`` or ``{"kind": "gpt", "n_embd", "n_layer", "n_head", "block"}``,
-built by experiments/models.py in fp32 or bf16), their batches, the warm-up and one step. Each job
+built by experiments/harness/models.py in fp32 or bf16), their batches, the warm-up and one step. Each job
 runs in a worker process of its script (``python -m <script> --worker JSON``, its result line last:
-experiments/child.py) on one torch thread, so that a memory limit or a crash ends the worker only
+experiments/harness/child.py) on one torch thread, so that a memory limit or a crash ends the worker only
 and what is measured starts from nothing. ``fit_trial`` is one trial of a budget search
-(experiments/budget.py): ``FIT_STEPS`` steps in a memory cgroup the worker joins after its warm-up,
+(experiments/harness/budget.py): ``FIT_STEPS`` steps in a memory cgroup the worker joins after its warm-up,
 so the budget counts what training the model adds, as a GPU's memory would.
 """
 
@@ -29,11 +29,11 @@ import os
 import torch
 import torch.nn as nn
 
-from experiments.child import child_env, emit_result, module_cmd, run_child
-from experiments.common import REPO_ROOT
-from experiments.memcg import join_memory_cgroup
-from experiments.models import GPT, GPTConfig, mlp_stack
-from experiments.registry import GEFEN_X_DIR, GEFEN_X_INSTALL, gefen_x, gefen_x_version, make_optimizer
+from experiments.harness.child import child_env, emit_result, module_cmd, run_child
+from experiments.harness.common import REPO_ROOT
+from experiments.harness.memcg import join_memory_cgroup
+from experiments.harness.models import GPT, GPTConfig, mlp_stack
+from experiments.harness.registry import GEFEN_X_DIR, GEFEN_X_INSTALL, gefen_x, gefen_x_version, make_optimizer
 
 LR = 1e-3
 FIT_STEPS = 3  # steps a budget's trial must run without an OOM kill
@@ -91,11 +91,11 @@ _TEXT = []
 
 
 def make_batch(spec, micro_batch, weights, gen):
-    """MLP: Gaussian inputs; GPT: windows of experiments/data.py's character corpus."""
+    """MLP: Gaussian inputs; GPT: windows of experiments/harness/data.py's character corpus."""
     if spec["kind"] == "mlp":
         dtype = torch.bfloat16 if weights == "bf16" else torch.float32
         return (torch.randn(micro_batch, spec["width"], generator=gen).to(dtype),)
-    from experiments import data
+    from experiments.harness import data
 
     if not _TEXT:
         _TEXT.append(data.load_splits(200_000)[0])
