@@ -18,6 +18,7 @@ import os
 import torch
 
 from .._base import OptimizerBase
+from .._compiling import compile_notice
 from ..backends import BACKENDS
 from . import checkpoints, pipeline
 from .checks import announced_param, announced_rows, check_grad, check_options, check_param
@@ -154,10 +155,11 @@ class DiskSparseOptimizer(OptimizerBase):
                     g = check_grad(p, self._tables[p].index, type(self).__name__, self.rule)
                     work.append((p, g, self._route(p, where=(group, gi, pi)), hyper))
         try:
-            for p, g, route, hyper in work:
-                table = self._tables[p]
-                self.state[p][STEP] = step = table.count_step()  # the step only: the moments stay in the file
-                update_table(p, g, route, table.store, step, hyper)
+            with compile_notice(type(self).__name__, lambda: any(w[2].backend == "numba" for w in work)):
+                for p, g, route, hyper in work:
+                    table = self._tables[p]
+                    self.state[p][STEP] = step = table.count_step()  # the step only: the moments stay in the file
+                    update_table(p, g, route, table.store, step, hyper)
         except BaseException:
             self._dir.interrupted = True  # the files hold no one step: never mark them clean (see close)
             raise
