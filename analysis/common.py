@@ -333,8 +333,10 @@ LABELS = {
     # the ablations' short names (experiments/gefen_ablation.py's rows): the factored layout and its peers
     "factored": "Gefen, factored (ours)",
 }
-# optimizer names the ablation tables use for the registry's
-ALIASES = {"factored": "Gefen-8bit-factored"}
+# optimizer names the ablation tables use for the registry's (experiments/gefen_ablation.py's CHANGES: "layout"
+# is the compact layout's fields at 8 bits, "layout512" at 4)
+ALIASES = {"factored": "Gefen-8bit-factored", "factored+layout": "Gefen-8bit-compact",
+           "factored+layout512": "Gefen-4bit-compact"}
 OURS_PREFIXES = ("Gefen", "DiskSparse", "DSA")
 OURS_COLOURS = ["#d62728", "#1f77b4", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf"]
 PEER_GREYS = ["0.4", "0.55", "0.3", "0.62", "0.48", "0.35"]

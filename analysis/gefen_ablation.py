@@ -20,9 +20,9 @@ if not __package__:  # run as a file: stop with the install command if the repos
 import math
 import statistics
 
-from analysis.common import (Report, configurations, finding_title, in_configuration, legend_below, main, md_table,
-                             new_figure, save_figure, select, variants)
-from experiments.gefen_ablation import ABLATIONS, CHANGES, FACTORED, PEERS, REFRESH_EVERY, variant_layout
+from analysis.common import (Report, colour_of, configurations, finding_title, in_configuration, figure_legend,
+                             label_of, main, md_table, new_figure, save_figure, select, variants)
+from experiments.gefen_ablation import ABLATIONS, CHANGES, DROPIN_LR, FACTORED, PEERS, REFRESH_EVERY, variant_layout
 from optim.gefen.layout import LAYOUTS
 
 METRIC = "val_loss_vs_adamw"
@@ -189,34 +189,64 @@ def body(rows, config):
 
 
 # ------------------------------------------------------------------------------------------- figure
-def draw(rows, out, config):
-    """Top: each configuration of the first ablation, every seed's ratio per variant (dots) and their
-    median (a bar); below: each change on the factor as its paired change, mean ± s.e., by code width."""
-    firsts = [(p, ratios(rows, p)) for p in configurations(rows, METRIC)]
-    firsts = [(p, d) for p, d in firsts if d]
-    on_factor = {8: [], 4: []}
+def colour(variant: str, bits: int) -> str:
+    """A variant's colour: its named layout's (``registry_name``), else the layout it changes (the
+    published or the factored Gefen at ``bits``)."""
+    name = registry_name(variant, bits)
+    if name is None or name in PEERS:
+        name = f"Gefen-{bits}bit" + ("-factored" if variant.startswith(FACTORED) else "")
+    return colour_of(name)
+
+
+def changes_on_factor(rows, config) -> dict:
+    """{bits: [(label, (mean, s.e.), colour)]}: each change on the factored layout of every ablation
+    but the first, paired with the factored layout by seed; a (change, model, steps) that several
+    ablations ran on the same seeds is shown once, from the first; an lr other than the drop-in
+    protocol's is named."""
+    out = {8: {}, 4: {}}
     for name, arows in ablation_rows(rows, config).items():
-        if name == FIRST:
-            continue
-        for prefix, label, steps, _ in configurations_of(arows):
+        a = ABLATIONS[name]
+        bits, lr = a.bits, a.lr
+        at = f", lr {lr:g}" if lr is not None and any(lr != DROPIN_LR[s] for s in a.sizes) else ""
+        for prefix, label, steps, _ in configurations_of(arows) if name != FIRST else ():
             data = ratios(arows, prefix)
             for v in data:
                 p = paired(data, v, FACTORED if FACTORED in data else None)
                 if p is not None and v not in PEERS and v.startswith(f"{FACTORED}+"):
                     model = (label or _first_label(name, config)).removeprefix("char-")
-                    on_factor[ABLATIONS[name].bits].append((f"{v.removeprefix('factored+')} ({model}, {steps:,})", p))
+                    out[bits].setdefault(f"{v.removeprefix('factored+')} ({model}, {steps:,}{at})", (p, colour(v, bits)))
+    return {b: [(k, p, c) for k, (p, c) in items.items()] for b, items in out.items()}
+
+
+def draw(rows, out, config):
+    """Top: each configuration of the first ablation, every seed's ratio per variant (dots) and their
+    median (a bar); below: each change on the factor as its paired change, mean ± s.e., by code width."""
+    firsts = [(p, ratios(rows, p)) for p in configurations(rows, METRIC)]
+    firsts = [(p, d) for p, d in firsts if d]
+    on_factor = changes_on_factor(rows, config)
     panels = [("gap", p, d) for p, d in firsts] + [("factor", b, on_factor[b]) for b in (8, 4) if on_factor[b]]
-    heights = [0.22 * len(d) + 1.2 for _, _, d in panels]
-    fig, axes = new_figure(len(panels), 1, width=8, height=sum(heights) + 0.9,
+    heights = [0.2 * len(d) + 1.3 for _, _, d in panels]
+    fig, axes = new_figure(len(panels), 1, width=8, height=sum(heights) + 1.1,
                            gridspec_kw={"height_ratios": heights})
     for ax, (kind, key, data) in zip(axes[:, 0], panels):
         if kind == "gap":
             _draw_gap(ax, data, key.rstrip("/") or _first_label(FIRST, config))
         else:
             _draw_changes(ax, data, key)
-    legend_below(axes[-1, 0], ncols=4)
+    _legend(fig, {b for _, b, _ in panels if isinstance(b, int)})
     finding = _finding(firsts, on_factor)
     save_figure(fig, out, finding_title(finding, "Gefen ablations: loss against AdamW's, paired by seed", fig))
+
+
+def _legend(fig, widths):
+    """One legend below every panel: the layouts' colours (the published Gefen, ours at each code
+    width shown) and what a dot is."""
+    from matplotlib.lines import Line2D
+
+    names = ["Gefen-8bit", *(f"Gefen-{b}bit-{k}" for b in sorted(widths, reverse=True) for k in ("factored", "compact"))]
+    handles = [Line2D([], [], color=colour_of(n), marker="s", ls="none", ms=5, label=label_of(n)) for n in names]
+    handles.append(Line2D([], [], color="black", alpha=0.6, marker="o", ls="none", ms=3, label="one seed"))
+    figure_legend(fig, handles, [h.get_label() for h in handles], ncols=3)
 
 
 def _finding(firsts, on_factor):
@@ -234,38 +264,36 @@ def _finding(firsts, on_factor):
 
 
 def _draw_gap(ax, data, label):
-    """Per variant its seeds' ratios (dots) and their median (a bar), the 1× line."""
+    """Per variant its seeds' ratios (dots) and their median (a bar in its layout's colour), the 1× line."""
     names = list(data)
-    for k, n in enumerate(names):
-        xs = list(data[n].values())
-        ax.scatter(xs, [k] * len(xs), s=10, color="black", alpha=0.6, linewidths=0, zorder=3,
-                   label="seeds" if k == 0 else None)
-        ax.scatter([statistics.median(xs)], [k], marker="|", s=200, linewidths=2.2, zorder=4,
-                   color="tab:orange" if n.startswith(FACTORED) else "tab:blue",
-                   label="median (blue: published, orange: factored)" if k == 0 else None)
-    ax.axvline(1.0, color="k", lw=1, label="AdamW")
+    seeds = [(x, k) for k, n in enumerate(names) for x in data[n].values()]
+    ax.scatter(*zip(*seeds), s=10, color="black", alpha=0.6, linewidths=0, zorder=3)
+    ax.scatter([statistics.median(data[n].values()) for n in names], range(len(names)), marker="|", s=200,
+               linewidths=2.2, zorder=4, color=[colour(n, 8) for n in names])
+    ax.axvline(1.0, color="k", lw=1)
     ax.set_yticks(range(len(names)), [words(n) for n in names], fontsize=6)
     ax.set_ylim(len(names) - 0.5, -0.5)
-    ax.set_xlabel("final validation loss / AdamW's (paired by seed)", fontsize=8)
-    ax.set_title(f"where the gap comes from: {label}", fontsize=9)
+    ax.set_xlabel("final validation loss / AdamW's (black line: AdamW)", fontsize=8)
+    ax.set_title(f"where the gap comes from ({label.removeprefix('char-')}): seeds and their median", fontsize=9)
     ax.tick_params(axis="x", labelsize=8)
     ax.grid(alpha=0.3, axis="x")
 
 
 def _draw_changes(ax, items, bits):
-    """Each change on the factor: its paired change (mean ± s.e.) in points, the target's margin dashed."""
-    labels = [n for n, _ in items]
-    means = [p[0] * 100 for _, p in items]
-    errs = [p[1] * 100 if math.isfinite(p[1]) else 0 for _, p in items]
-    ax.errorbar(means, range(len(items)), xerr=errs, fmt="o", ms=3, color="tab:orange", ecolor="0.4", elinewidth=1,
-                capsize=2, label="change on the factor (mean ± s.e.)")
+    """Each change on the factor: its paired change (mean ± s.e.) in points, in its layout's colour;
+    the target's margin dashed."""
+    labels = [n for n, _, _ in items]
+    means = [p[0] * 100 for _, p, _ in items]
+    errs = [p[1] * 100 if math.isfinite(p[1]) else 0 for _, p, _ in items]
+    ax.errorbar(means, range(len(items)), xerr=errs, fmt="none", ecolor="0.4", elinewidth=1, capsize=2)
+    ax.scatter(means, range(len(items)), s=14, zorder=3, color=[c for _, _, c in items])
     ax.axvline(0.0, color="k", lw=1)
-    ax.axvline((TARGET[bits] - 1) * 100, color="tab:green", ls="--", lw=1.2,
-               label=f"{TARGET[bits] - 1:+.1%} (the factored {bits}-bit's target)")
+    ax.axvline((TARGET[bits] - 1) * 100, color="tab:green", ls="--", lw=1.2)
     ax.set_yticks(range(len(items)), labels, fontsize=6)
     ax.set_ylim(len(items) - 0.5, -0.5)
-    ax.set_xlabel("paired change against the factored layout (percentage points)", fontsize=8)
-    ax.set_title(f"changes on the factored layout, {bits}-bit codes (model, steps)", fontsize=9)
+    ax.set_xlabel("paired change against the factored layout (percentage points; mean ± s.e.)", fontsize=8)
+    ax.set_title(f"{bits}-bit codes: change (model, steps) on the factor; dashed: target {TARGET[bits] - 1:+.1%}",
+                 fontsize=9)
     ax.tick_params(axis="x", labelsize=8)
     ax.grid(alpha=0.3, axis="x")
 

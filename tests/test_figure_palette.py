@@ -26,6 +26,8 @@ def test_palette_colours_are_distinct():
                  id="longest-known-option-prefix"),
     pytest.param("mlp/Gefen-4bit+in-backward", "Gefen-4bit", id="option-dropped"),
     pytest.param("factored+refresh", "Gefen-8bit-factored", id="ablation-name"),
+    pytest.param("factored+layout", "Gefen-8bit-compact", id="ablation-compact-layout"),
+    pytest.param("gefen_ablation_4bit/factored+layout512", "Gefen-4bit-compact", id="ablation-compact-4bit-layout"),
     pytest.param("ddp/AdamW", "AdamW", id="baseline"),
 ])
 def test_a_variant_takes_its_optimizers_colour(variant, optimizer):
