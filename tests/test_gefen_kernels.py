@@ -367,3 +367,16 @@ def test_triton_refuses_row_group_scales_it_cannot_hold():
     with pytest.raises(ValueError, match="no whole number of v blocks"):
         K.gefen_step_([Tile(torch.zeros(120), v, s, c)], [torch.zeros(120)], cb, Hyper(1, **HP), block=20, bits=8,
                       scale=30)
+
+
+@pytest.mark.parametrize("step_", STEPS)
+def test_a_call_mixing_factored_and_unfactored_tiles_is_refused(step_):
+    """Every tile of a call holds a factor w or none does (``tiling.factors``): a call with one of
+    each is refused with an error naming the tile without w, before anything is written."""
+    cb = random_codebook(8)
+    tiles = [Tile(torch.randn(64), *random_state(64, 16, 8), torch.rand(16)),
+             Tile(torch.randn(64), *random_state(64, 16, 8))]
+    before = [t.p.clone() for t in tiles]
+    with pytest.raises(ValueError, match="tile 1 holds no factor w"):
+        step_(tiles, [torch.randn(64), torch.randn(64)], cb, Hyper(1, **HP), block=16, bits=8)
+    assert all(torch.equal(t.p, b) for t, b in zip(tiles, before))
