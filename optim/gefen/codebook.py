@@ -424,7 +424,7 @@ class Codebook:
     device and a copy of both per other device, kept until ``forget_copies``.
 
     ``block_histogram(grads, block=, bins=)`` counts block-normalised gradients of one block length
-    (``torch_ops.histogram``; passed in, so this module depends on no step module).
+    (``tiling.histogram``; passed in, so this module depends on no step module).
     """
 
     def __init__(self, bits: int, block_histogram):

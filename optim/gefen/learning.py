@@ -16,7 +16,7 @@ from . import distributed as _dist, state as K
 from .checks import check_param
 from .codebook import refresh_due
 from .plan import signed
-from .torch_ops import remap_codes_
+from .tiling import remap_codes_
 
 
 def quantised(opt, with_grad: bool = False) -> list:

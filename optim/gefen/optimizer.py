@@ -18,7 +18,7 @@ from .gather import calls, gather, path
 from .layout import SAVED_BEFORE, layout_of
 from .learning import learn_first, learn_from_gradients, refresh, refresh_step
 from .plan import run, seeded, signature, signed, step_module, step_scalars
-from .torch_ops import histogram
+from .tiling import histogram
 
 
 OPTIMIZER_WIDE = ("bits", "backend", "block_rule", "capturable",

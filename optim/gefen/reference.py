@@ -3,8 +3,8 @@
 Gefen (arXiv 2606.13894; upstream PyPI package ``gefen``, ``gefen/gefen.py``) is AdamW whose second
 moment is shared inside blocks and whose first moment is stored as codes into one model-wide
 codebook, scaled per block. Everything here is out of place and fp32; the in-place steps
-(``torch_ops.py``, ``numba_ops.py``, ``triton_ops.py``) take the same keyword arguments and are
-tested against :func:`gefen_step`.
+(``torch_ops.py``, ``numba_ops.py``, ``triton_ops.py``) take a call's tensors as ``plan.Tile`` records
+and its hyper-parameters as a ``plan.Hyper``, and are tested against :func:`gefen_step`.
 
 State layout of one tensor (flattened, ``n = numel``; under FSDP the local shard)
 ---------------------------------------------------------------------------------

@@ -22,8 +22,6 @@ from .codebook import code_table, nearest_code, stochastic_code
 from .reference import factor_ratio, pack_codes, scale_block_length, unpack_codes
 from .tiling import (as_rows, contiguous, element_size, factor_update_, factors, from_rows, pieces, piece_of,
                      write_back)
-# the optimizer's state-wide passes, imported from here by its module
-from .tiling import histogram, remap_codes_, requantize_  # noqa: F401
 
 
 def refuses(param_dtype: torch.dtype, group) -> str | None:
