@@ -67,9 +67,11 @@ def gap_growth(rows, short_rows):
             + md_table(head, table))
 
 
-def _steps(rows) -> int:
-    """The run's training length: the last step it evaluated."""
-    return int(max(float(r["x_value"]) for r in select(rows, "val_loss")))
+def _steps(rows) -> str:
+    """The run's training length, "1,000 steps" (the last step it evaluated); "the run" where it
+    logged no evaluations."""
+    steps = [float(r["x_value"]) for r in select(rows, "val_loss")]
+    return f"{int(max(steps)):,} steps" if steps else "the run"
 
 
 def long_headline(rows, config) -> str:
@@ -82,8 +84,8 @@ def long_headline(rows, config) -> str:
         return f"Gefen factored (ours), drop-in: 8-bit {pct(long[0])}, 4-bit {pct(long[1])} vs AdamW's loss (median of seeds)"
     seeds = {r["seed"] for r in select(rows, "val_loss_vs_adamw")}
     before = [median_over_seeds(short, "val_loss_vs_adamw", n, seeds) for n in names]
-    return (f"Gefen factored (ours), drop-in: 8-bit {pct(long[0])} ({_steps(short):,} steps: {pct(before[0])}), 4-bit "
-            f"{pct(long[1])} ({pct(before[1])}) vs AdamW's loss at {_steps(rows):,} steps (median of the same seeds)")
+    return (f"Gefen factored (ours), drop-in: 8-bit {pct(long[0])} ({_steps(short)}: {pct(before[0])}), 4-bit "
+            f"{pct(long[1])} ({pct(before[1])}) vs AdamW's loss at {_steps(rows)} (median of the same seeds)")
 
 
 REPORT = dataclasses.replace(arch_report("encoder", "convergence_long", ", 3,000 steps"), body=long_body,
