@@ -11,7 +11,9 @@ analysis/gefen_budgets.py's, throughput on two ranks analysis/gefen_distributed.
 (i) lowest peak: a Gefen's tensor peak at every step of every model and micro-batch is at most
 every compared optimizer's at that step, and its first step's at most its later steps' highest plus
 max(largest tensor, 0.25 B/param); (ii) the lean mode (8-bit factored, bf16 weights with stochastic
-rounding, step in backward) peaks at <= 4.5 B/param on the 50.4 M MLP.
+rounding, step in backward) peaks at <= 4.5 B/param at every step of every model (each at its first
+micro-batch, as drawn). The claims table's row judges these targets and the largest micro-batch in
+0.5 GiB (``claim_targets``; ``gefen_budgets.csv``, read beside this run).
 """
 
 from __future__ import annotations
@@ -107,7 +109,7 @@ def first_step_bound(rows, config):
     return (seen and worst <= 1e-9), worst, where
 
 
-def verdicts(rows, target_model):
+def verdicts(rows):
     out = []
     for g in [g for g in GEFENS if configs(rows) and g in configs(rows)]:
         met, worst, where = lowest_peak(rows, g, PEERS)
@@ -125,9 +127,9 @@ def verdicts(rows, target_model):
         out.append(f"- (i) lean mode `{LEAN}` against every peer in every mode ({', '.join(everyone)}): lowest peak "
                    f"at every step **{'met' if met else 'missed'}** (largest excess {worst:+.2f} B/param, {where}); "
                    f"first step bound **{'met' if fmet else 'missed'}** ({fworst:+.2f} B/param, {fwhere}).")
-    target = [(m, b) for m, b in runs(rows) if m == target_model]
-    if target and LEAN in configs(rows, *target[0]):
-        m, b = target[0]
+    for m, b in drawn_runs(rows):
+        if LEAN not in configs(rows, m, b):
+            continue
         steps = per_step(rows, m, b, LEAN)
         top = max(steps.values())
         later = max([v for s, v in steps.items() if s > 0] or [math.nan])
@@ -184,21 +186,67 @@ def _stacked(ax, rows, model, mb):
 
 
 HEADLINE_RUN = ("mlp-50.4M", 8)  # the model and micro-batch the claims table quotes
+BUDGETS = "gefen_budgets"  # the largest micro-batch in a memory budget, read beside this run
+MB_BUDGET_GIB = 0.5  # the budget the claims table quotes
 
 
-def finding(rows):
+def drawn_runs(rows) -> list:
+    """[(model, micro-batch)]: each model at its first micro-batch, as the figure draws them."""
+    out = []
+    for model, mb in runs(rows):
+        if model not in [m for m, _ in out]:
+            out.append((model, mb))
+    return out
+
+
+def lean_peaks(rows) -> list:
+    """[(highest peak over the steps, model)] of the lean mode on each drawn run, highest first."""
+    return sorted(((max(per_step(rows, m, b, LEAN).values()), m) for m, b in drawn_runs(rows)
+                   if per_step(rows, m, b, LEAN)), reverse=True)
+
+
+def micro_batches(budget_rows) -> dict:
+    """{"lean", "AdamW": the largest micro-batch in ``MB_BUDGET_GIB``} from gefen_budgets.csv's rows ({}: none)."""
+    out = {k: value(budget_rows or [], "largest_micro_batch", f"micro_batch/{n}", x_value=MB_BUDGET_GIB)
+           for k, n in (("lean", LEAN), ("AdamW", "AdamW"))}
+    return out if all(math.isfinite(v) for v in out.values()) else {}
+
+
+def claim_targets(rows, budget_rows) -> list:
+    """[(target in words, met, what was measured, by how much it is missed: "" where met)] of everything
+    the claims row states: the lowest peak (8-bit on fp32 weights against the peers; the lean mode
+    against every peer in every mode), the lean mode's ``TARGET_LEAN_BPP`` on every drawn run, a larger
+    micro-batch than AdamW's in ``MB_BUDGET_GIB``."""
+    everyone = [c for c in configs(rows) if not c.startswith("Gefen")]
+    out = []
+    for name, words, against in (("Gefen-8bit", "8-bit lowest peak", PEERS), (LEAN, "lean mode lowest peak", everyone)):
+        met, worst, where = lowest_peak(rows, name, against)
+        out.append((words, met, f"largest excess over the lowest peer {worst:+.2f} B/param, {where}",
+                    "" if met else f"by {worst:.2f} B/param"))
+    top, where = lean_peaks(rows)[0]
+    out.append((f"lean mode ≤ {TARGET_LEAN_BPP:g} B/param", top <= TARGET_LEAN_BPP, f"highest {top:.2f} on {where}",
+                "" if top <= TARGET_LEAN_BPP else f"by {top - TARGET_LEAN_BPP:.2f} ({top:.2f} on {where})"))
+    mb = micro_batches(budget_rows)
+    larger = bool(mb) and mb["lean"] > mb["AdamW"]
+    fits = f"lean {mb.get('lean', math.nan):g}, AdamW {mb.get('AdamW', math.nan):g}"
+    out.append((f"larger micro-batch in {MB_BUDGET_GIB:g} GiB", larger, fits, "" if larger else f"({fits})"))
+    return out
+
+
+def finding(rows, budget_rows=None):
     """The figure's title: the claims table's peaks (the published 8-bit, lean mode at its last and
     first step, fused AdamW, on ``HEADLINE_RUN``), then the lean mode's highest peak of every run
-    drawn against its target."""
+    drawn against its target and the largest micro-batch in ``MB_BUDGET_GIB`` (``budget_rows``)."""
     model, mb = HEADLINE_RUN
     at = {n: per_step(rows, model, mb, n) for n in ("Gefen-8bit", LEAN, "AdamW")}
-    drawn = {m: b for m, b in reversed(runs(rows))}  # each model's first micro-batch, as drawn
-    tops = [(max(per_step(rows, m, b, LEAN).values()), m) for m, b in drawn.items() if per_step(rows, m, b, LEAN)]
-    if not tops:
+    if not lean_peaks(rows):
         return "Peak memory of a training step"
-    top, where = max(tops)
+    top, where = lean_peaks(rows)[0]
     lean_target = (f"lean mode's highest peak {top:.2f} B/param ({where}), "
                    f"{'within' if top <= TARGET_LEAN_BPP else 'over'} its {TARGET_LEAN_BPP:g} target")
+    fits = micro_batches(budget_rows)
+    if fits:
+        lean_target += f"; micro-batch in {MB_BUDGET_GIB:g} GiB: lean {fits['lean']:g}, AdamW {fits['AdamW']:g}"
     if not all(at.values()):
         return lean_target
     last = {n: steps[max(steps)] for n, steps in at.items()}
@@ -213,10 +261,7 @@ def draw(rows, out, config):
 
     from analysis.common import finding_title, new_figure
 
-    models = []
-    for model, mb in runs(rows):
-        if model not in [m for m, _ in models]:
-            models.append((model, mb))
+    models = drawn_runs(rows)
     top = max(len(models), 3)
     fig, axes = new_figure(1, top, width=5.0 * top, height=4.6)
     for ax, (model, mb) in zip(axes[0], models):
@@ -228,7 +273,8 @@ def draw(rows, out, config):
         Line2D([], [], color="#2ca02c", linestyle="--", label=f"lean mode's target, {TARGET_LEAN_BPP:g} B/param")]
     axes[0][1].legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncols=6, fontsize=7,
                       frameon=False)
-    save_figure(fig, out, title=finding_title(finding(rows), "Live tensor bytes at the peak of a CPU training step "
+    budget_rows = (config.get("other_rows") or {}).get(BUDGETS)
+    save_figure(fig, out, title=finding_title(finding(rows, budget_rows), "Live tensor bytes at the peak of a CPU training step "
                                               "(the highest of its steps); every optimizer is in the results "
                                               "table", fig))
 
@@ -260,7 +306,6 @@ def split_from(config) -> str:
 
 def body(rows, config):
     c = config.get("config", {})
-    target = c.get("target_model") or (runs(rows)[0][0] if runs(rows) else "")
     text = [split_from(config) + f"Live tensor bytes at the peak of forward + backward + step + `zero_grad(set_to_none=True)` "
             f"(experiments/peak.PeakMemory: what `torch.cuda.max_memory_allocated` counts on a GPU), per parameter, "
             f"split at the peak; step 0 is the first, the later column the highest of steps 1-{c.get('steps', 4) - 1}. "
@@ -273,12 +318,12 @@ def body(rows, config):
     notes = c.get("notes") or []
     if notes:
         text.append("Notes from the run:\n\n" + "\n".join(f"- {n}" for n in notes))
-    text.append("Verdicts:\n\n" + "\n".join(verdicts(rows, target)))
+    text.append("Verdicts:\n\n" + "\n".join(verdicts(rows)))
     return "\n\n".join(text)
 
 
 REPORT = Report("gefen_peak_memory", "gefen_peak_memory", "Gefen: the peak memory of a training step",
-                body, draw, metrics=("tensor_peak_per_param",))
+                body, draw, metrics=("tensor_peak_per_param",), reads=(BUDGETS,))
 
 if __name__ == "__main__":
     main(REPORT, doc=__doc__)
