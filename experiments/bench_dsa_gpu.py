@@ -48,12 +48,18 @@ import time
 
 import torch
 
+from experiments.harness import check
 from experiments.harness.common import Results, add_common_args
 from experiments.harness.gpu import batches, make_table, script_device, sync
 from experiments.harness.registry import make_optimizer
 
 MiB = 2**20
 DRY_RUN = dict(rows=400, dim=8, batch=64, steps=2, repeats=2, warmup=2, check_steps=2, profile_steps=2)
+
+
+# the --check size: the full run's flags it overrides (experiments/harness/check.py)
+CHECK = {"--steps": 50, "--repeats": 3}
+CHECK_NOTE = ("a GPU benchmark: the seed's table, 3 repeats of 50 steps; on a CPU it runs nothing (use --dry-run)")
 
 
 def allocated(dev, peak=False):
@@ -257,7 +263,7 @@ def agreement(args, res, dev, tmp):
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_common_args(parser)
+    add_common_args(parser, check=CHECK, check_note=CHECK_NOTE)
     parser.add_argument("--rows", type=int, default=None, help="(Default: 1,000,000; 100,000 with --quick)")
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--batch", type=int, default=2048)
@@ -271,7 +277,7 @@ def parse_args(argv=None):
     parser.add_argument("--dry-run", action="store_true",
                         help="tiny sizes on the CPU, Triton under TRITON_INTERPRET=1: runs every code path of "
                              "the script and writes its CSV (no measurement)")
-    args = parser.parse_args(argv)
+    args = check.parse(parser, argv)
     if args.dry_run:
         vars(args).update(DRY_RUN)
     args.rows = args.rows or (100_000 if args.quick else 1_000_000)

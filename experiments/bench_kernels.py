@@ -46,6 +46,7 @@ import statistics
 import sys
 import time
 
+from experiments.harness import check
 from experiments.harness.common import Results, add_common_args
 from experiments.harness.gpu import Timer, copy_bandwidth, quick_shapes, script_device, tensor_bytes
 from experiments.harness.models import GPT2_SIZES, gpt2_shapes, make_param_set as make_set
@@ -53,6 +54,11 @@ from experiments.harness.registry import GPU_PEERS, make_optimizer
 
 SIZES = GPT2_SIZES
 LR, BETAS, EPS, WD = 1e-3, (0.9, 0.999), 1e-8, 0.01
+
+
+# the --check size: the full run's flags it overrides (experiments/harness/check.py)
+CHECK = {"--sizes": "125M", "--reps": 10}
+CHECK_NOTE = ("a GPU benchmark: the 124M model only, 10 repeats; on a CPU it runs nothing (use --dry-run)")
 
 
 def state_tensors(opt):
@@ -232,7 +238,7 @@ def bench_set(res, label, shapes, dtype, device, args, copy_bw, timer):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_common_args(parser)
+    add_common_args(parser, check=CHECK, check_note=CHECK_NOTE)
     parser.add_argument("--sizes", default="125M,1.5B", help="comma list of " + ",".join(SIZES))
     parser.add_argument("--dtypes", default="fp32,bf16")
     parser.add_argument("--reps", type=int, default=20)
@@ -245,7 +251,7 @@ def main(argv=None):
     parser.add_argument("--dry-run", "--cpu-smoke", dest="dry_run", action="store_true",
                         help="tiny CPU run under TRITON_INTERPRET=1: every code path of the script and its "
                              "CSV (no measurement)")
-    args = parser.parse_args(argv)
+    args = check.parse(parser, argv)
 
     import torch
 

@@ -40,6 +40,7 @@ import torch
 from tqdm import tqdm
 
 from experiments.harness import data
+from experiments.harness import check
 from experiments.harness.common import Results, add_common_args
 from experiments.harness.train import interleaved
 from optim.gefen.codebook import histogram, nearest_code, optimal_codebook
@@ -49,6 +50,11 @@ CHUNK = 256  # m-scale block for absmax-256 blocking and for Gefen tensors with 
 
 # ----------------------------------------------------------------------------------------------
 # codes
+
+
+# the --check size: the full run's flags it overrides (experiments/harness/check.py)
+CHECK = {"--bins": [256, 1024, 4096], "--repeats": 3}
+CHECK_NOTE = ("histograms of 256, 1,024 and 4,096 bins (the headline's 4,096 included), 3 timed calls a case")
 
 
 def dynamic_map(bits: int) -> torch.Tensor:
@@ -273,12 +279,12 @@ def quant_errors(res, m, g1, gefen_blocks, bits_list=(8, 4)):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_common_args(parser)
+    add_common_args(parser, check=CHECK, check_note=CHECK_NOTE)
     parser.add_argument("--steps", type=int, default=None, help="AdamW steps of the character MLP (300; quick 40)")
     parser.add_argument("--bins", type=int, nargs="+", default=None, help="histogram sizes of the DP timing")
     parser.add_argument("--repeats", type=int, default=None, help="timed DP calls per case (5; quick 3)")
     parser.add_argument("--no-cold-start", action="store_true", help="skip the fresh-process first calls")
-    args = parser.parse_args(argv)
+    args = check.parse(parser, argv)
     params, g1, m, losses = train(args)
     gefen_blocks = [gefen_block(g) for g in g1]
     cfg = dict(vars(args), model="char MLP (context 32, embed 32)", n_params=sum(p.numel() for p in params),

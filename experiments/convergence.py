@@ -92,7 +92,7 @@ import sys
 
 import torch
 
-from experiments.harness import data
+from experiments.harness import check, data
 from experiments.harness.common import Results, add_common_args, add_kind_rows
 from experiments.harness.models import char_lm_model
 from experiments.harness.pool import RunPool
@@ -316,7 +316,7 @@ def add_ratio_rows(res, finals, model_label, prefix=""):
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_common_args(parser)
+    add_common_args(parser, check=CHECK, check_note=CHECK_NOTE)
     parser.add_argument("--experiment", default=EXPERIMENT, choices=[EXPERIMENT, "convergence_bf16", *ARCH_EXPERIMENTS],
                         help="results file name: convergence_bf16 for the bf16 run; convergence_encoder and "
                              "convergence_llama for one architecture each (module docstring)")
@@ -345,7 +345,7 @@ def parse_args(argv=None):
     parser.add_argument("--threads", type=int, default=1,
                         help="torch intra-op threads (default 1: a model this small gives a second thread "
                              "little work to share)")
-    args = parser.parse_args(argv)
+    args = check.parse(parser, argv)
     args.quick = args.quick or args.tiny  # a test size never writes the committed results
     own = ARCH_EXPERIMENTS.get(args.experiment)
     if own:  # --quick / --tiny: the quick / tiny dimensions and steps in this architecture (main)
@@ -365,6 +365,25 @@ def parse_args(argv=None):
     if args.protocol != "best" and "AdamW" not in args.optimizers:
         parser.error(f"--protocol {args.protocol}: the drop-in protocol trains at AdamW's lr; add AdamW to --optimizers")
     return args
+
+
+def CHECK(args):
+    """--experiment: its main model only, the claim's Gefen layouts beside AdamW at one lr (the committed
+    run's best), 2 seeds."""
+    fixed = {"--extra": "none", "--seeds": 2, "--protocol": "best", "--jobs": 2}
+    if args.experiment == "convergence_bf16":
+        return {**fixed, "--size": "large", "--lrs": 1e-3, "--steps": 300,
+                "--optimizers": ["AdamW", "Gefen-8bit-factored+bf16-sr", "Gefen-8bit+bf16-sr"]}
+    if args.experiment in ARCH_EXPERIMENTS:
+        return {**fixed, "--lrs": 4e-3 if "long" in args.experiment or "encoder" in args.experiment else 2e-3,
+                "--steps": 500, "--optimizers": ["AdamW", "Gefen-8bit-factored", "Gefen-4bit-factored"]}
+    return {**fixed, "--lrs": 3e-3, "--optimizers": ["AdamW", "Gefen-8bit", "Gefen-4bit", "Gefen-8bit-factored",
+                                                     "Gefen-4bit-factored"]}
+
+
+CHECK_NOTE = ("the main model alone at one lr, 2 seeds, AdamW and the claim's Gefen layouts: the loss ratios of "
+              "one model; the claims' rows compare three models, both protocols and the runs on many seeds, so "
+              "they are computed only where the check CSV has what they read")
 
 
 def run_config(res, names, size, lrs, seeds, jobs, progress, prefix="", protocol="best"):

@@ -29,8 +29,14 @@ import sys
 
 import torch
 
+from experiments.harness import check
 from experiments.harness.common import Results, add_common_args
 from experiments.harness.registry import make_optimizer
+
+
+# the --check size: the full run's flags it overrides (experiments/harness/check.py)
+CHECK = {}
+CHECK_NOTE = ("the full run's size (200 steps, a 5,000 × 64 table): the claim itself")
 
 
 def _errors(ours, ref):
@@ -149,11 +155,12 @@ CHECKS = ["DiskSparseAdam", "DiskSparseAdam/triton", "DiskSparseRiemannianAdam",
 
 def main(argv=None):
     parser = add_common_args(argparse.ArgumentParser(description=__doc__,
-                                                     formatter_class=argparse.RawDescriptionHelpFormatter))
+                                                     formatter_class=argparse.RawDescriptionHelpFormatter),
+                             check=CHECK, check_note=CHECK_NOTE)
     parser.add_argument("--no-triton", action="store_true", help="skip the Triton backend comparisons")
     parser.add_argument("--checks", nargs="+", default=None, choices=CHECKS,
                         help="run only these groups of comparisons (Default: all)")
-    args = parser.parse_args(argv)
+    args = check.parse(parser, argv)
     cuda = torch.cuda.is_available()
     if not cuda:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # read when triton is first imported

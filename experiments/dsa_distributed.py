@@ -43,6 +43,7 @@ import time
 import torch
 
 from experiments.harness.child import child_env, emit_result, module_cmd, run_ranks
+from experiments.harness import check
 from experiments.harness.common import Results, add_common_args
 
 CLAIMED_SAMPLES_PER_S = 134_212  # the seed's GPU claim (README), for the bandwidth on paper
@@ -50,6 +51,11 @@ PAPER_RANKS = (2, 8, 64, 512)
 
 
 # ----------------------------------------------------------------------------------- on paper
+# the --check size: the full run's flags it overrides (experiments/harness/check.py)
+CHECK = {}
+CHECK_NOTE = ("the full run's size (2 ranks measured, the rest on paper): the claim itself")
+
+
 def expected_unique(rows: int, batch: int) -> float:
     """Expected distinct rows among ``batch`` uniform draws from ``rows``."""
     return -rows * math.expm1(batch * math.log1p(-1.0 / rows))
@@ -194,7 +200,7 @@ def report(res, world, ranks, cfg):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_common_args(parser)
+    add_common_args(parser, check=CHECK, check_note=CHECK_NOTE)
     parser.add_argument("--rows", type=int, default=None, help="table rows (default 1M, --quick 20k)")
     parser.add_argument("--dim", type=int, default=None, help="row width (default 128, --quick 32)")
     parser.add_argument("--batch", type=int, default=None, help="indices per rank and step (default 2048, --quick 256)")
@@ -206,7 +212,7 @@ def main(argv=None):
     parser.add_argument("--timeout", type=int, default=1200, help="seconds per launch")
     parser.add_argument("--state-dir", default=None, help="where the state files go (default: a temp dir)")
     parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    args = check.parse(parser, argv)
     if args.worker:
         cfg, backend = args.worker
         return worker(json.loads(cfg), backend)

@@ -51,6 +51,7 @@ from pathlib import Path
 import torch
 
 from experiments.harness.child import child_env
+from experiments.harness import check
 from experiments.harness.common import REPO_ROOT, Results, add_common_args
 
 ROWS, DIM, BATCH, HOT = 2000, 16, 512, 200
@@ -61,6 +62,11 @@ STATUS_BYTES = 48
 
 
 # ------------------------------------------------------------------------- the training problem
+# the --check size: the full run's flags it overrides (experiments/harness/check.py)
+CHECK = {}
+CHECK_NOTE = ("the full run's size (200 SIGKILL and SIGINT trials): the claim itself")
+
+
 def batch(step: int, seed: int):
     """Indices (heavy duplicates: BATCH draws from HOT rows) and targets of one step."""
     hot = torch.randperm(ROWS, generator=torch.Generator().manual_seed(seed))[:HOT]
@@ -325,10 +331,10 @@ def record(res: Results, counts, wall: float):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_common_args(parser)
+    add_common_args(parser, check=CHECK, check_note=CHECK_NOTE)
     parser.add_argument("--trials", type=int, default=None, help="default 200, 10 with --quick")
     parser.add_argument("--server", action="store_true", help=argparse.SUPPRESS)  # the trial-forking process
-    args = parser.parse_args(argv)
+    args = check.parse(parser, argv)
     if args.server:
         return server(args.seed)
     args.trials = args.trials or (10 if args.quick else 200)

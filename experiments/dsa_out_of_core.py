@@ -54,12 +54,19 @@ import torch.nn as nn
 
 from experiments.harness import memcg
 from experiments.harness.child import emit_result, module_cmd, run_child
+from experiments.harness import check
 from experiments.harness.common import Results, add_common_args
 from experiments.harness.disk import drop_cache, random_read_rate
 from experiments.harness.models import DistMult
 from experiments.harness.registry import dsa_state_bytes_per_row, make_optimizer
 
 # -- cold steps ------------------------------------------------------------------------------------
+# the --check size: the full run's flags it overrides (experiments/harness/check.py)
+CHECK = {"--reps": 2, "--cold-steps": 8, "--limits": "2", "--limit-seconds": 10}
+CHECK_NOTE = ("the seed's table, 2 cold repeats of 8 steps, one memory limit (2 GiB, the claim's): the same ratios to the "
+              "disk's QD32 rate with a wider spread; timings on a machine shared with other jobs")
+
+
 def _seed_step(emb, opt, idx, announce=None):
     if announce is not None:
         opt.prefetch(announce)
@@ -362,7 +369,7 @@ def main(argv=None):
     if argv is None and len(sys.argv) > 2 and sys.argv[1] == "--child":
         return _child_main(json.loads(sys.argv[2]))
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_common_args(parser)
+    add_common_args(parser, check=CHECK, check_note=CHECK_NOTE)
     parser.add_argument("--parts", default="cold,limits,quality", help="comma-separated: cold, limits, quality")
     parser.add_argument("--reps", type=int, default=None, help="cold repeats (default 5, --quick 2)")
     parser.add_argument("--cold-steps", type=int, default=None, help="steps per cold repeat (default 16, --quick 4)")
@@ -374,7 +381,7 @@ def main(argv=None):
     parser.add_argument("--limit-steps", type=int, default=None,
                         help="at most this many steps per limited run (default 400, --quick 100)")
     parser.add_argument("--state-dir", default=None, help="where the state files go (default: a temp dir)")
-    args = parser.parse_args(argv)
+    args = check.parse(parser, argv)
     args.reps = args.reps or (2 if args.quick else 5)
     args.cold_steps = args.cold_steps or (4 if args.quick else 16)
     args.limits = args.limits or ("1" if args.quick else "1.75,2,2.5,3,4")

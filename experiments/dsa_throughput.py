@@ -49,11 +49,18 @@ import time
 
 import torch
 
+from experiments.harness import check
 from experiments.harness.common import Results, add_common_args
 from experiments.harness.disk import random_read_rate
 from experiments.harness.models import DistMult, EmbeddingSquare
 from experiments.harness.registry import make_optimizer
 from experiments.harness.train import interleaved
+
+
+# the --check size: the full run's flags it overrides (experiments/harness/check.py)
+CHECK = {"--reps": 5, "--fresh-reps": 3}
+CHECK_NOTE = ("the full run's tables (seed 1M × 128, KG 2M × 64), 5 repeats where it has 11: the same ratios with a wider "
+              "spread; timings on a machine shared with other jobs")
 
 
 def rss_mib():
@@ -254,7 +261,7 @@ def _tensors(b):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_common_args(parser)
+    add_common_args(parser, check=CHECK, check_note=CHECK_NOTE)
     parser.add_argument("--configs", default="seed,kg", help="comma-separated: seed, kg")
     parser.add_argument("--reps", type=int, default=None, help="repeats (default 11, --quick 3)")
     parser.add_argument("--steps", type=int, default=None,
@@ -270,7 +277,7 @@ def main(argv=None):
     parser.add_argument("--threads", type=int, default=1,
                         help="torch (and so numba) threads for every variant; >1 tags the configs, e.g. seed@2t")
     parser.add_argument("--state-dir", default=None, help="where the state files go (default: a temp dir)")
-    args = parser.parse_args(argv)
+    args = check.parse(parser, argv)
     args.reps = args.reps or (3 if args.quick else 11)
     args.steps = args.steps or (10 if args.quick else 40)
     args.cold_steps = args.cold_steps or (2 if args.quick else 5)

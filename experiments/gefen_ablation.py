@@ -42,6 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
+from experiments.harness import check
 from experiments.harness.common import Results, add_common_args
 from experiments.harness.models import char_lm_model
 from experiments.harness.pool import RunPool
@@ -201,6 +202,9 @@ ABLATIONS = {a.name: a for a in [
              peers=("gefen-x", "Gefen-4bit-factored"), **SEEDS),
     Ablation("gefen_ablation_seeds_fp32m", "the factored 8-bit's first moment in fp32 on 15 seeds",
              variants=on_factor("fp32_m"), **SEEDS),
+    Ablation("gefen_ablation_where", "where the factored 8-bit's gap lives on the encoder: v per element on one "
+             "kind of tensor at a time (norms and biases: vectors), 15 seeds", ("encoder",), on_factor(*KINDS, "vectors"),
+             seeds=15),
 ]}
 
 
@@ -282,9 +286,20 @@ def variants_of(ablation: Ablation, size_name: str, args) -> list[str]:
     return list(args.peers) + names
 
 
+def CHECK(args):
+    """--ablation: 2 seeds, a fifth of its steps (at least 150)."""
+    ablation = ABLATIONS[args.ablation]
+    steps = ablation.steps or CHAR_LM[ablation.sizes[0]]["steps"]
+    return {"--seeds": 2, "--steps": max(150, steps // 5)}
+
+
+CHECK_NOTE = ("2 seeds and a fifth of the ablation's steps: which variants move the loss and which way, not by how "
+              "much at the committed length, nor their spread over the committed seeds")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_common_args(parser)
+    add_common_args(parser, check=CHECK, check_note=CHECK_NOTE)
     parser.add_argument("--ablation", "--experiment", dest="ablation", default="gefen_ablation", choices=ABLATIONS,
                         help="a row of ABLATIONS: its settings and results file (default: gefen_ablation)")
     parser.add_argument("--tiny", action="store_true", help="test size (seconds)")
@@ -307,7 +322,7 @@ def main(argv=None):
                         help="the first moment's code width of every Gefen variant (default: the ablation's)")
     parser.add_argument("--jobs", type=int, default=None,
                         help="single-threaded runs at a time (default: 2 for the full run, 1 otherwise)")
-    args = parser.parse_args(argv)
+    args = check.parse(parser, argv)
     torch.set_num_threads(1)
     ablation = ABLATIONS[args.ablation]
     full = not (args.tiny or args.quick)

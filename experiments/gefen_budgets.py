@@ -37,7 +37,8 @@ import json
 import sys
 
 from experiments.harness import budget
-from experiments.harness.common import Results, add_common_args, results_dir
+from experiments.harness import check
+from experiments.harness.common import Results, add_common_args, output_dir
 from experiments.harness.measured_step import (CONFIGS, FIT_STEPS, GPT_SPEC, LEAN, LR, TIMEOUT, available, fit_trial,
                                        model_name, note, train_in_budget, versions, worker_main)
 from experiments.harness.memcg import CGROUP_ROOT, cgroups_usable
@@ -48,6 +49,11 @@ LADDER = {"full": dict(kind="mlp", depth=12, micro_batch=8, max_width=16384, bud
 OPTIMIZERS = ["AdamW", "AdamW+bf16", "torchao-AdamW8bit", "torchao-AdamW4bit", "gefen-upstream", "gefen-x",
               "Gefen-8bit", LEAN]
 QUICK = ["AdamW", LEAN]
+
+
+# the --check size: the full run's flags it overrides (experiments/harness/check.py)
+CHECK = {"--optimizers": ["AdamW", "Gefen-8bit-factored+bf16-sr+in-backward"], "--model-budgets-gib": 0.5}
+CHECK_NOTE = ("AdamW and lean mode only, one model budget: the micro-batch comparison of the claim, not every peer")
 
 
 def search(args, size, config, what, gib, peaks):
@@ -107,21 +113,21 @@ def add_rows(res, what, gib, config, ok, bad, trials, depth):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_common_args(parser)
+    add_common_args(parser, check=CHECK, check_note=CHECK_NOTE)
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--optimizers", nargs="+", default=None, choices=list(CONFIGS),
                         help="default: eight (--quick: AdamW and the lean configuration)")
     parser.add_argument("--mb-budgets-gib", type=float, nargs="+", default=None)
     parser.add_argument("--model-budgets-gib", type=float, nargs="+", default=None)
     parser.add_argument("--jobs", type=int, default=2, help="searches at once (one worker process each)")
-    args = parser.parse_args(argv)
+    args = check.parse(parser, argv)
     if args.worker is not None:
         return worker_main(json.loads(args.worker), {"fit": train_in_budget})
     size = "quick" if args.quick else "full"
     args.mb_budgets_gib = args.mb_budgets_gib or budget.MICRO_BATCH[size]["budgets"]
     args.model_budgets_gib = args.model_budgets_gib or LADDER[size]["budgets"]
     wanted = args.optimizers or (QUICK if args.quick else OPTIMIZERS)
-    folder = args.results_dir or results_dir(args.quick)
+    folder = output_dir(args)
     peaks = budget.read_peaks(folder)
     starts_from = ("the peaks' prediction (gefen_peak_memory.csv beside this run's CSV)" if peaks
                    else f"fixed guesses {budget.GUESS} (no gefen_peak_memory.csv beside this run's CSV)")

@@ -42,6 +42,7 @@ import torch
 
 from experiments.harness import budget
 from experiments.harness.child import run_ranks
+from experiments.harness import check
 from experiments.harness.common import Results, add_common_args, read_results
 from experiments.harness.measured_step import (CONFIGS, GPT_SPEC, LEAN, LR, TIMEOUT, available, build_model,
                                        build_optimizer, fit_trial, make_batch, model_name, note, train_in_budget,
@@ -54,6 +55,11 @@ STEP_DOWN = 1.4  # a run killed for memory is tried again at micro-batch / this,
 SIZES = {"full": dict(equal_micro_batch=8, dist_steps=(1, 3)), "quick": dict(equal_micro_batch=4, dist_steps=(1, 2))}
 OPTIMIZERS = ["AdamW", "AdamW+bf16", "torchao-AdamW8bit", "gefen-upstream", "Gefen-8bit", LEAN]
 QUICK = ["AdamW"]
+
+
+# the --check size: the full run's flags it overrides (experiments/harness/check.py)
+CHECK = {"--optimizers": ["AdamW", "Gefen-8bit"]}
+CHECK_NOTE = ("two optimizers on the full run's model and budget; no row of the claims table reads this experiment")
 
 
 def rank_job(spec):
@@ -196,13 +202,13 @@ def ranks_run(res, args, size, strategy, config, kind, mb, limit):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_common_args(parser)
+    add_common_args(parser, check=CHECK, check_note=CHECK_NOTE)
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--optimizers", nargs="+", default=None, choices=list(CONFIGS),
                         help="default: six (--quick: AdamW)")
     parser.add_argument("--budget-gib", type=float, default=None,
                         help="each rank's memory budget (default: gefen_budgets' first micro-batch budget)")
-    args = parser.parse_args(argv)
+    args = check.parse(parser, argv)
     if args.worker is not None:
         return worker_main(json.loads(args.worker), {"fit": train_in_budget, "dist": rank_job})
     size = "quick" if args.quick else "full"

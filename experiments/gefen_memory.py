@@ -41,10 +41,17 @@ import time
 
 import torch
 
+from experiments.harness import check
 from experiments.harness.common import Results, add_common_args, add_kind_rows
 from experiments.harness.models import MODELS, char_lm_model, model_loss
 from experiments.harness.registry import DENSE, make_optimizer, state_bytes, state_bytes_by_kind
 from experiments.harness.train import CHAR_LM, WEIGHT_DECAY, char_lm_label, char_lm_problem, interleaved, median, train_lm
+
+
+# the --check size: the full run's flags it overrides (experiments/harness/check.py)
+CHECK = {"--repeats": 21}
+CHECK_NOTE = ("the full run's models and optimizers, 21 timed steps where it has 61: the bytes (the verdict) are exact, the "
+              "step times spread wider")
 
 
 def memory_and_time(res, model_name, names, repeats, seed):
@@ -113,7 +120,7 @@ def bytes_by_kind(res, size_name, names, seed):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_common_args(parser)
+    add_common_args(parser, check=CHECK, check_note=CHECK_NOTE)
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads for every optimizer (ours: as many numba threads)")
     parser.add_argument("--repeats", type=int, default=None, help="timed steps per optimizer (default 61, quick 7)")
@@ -123,7 +130,7 @@ def main(argv=None):
     parser.add_argument("--char-lm", nargs="*", default=None, choices=list(CHAR_LM),
                         help=f"convergence models for the bytes by kind of tensor (default: {' '.join(CHAR_LMS)}; "
                              "quick: tiny; none: --char-lm with no size)")
-    args = parser.parse_args(argv)
+    args = check.parse(parser, argv)
     torch.set_num_threads(args.threads)
     if args.optimizers is None:
         args.optimizers = [n for n in DENSE if not (args.quick and n.startswith("torchao"))]

@@ -49,6 +49,7 @@ import sys
 
 import torch
 
+from experiments.harness import check
 from experiments.harness.common import Results, add_common_args
 from experiments.harness.measured_step import (CONFIGS, GPT_SPEC, LEAN, LR, TIMEOUT, available, build_model, build_optimizer,
                                        make_batch, model_name, note, release, run_worker, train_step, versions,
@@ -63,6 +64,12 @@ MODELS = {  # (model spec, micro-batches) of the peaks
     "quick": [(dict(kind="mlp", width=256, depth=12), (8, 64)), (GPT_SPEC["quick"], (4, 16))],
 }
 QUICK = ["AdamW", "Gefen-8bit", LEAN]
+
+
+# the --check size: the full run's flags it overrides (experiments/harness/check.py)
+CHECK = {"--optimizers": ["AdamW", "AdamW+bf16", "Gefen-8bit", "Gefen-8bit-factored+bf16-sr+in-backward"]}
+CHECK_NOTE = ("four of the optimizers on the full run's models: the row's verdict also needs every peer's peak, so it "
+              "is computed only where they are run")
 
 
 def measure_peaks(config, spec, micro_batch, seed):
@@ -144,7 +151,7 @@ def add_rows(res, v, r):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_common_args(parser)
+    add_common_args(parser, check=CHECK, check_note=CHECK_NOTE)
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--optimizers", nargs="+", default=None, choices=list(CONFIGS),
                         help="default: all (--quick: AdamW, Gefen-8bit and the lean configuration)")
@@ -152,7 +159,7 @@ def main(argv=None):
     parser.add_argument("--process-per", choices=["run", "model", "optimizer"], default=None,
                         help="a fresh process per optimizer and model (default), also per micro-batch (run), "
                              "or one for all models (optimizer; --quick's default)")
-    args = parser.parse_args(argv)
+    args = check.parse(parser, argv)
     if args.worker is not None:
         return worker_main(json.loads(args.worker), {"peaks": peaks_job})
     size = "quick" if args.quick else "full"

@@ -62,6 +62,7 @@ import sys
 
 import torch
 
+from experiments.harness import check
 from experiments.harness.common import Results, add_common_args, device_name
 from experiments.harness.models import (GPT2_SIZES, MODELS, Encoder, gpt2_shapes, make_mlp, make_param_set, model_loss,
                                 small_tensor_stack)
@@ -74,6 +75,12 @@ OPTIMIZERS = ["AdamW", "Gefen-8bit", "Gefen-4bit", "Gefen-8bit-factored", "Gefen
 GEFEN = [n for n in OPTIMIZERS if n.startswith("Gefen")]
 SMALL_TENSORS = 160
 LR = 1e-3
+
+
+# the --check size: the full run's flags it overrides (experiments/harness/check.py)
+CHECK = {"--repeats": 21, "--parts": ["cpu", "count"]}
+CHECK_NOTE = ("the CPU and launch-count parts, 21 timed steps where the full run has 61; timings on a machine shared with "
+              "other jobs")
 
 
 def cpu_models(quick: bool) -> dict:
@@ -254,7 +261,7 @@ def gpu_part(res, args):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_common_args(parser)
+    add_common_args(parser, check=CHECK, check_note=CHECK_NOTE)
     parser.add_argument("--parts", nargs="+", default=["cpu", "count", "gpu"], choices=["cpu", "count", "gpu"])
     parser.add_argument("--threads", type=lambda s: [int(t) for t in s.split(",")], default=[1, 2],
                         help="comma list of torch thread counts (Default: 1,2)")
@@ -274,7 +281,7 @@ def main(argv=None):
     parser.add_argument("--gpu-warmup", type=int, default=3)
     parser.add_argument("--dry-run", action="store_true",
                         help="the GPU part on tiny CPU tensors under TRITON_INTERPRET=1 (its code, no measurement)")
-    args = parser.parse_args(argv)
+    args = check.parse(parser, argv)
     if args.dry_run:
         if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
             parser.error("--dry-run needs TRITON_INTERPRET=1 before Triton is imported")

@@ -41,6 +41,7 @@ from experiments.harness._hessian_blocks import FACTORED, SCHEMES, SharedVAdam, 
 from experiments.harness._hessian_models import (
     FlatModel, build_model, hessian, load_text_ids, minibatch_grads, sample_batch,
 )
+from experiments.harness import check
 from experiments.harness.common import Results, add_common_args
 
 NAME = "hessian_alignment"
@@ -55,6 +56,11 @@ QUICK = dict(vocab=12, ctx=8, d_model=12, n_heads=2, d_ff=24, context=2, hidden=
 
 
 # ---------------------------------------------------------------------------- pair statistics
+# the --check size: the full run's flags it overrides (experiments/harness/check.py)
+CHECK = {}
+CHECK_NOTE = ("the full run's size (400 steps, 3 seeds, two small models): the claim itself")
+
+
 def pair_matrices(H: torch.Tensor, G: torch.Tensor):
     """coupling, spread, level, |gradient correlation| [n, n] (float64) and the active mask, from a
     Hessian and [K, n] minibatch gradients.
@@ -256,14 +262,14 @@ def run_model(kind, cfg, data, res, seeds, bar, with_losses=True):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_common_args(parser)
+    add_common_args(parser, check=CHECK, check_note=CHECK_NOTE)
     parser.add_argument("--models", default="transformer,mlp", help="comma list of transformer, mlp")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help=f"override a size/run setting ({', '.join(FULL)}), e.g. --set steps=20")
     parser.add_argument("--skip-losses", action="store_true", help="only pair and block statistics")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (default 1: the models are tiny)")
-    args = parser.parse_args(argv)
+    args = check.parse(parser, argv)
     torch.set_num_threads(args.threads)
     cfg = dict(QUICK if args.quick else FULL)
     for kv in args.set:

@@ -34,6 +34,7 @@ if not __package__:  # run as a file: stop with the install command if the repos
 import argparse
 import sys
 
+from experiments.harness import check
 from experiments.harness.common import Results, add_common_args, read_results
 from experiments.harness.models import GPT2_SIZES, gpt2_shapes
 
@@ -47,6 +48,11 @@ RESOURCE_METRICS = [("regs", "registers", "per thread"), ("spill_stores", "spill
 
 
 # ------------------------------------------------------------------------------------- resources
+# the --check size: the full run's flags it overrides (experiments/harness/check.py)
+CHECK = {}
+CHECK_NOTE = ("the full run's size (every kernel compiled ahead of time): the claim itself")
+
+
 def compile_plan(quick: bool) -> dict:
     """{capability: (cover, stride)} for ``experiments.harness.triton_aot.reports``."""
     if quick:
@@ -172,11 +178,11 @@ def traffic_rows(res, bw: float) -> None:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_common_args(parser)
+    add_common_args(parser, check=CHECK, check_note=CHECK_NOTE)
     parser.add_argument("--bandwidth-from", default=None,
                         help="a GPU run's CSV with a measured copy bandwidth (Default: H200's 4.8 TB/s peak)")
     parser.add_argument("--workers", type=int, default=2, help="compiler processes")
-    args = parser.parse_args(argv)
+    args = check.parse(parser, argv)
     from experiments.harness.triton_aot import reports
 
     bw, source = bandwidth(args.bandwidth_from)

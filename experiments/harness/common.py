@@ -8,14 +8,15 @@ of one commit) with the columns of docs/DESIGN.md::
 
 and ``results/<experiment>.config.json`` beside it: the resolved config, the commit, the device, the
 torch version, the command line and the run's wall time. ``--quick`` runs write under
-``results/quick/`` by default (their analysis draws beside them) and are refused a ``--results-dir``
-that would write over the committed files.
+``results/quick/`` by default (their analysis draws beside them), ``--check`` runs (each script's
+check size, experiments/harness/check.py) under ``results/check/``; both are refused a
+``--results-dir`` that would write over the committed files.
 
 Usage inside an experiment::
 
     parser = argparse.ArgumentParser(description=__doc__)
-    add_common_args(parser)              # --quick, --wandb*, --results-dir, --seed
-    args = parser.parse_args()
+    add_common_args(parser, check=CHECK)  # --quick, --check, --wandb*, --results-dir, --seed
+    args = check.parse(parser)            # --check: the script's CHECK flags, then the command line
     with Results("dsa_throughput", args, config=vars(args)) as res:
         res.add("seed/DiskSparseAdam/warm", "throughput", "samples/s", 1.2e5, x_name="config", x_value="seed")
 """
@@ -43,9 +44,18 @@ FIELDS = [
 ]
 
 
-def results_dir(quick: bool) -> Path:
-    """The default results folder: ``results/quick`` for --quick runs, else ``results``."""
-    return RESULTS_DIR / "quick" if quick else RESULTS_DIR
+def results_dir(quick: bool, check: bool = False) -> Path:
+    """The default results folder: ``results/quick`` for --quick runs, ``results/check`` for --check
+    runs, else ``results``."""
+    return RESULTS_DIR / "quick" if quick else RESULTS_DIR / "check" if check else RESULTS_DIR
+
+
+def output_dir(args) -> Path:
+    """Where a run of ``args`` writes: ``args.results_dir`` if given, else ``results_dir`` of its size
+    (``--tiny`` counts as quick)."""
+    given = getattr(args, "results_dir", None)
+    quick = bool(getattr(args, "quick", False) or getattr(args, "tiny", False))
+    return Path(given) if given else results_dir(quick, bool(getattr(args, "check", False)))
 
 
 def same_file_under(path, folder, outside=None) -> bool:
@@ -60,13 +70,19 @@ def same_file_under(path, folder, outside=None) -> bool:
                if f.is_file() and not (skip and f.resolve().is_relative_to(skip)))
 
 
-def refuse_committed_outputs(folder, names=()) -> None:
-    """Refuse a quick run's outputs on the committed results: ``folder`` inside ``results/`` but
-    outside ``results/quick``, however it is spelled (``..``, a symlink), or a file ``names`` of
+RUN_KINDS = {  # the runs that never write the committed results: their own folder under results/, and why
+    "quick": "a quick run is a smoke test",
+    "check": "a check run tests a claim at a smaller size than the committed run's",
+}
+
+
+def refuse_committed_outputs(folder, names=(), kind: str = "quick") -> None:
+    """Refuse a quick (or check) run's outputs on the committed results: ``folder`` inside ``results/``
+    but outside ``results/<kind>``, however it is spelled (``..``, a symlink), or a file ``names`` of
     ``folder`` that is a committed one under another name (a hard or symbolic link)."""
-    where, committed, quick = Path(folder).resolve(), RESULTS_DIR.resolve(), (RESULTS_DIR / "quick").resolve()
-    why = ("a quick run is a smoke test and never writes the committed results; leave out --results-dir "
-           "(it writes results/quick) or name a folder of its own")
+    where, committed, quick = Path(folder).resolve(), RESULTS_DIR.resolve(), (RESULTS_DIR / kind).resolve()
+    why = (f"{RUN_KINDS[kind]} and never writes the committed results; leave out --results-dir "
+           f"(it writes results/{kind}) or name a folder of its own")
     if where.is_relative_to(committed) and not where.is_relative_to(quick):
         raise ValueError(f"--results-dir {folder}: it is {where}, in the committed results/; {why}")
     for name in names:
@@ -75,13 +91,24 @@ def refuse_committed_outputs(folder, names=()) -> None:
                              f"it); {why}")
 
 
-def add_common_args(parser, default_seed: int = 0):
-    """Flags every experiment takes."""
+def add_common_args(parser, default_seed: int = 0, check=None, check_note: str = ""):
+    """Flags every experiment takes. ``check``: the script's check size, the full run's flags it
+    overrides ({"--steps": 100, ...}, or a function of the parsed arguments returning them), which
+    ``check.parse`` applies for ``--check``; ``check_note``: what that size can and cannot decide of
+    the claim, printed with its verdict."""
+    from experiments.harness.check import describe
+
     parser.add_argument("--quick", action="store_true",
                         help="small sizes; outputs go to results/quick (unless --results-dir)")
+    parser.add_argument("--check", action="store_true",
+                        help="the size that tests the claim in minutes (" + describe(check) + "); outputs go to "
+                             "results/check (unless --results-dir), and the claims' verdicts on them are printed "
+                             "beside the committed run's")
+    parser.check_size = (check if check is not None else {}, check_note)
     tracking.add_args(parser)  # --wandb, --wandb-project, --wandb-entity, --wandb-dir
     parser.add_argument("--results-dir", type=Path, default=None,
-                        help="where the CSV goes (default: results, or results/quick with --quick)")
+                        help="where the CSV goes (default: results, or results/quick with --quick, results/check "
+                             "with --check)")
     parser.add_argument("--seed", type=int, default=default_seed)
     return parser
 
@@ -129,8 +156,9 @@ class Results:
 
     Every ``flush()`` (and the context's exit, also on an exception, so a run that fails late keeps
     what it measured) rewrites the CSV with all rows of this run. The output folder is
-    ``args.results_dir`` if given, else ``results/quick`` for ``args.quick``, else ``results``; a
-    quick (or tiny) run is refused one that would write over the committed results.
+    ``args.results_dir`` if given, else ``results/quick`` for ``args.quick``, ``results/check`` for
+    ``args.check``, else ``results``; a quick (or tiny) or check run is refused one that would write over
+    the committed results, and a check run prints the claims' verdicts on its CSV at its exit.
 
     W&B (experiments/harness/tracking.py): ``self.tracking`` is the experiment's W&B settings, for training
     runs of its configurations (``self.tracking.train_run(...)``, in this or a worker process). The
@@ -143,11 +171,13 @@ class Results:
         import torch
 
         self.experiment = experiment
-        given = getattr(args, "results_dir", None)
         quick = bool(getattr(args, "quick", False) or getattr(args, "tiny", False))
-        self.results_dir = Path(given) if given else results_dir(quick)
-        if quick:
-            refuse_committed_outputs(self.results_dir, [f"{experiment}.csv", f"{experiment}.config.json"])
+        self.check = bool(getattr(args, "check", False)) and not quick
+        self.check_note = getattr(args, "check_note", "")
+        self.results_dir = output_dir(args)
+        if quick or self.check:
+            refuse_committed_outputs(self.results_dir, [f"{experiment}.csv", f"{experiment}.config.json"],
+                                     "quick" if quick else "check")
         self.seed = getattr(args, "seed", "")
         self.device = device_name(device)
         self.torch_version = torch.__version__
@@ -211,6 +241,10 @@ class Results:
         self._run.finish()
         print(f"[{self.experiment}] {len(self.rows)} rows in {self.path}; wall time {self.wall_seconds:.1f} s",
               flush=True)
+        if self.check and exc[0] is None:
+            from experiments.harness.check import report
+
+            print(report(self.experiment, self.results_dir, self.check_note), flush=True)
         return False
 
 
