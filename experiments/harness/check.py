@@ -23,7 +23,7 @@ import re
 import sys
 from pathlib import Path
 
-from experiments.harness.common import RESULTS_DIR
+from experiments.harness.common import REPO_ROOT, RESULTS_DIR
 
 
 def flags(overrides: dict) -> list:
@@ -124,14 +124,18 @@ def results_beside(folder, experiment: str, committed=RESULTS_DIR):
     return Beside(committed)
 
 
+def _shown(path: Path) -> str:
+    """``path`` relative to the repository where it lies inside it."""
+    path = path.resolve()
+    return str(path.relative_to(REPO_ROOT)) if path.is_relative_to(REPO_ROOT) else str(path)
+
+
 def _cells(row, R) -> tuple:
     """(headline: verdict, other experiments read) of one claims row on ``R``, or the reason it cannot be computed."""
-    from analysis.common import ResultsError
-
     R.read = []
     try:
         r = row(R)
-    except (ResultsError, FileNotFoundError, KeyError, ValueError, IndexError, ZeroDivisionError) as exc:
+    except Exception as exc:  # a row the check's smaller run cannot give (a model, a variant it lacks) is said, not raised
         return f"not computable here ({type(exc).__name__}: {exc})", None, list(R.read)
     return f"{r.headline}: {r.verdict}", r.claim, list(R.read)
 
@@ -142,7 +146,8 @@ def report(experiment: str, folder, note: str = "", committed=RESULTS_DIR) -> st
     from analysis.claims_common import Results
 
     folder = Path(folder)
-    head = f"[check] {experiment}: the claims on {folder / experiment}.csv beside {Path(committed) / experiment}.csv"
+    head = (f"[check] {experiment}: the claims on {_shown(folder / experiment)}.csv beside "
+            f"{_shown(Path(committed) / experiment)}.csv")
     lines = [head]
     rows = backed_rows(experiment, committed)
     if not rows:
