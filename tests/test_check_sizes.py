@@ -132,3 +132,15 @@ def test_the_printed_block_says_when_the_check_csv_cannot_give_the_row(tmp_path)
 ])
 def test_a_claims_row_names_the_experiment_its_command_runs(command, experiment):
     assert check._experiment_of(command) == experiment
+
+
+def test_a_check_runs_wandb_runs_are_tagged_check_not_full(tmp_path):
+    from experiments.harness import tracking
+
+    class Args:
+        check, quick, wandb = True, False, "disabled"
+
+    t = tracking.Tracking.from_args("correctness", Args(), root=tmp_path, env={}, config={})
+    assert t.scale == "check"
+    Args.check = False
+    assert tracking.Tracking.from_args("correctness", Args(), root=tmp_path, env={}, config={}).scale == "full"

@@ -5,7 +5,7 @@ uploads offline runs later):
 
 - one **training run** per trained configuration (experiment, model, optimizer, lr, seed), job type
   "train", named ``<experiment>/<model>/<optimizer>/lr<lr>/s<seed>``, grouped by experiment, tagged
-  (experiment, optimizer, "quick" or "full"), its config the experiment's config, the
+  (experiment, optimizer, "quick", "check" or "full"), its config the experiment's config, the
   configuration's hyper-parameters and ``environment()`` (commit, device, versions of torch and the
   peers). Its history holds numbers only, logged live at the experiment's logging interval against
   ``train/step``; its summary is set explicitly at the end (``final/*``, ``best/*``, ``mean/*``),
@@ -264,6 +264,7 @@ class Tracking:
     quick: bool = False
     env: dict = field(default_factory=dict)
     config: dict = field(default_factory=dict)
+    check: bool = False  # a --check run (experiments/harness/check.py)
 
     @classmethod
     def from_args(cls, experiment: str, args, *, root: Path, env: dict, config: dict) -> "Tracking":
@@ -275,7 +276,8 @@ class Tracking:
         given = getattr(args, "wandb_dir", None)
         return cls(experiment, mode, getattr(args, "wandb_project", None) or PROJECT,
                    getattr(args, "wandb_entity", None), str(Path(given) if given else root),
-                   bool(getattr(args, "quick", False) or getattr(args, "tiny", False)), dict(env), dict(config))
+                   bool(getattr(args, "quick", False) or getattr(args, "tiny", False)), dict(env), dict(config),
+                   check=bool(getattr(args, "check", False)))
 
     @property
     def enabled(self) -> bool:
@@ -283,7 +285,7 @@ class Tracking:
 
     @property
     def scale(self) -> str:
-        return "quick" if self.quick else "full"
+        return "quick" if self.quick else "check" if self.check else "full"
 
     def for_experiment(self, experiment: str) -> "Tracking":
         return replace(self, experiment=experiment)
