@@ -44,7 +44,7 @@ def flags(overrides: dict) -> list:
 def describe(check) -> str:
     """The check size in words for ``--help``: its flags, or that it is the full run's size."""
     if callable(check):
-        return "flags chosen per " + (check.__doc__ or "configuration").strip().split("\n")[0].rstrip(".")
+        return "flags chosen per " + " ".join((check.__doc__ or "configuration").split()).rstrip(".")
     return " ".join(flags(check or {})) or "the full run's size"
 
 
@@ -68,11 +68,11 @@ def parse(parser, argv=None):
 def _experiment_of(command: str):
     """The experiment a claims row's command runs: ``--experiment`` / ``--ablation`` NAME, else the
     script's name; None for a command that is no experiment script (the GPU checks)."""
-    m = re.search(r"experiments/(\w+)\.py((?:\s+--?[\w-]+(?:\s+[^-\s`]\S*)*)*)", command)
-    if not m:
+    script = re.search(r"experiments/(\w+)\.py", command)
+    if not script:
         return None
-    named = re.search(r"--(?:experiment|ablation)\s+(\w+)", m.group(2))
-    return named.group(1) if named else m.group(1)
+    named = re.search(r"--(?:experiment|ablation)\s+(\w+)", command[script.end():])
+    return named.group(1) if named else script.group(1)
 
 
 def _mine(name: str, experiment: str) -> bool:
