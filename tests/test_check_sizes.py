@@ -144,3 +144,16 @@ def test_a_check_runs_wandb_runs_are_tagged_check_not_full(tmp_path):
     assert t.scale == "check"
     Args.check = False
     assert tracking.Tracking.from_args("correctness", Args(), root=tmp_path, env={}, config={}).scale == "full"
+
+
+def test_a_check_run_prints_its_rows_verdict_beside_the_committed_one_at_its_exit(tmp_path, capsys):
+    class Args:
+        check, quick, results_dir, wandb, check_note = True, False, tmp_path, "disabled", "a tiny size"
+
+    with Results("correctness", Args()) as res:
+        for variant, metric, x_value, value in correctness_rows(0.5):
+            res.add(variant, metric, "", value, x_name="step", x_value=x_value)
+    out = capsys.readouterr().out
+    assert "check:                max abs error 0.5 after 7 steps (numba and torch backends): not met" in out
+    assert "committed (full run): max abs error 0 after " in out  # the committed results/correctness.csv
+    assert out.rstrip().endswith("check size: a tiny size")
