@@ -37,6 +37,8 @@ ROWS = claims_dsa.ROWS + claims_gefen.ROWS
 GLOSSARY = """Terms used in the table:
 
 - **×**: times as fast as the baseline named (above 1: faster). **B/param**: bytes per parameter.
+- **vs AdamW's loss**: the final validation loss over AdamW's of the same seed, as a percentage above it (below: better);
+  every convergence and ablation row, figure and section gives the median over seeds.
 - **the seed**: the Disk Sparse Adam article's own benchmark: a 1M × 128 Poincaré-ball embedding table, batch 2048.
 - **fresh / warm / cold**: DSA's state file just created (fresh), in the page cache (warm), or its pages dropped so
   every step reads the disk (cold). **QD32**: the disk's random-read rate with 32 reads in flight.

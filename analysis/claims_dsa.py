@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import math
+
+from analysis import dsa_distributed as distributed
+from analysis import dsa_seed_benchmark as seed_benchmark
+from analysis import poincare
+from analysis import dsa_throughput as throughput
 from analysis.common import ResultsError, select
 from analysis.dsa_out_of_core import ISSUE_BASELINE as OOC_BASELINE
 from analysis.claims_common import Row, cmd, fig, gib, joined, listed, mib, sci, thousands, times
@@ -34,18 +40,17 @@ def _table_configs(R, e):
 
 def dsa_speed(R):
     e, cs = "dsa_throughput", ("seed", "kg")
-    warm = [R.need(e, "DiskSparseAdam_warm/SparseAdam", f"{c}/ratio") for c in cs]
-    fresh = [R.need(e, "DiskSparseAdam_fresh/SparseAdam_fresh", f"{c}/ratio") for c in cs]
-    cold = [R.need(e, "throughput", f"{c}/DiskSparseAdam/cold") / R.need(e, "throughput", f"{c}/SparseAdam")
-            for c in cs]
+    ratio = throughput.speeds(R.rows(e, "throughput", "DiskSparseAdam_warm/SparseAdam"))
+    warm, fresh, cold = ratio["warm"], ratio["fresh"], ratio["cold"]
+    if not all(map(math.isfinite, warm + fresh + cold)):
+        raise ResultsError(f"{R.dir / e}.csv: no warm, fresh or cold throughput of {cs}; rerun experiments/{e}.py")
     built = [R.need(e, "throughput_with_construction", f"{c}/DiskSparseAdam/fresh")
              / R.need(e, "throughput_with_construction", f"{c}/SparseAdam/fresh") for c in cs]
     loose = [R.need(e, "DiskSparseAdam_warm_fused/SparseAdam", f"{c}/ratio") for c in cs]
     bound = [R.need(e, "DiskSparseAdam_cold/disk_bound", f"{c}/ratio") for c in cs]
     verdict = ("faster when the state is cached; slower from a cold disk" if min(warm + fresh) > 1 > max(cold)
                else "measured")
-    head = (f"warm {times(warm[0])} / {times(warm[1])}, fresh {times(fresh[0])} / {times(fresh[1])}, "
-            f"cold {times(cold[0])} / {times(cold[1])} SparseAdam (seed / KG)")
+    head = throughput.speed_headline(R.rows(e))
     detail = (f"Tables ({_table_configs(R, e)}). SparseAdam keeps its state in RAM in every condition; DSA's state "
               "is in files: fresh (a new optimizer on a new state directory, against a new SparseAdam), warm (in the "
               f"page cache) or cold (pages dropped). Warm with `bitwise=False`: {joined(loose, times)}. With the construction "
@@ -81,8 +86,7 @@ def dsa_seed_benchmark(R):
               "The seed's loss function is not given; the one used here matches its first loss. On the GPU run the "
               f"same optimizer ran {thousands(gpu)} samples/s.")
     return Row(f"The seed's benchmark, end to end ({c['epochs']} epochs)", verdict,
-               f"{thousands(last['value'])} samples/s in epoch {last['x_value']:g} on one CPU thread "
-               f"(the seed: {thousands(SEED_GPU_SAMPLES_PER_S)} on a GPU)", fig(e), cmd(f"python experiments/{e}.py"),
+               seed_benchmark.headline(R.rows(e), R.run(e)), fig(e), cmd(f"python experiments/{e}.py"),
                detail)
 
 
@@ -118,9 +122,8 @@ def dsa_no_device_memory(R):
               f"{anon[0]:.1f} / {anon[1]:.3f} MiB of anonymous RAM added by DSA, against SparseAdam's "
               f"{mib(ram[0], 0)} / {mib(ram[1], 0)} of RAM. On CUDA, weights stage their rows through pinned buffers "
               "of O(rows per batch) (`opt.device_staging_bytes()`).")
-    return Row("DSA state costs no accelerator memory", verdict,
-               f"GPU memory beyond the weights: {dsa:.1f} MiB (SparseAdam {ref:.1f} MiB); "
-               f"{anon[0]:.1f} MiB of anonymous RAM on CPU (seed)", fig("dsa_throughput"),
+    return Row("DSA state costs no accelerator memory", verdict, throughput.memory_headline(R.rows(e), R.rows(g)),
+               fig("dsa_throughput"),
                cmd("python experiments/dsa_throughput.py"), detail)
 
 
@@ -208,8 +211,7 @@ def dsa_distributed(R):
               "saved state exactly and that a killed rank's directory is refused on restart; DDP equals SparseAdam to "
               "the same tolerance. Under DDP every rank holds the whole table and its state.")
     return Row("DSA tables sharded by rows exchange little", f"measured on {ranks:g} ranks; beyond them, on paper",
-               f"{top['value'] / 2 ** 20:.2f} MiB sent per rank and step at {top['x_value']:g} ranks "
-               f"(DDP {ddp / 2 ** 20:,.0f} MiB)", fig(e), cmd(f"python experiments/{e}.py"), detail)
+               distributed.headline(R.rows(e)), fig(e), cmd(f"python experiments/{e}.py"), detail)
 
 
 def dsa_poincare(R):
@@ -224,8 +226,7 @@ def dsa_poincare(R):
     detail = (f"In float64 on a real hierarchy, each optimizer at the same settings; the published clip-into-the-ball "
               f"mode (`DiskSparseAdam+clip`) reaches a MAP of at most {clip:.3f}.")
     return Row("Riemannian DSA follows geoopt", "reproduced" if diff <= MAP_TOL else "not met",
-               f"MAP {' / '.join(f'{m:.3f}' for m in ours)} at d = {' / '.join(f'{d:g}' for d in dims)}; "
-               f"largest difference from geoopt's {diff:.1e}", fig(e), cmd(f"python experiments/{e}.py"), detail)
+               poincare.headline(R.rows(e)), fig(e), cmd(f"python experiments/{e}.py"), detail)
 
 
 # ---------------------------------------------------------------------------------- Gefen rows

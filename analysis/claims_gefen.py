@@ -7,6 +7,8 @@ import statistics
 
 from analysis.common import GEFEN_TARGET_BPP, TARGET_WIDTH, ResultsError, select
 from analysis.gefen_ablation import REPORT as ABLATIONS_REPORT
+from analysis import codebook, convergence
+from analysis import gefen_memory as memory
 from analysis import gefen_peak_memory as peak_memory
 from analysis.gefen_memory import TARGET_FACTORED_STEP
 from analysis.gefen_speed import TARGET_CPU, TARGET_SMALL
@@ -33,7 +35,7 @@ def gefen_memory(R):
               f"times on the MLP ({mlp[0]:.3f} B/param). The section adds every peer's bytes, the bytes by kind of tensor "
               "and the CPU step times.")
     return Row("Gefen keeps about 1 B/param of state (AdamW: 8)", verdict,
-               f"8-bit {b8:.3f}, 4-bit {b4:.3f} B/param; AdamW {adamw:.3f} (transformer)", fig(e),
+               memory.headline(R.rows(e)), fig(e),
                cmd(f"python experiments/{e}.py"), detail)
 
 
@@ -44,35 +46,35 @@ def _model_prefix(model) -> str:
 
 def gefen_quality(R):
     e = "convergence"
-    gaps = [R.need(e, "val_loss_vs_adamw_mean", "Gefen-8bit", x_value=m) for m in MODELS]
+    gaps = [R.need(e, "val_loss_vs_adamw_median", "Gefen-8bit", x_value=m) for m in MODELS]
     within = sum(g - 1 <= QUALITY_TOL for g in gaps)
     verdict = (f"reproduced with caveats: within {QUALITY_TOL:.0%} on {within} of {len(gaps)} models"
                if within else "not met")
     parts = []
     for m, name in MODELS.items():
-        g8, g4 = (R.need(e, "val_loss_vs_adamw_mean", f"Gefen-{b}", x_value=m) for b in ("8bit", "4bit"))
+        g8, g4 = (R.need(e, "val_loss_vs_adamw_median", f"Gefen-{b}", x_value=m) for b in ("8bit", "4bit"))
         seeds = R.values(e, "val_loss_vs_adamw", "Gefen-8bit", x_value=m)
         ok = sum(s - 1 <= QUALITY_TOL for s in seeds)
         parts.append(f"{pct(g8)} / {pct(g4)} ({name}, {len(seeds)} seeds, {ok} of them within {QUALITY_TOL:.0%} at 8 bits)")
-    upstream = [f"{pct(R.need(e, 'val_loss_vs_adamw_mean', 'gefen-upstream', x_value=m))} ({name})"
-                for m, name in MODELS.items() if select(R.rows(e), "val_loss_vs_adamw_mean", "gefen-upstream", x_value=m)]
-    detail = (f"Validation loss over AdamW's, mean over seeds, 8-bit / 4-bit: {'; '.join(parts)}; upstream `gefen` "
+    upstream = [f"{pct(R.need(e, 'val_loss_vs_adamw_median', 'gefen-upstream', x_value=m))} ({name})"
+                for m, name in MODELS.items() if select(R.rows(e), "val_loss_vs_adamw_median", "gefen-upstream", x_value=m)]
+    detail = (f"Validation loss over AdamW's, median over seeds paired by seed, 8-bit / 4-bit: {'; '.join(parts)}; upstream `gefen` "
               f"{listed(upstream)}. Each optimizer runs at its best lr of a grid.")
     return Row("Gefen trains at AdamW's quality", verdict,
-               f"8-bit {' / '.join(pct(g) for g in gaps)} vs AdamW's loss ({' / '.join(MODELS.values())}; mean of seeds)",
+               f"8-bit {' / '.join(pct(g) for g in gaps)} vs AdamW's loss ({' / '.join(MODELS.values())}; median of seeds)",
                fig(e), cmd(f"python experiments/{e}.py"), detail)
 
 
 def gefen_ablation(R):
     e = "gefen_ablation"
-    every = R.need(e, "val_loss_vs_adamw_mean", "all")
-    shared = R.need(e, "val_loss_vs_adamw_mean", "none")
+    every = R.median(e, "val_loss_vs_adamw", "all")
+    shared = R.median(e, "val_loss_vs_adamw", "none")
     prose = "char-gpt-429k-docstrings/"
 
     def mean(v):
-        return R.need(e, "val_loss_vs_adamw_mean", v)
+        return R.median(e, "val_loss_vs_adamw", v)
 
-    kinds = sorted({r["variant"][len(prose + "factored+"):] for r in select(R.rows(e), "val_loss_vs_adamw_mean")
+    kinds = sorted({r["variant"][len(prose + "factored+"):] for r in select(R.rows(e), "val_loss_vs_adamw")
                     if r["variant"].startswith(prose + "factored+")})
     base = mean(prose + "factored")
     moves = [abs(mean(f"{prose}factored+{k}") - base) for k in kinds]
@@ -82,7 +84,7 @@ def gefen_ablation(R):
               f"attention input matrices alone {pct(mean('attn_qkv'))} / {pct(mean(prose + 'attn_qkv'))}; the factored "
               f"second moment {pct(mean('factored'))} / {pct(base)}, and per-element v on any one kind of tensor on top of "
               f"it moves the prose model by at most {max(moves) * 100:.2f} points (its seeds' standard deviation: "
-              f"{spread * 100:.1f} points). Means over seeds.")
+              f"{spread * 100:.1f} points). Medians over seeds, paired by seed.")
     return Row("… the gap is the shared second moment", "found here",
                f"v per element everywhere: {pct(every)} vs AdamW's loss (shared v: {pct(shared)}; {MODELS['char-gpt-116k']} model)",
                fig(e), cmd(f"python experiments/{e}.py"), detail)
@@ -97,23 +99,14 @@ def _layout(R, e, layout, protocols=("", "dropin/"), prefix="", **where):
 
 
 def _factored(R, e, model, prefix=""):
-    """(8-bit, 4-bit) median loss ratios, worst of both protocols, and mean state B/param. Where the
-    runs on many seeds have ``model`` (``_seeds_prefix``), they give the drop-in protocol's median, and
-    the other's where an optimizer's best lr is AdamW's: they hold the convergence run's seeds and more."""
-    names = [f"Gefen-{b}-factored" for b in ("8bit", "4bit")]
-    loss, state = _layout(R, e, "factored", prefix=prefix, x_value=model)
-    seeds = _seeds_prefix(R, model)
-    if seeds is None:
-        return loss, state
-    best = {r["variant"]: r["value"] for r in select(R.rows(e, "best_lr"), "best_lr")}
-    many = [R.median(SEEDS, "val_loss_vs_adamw", seeds + v) for v in SEEDS_NAMES]
-    own = [many[k] if best[prefix + n] == best[prefix + "AdamW"] else
-           R.need(e, "val_loss_vs_adamw_median", n, x_value=model) for k, n in enumerate(names)]
-    return [max(a, b) for a, b in zip(own, many)], state
+    """(8-bit, 4-bit) loss ratios of the factored layout (``convergence.factored_loss``, the figure's
+    numbers) and its mean state B/param."""
+    seeds = R.rows(SEEDS, "val_loss_vs_adamw") if convergence.seeds_prefix(model) is not None else None
+    loss = convergence.factored_loss(R.rows(e, "val_loss_vs_adamw_median"), model, prefix, seeds)
+    return loss, [_state(R, e, prefix + f"Gefen-{b}-factored") for b in ("8bit", "4bit")]
 
 
-SEEDS = "gefen_ablation_seeds"  # the drop-in protocol on many seeds
-SEEDS_NAMES = ("factored", "Gefen-4bit-factored")  # its factored 8-bit and 4-bit
+SEEDS, SEEDS_NAMES = convergence.SEEDS, convergence.SEEDS_NAMES  # the drop-in protocol on many seeds
 
 
 def _seeds_count(R) -> int:
@@ -123,8 +116,7 @@ def _seeds_count(R) -> int:
 
 def _seeds_prefix(R, model):
     """The variant prefix of convergence model ``model`` (a label) in the runs on many seeds, or None."""
-    c = R.config(SEEDS)
-    return "" if c["label"] == model else f"{model}/" if model in (c.get("extra") or {}) else None
+    return convergence.seeds_prefix(model)
 
 
 def _state(R, e, variant):
@@ -171,7 +163,7 @@ def _factored_detail(R, e):
     prose = list(MODELS)[-1]
     spread = R.values(e, "val_loss_vs_adamw", "Gefen-8bit-factored", x_value=prose)
     at = {p: {b: [med(f"{p}Gefen-{b}-factored", m) for m in MODELS] for b in ("8bit", "4bit")} for p in ("", "dropin/")}
-    published = [R.need(e, "val_loss_vs_adamw_mean", "Gefen-8bit", x_value=m) for m in MODELS]
+    published = [R.need(e, "val_loss_vs_adamw_median", "Gefen-8bit", x_value=m) for m in MODELS]
     share = next(v for v in variants_of(R, e, "val_loss_vs_adamw_median") if v.startswith("dropin/gefen-x@"))
     gx = {"own": [med("gefen-x", m) for m in MODELS], "dropin": [med("dropin/gefen-x", m) for m in MODELS],
           "share": [med(share, m) for m in MODELS]}
@@ -191,7 +183,7 @@ def _factored_detail(R, e):
             f"per model ({' / '.join(names)}): each optimizer at its best lr of a grid {joined(at['']['8bit'], pct)} and "
             f"{joined(at['']['4bit'], pct)}; under the drop-in protocol (AdamW's lr for all) {joined(at['dropin/']['8bit'], pct)} "
             f"and {joined(at['dropin/']['4bit'], pct)}. The prose model's seeds spread {pct_range(spread)} at 8 bits (the "
-            f"optimizers differ in when a loss plateau ends). Published Gefen {joined(published, pct)} (8-bit, means); "
+            f"optimizers differ in when a loss plateau ends). Published Gefen {joined(published, pct)} (8-bit); "
             f"gefen-x {joined(gx['own'], pct)} at its best lr, {joined(gx['dropin'], pct)} at AdamW's, and {joined(gx['share'], pct)} at "
             f"the {_lr_share(share)} its README advises. So the factored 8-bit reaches gefen-x's loss on "
             f"{listed(reach['8bit']) or 'none of the models'}, the 4-bit on {listed(reach['4bit']) or 'none'}. "
@@ -456,19 +448,14 @@ def gefen_bf16(R):
 
 def gefen_codebook(R):
     e = "codebook_dp"
-    rows = R.rows(e, "cost_rel_diff_vs_upstream", "speedup_vs_upstream")
-    diff = max(abs(r["value"]) for r in select(rows, "cost_rel_diff_vs_upstream"))
-    fast = [r for r in select(rows, "speedup_vs_upstream") if r["variant"].startswith("ours-numba/")]
-    top = max(fast, key=lambda r: (float(r["x_value"]), r["variant"]))
-    levels = top["variant"].split("/K")[-1]
-    numpy = R.need(e, "speedup_vs_upstream", top["variant"].replace("numba", "numpy"), x_value=top["x_value"])
-    detail = (f"Upstream's optimum to {sci(diff)} (relative cost) at every size measured; the numpy path "
-              f"{times(numpy, 0)} upstream's speed at the same size. The section adds the codebooks' quantisation "
-              "error against absmax and dynamic codes.")
-    return Row("Gefen's codebook DP is exact", "reproduced, faster" if diff < 1e-6 else "not met",
-               f"largest relative cost difference from upstream {diff:.1g}; {times(top['value'], 0)} upstream's speed "
-               f"at {int(float(top['x_value'])):,} bins × {levels} levels", fig("codebook"), cmd(f"python experiments/{e}.py"),
-               detail)
+    rows = R.rows(e, "cost_rel_diff_vs_upstream", codebook.SPEED)
+    top = codebook.fastest(rows)
+    numpy = R.need(e, codebook.SPEED, top["variant"].replace("numba", "numpy"), x_value=top["bins"])
+    detail = (f"Upstream's optimum to {sci(top['diff'])} (relative cost) at every size measured; the numpy path "
+              f"{times(numpy, 0)} upstream's speed at the same size (speeds: upstream's CPU time / ours). The section "
+              "adds the codebooks' quantisation error against absmax and dynamic codes.")
+    return Row("Gefen's codebook DP is exact", "reproduced, faster" if top["diff"] < 1e-6 else "not met",
+               codebook.headline(rows), fig("codebook"), cmd(f"python experiments/{e}.py"), detail)
 
 
 def gefen_speed(R):

@@ -164,20 +164,68 @@ def _ratio(rows, stat, variant, **where) -> float:
 
 
 def quality_headline(rows, config) -> str:
-    """The published 8-bit Gefen on every model of the run, mean over seeds (the claims table's "Gefen
-    trains at AdamW's quality")."""
-    models = list(dict.fromkeys(r["x_value"] for r in select(rows, "val_loss_vs_adamw_mean", "Gefen-8bit")))
-    gaps = [pct(_ratio(rows, "mean", "Gefen-8bit", x_value=m)) for m in models]
+    """The published 8-bit Gefen on every model of the run, median over seeds paired by seed (the
+    claims table's "Gefen trains at AdamW's quality")."""
+    models = list(dict.fromkeys(r["x_value"] for r in select(rows, "val_loss_vs_adamw_median", "Gefen-8bit")))
+    gaps = [pct(_ratio(rows, "median", "Gefen-8bit", x_value=m)) for m in models]
     return (f"{label_of('Gefen-8bit')}: {' / '.join(gaps)} over AdamW's loss "
-            f"({' / '.join(model_short(m) for m in models)}; mean of seeds, each at its best lr)")
+            f"({' / '.join(model_short(m) for m in models)}; median of seeds, each at its best lr)")
+
+
+SEEDS = "gefen_ablation_seeds"  # the drop-in protocol on many seeds (experiments/gefen_ablation.py), read beside a run
+SEEDS_NAMES = ("factored", "Gefen-4bit-factored")  # its factored 8-bit and 4-bit variants
+
+
+def seeds_prefix(model: str):
+    """The variant prefix of convergence model ``model`` (a label) in the runs on many seeds: "" for
+    the ablation's first size, "<label>/" for another, None where they did not train it."""
+    from experiments.gefen_ablation import ABLATIONS
+    from experiments.harness.train import CHAR_LM, char_lm_label
+
+    labels = [char_lm_label(CHAR_LM[s]) for s in ABLATIONS[SEEDS].sizes]
+    return None if model not in labels else "" if model == labels[0] else f"{model}/"
+
+
+def factored_loss(rows, model, prefix="", seeds_rows=None) -> list:
+    """[8-bit, 4-bit] factored Gefen's loss ratio on ``model``: the worse of both protocols' medians
+    over seeds paired by seed (``model`` the x value; ``prefix`` its variants' in the best-lr rows). Where the runs on many seeds
+    (``seeds_rows``) trained ``model``, they give the drop-in protocol's median, and the other's
+    where that protocol's best lr is AdamW's: they hold this run's seeds and more."""
+    names = [f"Gefen-{b}-factored" for b in ("8bit", "4bit")]
+    loss = [max(_ratio(rows, "median", p + n, x_value=model) for p in ("", DROPIN)) for n in names]
+    many_prefix = seeds_prefix(model)
+    if not seeds_rows or many_prefix is None:
+        return loss
+    best = {r["variant"]: r["value"] for r in select(rows, "best_lr")}
+    many = [statistics.median(r["value"] for r in select(seeds_rows, "val_loss_vs_adamw", many_prefix + v))
+            for v in SEEDS_NAMES]
+    own = [m if best[prefix + n] == best[prefix + "AdamW"] else _ratio(rows, "median", n, x_value=model)
+           for m, n in zip(many, names)]
+    return [max(a, b) for a, b in zip(own, many)]
+
+
+def _models(rows) -> list:
+    """[(model label, variant prefix)] of a convergence run: its first model unprefixed."""
+    labels = list(dict.fromkeys(r["x_value"] for r in select(rows, "val_loss_vs_adamw_median")))
+    return [(m, "" if k == 0 else f"{m}/") for k, m in enumerate(labels)]
 
 
 def factored_headline(rows, config) -> str:
-    """The factored 8-bit and 4-bit, the worse of both protocols' medians over seeds (the claims table's
-    rows of the models Gefen was not tuned on)."""
-    worst = [max(_ratio(rows, "median", p + f"Gefen-{b}-factored") for p in ("", DROPIN)) for b in ("8bit", "4bit")]
-    return (f"Gefen factored (ours): 8-bit {pct(worst[0])}, 4-bit {pct(worst[1])} vs AdamW's loss "
-            "(median of seeds, the worse of both protocols)")
+    """The factored 8-bit and 4-bit on every model of the run, ``factored_loss`` (the claims table's
+    rows of the factored layout)."""
+    seeds = (config.get("other_rows") or {}).get(SEEDS)
+    models = _models(rows)
+    losses = [factored_loss(rows, m, p, seeds) for m, p in models]
+    many = [m for m, _ in models if seeds and seeds_prefix(m) is not None]
+    return (f"Gefen factored (ours): 8-bit {' / '.join(pct(x[0]) for x in losses)}, 4-bit "
+            f"{' / '.join(pct(x[1]) for x in losses)} vs AdamW's loss (median of seeds, the worse of both protocols"
+            + (f"; drop-in: {len({r['seed'] for r in seeds})} seeds on {', '.join(map(model_short, many))}" if many else "")
+            + ")")
+
+
+def quality_and_factored_headline(rows, config) -> str:
+    """The main run's title: the published 8-bit (``quality_headline``), then ours (``factored_headline``)."""
+    return quality_headline(rows, config) + "; " + factored_headline(rows, config)
 
 
 def bf16_headline(rows, config) -> str:
@@ -330,8 +378,8 @@ def _verdicts(rel, bpp_of, widths):
                              f"{fmt(bpp_of(m, published), 4)}).")
             else:
                 within = sum(1 for v in seeds if v - 1 <= TARGET)
-                lines.append(f"- {name} on {m}: {(mean - 1):+.2%} against AdamW (mean over seeds); within "
-                             f"{TARGET:.0%} on {within} of {len(seeds)} seeds, worse than AdamW on {worse}.")
+                lines.append(f"- {name} on {m}: median {(med - 1):+.2%} (mean {(mean - 1):+.2%}) against AdamW; "
+                             f"within {TARGET:.0%} on {within} of {len(seeds)} seeds, worse than AdamW on {worse}.")
     return lines
 
 
@@ -486,8 +534,8 @@ def _untuned(rows, c, prefixes, rel):
 
 
 REPORT = Report("convergence", "convergence", "Gefen: convergence at AdamW's quality", body,
-                functools.partial(draw, headline=quality_headline),
-                metrics=("final_val_loss", "val_loss", "best_lr"))
+                functools.partial(draw, headline=quality_and_factored_headline),
+                metrics=("final_val_loss", "val_loss", "best_lr"), reads=(SEEDS,))
 
 
 def arch_report(arch: str, name: str = "", more: str = "") -> Report:
@@ -495,7 +543,8 @@ def arch_report(arch: str, name: str = "", more: str = "") -> Report:
     ``ARCH_TEXT``; ``more`` ends its title."""
     name = name or f"convergence_{arch}"
     return Report(name, name, f"Gefen where it was not tuned: the {ARCH_TEXT[arch].split(' (')[0]}{more}", body,
-                  functools.partial(draw, headline=factored_headline), metrics=("final_val_loss", "val_loss", "best_lr"))
+                  functools.partial(draw, headline=factored_headline), metrics=("final_val_loss", "val_loss", "best_lr"),
+                  reads=(SEEDS,))
 
 
 def arch_main(report: Report, doc: str):

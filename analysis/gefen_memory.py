@@ -51,9 +51,17 @@ def _dots(ax, rows, metric, names, scale=1.0):
     ax.tick_params(axis="x", labelsize=8)
 
 
+def headline(rows) -> str:
+    """The claims table's headline: Gefen's 8-bit and 4-bit state and AdamW's on the transformer."""
+    b8, b4, adamw = (value(rows, "state_bytes_per_param", n, x_value="transformer")
+                     for n in ("Gefen-8bit", "Gefen-4bit", "AdamW"))
+    return f"8-bit {b8:.3f}, 4-bit {b4:.3f} B/param; AdamW {adamw:.3f} (transformer)"
+
+
 def finding(rows):
-    """The title: the Gefen variant nearest its byte target, and the slowest Gefen step × AdamW's."""
-    parts = []
+    """The title: the claims table's headline, the Gefen variant nearest its byte target, and the
+    slowest Gefen step × AdamW's."""
+    parts = [f"Gefen's state {headline(rows)}"]
     over = [(value(rows, "state_bytes_per_param", n, x_value=m) - t, n, m) for n, t in TARGET_BPP.items()
             for m in models(rows) if math.isfinite(value(rows, "state_bytes_per_param", n, x_value=m))]
     if over:
@@ -67,7 +75,7 @@ def finding(rows):
     if steps:
         v, n, m = max(steps)
         parts.append(f"slowest Gefen CPU step {v:.1f}× AdamW's ({n}, {m}; target at most {TARGET_STEP:g}×)")
-    return ("; ".join(parts) or "Gefen's state bytes and step time").capitalize()
+    return "; ".join(parts)
 
 
 def draw(rows, out, config):
