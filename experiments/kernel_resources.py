@@ -50,7 +50,8 @@ RESOURCE_METRICS = [("regs", "registers", "per thread"), ("spill_stores", "spill
 # ------------------------------------------------------------------------------------- resources
 # the --check size: the full run's flags it overrides (experiments/harness/check.py)
 CHECK = {}
-CHECK_NOTE = ("the full run's size (every kernel compiled ahead of time): the claim itself")
+CHECK_NOTE = ("the full run's size (every kernel compiled ahead of time); the rows' headlines and verdicts come from "
+              "the GPU runs (results/gpu/), this experiment gives their detail: compiled resources, predicted traffic")
 
 
 def compile_plan(quick: bool) -> dict:
