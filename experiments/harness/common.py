@@ -80,13 +80,13 @@ def refuse_committed_outputs(folder, names=(), kind: str = "quick") -> None:
     """Refuse a quick (or check) run's outputs on the committed results: ``folder`` inside ``results/``
     but outside ``results/<kind>``, however it is spelled (``..``, a symlink), or a file ``names`` of
     ``folder`` that is a committed one under another name (a hard or symbolic link)."""
-    where, committed, quick = Path(folder).resolve(), RESULTS_DIR.resolve(), (RESULTS_DIR / kind).resolve()
+    where, committed, own = Path(folder).resolve(), RESULTS_DIR.resolve(), (RESULTS_DIR / kind).resolve()
     why = (f"{RUN_KINDS[kind]} and never writes the committed results; leave out --results-dir "
            f"(it writes results/{kind}) or name a folder of its own")
-    if where.is_relative_to(committed) and not where.is_relative_to(quick):
+    if where.is_relative_to(committed) and not where.is_relative_to(own):
         raise ValueError(f"--results-dir {folder}: it is {where}, in the committed results/; {why}")
     for name in names:
-        if same_file_under(where / name, committed, outside=quick):
+        if same_file_under(where / name, committed, outside=own):
             raise ValueError(f"--results-dir {folder}: its {name} is a file of the committed results/ (a link to "
                              f"it); {why}")
 
