@@ -71,6 +71,10 @@ class Results:
                                f"rerun experiments/{experiment.split('/')[-1]}.py")
         return pick(rows, key=lambda r: float(r["x_value"]))
 
+    def variants(self, experiment, metric) -> list:
+        """The variants that have ``metric``, in the run's order."""
+        return list(dict.fromkeys(r["variant"] for r in select(self.rows(experiment, metric), metric)))
+
     def median(self, experiment, metric, variant, **where) -> float:
         return statistics.median(self.values(experiment, metric, variant, **where))
 
@@ -88,6 +92,57 @@ def load_rows_check(rows, experiment, results_dir, metrics):
     if missing:
         raise ResultsError(f"{Path(results_dir) / experiment}.csv: no rows of metric(s) {missing}; "
                            f"rerun experiments/{experiment.split('/')[-1]}.py")
+
+
+# --------------------------------------------------------------------- loss ratios paired by seed
+def seed_change(R, e, short, variant, seeds):
+    """(mean, standard error) in points of ``variant``'s loss ratio in ``e`` less its ratio in
+    ``short``, paired by seed over ``seeds``."""
+    ratio = [{r["seed"]: r["value"] for r in select(R.rows(x, "val_loss_vs_adamw"), "val_loss_vs_adamw", variant)}
+             for x in (e, short)]
+    d = [(ratio[0][k] - ratio[1][k]) * 100 for k in sorted(seeds) if k in ratio[0] and k in ratio[1]]
+    if len(d) < 2:
+        raise ResultsError(f"{R.dir / e}.csv, {R.dir / short}.csv: fewer than two seeds of {variant} in both")
+    return statistics.fmean(d), statistics.stdev(d) / math.sqrt(len(d))
+
+
+TAIL = 3  # evaluations at the end of a run whose loss ratios a tail mean averages
+
+
+def tail_ratio(R, e, variant, seeds, base="dropin/AdamW"):
+    """Median over ``seeds`` of ``variant``'s mean loss ratio to ``base`` over the run's last ``TAIL``
+    evaluations, paired by seed and step: less sensitive than the final loss to one evaluation."""
+    curves = {v: {} for v in (variant, base)}
+    for v in curves:
+        for r in select(R.rows(e, "val_loss"), "val_loss", v):
+            if r["seed"] in seeds:
+                curves[v].setdefault(r["seed"], {})[r["x_value"]] = r["value"]
+    per_seed = []
+    for k, own in curves[variant].items():
+        steps = sorted(own)[-TAIL:]
+        if len(steps) < TAIL or any(x not in curves[base].get(k, {}) for x in steps):
+            raise ResultsError(f"{R.dir / e}.csv: no val_loss of {base} at {variant}'s last steps (seed {k})")
+        per_seed.append(statistics.fmean(own[x] / curves[base][k][x] for x in steps))
+    if not per_seed:
+        raise ResultsError(f"{R.dir / e}.csv: no val_loss of {variant}")
+    return statistics.median(per_seed)
+
+
+# ------------------------------------------------------------------------------------ test reports
+def junit_counts(path) -> dict:
+    """Passed, failed and skipped counts of a pytest JUnit XML file."""
+    import xml.etree.ElementTree as ET
+
+    try:
+        suites = ET.parse(path).getroot().iter("testsuite")
+    except (OSError, ET.ParseError) as exc:
+        raise ResultsError(f"{path}: not a test report ({exc})") from None
+    n = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
+    for s in suites:
+        for k in n:
+            n[k] += int(s.get(k, 0))
+    return {"passed": n["tests"] - n["failures"] - n["errors"] - n["skipped"],
+            "failed": n["failures"] + n["errors"], "skipped": n["skipped"]}
 
 
 # ------------------------------------------------------------------------------------- formatting

@@ -6,15 +6,14 @@ import math
 import statistics
 
 from analysis.common import GEFEN_TARGET_BPP, TARGET_WIDTH, ResultsError, select
-from analysis.gefen_ablation import REPORT as ABLATIONS_REPORT
 from analysis import codebook, convergence
+from analysis import gefen_ablation as ablations
 from analysis import gefen_memory as memory
 from analysis import gefen_peak_memory as peak_memory
 from analysis.gefen_memory import TARGET_FACTORED_STEP
 from analysis.gefen_speed import TARGET_CPU, TARGET_SMALL
-from experiments.gefen_ablation import REFRESH_EVERY
-from analysis.claims_common import (Row, cmd, fig, joined, listed, median_over_seeds, pct, pct_range, points, sci,
-                                   signed, span, times)
+from analysis.claims_common import (TAIL, Row, cmd, fig, joined, junit_counts, listed, median_over_seeds, pct,
+                                   pct_range, points, sci, seed_change, signed, span, tail_ratio, times)
 
 LOSS_TARGET = {"8bit": 0.003, "4bit": 0.006}  # factored Gefen: loss within +0.3% / +0.6% of AdamW's
 BF16_TARGET = 0.005  # bf16 weights with stochastic rounding: within +0.5% of fp32 AdamW's loss
@@ -66,57 +65,81 @@ def gefen_quality(R):
 
 
 def gefen_ablation(R):
-    e = "gefen_ablation"
-    every = R.median(e, "val_loss_vs_adamw", "all")
-    shared = R.median(e, "val_loss_vs_adamw", "none")
-    prose = "char-gpt-429k-docstrings/"
-
-    def mean(v):
-        return R.median(e, "val_loss_vs_adamw", v)
-
-    kinds = sorted({r["variant"][len(prose + "factored+"):] for r in select(R.rows(e), "val_loss_vs_adamw")
-                    if r["variant"].startswith(prose + "factored+")})
-    base = mean(prose + "factored")
-    moves = [abs(mean(f"{prose}factored+{k}") - base) for k in kinds]
-    spread = statistics.median(R.values(e, "val_loss_vs_adamw_std", prose + "factored"))
-    detail = (f"Per-element v everywhere leaves {pct(every)} ({MODELS['char-gpt-116k']}) and {pct(mean(prose + 'all'))} "
-              f"({MODELS[prose[:-1]]}); on the "
-              f"attention input matrices alone {pct(mean('attn_qkv'))} / {pct(mean(prose + 'attn_qkv'))}; the factored "
-              f"second moment {pct(mean('factored'))} / {pct(base)}, and per-element v on any one kind of tensor on top of "
-              f"it moves the prose model by at most {max(moves) * 100:.2f} points (its seeds' standard deviation: "
-              f"{spread * 100:.1f} points). Medians over seeds, paired by seed.")
+    e, model = "gefen_ablation", next(iter(MODELS))
+    every, shared = (ablation_row(R, e, v, model).median for v in ("all", "none"))
     return Row("… the gap is the shared second moment", "found here",
-               f"v per element everywhere: {pct(every)} vs AdamW's loss (shared v: {pct(shared)}; {MODELS['char-gpt-116k']} model)",
-               fig(e), cmd(f"python experiments/{e}.py"), detail)
+               f"v per element everywhere: {pct(every)} vs AdamW's loss (shared v: {pct(shared)}; {MODELS[model]} model)",
+               fig(e), cmd(f"python experiments/{e}.py"), ablations_text(R, "gefen_ablation"))
 
 
-def _layout(R, e, layout, protocols=("", "dropin/"), prefix="", **where):
-    """(8-bit, 4-bit) median loss ratios of Gefen-<bits>-``layout``, the worst of ``protocols``
-    (variant prefixes), and their mean state B/param (variants ``prefix`` + name)."""
-    names = [f"Gefen-{b}-{layout}" for b in ("8bit", "4bit")]
-    loss = [max(R.need(e, "val_loss_vs_adamw_median", p + n, **where) for p in protocols) for n in names]
-    return loss, [_state(R, e, prefix + n) for n in names]
+# ------------------------------------------------------------------------------ the ablations' numbers
+SEEDS_ABLATIONS = (convergence.SEEDS, f"{convergence.SEEDS}_fp32m")  # the drop-in protocol on many seeds
+# the ablations (experiments/gefen_ablation.py's ABLATIONS) each row's detail quotes:
+# row -> [(ablation, the model label it quotes, or None: every model the ablation ran)]
+RESTS_ON = {
+    "gefen_ablation": [("gefen_ablation", None)],
+    "gefen_factored": [(a, "char-gpt-116k") for a in SEEDS_ABLATIONS],
+    "gefen_encoder": [(a, "char-encoder-430k") for a in ("gefen_ablation_arch", *SEEDS_ABLATIONS)],
+    "gefen_llama": [("gefen_ablation_arch", "char-llama-427k")],
+    "gefen_long": [("gefen_ablation_long", None), ("gefen_ablation_long_best", None)],
+    "gefen_layout": [(a, None) for a in (
+        "gefen_ablation_layout", "gefen_ablation_column", "gefen_ablation_vectors", "gefen_ablation_4bit",
+        "gefen_ablation_refresh", "gefen_ablation_refresh_models", "gefen_ablation_factor16", "gefen_ablation_vectors4",
+        "gefen_ablation_scales4", "gefen_ablation_leave_out4")],
+}
+
+
+def ablation_summary(R, name, model=None) -> list:
+    """The summary rows (analysis/gefen_ablation.py's ``SummaryRow``s) of ablation ``name``, of ``model``
+    only where given; at least one."""
+    rows = R.rows(name, ablations.METRIC)  # read first: the row's section in the index is its first read's
+    memory = R.rows(ablations.MEMORY, "state_bytes_per_param_of_kind", "params_of_kind")
+    out = [s for s in ablations.summarise({name: rows}, memory, {"config": R.config(ablations.FIRST)})
+           if model in (None, s.model)]
+    if not out:
+        raise ResultsError(f"{R.dir / name}.csv: no {ablations.METRIC} of model {model}; "
+                           f"rerun python experiments/gefen_ablation.py --ablation {name}")
+    return out
+
+
+def ablation_row(R, name, variant, model=None):
+    """The summary row of ``variant`` in ablation ``name`` (its first model, or ``model``)."""
+    rows = ablation_summary(R, name, model)
+    row = next((s for s in rows if s.variant == variant and s.model == rows[0].model), None)
+    if row is None:
+        raise ResultsError(f"{R.dir / name}.csv: no {ablations.METRIC} of {variant}; "
+                           f"rerun python experiments/gefen_ablation.py --ablation {name}")
+    return row
+
+
+def seeds_worse(R, name, variant) -> tuple:
+    """(on how many seeds, of how many) ``variant`` of ablation ``name``'s first model has a larger loss
+    ratio than the ablation's reference, paired by seed."""
+    data = ablations.ratios(R.rows(name, ablations.METRIC), "")
+    diffs = ablations.paired_diffs(data, variant, ablations.reference(data)) if variant in data else []
+    if not diffs:
+        raise ResultsError(f"{R.dir / name}.csv: no seed-paired {ablations.METRIC} of {variant} and its reference")
+    return sum(d > 0 for d in diffs), len(diffs)
+
+
+def _seeds_count(R, model) -> int:
+    """How many seeds the drop-in protocol on many seeds ran ``model`` on."""
+    return ablation_row(R, convergence.SEEDS, "factored", model).seeds
+
+
+def ablations_text(R, row) -> str:
+    """The ablations claims row ``row`` (a function's name) rests on (``RESTS_ON``), a sentence each."""
+    return ("From the ablations (a variant's loss over AdamW's, median over seeds; in brackets its change against "
+            "the reference paired by seed, mean ± s.e. in points, and a named layout's state B/param): "
+            + " ".join(ablations.sentence(ablation_summary(R, name, model)) for name, model in RESTS_ON[row]))
 
 
 def _factored(R, e, model, prefix=""):
     """(8-bit, 4-bit) loss ratios of the factored layout (``convergence.factored_loss``, the figure's
     numbers) and its mean state B/param."""
-    seeds = R.rows(SEEDS, "val_loss_vs_adamw") if convergence.seeds_prefix(model) is not None else None
+    seeds = R.rows(convergence.SEEDS, "val_loss_vs_adamw") if convergence.seeds_prefix(model) is not None else None
     loss = convergence.factored_loss(R.rows(e, "val_loss_vs_adamw_median"), model, prefix, seeds)
     return loss, [_state(R, e, prefix + f"Gefen-{b}-factored") for b in ("8bit", "4bit")]
-
-
-SEEDS, SEEDS_NAMES = convergence.SEEDS, convergence.SEEDS_NAMES  # the drop-in protocol on many seeds
-
-
-def _seeds_count(R) -> int:
-    """How many seeds the runs on many seeds have."""
-    return len(R.config(SEEDS)["seeds"])
-
-
-def _seeds_prefix(R, model):
-    """The variant prefix of convergence model ``model`` (a label) in the runs on many seeds, or None."""
-    return convergence.seeds_prefix(model)
 
 
 def _state(R, e, variant):
@@ -126,12 +149,14 @@ def _state(R, e, variant):
 
 def _compact(R, e, protocols, **where) -> str:
     """The sentence on Gefen-X's-bytes layout (``layout="compact"``) in convergence experiment ``e``:
-    each width's median loss ratio, the worst of ``protocols`` (variant prefixes), and its state; empty
+    each width's median loss ratio, the worst of ``protocols`` (variant prefixes), and its mean state; empty
     where the run has no compact rows."""
-    have = set(variants_of(R, e, "val_loss_vs_adamw_median"))
+    have = set(R.variants(e, "val_loss_vs_adamw_median"))
     if not all(f"{p}Gefen-{b}-compact" in have for p in protocols for b in ("8bit", "4bit")):
         return ""
-    loss, state = _layout(R, e, "compact", protocols, protocols[0], **where)
+    names = [f"Gefen-{b}-compact" for b in ("8bit", "4bit")]
+    loss = [max(R.need(e, "val_loss_vs_adamw_median", p + n, **where) for p in protocols) for n in names]
+    state = [_state(R, e, protocols[0] + n) for n in names]
     return (f" The compact layout (gefen-x's bytes or fewer): 8-bit {pct(loss[0])}, 4-bit {pct(loss[1])} at "
             f"{state[0]:.3f} / {state[1]:.3f} B/param.")
 
@@ -164,7 +189,7 @@ def _factored_detail(R, e):
     spread = R.values(e, "val_loss_vs_adamw", "Gefen-8bit-factored", x_value=prose)
     at = {p: {b: [med(f"{p}Gefen-{b}-factored", m) for m in MODELS] for b in ("8bit", "4bit")} for p in ("", "dropin/")}
     published = [R.need(e, "val_loss_vs_adamw_median", "Gefen-8bit", x_value=m) for m in MODELS]
-    share = next(v for v in variants_of(R, e, "val_loss_vs_adamw_median") if v.startswith("dropin/gefen-x@"))
+    share = next(v for v in R.variants(e, "val_loss_vs_adamw_median") if v.startswith("dropin/gefen-x@"))
     gx = {"own": [med("gefen-x", m) for m in MODELS], "dropin": [med("dropin/gefen-x", m) for m in MODELS],
           "share": [med(share, m) for m in MODELS]}
     state = [[_state(R, e, _model_prefix(m) + f"Gefen-{b}-factored") for m in MODELS] for b in ("8bit", "4bit")]
@@ -200,17 +225,14 @@ def _factored_detail(R, e):
             "and a tiled matrix is stepped as several tensors).")
 
 
-def variants_of(R, e, metric):
-    return list(dict.fromkeys(r["variant"] for r in select(R.rows(e, metric), metric)))
-
-
 def gefen_factored(R):
     e = "convergence"
     prefixes = ["", "char-gpt-1266k/", "char-gpt-429k-docstrings/"]
     out = [_factored(R, e, m, p) for m, p in zip(MODELS, prefixes)]
     loss_ok, bytes_word = _factored_verdict([o[0] for o in out], [o[1] for o in out])
     names = list(MODELS.values())
-    many = {n: f" ({_seeds_count(R)} seeds)" if _seeds_prefix(R, m) is not None else "" for m, n in zip(MODELS, names)}
+    many = {n: f" ({_seeds_count(R, m)} seeds)" if convergence.seeds_prefix(m) is not None else ""
+            for m, n in zip(MODELS, names)}
     met = [n + many[n] for n, ok in zip(names, loss_ok) if ok]
     missed = [n + many[n] for n, ok in zip(names, loss_ok) if not ok]
     verdict = (f"loss met on {', '.join(met) or 'none'}" + (f"; not on {', '.join(missed)}" if missed else "")
@@ -219,43 +241,21 @@ def gefen_factored(R):
             f"8-bit state {' / '.join(f'{o[1][0]:.2f}' for o in out)} B/param ({' / '.join(names)})")
     return Row("Gefen at AdamW's loss with a factored second moment (ours), both protocols", verdict, head,
                fig(e), cmd(f"python experiments/{e}.py"),
-               " ".join([_factored_detail(R, e), *(_many_seeds(R, m) for m in MODELS if _seeds_prefix(R, m) is not None)]))
+               f"{_factored_detail(R, e)} {ablations_text(R, 'gefen_factored')}")
 
 
-def _ablation_arch(R, prefix):
-    """What the committed architecture ablation finds for one model: medians by seed."""
-    a = "gefen_ablation_arch"
-
-    def med(v):
-        return R.median(a, "val_loss_vs_adamw", prefix + v)
-
-    kinds = sorted({r["variant"][len(prefix + "factored+"):] for r in select(R.rows(a, "val_loss_vs_adamw"), "val_loss_vs_adamw")
-                    if r["variant"].startswith(prefix + "factored+") and "/" not in r["variant"][len(prefix):]})
-    fp32 = [k for k in kinds if k.startswith("fp32")]
-    kinds = [k for k in kinds if k not in fp32]
-    moved = sorted((med("factored+" + k), k) for k in kinds)
-    seeds = sorted({r["seed"] for r in select(R.rows(a), "val_loss_vs_adamw", prefix + "factored")}, key=str)
-    spread = statistics.median(R.values(a, "val_loss_vs_adamw_std", prefix + "factored"))
-    return (f"The committed ablation (section \"Gefen: what the factored second moment leaves\", seeds "
-            f"{', '.join(map(str, seeds))}, AdamW's lr) puts the factored 8-bit at {pct(med('factored'))} and v per "
-            f"element everywhere at {pct(med('all'))}: per-element v on any one kind of matrix on top of the factor "
-            f"moves the median between {pct(moved[0][0])} (`{moved[0][1]}`) and {pct(moved[-1][0])} (`{moved[-1][1]}`), "
-            f"the first moment in fp32 {pct(med('factored+' + fp32[0])) if fp32 else '—'}; the factored run's seeds have "
-            f"a standard deviation of {spread * 100:.2f} points.")
-
-
-def _untuned(R, e, model, claim, about, ablation_prefix):
-    """A row of a model Gefen was not tuned on; ``about`` says what the architecture is, in words."""
+def _untuned(R, e, model, claim, about, row):
+    """Claims row ``row`` (a function's name), of a model Gefen was not tuned on; ``about`` says what
+    the architecture is, in words."""
     loss, state = _factored(R, e, model)
     loss_ok, bytes_word = _factored_verdict([loss], [state])
     verdict = ("loss met" if loss_ok[0] else "loss not met") + f"; {bytes_word}"
-    many = f"; drop-in: {_seeds_count(R)} seeds" if _seeds_prefix(R, model) is not None else ""
+    many = f"; drop-in: {_seeds_count(R, model)} seeds" if convergence.seeds_prefix(model) is not None else ""
     head = (f"8-bit {pct(loss[0])}, 4-bit {pct(loss[1])} vs AdamW (both protocols{many}); {state[0]:.2f} / "
             f"{state[1]:.2f} B/param")
     return Row(claim, verdict, head, fig(e), cmd(f"python experiments/convergence.py --experiment {e}"),
                _untuned_detail(R, e, model, about, state) + _compact(R, e, ("", "dropin/"), x_value=model) + " "
-               + _ablation_arch(R, ablation_prefix)
-               + ("" if _seeds_prefix(R, model) is None else " " + _many_seeds(R, model)))
+               + ablations_text(R, row))
 
 
 def _untuned_detail(R, e, model, about, state):
@@ -268,7 +268,7 @@ def _untuned_detail(R, e, model, about, state):
     def med(v):
         return R.need(e, "val_loss_vs_adamw_median", v, x_value=model)
 
-    share = next(v for v in variants_of(R, e, "val_loss_vs_adamw_median") if v.startswith("dropin/gefen-x@"))
+    share = next(v for v in R.variants(e, "val_loss_vs_adamw_median") if v.startswith("dropin/gefen-x@"))
     seeds = {b: R.values(e, "val_loss_vs_adamw", f"Gefen-{b}-factored", x_value=model) for b in ("8bit", "4bit")}
     gx_state = _state(R, e, "gefen-x")
     against = [f"the {b}-bit {'beats' if med(f'Gefen-{b}bit-factored') < med('gefen-x') else 'trails'} its loss at "
@@ -293,13 +293,14 @@ def gefen_encoder(R):
     return _untuned(R, "convergence_encoder", "char-encoder-430k",
                     "… on a model it was not tuned on (pre-norm `nn.TransformerEncoderLayer`)",
                     "an encoder stack with the fused q/k/v `in_proj_weight` under a causal mask; the factored second "
-                    "moment in square tiles of rows, q, k and v a column factor each, one v per element of a vector", "")
+                    "moment in square tiles of rows, q, k and v a column factor each, one v per element of a vector",
+                    "gefen_encoder")
 
 
 def gefen_llama(R):
     return _untuned(R, "convergence_llama", "char-llama-427k", "… on a Llama-style model",
                     "RMSNorm, SwiGLU, rotary positions, no biases, an untied head; the only tiles in the gate and up "
-                    "projections", "char-llama-427k/")
+                    "projections", "gefen_llama")
 
 
 def gefen_long(R):
@@ -310,7 +311,7 @@ def gefen_long(R):
                                 f"dropin/Gefen-{b}-factored", seeds) for b in ("8bit", "4bit")]
     if not all(math.isfinite(b) for b in before):
         raise ResultsError(f"{R.dir / short}.csv: no val_loss_vs_adamw of the factored Gefens' seeds {sorted(seeds)}")
-    change = [_seed_change(R, e, short, f"dropin/Gefen-{b}-factored", seeds) for b in ("8bit", "4bit")]
+    change = [seed_change(R, e, short, f"dropin/Gefen-{b}-factored", seeds) for b in ("8bit", "4bit")]
     grew = [(a - b) * 100 for a, b in zip(long, before)]
     verdict = ("met" if not any(g > 0 for g in grew) else
                f"not met by the median: the factored gaps grow {' / '.join(signed(g) for g in grew)} points; "
@@ -319,67 +320,12 @@ def gefen_long(R):
                f"8-bit {pct(long[0])} ({R.config(short)['steps']:,} steps: {pct(before[0])}), 4-bit {pct(long[1])} "
                f"({pct(before[1])}) vs AdamW",
                fig(e), cmd(f"python experiments/convergence.py --experiment {e}"),
-               " ".join([_long_detail(R, e, short, best, seeds) + _compact(R, e, ("dropin/",)), _long_best(R)]))
-
-
-def _seed_change(R, e, short, variant, seeds):
-    """(mean, standard error) in points of ``variant``'s loss ratio in ``e`` less its ratio in
-    ``short``, paired by seed over ``seeds``."""
-    ratio = [{r["seed"]: r["value"] for r in select(R.rows(x, "val_loss_vs_adamw"), "val_loss_vs_adamw", variant)}
-             for x in (e, short)]
-    d = [(ratio[0][k] - ratio[1][k]) * 100 for k in sorted(seeds) if k in ratio[0] and k in ratio[1]]
-    if len(d) < 2:
-        raise ResultsError(f"{R.dir / e}.csv, {R.dir / short}.csv: fewer than two seeds of {variant} in both")
-    return statistics.fmean(d), statistics.stdev(d) / math.sqrt(len(d))
-
-
-def _mean_se(xs) -> str:
-    """"mean ± standard error" in points of loss ratios ``xs`` less 1."""
-    d = [(x - 1) * 100 for x in xs]
-    return f"{signed(statistics.fmean(d))} ± {statistics.stdev(d) / math.sqrt(len(d)):.2f}"
-
-
-def _many_seeds(R, model):
-    """The sentence on convergence model ``model``'s drop-in protocol at many seeds (SEEDS and its
-    _fp32m run): each optimizer's median loss ratio and mean ± standard error over seeds, and the
-    factored 8-bit's first moment in fp32 paired with its codes."""
-    e, f, prefix = SEEDS, f"{SEEDS}_fp32m", _seeds_prefix(R, model)
-    names = dict(zip(SEEDS_NAMES, ("factored 8-bit", "factored 4-bit")), **{"gefen-x": "gefen-x"})
-    ratios = {v: R.values(e, "val_loss_vs_adamw", prefix + v) for v in names}
-    fp32 = R.values(f, "val_loss_vs_adamw", prefix + "factored+fp32_m")
-    codes = _paired(R, f, prefix + "factored", prefix + "factored+fp32_m")
-    return (f"On {len(ratios['factored'])} seeds of {model}'s drop-in protocol (section \"{ABLATIONS_REPORT.title}\", the first "
-            f"of them these runs'; median, then mean ± s.e. in points): "
-            + ", ".join(f"{w} {pct(statistics.median(ratios[v]))} ({_mean_se(ratios[v])})" for v, w in names.items())
-            + f"; the factored 8-bit with its first moment in fp32 {pct(statistics.median(fp32))} "
-            f"({_mean_se(fp32)}), so its 8-bit codes cost {_mean_se([1 + d for d in codes])} points, paired by seed.")
-
-
-TAIL = 3  # evaluations at the end of a run whose loss ratios a tail mean averages
-
-
-def _tail_ratio(R, e, variant, seeds, base="dropin/AdamW"):
-    """Median over ``seeds`` of ``variant``'s mean loss ratio to ``base`` over the run's last ``TAIL``
-    evaluations, paired by seed and step: less sensitive than the final loss to one evaluation."""
-    curves = {v: {} for v in (variant, base)}
-    for v in curves:
-        for r in select(R.rows(e, "val_loss"), "val_loss", v):
-            if r["seed"] in seeds:
-                curves[v].setdefault(r["seed"], {})[r["x_value"]] = r["value"]
-    per_seed = []
-    for k, own in curves[variant].items():
-        steps = sorted(own)[-TAIL:]
-        if len(steps) < TAIL or any(x not in curves[base].get(k, {}) for x in steps):
-            raise ResultsError(f"{R.dir / e}.csv: no val_loss of {base} at {variant}'s last steps (seed {k})")
-        per_seed.append(statistics.fmean(own[x] / curves[base][k][x] for x in steps))
-    if not per_seed:
-        raise ResultsError(f"{R.dir / e}.csv: no val_loss of {variant}")
-    return statistics.median(per_seed)
+               _long_detail(R, e, short, best, seeds) + _compact(R, e, ("dropin/",)) + " " + ablations_text(R, "gefen_long"))
 
 
 def _long_detail(R, e, short, best, seeds):
     names = ["dropin/Gefen-8bit-factored", "dropin/Gefen-4bit-factored", "dropin/gefen-x"]
-    share = next(v for v in variants_of(R, e, "val_loss_vs_adamw_median") if v.startswith("dropin/gefen-x@"))
+    share = next(v for v in R.variants(e, "val_loss_vs_adamw_median") if v.startswith("dropin/gefen-x@"))
 
     def per_seed(x, v):
         """{seed: loss ratio} of variant ``v`` in experiment ``x``, on this run's seeds."""
@@ -419,10 +365,10 @@ def _long_detail(R, e, short, best, seeds):
             f"and {pct(mean(e, names[0]))} (factored 8-bit), within {len(seeds)} seeds' spread. Paired by seed, the "
             f"change from {steps[1]:,} to {steps[0]:,} steps (mean ± standard error, points): "
             + ", ".join(f"{w} {signed(m)} ± {se:.2f}"
-                        for w, (m, se) in zip(words, (_seed_change(R, e, short, v, seeds) for v in names)))
+                        for w, (m, se) in zip(words, (seed_change(R, e, short, v, seeds) for v in names)))
             + f". Averaged over each run's last {TAIL} evaluations ({R.config(e)['eval_every']} steps apart) "
             "instead of the final one, the medians are " + ", ".join(
-                f"{w} {pct(_tail_ratio(R, e, v, seeds))} (from {pct(_tail_ratio(R, short, v, seeds))})"
+                f"{w} {pct(tail_ratio(R, e, v, seeds))} (from {pct(tail_ratio(R, short, v, seeds))})"
                 for w, v in zip(words, names)) + ". State "
             f"{_state(R, e, names[0]):.3f} / {_state(R, e, names[1]):.3f} B/param (gefen-x {_state(R, e, names[2]):.3f}).")
 
@@ -547,22 +493,6 @@ def gefen_hessian(R):
                detail)
 
 
-def _junit(path) -> dict:
-    """Passed, failed and skipped counts of a pytest JUnit XML file."""
-    import xml.etree.ElementTree as ET
-
-    try:
-        suites = ET.parse(path).getroot().iter("testsuite")
-    except (OSError, ET.ParseError) as exc:
-        raise ResultsError(f"{path}: not a test report ({exc})") from None
-    n = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
-    for s in suites:
-        for k in n:
-            n[k] += int(s.get(k, 0))
-    return {"passed": n["tests"] - n["failures"] - n["errors"] - n["skipped"], "failed": n["failures"] + n["errors"],
-            "skipped": n["skipped"]}
-
-
 def gefen_gpu(R):
     g, k = "gpu/gefen_kernels", "kernel_resources"
     rows = select(R.rows(g, "speedup_vs_AdamW"), "speedup_vs_AdamW", "Gefen-8bit/fp32")
@@ -585,8 +515,8 @@ def gefen_gpu(R):
                         if r["variant"].startswith(f"predicted/Gefen-8bit/{d}/")) for d in ("fp32", "bf16")}
     copy = R.values(g, "bandwidth", "copy")[0]
     c = R.config(g)
-    tests = _junit(R.dir / "gpu" / "kernel_tests.xml")
-    moves = _junit(R.dir / "gpu" / "device_moves.xml")
+    tests = junit_counts(R.dir / "gpu" / "kernel_tests.xml")
+    moves = junit_counts(R.dir / "gpu" / "device_moves.xml")
     detail = (f"`Gefen.step()` against fused AdamW's step, median of {c['reps']} steps: "
               f"{' / '.join(f'{a:.1f} vs {b:.2f} ms' for a, b in zip(ms['Gefen-8bit/fp32'], ms['AdamW/fp32']))} at "
               f"{label} fp32 parameters ({joined(step, times)} AdamW's speed); bf16 parameters "
@@ -615,186 +545,37 @@ WIDE = TARGET_WIDTH  # the width from which COMPACT_TARGET holds
 
 
 def _total_bytes(R, label, name):
-    """State bytes per parameter of optimizer ``name`` on convergence model ``label``: gefen_memory's
-    bytes by kind weighted by each kind's parameters ("shared" over the model)."""
-    e, kinds = "gefen_memory", ("matrix", "embedding", "vector", "shared")
-    counts = {k: R.need(e, "params_of_kind", f"{label}/{name}", x_value=k) for k in kinds}
-    n = sum(counts[k] for k in kinds[:3])
-    return sum(_by_kind(R, label, name, k) * (counts[k] if k != "shared" else n) for k in kinds) / n
-
-
-# each layout option alone on the factor: (experiment, variant, words)
-LAYOUT_ALONE = [("gefen_ablation_layout", "factored+scale_rows", "row-group scales"),
-                ("gefen_ablation_column", "factored+whole_w", "one column factor a matrix"),
-                ("gefen_ablation_vectors", "factored+vec_v", "v shared on vectors"),
-                ("gefen_ablation_vectors", "factored+rows_v", "v over whole rows of rule-less matrices")]
-
-
-def _paired(R, e, variant, base="factored"):
-    """The loss ratio of ``variant`` less ``base``'s, seed by seed, in experiment ``e``."""
-    seeds = {v: {r["seed"]: r["value"] for r in select(R.rows(e, "val_loss_vs_adamw"), "val_loss_vs_adamw", v)}
-             for v in (base, variant)}
-    if not seeds[base] or seeds[base].keys() != seeds[variant].keys():
-        raise ResultsError(f"{R.dir / e}.csv: no seed-paired val_loss_vs_adamw of {base} and {variant}")
-    return [seeds[variant][k] - seeds[base][k] for k in sorted(seeds[base])]
-
-
-def _four_bit_scales(R):
-    """The sentence on the row-group scales under 4-bit codes (gefen_ablation_4bit): each variant's
-    median loss ratio and the 512-element layout paired with the 2,048-element one."""
-    e = "gefen_ablation_4bit"
-    names = {"factored": "factored", "factored+scale_rows": "row-group scales of 2,048 elements",
-             "factored+scale_rows512": "of 512", "factored+layout": "the layout with 2,048",
-             "factored+layout512": "with 512 (Gefen-4bit-compact's)"}
-    med = {v: statistics.median(r["value"] for r in select(R.rows(e, "val_loss_vs_adamw"), "val_loss_vs_adamw", v))
-           for v in names}
-    short = [a - b for a, b in zip(_paired(R, e, "factored+layout512"),
-                                   _paired(R, e, "factored+layout"))]
-    return (f"Under 4-bit codes (encoder, {R.config(e)['steps']:,} steps, median over {len(short)} seeds): "
-            + ", ".join(f"{w} {pct(med[v])}" for v, w in names.items())
-            + f"; the 512-element layout paired with the 2,048 one {pct(1 + statistics.fmean(short))} on the mean "
-            f"(better on {sum(d < 0 for d in short)} of {len(short)}).")
-
-
-def _codebook_refresh(R):
-    """The sentence on the codebook learned again under 4-bit codes (gefen_ablation_refresh): each
-    layout's median loss ratio without and with it, and the change paired by seed."""
-    e = "gefen_ablation_refresh"
-    parts = [f"{words} {_before_after(R, e, base, new)}"
-             for words, base, new in (("factored", "factored", "factored+refresh"),
-                                      ("compact (512-element scales)", "factored+layout512",
-                                       "factored+layout512_refresh"))]
-    return (f"With the codebook learned again every {REFRESH_EVERY} steps "
-            f"(`codebook_refresh_every`; encoder, 4-bit codes, {R.config(e)['steps']:,} steps, median over "
-            f"{len(R.values(e, 'val_loss_vs_adamw', 'factored'))} seeds): " + "; ".join(parts) + ".")
-
-
-def _before_after(R, e, base, new):
-    """``base``'s median loss ratio -> ``new``'s in experiment ``e``, and their difference paired by
-    seed: its mean and on how many seeds ``new`` is better."""
-    rows = R.rows(e, "val_loss_vs_adamw")
-    d = _paired(R, e, new, base)
-    before, after = (median_over_seeds(rows, "val_loss_vs_adamw", v) for v in (base, new))
-    return (f"{pct(before)} -> {pct(after)} "
-            f"(paired {pct(1 + statistics.fmean(d))} on the mean, better on {sum(x < 0 for x in d)} of {len(d)})")
-
-
-def _refresh_models(R):
-    """The sentence on the codebook learned again under 4-bit codes on every convergence configuration
-    (gefen_ablation_refresh_models): per model the factored 4-bit's median without and with it."""
-    e = "gefen_ablation_refresh_models"
-    c = R.config(e)
-    labels = [c["label"], *c["extra"]]
-    prefixes = ["", *(f"{m}/" for m in labels[1:])]
-    return (f"The same on the {len(labels)} convergence configurations, each at its steps and AdamW's best lr "
-            f"there (factored 4-bit, median over {len(R.values(e, 'val_loss_vs_adamw', 'factored'))} seeds): "
-            + "; ".join(f"{m} {_before_after(R, e, p + 'factored', p + 'factored+refresh')}"
-                        for m, p in zip(labels, prefixes)) + ".")
-
-
-def _medians_and_pairs(R, e, intro, names, pairs, option=""):
-    """One sentence on an ablation ``e`` of the encoder: ``intro`` (``option``: the keyword it names),
-    its code width, steps and lr, each variant's median loss ratio (``names``: variant -> words) and,
-    paired by seed, the mean difference of each of ``pairs`` ((words, variant, base))."""
-    rows = R.rows(e, "val_loss_vs_adamw")
-    med = {v: median_over_seeds(rows, "val_loss_vs_adamw", v) for v in names}
-    diffs = [(words, _paired(R, e, new, base)) for words, new, base in pairs]
-    c = R.config(e)
-    return (f"{intro} ({option + '; ' if option else ''}encoder, {c.get('bits') or 8}-bit codes, {c['steps']:,} steps, "
-            f"lr {c['lr']:g}, median over {len(diffs[0][1])} seeds): "
-            + ", ".join(f"{w} {pct(med[v])}" for v, w in names.items()) + "; paired by seed, "
-            + "; ".join(f"{w} {pct(1 + statistics.fmean(d))} on the mean (better on {sum(x < 0 for x in d)} of {len(d)})"
-                        for w, d in diffs) + ".")
-
-
-# the compact layout's four options (experiments/gefen_ablation.py's LAYOUT_OPTIONS), as words
-_OPTIONS = (("vec_v", "the vectors' shared v"), ("rows_v", "whole-row v"), ("scale_rows", "row-group scales"),
-            ("whole_w", "one column factor a matrix"))
-_VECTORS4 = {"factored": "factored", "factored+vec_v": "the vectors' v shared", "factored+rows_v": "whole-row v"}
-# the sentences on the compact layout's options under 4-bit codes, one an ablation:
-# experiment -> (intro, {variant: words}, [(words, variant, base) paired by seed], the option's keyword)
-FOUR_BIT_SENTENCES = {
-    "gefen_ablation_factor16": (
-        "Column factors per square tile in bf16, rounded stochastically",
-        {"factored": "factored", "factored+w16": "its factors in bf16",
-         "factored+layout512": "compact (one column factor a matrix)", "factored+layout512_tiles": "compact with one a tile",
-         "factored+layout512_w16": "the same in bf16"},
-        [("bf16 against fp32 factors", "factored+w16", "factored"),
-         ("compact with bf16 factors a tile against one a matrix", "factored+layout512_w16", "factored+layout512"),
-         ("against fp32 factors a tile", "factored+layout512_w16", "factored+layout512_tiles")],
-        "`factor_dtype`"),
-    "gefen_ablation_vectors4": (
-        "The compact layout's two v options, each alone", _VECTORS4,
-        [(w, v, "factored") for v, w in _VECTORS4.items() if v != "factored"], ""),
-    "gefen_ablation_scales4": (
-        "Row-group scales of at most 256 elements",
-        {"factored": "factored", "factored+layout512": "compact (512-element scales)",
-         "factored+scale_rows256": "256-element scales alone", "factored+layout256": "compact with 256",
-         "factored+layout256_w16": "the same, its column factor in bf16"},
-        [("256-element scales alone against the factored", "factored+scale_rows256", "factored"),
-         ("compact with 256 against 512", "factored+layout256", "factored+layout512"),
-         ("its factor in bf16 against fp32", "factored+layout256_w16", "factored+layout256")],
-        "`row_group_scales=256`"),
-    "gefen_ablation_leave_out4": (
-        "The compact 4-bit layout with one of its options left out",
-        {"factored": "factored", "factored+layout512": "compact",
-         **{f"factored+layout512_no_{o}": f"without {w}" for o, w in _OPTIONS}},
-        [(f"without {w} against compact", f"factored+layout512_no_{o}", "factored+layout512") for o, w in _OPTIONS],
-        ""),
-}
-
-
-def _long_best(R):
-    """The sentence on the factored 8-bit at 3,000 steps and AdamW's best lr there
-    (gefen_ablation_long_best): the factor alone, its first moment in fp32, the codebook learned
-    again, the compact layout, gefen-x."""
-    names = {"factored": "factored 8-bit", "factored+fp32_m": "its first moment in fp32",
-             "factored+refresh": f"the codebook learned again every {REFRESH_EVERY} steps",
-             "factored+layout": "compact", "gefen-x": "gefen-x"}
-    return _medians_and_pairs(
-        R, "gefen_ablation_long_best", "The same length at AdamW's best lr there, with one change each", names,
-        [(f"{w} against the factored", v, "factored") for v, w in names.items() if v != "factored"])
+    """State bytes per parameter of optimizer ``name`` on convergence model ``label`` (the ablation summary's
+    B/param: gefen_memory's bytes by kind weighted by each kind's parameters)."""
+    rows = R.rows("gefen_memory", "state_bytes_per_param_of_kind", "params_of_kind")
+    x = ablations.bytes_per_param(rows, label, name)
+    if not math.isfinite(x):
+        raise ResultsError(f"{R.dir}/gefen_memory.csv: no bytes by kind of {label}/{name}; rerun experiments/gefen_memory.py")
+    return x
 
 
 def gefen_layout(R):
     e = "gefen_ablation_layout"
-    labels = [v.removesuffix("/gefen-x") for v in variants_of(R, "gefen_memory", "state_bytes_per_param_of_kind")
+    labels = [v.removesuffix("/gefen-x") for v in R.variants("gefen_memory", "state_bytes_per_param_of_kind")
               if v.endswith("/gefen-x")]
     per = {b: [_total_bytes(R, m, f"Gefen-{b}-compact") for m in labels] for b in ("8bit", "4bit")}
     gx = [_total_bytes(R, m, "gefen-x") for m in labels]
     wide = [k for k, m in enumerate(labels) if R.config("gefen_memory")["widths"][m] >= WIDE]
     fewer = all(a <= x for a, x in zip(per["8bit"], gx))
     under = all(per[b][k] <= COMPACT_TARGET[b] for b in per for k in wide)
-    seeds = {v: {r["seed"]: r["value"] for r in select(R.rows(e, "val_loss_vs_adamw"), "val_loss_vs_adamw", v)}
-             for v in ("factored", "factored+layout", "factored+scale_rows")}
-    if not all(seeds.values()):
-        raise ResultsError(f"{R.dir / e}.csv: no val_loss_vs_adamw of {[v for v, x in seeds.items() if not x]}")
-    med = {v: statistics.median(x.values()) for v, x in seeds.items()}
-    paired = {v: [x[s] - seeds["factored"][s] for s in sorted(x)] for v, x in seeds.items() if v != "factored"}
-    worse = sum(d > 0 for d in paired["factored+layout"])
-    level = med["factored+layout"] <= med["factored"]
+    factored, compact = (ablation_row(R, e, v) for v in ("factored", "factored+layout"))
+    worse, n = seeds_worse(R, e, compact.variant)
     verdict = (f"{'bytes met' if fewer and under else 'bytes not met'}; loss "
-               f"{'level by the median' if level else 'worse by the median'}, worse on {worse} of "
-               f"{len(paired['factored+layout'])} seeds")
+               f"{'level' if compact.median <= factored.median else 'worse'} by the median, worse on {worse} of {n} seeds")
     detail = (f"State bytes per parameter after one step ({', '.join(labels)}): compact 8-bit "
               f"{joined(per['8bit'], lambda x: f'{x:.3f}')}, 4-bit {joined(per['4bit'], lambda x: f'{x:.3f}')}; gefen-x "
               f"{joined(gx, lambda x: f'{x:.3f}')} (targets at width >= {WIDE}: {COMPACT_TARGET['8bit']} / "
-              f"{COMPACT_TARGET['4bit']}, and no more than gefen-x's). Loss / AdamW's on the encoder at "
-              f"{R.config(e)['steps']:,} steps, lr {R.config(e)['lr']:g} held fixed, median over "
-              f"{len(seeds['factored'])} seeds: factored 8-bit {pct(med['factored'])}, compact "
-              f"{pct(med['factored+layout'])} (paired with the factored by seed: "
-              f"{pct(1 + statistics.fmean(paired['factored+layout']))} on the mean), the row-group scales alone "
-              f"{pct(med['factored+scale_rows'])}; gefen-x at these settings and seeds is in gefen_ablation_long's "
-              "section. Each option alone on the factor, paired with the factored by seed (mean; worse on): "
-              + "; ".join(f"{words} {pct(1 + statistics.fmean(d))} ({sum(x > 0 for x in d)} of {len(d)})"
-                          for words, d in ((w, _paired(R, x, v)) for x, v, w in LAYOUT_ALONE)) + ". "
-              + " ".join([_four_bit_scales(R), _codebook_refresh(R), _refresh_models(R),
-                          *(_medians_and_pairs(R, x, *spec) for x, spec in FOUR_BIT_SENTENCES.items())]))
+              f"{COMPACT_TARGET['4bit']}, and no more than gefen-x's). {ablations_text(R, 'gefen_layout')}")
     lo, hi = (f(per["8bit"][k] for k in wide) for f in (min, max))
     return Row("The factored state at Gefen-X's bytes or fewer (compact layout, ours)", verdict,
                f"8-bit {lo:.3f}–{hi:.3f} B/param at width ≥ {WIDE}, ≤ gefen-x's on "
-               f"{sum(a <= x for a, x in zip(per['8bit'], gx))} of {len(gx)} models; loss {pct(med['factored+layout'])} "
-               f"(factored {pct(med['factored'])}; encoder, {R.config(e)['steps']:,} steps)", fig("gefen_ablation"),
+               f"{sum(a <= x for a, x in zip(per['8bit'], gx))} of {len(gx)} models; loss {pct(compact.median)} "
+               f"(factored {pct(factored.median)}; encoder, {compact.steps:,} steps)", fig("gefen_ablation"),
                cmd(f"python experiments/gefen_ablation.py --ablation {e}"), detail)
 
 

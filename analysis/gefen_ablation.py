@@ -17,8 +17,10 @@ from __future__ import annotations
 if not __package__:  # run as a file: stop with the install command if the repository is not installed
     import _install_check  # noqa: F401
 
+import itertools
 import math
 import statistics
+from typing import NamedTuple
 
 from analysis.common import (Report, colour_of, configurations, finding_title, in_configuration, figure_legend,
                              label_of, main, md_table, new_figure, save_figure, select, variants)
@@ -73,11 +75,16 @@ def reference(data: dict) -> str | None:
     return next((v for v in ("none", FACTORED) if v in data), None)
 
 
+def paired_diffs(data: dict, variant: str, ref: str) -> list:
+    """``variant``'s ratio minus ``ref``'s, seed by seed (the seeds both ran); [] for the reference itself."""
+    if ref is None or variant == ref:
+        return []
+    return [r - data[ref][s] for s, r in data[variant].items() if s in data[ref]]
+
+
 def paired(data: dict, variant: str, ref: str):
     """(mean, standard error) over seeds of ``variant``'s ratio minus ``ref``'s, or None."""
-    if ref is None or variant == ref:
-        return None
-    diffs = [r - data[ref][s] for s, r in data[variant].items() if s in data[ref]]
+    diffs = paired_diffs(data, variant, ref)
     if not diffs:
         return None
     return statistics.fmean(diffs), (statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else math.nan)
@@ -123,20 +130,37 @@ def configurations_of(rows) -> list:
     return out
 
 
+class SummaryRow(NamedTuple):
+    """One row of the summary: a variant of one model of one ablation."""
+
+    ablation: str
+    variant: str
+    model: str  # the configuration's model label
+    steps: int
+    seeds: int
+    median: float  # median over seeds of the loss ratio to AdamW's
+    change: tuple | None  # (mean, standard error) of the paired change against the reference; None for it
+    bytes: float  # state B/param where the variant is a named layout, else NaN
+
+
 def summary(rows, config) -> list:
-    """The summary's rows: (ablation, variant, model, steps, seeds, median ratio, paired change or None,
-    B/param), every ablation in ``ABLATIONS`` order."""
-    memory = (config.get("other_rows") or {}).get(MEMORY)
+    """The summary's rows (``SummaryRow``), every ablation in ``ABLATIONS`` order."""
+    return summarise(ablation_rows(rows, config), (config.get("other_rows") or {}).get(MEMORY), config)
+
+
+def summarise(by_name: dict, memory_rows, config) -> list:
+    """``SummaryRow``s of the ablations ``by_name`` ({ablation name: its rows}) in that order; B/param from
+    ``memory_rows`` (gefen_memory.csv's, or None); ``config`` the first ablation's run config (its model label)."""
     out = []
-    for name, arows in ablation_rows(rows, config).items():
+    for name, arows in by_name.items():
         first_label = _first_label(name, config)
         for prefix, label, steps, n in configurations_of(arows):
             label = label or first_label
             data = ratios(arows, prefix)
             ref = reference(data)
             for v, seeds in data.items():
-                out.append((name, v, label, steps, n, statistics.median(seeds.values()), paired(data, v, ref),
-                            bytes_per_param(memory, label, registry_name(v, ABLATIONS[name].bits))))
+                out.append(SummaryRow(name, v, label, steps, n, statistics.median(seeds.values()), paired(data, v, ref),
+                                      bytes_per_param(memory_rows, label, registry_name(v, ABLATIONS[name].bits))))
     return out
 
 
@@ -155,6 +179,32 @@ def _change(p) -> str:
         return "—"
     mean, se = p
     return f"{mean * 100:+.2f} ± {se * 100:.2f}".replace("-", "−") if math.isfinite(se) else f"{mean * 100:+.2f}"
+
+
+def _loss(ratio) -> str:
+    """A loss ratio to AdamW's as a signed percentage: "+0.61%"."""
+    return f"{(ratio - 1) * 100:+.2f}%".replace("-", "−")
+
+
+def sentence(rows) -> str:
+    """One ablation's ``SummaryRow``s as a sentence: its question, code width and lr, then per model its
+    steps, seeds and reference, each variant's loss over AdamW's and, in brackets, its paired change
+    (points) and its B/param where it is a named layout."""
+    a = ABLATIONS[rows[0].ablation]
+    lr = f"lr {a.lr:g}" if a.lr is not None else "AdamW's best lr of each model"
+    parts = []
+    for (model, steps, seeds), group in itertools.groupby(rows, lambda s: (s.model, s.steps, s.seeds)):
+        group = list(group)
+        parts.append(f"{model} at {steps:,} steps, {seeds} seeds, against `{reference({s.variant: s for s in group})}`: "
+                     + ", ".join(map(_variant_text, group)))
+    return f"`{a.name}` ({a.question}; {a.bits}-bit codes, {lr}) on " + "; on ".join(parts) + "."
+
+
+def _variant_text(s) -> str:
+    """"`factored+layout` +0.61% (+0.24 ± 0.10; 1.049 B/param)" of one ``SummaryRow``."""
+    extra = [_change(s.change)] if s.change is not None else []
+    extra += [f"{s.bytes:.3f} B/param"] if math.isfinite(s.bytes) else []
+    return f"`{s.variant}` {_loss(s.median)}" + (f" ({'; '.join(extra)})" if extra else "")
 
 
 def body(rows, config):
@@ -182,7 +232,7 @@ def body(rows, config):
             "not a named layout or the file holds no such model).",
             md_table(["ablation", "variant", "model", "steps", "seeds", "loss / AdamW", "paired change", "B/param"],
                      [[n.removeprefix("gefen_ablation_") if n != FIRST else "(gap)", f"`{v}`", label, f"{steps:,}",
-                       seeds, f"{(med - 1) * 100:+.2f}%".replace("-", "−"), _change(p),
+                       seeds, _loss(med), _change(p),
                        "—" if not math.isfinite(b) else f"{b:.3f}"]
                       for n, v, label, steps, seeds, med, p, b in table])]
     return "\n\n".join(text)
