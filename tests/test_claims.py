@@ -174,3 +174,49 @@ def test_peak_memory_verdict_judges_the_lean_mode_target_on_every_model():
         assert "misses" not in row.verdict, row.verdict
     n = len(re.findall(r"\bmet\b|\bmissed\b", row.detail))
     assert re.match(rf"holds on \d of {n} targets", row.verdict), row.verdict
+
+
+def _ablation_medians(name):
+    """{(model label, variant): median over seeds of val_loss_vs_adamw} of ablation ``name``'s committed
+    CSV, read here with the csv module (the first configuration's label from its config)."""
+    import json
+    import statistics
+
+    first = json.loads((RESULTS_DIR / f"{name}.config.json").read_text())["config"]["label"]
+    per = {}
+    with open(RESULTS_DIR / f"{name}.csv") as fh:
+        for r in csv.DictReader(fh):
+            if r["metric"] == "val_loss_vs_adamw" and not r["variant"].endswith("AdamW"):
+                label, _, variant = r["variant"].rpartition("/")
+                per.setdefault((label or first, variant), []).append(float(r["value"]))
+    return {k: statistics.median(v) for k, v in per.items()}
+
+
+@pytest.mark.parametrize("row, ablations", list(claims_gefen.RESTS_ON.items()), ids=list(claims_gefen.RESTS_ON))
+def test_ablation_backed_detail_quotes_every_variant_of_its_ablations(row, ablations):
+    """A row's detail names each ablation it rests on and quotes each variant's median loss over AdamW's
+    (of the model it quotes, or every model), as the CSV gives it."""
+    detail = getattr(claims_gefen, row)(claims_common.Results()).detail
+    for name, model in ablations:
+        assert f"`{name}`" in detail, (row, name)
+        medians = {k: m for k, m in _ablation_medians(name).items() if model in (None, k[0])}
+        assert medians, (row, name, model)
+        for (label, variant), med in medians.items():
+            assert label in detail and f"`{variant}` {claims_common.pct(med)}" in detail, (row, name, label, variant)
+
+
+def test_compact_layout_verdict_counts_its_seeds_worse_than_the_factored():
+    """The compact layout's loss verdict: level or worse than the factored 8-bit by the median, and on
+    how many seeds it is worse, paired by seed in gefen_ablation_layout.csv (read here with csv)."""
+    import statistics
+
+    seeds = {}
+    with open(RESULTS_DIR / "gefen_ablation_layout.csv") as fh:
+        for r in csv.DictReader(fh):
+            if r["metric"] == "val_loss_vs_adamw" and r["variant"] in ("factored", "factored+layout"):
+                seeds.setdefault(r["variant"], {})[r["seed"]] = float(r["value"])
+    base, compact = seeds["factored"], seeds["factored+layout"]
+    worse = sum(compact[s] > base[s] for s in compact)
+    level = statistics.median(compact.values()) <= statistics.median(base.values())
+    verdict = claims_gefen.gefen_layout(claims_common.Results()).verdict
+    assert f"loss {'level' if level else 'worse'} by the median, worse on {worse} of {len(compact)} seeds" in verdict
