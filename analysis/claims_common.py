@@ -1,5 +1,5 @@
-"""What every claim row uses: the results a row reads (``Results``), its cells (``Row``) and the
-formatting of figures in them."""
+"""What every claim row uses: the results a row reads (``Results``), its cells (``Row``), loss ratios
+paired by seed across runs, test reports and the formatting of figures in them."""
 
 from __future__ import annotations
 
