@@ -214,6 +214,3 @@ def cmd(text) -> str:
 def median_over_seeds(rows, metric, variant, seeds=None, **where):
     vals = [r["value"] for r in select(rows, metric, variant, **where) if seeds is None or r["seed"] in seeds]
     return statistics.median(vals) if vals else math.nan
-
-
-# ------------------------------------------------------------------------------------ DSA rows
