@@ -78,9 +78,9 @@ LR = 1e-3
 
 
 # the --check size: the full run's flags it overrides (experiments/harness/check.py)
-CHECK = {"--repeats": 21, "--parts": ["cpu", "count"]}
-CHECK_NOTE = ("the CPU and launch-count parts, 21 timed steps where the full run has 61; timings on a machine shared with "
-              "other jobs")
+CHECK = {"--repeats": 21, "--parts": ["cpu", "count"], "--threads": 1}
+CHECK_NOTE = ("the CPU and launch-count parts, one thread (the row's), 21 timed steps where the full run has 61: "
+              "ratios of step times, which a machine shared with other jobs moves")
 
 
 def cpu_models(quick: bool) -> dict:
