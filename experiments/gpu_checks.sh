@@ -71,11 +71,11 @@ if has kernels; then
     step profile-gefen 60 "$PY" experiments/profile_step.py --results-dir "$R" --parts gefen
 fi
 if has checks; then
-    step kernel-tests 100 env TRITON_INTERPRET=0 "$PY" -m pytest -q -p no:cacheprovider -p tests._device_launchers \
+    step kernel-tests 100 env TRITON_INTERPRET=0 "$PY" -m pytest -q -p no:cacheprovider -m "slow or not slow" -p tests._device_launchers \
         tests/test_dsa_kernels.py tests/test_gefen_kernels.py \
         -k "(triton or gefen_kernels) and not bad_inputs and not optimizer" --junitxml="$R/kernel_tests.xml"
-    step device-moves 60 env TRITON_INTERPRET=0 "$PY" -m pytest -q -p no:cacheprovider tests/test_device_moves.py --junitxml="$R/device_moves.xml"
-    step capturable 90 env TRITON_INTERPRET=0 "$PY" -m pytest -q -p no:cacheprovider tests/test_gefen_capturable.py \
+    step device-moves 60 env TRITON_INTERPRET=0 "$PY" -m pytest -q -p no:cacheprovider -m "slow or not slow" tests/test_device_moves.py --junitxml="$R/device_moves.xml"
+    step capturable 90 env TRITON_INTERPRET=0 "$PY" -m pytest -q -p no:cacheprovider -m "slow or not slow" tests/test_gefen_capturable.py \
         -k cuda_graph --junitxml="$R/capturable.xml"
     BW=()
     [ -f "$R/gefen_kernels.csv" ] && BW=(--bandwidth-from "$R/gefen_kernels.csv")

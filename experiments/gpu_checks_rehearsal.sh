@@ -42,9 +42,9 @@ step() {  # step NAME COMMAND...: runs every step, lists every status
     "$@" || rc=$?
     SUMMARY+=("$(printf '%-18s exit %-4s %5ss' "$name" "$rc" "$((SECONDS - start))")")
 }
-step scripts-dry-run "$PY" -m pytest -q -p no:cacheprovider tests/test_gpu_scripts_dry_run.py tests/test_profiling.py \
+step scripts-dry-run "$PY" -m pytest -q -p no:cacheprovider -m "slow or not slow" tests/test_gpu_scripts_dry_run.py tests/test_profiling.py \
     -k "not profile_step"
-step launcher-plugin env LAUNCHER_DEVICE=cpu "$PY" -m pytest -q -p no:cacheprovider -p tests._device_launchers \
+step launcher-plugin env LAUNCHER_DEVICE=cpu "$PY" -m pytest -q -p no:cacheprovider -m "slow or not slow" -p tests._device_launchers \
     tests/test_dsa_kernels.py -k "triton and not bad_inputs and not optimizer"
 step bench_dsa_gpu "$PY" experiments/bench_dsa_gpu.py --dry-run --results-dir "$R"
 step bench_kernels "$PY" experiments/bench_kernels.py --dry-run --skip-upstream --results-dir "$R"
@@ -54,8 +54,8 @@ step analysis "$PY" analysis/kernel_resources.py --results-dir "$R"
 step gefen_speed "$PY" experiments/gefen_speed.py --parts gpu --dry-run --results-dir "$R"
 step analysis-speed "$PY" analysis/gefen_speed.py --results-dir "$R" --out "$R/gefen_speed.png"
 VERDICT=("${SUMMARY[@]}")
-step capturable-info "$PY" -m pytest -q -p no:cacheprovider tests/test_gefen_capturable.py -k "cuda_graph or no_host"
-step kernel-tests-info "$PY" -m pytest -q -p no:cacheprovider tests/test_dsa_kernels.py tests/test_gefen_kernels.py \
+step capturable-info "$PY" -m pytest -q -p no:cacheprovider -m "slow or not slow" tests/test_gefen_capturable.py -k "cuda_graph or no_host"
+step kernel-tests-info "$PY" -m pytest -q -p no:cacheprovider -m "slow or not slow" tests/test_dsa_kernels.py tests/test_gefen_kernels.py \
     -k "triton or gefen_kernels"
 echo "=== summary (results in $R; the last line is information only)"
 printf '%s\n' "${SUMMARY[@]}"

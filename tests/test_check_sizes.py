@@ -120,7 +120,7 @@ def test_the_printed_block_says_when_the_check_csv_cannot_give_the_row(tmp_path)
     write_results(committed, "correctness", correctness_rows(0.0), {})
     write_results(tmp_path / "check", "correctness", correctness_rows(0.0)[:1], {"check": True})
     text = check.report("correctness", tmp_path / "check", committed=committed)
-    assert "check:                not computable here (ResultsError" in text
+    assert f"check:                not computable here (ResultsError: {tmp_path / 'check' / 'correctness'}.csv" in text
     assert "committed (full run): max abs error 0 after 7 steps" in text
 
 

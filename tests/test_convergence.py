@@ -285,6 +285,7 @@ def test_extra_configuration_on_the_docstring_corpus_is_labelled_by_it_and_train
     assert config["extra"][f"{label}-docstrings"]["corpus"] == "docstrings"
 
 
+@pytest.mark.slow
 def test_larger_configuration_rows_two_jobs_equal_one_and_figure(tmp_path):
     """The second configuration (here the tiny size again) writes ``<label>/<optimizer>`` rows and its
     own paired ratios; two runs at a time in worker processes give the very rows of one at a time

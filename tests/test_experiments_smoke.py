@@ -187,6 +187,7 @@ def test_dsa_throughput_smallest_run(tmp_path, monkeypatch):
 
 
 # ---------------------------------------------------------------------------- dsa_distributed
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_dsa_distributed_smallest_run(tmp_path, monkeypatch):
     _main("experiments.dsa_distributed", ["--quick", "--rows", 2000, "--dim", 8, "--batch", 64, "--steps", 2,
@@ -212,6 +213,7 @@ def test_dsa_distributed_smallest_run(tmp_path, monkeypatch):
 
 
 # ------------------------------------------------------------------------------ gefen_memory
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_gefen_memory_smallest_run(tmp_path, monkeypatch):
     _main("experiments.gefen_memory", ["--optimizers", "AdamW", "Gefen-8bit", "Gefen-8bit-factored", "--repeats", 1,
@@ -429,6 +431,7 @@ def test_gefen_ablation_tiny_run_and_figure(tmp_path, monkeypatch):
     _assert_png(out)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_gefen_ablation_two_configurations_two_jobs_equal_one(tmp_path, monkeypatch):
     """A second configuration (the tiny model on the docstring corpus) writes ``<label>/<variant>`` rows
@@ -723,6 +726,7 @@ def test_interleaved_timer_runs_each_candidate_once_per_repeat():
     assert set(median(times)) == {"a", "b", "c"}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_dsa_seed_benchmark_smallest_run(tmp_path):
     """The seed's benchmark on a small table: every optimizer reports every epoch, the disk optimizer

@@ -30,6 +30,7 @@ def test_one_worker_trains_the_fit_steps():
     assert json.loads(line[len("RESULT "):]) == {"ok": True}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.skipif(not cgroups_usable(), reason="memory cgroups need root and the cgroup v1 memory controller")
 def test_a_trial_fits_a_large_budget_and_is_killed_in_a_small_one():

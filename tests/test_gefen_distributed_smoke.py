@@ -13,6 +13,7 @@ from tests.utils import write_results
 TINY_GPT = dict(kind="gpt", n_embd=32, n_layer=1, n_head=2, block=16)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
 def test_two_ranks_train_and_agree(strategy):

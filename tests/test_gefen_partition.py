@@ -155,7 +155,7 @@ def _divs_fast(n):
 
 @pytest.mark.parametrize("rows,row_len", [
     pytest.param(128, 3 * 2**10, id="3x2^17, rows of 3072"),  # candidates 3*2^k do not divide the chunk
-    pytest.param(6, 65537, id="6 rows of a prime 65537"),  # blocks longer than a chunk
+    pytest.param(6, 65537, id="6 rows of a prime 65537", marks=pytest.mark.slow),  # blocks longer than a chunk
     pytest.param(2**9, 2**10, id="2^19, rows of 1024"),
 ])
 def test_default_rule_on_tensors_larger_than_a_scoring_chunk(rows, row_len):

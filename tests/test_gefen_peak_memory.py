@@ -20,13 +20,20 @@ def _bound(params) -> float:
     return max(largest, 0.25 * sum(p.numel() for p in params))
 
 
-@pytest.mark.parametrize("backend", GEFEN_CPU_BACKENDS)
-@pytest.mark.parametrize("bits,factored,dtype", [
-    pytest.param(8, False, torch.float32, id="8bit"),
-    pytest.param(4, False, torch.float32, id="4bit"),
-    pytest.param(8, True, torch.float32, id="8bit-factored"),
-    pytest.param(8, True, torch.bfloat16, id="8bit-factored-bf16-sr"),
-])
+_LAYOUTS = [(8, False, torch.float32, "8bit"), (4, False, torch.float32, "4bit"),
+            (8, True, torch.float32, "8bit-factored"), (8, True, torch.bfloat16, "8bit-factored-bf16-sr")]
+
+
+def _cases():
+    """Every layout on every CPU backend; interpreted Triton beyond the 8-bit case is slow."""
+    for backend in GEFEN_CPU_BACKENDS:
+        name, marks = (backend, ()) if isinstance(backend, str) else (backend.values[0], backend.marks)
+        for bits, factored, dtype, label in _LAYOUTS:
+            slow = (pytest.mark.slow,) if name == "triton" and label != "8bit" else ()
+            yield pytest.param(bits, factored, dtype, name, id=f"{label}-{name}", marks=(*marks, *slow))
+
+
+@pytest.mark.parametrize("bits,factored,dtype,backend", list(_cases()))
 def test_no_transient_above_the_bound_at_any_step(backend, bits, factored, dtype):
     model = wide_mlp(dtype)
     params = list(model.parameters())

@@ -69,6 +69,7 @@ def test_op_count_counts_ops_outside_launches_and_launches_once():
     assert d.summary()["launches"] == d.summary()["aten_ops"] == 0
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_gefen_speed_smallest_run_and_its_figure(tmp_path):
     from experiments import gefen_speed

@@ -168,6 +168,7 @@ def counter(monkeypatch):
 MAX_OPS = 4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("block", [8, 1])
 def test_a_repeated_factored_step_issues_no_per_tensor_torch_operation(counter, block):
     """After a first call (which builds the plan), a factored step over 40 and over 160 tensors

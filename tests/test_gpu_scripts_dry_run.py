@@ -55,6 +55,7 @@ def test_bench_dsa_gpu_dry_run(tmp_path):
         assert _get(rows, name, "host_wait_per_step") == 0
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_bench_kernels_dry_run(tmp_path):
     from experiments import bench_kernels
@@ -76,6 +77,7 @@ def test_bench_kernels_dry_run(tmp_path):
         assert not any(r["variant"].startswith("flashoptim") for r in rows)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_profile_step_dry_run(tmp_path):
     from experiments import profile_step

@@ -32,8 +32,8 @@ VERDICT = re.compile(r"\b(not met|met|missed|not reproduced|reproduced)\b", re.I
 def _quick_copy(experiment: str, dest: Path, quick=True) -> Path:
     """The committed CSV of ``experiment`` (and those its report reads) in ``dest``, its config
     marked as a ``--quick`` run's."""
-    dest.mkdir(parents=True, exist_ok=True)
-    shutil.copy(REPO / "results" / f"{experiment}.csv", dest)
+    (dest / experiment).parent.mkdir(parents=True, exist_ok=True)  # an experiment of a subfolder: gpu/...
+    shutil.copy(REPO / "results" / f"{experiment}.csv", dest / f"{experiment}.csv")
     meta = json.loads((REPO / "results" / f"{experiment}.config.json").read_text())
     meta["config"]["quick"] = quick
     (dest / f"{experiment}.config.json").write_text(json.dumps(meta))

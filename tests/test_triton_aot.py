@@ -25,6 +25,8 @@ from experiments.harness.triton_aot import reports
 from optim._cache import BoundedCache
 from optim._triton_common import axis_product
 
+pytestmark = pytest.mark.slow  # ahead-of-time compiles for every target: minutes on 2 cores
+
 MEMORY_BOUND = {"_adam_rows_kernel", "_gefen_step_kernel", "_gefen_step4_kernel", "_factor_stats_kernel"}
 
 
