@@ -155,6 +155,8 @@ def report(experiment: str, folder, note: str = "", committed=RESULTS_DIR) -> st
     checked, full = results_beside(folder, experiment, committed), Results(committed)
     for row in rows:
         mine, claim, read = _cells(row, checked)
+        # claims_common names the committed folder in its messages; the check's own CSV is the one read
+        mine = mine.replace(f"{Path(committed) / experiment}.csv", f"{_shown(folder / experiment)}.csv")
         theirs, claim_full, _ = _cells(row, full)
         lines.append(f"  {claim or claim_full or row.__name__}")
         lines.append(f"    check:                {mine}")
