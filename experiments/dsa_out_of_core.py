@@ -244,7 +244,7 @@ def run_limits(args, res, tmp):
             limit_bytes = None if limit is None else limit * 2**30
             out, run = _run_limited(spec, limit_bytes, timeout=args.limit_seconds + 300)
             peak = run.peak_bytes
-            if fmt is not None and run.outcome != "ok":
+            if fmt is not None:  # the next run's weights are not those this one flushed: resume refuses them
                 _reset_state(dirs[fmt], rows, dim, fmt)
             xv = "none" if limit is None else limit
             done = out is not None
@@ -269,7 +269,8 @@ def _drop_file_cache(state_dir):
 
 
 def _reset_state(state_dir, rows, dim, fmt):
-    """A run killed mid-step leaves its state file dirty: start the next run from a fresh one."""
+    """A fresh state file for the next run: a run killed mid-step leaves its file dirty, and one that
+    completed flushed it with weights the next run does not have (``resume=True`` refuses them)."""
     from optim import DiskSparseAdam
 
     for f in os.listdir(state_dir):
