@@ -120,7 +120,9 @@ CHANGES = {
     f"scale_rows{FINE_GROUP}": dict(row_group_scales=FINE_GROUP),
     f"layout{FINE_GROUP}": dict(COMPACT_4BIT, row_group_scales=FINE_GROUP),
     f"layout{FINE_GROUP}_w16": dict(COMPACT_4BIT, row_group_scales=FINE_GROUP, factor_dtype="bfloat16"),
-    # the 4-bit compact layout with one of its options left out
+    # the compact layout with one of its options left out, at 8 and at 4 bits
+    **{f"layout_no_{short}": {k: x for k, x in COMPACT.items() if k != field}
+       for short, field in LAYOUT_OPTIONS.items()},
     **{f"layout{SHORT_GROUP}_no_{short}": {k: x for k, x in COMPACT_4BIT.items() if k != field}
        for short, field in LAYOUT_OPTIONS.items()},
 }
@@ -204,6 +206,9 @@ ABLATIONS = {a.name: a for a in [
              variants=on_factor("fp32_m"), **SEEDS),
     Ablation("gefen_ablation_where", "where the factored 8-bit's gap lives on the encoder: v per element on one "
              "kind of tensor at a time (norms and biases: vectors), 15 seeds", ("encoder",), on_factor(*KINDS, "vectors"),
+             seeds=15),
+    Ablation("gefen_ablation_leave_out", "which of the 8-bit compact layout's options costs loss on the encoder: "
+             "each left out, 15 seeds", ("encoder",), on_factor("layout", *(f"layout_no_{o}" for o in LAYOUT_OPTIONS)),
              seeds=15),
 ]}
 
