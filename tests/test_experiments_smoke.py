@@ -306,6 +306,10 @@ def test_reproduce_covers_every_experiment_and_analysis():
     drawn = {a for figs in reproduce.EXPERIMENTS.values() for a in figs}
     assert drawn == analyses
     assert set(reproduce.FIGURE_OF) == analyses
+    from experiments.gefen_ablation import ABLATIONS
+
+    # every ablation of the table runs: the first as the script's own run, the others as more runs
+    assert sorted(run[1] for run in reproduce.MORE_RUNS["gefen_ablation"]) == sorted(list(ABLATIONS)[1:])
 
 
 def test_reproduce_command_assembly(tmp_path, monkeypatch, capsys):
