@@ -75,7 +75,8 @@ FULL_SIZE_FLAGS = ("--size",)
 
 
 def run_arguments(extra, quick):
-    """``extra`` (one of MORE_RUNS), less its FULL_SIZE_FLAGS and their values for a quick run."""
+    """``extra`` (one of MORE_RUNS), less its FULL_SIZE_FLAGS and their values for a quick or check run
+    (``quick`` true), which gets its own size."""
     if not quick:
         return list(extra)
     out, skip = [], False
@@ -117,22 +118,28 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true",
                         help="small sizes, a smoke test: CSVs, figures and README into results/quick")
+    parser.add_argument("--check", action="store_true",
+                        help="each experiment at its check size (its claim in minutes), then its analysis, into "
+                             "results/check; each prints its verdict beside the committed run's")
     parser.add_argument("--only", nargs="+", choices=sorted(EXPERIMENTS), help="run just these experiments")
     parser.add_argument("--wandb", choices=["offline", "online", "disabled"], default=None)
     parser.add_argument("--results-dir", type=Path, default=None,
-                        help="default: results/quick for --quick, else results")
+                        help="default: results/quick for --quick, results/check for --check, else results")
     parser.add_argument("--figs-dir", type=Path, default=None,
                         help="default: paper_figs for the committed results/, else beside the results")
     parser.add_argument("--timeout", type=int, default=None, help="seconds per step (default 900 quick, none full)")
     args = parser.parse_args(argv)
+    if args.quick and args.check:
+        parser.error("--quick and --check are two sizes: pass one")
+    size = "quick" if args.quick else "check" if args.check else None
 
-    results = args.results_dir or results_dir(args.quick)
-    if args.quick:  # before any step: each experiment would refuse it too
-        refuse_committed_outputs(results, [p.name for p in results.glob("*")])
+    results = args.results_dir or results_dir(args.quick, args.check)
+    if size:  # before any step: each experiment would refuse it too
+        refuse_committed_outputs(results, [p.name for p in results.glob("*")], kind=size)
     results.mkdir(parents=True, exist_ok=True)
     if args.figs_dir:
         args.figs_dir.mkdir(parents=True, exist_ok=True)
-    timeout = args.timeout or (900 if args.quick else None)
+    timeout = args.timeout or (900 if size else None)
     names = args.only or list(EXPERIMENTS)
     env_py = sys.executable
     start = time.perf_counter()
@@ -140,9 +147,9 @@ def main(argv=None):
     for name in names:
         for extra in [[]] + MORE_RUNS.get(name, []):
             cmd = [env_py, REPO_ROOT / "experiments" / f"{name}.py", "--results-dir", results,
-                   *run_arguments(extra, args.quick)]
-            if args.quick:
-                cmd.append("--quick")
+                   *run_arguments(extra, size is not None)]
+            if size:
+                cmd.append(f"--{size}")
             if args.wandb:
                 cmd += ["--wandb", args.wandb]
             _run(cmd, log, timeout)
@@ -152,7 +159,7 @@ def main(argv=None):
             if args.figs_dir and FIGURE_OF[fig] is not None:
                 cmd += ["--out", args.figs_dir / f"{FIGURE_OF[fig]}.png"]
             _run(cmd, log, timeout)
-    committed = not args.quick and results.resolve() == RESULTS_DIR.resolve()
+    committed = size is None and results.resolve() == RESULTS_DIR.resolve()
     if committed:  # the README's claims table is read from the committed CSVs
         _run([env_py, REPO_ROOT / "analysis" / "claims.py"], log, timeout)
 

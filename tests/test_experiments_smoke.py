@@ -347,6 +347,28 @@ def test_reproduce_command_assembly(tmp_path, monkeypatch, capsys):
     assert "2/4 steps ok" in out
 
 
+def test_reproduce_check_runs_each_experiment_at_its_check_size_into_results_check(monkeypatch):
+    import subprocess
+
+    from experiments import reproduce
+
+    calls = []
+    monkeypatch.setattr(reproduce.subprocess, "run",
+                        lambda cmd, cwd=None, timeout=None: calls.append((cmd, timeout)) or
+                        subprocess.CompletedProcess(cmd, 0))
+    monkeypatch.setattr(reproduce, "refuse_committed_outputs", lambda *a, **k: None)
+    monkeypatch.setattr(reproduce.Path, "mkdir", lambda *a, **k: None)
+    assert reproduce.main(["--check", "--only", "convergence"]) == 0
+    runs = [c for c, _ in calls if "experiments" in c[1]]
+    check_dir = str(REPO / "results" / "check")
+    assert runs and all(c[2:4] == ["--results-dir", check_dir] and c[-1] == "--check" for c in runs)
+    assert all("--size" not in c for c in runs)  # a MORE_RUNS size flag would override the check size
+    assert all(t == 900 for _, t in calls)
+    assert not any("claims.py" in str(c[1]) for c, _ in calls)  # the README's table reads only the full run
+    with pytest.raises(SystemExit):
+        reproduce.main(["--check", "--quick"])
+
+
 def test_reproduce_full_run_defaults_and_timeout(tmp_path, monkeypatch, capsys):
     import subprocess
 
