@@ -48,7 +48,7 @@ GLOSSARY = """Terms used in the table:
   ratio of squared gradients; (S2) Gefen's blocks group coupled parameters better than random blocks of the same
   sizes; (S3) a shared v on Gefen's blocks trains as well as AdamW.
 - **lean mode**: 8-bit factored Gefen on bf16 weights with stochastic rounding, its step inside backward.
-- **factored / published**: Gefen with `factor_second_moment=True` (ours) / the article's Gefen.
+- **factored / compact / published**: Gefen's `layout="factored"` and `"compact"` (ours) / `"published"` (the article's).
 - **Verdicts**: *reproduced*: the article's claim holds here; *exceeded*: holds with a better figure; *holds*: a
   claim of this repository holds; *met / not met*: a stated target reached or not; *measured*: a figure with no
   target; *found here*: a result of this repository, not a claim of the articles."""

@@ -77,7 +77,7 @@ def test_the_summary_has_every_committed_ablation_row():
     """One row a (ablation, configuration, variant) of every committed ablation CSV, its median the
     median of the CSV's ratios over seeds."""
     rows = read_results(RESULTS_DIR / "gefen_ablation.csv")
-    committed = [n for n in ABLATIONS if (RESULTS_DIR / f"{n}.csv").exists()]  # a row not yet run has no CSV
+    committed = [n for n in ABLATIONS if (RESULTS_DIR / f"{n}.csv").exists()]  # the table's ablations with a committed CSV
     config = {"config": common.load_config("gefen_ablation", RESULTS_DIR)["config"],
               "other_rows": {n: read_results(RESULTS_DIR / f"{n}.csv") for n in [*committed, "gefen_memory"]}}
     table = {(n, v, label): med for n, v, label, _, _, med, _, _ in ablations.summary(rows, config)}
