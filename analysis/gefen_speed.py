@@ -36,7 +36,16 @@ TARGET_GPU = {"gpt2-125M": 1.0, "gpt2-1.5B": 1 / 0.7}  # whole fp32 step's speed
 TARGET_GPU_FACTORED = 1 / 1.15  # the factored step's speed over the unfactored one's on the GPU
 TARGET_MODELS = ("transformer", "mlp")
 SMALL = "small-tensors"
-MODEL_STYLE = {"transformer": ("o", "0.2"), "mlp": ("s", "0.2"), SMALL: ("^", "0.2")}  # the legend's marker of each model
+OFFLOAD = "offload-"
+MODEL_STYLE = {"transformer": ("o", "0.2"), "mlp": ("s", "0.2"), SMALL: ("^", "0.2"),  # the legend's marker of each model
+               "offload-128M-fp32": ("D", "0.2"), "offload-128M-bf16": ("d", "0.2"),
+               "offload-512M-fp32": ("P", "0.2"), "offload-512M-bf16": ("X", "0.2")}
+# AdamW's steps at offload scale: the fastest of them is the bar a Gefen layout must also meet there
+ADAMW_PEERS = ("AdamW", "deepspeed-CPUAdam")
+TARGET_OFFLOAD_STRETCH = 1 / 0.7  # speed over fused AdamW's at offload scale (the bytes say 2x)
+# sockets the offload projection is made for: (cores, peak GB/s of DDR5-4800 channels, 38.4 GB/s each)
+SOCKETS = {"32 cores, 8 × DDR5-4800": (32, 8 * 38.4), "64 cores, 12 × DDR5-4800": (64, 12 * 38.4)}
+SUSTAINED = 0.8  # the fraction of a socket's peak bandwidth a streaming step is assumed to reach
 SPEED = "speed = fused AdamW's step time / the optimizer's"  # every ratio of the figure
 HEADLINE_GEFENS = ("Gefen-8bit", "Gefen-4bit", "Gefen-8bit-factored", "Gefen-4bit-factored")  # the claims table's
 PEER = "0.6"
@@ -55,7 +64,23 @@ def _split(variant):
 
 
 def cpu_rows(rows):
-    return [r for r in rows if r["x_name"] == "threads"]
+    """The in-cache and small-tensor regimes' rows (per model)."""
+    return [r for r in rows if r["x_name"] == "threads" and not r["variant"].startswith((OFFLOAD, "memory/"))]
+
+
+def offload_rows(rows):
+    """The offload regime's rows: variant ``offload-<size>-<gradient dtype>/<optimizer>``."""
+    return [r for r in rows if r["x_name"] == "threads" and r["variant"].startswith(OFFLOAD)]
+
+
+def bandwidth(rows) -> dict:
+    """{threads: the STREAM triad's GB/s} of the run."""
+    return {int(r["x_value"]): r["value"] for r in select(rows, "bandwidth", "memory/triad")}
+
+
+def skipped(rows) -> dict:
+    """{variant: why it was left out} (``skipped`` rows: the reason in the unit column)."""
+    return {r["variant"]: r["unit"] for r in select(rows, "skipped")}
 
 
 def gpu_rows(rows):
@@ -83,12 +108,13 @@ COUNT_WHERE = {"": "CPU tensors under `TRITON_INTERPRET=1`", "cuda": "CUDA tenso
 COUNT_TITLE = {"": "Triton path (interpreter, CPU tensors)", "cuda": "Triton path on CUDA tensors"}
 
 
-def models(rows):
-    return list(dict.fromkeys(_split(r["variant"])[0] for r in select(cpu_rows(rows), "step_time_vs_adamw")))
+def models(rows, part=None):
+    """The models (or offload sets) of ``part``'s rows (default ``cpu_rows``)."""
+    return list(dict.fromkeys(_split(r["variant"])[0] for r in select((part or cpu_rows)(rows), "step_time_vs_adamw")))
 
 
-def threads(rows):
-    return sorted({int(r["x_value"]) for r in select(cpu_rows(rows), "step_time_vs_adamw")})
+def threads(rows, part=None):
+    return sorted({int(r["x_value"]) for r in select((part or cpu_rows)(rows), "step_time_vs_adamw")})
 
 
 def optimizers(rows, part):
@@ -117,9 +143,9 @@ def _reference(name):
     return "AdamW (fused, reference)" if name == "AdamW" else name
 
 
-def _cpu_panel(ax, rows):
-    names = [n for n in optimizers(rows, cpu_rows) if n != "AdamW"]
-    ths, mods = threads(rows), models(rows)
+def _cpu_panel(ax, rows, part=cpu_rows):
+    names = [n for n in optimizers(rows, part) if n != "AdamW"]
+    ths, mods = threads(rows, part), models(rows, part)
     slots = len(ths) * len(mods)  # one row offset per (model, threads): no two markers on one spot
     for j, m in enumerate(mods):
         marker, colour = MODEL_STYLE.get(m, ("D", "tab:purple"))
@@ -141,13 +167,14 @@ def _cpu_panel(ax, rows):
     else:
         ax.axvline(TARGET_CPU, color="tab:red", lw=1.2, label=f"target ≥ {TARGET_CPU:g}× (transformer, MLP)")
         ax.axvline(TARGET_SMALL, color="tab:red", lw=1.2, ls="--", label=f"target ≥ {TARGET_SMALL:g}× (small tensors)")
-    _ratio_axis(ax, [1 / r["value"] for r in select(cpu_rows(rows), "step_time_vs_adamw")] + [TARGET_CPU, TARGET_SMALL])
+    _ratio_axis(ax, [1 / r["value"] for r in select(part(rows), "step_time_vs_adamw")] + [TARGET_CPU, TARGET_SMALL])
     ax.set_yticks(range(len(names)), names)
     for label, n in zip(ax.get_yticklabels(), names):
         label.set(fontweight="bold" if _ours(n) else "normal", color=colour_of(n, PEER))
     ax.set_ylim(len(names) - 0.5, -0.5)
     ax.set_xlabel("CPU speed over fused AdamW's (×)")
-    ax.set_title("CPU step, fixed gradients\n(one colour per optimizer, one marker per model)", fontsize=9)
+    ax.set_title("CPU step, fixed gradients\n(one colour per optimizer, one marker per model)" if part is cpu_rows else
+                 "CPU step at offload scale, GPT-2 shapes\n(one marker per size and gradient dtype)", fontsize=9)
     ax.grid(alpha=0.3, axis="x", which="both")
     ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncols=2, frameon=False)
 
@@ -203,6 +230,10 @@ def _gpu_panel(ax, rows):
     ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncols=2, frameon=False)
 
 
+def _offload_panel(ax, rows):
+    _cpu_panel(ax, rows, offload_rows)
+
+
 def _device(rows):
     return rows[0]["device"].removeprefix("cuda:") if rows else "?"
 
@@ -211,8 +242,8 @@ def figure(rows):
     """The figure (not saved): one panel per part the run has."""
     import matplotlib.pyplot as plt
 
-    panels = [p for p, have in ((_cpu_panel, cpu_rows(rows)), (_count_panel, count_rows(rows)),
-                                (_gpu_panel, gpu_rows(rows))) if have]
+    panels = [p for p, have in ((_cpu_panel, cpu_rows(rows)), (_offload_panel, offload_rows(rows)),
+                                (_count_panel, count_rows(rows)), (_gpu_panel, gpu_rows(rows))) if have]
     fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.6), layout="constrained", squeeze=False)
     for ax, panel in zip(axes[0], panels):
         panel(ax, rows)
@@ -279,6 +310,90 @@ def _cpu_tables(rows):
     return text
 
 
+def _traffic_table(rows, part, sets):
+    """ns per parameter, effective GB/s and the bytes floor of every optimizer in ``sets``."""
+    ths = threads(rows, part)
+    head = ["optimizer", "floor B/param"] + [f"{m}, {t} thr." for t in ths for m in sets]
+    body = []
+    for n in optimizers(rows, part):
+        floors = {fmt(value(rows, "bytes_floor", f"{m}/{n}", x_value=t)) for t in ths for m in sets} - {"—"}
+        body.append([f"**{n}**" if _ours(n) else n, " / ".join(sorted(floors)) or "—"]
+                    + [_traffic_cell(rows, f"{m}/{n}", t) for t in ths for m in sets])
+    return md_table(head, body)
+
+
+def _traffic_cell(rows, variant, t):
+    ns, gbps = (value(rows, m, variant, x_value=t) for m in ("ns_per_param", "gbps_effective"))
+    return f"{fmt(ns)} ns ({fmt(gbps)} GB/s)" if math.isfinite(ns) else "—"
+
+
+def fastest_adamw(rows, prefix, t) -> float:
+    """The median step time of the fastest of ``ADAMW_PEERS`` in one set and thread count."""
+    times = [value(rows, "step_time_median", f"{prefix}/{n}", x_value=t) for n in ADAMW_PEERS]
+    return min((x for x in times if math.isfinite(x)), default=math.nan)
+
+
+def projection(rows, prefix) -> dict:
+    """{socket: {optimizer: its projected step time over fused AdamW's}} of one offload set: a
+    roofline from the measured 1-thread time per parameter (the work of one core) and the bytes
+    floor, max(t1 / cores, floor / (SUSTAINED * peak bandwidth)) for each optimizer."""
+    out = {}
+    for socket, (cores, peak) in SOCKETS.items():
+        proj = {}
+        for n in optimizers(rows, offload_rows):
+            t1, floor = (value(rows, m, f"{prefix}/{n}", x_value=1) for m in ("ns_per_param", "bytes_floor"))
+            proj[n] = max(t1 / cores, floor / (SUSTAINED * peak))
+        out[socket] = {n: t / proj["AdamW"] for n, t in proj.items() if "AdamW" in proj}
+    return out
+
+
+def _offload_tables(rows):
+    o, sets, ths = offload_rows(rows), models(rows, offload_rows), threads(rows, offload_rows)
+    bw = bandwidth(rows)
+    body = []
+    for prefix in sets:
+        for t in ths:
+            fastest = fastest_adamw(o, prefix, t)
+            for n in optimizers(rows, offload_rows):
+                v = f"{prefix}/{n}"
+                med = value(o, "step_time_median", v, x_value=t)
+                if not math.isfinite(med):
+                    continue
+                body.append([prefix.removeprefix(OFFLOAD), f"**{n}**" if _ours(n) else n, t,
+                             fmt(value(o, "ns_per_param", v, x_value=t)),
+                             fmt(1 / value(o, "step_time_vs_adamw", v, x_value=t)), fmt(fastest / med),
+                             fmt(value(o, "gbps_effective", v, x_value=t)), fmt(value(o, "bytes_floor", v, x_value=t)),
+                             fmt(value(o, "floor_ns_per_param", v, x_value=t)),
+                             fmt(value(rows, "transient_bytes", v) / 2**20)])
+    n_params = {prefix: value(rows, "params", f"{prefix}/AdamW", x_value=ths[0]) for prefix in sets}
+    text = [f"Offload scale: one fp32 parameter set of GPT-2's shapes shared by every optimizer (each with its own "
+            f"state; {', '.join(f'{k.removeprefix(OFFLOAD)}: {fmt(v)} parameters' for k, v in n_params.items())}), "
+            "gradients with rows of different scale in fp32 or bf16 (AdamW's bf16 rows time the cast into an fp32 "
+            "buffer and its step: fused AdamW refuses bf16 gradients on fp32 weights). STREAM triad on this machine: "
+            + ", ".join(f"{fmt(b)} GB/s at {t} thread{'s' if t > 1 else ''}" for t, b in bw.items())
+            + ". Speed × fastest AdamW: over the faster of fused AdamW and DeepSpeed's CPU-Adam; floor: the bytes one "
+            "pass over weights (read, written), gradient (read) and state (read, written) moves, and its time at "
+            "the triad's bandwidth; transient: tensor bytes one step allocates beyond weights, gradients and "
+            "state.\n\n" + md_table(["set", "optimizer", "threads", "ns/param", "speed × AdamW",
+                                          "speed × fastest AdamW", "GB/s", "floor B/param", "floor ns", "transient MiB"],
+                                         body)]
+    if 1 in ths:
+        head = ["optimizer"] + [f"{p.removeprefix(OFFLOAD)}, {k.split(',')[0]}" for p in sets for k in SOCKETS]
+        proj = {p: projection(o, p) for p in sets}
+        body = [[f"**{n}**" if _ours(n) else n] + [fmt(proj[p][k].get(n, math.nan)) for p in sets for k in SOCKETS]
+                for n in optimizers(rows, offload_rows)]
+        text.append("A projection, not a measurement: the step time over fused AdamW's on a "
+                    + " and a ".join(SOCKETS) + " socket (peak bandwidth 38.4 GB/s a channel, "
+                    f"{SUSTAINED:.0%} of it sustained), each optimizer's time max(its 1-thread ns per parameter / "
+                    "cores, its floor bytes / bandwidth): a step bound by its bytes at scale runs at the ratio of its "
+                    "floor to AdamW's.\n\n" + md_table(head, body))
+    return text
+
+
+def _skipped_lines(rows):
+    return "\n".join(f"- {v}: left out ({why})" for v, why in skipped(rows).items())
+
+
 def _count_table(rows, where=""):
     names = _order(r["variant"] for r in select(rows, "launches_per_step"))
     sizes = sorted({int(r["x_value"]) for r in select(rows, "launches_per_step")})
@@ -335,6 +450,22 @@ def _count_verdicts(c, where):
     return out
 
 
+def _offload_verdicts(rows):
+    o, out = offload_rows(rows), []
+    for prefix in models(rows, offload_rows):
+        for t in threads(rows, offload_rows):
+            fastest = fastest_adamw(o, prefix, t)
+            for n in [n for n in optimizers(rows, offload_rows) if _ours(n)]:
+                v = f"{prefix}/{n}"
+                r = 1 / value(o, "step_time_vs_adamw", v, x_value=t)
+                f = fastest / value(o, "step_time_median", v, x_value=t)
+                out.append(f"- {n}, {prefix.removeprefix(OFFLOAD)}, {t} thread{'s' if t > 1 else ''}: {fmt(r)}× fused "
+                           f"AdamW's speed (target ≥ {TARGET_CPU:g}×: {_met(r >= TARGET_CPU)}; stretch ≥ "
+                           f"{TARGET_OFFLOAD_STRETCH:.2g}×: {_met(r >= TARGET_OFFLOAD_STRETCH)}), {fmt(f)}× the fastest "
+                           f"AdamW's (target ≥ 1×: {_met(f >= 1)}).")
+    return out
+
+
 def verdicts(rows):
     out = []
     gefen = [n for n in optimizers(rows, cpu_rows) if _ours(n)]
@@ -353,6 +484,7 @@ def verdicts(rows):
                 r = 1 / value(rows, "step_time_vs_adamw", f"{SMALL}/{n}", x_value=1)
                 out.append(f"- {n} on 160 small tensors, 1 thread: {fmt(r)}× fused AdamW's speed (target ≥ "
                            f"{TARGET_SMALL:g}×: {_met(r >= TARGET_SMALL)}).")
+    out += _offload_verdicts(rows)
     for where, c in count_sets(rows).items():
         out += _count_verdicts(c, where)
     g = gpu_rows(rows)
@@ -379,6 +511,13 @@ def body(rows, config):
                     "MLP of gefen_memory and 40 × (Linear(64, 64) + LayerNorm(64)), 160 tensors. Ratios are to fused "
                     "AdamW's median of the same interleaved run.")
         text += _cpu_tables(rows)
+        if select(cpu_rows(rows), "ns_per_param"):
+            text.append("Time per parameter and effective bandwidth (the floor's bytes over the step's time) in the "
+                        "same runs:\n\n" + _traffic_table(rows, cpu_rows, models(rows)))
+    if offload_rows(rows):
+        text += _offload_tables(rows)
+    if skipped(rows):
+        text.append(_skipped_lines(rows))
     for where, counted in count_sets(rows).items():
         text.append(_count_table(counted, where))
     if gpu_rows(rows):

@@ -1,4 +1,5 @@
-"""Gefen's step time against fused AdamW's: CPU steps, the Triton path's work per step, GPU steps.
+"""Gefen's step time against fused AdamW's: CPU steps in cache, on many small tensors and at offload
+scale, the Triton path's work per step, GPU steps.
 
     python experiments/gefen_speed.py              # full run -> results/gefen_speed.csv (GPU part where CUDA is)
     python experiments/gefen_speed.py --quick      # smaller models, 7 repeats -> results/quick/
@@ -21,9 +22,18 @@ interleaved run per ``--threads`` count (experiments/harness/train.py's ``interl
 stepped once per repeat, in a shuffled order; ours runs its numba kernels on as many threads), after
 two untimed rounds. Optimizers (registry names): AdamW (fused: the baseline), Gefen-8bit,
 Gefen-4bit, Gefen-8bit-factored, Gefen-4bit-factored, Gefen-8bit-compact, Gefen-4bit-compact (the
-factored state at Gefen-X's bytes), and the peers torchao-AdamW8bit and gefen-x; a
-peer that is missing or fails is reported on stderr and left out. ``--quick``: a d=64 two-layer
+factored state at Gefen-X's bytes), and the peers DeepSpeed's CPU-Adam, bitsandbytes' AdamW8bit
+(``registry.CPU_PEERS``: ``python -m pip install --no-build-isolation deepspeed==0.19.8
+bitsandbytes==0.50.2``; DeepSpeed compiles its op on first use), torchao-AdamW8bit and gefen-x; a
+peer that is missing or fails is left out with a ``skipped`` row (its reason in the unit column). ``--quick``: a d=64 two-layer
 transformer, a 256-wide MLP, the same 160 small tensors, torchao left out (it compiles on first use).
+
+Offload scale (``--parts offload``): the regime of CPU-offloaded training (FSDP2's
+``CPUOffloadPolicy``, ZeRO-Offload), GPT-2 shapes of 124 M and 539 M parameters (``OFFLOAD_SIZES``),
+one fp32 parameter set shared by every optimizer (each with its own state), gradients in fp32 and
+in bf16 (AdamW, which refuses bf16 gradients on fp32 weights, is timed casting them into an fp32
+buffer first). Per thread count the STREAM triad's bandwidth (``harness.traffic``), then
+``--offload-repeats`` interleaved steps. gefen-x is left out here (``OFFLOAD_LEFT_OUT``).
 
 Triton path (``--parts count``): experiments/harness/op_count.py's counts in a child process with
 TRITON_INTERPRET=1, on CPU tensors of ``small_tensor_stack(n)`` for n in ``--count-tensors``, each
@@ -41,8 +51,15 @@ Rows (long format, experiments/harness/common.py):
 * CPU, variant ``<model>/<optimizer>``, x = ``threads``: ``step_time_median`` (s),
   ``step_time_vs_adamw`` (ratio to AdamW's median of the same interleaved run),
   ``step_time_vs_unfactored`` (factored variants: ratio to the same bits unfactored), ``threads``
-  (torch's thread count in force), and on the small tensors ``host_us_per_tensor`` (µs: the step's
-  median over its tensors, almost all host work at these sizes).
+  (torch's thread count in force), ``ns_per_param``, ``bytes_floor`` (B/param one pass over weights,
+  gradient and state moves: ``harness.traffic.bytes_floor``), ``gbps_effective`` (the floor's bytes
+  over the step's time), and on the small tensors ``host_us_per_tensor`` (µs: the step's median over
+  its tensors, almost all host work at these sizes).
+* Offload, variant ``offload-<size>-<fp32|bf16>/<optimizer>``, x = ``threads``: the CPU rows' metrics
+  and ``floor_ns_per_param`` (the floor's time at the triad's bandwidth), ``params``; without x,
+  ``transient_bytes`` (tensor bytes one untimed step allocates beyond weights, gradients and state:
+  ``harness.peak.PeakMemory``). Variant ``memory/triad``: ``bandwidth`` (GB/s) per thread count.
+* ``skipped`` (value NaN): an optimizer left out, the reason in the unit column.
 * Triton path, variant ``<optimizer>``, x = ``tensors``: ``device_ops_per_step``,
   ``launches_per_step``, ``aten_ops_per_step`` (views and markers too), ``host_syncs_per_step``.
 * GPU, variant ``gpt2-<size>/<optimizer>``, x = ``params``: ``step_time_median`` (s, CUDA events),
@@ -55,6 +72,7 @@ if not __package__:  # run as a file: stop with the install command if the repos
 
 import argparse
 import contextlib
+import functools
 import math
 import os
 import statistics
@@ -67,20 +85,32 @@ from experiments.harness.common import Results, add_common_args, device_name
 from experiments.harness.models import (GPT2_SIZES, MODELS, Encoder, gpt2_shapes, make_mlp, make_param_set, model_loss,
                                 small_tensor_stack)
 from experiments.harness.op_count import count_in_child, count_optimizer, optimizer_options
-from experiments.harness.registry import DENSE, make_optimizer
+from experiments.harness.peak import PeakMemory
+from experiments.harness.registry import CPU_PEERS, CPU_PEERS_INSTALL, DENSE, make_optimizer, state_bytes
+from experiments.harness.traffic import bytes_floor, triad_gbps
 from experiments.harness.train import WEIGHT_DECAY, interleaved, median
 
 OPTIMIZERS = ["AdamW", "Gefen-8bit", "Gefen-4bit", "Gefen-8bit-factored", "Gefen-4bit-factored", "Gefen-8bit-compact",
-              "Gefen-4bit-compact", "torchao-AdamW8bit", "gefen-x"]
+              "Gefen-4bit-compact", *CPU_PEERS, "torchao-AdamW8bit", "gefen-x"]
 GEFEN = [n for n in OPTIMIZERS if n.startswith("Gefen")]
 SMALL_TENSORS = 160
 LR = 1e-3
+# offload scale: GPT-2 shapes with tied embeddings (models.gpt2_shapes), 124 M and 539 M parameters
+OFFLOAD_SIZES = {"128M": (768, 12), "512M": (1280, 24)}
+OFFLOAD_OPTIMIZERS = [n for n in OPTIMIZERS if n != "gefen-x"]
+# left out at offload scale, with the reason its rows carry
+OFFLOAD_LEFT_OUT = {"gefen-x": "no CPU kernel: its CPU step is decomposed torch with whole-tensor temporaries "
+                               "(timed in cache, not at offload scale)"}
+# optimizers that refuse bf16 gradients on fp32 weights: their bf16 rows time a cast into an fp32
+# buffer and the step, what a user of them does
+CAST_FIRST = ("AdamW",)
 
 
 # the --check size: the full run's flags it overrides (experiments/harness/check.py)
-CHECK = {"--repeats": 21, "--parts": ["cpu", "count"], "--threads": 1}
-CHECK_NOTE = ("the CPU and launch-count parts, one thread (the row's), 21 timed steps where the full run has 61: "
-              "ratios of step times, which a machine shared with other jobs moves")
+CHECK = {"--repeats": 21, "--parts": ["cpu", "offload", "count"], "--threads": 1, "--offload-sizes": ["128M"],
+         "--offload-repeats": 5}
+CHECK_NOTE = ("the CPU, offload (128M only) and launch-count parts, one thread, 21 timed steps where the full run "
+              "has 61 (offload 5 of 11): ratios of step times, which a machine shared with other jobs moves")
 
 
 def cpu_models(quick: bool) -> dict:
@@ -94,25 +124,50 @@ def cpu_models(quick: bool) -> dict:
     return {name: (make, data) for name, (make, data, _) in MODELS.items()} | {"small-tensors": small}
 
 
-def build(names, make_model, make_input, seed, label):
+def build(names, make_model, make_input, seed, label, res):
     """{name: optimizer} each on its own model copy with fixed gradients, after its first step;
-    returns (optimizers, tensors in the model)."""
+    returns (optimizers, tensors in the model, its parameters). A peer that cannot run here is
+    left out with a ``skipped`` row."""
     torch.manual_seed(seed)
     x = make_input()
-    opts, tensors = {}, 0
+    opts, tensors, params = {}, 0, 0
     for name in names:
         torch.manual_seed(seed)
         model = make_model()
         tensors = sum(1 for _ in model.parameters())
+        params = sum(p.numel() for p in model.parameters())
         try:
             opt = make_optimizer(name, model, LR, WEIGHT_DECAY)
             model_loss(model, x).backward()
             opt.step()
-        except Exception as exc:  # a peer that cannot run here is reported, not fatal
-            print(f"[{label}] {name}: skipped ({type(exc).__name__}: {str(exc)[:300]})", file=sys.stderr)
+        except Exception as exc:
+            skipped(res, f"{label}/{name}", exc)
             continue
         opts[name] = opt
-    return opts, tensors
+    return opts, tensors, params
+
+
+def skipped(res, variant, why):
+    """A ``skipped`` row: value NaN, the reason (an exception or a sentence) in its unit column."""
+    reason = why if isinstance(why, str) else f"{type(why).__name__}: {str(why).splitlines()[0][:200]}"
+    if isinstance(why, ModuleNotFoundError) and variant.rsplit("/", 1)[-1] in CPU_PEERS:
+        reason += f" (install: {CPU_PEERS_INSTALL})"
+    print(f"[{variant}] skipped ({reason})", file=sys.stderr, flush=True)
+    res.add(variant, "skipped", reason, math.nan)
+
+
+def traffic_rows(res, prefix, med, states, n, g_bytes, x_, bandwidth=None, extra_bytes=None):
+    """ns_per_param, bytes_floor (``traffic.bytes_floor``: fp32 weights, ``g_bytes`` gradients, each
+    optimizer's state bytes in ``states``, plus its ``extra_bytes`` per parameter) and gbps_effective
+    of one interleaved run of ``n`` parameters; with the triad's ``bandwidth`` (GB/s) also
+    floor_ns_per_param, the floor's time at that bandwidth."""
+    for name, t in med.items():
+        floor = bytes_floor(n, 4, g_bytes, states[name]) + (extra_bytes or {}).get(name, 0.0)
+        res.add(f"{prefix}/{name}", "ns_per_param", "ns", t / n * 1e9, **x_)
+        res.add(f"{prefix}/{name}", "bytes_floor", "B/param", floor, **x_)
+        res.add(f"{prefix}/{name}", "gbps_effective", "GB/s", floor * n / t / 1e9, **x_)
+        if bandwidth:
+            res.add(f"{prefix}/{name}", "floor_ns_per_param", "ns", floor / bandwidth, **x_)
 
 
 def ratio_rows(res, prefix, med, x_, unit_scale=1e3, unit="ms"):
@@ -134,7 +189,7 @@ def cpu_part(res, args):
     for model_name, (make_model, make_input) in cpu_models(args.quick).items():
         if model_name not in args.models:
             continue
-        opts, tensors = build(args.optimizers, make_model, make_input, args.seed, model_name)
+        opts, tensors, params = build(args.optimizers, make_model, make_input, args.seed, model_name, res)
         steps = {n: o.step for n, o in opts.items()}
         for threads in args.threads:
             torch.set_num_threads(threads)
@@ -143,12 +198,97 @@ def cpu_part(res, args):
                                      desc=f"{model_name} at {threads} thread(s)"))
             x_ = dict(x_name="threads", x_value=threads)
             ratio_rows(res, model_name, med, x_)
+            traffic_rows(res, model_name, med, {k: state_bytes(o) for k, o in opts.items()}, params, 4, x_)
             for name, t in med.items():
                 res.add(f"{model_name}/{name}", "threads", "count", torch.get_num_threads(), **x_)
                 if model_name == "small-tensors":
                     res.add(f"{model_name}/{name}", "host_us_per_tensor", "us", t / tensors * 1e6, **x_)
             res.flush()
         del opts, steps
+
+
+def offload_sets(args) -> dict:
+    """label -> parameter shapes of the offload part."""
+    if args.dry_run or args.quick:
+        return {"gpt2-d64": gpt2_shapes(64, 2, vocab=512, ctx=64)}
+    return {size: gpt2_shapes(*OFFLOAD_SIZES[size]) for size in args.offload_sizes}
+
+
+def offload_part(res, args):
+    """Offload scale: one fp32 parameter set shared by every optimizer (each with its own state),
+    gradients of rows of different scale in fp32 and in bf16; per thread count the triad's
+    bandwidth, then each optimizer's interleaved steps, and the tensor bytes beyond weights,
+    gradients and state that one step allocates (``transient_bytes``, one untimed step)."""
+    bandwidth = {}
+    for threads in args.threads:
+        bandwidth[threads] = triad_gbps(threads, elements=1 << (20 if args.dry_run or args.quick else 26))
+        res.add("memory/triad", "bandwidth", "GB/s", bandwidth[threads], x_name="threads", x_value=threads)
+        print(f"[offload] STREAM triad at {threads} thread(s): {bandwidth[threads]:.1f} GB/s", flush=True)
+    for label, shapes in offload_sets(args).items():
+        for name in OFFLOAD_LEFT_OUT:
+            skipped(res, f"offload-{label}/{name}", OFFLOAD_LEFT_OUT[name])
+        values, grads = make_param_set(shapes, torch.float32, torch.device("cpu"), args.seed)
+        params = [torch.nn.Parameter(v) for v in values]
+        del values
+        for p in params:
+            p.grad_dtype = None  # bf16 gradients on fp32 weights, as mixed-precision training leaves them
+        n = sum(p.numel() for p in params)
+        opts = {}
+        for name in args.offload_optimizers:
+            for p, g in zip(params, grads):
+                p.grad = g
+            try:
+                opts[name] = make_optimizer(name, params, LR, WEIGHT_DECAY)
+                opts[name].step()  # blocks, codebook, state, compilation
+            except Exception as exc:
+                skipped(res, f"offload-{label}/{name}", exc)
+                opts.pop(name, None)
+        states = {name: state_bytes(o) for name, o in opts.items()}
+        for gdtype in args.offload_grads:
+            half = [g.to(torch.bfloat16) for g in grads] if gdtype == "bf16" else None
+            prefix = f"offload-{label}-{gdtype}"
+            fns, given = {}, {}
+            for name, opt in opts.items():
+                cast = half is not None and name in CAST_FIRST
+                given[name] = grads if half is None or cast else half
+                fns[name] = _cast_then(opt.step, half, grads) if cast else opt.step
+            set_grads = functools.partial(_set_grads, params, given)
+            for name in fns:  # what one step allocates beyond its data, untimed
+                set_grads(name)
+                with PeakMemory(params, opts[name]) as peak:
+                    fns[name]()
+                res.add(f"{prefix}/{name}", "transient_bytes", "B", peak.transient)
+            # the cast's bytes beyond the bf16 read: the fp32 copy written, then read by the step
+            extra = {name: 8.0 for name in fns if half is not None and name in CAST_FIRST}
+            for threads in args.threads:
+                torch.set_num_threads(threads)
+                interleaved(fns, 2, before=set_grads)
+                med = median(interleaved(fns, args.offload_repeats, shuffle=True, before=set_grads, progress=True,
+                                         desc=f"{prefix} at {threads} thread(s)"))
+                x_ = dict(x_name="threads", x_value=threads)
+                ratio_rows(res, prefix, med, x_)
+                traffic_rows(res, prefix, med, states, n, 2 if half is not None else 4, x_, bandwidth[threads],
+                             extra)
+                for name in med:
+                    res.add(f"{prefix}/{name}", "params", "count", n, **x_)
+                res.flush()
+            del half
+        del opts, params, grads
+
+
+def _set_grads(params, given, name):
+    """Point the shared parameters' gradients at ``given[name]``, the ones that optimizer steps on."""
+    for p, g in zip(params, given[name]):
+        p.grad = g
+
+
+def _cast_then(step, half, grads):
+    """``step`` after casting the bf16 gradients ``half`` into the fp32 buffers ``grads``."""
+    def run():
+        for g, h in zip(grads, half):
+            g.copy_(h)
+        step()
+    return run
 
 
 def count_rows(res, records, prefix=""):
@@ -262,14 +402,21 @@ def gpu_part(res, args):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(parser, check=CHECK, check_note=CHECK_NOTE)
-    parser.add_argument("--parts", nargs="+", default=["cpu", "count", "gpu"], choices=["cpu", "count", "gpu"])
+    parser.add_argument("--parts", nargs="+", default=["cpu", "offload", "count", "gpu"],
+                        choices=["cpu", "offload", "count", "gpu"])
     parser.add_argument("--threads", type=lambda s: [int(t) for t in s.split(",")], default=[1, 2],
                         help="comma list of torch thread counts (Default: 1,2)")
     parser.add_argument("--repeats", type=int, default=None, help="timed CPU steps per optimizer (Default: 61, quick 7)")
-    parser.add_argument("--optimizers", nargs="+", default=None, choices=DENSE,
+    parser.add_argument("--optimizers", nargs="+", default=None, choices=DENSE + CPU_PEERS,
                         help="CPU part (Default: all of OPTIMIZERS; quick: all but torchao's)")
     parser.add_argument("--models", nargs="+", default=["transformer", "mlp", "small-tensors"],
                         choices=["transformer", "mlp", "small-tensors"])
+    parser.add_argument("--offload-sizes", nargs="+", default=list(OFFLOAD_SIZES), choices=list(OFFLOAD_SIZES))
+    parser.add_argument("--offload-grads", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"],
+                        help="gradient dtypes of the offload part (weights fp32)")
+    parser.add_argument("--offload-optimizers", nargs="+", default=OFFLOAD_OPTIMIZERS, choices=DENSE + CPU_PEERS)
+    parser.add_argument("--offload-repeats", type=int, default=None,
+                        help="timed steps per optimizer in the offload part (Default: 11, quick 3)")
     parser.add_argument("--count-tensors", nargs="+", type=int, default=None,
                         help="tensor counts of the Triton path's counts, multiples of 4 (Default: 40 160; quick 8 32: "
                              "the interpreter runs every program)")
@@ -287,17 +434,19 @@ def main(argv=None):
             parser.error("--dry-run needs TRITON_INTERPRET=1 before Triton is imported")
         os.environ["TRITON_INTERPRET"] = "1"
         args.gpu_reps, args.gpu_warmup, args.count_tensors, args.count_steps = 2, 1, [8], 2
+        args.offload_repeats = 2
     args.repeats = args.repeats or (7 if args.quick else 61)  # millisecond steps: many, to resolve a 10% ratio
     args.gpu_reps = args.gpu_reps or (10 if args.quick else 30)
+    args.offload_repeats = args.offload_repeats or (3 if args.quick else 11)
     args.optimizers = args.optimizers or [n for n in OPTIMIZERS if not (args.quick and n.startswith("torchao"))]
     args.count_tensors = args.count_tensors or ([8, 32] if args.quick else [40, SMALL_TENSORS])
     args.count_steps = args.count_steps or (1 if args.quick else 3)
     threads = torch.get_num_threads()
     with Results("gefen_speed", args, config=vars(args)) as res:
         try:
-            for part in ("cpu", "count", "gpu"):
+            for part in ("cpu", "offload", "count", "gpu"):
                 if part in args.parts:
-                    {"cpu": cpu_part, "count": count_part, "gpu": gpu_part}[part](res, args)
+                    {"cpu": cpu_part, "offload": offload_part, "count": count_part, "gpu": gpu_part}[part](res, args)
                     res.flush()
         finally:
             torch.set_num_threads(threads)

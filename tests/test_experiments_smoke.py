@@ -712,13 +712,14 @@ def test_quick_runs_write_under_quick(monkeypatch):
 
 
 def test_registry_names_are_the_canonical_ones():
-    from experiments.harness.registry import DENSE, GPU_PEERS, OPTIMIZERS
+    from experiments.harness.registry import CPU_PEERS, DENSE, GPU_PEERS, OPTIMIZERS
 
     assert DENSE == ["AdamW", "Adam-mini", "torchao-AdamW8bit", "torchao-AdamW4bit", "gefen-upstream", "gefen-x",
                      "Gefen-8bit", "Gefen-4bit", "Gefen-8bit-factored", "Gefen-4bit-factored", "Gefen-8bit-compact",
                      "Gefen-4bit-compact"]
     assert GPU_PEERS == ["flashoptim-AdamW", "bnb-AdamW8bit", "torchao-AdamW8bit", "gefen-x"]
-    assert set(OPTIMIZERS) == set(DENSE) | set(GPU_PEERS) | {"SparseAdam", "DiskSparseAdam",
+    assert CPU_PEERS == ["deepspeed-CPUAdam", "bnb-AdamW8bit"]
+    assert set(OPTIMIZERS) == set(DENSE) | set(GPU_PEERS) | set(CPU_PEERS) | {"SparseAdam", "DiskSparseAdam",
                                                              "DiskSparseRiemannianAdam", "geoopt-SparseRiemannianAdam"}
 
 

@@ -25,7 +25,8 @@ def _rows(path):
     with open(path, newline="") as f:
         assert next(csv.reader(f)) == FIELDS
     rows = read_results(path)
-    assert rows and all(r["experiment"] == "gefen_speed" and math.isfinite(r["value"]) for r in rows)
+    assert rows and all(r["experiment"] == "gefen_speed" and (math.isfinite(r["value"]) or r["metric"] == "skipped")
+                        for r in rows)
     return rows
 
 
@@ -86,7 +87,11 @@ def test_gefen_speed_smallest_run_and_its_figure(tmp_path):
     assert {r["variant"] for r in cpu} == {f"small-tensors/{n}" for n in names}
     assert {r["x_value"] for r in cpu} == {1, 2}
     assert {r["metric"] for r in cpu} == {"step_time_median", "step_time_vs_adamw", "step_time_vs_unfactored",
-                                          "threads", "host_us_per_tensor"}
+                                          "threads", "host_us_per_tensor", "ns_per_param", "bytes_floor",
+                                          "gbps_effective"}
+    # AdamW's floor: weights read and written, gradient read, two fp32 moments read and written
+    # (its step counters, 4 bytes a tensor, besides)
+    assert by[("small-tensors/AdamW", "bytes_floor", 1)] == pytest.approx(28, rel=1e-3)
     for t in (1, 2):
         adamw = by[("small-tensors/AdamW", "step_time_median", t)]
         assert by[("small-tensors/AdamW", "step_time_vs_adamw", t)] == 1.0
@@ -95,6 +100,9 @@ def test_gefen_speed_smallest_run_and_its_figure(tmp_path):
             med = by[(f"small-tensors/{n}", "step_time_median", t)]
             assert by[(f"small-tensors/{n}", "step_time_vs_adamw", t)] == pytest.approx(med / adamw)
             assert by[(f"small-tensors/{n}", "host_us_per_tensor", t)] == pytest.approx(med / 160 * 1e6)
+            assert by[(f"small-tensors/{n}", "ns_per_param", t)] == pytest.approx(med / 171520 * 1e9)
+            assert by[(f"small-tensors/{n}", "gbps_effective", t)] == pytest.approx(
+                by[(f"small-tensors/{n}", "bytes_floor", t)] * 171520 / med / 1e9)
         assert by[("small-tensors/Gefen-8bit-factored", "step_time_vs_unfactored", t)] == pytest.approx(
             by[("small-tensors/Gefen-8bit-factored", "step_time_median", t)] / by[("small-tensors/Gefen-8bit", "step_time_median", t)])
     counts = [r for r in rows if r["x_name"] == "tensors"]
@@ -114,6 +122,38 @@ def test_gefen_speed_smallest_run_and_its_figure(tmp_path):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 5000
     section = (tmp_path / "README.md").read_text()
     assert "no verdicts" in section and "(target" not in section  # a quick run judges nothing
+
+
+@pytest.mark.timeout(300)
+def test_gefen_speed_offload_part_at_its_smallest(tmp_path):
+    """The offload part's rows on a tiny GPT-2 set: the triad's bandwidth, both gradient dtypes,
+    AdamW's bf16 rows with the cast's bytes, gefen-x left out with its reason, and no tensor
+    memory allocated by Gefen's step after the first with either gradient dtype."""
+    from experiments import gefen_speed
+
+    names = ["AdamW", "Gefen-8bit"]
+    assert gefen_speed.main(["--quick", "--parts", "offload", "--offload-optimizers", *names, "--threads", "1",
+                             "--offload-repeats", "1", "--wandb", "disabled", "--results-dir", str(tmp_path)]) == 0
+    rows = _rows(tmp_path / "gefen_speed.csv")
+    by = _by(rows)
+    assert by[("memory/triad", "bandwidth", 1)] > 0
+    sets = {r["variant"].split("/")[0] for r in rows if r["metric"] == "step_time_median"}
+    assert sets == {"offload-gpt2-d64-fp32", "offload-gpt2-d64-bf16"}
+    n = by[("offload-gpt2-d64-fp32/AdamW", "params", 1)]
+    assert n == sum(torch.Size(s).numel() for s in gefen_speed.gpt2_shapes(64, 2, vocab=512, ctx=64))
+    for s in sets:
+        for name in names:
+            med = by[(f"{s}/{name}", "step_time_median", 1)]
+            assert by[(f"{s}/{name}", "ns_per_param", 1)] == pytest.approx(med / n * 1e9)
+            assert by[(f"{s}/{name}", "floor_ns_per_param", 1)] == pytest.approx(
+                by[(f"{s}/{name}", "bytes_floor", 1)] / by[("memory/triad", "bandwidth", 1)])
+    # fp32: 28 B; bf16: the gradient read as bf16 (2 B), plus the cast's fp32 write and read (8 B)
+    assert by[("offload-gpt2-d64-fp32/AdamW", "bytes_floor", 1)] == pytest.approx(28, rel=1e-3)
+    assert by[("offload-gpt2-d64-bf16/AdamW", "bytes_floor", 1)] == pytest.approx(34, rel=1e-3)
+    assert by[("offload-gpt2-d64-bf16/Gefen-8bit", "transient_bytes", "")] == 0
+    assert by[("offload-gpt2-d64-fp32/Gefen-8bit", "transient_bytes", "")] == 0
+    reasons = {r["variant"]: r["unit"] for r in rows if r["metric"] == "skipped"}
+    assert reasons == {"offload-gpt2-d64/gefen-x": gefen_speed.OFFLOAD_LEFT_OUT["gefen-x"]}
 
 
 @pytest.mark.timeout(300)

@@ -8,7 +8,8 @@ dicts); optimizers that need parameter names (Adam-mini) need a module. Keyword 
 constructor. Dense peers: AdamW (torch, fused), Adam-mini, torchao's AdamW8bit / AdamW4bit,
 upstream ``gefen``, its maintained fork ``gefen-x`` (installed beside it, see ``gefen_x``), ours at 8
 and 4 bits (and with the factored second moment); on a GPU also FlashOptim's FlashAdamW and
-bitsandbytes' AdamW8bit (``GPU_PEERS``). Sparse: torch's SparseAdam, ours on disk (Euclidean and
+bitsandbytes' AdamW8bit (``GPU_PEERS``); on the CPU also DeepSpeed's CPU-Adam and bitsandbytes'
+AdamW8bit (``CPU_PEERS``). Sparse: torch's SparseAdam, ours on disk (Euclidean and
 Poincaré ball), geoopt's SparseRiemannianAdam (its parameter must be a ``geoopt.ManifoldParameter``).
 
 State bytes (``state_bytes``) are the tensor bytes of ``optimizer.state_dict()``, tensor subclasses
@@ -138,6 +139,12 @@ def _bnb_adamw8bit(params, named, lr, weight_decay, **kw):
     return bitsandbytes.optim.AdamW8bit(params, lr=lr, weight_decay=weight_decay, **kw)
 
 
+def _deepspeed_cpu_adam(params, named, lr, weight_decay, **kw):
+    from deepspeed.ops.adam import DeepSpeedCPUAdam  # builds its C++ op on first use (ninja, a compiler)
+
+    return DeepSpeedCPUAdam(params, lr=lr, weight_decay=weight_decay, adamw_mode=True, **kw)
+
+
 def _gefen(bits, layout):
     """Gefen at ``bits`` with the named ``layout`` (``optim.gefen.layout.LAYOUTS``); ``layout=`` among the
     options gives another (a record, for an ablation)."""
@@ -180,6 +187,7 @@ OPTIMIZERS = {
     "gefen-x": _gefen_x,
     "flashoptim-AdamW": _flashoptim_adamw,
     "bnb-AdamW8bit": _bnb_adamw8bit,
+    "deepspeed-CPUAdam": _deepspeed_cpu_adam,
     "Gefen-8bit": _gefen(8, "published"),
     "Gefen-4bit": _gefen(4, "published"),
     "Gefen-8bit-factored": _gefen(8, "factored"),
@@ -196,6 +204,12 @@ DENSE = ["AdamW", "Adam-mini", "torchao-AdamW8bit", "torchao-AdamW4bit", "gefen-
 # 8-bit peers with CUDA-only kernels, timed by experiments/bench_kernels.py on a GPU (not in
 # requirements.txt: carried to a GPU machine as wheels, see experiments/gpu_checks.sh)
 GPU_PEERS = ["flashoptim-AdamW", "bnb-AdamW8bit", "torchao-AdamW8bit", "gefen-x"]
+# peers with CPU kernels, timed beside ours by experiments/gefen_speed.py: DeepSpeed's CPU-Adam (the
+# AdamW step of ZeRO-Offload) and bitsandbytes' 8-bit AdamW. Not in requirements.txt: DeepSpeed's
+# source distribution imports torch to build, so it installs without pip's build isolation, and
+# compiles its op on first use.
+CPU_PEERS = ["deepspeed-CPUAdam", "bnb-AdamW8bit"]
+CPU_PEERS_INSTALL = "python -m pip install --no-build-isolation deepspeed==0.19.8 bitsandbytes==0.50.2"
 
 
 def _tensors(params):

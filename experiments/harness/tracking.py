@@ -38,7 +38,7 @@ MODES = ("offline", "online", "disabled")
 STEP = "train/step"
 # distributions whose versions every run records (absent ones are left out); gefen-x lives in
 # third_party/ and is read by registry.gefen_x_version
-PEERS = ("torch", "gefen", "torchao", "adam-mini", "geoopt", "numba", "triton", "wandb")
+PEERS = ("torch", "gefen", "torchao", "adam-mini", "geoopt", "numba", "triton", "wandb", "deepspeed", "bitsandbytes")
 _MODE_ALIASES = {"dryrun": "offline", "run": "online"}
 
 

@@ -83,12 +83,14 @@ from llvmlite import ir
 
 _I8, _I32 = ir.IntType(8), ir.IntType(32)
 # The columns of the address table ``meta`` (int64, a row per tensor, ``numba_ops._addresses``): the
-# addresses of p, g (fp32, contiguous), v, scales (fp32), codes (uint8) and of the unquantised fp32
-# first moment m, then the element counts of p (and of g and m), v, scales and codes. A tensor the
-# call has not (scales and codes unquantised, m quantised) has address 0 and count 0.
+# addresses of p (fp32, contiguous), g (contiguous, fp32 or bf16), v, scales (fp32), codes (uint8)
+# and of the unquantised fp32 first moment m, then the element counts of p (and of g and m), v,
+# scales and codes, and G_BF16: 1 where g is bf16 (widened to fp32 a scale block at a time into
+# stack scratch: exact, so the step is the one on g.float()). A tensor the call has not (scales and
+# codes unquantised, m quantised) has address 0 and count 0.
 P_ADDR, G_ADDR, V_ADDR, SCALES_ADDR, CODES_ADDR, M_ADDR = 0, 1, 2, 3, 4, 5
-NUMEL, V_NUMEL, SCALES_NUMEL, CODES_NUMEL = 6, 7, 8, 9
-ADDRESS_COLUMNS = 10
+NUMEL, V_NUMEL, SCALES_NUMEL, CODES_NUMEL, G_BF16 = 6, 7, 8, 9, 10
+ADDRESS_COLUMNS = 11
 
 MAX_S = 1024  # longest scale block with stack scratch (partition.MAX_BLOCK); longer ones get heap arrays
 _LANES = 64  # lane sums of v's sum of squares
@@ -159,6 +161,15 @@ def _u8_ptr(typingctx, addr):
 
 
 @intrinsic
+def _u16_ptr(typingctx, addr):
+    sig = types.CPointer(types.uint16)(types.int64)
+
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], context.get_value_type(signature.return_type))
+    return sig, codegen
+
+
+@intrinsic
 def _alloca(typingctx, dtype, n):
     """A pointer to ``n`` (a literal) elements of ``dtype`` on the calling function's stack."""
     if not isinstance(n, types.IntegerLiteral):
@@ -211,12 +222,13 @@ def _prefetch8(typingctx, addr):
 
 
 @njit(nogil=True, error_model="numpy", cache=True, inline="always")
-def _prefetch_block(p, g, codes, bits4, quant, start, stop):
-    """Prefetch elements start..stop-1 of p, g and the codes (a scale block ``_AHEAD`` blocks on):
-    the passes over a block are too far apart for the hardware prefetcher to run ahead of them."""
+def _prefetch_block(p, g_addr, g_shift, codes, bits4, quant, start, stop):
+    """Prefetch elements start..stop-1 of p, g (at ``g_addr``, elements of ``1 << g_shift`` bytes)
+    and the codes (a scale block ``_AHEAD`` blocks on): the passes over a block are too far apart
+    for the hardware prefetcher to run ahead of them."""
     for a in range(_data(p) + 4 * start, _data(p) + 4 * stop, 64):
         _prefetch(a)
-    for a in range(_data(g) + 4 * start, _data(g) + 4 * stop, 64):
+    for a in range(g_addr + (start << g_shift), g_addr + (stop << g_shift), 64):
         _prefetch(a)
     if quant:
         lo, hi = (start >> 1, (stop + 1) >> 1) if bits4 else (start, stop)
@@ -676,6 +688,14 @@ def _sum_sq(g, acc):
     """
     for k in range(_LANES):
         acc[k] = np.float32(0.0)
+    _sum_sq_into(g, acc)
+    return _fold(acc)
+
+
+@njit(nogil=True, error_model="numpy", cache=True, inline="always")
+def _sum_sq_into(g, acc):
+    """``_sum_sq``'s lane sums added into ``acc`` (not cleared, not folded); a run of calls on
+    consecutive pieces of whole lane rows adds as one call on the whole."""
     rows = g.size // _LANES
     for r in range(rows):
         gr = g[r * _LANES:(r + 1) * _LANES]
@@ -684,7 +704,6 @@ def _sum_sq(g, acc):
     tail = g[rows * _LANES:]
     for k in range(tail.size):
         acc[k] = _fma(tail[k], tail[k], acc[k])
-    return _fold(acc)
 
 
 @njit(nogil=True, error_model="numpy", cache=True, inline="always")
@@ -844,6 +863,12 @@ def _colsum_sq(g, block, acc):
     """acc[j] = sum over the blocks of g (a whole number of them) of g[b, j]**2."""
     for j in range(block):
         acc[j] = np.float32(0.0)
+    _colsum_sq_into(g, block, acc)
+
+
+@njit(nogil=True, error_model="numpy", cache=True, inline="always")
+def _colsum_sq_into(g, block, acc):
+    """``_colsum_sq`` added into ``acc`` (not cleared)."""
     for b in range(g.size // block):
         gb = g[b * block:(b + 1) * block]
         for j in range(block):
@@ -871,16 +896,48 @@ def _factor_reduce(meta, jobs, wptrs, block, beta2, one_minus_beta2, partial, ra
             ratio[t, j] = np.sqrt(w[j] / mean) if mean > np.float32(0.0) else np.float32(1.0)
 
 
+@njit(nogil=True, error_model="numpy", cache=True, inline="always")
+def _widen_bf16(src, out):
+    """bf16 bit patterns ``src`` as fp32 into ``out`` (exact: the pattern shifted 16 bits up)."""
+    bits = out.view(np.uint32)
+    for i in range(src.size):
+        bits[i] = np.uint32(src[i]) << np.uint32(16)
+
+
 @njit(nogil=True, error_model="numpy", cache=True)
 def _factor_job(meta, jobs, k, block, S, partial):
     t = jobs[k, 0]
     n = meta[t, NUMEL]
-    g = carray(_f32_ptr(meta[t, G_ADDR]), (n,))
-    gk = g[jobs[k, 1] * S:min(jobs[k, 2] * S, n)]
-    if block == 1:  # one column: the lane sum (a single accumulator would be latency-bound)
-        partial[k, 0] = _sum_sq(gk, carray(_alloca(np.float32, _LANES), (_LANES,)))
+    lo, hi = jobs[k, 1] * S, min(jobs[k, 2] * S, n)
+    acc = carray(_alloca(np.float32, _LANES), (_LANES,))
+    if meta[t, G_BF16] == 0:
+        gk = carray(_f32_ptr(meta[t, G_ADDR]), (n,))[lo:hi]
+        if block == 1:  # one column: the lane sum (a single accumulator would be latency-bound)
+            partial[k, 0] = _sum_sq(gk, acc)
+        else:
+            _colsum_sq(gk, block, partial[k])
+        return
+    # bf16: widened a chunk at a time, chunks of whole lane rows or blocks, so that every sum is
+    # added in the order of the fp32 path
+    src = carray(_u16_ptr(meta[t, G_ADDR]), (n,))
+    unit = _LANES if block == 1 else block
+    chunk = max(1, MAX_S // unit) * unit
+    buf = carray(_alloca(np.float32, _BUF), (_BUF,))
+    if block == 1:
+        for q in range(_LANES):
+            acc[q] = np.float32(0.0)
     else:
-        _colsum_sq(gk, block, partial[k])
+        for j in range(block):
+            partial[k, j] = np.float32(0.0)
+    for a in range(lo, hi, chunk):
+        b = min(a + chunk, hi)
+        _widen_bf16(src[a:b], buf)
+        if block == 1:
+            _sum_sq_into(buf[:b - a], acc)
+        else:
+            _colsum_sq_into(buf[:b - a], block, partial[k])
+    if block == 1:
+        partial[k, 0] = _fold(acc)
 
 
 @njit(nogil=True, error_model="numpy", parallel=True, cache=True)
@@ -898,10 +955,12 @@ def _factor_serial(meta, jobs, wptrs, block, S, beta2, one_minus_beta2, partial,
 
 
 @njit(nogil=True, error_model="numpy", cache=True, inline="always")
-def _decode_simd(bits4, per_element, codes, start, stop, tabs, s, p, g, v, w1, m, c, acc):
+def _decode_simd(bits4, per_element, codes, start, stop, tabs, s, p, g_addr, g_ahead, g_shift, v, w1, m, c, acc):
     """AVX-512: m = lerp(C[code] * s, g, w1) for elements start..stop-1 (into m from 0); returns
     max |m| as int32 bits, and sum(g**2) in the 64 lane sums ``acc``. Groups of ``_GROUP``, the
-    last under ``_GROUP`` elements in groups of 64 (masked: nothing past the block is read)."""
+    last under ``_GROUP`` elements in groups of 64 (masked: nothing past the block is read). The
+    fp32 g of element i is at ``g_addr + 4 i``; the stored g (prefetched ahead) at ``g_ahead``, in
+    elements of ``1 << g_shift`` bytes."""
     L = stop - start
     small = abs(w1) < 0.5
     w = w1 if small else w1 - np.float32(1.0)
@@ -913,14 +972,14 @@ def _decode_simd(bits4, per_element, codes, start, stop, tabs, s, p, g, v, w1, m
     k = 0
     while k < L:
         ahead = start + k + _AHEAD_ELEMENTS  # a few lines a group: a burst of prefetches would be dropped
-        _prefetch8(_data(g) + 4 * ahead)
+        _prefetch8(g_ahead + (ahead << g_shift))
         _prefetch8(_data(p) + 4 * ahead)
         if per_element:
             _prefetch8(_data(v) + 4 * ahead)
         _prefetch(_data(codes) + (ahead >> 1 if bits4 else ahead))
         _prefetch(_data(codes) + (ahead >> 1 if bits4 else ahead) + 64)
         src = _data(c) + k if bits4 else _data(codes) + start + k
-        gs, dst = _data(g) + 4 * (start + k), _data(m) + 4 * k
+        gs, dst = g_addr + 4 * (start + k), _data(m) + 4 * k
         if L - k >= _GROUP and bits4:
             a = max(a, _vdecode4(_GROUP, src, _data(tabs), s, gs, w, small, _GROUP, dst, _data(acc)))
         elif L - k >= _GROUP:
@@ -965,11 +1024,14 @@ def _quantize_simd(bits4, codes, start, stop, amax, tabs, lut8, lut_scale, m, u,
 
 
 @njit(nogil=True, error_model="numpy", cache=True)
-def _blocks(bits4, per_element, factored, quant, p, g, v, scales, codes, m_fp32, r, j0, j1, cb, lut, tabs,
-            lut8, lut_scale, block, S, w1, beta2, one_minus_beta2, decay, neg_step, bc2_sqrt, eps, m, u, value, c):
+def _blocks(bits4, per_element, factored, quant, p, g, g16, v, scales, codes, m_fp32, r, j0, j1, cb, lut, tabs,
+            lut8, lut_scale, block, S, w1, beta2, one_minus_beta2, decay, neg_step, bc2_sqrt, eps, m, u, value, c,
+            wide):
     """Scale blocks j0..j1-1 of one tensor, pass by pass (see the module docstring). ``m_fp32``: the
-    unquantised first moment (``quant`` False; codes and scales are then empty). ``m``, ``u``,
-    ``value``, ``c``: scratch of S + ``_PAD`` elements or more."""
+    unquantised first moment (``quant`` False; codes and scales are then empty). The gradient is
+    ``g`` (fp32), or where ``g16`` (bf16 bit patterns) is not empty ``g16``, each block widened into
+    ``wide`` first. ``m``, ``u``, ``value``, ``c``, ``wide``: scratch of S + ``_PAD`` elements or
+    more."""
     n = p.size
     tabs16 = tabs[_CB16:_TABS].view(np.float32)
     acc = carray(_alloca(np.float32, _LANES), (_LANES,))
@@ -985,21 +1047,30 @@ def _blocks(bits4, per_element, factored, quant, p, g, v, scales, codes, m_fp32,
                 tabs16[24], tabs16[25], tabs16[26], tabs16[27], tabs16[28], tabs16[29], tabs16[30], tabs16[31])
     cb16 = (tabs16[0], tabs16[1], tabs16[2], tabs16[3], tabs16[4], tabs16[5], tabs16[6], tabs16[7], tabs16[8],
             tabs16[9], tabs16[10], tabs16[11], tabs16[12], tabs16[13], tabs16[14], tabs16[15])
+    half = g16.size > 0
+    g_ahead, g_shift = (_data(g16), 1) if half else (_data(g), 2)
     for j in range(j0, j1):
         start = j * S
         stop = min(start + S, n)
         L = stop - start
-        gj = g[start:stop]
+        if half:
+            _widen_bf16(g16[start:stop], wide)
+            gj = wide[:L]
+            g_addr = _data(wide) - 4 * start  # element i of the block at g_addr + 4 i, as for fp32 g
+        else:
+            gj = g[start:stop]
+            g_addr = _data(g)
         summed = False  # the AVX-512 decode sums g**2 into acc on its way
         if j + _AHEAD < j1 and not (_SIMD and quant):
-            _prefetch_block(p, g, codes, bits4, quant, start + _AHEAD * S, min(start + (_AHEAD + 1) * S, n))
+            _prefetch_block(p, g_ahead, g_shift, codes, bits4, quant, start + _AHEAD * S,
+                            min(start + (_AHEAD + 1) * S, n))
         if not quant:  # m^ is the stored m after the lerp (times 1: exact)
             mj = m_fp32[start:stop]
             _lerp_fp32(gj, w1, mj)
             amax = np.float32(1.0)
         elif _SIMD:
-            amax = _bits_f32(_decode_simd(bits4, per_element, codes, start, stop, tabs, scales[j], p, g, v, w1, m, c,
-                                          acc))
+            amax = _bits_f32(_decode_simd(bits4, per_element, codes, start, stop, tabs, scales[j], p, g_addr, g_ahead,
+                                          g_shift, v, w1, m, c, acc))
             summed = True
             scales[j] = amax
             _quantize_simd(bits4, codes, start, stop, amax, tabs, lut8, lut_scale, m, u, c, value)
@@ -1053,7 +1124,9 @@ def _job(bits4, per_element, factored, quant, meta, jobs, k, ratio, cb, lut, tab
          w1, beta2, one_minus_beta2, decay, neg_step, bc2_sqrt, eps):
     t = jobs[k, 0]
     p = carray(_f32_ptr(meta[t, P_ADDR]), (meta[t, NUMEL],))
-    g = carray(_f32_ptr(meta[t, G_ADDR]), (meta[t, NUMEL],))
+    half = meta[t, G_BF16] != 0
+    g = carray(_f32_ptr(meta[t, G_ADDR]), (0 if half else meta[t, NUMEL],))
+    g16 = carray(_u16_ptr(meta[t, G_ADDR]), (meta[t, NUMEL] if half else 0,))
     v = carray(_f32_ptr(meta[t, V_ADDR]), (meta[t, V_NUMEL],))
     scales = carray(_f32_ptr(meta[t, SCALES_ADDR]), (meta[t, SCALES_NUMEL] if quant else 0,))
     codes = carray(_u8_ptr(meta[t, CODES_ADDR]), (meta[t, CODES_NUMEL] if quant else 0,))
@@ -1064,15 +1137,17 @@ def _job(bits4, per_element, factored, quant, meta, jobs, k, ratio, cb, lut, tab
         u = carray(_alloca(np.uint16, _BUF), (_BUF,))
         value = carray(_alloca(np.float32, _BUF), (_BUF,))
         c = carray(_alloca(np.uint8, _BUF), (_BUF,))
-        _blocks(bits4, per_element, factored, quant, p, g, v, scales, codes, m_fp32, r, jobs[k, 1],
+        wide = carray(_alloca(np.float32, _BUF), (_BUF,))
+        _blocks(bits4, per_element, factored, quant, p, g, g16, v, scales, codes, m_fp32, r, jobs[k, 1],
                 jobs[k, 2], cb, lut, tabs, lut8, lut_scale, block, S, w1, beta2, one_minus_beta2, decay, neg_step,
-                bc2_sqrt, eps, m, u, value, c)
+                bc2_sqrt, eps, m, u, value, c, wide)
     else:
         mh, uh = np.empty(S + _PAD, dtype=np.float32), np.empty(S + _PAD, dtype=np.uint16)
         vh, ch = np.empty(S + _PAD, dtype=np.float32), np.empty(S + _PAD, dtype=np.uint8)
-        _blocks(bits4, per_element, factored, quant, p, g, v, scales, codes, m_fp32, r, jobs[k, 1],
+        wh = np.empty(S + _PAD if half else 1, dtype=np.float32)
+        _blocks(bits4, per_element, factored, quant, p, g, g16, v, scales, codes, m_fp32, r, jobs[k, 1],
                 jobs[k, 2], cb, lut, tabs, lut8, lut_scale, block, S, w1, beta2, one_minus_beta2, decay, neg_step,
-                bc2_sqrt, eps, mh, uh, vh, ch)
+                bc2_sqrt, eps, mh, uh, vh, ch, wh)
 
 
 @njit(nogil=True, error_model="numpy", cache=True)

@@ -89,11 +89,12 @@ def _jobs(numels: tuple, S: int, bits: int) -> np.ndarray:
 
 def _addresses(tiles, gs, quant: bool) -> Addresses:
     """The address table of a call's ``tiles`` and gradients ``gs`` (``_numba_kernels``' named
-    columns: codes and scales where ``quant``, else the first moment m); non-fp32 or non-contiguous
-    parameters and gradients are copied to fp32 first (parameters are copied back after the
-    kernel). It holds every tensor it points into, so a caller's temporary (a piece sliced from a
+    columns: codes and scales where ``quant``, else the first moment m); the kernel reads contiguous
+    fp32 or bf16 gradients where they are (bf16 widened a block at a time, ``G_BF16``), other
+    gradients and non-fp32 or non-contiguous parameters are copied to fp32 first (parameters are
+    copied back after the kernel). It holds every tensor it points into, so a caller's temporary (a piece sliced from a
     copy) lives as long as the table."""
-    from ._numba_kernels import (ADDRESS_COLUMNS, CODES_ADDR, CODES_NUMEL, G_ADDR, M_ADDR, NUMEL, P_ADDR,
+    from ._numba_kernels import (ADDRESS_COLUMNS, CODES_ADDR, CODES_NUMEL, G_ADDR, G_BF16, M_ADDR, NUMEL, P_ADDR,
                                  SCALES_ADDR, SCALES_NUMEL, V_ADDR, V_NUMEL)
 
     meta = np.zeros((len(tiles), ADDRESS_COLUMNS), dtype=np.int64)
@@ -104,10 +105,11 @@ def _addresses(tiles, gs, quant: bool) -> Addresses:
             pw = p.detach().float().contiguous()
             back.append((p, pw))
             scratch.append(pw)
-        if not (g.dtype == torch.float32 and g.is_contiguous()):
+        if not (g.dtype in KERNEL_GRADIENTS and g.is_contiguous()):
             gw = g.detach().float().contiguous()
             scratch.append(gw)
         row[P_ADDR], row[G_ADDR], row[V_ADDR] = pw.data_ptr(), gw.data_ptr(), t.v.data_ptr()
+        row[G_BF16] = gw.dtype == torch.bfloat16
         row[NUMEL], row[V_NUMEL] = p.numel(), t.v.numel()
         if quant:
             row[SCALES_ADDR], row[SCALES_NUMEL] = t.scales.data_ptr(), t.scales.numel()
@@ -117,9 +119,14 @@ def _addresses(tiles, gs, quant: bool) -> Addresses:
     return Addresses(meta, scratch, back)
 
 
+# gradient dtypes the kernel reads where they are (``_numba_kernels.G_BF16``)
+KERNEL_GRADIENTS = (torch.float32, torch.bfloat16)
+
+
 class Prepared(NamedTuple):
-    """One call's launch, built once for a set of contiguous fp32 tensors (``prepare``): a later
-    step writes the gradients' addresses into ``meta``'s ``G_ADDR`` column and calls the kernels."""
+    """One call's launch, built once for contiguous fp32 parameters and contiguous fp32 or bf16
+    gradients (``prepare``): a later step writes the gradients' addresses into ``meta``'s ``G_ADDR``
+    column and calls the kernels."""
 
     meta: np.ndarray  # ``Addresses.meta``
     owners: np.ndarray  # int64 (tensors,): which gradient of ``run``'s list each tensor reads
@@ -140,8 +147,8 @@ def prepare(tiles, gs, codebook, *, block, bits, tables=None, owners=None, offse
             scale=None) -> Prepared | None:
     """The launch of :func:`gefen_step_` for these ``tiles`` (``plan.Tile`` records; ``gs`` their
     gradients, for the checks), checked once (``check_launch``), or
-    None where it cannot be prepared: parameters or gradients that are not contiguous fp32 (the
-    step then copies pieces), or a codebook the kernel's table cannot separate
+    None where it cannot be prepared: parameters that are not contiguous fp32, gradients that are
+    not contiguous fp32 or bf16 (the step then copies pieces), or a codebook the kernel's table cannot separate
     (``data_refusal``). ``owners``/``offsets``: tensor ``i`` reads gradient
     ``owners[i]`` of ``run``'s list from element ``offsets[i]`` on (a tile of rows of a
     parameter: ``Tile.owner``, ``Tile.start``); by default gradient ``i`` from its start.
@@ -157,7 +164,8 @@ def prepare(tiles, gs, codebook, *, block, bits, tables=None, owners=None, offse
     ps = [t.p for t in tiles]
     check_launch(ps, gs, [t.v for t in tiles], [t.scales for t in tiles], [t.first for t in tiles], block=block,
                  bits=bits, quant=quant, scale=scale)
-    if not all(t.dtype == torch.float32 and t.is_contiguous() for t in (*ps, *gs)):
+    if not (all(p.dtype == torch.float32 and p.is_contiguous() for p in ps)
+            and all(g.dtype in KERNEL_GRADIENTS and g.is_contiguous() for g in gs)):
         return None
     ws = factors(tiles)
     if ws is not None:
@@ -168,14 +176,15 @@ def prepare(tiles, gs, codebook, *, block, bits, tables=None, owners=None, offse
     S = scale or scale_block_length(block)
     luts, lut_scale = (_luts(tables), np.float32(tables.scale)) if quant else (_NO_LUTS, np.float32(1.0))
     return Prepared(addr.meta, np.arange(n, dtype=np.int64) if owners is None else np.asarray(owners, dtype=np.int64),
-                    np.zeros(n, dtype=np.int64) if offsets is None else np.asarray(offsets, dtype=np.int64) * 4,
+                    np.zeros(n, dtype=np.int64) if offsets is None
+                    else np.asarray(offsets, dtype=np.int64) * np.array([g.element_size() for g in gs], dtype=np.int64),
                     _jobs(tuple(addr.meta[:, NUMEL].tolist()), S, bits if quant else 8), luts, lut_scale,
                     None if ws is None or half else np.array([w.data_ptr() for w in ws], dtype=np.int64),
                     tuple(ws) if half else None, block, S, bits, quant, (tuple(tiles), tables))
 
 
 def run(prep: Prepared, gs, hyper, *, factor_seeds=None):
-    """One step of a prepared launch on gradients ``gs`` (contiguous fp32, of the sizes and order
+    """One step of a prepared launch on gradients ``gs`` (contiguous, of the sizes, dtypes and order
     it was prepared with: the caller's plan guarantees it) with the hyper-parameters of ``hyper``
     (a ``plan.Hyper``). ``factor_seeds``: one 32-bit seed per bf16 factor (``Prepared.half``)."""
     from ._numba_kernels import G_ADDR, factor_kernel, kernel
@@ -241,7 +250,8 @@ def gefen_step_(tiles, gs, codebook, hyper, *, block, bits, tables=None, seeds=N
     in parallel on ``torch.get_num_threads()`` numba threads (the same results at any thread
     count). A factored second moment (the tiles' ``w``) adds one pass over the gradients before it
     (``factor_kernel``). ``codebook=None``: the first moment is unquantised, fp32 m in ``first``,
-    ``scales`` None. Parameters or gradients that are not contiguous fp32 (bf16, fp16) are stepped
+    ``scales`` None. Contiguous bf16 gradients are read where they are. Parameters that are not
+    contiguous fp32 (bf16, fp16), and gradients neither contiguous fp32 nor bf16, are stepped
     a piece at a time (``tiling.pieces``) on fp32 copies of the piece, written back rounded to
     nearest or, with ``seeds`` (one per tile, ``optim._rounding``), stochastically. ``prepare`` and
     ``run`` are this step in two halves, for a caller that steps the same tensors again.
