@@ -5,13 +5,13 @@ from __future__ import annotations
 import math
 import statistics
 
-from analysis.common import GEFEN_TARGET_BPP, TARGET_WIDTH, ResultsError, select
+from analysis.common import GEFEN_TARGET_BPP, TARGET_WIDTH, ResultsError, select, value
 from analysis import codebook, convergence
 from analysis import gefen_ablation as ablations
 from analysis import gefen_memory as memory
 from analysis import gefen_peak_memory as peak_memory
 from analysis.gefen_memory import TARGET_FACTORED_STEP
-from analysis.gefen_speed import TARGET_CPU, TARGET_SMALL
+from analysis.gefen_speed import ADAMW_PEERS, HEADLINE_GEFENS, TARGET_CPU, TARGET_SMALL
 from analysis.claims_common import (TAIL, Row, cmd, fig, joined, junit_counts, listed, median_over_seeds, pct,
                                    pct_range, points, sci, seed_change, signed, span, tail_ratio, times)
 
@@ -404,12 +404,31 @@ def gefen_codebook(R):
                codebook.headline(rows), fig("codebook"), cmd(f"python experiments/{e}.py"), detail)
 
 
+def _offload_speeds(R, e, rows, ours) -> dict:
+    """{offload set: (our speeds over fused AdamW's, over the fastest AdamW's)} at ``THREADS``; {}
+    for a run without the offload part."""
+    out = {}
+    if not any(r["variant"].startswith("offload-") for r in rows):
+        return out
+    times = R.rows(e, "step_time_median")
+    for r in select(rows, "step_time_vs_adamw"):
+        prefix, _, name = r["variant"].rpartition("/")
+        if not (prefix.startswith("offload-") and name in ours and r["x_value"] == THREADS):
+            continue
+        peers = [value(times, "step_time_median", f"{prefix}/{n}", x_value=THREADS) for n in ADAMW_PEERS]
+        fastest = min(t for t in peers if math.isfinite(t))
+        speeds, over = out.setdefault(prefix, ([], []))
+        speeds.append(1 / r["value"])
+        over.append(fastest / value(times, "step_time_median", r["variant"], x_value=THREADS))
+    return out
+
+
 def gefen_speed(R):
     from experiments.gefen_speed import SMALL_TENSORS  # the small-tensor model's count of tensors
 
     e = "gefen_speed"
     rows = R.rows(e, "step_time_vs_adamw", "launches_per_step")
-    ours = ("Gefen-8bit", "Gefen-4bit", "Gefen-8bit-factored", "Gefen-4bit-factored")
+    ours = HEADLINE_GEFENS
 
     def speeds(model, names=ours):
         return [1 / R.need(e, "step_time_vs_adamw", f"{model}/{n}", x_value=THREADS) for n in names]
@@ -418,16 +437,23 @@ def gefen_speed(R):
     small = speeds("small-tensors")
     launches = [r["value"] for r in select(rows, "launches_per_step") if r["variant"] in ours]
     parts = [("met" if min(large) >= TARGET_CPU else "not met") + " on CPU for large tensors",
-             ("met" if min(small) >= TARGET_SMALL else "not met") + " for many small tensors",
-             ("met" if max(launches) <= LAUNCH_TARGET else "not met") + " for the Triton path's launches"]
+             ("met" if min(small) >= TARGET_SMALL else "not met") + " for many small tensors"]
+    offload = _offload_speeds(R, e, rows, ours)
+    if offload:
+        parts.append(("met" if min(min(v) for v, _ in offload.values()) >= TARGET_CPU else "not met")
+                     + " at offload scale")
+    parts.append(("met" if max(launches) <= LAUNCH_TARGET else "not met") + " for the Triton path's launches")
     peers = {p: [s for m in ("transformer", "mlp", "small-tensors") for s in speeds(m, (p,))]
              for p in ("torchao-AdamW8bit", "gefen-x")}
     counted = {m: [r["value"] for r in select(R.rows(e, m), m) if r["variant"] in ours]
                for m in ("device_ops_per_step", "host_syncs_per_step")}
     counts = sorted({r["x_value"] for r in select(rows, "launches_per_step") if r["variant"] in ours})
-    detail = (f"{THREADS:g} thread: {span(large)} fused AdamW's speed on the transformer and MLP (8/4-bit, factored), "
-              f"{span(small)} on {SMALL_TENSORS} small tensors; torchao 8-bit {span(peers['torchao-AdamW8bit'], 3)}, gefen-x "
-              f"{span(peers['gefen-x'], 3)}. The Triton path issues {max(counted['device_ops_per_step']):g} torch device "
+    detail = (f"{THREADS:g} thread: {span(large)} fused AdamW's speed on the transformer and MLP (8/4-bit; published, "
+              f"factored, compact), {span(small)} on {SMALL_TENSORS} small tensors; torchao 8-bit {span(peers['torchao-AdamW8bit'], 3)}, gefen-x "
+              f"{span(peers['gefen-x'], 3)}."
+              + "".join(f" Offload scale, {p.removeprefix('offload-')} gradients: {span(v)} fused AdamW's speed, "
+                        f"{span(f)} the fastest AdamW's (fused or DeepSpeed's CPU-Adam)." for p, (v, f) in offload.items())
+              + f" The Triton path issues {max(counted['device_ops_per_step']):g} torch device "
               f"operations, {max(counted['host_syncs_per_step']):g} host synchronisations and "
               f"{min(launches):g}–{max(launches):g} launches a step after the first, at "
               f"{listed(f'{c:g}' for c in counts)} tensors alike. The GPU timing of the step plan is not in these "

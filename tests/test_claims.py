@@ -143,17 +143,45 @@ def test_check_fails_on_a_hand_edit_and_passes_after_writing(tmp_path):
 @pytest.mark.parametrize("step_ratio, speed", [(1.25, "0.80"), (0.5, "2.00")])
 def test_step_time_ratios_are_written_as_speed(tmp_path, step_ratio, speed):
     """A step-time ratio to AdamW's is shown inverted: time 1.25× AdamW's is 0.80× its speed."""
-    names = ("Gefen-8bit", "Gefen-4bit", "Gefen-8bit-factored", "Gefen-4bit-factored")
+    rows = _speed_rows(step_ratio)
+    _write_csv(tmp_path / "gefen_speed.csv", rows)
+    row = claims_gefen.gefen_speed(claims_common.Results(tmp_path))
+    assert f"{speed}–{speed}× fused AdamW" in row.headline
+    assert row.verdict.startswith("met" if step_ratio < 1 else "not met")
+    assert "offload" not in row.verdict  # no offload rows: no offload verdict
+
+
+SPEED_NAMES = ("Gefen-8bit", "Gefen-4bit", "Gefen-8bit-factored", "Gefen-4bit-factored", "Gefen-8bit-compact",
+               "Gefen-4bit-compact")
+
+
+def _speed_rows(step_ratio, names=SPEED_NAMES):
     rows = [_row(variant=f"{m}/{n}", metric="step_time_vs_adamw", x_name="threads", x_value=1, value=step_ratio)
             for m in ("transformer", "mlp", "small-tensors") for n in names]
     rows += [_row(variant=f"{m}/{n}", metric="step_time_vs_adamw", x_name="threads", x_value=1, value=30)
              for m in ("transformer", "mlp", "small-tensors") for n in ("torchao-AdamW8bit", "gefen-x")]
     rows += [_row(variant=n, metric=m, x_name="tensors", x_value=40, value=3 if m == "launches_per_step" else 0)
              for n in names for m in ("launches_per_step", "device_ops_per_step", "host_syncs_per_step")]
+    return rows
+
+
+@pytest.mark.parametrize("gefen_time, verdict", [(0.08, "met at offload scale"), (0.125, "not met at offload scale")])
+def test_offload_rows_get_their_own_verdict_and_the_fastest_adamw(tmp_path, gefen_time, verdict):
+    """Offload sets are judged on their own; the fastest AdamW is the faster of fused AdamW and
+    DeepSpeed's CPU-Adam, whichever it is."""
+    rows = _speed_rows(0.9)
+    for prefix in ("offload-512M-fp32", "offload-512M-bf16"):
+        times = {"AdamW": 0.1, "deepspeed-CPUAdam": 0.09, **dict.fromkeys(SPEED_NAMES, gefen_time)}
+        for n, t in times.items():
+            rows += [_row(variant=f"{prefix}/{n}", metric="step_time_median", x_name="threads", x_value=1, value=t),
+                     _row(variant=f"{prefix}/{n}", metric="step_time_vs_adamw", x_name="threads", x_value=1,
+                          value=t / 0.1)]
     _write_csv(tmp_path / "gefen_speed.csv", rows)
     row = claims_gefen.gefen_speed(claims_common.Results(tmp_path))
-    assert f"{speed}–{speed}× fused AdamW" in row.headline
-    assert row.verdict.startswith("met" if step_ratio < 1 else "not met")
+    assert verdict in row.verdict
+    fused, fastest = 0.1 / gefen_time, 0.09 / gefen_time
+    assert f"Offload scale, 512M-fp32 gradients: {fused:.2f}–{fused:.2f}× fused AdamW's speed, " \
+           f"{fastest:.2f}–{fastest:.2f}× the fastest AdamW's" in row.detail
 
 
 
