@@ -4,8 +4,8 @@
 
 Reads each ablation's CSV (``<name>.csv`` of experiments/gefen_ablation.py's ``ABLATIONS``, the ones
 in the results folder): per variant and seed ``val_loss_vs_adamw``, the final validation loss over
-AdamW's of the same seed; and ``gefen_memory.csv`` for the state bytes of the variants that are a
-named layout. The summary table has one row a variant of each model of each ablation: its median
+AdamW's of the same seed, and ``state_bytes_per_param`` where the runs recorded it; else
+``gefen_memory.csv`` for the state bytes of the variants that are a named layout. The summary table has one row a variant of each model of each ablation: its median
 ratio over seeds, the paired change against the ablation's reference (``none``, the published Gefen,
 where it ran, else ``factored``) per seed, mean ± standard error, and its state bytes per parameter.
 The figure: where the published Gefen's gap comes from (v per element on one kind of tensor, each
@@ -140,7 +140,7 @@ class SummaryRow(NamedTuple):
     seeds: int
     median: float  # median over seeds of the loss ratio to AdamW's
     change: tuple | None  # (mean, standard error) of the paired change against the reference; None for it
-    bytes: float  # state B/param where the variant is a named layout, else NaN
+    bytes: float  # state B/param: the median of the runs' own, else a named layout's (gefen_memory), else NaN
 
 
 def summary(rows, config) -> list:
@@ -159,8 +159,11 @@ def summarise(by_name: dict, memory_rows, config) -> list:
             data = ratios(arows, prefix)
             ref = reference(data)
             for v, seeds in data.items():
+                own = [r["value"] for r in select(arows, "state_bytes_per_param", prefix + v)]
+                b = (statistics.median(own) if own
+                     else bytes_per_param(memory_rows, label, registry_name(v, ABLATIONS[name].bits)))
                 out.append(SummaryRow(name, v, label, steps, n, statistics.median(seeds.values()), paired(data, v, ref),
-                                      bytes_per_param(memory_rows, label, registry_name(v, ABLATIONS[name].bits))))
+                                      b))
     return out
 
 

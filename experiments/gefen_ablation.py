@@ -25,9 +25,10 @@ ablation's first writes its rows as ``<model label>/<variant>``. ``--quick`` and
 size once in each architecture of the ablation, at its seed and steps. ``--jobs`` runs that many
 single-threaded runs at a time.
 
-Rows: ``val_loss`` per variant (and AdamW) and seed, ``val_loss_vs_adamw`` (paired by seed), its
-``_mean`` and ``_std``, and, where ``none`` ran, ``delta_vs_shared`` (the paired difference of ratios
-against ``none``), its ``_mean`` and ``_std``; all against ``steps``.
+Rows: ``val_loss`` and ``state_bytes_per_param`` (the optimizer's state at the end of the run) per
+variant (and AdamW) and seed, ``val_loss_vs_adamw`` (paired by seed), its ``_mean`` and ``_std``, and,
+where ``none`` ran, ``delta_vs_shared`` (the paired difference of ratios against ``none``), its
+``_mean`` and ``_std``; all against ``steps``.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import argparse
 import re
 import statistics
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -246,8 +248,16 @@ def variant_groups(model, variant: str, arch: str = "gpt"):
     return groups
 
 
+class Final(NamedTuple):
+    """What one run leaves: its final validation loss and its optimizer's state bytes per parameter
+    (``registry.state_bytes``) at the end."""
+
+    loss: float
+    bytes_per_param: float
+
+
 def final_loss(size: dict, variant: str | None, seed: int, lr: float, tracking: Tracking | None = None,
-               bits: int = 8) -> float:
+               bits: int = 8) -> Final:
     """Final validation loss of one run: AdamW (``variant`` None), a peer (a registry name of
     ``PEERS``) or ``bits``-bit Gefen with the variant's tensors per element (and the rest factored for
     ``factored...``). The problem is built once per process. With ``tracking``, the run is its own
@@ -271,7 +281,7 @@ def final_loss(size: dict, variant: str | None, seed: int, lr: float, tracking: 
                        eval_every=size["eval_every"], on_eval=live_logger(run, lambda: {"state/bytes": state_bytes(opt)}))
         run.summary(curve_summary(out["val"], out["train"], out["step_times"],
                                   extra={"params": n_params, "wall_seconds": out["wall"]}))
-    return out["final"]
+    return Final(out["final"], state_bytes(opt) / n_params)
 
 
 def variants_of(ablation: Ablation, size_name: str, args) -> list[str]:
@@ -369,9 +379,13 @@ def main(argv=None):
             add_rows(res, c, {v: [f.result() for f in fs] for v, fs in futs.items()})
 
 
-def add_rows(res, c, losses):
-    """One configuration's rows from {variant or "AdamW": [final loss per seed]}."""
+def add_rows(res, c, finals):
+    """One configuration's rows from {variant or "AdamW": [``Final`` per seed]}."""
     x = dict(x_name="steps", x_value=c["steps"])
+    for name, runs in finals.items():
+        for s, f in zip(c["seeds"], runs):
+            res.add(c["prefix"] + name, "state_bytes_per_param", "B/param", f.bytes_per_param, seed=s, **x)
+    losses = {name: [f.loss for f in runs] for name, runs in finals.items()}
     base, p, ratios = losses["AdamW"], c["prefix"], {}
     for s, v in zip(c["seeds"], base):
         res.add(p + "AdamW", "val_loss", "nats/char", v, seed=s, **x)

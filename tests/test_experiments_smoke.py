@@ -452,6 +452,23 @@ def test_gefen_ablation_tiny_run_and_figure(tmp_path, monkeypatch):
         assert ratio == pytest.approx({s: loss[s] / base[s] for s in base}, rel=1e-12)
         assert _value(rows, v, "val_loss_vs_adamw_mean") == pytest.approx(sum(ratio.values()) / 2, rel=1e-12)
     assert _value(rows, "none", "delta_vs_shared_mean") == 0.0
+    # each run's state bytes: AdamW's two fp32 moments (and its step counters); v per element on the
+    # attention matrices costs at most 4 B an element of them more
+    bpp = {(r["variant"], r["seed"]): r["value"] for r in rows if r["metric"] == "state_bytes_per_param"}
+    assert set(bpp) == {(v, s) for v in ("AdamW", "none", "attn_qkv", "factored", "factored+attn_qkv") for s in base}
+    import re
+
+    from experiments.gefen_ablation import PATTERNS
+    from experiments.harness.models import GPT, GPTConfig
+    from experiments.harness.train import CHAR_LM
+
+    t = CHAR_LM["tiny"]
+    model = GPT(GPTConfig(block=t["block"], n_layer=t["n_layer"], n_head=t["n_head"], n_embd=t["n_embd"]))
+    total = sum(p.numel() for p in model.parameters())
+    qkv = sum(p.numel() for n, p in model.named_parameters() if re.search(PATTERNS["gpt"]["attn_qkv"], n))
+    for s in base:
+        assert bpp[("AdamW", s)] == pytest.approx(8 + 4 * len(list(model.parameters())) / total, rel=1e-12)
+        assert 0 < bpp[("attn_qkv", s)] - bpp[("none", s)] <= 4 * qkv / total  # less where a block was 1 already
     out = tmp_path / "gefen_ablation.png"
     _analysis("gefen_ablation", tmp_path, out)
     _assert_png(out)
@@ -625,7 +642,7 @@ def test_gefen_ablation_seeds_trains_the_registry_peer_beside_the_factor(tmp_pat
     peer, factored = ({int(r["seed"]): r["value"] for r in rows if r["variant"] == v and r["metric"] == "val_loss"}
                       for v in ("Gefen-4bit-factored", "factored"))
     size = dict(CHAR_LM["tiny"], arch="encoder")
-    assert peer[1] == final_loss(size, "Gefen-4bit-factored", 1, DROPIN_LR["encoder"]) != factored[1]
+    assert peer[1] == final_loss(size, "Gefen-4bit-factored", 1, DROPIN_LR["encoder"]).loss != factored[1]
 
 
 @pytest.mark.timeout(300)
@@ -651,7 +668,7 @@ def test_gefen_ablation_peer_trains_gefen_x():
     from experiments.harness.train import CHAR_LM
 
     size = dict(CHAR_LM["tiny"], steps=3)
-    peer, adamw = final_loss(size, "gefen-x", 0, 1e-3), final_loss(size, None, 0, 1e-3)
+    peer, adamw = final_loss(size, "gefen-x", 0, 1e-3).loss, final_loss(size, None, 0, 1e-3).loss
     assert math.isfinite(peer) and peer != adamw
 
 
