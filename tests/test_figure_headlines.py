@@ -10,8 +10,8 @@ import pytest
 
 from analysis import claims_dsa, claims_gefen
 from analysis.claims_common import Results
-from analysis.figure_check import draw_and_measure
 from experiments.harness.common import RESULTS_DIR
+from tests.utils import committed_figure
 
 NUMBER = re.compile(r"[+−-]?\d[\d,]*(?:\.\d+)?(?:e-?\d+)?[×%]?")
 # claims row -> how many of its headline's numbers, from the first, its figure shows
@@ -49,6 +49,6 @@ def _figure_of(row) -> str:
 def test_figure_shows_its_claims_headline_numbers(claim):
     row = claim(_results())
     numbers = NUMBER.findall(row.headline)[:SHOWN[claim]]
-    texts = "\n".join(draw_and_measure(_figure_of(row), RESULTS_DIR).texts)
+    texts = "\n".join(committed_figure(_figure_of(row)).texts)
     missing = [n for n in numbers if n not in texts]
     assert not missing, f"{_figure_of(row)}.png lacks {missing} of the README's headline {row.headline!r}"

@@ -4,21 +4,15 @@ legend covers data, and no panel holds more than ``MAX_SERIES`` series. The figu
 listed: every ``Report`` with a ``draw`` in analysis/ (``figure_check.figure_reports``). Drawing all
 of them from the committed CSVs takes about half a minute."""
 
-import functools
 import re
 
 import pytest
 
-from analysis.figure_check import MAX_SERIES, draw_and_measure, figure_reports
-from experiments.harness.common import FIGS_DIR, REPO_ROOT, RESULTS_DIR
+from analysis.figure_check import MAX_SERIES, figure_reports
+from experiments.harness.common import FIGS_DIR, REPO_ROOT
+from tests.utils import committed_figure as drawn
 
 FIGURES = list(figure_reports())
-
-
-@functools.lru_cache(maxsize=None)
-def drawn(name):
-    """The geometry of figure ``name`` drawn from the committed results (once per test session)."""
-    return draw_and_measure(name, RESULTS_DIR)
 
 
 def test_every_figure_an_analysis_script_draws_is_checked():

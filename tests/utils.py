@@ -2,6 +2,7 @@
 interpreter for code that could crash, checkpoint round trips, and the parameters, gradients,
 batches and small models several test files draw alike."""
 
+import functools
 import os
 import socket
 import subprocess
@@ -332,3 +333,13 @@ def write_results(folder, experiment, rows, config):
                             x_value=x_value, value=val, seed=0, device="cpu:Test x2", torch_version=torch.__version__,
                             git_commit="abc1234", timestamp="2026-01-01T00:00:00+00:00"))
     (Path(folder) / f"{experiment}.config.json").write_text(json.dumps(config))
+
+
+@functools.lru_cache(maxsize=None)
+def committed_figure(name: str):
+    """The geometry of figure ``name`` drawn from the committed results (``figure_check``), once per
+    test session: the figure tests and the headline tests read the same drawing."""
+    from analysis.figure_check import draw_and_measure
+    from experiments.harness.common import RESULTS_DIR
+
+    return draw_and_measure(name, RESULTS_DIR)
