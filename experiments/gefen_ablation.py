@@ -23,7 +23,9 @@ Peers (registry names, ``PEERS``) train beside AdamW at the same lr and seeds. E
 starts from the same initialisation and sees the same batches. Each configuration after an
 ablation's first writes its rows as ``<model label>/<variant>``. ``--quick`` and ``--tiny`` run that
 size once in each architecture of the ablation, at its seed and steps. ``--jobs`` runs that many
-single-threaded runs at a time.
+single-threaded runs at a time. Each finished run is journaled (``results/partial/<ablation>.jsonl``,
+``harness.journal``): a run stopped part way and started again with the same code, configuration,
+versions and CPU reuses the runs it finished; the journal goes once the CSV is written.
 
 Rows: ``val_loss`` and ``state_bytes_per_param`` (the optimizer's state at the end of the run) per
 variant (and AdamW) and seed, ``val_loss_vs_adamw`` (paired by seed), its ``_mean`` and ``_std``, and,
@@ -47,7 +49,8 @@ import torch
 from experiments.harness import check
 from experiments.harness.common import Results, add_common_args
 from experiments.harness.models import char_lm_model
-from experiments.harness.pool import RunPool
+from experiments.harness.journal import Journal
+from experiments.harness.pool import Done, RunPool
 from experiments.harness.registry import make_optimizer, state_bytes
 from experiments.harness.tracking import Run, Tracking, curve_summary, live_logger
 from experiments.harness.train import CHAR_LM, GRAD_CLIP, WEIGHT_DECAY, char_lm_label, char_lm_problem, train_lm
@@ -139,6 +142,17 @@ QUICK_VARIANTS = ("none", "all", "attn_qkv", "embedding", FACTORED)
 # AdamW's best lr on the grid of each configuration's convergence run (the committed runs of convergence.py,
 # --experiment convergence_<arch> for the encoder and Llama-style models): the drop-in protocol's lr
 DROPIN_LR = {"full": 3e-3, "large": 1e-3, "docstrings": 3e-3, "encoder": 4e-3, "llama": 2e-3}
+
+
+# the code a run executes: a full run reuses the runs its journal holds while this code is unchanged
+JOURNAL_CODE = ("optim", "experiments/harness", "experiments/gefen_ablation.py")
+
+
+def host_cpu() -> str:
+    """The CPU's name as LLVM knows it ("znver4"): the kernels, and torch's, take paths by it."""
+    import llvmlite.binding
+
+    return llvmlite.binding.get_host_cpu_name()
 
 
 def on_factor(*changes: str) -> tuple:
@@ -371,12 +385,28 @@ def main(argv=None):
     config = dict(vars(args), experiment=args.ablation, jobs=jobs, **configs[0][1],
                   extra={c["label"]: c for _, c in configs[1:]})
     with Results(args.ablation, args, config=config) as res, RunPool(jobs) as pool:
-        runs = [(c, {v: [pool.submit(final_loss, size, None if v == "AdamW" else v, s, c["lr"], res.tracking,
-                                     args.bits)
-                         for s in c["seeds"]]
-                     for v in ["AdamW", *c["variants"]]}) for size, c in configs]
+        journal = (Journal.open(res.results_dir / "partial" / f"{args.ablation}.jsonl",
+                                dict(bits=args.bits, configs=[c for _, c in configs], versions=res.versions,
+                                     cpu=host_cpu()),
+                                JOURNAL_CODE) if not args.check else None)
+        if journal is not None and len(journal):
+            print(f"[{args.ablation}] {len(journal)} runs finished earlier ({journal.path})", flush=True)
+
+        def submit(size, c, v, s):
+            key = (c["label"], v, s)
+            done = journal.get(key) if journal is not None else None
+            if done is not None:
+                return Done(Final(*done))
+            fut = pool.submit(final_loss, size, None if v == "AdamW" else v, s, c["lr"], res.tracking, args.bits)
+            if journal is not None:
+                fut.add_done_callback(lambda f: f.exception() is None and journal.add(key, list(f.result())))
+            return fut
+        runs = [(c, {v: [submit(size, c, v, s) for s in c["seeds"]] for v in ["AdamW", *c["variants"]]})
+                for size, c in configs]
         for c, futs in runs:
             add_rows(res, c, {v: [f.result() for f in fs] for v, fs in futs.items()})
+    if journal is not None:
+        journal.remove()
 
 
 def add_rows(res, c, finals):

@@ -16,12 +16,31 @@ class _Inline:
     """A future of a call made when its result is first asked for."""
 
     def __init__(self, fn, args):
-        self._call, self._done, self._value = (fn, args), False, None
+        self._call, self._done, self._value, self._callbacks = (fn, args), False, None, []
 
     def result(self):
         if not self._done:
             fn, args = self._call
             self._value, self._done = fn(*args), True
+            for callback in self._callbacks:
+                callback(self)
+        return self._value
+
+    def exception(self):
+        return None  # a call that raised raises from ``result``; its callbacks never run
+
+    def add_done_callback(self, fn):
+        """``fn(self)`` once the call has returned (as ``concurrent.futures.Future``'s)."""
+        self._callbacks.append(fn)
+
+
+class Done:
+    """A future already resolved to ``value`` (a run finished by an earlier process)."""
+
+    def __init__(self, value):
+        self._value = value
+
+    def result(self):
         return self._value
 
 
