@@ -150,7 +150,7 @@ def _cpu_panel(ax, rows, part=cpu_rows):
     ths, mods = threads(rows, part), models(rows, part)
     slots = len(ths) * len(mods)  # one row offset per (model, threads): no two markers on one spot
     for j, m in enumerate(mods):
-        marker, colour = MODEL_STYLE.get(m, ("D", "tab:purple"))
+        marker, colour = MODEL_STYLE.get(m, ("DdPX"[j % 4], "0.2"))
         for k, t in enumerate(ths):
             xs, ys, cs = [], [], []
             for i, n in enumerate(names):
@@ -163,7 +163,7 @@ def _cpu_panel(ax, rows, part=cpu_rows):
             ax.scatter(xs, ys, marker=marker, s=26, facecolors=cs if filled else "none", edgecolors=cs,
                        linewidths=1.1, zorder=3)
             ax.scatter([], [], marker=marker, s=26, facecolors=colour if filled else "none", edgecolors=colour,
-                       label=f"{m}, {t} thread{'s' if t > 1 else ''}")
+                       label=f"{m.removeprefix(OFFLOAD)}, {t} thread{'s' if t > 1 else ''}")
     if TARGET_SMALL == TARGET_CPU:
         ax.axvline(TARGET_CPU, color="tab:red", lw=1.2, label=f"target ≥ {TARGET_CPU:g}× (every model)")
     else:
