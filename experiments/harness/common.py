@@ -134,7 +134,10 @@ def git_commit() -> str:
 
 
 def device_name(device=None) -> str:
-    """A short human name of the device a measurement ran on ("cpu:<model> xN" or the CUDA name)."""
+    """A short human name of the device a measurement ran on ("cpu:<model> (<core>) xN" or the CUDA
+    name). The core is LLVM's name for the CPU ("znver3", "znver4"): a model name such as "AMD EPYC"
+    covers CPUs whose vector units differ, and with them torch's kernels, numba's and the results'
+    last bits."""
     import torch
 
     if device is not None and str(device).startswith("cuda") and torch.cuda.is_available():
@@ -147,6 +150,12 @@ def device_name(device=None) -> str:
                     model = "cpu:" + line.split(":", 1)[1].strip()
                     break
     except OSError:
+        pass
+    try:
+        import llvmlite.binding
+
+        model += f" ({llvmlite.binding.get_host_cpu_name()})"
+    except (ImportError, RuntimeError):
         pass
     return f"{model} x{os.cpu_count()}"
 
