@@ -302,6 +302,7 @@ PALETTE = {
     "torchao-AdamW4bit": "#d8c09a",
     "flashoptim-AdamW": "#7f9f7f",
     "bnb-AdamW8bit": "#a07f9f",
+    "deepspeed-CPUAdam": "#6f8fa8",
     "gefen-upstream": "#8fb3d9",
     "gefen-x": "#a58ccf",
     "Gefen-8bit": "#1f4e9c",
@@ -329,6 +330,7 @@ LABELS = {
     "Gefen-8bit-factored+bf16-sr": "Gefen 8-bit, factored, bf16 weights (ours)",
     "gefen-upstream": "Gefen, upstream package (published)",
     "gefen-x": "Gefen-X (gefen-x package)",
+    "deepspeed-CPUAdam": "DeepSpeed CPU-Adam",
     "AdamW+bf16": "AdamW, bf16 weights",
     # the ablations' short names (experiments/gefen_ablation.py's rows): the factored layout and its peers
     "factored": "Gefen, factored (ours)",
