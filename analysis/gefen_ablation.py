@@ -2,14 +2,15 @@
 
     python analysis/gefen_ablation.py [--results-dir results] [--out paper_figs/gefen_ablation.png]
 
-Reads each ablation's CSV (``<name>.csv`` of experiments/gefen_ablation.py's ``ABLATIONS``, the ones
-in the results folder): per variant and seed ``val_loss_vs_adamw``, the final validation loss over
-AdamW's of the same seed, and ``state_bytes_per_param`` where the runs recorded it; else
-``gefen_memory.csv`` for the state bytes of the variants that are a named layout. The summary table has one row a variant of each model of each ablation: its median
-ratio over seeds, the paired change against the ablation's reference (``none``, the published Gefen,
-where it ran, else ``factored``) per seed, mean ± standard error, and its state bytes per parameter.
-The figure: where the published Gefen's gap comes from (v per element on one kind of tensor, each
-seed a dot), and every change on top of the factor as its paired change, 8-bit and 4-bit codes.
+Reads each ablation's CSV (``<name>.csv`` of experiments/gefen_ablation.py's ``ABLATIONS``, the ones in
+the results folder): per variant and seed ``val_loss_vs_adamw``, the final validation loss over AdamW's
+of the same seed, and ``state_bytes_per_param`` where the runs recorded it; else ``gefen_memory.csv``
+for the state bytes of the variants that are a named layout. The summary table has one row a variant of
+each model of each ablation: its median ratio over seeds, the paired change against the ablation's
+reference (``none``, the published Gefen, where it ran, else ``factored``) per seed, mean ± standard
+error, and its state bytes per parameter. The figure: where the published Gefen's gap comes from (v per
+element on one kind of tensor, each seed a dot), and every change on top of the factor as its paired
+change, 8-bit and 4-bit codes.
 """
 
 from __future__ import annotations

@@ -14,19 +14,19 @@ most 8 device operations and 8 kernel launches per step after the first, the sam
 tensors, factored included; on a GPU the whole fp32 step at most 1.0x AdamW's at 124 M parameters
 (0.7x at 1.5 B, ``--gpu-sizes 125M 1.5B``) and the factored step at most 1.15x the unfactored.
 
-CPU (``--parts cpu``): the transformer and MLP of experiments/gefen_memory.py (``models.MODELS``:
-3.4 M and 1.9 M parameters) and ``models.small_tensor_stack(160)`` (40 x (Linear(64, 64) +
-LayerNorm(64)): 160 tensors, 171,520 parameters), each optimizer on its own copy of the model with
-fixed gradients (one backward) after its first step (blocks, codebook, compilation). Per model, one
-interleaved run per ``--threads`` count (experiments/harness/train.py's ``interleaved``: every optimizer
-stepped once per repeat, in a shuffled order; ours runs its numba kernels on as many threads), after
-two untimed rounds. Optimizers (registry names): AdamW (fused: the baseline), Gefen-8bit,
-Gefen-4bit, Gefen-8bit-factored, Gefen-4bit-factored, Gefen-8bit-compact, Gefen-4bit-compact (the
-factored state at Gefen-X's bytes), and the peers DeepSpeed's CPU-Adam, bitsandbytes' AdamW8bit
-(``registry.CPU_PEERS``: ``python -m pip install --no-build-isolation deepspeed==0.19.8
-bitsandbytes==0.50.2``; DeepSpeed compiles its op on first use), torchao-AdamW8bit and gefen-x; a
-peer that is missing or fails is left out with a ``skipped`` row (its reason in the unit column). ``--quick``: a d=64 two-layer
-transformer, a 256-wide MLP, the same 160 small tensors, torchao left out (it compiles on first use).
+CPU (``--parts cpu``): the transformer and MLP of experiments/gefen_memory.py (``models.MODELS``: 3.4 M
+and 1.9 M parameters) and ``models.small_tensor_stack(160)`` (40 x (Linear(64, 64) + LayerNorm(64)): 160
+tensors, 171,520 parameters), each optimizer on its own copy of the model with fixed gradients (one
+backward) after its first step (blocks, codebook, compilation). Per model, one interleaved run per
+``--threads`` count (experiments/harness/train.py's ``interleaved``: every optimizer stepped once per
+repeat, in a shuffled order; ours runs its numba kernels on as many threads), after two untimed rounds.
+Optimizers (registry names): AdamW (fused: the baseline), Gefen-8bit, Gefen-4bit, Gefen-8bit-factored,
+Gefen-4bit-factored, Gefen-8bit-compact, Gefen-4bit-compact (the factored state at Gefen-X's bytes), and
+the peers DeepSpeed's CPU-Adam, bitsandbytes' AdamW8bit (``registry.CPU_PEERS``: ``python -m pip install
+--no-build-isolation deepspeed==0.19.8 bitsandbytes==0.50.2``; DeepSpeed compiles its op on first use),
+torchao-AdamW8bit and gefen-x; a peer that is missing or fails is left out with a ``skipped`` row (its
+reason in the unit column). ``--quick``: a d=64 two-layer transformer, a 256-wide MLP, the same 160
+small tensors, torchao left out (it compiles on first use).
 
 Offload scale (``--parts offload``): the regime of CPU-offloaded training (FSDP2's
 ``CPUOffloadPolicy``, ZeRO-Offload), GPT-2 shapes of 124 M and 539 M parameters (``OFFLOAD_SIZES``),
