@@ -6,7 +6,10 @@ steps against the same seeds' at 1,000 steps in the drop-in protocol of ``conver
 (where that file is in the results folder): the target is a gap no larger at 3,000 steps."""
 
 if not __package__:  # run as a file: stop with the install command if the repository is not installed
-    import _install_check  # noqa: F401
+    from pathlib import Path as _Path
+    from runpy import run_path as _run_path
+
+    _run_path(str(_Path(__file__).resolve().parents[1] / "experiments" / "harness" / "install_check.py"))
 
 import dataclasses
 import math

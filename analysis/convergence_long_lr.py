@@ -5,7 +5,10 @@ The body of analysis/convergence_long.py: with the lr the same at both lengths, 
 from 1,000 to 3,000 steps is the training length's."""
 
 if not __package__:  # run as a file: stop with the install command if the repository is not installed
-    import _install_check  # noqa: F401
+    from pathlib import Path as _Path
+    from runpy import run_path as _run_path
+
+    _run_path(str(_Path(__file__).resolve().parents[1] / "experiments" / "harness" / "install_check.py"))
 
 import dataclasses
 

@@ -19,7 +19,10 @@ micro-batch, as drawn). The claims table's row judges these targets and the larg
 from __future__ import annotations
 
 if not __package__:  # run as a file: stop with the install command if the repository is not installed
-    import _install_check  # noqa: F401
+    from pathlib import Path as _Path
+    from runpy import run_path as _run_path
+
+    _run_path(str(_Path(__file__).resolve().parents[1] / "experiments" / "harness" / "install_check.py"))
 
 import math
 

@@ -19,7 +19,10 @@ in a subprocess without it (used by ``tests/test_triton_aot.py`` and
 from __future__ import annotations
 
 if not __package__:  # run as a file: stop with the install command if the repository is not installed
-    import _install_check  # noqa: F401
+    from pathlib import Path as _Path
+    from runpy import run_path as _run_path
+
+    _run_path(str(_Path(__file__).resolve().parent / "install_check.py"))
 
 import contextlib
 import io

@@ -1,1 +1,0 @@
-../experiments/_install_check.py
