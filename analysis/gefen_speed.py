@@ -374,7 +374,7 @@ def _offload_tables(rows):
     text = [f"Offload scale: one fp32 parameter set of GPT-2's shapes shared by every optimizer (each with its own "
             f"state; {', '.join(f'{k.removeprefix(OFFLOAD)}: {fmt(v)} parameters' for k, v in n_params.items())}), "
             "gradients with rows of different scale in fp32 or bf16 (AdamW's bf16 rows time the cast into an fp32 "
-            "buffer and its step: fused AdamW refuses bf16 gradients on fp32 weights). STREAM triad on this machine: "
+            "buffer and its step: fused AdamW refuses bf16 gradients on fp32 weights). STREAM triad in the same run: "
             + ", ".join(f"{fmt(b)} GB/s at {t} thread{'s' if t > 1 else ''}" for t, b in bw.items())
             + ". Speed × fastest AdamW: over the faster of fused AdamW and DeepSpeed's CPU-Adam; floor: the bytes one "
             "pass over weights (read, written), gradient (read) and state (read, written) moves, and its time at "

@@ -1,4 +1,4 @@
-"""What an optimizer's step must move through memory, and how fast this machine moves it.
+"""What an optimizer's step must move through memory, and how fast the memory bus moves it.
 
     bytes_floor(n, p_bytes, g_bytes, state)   # B/param one pass over weights, gradient and state moves
     triad_gbps(threads)                        # GB/s of STREAM's triad (a = b + s*c) at that thread count
