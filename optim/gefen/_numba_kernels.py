@@ -140,32 +140,13 @@ def factor_kernel(parallel: bool = True):
 
 
 # ------------------------------------------------------------------------------ helpers
-# _f32_ptr and _u8_ptr are written out (a deliberate duplicate of shape): an intrinsic built by a
-# factory would be a closure, which numba's on-disk cache cannot key reliably.
 @intrinsic
-def _f32_ptr(typingctx, addr):
-    sig = types.CPointer(types.float32)(types.int64)
+def _typed_ptr(typingctx, dtype, addr):
+    """A pointer to ``dtype`` elements (``np.float32``, ``np.uint8``, ...) at the integer address ``addr``."""
+    sig = types.CPointer(dtype.instance_type)(dtype, types.int64)
 
     def codegen(context, builder, signature, args):
-        return builder.inttoptr(args[0], context.get_value_type(signature.return_type))
-    return sig, codegen
-
-
-@intrinsic
-def _u8_ptr(typingctx, addr):
-    sig = types.CPointer(types.uint8)(types.int64)
-
-    def codegen(context, builder, signature, args):
-        return builder.inttoptr(args[0], context.get_value_type(signature.return_type))
-    return sig, codegen
-
-
-@intrinsic
-def _u16_ptr(typingctx, addr):
-    sig = types.CPointer(types.uint16)(types.int64)
-
-    def codegen(context, builder, signature, args):
-        return builder.inttoptr(args[0], context.get_value_type(signature.return_type))
+        return builder.inttoptr(args[1], context.get_value_type(signature.return_type))
     return sig, codegen
 
 
@@ -883,7 +864,7 @@ def _factor_reduce(meta, jobs, wptrs, block, beta2, one_minus_beta2, partial, ra
         for j in range(block):
             total[t, j] += partial[k, j]
     for t in range(meta.shape[0]):
-        w = carray(_f32_ptr(wptrs[t]), (block,))
+        w = carray(_typed_ptr(np.float32, wptrs[t]), (block,))
         nb = np.float32(meta[t, NUMEL] // block)
         s = np.float32(0.0)
         for j in range(block):
@@ -911,7 +892,7 @@ def _factor_job(meta, jobs, k, block, S, partial):
     lo, hi = jobs[k, 1] * S, min(jobs[k, 2] * S, n)
     acc = carray(_alloca(np.float32, _LANES), (_LANES,))
     if meta[t, G_BF16] == 0:
-        gk = carray(_f32_ptr(meta[t, G_ADDR]), (n,))[lo:hi]
+        gk = carray(_typed_ptr(np.float32, meta[t, G_ADDR]), (n,))[lo:hi]
         if block == 1:  # one column: the lane sum (a single accumulator would be latency-bound)
             partial[k, 0] = _sum_sq(gk, acc)
         else:
@@ -919,7 +900,7 @@ def _factor_job(meta, jobs, k, block, S, partial):
         return
     # bf16: widened a chunk at a time, chunks of whole lane rows or blocks, so that every sum is
     # added in the order of the fp32 path
-    src = carray(_u16_ptr(meta[t, G_ADDR]), (n,))
+    src = carray(_typed_ptr(np.uint16, meta[t, G_ADDR]), (n,))
     unit = _LANES if block == 1 else block
     chunk = max(1, MAX_S // unit) * unit
     buf = carray(_alloca(np.float32, _BUF), (_BUF,))
@@ -1123,14 +1104,14 @@ def _blocks(bits4, per_element, factored, quant, p, g, g16, v, scales, codes, m_
 def _job(bits4, per_element, factored, quant, meta, jobs, k, ratio, cb, lut, tabs, lut8, lut_scale, block, S,
          w1, beta2, one_minus_beta2, decay, neg_step, bc2_sqrt, eps):
     t = jobs[k, 0]
-    p = carray(_f32_ptr(meta[t, P_ADDR]), (meta[t, NUMEL],))
+    p = carray(_typed_ptr(np.float32, meta[t, P_ADDR]), (meta[t, NUMEL],))
     half = meta[t, G_BF16] != 0
-    g = carray(_f32_ptr(meta[t, G_ADDR]), (0 if half else meta[t, NUMEL],))
-    g16 = carray(_u16_ptr(meta[t, G_ADDR]), (meta[t, NUMEL] if half else 0,))
-    v = carray(_f32_ptr(meta[t, V_ADDR]), (meta[t, V_NUMEL],))
-    scales = carray(_f32_ptr(meta[t, SCALES_ADDR]), (meta[t, SCALES_NUMEL] if quant else 0,))
-    codes = carray(_u8_ptr(meta[t, CODES_ADDR]), (meta[t, CODES_NUMEL] if quant else 0,))
-    m_fp32 = carray(_f32_ptr(meta[t, M_ADDR]), (0 if quant else meta[t, NUMEL],))
+    g = carray(_typed_ptr(np.float32, meta[t, G_ADDR]), (0 if half else meta[t, NUMEL],))
+    g16 = carray(_typed_ptr(np.uint16, meta[t, G_ADDR]), (meta[t, NUMEL] if half else 0,))
+    v = carray(_typed_ptr(np.float32, meta[t, V_ADDR]), (meta[t, V_NUMEL],))
+    scales = carray(_typed_ptr(np.float32, meta[t, SCALES_ADDR]), (meta[t, SCALES_NUMEL] if quant else 0,))
+    codes = carray(_typed_ptr(np.uint8, meta[t, CODES_ADDR]), (meta[t, CODES_NUMEL] if quant else 0,))
+    m_fp32 = carray(_typed_ptr(np.float32, meta[t, M_ADDR]), (0 if quant else meta[t, NUMEL],))
     r = ratio[t if factored else 0]
     if S <= MAX_S:
         m = carray(_alloca(np.float32, _BUF), (_BUF,))
