@@ -9,8 +9,9 @@ for the state bytes of the variants that are a named layout. The summary table h
 each model of each ablation: its median ratio over seeds, the paired change against the ablation's
 reference (``none``, the published Gefen, where it ran, else ``factored``) per seed, mean ± standard
 error, and its state bytes per parameter. The figure: where the published Gefen's gap comes from (v per
-element on one kind of tensor, each seed a dot), and every change on top of the factor as its paired
-change, 8-bit and 4-bit codes.
+element on one kind of tensor, each seed a dot), every change on top of the factor as its paired
+change, 8-bit and 4-bit codes, and the frontier: every variant whose state bytes are known, its bytes
+against its loss, beside the byte cap and the loss target.
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ CHANGE_WORDS = {"fp32_m": "the first moment in fp32", "sr_m": "the first moment'
                 "whole_w": "one column factor a matrix", "layout": "the compact layout's four options",
                 "refresh": f"the codebook learned again every {REFRESH_EVERY} steps", "w16": "the column factors in bf16"}
 TARGET = {8: 1.003, 4: 1.006}  # the factored layout's loss targets by code width (the claims')
+BYTE_CAP = {8: 1.06, 4: 0.56}  # state B/param at Gefen-X's bytes (width >= 128), by code width
+MARKERS = "osD^v<>Px*"  # one a model in the frontier
 
 
 def words(variant: str) -> str:
@@ -230,13 +233,17 @@ def body(rows, config):
             "a kind of tensor (`embedding`, `lm_head`, `attn_qkv`, `attn_out`, `mlp_in`, `mlp_out`, `vectors`, "
             "`all`) keeps v per element on those tensors; a change replaces layout fields on every tensor: "
             + "; ".join(f"`{k}` {w}" for k, w in CHANGE_WORDS.items())
-            + f"; `scale_rowsN` / `layoutN` the same with row groups of at most N elements; `_no_X` the layout without "
+            + "; `scale_rowsN` / `layoutN` the same with row groups of at most N elements; `_no_X` the layout without "
               "option X; `_tiles` a column factor per square tile; `_w16` in bf16.",
             "Columns: *loss / AdamW* is the median over seeds of the final validation loss over AdamW's, as a "
             "percentage above it; *paired change* is the variant's ratio minus the reference's (`none` where the "
             "ablation ran it, else `factored`) per seed, mean ± standard error, in percentage points; *B/param* is "
-            f"the state bytes per parameter of a variant that is a named layout, from `{MEMORY}.csv` (— where it is "
-            "not a named layout or the file holds no such model).",
+            "the state bytes per parameter: the median of the runs' own where they recorded them, else a named "
+            f"layout's from `{MEMORY}.csv` (— where neither is known).",
+            "The figure's last panels are the frontier: every (variant, model, steps, seeds) whose bytes are known, "
+            "its bytes against its loss over AdamW's (the median over seeds), beside the byte cap (Gefen-X's bytes "
+            f"at width ≥ 128: {BYTE_CAP[8]} B/param at 8 bits, {BYTE_CAP[4]} at 4) and the loss target "
+            f"({TARGET[8] - 1:+.1%} / {TARGET[4] - 1:+.1%}); a layout that meets both lies in the lower left box.",
             md_table(["ablation", "variant", "model", "steps", "seeds", "loss / AdamW", "paired change", "B/param"],
                      [[n.removeprefix("gefen_ablation_") if n != FIRST else "(gap)", f"`{v}`", label, f"{steps:,}",
                        seeds, _loss(med), _change(p),
@@ -275,19 +282,37 @@ def changes_on_factor(rows, config) -> dict:
     return {b: [(k, p, c) for k, (p, c) in items.items()] for b, items in out.items()}
 
 
+def frontier(table) -> dict:
+    """{bits: [(variant, model, steps, seeds, B/param, median ratio)]}: every summary row whose bytes
+    are known, once per (variant, model, steps, seeds) (the first ablation that ran it), by code width."""
+    out, seen = {8: [], 4: []}, set()
+    for t in table:
+        bits = 4 if t.variant.startswith("Gefen-4bit") else 8 if t.variant in PEERS else ABLATIONS[t.ablation].bits
+        key = (bits, t.variant, t.model, t.steps, t.seeds)
+        if math.isfinite(t.bytes) and key not in seen:
+            seen.add(key)
+            out[bits].append((t.variant, t.model, t.steps, t.seeds, t.bytes, t.median))
+    return out
+
+
 def draw(rows, out, config):
     """Top: each configuration of the first ablation, every seed's ratio per variant (dots) and their
-    median (a bar); below: each change on the factor as its paired change, mean ± s.e., by code width."""
+    median (a bar); below: each change on the factor as its paired change, mean ± s.e., by code width;
+    last: the frontier of bytes against loss, by code width."""
     firsts = [(p, ratios(rows, p)) for p in configurations(rows, METRIC)]
     firsts = [(p, d) for p, d in firsts if d]
     on_factor = changes_on_factor(rows, config)
-    panels = [("gap", p, d) for p, d in firsts] + [("factor", b, on_factor[b]) for b in (8, 4) if on_factor[b]]
-    heights = [0.2 * len(d) + 1.3 for _, _, d in panels]
+    fronts = frontier(summary(rows, config))
+    panels = ([("gap", p, d) for p, d in firsts] + [("factor", b, on_factor[b]) for b in (8, 4) if on_factor[b]]
+              + [("frontier", b, fronts[b]) for b in (8, 4) if fronts[b]])
+    heights = [4.0 if kind == "frontier" else 0.2 * len(d) + 1.3 for kind, _, d in panels]
     fig, axes = new_figure(len(panels), 1, width=8, height=sum(heights) + 1.1,
                            gridspec_kw={"height_ratios": heights})
     for ax, (kind, key, data) in zip(axes[:, 0], panels):
         if kind == "gap":
             _draw_gap(ax, data, key.rstrip("/") or _first_label(FIRST, config))
+        elif kind == "frontier":
+            _draw_frontier(ax, data, key, list(dict.fromkeys(p[1] for b in (8, 4) for p in fronts[b])))
         else:
             _draw_changes(ax, data, key)
     _legend(fig, {b for _, b, _ in panels if isinstance(b, int)})
@@ -353,6 +378,31 @@ def _draw_changes(ax, items, bits):
                  fontsize=9)
     ax.tick_params(axis="x", labelsize=8)
     ax.grid(alpha=0.3, axis="x")
+
+
+def _draw_frontier(ax, points, bits, models):
+    """Bytes against loss: a point per (variant, model, steps, seeds) in its layout's colour, a marker a
+    model (its place in ``models``), hollow at more than 1,000 steps; the byte cap and the loss target
+    dashed, each point named."""
+    for variant, model, steps, seeds, b, med in points:
+        ax.scatter(b, (med - 1) * 100, s=22, marker=MARKERS[models.index(model) % len(MARKERS)], zorder=3,
+                   facecolors="none" if steps > 1000 else colour(variant, bits), edgecolors=colour(variant, bits))
+        ax.annotate(f"{variant.removeprefix('factored+')} ({seeds})", (b, (med - 1) * 100), fontsize=4.5,
+                    xytext=(3, 2), textcoords="offset points", color="0.25")
+    ax.axvline(BYTE_CAP[bits], color="tab:red", ls="--", lw=1)
+    ax.axhline((TARGET[bits] - 1) * 100, color="tab:green", ls="--", lw=1.2)
+    ax.axhline(0.0, color="k", lw=1)
+    for k, m in enumerate(models):
+        if not any(p[1] == m for p in points):
+            continue
+        ax.scatter([], [], marker=MARKERS[k % len(MARKERS)], color="0.4", s=16, label=m.removeprefix("char-"))
+    ax.legend(fontsize=6, loc="upper right", title="model (hollow: > 1,000 steps)", title_fontsize=6)
+    ax.set_xlabel("optimizer state, bytes per parameter", fontsize=8)
+    ax.set_ylabel("loss / AdamW's − 1 (%, median over seeds)", fontsize=7)
+    ax.set_title(f"{bits}-bit codes: the frontier (dashed: cap {BYTE_CAP[bits]} B/param, target "
+                 f"{TARGET[bits] - 1:+.1%}); a point (seeds)", fontsize=9)
+    ax.tick_params(labelsize=8)
+    ax.grid(alpha=0.3)
 
 
 REPORT = Report(FIRST, FIRST, "Gefen ablations: which part of the state carries the loss", body, draw,

@@ -469,3 +469,21 @@ def test_the_results_book_lists_every_section_once_after_each_write(tmp_path):
                       "- [Gefen: step time (CPU, 1 thread)](#gefen-step-time-cpu-1-thread)",
                       "- [The seed's own benchmark](#the-seeds-own-benchmark)"]
     assert "\nz\n" in doc and "\nx\n" not in doc
+
+
+def test_gefen_ablation_frontier_points_and_widths():
+    """The frontier keeps every row whose bytes are known, once per (variant, model, steps, seeds), the
+    first ablation's; a peer goes to its own code width, a variant to its ablation's."""
+    S = gefen_ablation.SummaryRow
+    nan = float("nan")
+    table = [S("gefen_ablation_where", "factored", "enc", 1000, 15, 1.002, None, 1.19),
+             S("gefen_ablation_where", "factored+attn_qkv", "enc", 1000, 15, 1.001, (0.0, 0.1), 1.31),
+             S("gefen_ablation_where", "factored+mlp_in", "enc", 1000, 15, 1.0, (0.0, 0.1), nan),
+             S("gefen_ablation_seeds", "factored", "enc", 1000, 15, 1.005, None, 1.18),
+             S("gefen_ablation_seeds", "Gefen-4bit-factored", "enc", 1000, 15, 1.007, (0.1, 0.1), 0.69),
+             S("gefen_ablation_seeds", "gefen-x", "enc", 1000, 15, 1.01, (0.5, 0.1), 1.05),
+             S("gefen_ablation_4bit", "factored", "enc", 1000, 5, 1.008, None, 0.69)]
+    front = gefen_ablation.frontier(table)
+    assert front[8] == [("factored", "enc", 1000, 15, 1.19, 1.002), ("factored+attn_qkv", "enc", 1000, 15, 1.31, 1.001),
+                        ("gefen-x", "enc", 1000, 15, 1.05, 1.01)]
+    assert front[4] == [("Gefen-4bit-factored", "enc", 1000, 15, 0.69, 1.007), ("factored", "enc", 1000, 5, 0.69, 1.008)]
