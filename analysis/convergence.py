@@ -33,7 +33,7 @@ from collections import defaultdict
 import functools
 
 from analysis.claims_common import pct
-from analysis.common import (CORPUS_TEXT, GEFEN_TARGET_BPP, OPTIMIZERS, TARGET_WIDTH, Report, colour, configurations, fixed, fmt,
+from analysis.common import (CORPUS_TEXT, GEFEN_TARGET_BPP, OPTIMIZERS, TARGET_WIDTH, Report, configurations, fixed, fmt,
                              in_configuration, kind_table, label_of, main, md_table, mean_std, pm, save_figure, select,
                              value, variants)
 

@@ -21,7 +21,6 @@ if not __package__:  # run as a file: stop with the install command if the repos
 import math
 
 import matplotlib.ticker
-import numpy as np
 
 from analysis.common import (GEFEN_TARGET_BPP as TARGET_BPP, OPTIMIZERS, Report, fixed, fmt, kind_table, main, md_table, save_figure,
                              select, value, variants)

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from optim import DiskSparseAdam, mapped_embedding
+from optim import DiskSparseAdam
 from optim.disk_sparse.weights import close_mapped
 from tests.utils import index_batches, step_rows
 

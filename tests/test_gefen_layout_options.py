@@ -9,7 +9,6 @@ state dict round trip against the uninterrupted run; state dicts and groups edit
 
 import copy
 import math
-import pickle
 
 import pytest
 import torch

@@ -178,10 +178,10 @@ def format_profile(title: str, prof: StepProfile, kernel_bytes: dict[str, float]
         lines.append("copies and fills per step: none seen on a device")
     if prof.waits:
         lines.append("waits: " + ", ".join(f"{op.name} x{op.calls:g} {op.ms:.3f} ms" for op in prof.waits))
-    lines.append(f"top host operations by self time (ms/step, calls/step):")
+    lines.append("top host operations by self time (ms/step, calls/step):")
     lines += [f"  {op.ms:9.3f}  {op.calls:6g}  {_short(op.name)}" for op in prof.host_ops[:top]]
     if prof.device_ops:
-        lines.append(f"top device operations by time (ms/step, calls/step):")
+        lines.append("top device operations by time (ms/step, calls/step):")
         lines += [f"  {op.ms:9.3f}  {op.calls:6g}  {_short(op.name)}" for op in prof.device_ops[:top]]
     if kernel_bytes:
         bw = kernel_bandwidth(prof, kernel_bytes)
