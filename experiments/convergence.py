@@ -39,7 +39,10 @@ on CPU, is enough there), and one on another corpus and shape (``CHAR_LM["docstr
 prose only, the standard library's docstrings; a 429k-parameter model, 1,000 steps) with AdamW,
 Adam-mini and the Gefen variants. Runs are single-threaded; ``--jobs 2`` (the full run's default)
 trains two at a time, each in its own process (results do not depend on it: every run is seeded
-and deterministic). Two more configurations judge the optimizers on architectures they were not
+and deterministic). Each finished run is journaled (``results/partial/<experiment>.jsonl``,
+``harness.journal``): a run stopped part way and started again with the same code, configuration,
+versions and CPU reuses the runs it finished; the journal goes once the CSV is written. Two more
+configurations judge the optimizers on architectures they were not
 developed on, each its own experiment and results file (``--experiment convergence_encoder``,
 ``convergence_llama``: the architecture as the main configuration, no extra ones, the optimizers
 of ``UNTUNED``, both protocols; ``--extra encoder llama`` adds them to a run of this file instead;
@@ -98,7 +101,8 @@ import torch
 from experiments.harness import check, data
 from experiments.harness.common import Results, add_common_args, add_kind_rows
 from experiments.harness.models import char_lm_model
-from experiments.harness.pool import RunPool
+from experiments.harness.journal import Journal, host_cpu
+from experiments.harness.pool import Done, RunPool
 from experiments.harness.registry import DENSE, make_optimizer, state_bytes, state_bytes_by_kind
 from experiments.harness.tracking import Run, Tracking, curve_summary, live_logger
 from experiments.harness.train import CHAR_LM, GRAD_CLIP, WEIGHT_DECAY, char_lm_label, char_lm_problem, train_lm
@@ -193,6 +197,23 @@ def _job(name, lr, seed, size, progress, tracking=None):
     return out
 
 
+# the code a run executes: a full run reuses the runs its journal holds while this code is unchanged
+JOURNAL_CODE = ("optim", "experiments/harness", "experiments/convergence.py")
+
+
+def journaled(journal, key, submit):
+    """The future of the run ``key``: ``journal``'s finished run, else ``submit()``'s, added to the
+    journal once it finishes without an error (None: no journal)."""
+    done = journal.get(key) if journal is not None else None
+    if done is not None:
+        return Done(done)
+    fut = submit()
+    if journal is not None:
+        fut.add_done_callback(lambda f: f.exception() is None and "error" not in f.result()
+                              and journal.add(key, f.result()))
+    return fut
+
+
 def dropin_lr(name, adamw_lr):
     """The drop-in protocol's lr of variant ``name``: AdamW's, times the multiple an "@<multiple>"
     suffix names."""
@@ -208,14 +229,15 @@ def dropin_names(names):
     return out
 
 
-def run_all(names, size, lrs, seeds, jobs, progress, protocol="best", tracking=None):
+def run_all(names, size, lrs, seeds, jobs, progress, protocol="best", tracking=None, journal=None):
     """Train one configuration under ``protocol`` ("best", "dropin" or "both"), ``jobs`` runs at a
     time, a run shared by the protocols (the same optimizer, lr and seed) trained once.
 
     "best": every optimizer's lr sweep on the first seed, then its best lr on the other seeds.
     "dropin": AdamW's sweep, then every variant of ``dropin_names`` at its ``dropin_lr`` on every seed.
     Returns {protocol: ({name: (sweep, lr, {seed: run})}, {name: reason skipped})}; in the drop-in
-    result only AdamW has a sweep (the others' are empty).
+    result only AdamW has a sweep (the others' are empty). ``journal`` (``harness.journal``): runs it
+    holds are not trained again, every run that finishes without an error is added to it.
     """
     protocols = ["best", "dropin"] if protocol == "both" else [protocol]
     out = {p: ({}, {}) for p in protocols}
@@ -225,7 +247,8 @@ def run_all(names, size, lrs, seeds, jobs, progress, protocol="best", tracking=N
         def run(n, lr, s):
             key = (n.partition("@")[0], lr, s)
             if key not in futs:
-                futs[key] = pool.submit(_job, key[0], lr, s, size, progress, tracking)
+                futs[key] = journaled(journal, (char_lm_label(size), *key),
+                                      lambda: pool.submit(_job, key[0], lr, s, size, progress, tracking))
             return futs[key]
 
         def failed(p, n, err):
@@ -389,12 +412,13 @@ CHECK_NOTE = ("the main model alone at one lr, 2 seeds, AdamW and the claim's Ge
               "they are computed only where the check CSV has what they read")
 
 
-def run_config(res, names, size, lrs, seeds, jobs, progress, prefix="", protocol="best"):
+def run_config(res, names, size, lrs, seeds, jobs, progress, prefix="", protocol="best", journal=None):
     """Train and write one configuration's rows under ``protocol``; returns (summary, skipped, ratios),
     keyed by variant (drop-in variants ``<prefix>dropin/<name>``)."""
     summary, skipped, ratios = [], {}, {}
     label = char_lm_label(size)
-    for p, (done, skipped_p) in run_all(names, size, lrs, seeds, jobs, progress, protocol, res.tracking).items():
+    for p, (done, skipped_p) in run_all(names, size, lrs, seeds, jobs, progress, protocol, res.tracking,
+                                        journal).items():
         pre = prefix + (DROPIN if p == "dropin" else "")
         finals = {}
         for name in (dropin_names(names) if p == "dropin" else names):
@@ -454,17 +478,24 @@ def main(argv=None):
           f"batch={size['batch']} lrs={lrs} seeds={seeds} jobs={jobs}", flush=True)
     progress = not args.no_progress and jobs == 1
     with Results(args.experiment, args, config=config, wandb_rows=False) as res:
+        journal = (Journal.open(res.results_dir / "partial" / f"{args.experiment}.jsonl",
+                                dict(config, versions=res.versions, cpu=host_cpu()), JOURNAL_CODE)
+                   if not args.check else None)
+        if journal is not None and len(journal):
+            print(f"[convergence] {len(journal)} runs finished earlier ({journal.path})", flush=True)
         summary, skipped, ratios = run_config(res, args.optimizers, size, lrs, seeds, jobs, progress,
-                                              protocol=args.protocol)
+                                              protocol=args.protocol, journal=journal)
         for extra, ec in extras:
             print(f"[convergence] extra configuration {ec['model_label']} model={ec['model']} "
                   f"steps={extra['steps']} batch={extra['batch']} lrs={extra['lrs']}", flush=True)
             s2, k2, r2 = run_config(res, ec["optimizers"], extra, extra["lrs"], ec["seeds"], jobs, progress,
-                                    prefix=ec["model_label"] + "/", protocol=args.protocol)
+                                    prefix=ec["model_label"] + "/", protocol=args.protocol, journal=journal)
             summary += s2
             skipped.update(k2)
             ratios.update(r2)
         res.config.update(optimizers_run=[s[0] for s in summary], optimizers_skipped=skipped)
+    if journal is not None:
+        journal.remove()
     print(f"\n{'optimizer':<44} {'lr':>8} {'final val loss':>18} {'vs AdamW':>16} {'B/param':>8} {'step ms':>8}")
     for name, best, fin, bpp, st in summary:
         sd = statistics.stdev(fin) if len(fin) > 1 else 0.0

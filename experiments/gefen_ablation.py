@@ -52,7 +52,7 @@ import torch
 from experiments.harness import check
 from experiments.harness.common import Results, add_common_args
 from experiments.harness.models import char_lm_model
-from experiments.harness.journal import Journal
+from experiments.harness.journal import Journal, host_cpu
 from experiments.harness.pool import Done, RunPool
 from experiments.harness.registry import make_optimizer, state_bytes
 from experiments.harness.tracking import Run, Tracking, curve_summary, live_logger
@@ -149,13 +149,6 @@ DROPIN_LR = {"full": 3e-3, "large": 1e-3, "docstrings": 3e-3, "encoder": 4e-3, "
 
 # the code a run executes: a full run reuses the runs its journal holds while this code is unchanged
 JOURNAL_CODE = ("optim", "experiments/harness", "experiments/gefen_ablation.py")
-
-
-def host_cpu() -> str:
-    """The CPU's name as LLVM knows it ("znver4"): the kernels, and torch's, take paths by it."""
-    import llvmlite.binding
-
-    return llvmlite.binding.get_host_cpu_name()
 
 
 def on_factor(*changes: str) -> tuple:

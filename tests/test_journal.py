@@ -89,3 +89,46 @@ def test_an_ablation_started_again_reuses_its_finished_runs_and_removes_the_jour
     assert {k: v for k, v in again.items() if k != ("factored", "1")} == \
         {k: v for k, v in first.items() if k != ("factored", "1")}  # the others computed again, the same
     assert not journal.exists()
+
+
+@pytest.mark.timeout(300)
+def test_a_convergence_run_started_again_reuses_its_finished_runs(tmp_path, monkeypatch):
+    """convergence.py journals every finished run: a run kept from an earlier process (its final loss
+    edited to a value no run gives) is reused as it stands, the others, reused too, give the rows
+    the first process wrote (a JSON round trip loses nothing), and the journal goes with the CSV."""
+    import json
+
+    from experiments import convergence as C
+
+    monkeypatch.setattr(J, "code_fingerprint", lambda paths, root=None: {p: "0" * 40 for p in paths})
+    argv = ["--tiny", "--optimizers", "AdamW", "Gefen-8bit-factored", "--seeds", "2", "--protocol", "dropin",
+            "--no-progress", "--results-dir", str(tmp_path), "--wandb", "disabled"]
+    monkeypatch.setattr(J.Journal, "remove", lambda self: None)  # keep the first process's journal
+    C.main(argv)
+    journal = tmp_path / "partial" / "convergence.jsonl"
+    lines = journal.read_text().splitlines()
+    recs = [json.loads(line) for line in lines[1:]]
+    assert {tuple(r["key"][1:2] + r["key"][3:]) for r in recs} >= {("AdamW", 0), ("AdamW", 1),
+                                                                    ("Gefen-8bit-factored", 0), ("Gefen-8bit-factored", 1)}
+    with open(tmp_path / "convergence.csv", newline="") as f:
+        first = [r for r in csv.DictReader(f)]
+    edited = next(r for r in recs if r["key"][1] == "Gefen-8bit-factored" and r["key"][3] == 1)
+    edited["value"]["final"] = 9.875
+    journal.write_text("\n".join([lines[0]] + [json.dumps(r) for r in recs]) + "\n")
+    monkeypatch.undo()
+    monkeypatch.setattr(J, "code_fingerprint", lambda paths, root=None: {p: "0" * 40 for p in paths})
+    monkeypatch.setattr(C, "_job", lambda *a, **k: pytest.fail("a journaled run was trained again"))
+    C.main(argv)
+    with open(tmp_path / "convergence.csv", newline="") as f:
+        again = [r for r in csv.DictReader(f)]
+    finals = {(r["variant"], r["seed"]): float(r["value"]) for r in again if r["metric"] == "final_val_loss"}
+    assert finals[("dropin/Gefen-8bit-factored", "1")] == 9.875
+
+    def key(r):
+        return r["variant"], r["metric"], r["x_value"], r["seed"]
+    touched = {"final_val_loss", "val_loss_vs_adamw"}
+    assert {key(r): r["value"] for r in again if not (r["seed"] == "1" and r["metric"] in touched)
+            and not r["metric"].startswith("val_loss_vs_adamw_")} == \
+        {key(r): r["value"] for r in first if not (r["seed"] == "1" and r["metric"] in touched)
+         and not r["metric"].startswith("val_loss_vs_adamw_")}
+    assert not journal.exists()

@@ -37,6 +37,14 @@ def code_fingerprint(paths, root=REPO_ROOT) -> dict | None:
     return dict(zip(paths, hashes.stdout.split()))
 
 
+def host_cpu() -> str:
+    """The CPU's name as LLVM knows it ("znver4"): the kernels, and torch's, take paths by it, so runs
+    on another CPU may round differently and belong to another journal."""
+    import llvmlite.binding
+
+    return llvmlite.binding.get_host_cpu_name()
+
+
 class Journal:
     """Finished runs by key (a tuple of strings and numbers), appended to a JSON-lines file."""
 
