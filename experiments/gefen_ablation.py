@@ -125,6 +125,7 @@ CHANGES = {
     "w16": dict(factor_dtype="bfloat16"),  # the column factors in bf16, rounded stochastically
     f"layout{SHORT_GROUP}_tiles": dict(COMPACT_4BIT, whole_matrix_factor=False),  # a column factor per tile
     f"layout{SHORT_GROUP}_w16": dict(COMPACT_4BIT, whole_matrix_factor=False, factor_dtype="bfloat16"),
+    "layout_w16": dict(COMPACT, whole_matrix_factor=False, factor_dtype="bfloat16"),  # a bf16 factor per tile
     f"scale_rows{FINE_GROUP}": dict(row_group_scales=FINE_GROUP),
     f"layout{FINE_GROUP}": dict(COMPACT_4BIT, row_group_scales=FINE_GROUP),
     f"layout{FINE_GROUP}_w16": dict(COMPACT_4BIT, row_group_scales=FINE_GROUP, factor_dtype="bfloat16"),
@@ -178,6 +179,8 @@ class Ablation:
         return {v: variant_layout(v, self.bits) for v in self.variants}
 
 
+# compact layouts within Gefen-X's bytes that aim at the factored layout's loss, beside both
+CANDIDATES = on_factor("layout", "layout_w16", f"layout{SHORT_GROUP}_w16")
 LONG = dict(sizes=("encoder",), steps=3000, seeds=5, lr=4e-3)  # the encoder 3x as long, at its 1,000-step lr
 FOUR = dict(sizes=("encoder",), steps=1000, seeds=5, lr=4e-3, bits=4)  # the encoder under 4-bit codes
 SEEDS = dict(sizes=("encoder", "full"), seeds=15)  # the drop-in protocol on 15 seeds (the first the convergence runs')
@@ -222,6 +225,12 @@ ABLATIONS = {a.name: a for a in [
     Ablation("gefen_ablation_leave_out", "which of the 8-bit compact layout's options costs loss on the encoder: "
              "each left out, 15 seeds", ("encoder",), on_factor("layout", *(f"layout_no_{o}" for o in LAYOUT_OPTIONS)),
              seeds=15),
+    # one column factor a matrix is the option whose leaving out gains the most (gefen_ablation_leave_out);
+    # a factor per tile in bf16 costs fewer bytes than one a matrix in fp32
+    Ablation("gefen_ablation_candidates", "compact layouts with a bf16 column factor per tile (Gefen-X's bytes or "
+             "fewer), 15 seeds", ("encoder",), CANDIDATES, seeds=15),
+    Ablation("gefen_ablation_candidates_models", "the same candidates on the other four models, 5 seeds",
+             tuple(s for s in DROPIN_LR if s != "encoder"), CANDIDATES, seeds=5),
 ]}
 
 
