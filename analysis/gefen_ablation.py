@@ -325,7 +325,8 @@ def _legend(fig, widths):
     width shown) and what a dot is."""
     from matplotlib.lines import Line2D
 
-    names = ["Gefen-8bit", *(f"Gefen-{b}bit-{k}" for b in sorted(widths, reverse=True) for k in ("factored", "compact"))]
+    names = ["Gefen-8bit", *(f"Gefen-{b}bit-{k}" for b in sorted(widths, reverse=True) for k in ("factored", "compact")),
+             "gefen-x"]
     handles = [Line2D([], [], color=colour_of(n), marker="s", ls="none", ms=5, label=label_of(n)) for n in names]
     handles.append(Line2D([], [], color="black", alpha=0.6, marker="o", ls="none", ms=3, label="one seed"))
     figure_legend(fig, handles, [h.get_label() for h in handles], ncols=3)
@@ -382,25 +383,30 @@ def _draw_changes(ax, items, bits):
 
 def _draw_frontier(ax, points, bits, models):
     """Bytes against loss: a point per (variant, model, steps, seeds) in its layout's colour, a marker a
-    model (its place in ``models``), hollow at more than 1,000 steps; the byte cap and the loss target
-    dashed, each point named."""
-    for variant, model, steps, seeds, b, med in points:
-        ax.scatter(b, (med - 1) * 100, s=22, marker=MARKERS[models.index(model) % len(MARKERS)], zorder=3,
-                   facecolors="none" if steps > 1000 else colour(variant, bits), edgecolors=colour(variant, bits))
-        ax.annotate(f"{variant.removeprefix('factored+')} ({seeds})", (b, (med - 1) * 100), fontsize=4.5,
-                    xytext=(3, 2), textcoords="offset points", color="0.25")
+    model (its place in ``models``), hollow at more than 1,000 steps (a peer in its own colour); the byte
+    cap and the loss target dashed. The points are named in the page's table (its B/param and loss columns)."""
+    from matplotlib.lines import Line2D
+
+    handles = []
+    for k, m in enumerate(models):
+        mine = [p for p in points if p[1] == m]
+        if not mine:
+            continue
+        handles.append(Line2D([], [], color="0.4", marker=MARKERS[k % len(MARKERS)], ls="none", ms=4,
+                              label=m.removeprefix("char-")))
+        colours = [colour_of(v) if v in PEERS else colour(v, bits) for v, *_ in mine]
+        ax.scatter([p[4] for p in mine], [(p[5] - 1) * 100 for p in mine], s=22, marker=MARKERS[k % len(MARKERS)],
+                   zorder=3, edgecolors=colours, linewidths=1,
+                   facecolors=[("none" if p[2] > 1000 else c) for p, c in zip(mine, colours)])
     ax.axvline(BYTE_CAP[bits], color="tab:red", ls="--", lw=1)
     ax.axhline((TARGET[bits] - 1) * 100, color="tab:green", ls="--", lw=1.2)
     ax.axhline(0.0, color="k", lw=1)
-    for k, m in enumerate(models):
-        if not any(p[1] == m for p in points):
-            continue
-        ax.scatter([], [], marker=MARKERS[k % len(MARKERS)], color="0.4", s=16, label=m.removeprefix("char-"))
-    ax.legend(fontsize=6, loc="upper right", title="model (hollow: > 1,000 steps)", title_fontsize=6)
+    ax.legend(handles=handles, fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0), title="model\n(hollow: > 1,000\nsteps)",
+              title_fontsize=6)
     ax.set_xlabel("optimizer state, bytes per parameter", fontsize=8)
-    ax.set_ylabel("loss / AdamW's − 1 (%, median over seeds)", fontsize=7)
+    ax.set_ylabel("loss / AdamW's − 1 (%, median)", fontsize=7)
     ax.set_title(f"{bits}-bit codes: the frontier (dashed: cap {BYTE_CAP[bits]} B/param, target "
-                 f"{TARGET[bits] - 1:+.1%}); a point (seeds)", fontsize=9)
+                 f"{TARGET[bits] - 1:+.1%})", fontsize=9)
     ax.tick_params(labelsize=8)
     ax.grid(alpha=0.3)
 
