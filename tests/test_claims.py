@@ -235,11 +235,11 @@ def test_ablation_backed_detail_quotes_every_variant_of_its_ablations(row, ablat
 
 def test_compact_layout_verdict_counts_its_seeds_worse_than_the_factored():
     """The compact layout's loss verdict: level or worse than the factored 8-bit by the median, and on
-    how many seeds it is worse, paired by seed in gefen_ablation_layout.csv (read here with csv)."""
+    how many seeds it is worse, paired by seed in gefen_ablation_leave_out.csv (read here with csv)."""
     import statistics
 
     seeds = {}
-    with open(RESULTS_DIR / "gefen_ablation_layout.csv") as fh:
+    with open(RESULTS_DIR / "gefen_ablation_leave_out.csv") as fh:
         for r in csv.DictReader(fh):
             if r["metric"] == "val_loss_vs_adamw" and r["variant"] in ("factored", "factored+layout"):
                 seeds.setdefault(r["variant"], {})[r["seed"]] = float(r["value"])
