@@ -106,9 +106,10 @@ OFFLOAD_LEFT_OUT = {"gefen-x": "no CPU kernel: its CPU step is decomposed torch 
                     "torchao-AdamW8bit": "its CPU step is a torch.compile'd elementwise graph, the slowest 8-bit "
                                          "step in cache by an order of magnitude (timed there, not at offload scale)"}
 OFFLOAD_OPTIMIZERS = [n for n in OPTIMIZERS if n not in OFFLOAD_LEFT_OUT]
-# optimizers that refuse bf16 gradients on fp32 weights: their bf16 rows time a cast into an fp32
-# buffer and the step, what a user of them does
-CAST_FIRST = ("AdamW",)
+# optimizers that take no bf16 gradients of fp32 weights (fused AdamW refuses them; DeepSpeed's CPU-Adam
+# would read them as fp32, past their end: the registry's wrapper refuses them): their bf16 rows time a
+# cast into an fp32 buffer and the step, what a user of them does (ZeRO-Offload keeps fp32 gradients)
+CAST_FIRST = ("AdamW", "deepspeed-CPUAdam")
 
 
 # the --check size: the full run's flags it overrides (experiments/harness/check.py)

@@ -174,3 +174,27 @@ def test_gefen_speed_gpu_part_dry_run(tmp_path):
             assert by[(f"gpt2-tiny/{name}", metric, n)] > 0
     assert ("gpt2-tiny/Gefen-8bit-factored", "step_time_vs_unfactored", n) in by
     assert by[("cpu/Gefen-8bit", "launches_per_step", 8)] >= 1
+
+
+def test_deepspeed_cpu_adam_refuses_gradients_of_another_dtype_and_steps_as_adamw():
+    """DeepSpeed's CPU-Adam reads a gradient as its parameter's dtype: the registry's wrapper refuses a
+    bf16 gradient of an fp32 parameter (untouched), and on fp32 gradients steps as torch's AdamW."""
+    pytest.importorskip("deepspeed")
+    from experiments.harness.registry import make_optimizer
+
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(64, 48))
+    q = torch.nn.Parameter(p.detach().clone())
+    p.grad_dtype = None
+    ours, ref = make_optimizer("deepspeed-CPUAdam", [p], 1e-2, 0.1), torch.optim.AdamW([q], lr=1e-2, weight_decay=0.1)
+    p.grad = torch.randn(64, 48).to(torch.bfloat16)
+    before = p.detach().clone()
+    with pytest.raises(TypeError, match="gradient of a torch.float32 parameter"):
+        ours.step()
+    assert torch.equal(p.detach(), before)
+    for _ in range(5):
+        g = torch.randn(64, 48)
+        p.grad, q.grad = g.clone(), g.clone()
+        ours.step()
+        ref.step()
+    torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6)

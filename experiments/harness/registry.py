@@ -142,7 +142,20 @@ def _bnb_adamw8bit(params, named, lr, weight_decay, **kw):
 def _deepspeed_cpu_adam(params, named, lr, weight_decay, **kw):
     from deepspeed.ops.adam import DeepSpeedCPUAdam  # builds its C++ op on first use (ninja, a compiler)
 
-    return DeepSpeedCPUAdam(params, lr=lr, weight_decay=weight_decay, adamw_mode=True, **kw)
+    class CheckedCPUAdam(DeepSpeedCPUAdam):
+        """DeepSpeed's CPU-Adam, refusing a gradient whose dtype is not its parameter's: its C++ step
+        reads the gradient as the parameter's dtype, so bf16 gradients of fp32 weights are read past
+        their end (garbage, or a segfault once the tensors are large)."""
+
+        def step(self, closure=None):
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None and p.grad.dtype != p.dtype:
+                        raise TypeError(f"deepspeed-CPUAdam: a {p.grad.dtype} gradient of a {p.dtype} parameter; "
+                                        "its step reads the gradient as the parameter's dtype: cast it first")
+            return super().step(closure)
+
+    return CheckedCPUAdam(params, lr=lr, weight_decay=weight_decay, adamw_mode=True, **kw)
 
 
 def _gefen(bits, layout):
