@@ -101,8 +101,8 @@ import torch
 from experiments.harness import check, data
 from experiments.harness.common import Results, add_common_args, add_kind_rows
 from experiments.harness.models import char_lm_model
-from experiments.harness.journal import Journal, host_cpu
-from experiments.harness.pool import Done, RunPool
+from experiments.harness.journal import Journal, host_cpu, journaled
+from experiments.harness.pool import RunPool
 from experiments.harness.registry import DENSE, make_optimizer, state_bytes, state_bytes_by_kind
 from experiments.harness.tracking import Run, Tracking, curve_summary, live_logger
 from experiments.harness.train import CHAR_LM, GRAD_CLIP, WEIGHT_DECAY, char_lm_label, char_lm_problem, train_lm
@@ -201,19 +201,6 @@ def _job(name, lr, seed, size, progress, tracking=None):
 JOURNAL_CODE = ("optim", "experiments/harness", "experiments/convergence.py")
 
 
-def journaled(journal, key, submit):
-    """The future of the run ``key``: ``journal``'s finished run, else ``submit()``'s, added to the
-    journal once it finishes without an error (None: no journal)."""
-    done = journal.get(key) if journal is not None else None
-    if done is not None:
-        return Done(done)
-    fut = submit()
-    if journal is not None:
-        fut.add_done_callback(lambda f: f.exception() is None and "error" not in f.result()
-                              and journal.add(key, f.result()))
-    return fut
-
-
 def dropin_lr(name, adamw_lr):
     """The drop-in protocol's lr of variant ``name``: AdamW's, times the multiple an "@<multiple>"
     suffix names."""
@@ -248,7 +235,8 @@ def run_all(names, size, lrs, seeds, jobs, progress, protocol="best", tracking=N
             key = (n.partition("@")[0], lr, s)
             if key not in futs:
                 futs[key] = journaled(journal, (char_lm_label(size), *key),
-                                      lambda: pool.submit(_job, key[0], lr, s, size, progress, tracking))
+                                      lambda: pool.submit(_job, key[0], lr, s, size, progress, tracking),
+                                      keep=lambda out: "error" not in out)
             return futs[key]
 
         def failed(p, n, err):

@@ -52,8 +52,8 @@ import torch
 from experiments.harness import check
 from experiments.harness.common import Results, add_common_args
 from experiments.harness.models import char_lm_model
-from experiments.harness.journal import Journal, host_cpu
-from experiments.harness.pool import Done, RunPool
+from experiments.harness.journal import Journal, host_cpu, journaled
+from experiments.harness.pool import RunPool
 from experiments.harness.registry import make_optimizer, state_bytes
 from experiments.harness.tracking import Run, Tracking, curve_summary, live_logger
 from experiments.harness.train import CHAR_LM, GRAD_CLIP, WEIGHT_DECAY, char_lm_label, char_lm_problem, train_lm
@@ -398,14 +398,9 @@ def main(argv=None):
             print(f"[{args.ablation}] {len(journal)} runs finished earlier ({journal.path})", flush=True)
 
         def submit(size, c, v, s):
-            key = (c["label"], v, s)
-            done = journal.get(key) if journal is not None else None
-            if done is not None:
-                return Done(Final(*done))
-            fut = pool.submit(final_loss, size, None if v == "AdamW" else v, s, c["lr"], res.tracking, args.bits)
-            if journal is not None:
-                fut.add_done_callback(lambda f: f.exception() is None and journal.add(key, list(f.result())))
-            return fut
+            return journaled(journal, (c["label"], v, s), lambda: pool.submit(
+                final_loss, size, None if v == "AdamW" else v, s, c["lr"], res.tracking, args.bits),
+                load=lambda value: Final(*value))
         runs = [(c, {v: [submit(size, c, v, s) for s in c["seeds"]] for v in ["AdamW", *c["variants"]]})
                 for size, c in configs]
         for c, futs in runs:

@@ -3,6 +3,7 @@
     journal = Journal.open(path, run_config, code_paths)   # None where the code cannot be vouched for
     value = journal.get(key)                                # a finished run's value, or None
     journal.add(key, value)                                 # appended as soon as a run finishes
+    future = journaled(journal, key, submit)                # either, for a run submitted to a pool
 
 Every run an experiment submits is seeded and deterministic, so a run finished by an earlier process
 of the same code and configuration has the value a new one would compute. The journal's first line
@@ -20,6 +21,7 @@ import threading
 from pathlib import Path
 
 from experiments.harness.common import REPO_ROOT
+from experiments.harness.pool import Done
 
 
 def code_fingerprint(paths, root=REPO_ROOT) -> dict | None:
@@ -96,3 +98,16 @@ class Journal:
 
     def remove(self) -> None:
         self.path.unlink(missing_ok=True)
+
+
+def journaled(journal: Journal | None, key, submit, load=lambda value: value, keep=lambda result: True):
+    """The future of run ``key``: ``journal``'s finished run (``load(value)``, already resolved), else
+    ``submit()``'s future, whose result goes into the journal once it finishes without an exception
+    and ``keep(result)`` (``journal`` None: ``submit()``'s future alone)."""
+    done = journal.get(key) if journal is not None else None
+    if done is not None:
+        return Done(load(done))
+    fut = submit()
+    if journal is not None:
+        fut.add_done_callback(lambda f: f.exception() is None and keep(f.result()) and journal.add(key, f.result()))
+    return fut
