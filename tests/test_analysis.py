@@ -487,3 +487,18 @@ def test_gefen_ablation_frontier_points_and_widths():
     assert front[8] == [("factored", "enc", 1000, 15, 1.19, 1.002), ("factored+attn_qkv", "enc", 1000, 15, 1.31, 1.001),
                         ("gefen-x", "enc", 1000, 15, 1.05, 1.01)]
     assert front[4] == [("Gefen-4bit-factored", "enc", 1000, 15, 0.69, 1.007), ("factored", "enc", 1000, 5, 0.69, 1.008)]
+
+
+@pytest.mark.parametrize("triad, expected", [(20.0, 36.0), (50.0, 50.0)])
+def test_offload_floor_time_is_at_the_highest_bandwidth_the_set_reached(tmp_path, triad, expected):
+    """The floor's time divides by the triad's bandwidth or, where a step moved more (a read-modify-write
+    step can outrun the triad), by that step's: a floor no optimizer beats in the same run."""
+    prefix = "offload-512M-fp32"
+    rows = [("memory/triad", "bandwidth", triad, "threads", 1, 0)]
+    for name, gbps, floor in (("AdamW", 36.0, 28.0), ("Gefen-8bit", 5.0, 14.0)):
+        rows += [(f"{prefix}/{name}", "gbps_effective", gbps, "threads", 1, 0),
+                 (f"{prefix}/{name}", "bytes_floor", floor, "threads", 1, 0)]
+    write(tmp_path, "gefen_speed", rows)
+    loaded = common.load_rows("gefen_speed", tmp_path)
+    assert gefen_speed.best_gbps(loaded, prefix, 1) == pytest.approx(expected)
+    assert gefen_speed.best_gbps(loaded, prefix, 2) != gefen_speed.best_gbps(loaded, prefix, 2)  # nothing at 2: NaN
