@@ -231,6 +231,8 @@ ABLATIONS = {a.name: a for a in [
              "fewer), 15 seeds", ("encoder",), CANDIDATES, seeds=15),
     Ablation("gefen_ablation_candidates_models", "the same candidates on the other four models, 5 seeds",
              tuple(s for s in DROPIN_LR if s != "encoder"), CANDIDATES, seeds=5),
+    Ablation("gefen_ablation_candidates_long", "the same candidates on the encoder at 3,000 steps, 5 seeds",
+             variants=CANDIDATES, **LONG),
 ]}
 
 
