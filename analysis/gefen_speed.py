@@ -356,9 +356,9 @@ def best_gbps(rows, prefix, t) -> float:
     """The bandwidth one offload set and thread count is known to reach: the STREAM triad's, or the
     highest any optimizer's step moved there (the triad counts 24 B an element but, writing a
     fresh array, moves more; a read-modify-write step can go faster than it)."""
-    moved = [r["value"] for r in select(offload_rows(rows), "gbps_effective")
-             if _split(r["variant"])[0] == prefix and int(r["x_value"]) == t]
-    return max([bandwidth(rows).get(t, math.nan), *moved], key=lambda x: x if math.isfinite(x) else -1.0)
+    moved = [r["value"] for r in select(offload_rows(rows), "gbps_effective", x_value=t)
+             if _split(r["variant"])[0] == prefix]
+    return max((x for x in [bandwidth(rows).get(t, math.nan), *moved] if math.isfinite(x)), default=math.nan)
 
 
 def _offload_tables(rows):
