@@ -228,6 +228,20 @@ def duration(seconds) -> str:
     return f"{s:.0f} s" if s < 120 else (f"{s / 60:.1f} min" if s < 7200 else f"{s / 3600:.2f} h")
 
 
+# registry names that stand for another layout since a time (UTC, ISO, as config.json's "timestamp"): a
+# run before it measured what the note says under that name
+CHANGED_NAMES = {"Gefen-8bit-compact": ("2026-12-07T18:39:00+00:00", "the compact layout with one fp32 column "
+                                        "factor a matrix; today's holds a bf16 one per tile")}
+
+
+def measured_before(config: dict, rows, names=CHANGED_NAMES) -> list:
+    """[(name, what it measured)] of the ``names`` among ``rows``' variants (alone or after a prefix's
+    "/") that the run of ``config`` (its timestamp, else the rows') measured before they changed."""
+    when = config.get("timestamp") or next((r.get("timestamp") for r in rows if r.get("timestamp")), "")
+    have = {str(r.get("variant", "")).rpartition("/")[2] for r in rows}
+    return [(n, what) for n, (since, what) in names.items() if n in have and when and when < since]
+
+
 def setup_line(config: dict, rows) -> str:
     """Commit, machine, torch, wall time and command of the run, from its config.json.
 
@@ -250,6 +264,8 @@ def setup_line(config: dict, rows) -> str:
         line += f" **Rows from other commits too:** {', '.join(others)}."
     if config.get("command"):
         line += f" Command: `{config['command']}`."
+    for name, what in measured_before(config, rows):
+        line += f" **{name} in this run is {what}** (rerun to measure today's)."
     return line
 
 

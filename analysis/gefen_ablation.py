@@ -29,7 +29,8 @@ from typing import NamedTuple
 
 from analysis.common import (Report, colour_of, configurations, finding_title, in_configuration, figure_legend,
                              label_of, main, md_table, new_figure, save_figure, select, variants)
-from experiments.gefen_ablation import ABLATIONS, CHANGES, DROPIN_LR, FACTORED, PEERS, REFRESH_EVERY, variant_layout
+from experiments.gefen_ablation import (ABLATIONS, CHANGES, COMPACT_VARIANT, DROPIN_LR, FACTORED, PEERS, REFRESH_EVERY,
+                                        variant_layout)
 from optim.gefen.layout import LAYOUTS
 
 METRIC = "val_loss_vs_adamw"

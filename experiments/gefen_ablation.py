@@ -102,9 +102,13 @@ FACTORED = "factored"  # every tensor shared and factored, none per element
 REFRESH_EVERY = 100  # steps between codebook refreshes (codebook_refresh_every)
 SHORT_GROUP = layout_of("compact", 4).row_group_scales  # elements: the 4-bit compact layout's row-group scales
 FINE_GROUP = 256  # elements: finer row-group scales than SHORT_GROUP, paid for by bf16 factors
-# the compact layout's fields beyond the factored one, by code width
-COMPACT, COMPACT_4BIT = ({k: v for k, v in layout_of("compact", bits).fields().items()
-                          if v != layout_of("factored", bits).fields()[k]} for bits in (8, 4))
+# the compact layout's fields beyond the factored one as these ablations first measured it ("layout", and
+# "layout512" at 4 bits): one fp32 column factor per matrix
+COMPACT = dict(share_vector_second_moment=True, share_matrix_rows=True, row_group_scales=True,
+               whole_matrix_factor=True)
+COMPACT_4BIT = dict(COMPACT, row_group_scales=SHORT_GROUP)
+# by code width, the variant that is layout="compact" (a bf16 column factor per tile at 8 bits)
+COMPACT_VARIANT = {8: "factored+layout_w16", 4: f"factored+layout{SHORT_GROUP}"}
 # the compact layout's four options by short name
 LAYOUT_OPTIONS = {"vec_v": "share_vector_second_moment", "rows_v": "share_matrix_rows",
                   "scale_rows": "row_group_scales", "whole_w": "whole_matrix_factor"}

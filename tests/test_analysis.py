@@ -502,3 +502,19 @@ def test_offload_floor_time_is_at_the_highest_bandwidth_the_set_reached(tmp_path
     loaded = common.load_rows("gefen_speed", tmp_path)
     assert gefen_speed.best_gbps(loaded, prefix, 1) == pytest.approx(expected)
     assert gefen_speed.best_gbps(loaded, prefix, 2) != gefen_speed.best_gbps(loaded, prefix, 2)  # nothing at 2: NaN
+
+
+def test_a_run_before_a_registry_name_changed_says_what_it_measured():
+    """The setup line of a run whose rows hold a changed registry name (alone or after a model's prefix)
+    and whose timestamp precedes the change says what the name stood for then; a later run, or one
+    without the name, says nothing of it."""
+    names = {"Gefen-8bit-compact": ("2026-12-07T18:39:00+00:00", "the old record")}
+    rows = [{"variant": "char-gpt-116k/Gefen-8bit-compact", "git_commit": "abc"}, {"variant": "AdamW", "git_commit": "abc"}]
+    before, after = ({"git_commit": "abc", "timestamp": t} for t in ("2026-12-06T10:00:00+00:00", "2026-12-07T20:00:00+00:00"))
+    assert common.measured_before(before, rows, names) == [("Gefen-8bit-compact", "the old record")]
+    assert common.measured_before(after, rows, names) == []
+    assert common.measured_before(before, rows[1:], names) == []
+    assert common.measured_before({}, [dict(r, timestamp="2026-12-01T00:00:00+00:00") for r in rows], names)
+    line = common.setup_line(before, rows)
+    assert "**Gefen-8bit-compact in this run is the compact layout with one fp32 column factor a matrix" in line
+    assert "in this run is" not in common.setup_line(after, rows)

@@ -89,13 +89,14 @@ def test_state_bytes_of_adamw_is_two_fp32_moments_plus_steps():
 
 @pytest.mark.parametrize("bits", [8, 4])
 def test_the_compact_gefen_is_the_factored_one_with_the_layout_options_and_fewer_bytes(bits):
-    """Gefen-<bits>-compact is Gefen-<bits>-factored with the compact layout's four options in its group
-    (at 4 bits row-group scales of at most 512 elements) (a layout given still wins), and after one step
-    on row-scaled gradients of a tall matrix, a bias and a gain its state is smaller than the factored
-    one's: the scales, factor and vectors' v it drops."""
+    """Gefen-<bits>-compact is Gefen-<bits>-factored with the compact layout's options in its group (at
+    8 bits a bf16 column factor per tile, at 4 bits row-group scales of at most 512 elements and one fp32
+    factor a matrix) (a layout given still wins), and after one step on row-scaled gradients of a tall
+    matrix, a bias and a gain its state is smaller than the factored one's: the scales, factor bytes and
+    vectors' v it drops."""
     from optim.gefen import layout_of
 
-    options = ("share_vector_second_moment", "share_matrix_rows", "row_group_scales", "whole_matrix_factor")
+    options = ("share_vector_second_moment", "share_matrix_rows", "row_group_scales")
     per = {}
     for name in (f"Gefen-{bits}bit-factored", f"Gefen-{bits}bit-compact"):
         gen = torch.Generator().manual_seed(0)
@@ -105,6 +106,8 @@ def test_the_compact_gefen_is_the_factored_one_with_the_layout_options_and_fewer
         compact = name.endswith("compact")
         assert group["factor_second_moment"] and all(bool(group[k]) == compact for k in options)
         assert group["row_group_scales"] == ({8: True, 4: 512}[bits] if compact else False)
+        assert (group["whole_matrix_factor"], group["factor_dtype"]) == (
+            {8: (False, "bfloat16"), 4: (True, "float32")}[bits] if compact else (False, "float32"))
         for p in params:
             p.grad = torch.randn(p.shape, generator=gen) * (torch.exp(2 * torch.randn(p.shape[0], 1, generator=gen))
                                                            if p.dim() == 2 else 1.0)

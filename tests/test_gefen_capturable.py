@@ -37,7 +37,7 @@ from experiments.harness.op_count import OpCount
 from optim import Gefen, GefenLayout
 from optim.gefen.layout import FIELDS
 from optim._rounding import step_seed
-from optim.gefen import state as K, triton_ops
+from optim.gefen import layout_of, state as K, triton_ops
 
 STEPS_CHECKED = 3000
 SHAPES = [(24, 48), (7, 13), (300,), (64, 64)]
@@ -46,7 +46,8 @@ VARIANTS = {
     "4bit": dict(bits=4, layout="published"),
     "factored": dict(layout="factored"),
     "factored-4bit": dict(layout="factored", bits=4),
-    "compact": dict(layout="compact"),
+    # the compact layout with the fp32 factor a matrix a capturable step keeps (bf16 factors are refused)
+    "compact": dict(layout=layout_of("compact").replace(whole_matrix_factor=True, factor_dtype="float32")),
     "fp32-m": dict(layout=GefenLayout(quantize_first_moment=False)),
     "bf16-sr": dict(stochastic_rounding=True, dtype=torch.bfloat16, layout="published"),
     "maximize": dict(maximize=True, layout="published"),

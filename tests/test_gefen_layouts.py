@@ -1,8 +1,8 @@
 """Gefen's named layouts (``optim/gefen/layout.py``): one keyword, ``layout=``, chooses the state.
 
 * each named layout, at 8 and 4 bits, on torch, numba and Triton (interpreted), steps bit for bit as
-  an optimizer whose group spells out the options that registry name passed as keywords before
-  layouts were records (``SWITCHES``, written out here as the old registry wrote them);
+  an optimizer whose group spells out its options (``NOW``: the keywords the old registry passed before
+  layouts were records, ``SWITCHES``, but for the 8-bit compact layout's column factor);
 * a state dict saved at commits b35d848 and a61f9ed by each registry name
   (``tests/data/gefen_<commit>_state_dicts.pt``, made by this file's ``__main__`` copied into a checkout
   of that commit: ``git archive <commit> | tar -x -C /tmp/old; cp tests/test_gefen_layouts.py
@@ -40,6 +40,10 @@ SWITCHES = {  # (name, bits): the keywords that chose the layout before it was a
     ("adamw", 8): dict(share_second_moment=False, quantize_first_moment=False),
     ("adamw", 4): dict(share_second_moment=False, quantize_first_moment=False),
 }
+# (name, bits): the options each name stands for now, spelled out (the 8-bit compact layout's column
+# factor is a bf16 one per tile since the candidates ablation, no longer an fp32 one per matrix)
+NOW = {**SWITCHES, ("compact", 8): dict(factor_second_moment=True, share_vector_second_moment=True,
+                                        share_matrix_rows=True, row_group_scales=True, factor_dtype="bfloat16")}
 REGISTRY = {"Gefen-8bit": ("published", 8), "Gefen-4bit": ("published", 4), "Gefen-8bit-factored": ("factored", 8),
             "Gefen-4bit-factored": ("factored", 4), "Gefen-8bit-compact": ("compact", 8),
             "Gefen-4bit-compact": ("compact", 4)}
@@ -61,12 +65,12 @@ def _steps(opt, ps, grads):
         opt.step()
 
 
-def _run_registry(name, stop=None):
-    """``name`` from the registry (torch step) over ``_problem``: its state dict after two steps and the
-    weights and state dict after five (the first two only, with ``stop=2``)."""
+def _run_registry(name, stop=None, **options):
+    """``name`` from the registry (torch step, ``options`` its keywords) over ``_problem``: its state dict
+    after two steps and the weights and state dict after five (the first two only, with ``stop=2``)."""
     init, grads = _problem()
     ps = [torch.nn.Parameter(x.clone()) for x in init]
-    opt = make_optimizer(name, ps, 1e-2, 0.1, backend="torch")
+    opt = make_optimizer(name, ps, 1e-2, 0.1, backend="torch", **options)
     _steps(opt, ps, grads[:2])
     rec = {"saved": copy.deepcopy(opt.state_dict())}  # its tensors are the state the next steps update
     if stop != 2:
@@ -88,8 +92,8 @@ def _same_state(a: dict, b: dict):
 
 
 @pytest.mark.parametrize("backend", ["torch", "numba", "triton"])
-@pytest.mark.parametrize("name,bits", list(SWITCHES))
-def test_each_named_layout_steps_as_its_switches_spelled_out_in_the_group(name, bits, backend):
+@pytest.mark.parametrize("name,bits", list(NOW))
+def test_each_named_layout_steps_as_its_options_spelled_out_in_the_group(name, bits, backend):
     from optim import Gefen
     from optim.backends import numba_available
 
@@ -100,7 +104,7 @@ def test_each_named_layout_steps_as_its_switches_spelled_out_in_the_group(name, 
     theirs = [torch.nn.Parameter(x.clone()) for x in init]
     hyper = dict(lr=1e-2, weight_decay=0.1, bits=bits, backend=backend)
     opt = Gefen(ours, layout=name, **hyper)
-    ref = Gefen([{"params": theirs, **SWITCHES[name, bits]}], layout="published", **hyper)
+    ref = Gefen([{"params": theirs, **NOW[name, bits]}], layout="published", **hyper)
     assert opt.param_groups[0] == {**ref.param_groups[0], "params": ours}
     steps = 3 if backend == "triton" else 5
     _steps(opt, ours, grads[:steps])
@@ -126,14 +130,18 @@ def test_the_default_layout_is_the_factored_one_and_the_registry_names_are_the_l
 @pytest.mark.parametrize("commit,name", [(c, n) for c in SAVED for n in NAMES if c == "a61f9ed" or "compact" not in n])
 def test_a_state_dict_saved_before_layouts_continues_bit_for_bit(commit, name):
     """The registry name's state dict saved by the code of ``commit`` (switches as keywords; the compact
-    names came after b35d848) loads into the same name now (a layout) and the last three steps give
-    that run's weights and state."""
+    names came after b35d848) loads into the same name now (a layout, which may stand for another record
+    since: the saved groups' options are the ones that continue) and the last three steps give that
+    run's weights and state."""
+    from optim.gefen.layout import GefenLayout
+
+    then = GefenLayout(**SWITCHES[REGISTRY[name]])  # the record the name stood for at ``commit``
     old = torch.load(SAVED[commit], weights_only=True)[name]
-    now = _run_registry(name)
+    now = _run_registry(name, layout=then)
     _same_state(now["saved"], old["saved"])  # the same run saves the same dict
     init, grads = _problem()
     ps = [torch.nn.Parameter(x.clone()) for x in init]
-    opt = make_optimizer(name, ps, 1e-2, 0.1, backend="torch")
+    opt = make_optimizer(name, ps, 1e-2, 0.1, backend="torch", layout=then)
     _steps(opt, ps, grads[:2])  # the weights at the checkpoint
     fresh = [torch.nn.Parameter(p.detach().clone()) for p in ps]
     resumed = make_optimizer(name, fresh, 1e-2, 0.1, backend="torch")

@@ -1,9 +1,10 @@
-"""Every Gefen layout steps bit for bit as the code of commit a61f9ed did, on every backend.
+"""Every Gefen layout of commit a61f9ed steps bit for bit as that code did, on every backend.
 
 ``tests/data/gefen_a61f9ed_trajectories.pt`` holds, per layout, bits, backend and case, the weights and
 the state after each step of runs made by the code of a61f9ed (where the layouts were spelled as
-constructor switches, ``SWITCHES``). It was written by this file's ``__main__`` copied into a checkout of
-that commit::
+constructor switches, ``SWITCHES``; now they are given as ``GefenLayout`` records of the same fields, since
+a name may stand for another record later). It was written by this file's ``__main__`` copied into a
+checkout of that commit::
 
     git archive a61f9ed | tar -x -C /tmp/old; cp tests/test_gefen_unchanged.py /tmp/old/tests/
     cd /tmp/old; TRITON_INTERPRET=1 PYTHONPATH=. python tests/test_gefen_unchanged.py <out>
@@ -53,8 +54,10 @@ def _optimizer(params, layout, bits, backend, sr):
     from optim import Gefen
 
     hyper = dict(lr=1e-2, weight_decay=0.1, bits=bits, backend=backend, stochastic_rounding=sr)
-    if "layout" in inspect.signature(Gefen).parameters:
-        return Gefen(params, layout=layout, **hyper)
+    if "layout" in inspect.signature(Gefen).parameters:  # the record the name was at a61f9ed
+        from optim.gefen.layout import GefenLayout
+
+        return Gefen(params, layout=GefenLayout(**SWITCHES[layout, bits]), **hyper)
     torch.manual_seed(0)  # at a61f9ed the rounding seed came from torch.initial_seed() too
     return Gefen(params, **SWITCHES[layout, bits], **hyper)
 

@@ -13,7 +13,7 @@ import pytest
 from analysis import book, common
 from analysis import gefen_ablation as ablations
 from experiments.harness.common import RESULTS_DIR, read_results
-from experiments.gefen_ablation import ABLATIONS, variant_layout
+from experiments.gefen_ablation import ABLATIONS, COMPACT_VARIANT, variant_layout
 from optim.gefen.layout import layout_of
 
 PAGES = sorted(RESULTS_DIR.glob("*.md"))
@@ -99,7 +99,13 @@ def test_the_summary_has_every_committed_ablation_row():
 def test_named_variants_are_the_named_layouts():
     assert variant_layout("none", 8) == layout_of("published", 8)
     assert variant_layout("factored", 4) == layout_of("factored", 4)
-    assert variant_layout("factored+layout", 8) == layout_of("compact", 8)
+    assert variant_layout("factored+layout_w16", 8) == layout_of("compact", 8)
     assert variant_layout("factored+layout512", 4) == layout_of("compact", 4)
+    assert all(variant_layout(v, bits) == layout_of("compact", bits) for bits, v in COMPACT_VARIANT.items())
+    # the compact layout as first measured: one fp32 column factor per matrix, at 8 bits as at 4
+    assert variant_layout("factored+layout", 8) == layout_of("compact", 8).replace(
+        whole_matrix_factor=True, factor_dtype="float32")
+    assert ablations.registry_name("factored+layout_w16", 8) == "Gefen-8bit-compact"
+    assert ablations.registry_name("factored+layout", 8) is None
     assert ablations.registry_name("factored+layout512", 4) == "Gefen-4bit-compact"
     assert ablations.registry_name("factored+attn_qkv", 8) is None

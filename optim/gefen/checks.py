@@ -108,6 +108,7 @@ def check_group(group, gi):
     if group.get("capturable") is True and half_factor(group):
         raise ValueError(f"Gefen does not implement factor_dtype='bfloat16' with capturable=True (group {gi}): "
                          "its factors' seeds are passed from the host each step; set factor_dtype='float32' "
+                         "(the 8-bit compact layout's: layout=layout_of('compact').replace(factor_dtype='float32')) "
                          "or capturable=False")
     if group.get("first_moment_rounding") == "stochastic" and not group["quantize_first_moment"]:
         raise ValueError(f"Gefen: group {gi} has first_moment_rounding='stochastic' and quantize_first_moment="

@@ -66,15 +66,18 @@ FLAGS = ("share_second_moment", "quantize_first_moment", "factor_second_moment",
 SAVED_BEFORE = {**GefenLayout().fields(), "maximize": False, "stochastic_rounding": False}
 
 # the factored layout at Gefen-X's bytes or fewer: the vectors' v shared, whole-row v where the rule finds
-# no block, one first-moment scale per group of rows, one column factor per matrix
+# no block, one first-moment scale per group of rows
 _COMPACT = dict(factor_second_moment=True, share_vector_second_moment=True, share_matrix_rows=True,
-                row_group_scales=True, whole_matrix_factor=True)
+                row_group_scales=True)
 LAYOUTS = {
     "published": {8: GefenLayout(), 4: GefenLayout()},  # the article's Gefen
     "factored": dict.fromkeys((8, 4), GefenLayout(factor_second_moment=True)),  # AdamW's loss on 4 of 5 models
-    # 4-bit codes' 16 levels lose a row group's small m under one scale of 2,048 elements: groups of at
-    # most 512 (results/gefen_ablation_4bit.csv), 4 bytes a scale still under Gefen-X's state
-    "compact": {8: GefenLayout(**_COMPACT), 4: GefenLayout(**dict(_COMPACT, row_group_scales=512))},
+    # at 8 bits a bf16 column factor per tile: less loss than one fp32 factor per matrix, in fewer bytes
+    # (results/gefen_ablation_candidates.csv); 4-bit codes' 16 levels lose a row group's small m under one
+    # scale of 2,048 elements: groups of at most 512 (results/gefen_ablation_4bit.csv), one fp32 factor
+    # per matrix to keep 4 bytes a scale under Gefen-X's state
+    "compact": {8: GefenLayout(**_COMPACT, factor_dtype="bfloat16"),
+                4: GefenLayout(**dict(_COMPACT, row_group_scales=512, whole_matrix_factor=True))},
     "adamw": dict.fromkeys((8, 4), GefenLayout(share_second_moment=False, quantize_first_moment=False)),
 }
 
