@@ -130,10 +130,12 @@ def kernel(bits: int, per_element_v: bool, parallel: bool = True, factored: bool
 
 
 def factor_kernel(parallel: bool = True):
-    """The factored second moment's first pass: ``(meta, jobs, wptrs, block, S, beta2,
-    one_minus_beta2, partial, ratio)`` updates each tensor's ``w`` (address ``wptrs[t]``, fp32
-    ``block`` floats) with the mean over its blocks of g**2 per offset and writes ``ratio[t] =
-    w / mean(w)`` (ones where the mean is 0). Column sums run per job into ``partial`` (jobs,
+    """The factored second moment's first pass: ``(meta, jobs, wptrs, seeds, block, S, beta2,
+    one_minus_beta2, partial, ratio)`` updates each tensor's ``w`` (address ``wptrs[t]``, ``block``
+    fp32 floats; with ``seeds``, one int64 a tensor, bf16 ones, updated in fp32 and stored rounded
+    stochastically with ``round_bf16_stochastic``, offsets 0 .. block - 1) with the mean over its
+    blocks of g**2 per offset and writes ``ratio[t] = w / mean(w)`` of the stored w (ones where the
+    mean is 0). Column sums run per job into ``partial`` (jobs,
     block) and are added per tensor in job order, so the result does not depend on the threads.
     ``ratio`` holds sqrt(r), what the step multiplies by."""
     return _factor_parallel if parallel else _factor_serial
@@ -857,20 +859,35 @@ def _colsum_sq_into(g, block, acc):
 
 
 @njit(nogil=True, error_model="numpy", cache=True)
-def _factor_reduce(meta, jobs, wptrs, block, beta2, one_minus_beta2, partial, ratio):
+def _factor_reduce(meta, jobs, wptrs, seeds, block, beta2, one_minus_beta2, partial, ratio):
     total = np.zeros((meta.shape[0], block), dtype=np.float32)
     for k in range(jobs.shape[0]):
         t = jobs[k, 0]
         for j in range(block):
             total[t, j] += partial[k, j]
+    half = seeds.shape[0] > 0
     for t in range(meta.shape[0]):
-        w = carray(_typed_ptr(np.float32, wptrs[t]), (block,))
         nb = np.float32(meta[t, NUMEL] // block)
+        if half:  # bf16 w: updated in fp32 in total's row, stored rounded stochastically, read back
+            w = total[t]
+            w16 = carray(_typed_ptr(np.uint16, wptrs[t]), (block,))
+            bits = w.view(np.uint32)
+            for j in range(block):
+                g2 = w[j]
+                bits[j] = np.uint32(w16[j]) << np.uint32(16)  # the stored w, exactly
+                new = beta2 * w[j] + one_minus_beta2 * (g2 / nb)
+                if np.isfinite(new):  # a non-finite offset keeps its value (reference.factor_update)
+                    w[j] = new
+            round_bf16_stochastic(w, w16, seeds[t], 0)
+            _widen_bf16(w16, w)
+        else:
+            w = carray(_typed_ptr(np.float32, wptrs[t]), (block,))
+            for j in range(block):
+                new = beta2 * w[j] + one_minus_beta2 * (total[t, j] / nb)
+                if np.isfinite(new):  # a non-finite offset keeps its value (reference.factor_update)
+                    w[j] = new
         s = np.float32(0.0)
         for j in range(block):
-            new = beta2 * w[j] + one_minus_beta2 * (total[t, j] / nb)
-            if np.isfinite(new):  # a non-finite offset keeps its value (reference.factor_update)
-                w[j] = new
             s += w[j]
         mean = s / np.float32(block)
         for j in range(block):
@@ -922,17 +939,17 @@ def _factor_job(meta, jobs, k, block, S, partial):
 
 
 @njit(nogil=True, error_model="numpy", parallel=True, cache=True)
-def _factor_parallel(meta, jobs, wptrs, block, S, beta2, one_minus_beta2, partial, ratio):
+def _factor_parallel(meta, jobs, wptrs, seeds, block, S, beta2, one_minus_beta2, partial, ratio):
     for k in prange(jobs.shape[0]):
         _factor_job(meta, jobs, k, block, S, partial)
-    _factor_reduce(meta, jobs, wptrs, block, beta2, one_minus_beta2, partial, ratio)
+    _factor_reduce(meta, jobs, wptrs, seeds, block, beta2, one_minus_beta2, partial, ratio)
 
 
 @njit(nogil=True, error_model="numpy", cache=True)
-def _factor_serial(meta, jobs, wptrs, block, S, beta2, one_minus_beta2, partial, ratio):
+def _factor_serial(meta, jobs, wptrs, seeds, block, S, beta2, one_minus_beta2, partial, ratio):
     for k in range(jobs.shape[0]):
         _factor_job(meta, jobs, k, block, S, partial)
-    _factor_reduce(meta, jobs, wptrs, block, beta2, one_minus_beta2, partial, ratio)
+    _factor_reduce(meta, jobs, wptrs, seeds, block, beta2, one_minus_beta2, partial, ratio)
 
 
 @njit(nogil=True, error_model="numpy", cache=True, inline="always")
@@ -1218,24 +1235,3 @@ def round_bf16_stochastic(x, out, seed, offset):
         out[i] = np.uint16(up)
 
 
-@njit(nogil=True, error_model="numpy", cache=True)
-def _factor_ratios(w, ratio):
-    """``ratio[t] = sqrt(w[t] / mean(w[t]))`` (ones where the mean is 0) for factors ``w``
-    (tensors, block), their mean added as ``_factor_reduce`` adds it."""
-    for t in range(w.shape[0]):
-        s = np.float32(0.0)
-        for j in range(w.shape[1]):
-            s += w[t, j]
-        mean = s / np.float32(w.shape[1])
-        for j in range(w.shape[1]):
-            ratio[t, j] = np.sqrt(w[t, j] / mean) if mean > np.float32(0.0) else np.float32(1.0)
-
-
-@njit(nogil=True, error_model="numpy", cache=True)
-def store_bf16_factors(fresh, seeds, out, ratio):
-    """The fp32 factor updates ``fresh`` (tensors, block) rounded stochastically into ``out`` (uint16
-    bf16 bit patterns, row t with ``seeds[t]`` and offsets 0 .. block - 1: ``round_bf16_stochastic``),
-    and ``ratio`` (as ``factor_kernel``'s) from the stored values."""
-    for t in range(fresh.shape[0]):
-        round_bf16_stochastic(fresh[t], out[t], seeds[t], 0)
-    _factor_ratios((out.astype(np.uint32) << np.uint32(16)).view(np.float32), ratio)

@@ -134,8 +134,8 @@ class Prepared(NamedTuple):
     jobs: np.ndarray
     luts: KernelLuts
     lut_scale: np.float32
-    wptrs: np.ndarray | None  # fp32 factor addresses (factored), else None
-    half: tuple | None  # the bf16 factors (factored, ``factor_dtype="bfloat16"``), else None
+    wptrs: np.ndarray | None  # the factors' addresses (factored), else None
+    half: bool  # the factors are bf16 (``factor_dtype="bfloat16"``), else fp32
     block: int
     S: int
     bits: int
@@ -179,8 +179,8 @@ def prepare(tiles, gs, codebook, *, block, bits, tables=None, owners=None, offse
                     np.zeros(n, dtype=np.int64) if offsets is None
                     else np.asarray(offsets, dtype=np.int64) * np.array([g.element_size() for g in gs], dtype=np.int64),
                     _jobs(tuple(addr.meta[:, NUMEL].tolist()), S, bits if quant else 8), luts, lut_scale,
-                    None if ws is None or half else np.array([w.data_ptr() for w in ws], dtype=np.int64),
-                    tuple(ws) if half else None, block, S, bits, quant, (tuple(tiles), tables))
+                    None if ws is None else np.array([w.data_ptr() for w in ws], dtype=np.int64),
+                    half, block, S, bits, quant, (tuple(tiles), tables))
 
 
 def run(prep: Prepared, gs, hyper, *, factor_seeds=None):
@@ -197,15 +197,15 @@ def run(prep: Prepared, gs, hyper, *, factor_seeds=None):
     beta2 = hyper.beta2
     parallel = numba_threads() > 1
     ratio = _NO_RATIO
-    factored = prep.wptrs is not None or prep.half is not None
+    factored = prep.wptrs is not None
     if factored:
         partial = np.empty((prep.jobs.shape[0], block), dtype=np.float32)
         ratio = np.empty((len(meta), block), dtype=np.float32)
-        fresh = None if prep.half is None else torch.stack(prep.half).float().numpy()
-        wptrs = prep.wptrs if fresh is None else fresh.ctypes.data + np.arange(len(fresh), dtype=np.int64) * block * 4
-        factor_kernel(parallel)(meta, prep.jobs, wptrs, block, S, f32(beta2), f32(1 - beta2), partial, ratio)
-        if fresh is not None:
-            _store_half(fresh, prep.half, factor_seeds, ratio)
+        seeds = np.asarray(factor_seeds, dtype=np.int64) if prep.half else _NO_SEEDS
+        if prep.half and seeds.shape != (len(meta),):
+            raise ValueError(f"Gefen kernel: bf16 factors need one seed a tensor ({len(meta)}), got {seeds.shape}")
+        factor_kernel(parallel)(meta, prep.jobs, prep.wptrs, seeds, block, S, f32(beta2), f32(1 - beta2), partial,
+                                ratio)
     step_fn = kernel(prep.bits, block == 1, parallel=parallel, factored=factored, quant=prep.quant)
     luts = prep.luts
     step_fn(meta, prep.jobs, ratio, luts.codebook, luts.bounds, luts.lut_code, luts.lut_bound, luts.lut_values,
@@ -213,16 +213,7 @@ def run(prep: Prepared, gs, hyper, *, factor_seeds=None):
 
 
 _DATA_PTR = torch.Tensor.data_ptr
-
-
-def _store_half(fresh: np.ndarray, ws, seeds, ratio: np.ndarray) -> None:
-    """Round each row of ``fresh`` (the fp32 updates of bf16 factors ``ws``) into its factor
-    stochastically with its seed, and write the ratios the step reads from the stored values."""
-    from ._numba_kernels import store_bf16_factors
-
-    out = np.empty(fresh.shape, dtype=np.uint16)
-    store_bf16_factors(fresh, np.asarray(seeds, dtype=np.int64), out, ratio)
-    torch._foreach_copy_(list(ws), list(torch.from_numpy(out).view(torch.bfloat16).unbind(0)))
+_NO_SEEDS = np.zeros(0, dtype=np.int64)  # fp32 factors: no rounding
 
 
 def _scalars(h) -> tuple:
