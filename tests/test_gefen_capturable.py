@@ -10,9 +10,10 @@ TRITON_INTERPRET=1:
   for every step up to ``STEPS_CHECKED`` at several betas; the device raises ``beta**t`` by binary
   powering where the host calls the C library's ``pow`` (within a few float64 ulps of each other),
   so the documented bound is one fp32 ulp, and equality is what these steps show;
-- so ten capturable steps equal ten host-path steps bit for bit: 8-bit, 4-bit, factored, factored
-  at Gefen-X's bytes (row-group scales, one factor a matrix, v shared on vectors), an fp32 first moment, bf16 weights with stochastic rounding, maximize, a tensor lr changed by an LR
-  scheduler, and under ``step_in_backward``;
+- so ten capturable steps equal ten host-path steps bit for bit: 8-bit, 4-bit, factored, the 8-bit
+  compact layout (row-group scales, v shared on vectors, bf16 factors per tile rounded with step seeds
+  the step scalars' launch writes on the device), an fp32 first moment, bf16 weights with stochastic
+  rounding, maximize, a tensor lr changed by an LR scheduler, and under ``step_in_backward``;
 - after the first step (which chooses blocks and learns the codebook on the host) a step reads
   no tensor value on the host: no ``aten::_local_scalar_dense`` or other data-dependent operation
   (``experiments.harness.op_count.OpCount``) and no call of ``Tensor.item``, ``__float__``, ``__int__``,
@@ -37,7 +38,7 @@ from experiments.harness.op_count import OpCount
 from optim import Gefen, GefenLayout
 from optim.gefen.layout import FIELDS
 from optim._rounding import step_seed
-from optim.gefen import layout_of, state as K, triton_ops
+from optim.gefen import state as K, triton_ops
 
 STEPS_CHECKED = 3000
 SHAPES = [(24, 48), (7, 13), (300,), (64, 64)]
@@ -46,8 +47,7 @@ VARIANTS = {
     "4bit": dict(bits=4, layout="published"),
     "factored": dict(layout="factored"),
     "factored-4bit": dict(layout="factored", bits=4),
-    # the compact layout with the fp32 factor a matrix a capturable step keeps (bf16 factors are refused)
-    "compact": dict(layout=layout_of("compact").replace(whole_matrix_factor=True, factor_dtype="float32")),
+    "compact": dict(layout="compact"),  # bf16 factors per tile (their step seeds on the device)
     "fp32-m": dict(layout=GefenLayout(quantize_first_moment=False)),
     "bf16-sr": dict(stochastic_rounding=True, dtype=torch.bfloat16, layout="published"),
     "maximize": dict(maximize=True, layout="published"),
@@ -205,7 +205,7 @@ def test_no_host_reads_after_the_first_step(variant, capturable, lr, static_grad
     assert opt.state[params[0]][K.STEP] == 5
 
 
-@pytest.mark.parametrize("variant", ["8bit", "factored-4bit", "bf16-sr"])
+@pytest.mark.parametrize("variant", ["8bit", "factored-4bit", "bf16-sr", "compact"])
 def test_state_dicts_move_between_capturable_and_host_steps(variant, tmp_path):
     """Saved after 3 steps, loaded (``map_location="cpu"``) into the other kind, 3 more steps: the
     same as 6 uninterrupted steps of either, both ways; the saved step is a float32 tensor from a

@@ -8,14 +8,13 @@ a state dict round trip against the uninterrupted run, and state dicts and group
 """
 
 import copy
-import re
 
 import pytest
 import torch
 
 from optim import Gefen, GefenLayout
 from optim._rounding import hash32_int, step_seed
-from optim.gefen import layout_of, reference as R, state as K
+from optim.gefen import reference as R, state as K
 from tests.test_gefen_layout_options import SHAPES, _grads, _params, _tiles
 from tests.utils import assert_close, assert_copies_step_alike, assert_same_state, checkpoint_and_continue, set_grads
 
@@ -206,17 +205,6 @@ def test_every_backend_steps_it_as_the_torch_step(bits, grouped, dtype):
             assert_close(a[K.V], b[K.V], rtol=1e-5, name=f"v {where}")
             assert_close(p.float(), q.float(), atol=1e-5, rtol=1e-5 if dtype == torch.float32 else 2.0**-7,
                          name=where)
-
-
-def test_it_is_refused_with_capturable():
-    """capturable=True with bf16 factors is refused when the optimizer is made, naming both; the 8-bit
-    compact layout holds them, and the message says how to keep it with fp32 factors."""
-    with pytest.raises(ValueError, match="factor_dtype='bfloat16' with capturable=True"):
-        Gefen(_params(), layout=GefenLayout(factor_second_moment=True, factor_dtype="bfloat16"), capturable=True,
-              backend="triton")
-    with pytest.raises(ValueError, match=re.escape("layout_of('compact').replace(factor_dtype='float32')")):
-        Gefen(_params(), layout="compact", capturable=True, backend="triton")
-    Gefen(_params(), layout=layout_of("compact").replace(factor_dtype="float32"), capturable=True, backend="triton")
 
 
 def test_a_factor_of_another_dtype_than_its_group_says_is_refused():

@@ -120,10 +120,17 @@ def test_real_launches_use_enumerated_configurations(monkeypatch):
     tile = Tile(torch.zeros(n), torch.zeros(n // block), torch.zeros(n // block), torch.zeros(n, dtype=torch.uint8))
     gefen.gefen_step_([tile], [torch.zeros(n)], cb, hyper._replace(step=None, lr=None), block=block, bits=8,
                       tables=code_table(cb), rows=sc.rows)
+    # capturable with a bf16 factor: the step seeds of the factor written on the device, read at addresses
+    sc = gefen.StepScalars([torch.zeros(())], [None], [None], "cpu", [7])
+    gefen.advance_(sc, lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.1)
+    tile = Tile(torch.zeros(n), torch.zeros(n // block), torch.zeros(n // block), torch.zeros(n, dtype=torch.uint8),
+                torch.zeros(block, dtype=torch.bfloat16))
+    gefen.gefen_step_([tile], [torch.zeros(n)], cb, hyper._replace(step=None, lr=None), block=block, bits=8,
+                      tables=code_table(cb), rows=sc.rows, factor_rows=sc.factor_rows)
     data = ("S", "BLOCK_V", "NLUT", "NCMP", "HAS_DUP")  # block length and codebook table: data
     listed = [(la.kernel, _without(la.kwargs, data)) for la in gefen_all]
-    for name, calls in (("_gefen_step_kernel", 3), ("_gefen_step4_kernel", 1), ("_factor_stats_kernel", 1),
-                        ("_factor_finalize_kernel", 1), ("_gefen_hyper_kernel", 1)):
+    for name, calls in (("_gefen_step_kernel", 4), ("_gefen_step4_kernel", 1), ("_factor_stats_kernel", 2),
+                        ("_factor_finalize_kernel", 2), ("_gefen_hyper_kernel", 2)):
         rec = getattr(gefen, name)
         assert len(rec.calls) == calls and all((rec.kernel, _without(c, data)) in listed for c in rec.calls), \
             (name, rec.calls)

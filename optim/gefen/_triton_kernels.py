@@ -88,6 +88,7 @@ FACTOR_ROWS = 128  # ... and at least this many block rows (bounds the scratch; 
 FINAL_TILE = 1024  # partial sums a finalize program adds per loop iteration (IB items x FW offsets)
 FINAL_WIDTH = 128  # most offsets one finalize program updates
 HYPER_BLOCK = 128  # rows of step scalars _gefen_hyper_kernel writes per loop iteration
+ROW_TAB_COLUMNS = tl.constexpr(5)  # int64 columns of _gefen_hyper_kernel's row table
 
 # The columns of the step's pointer table (int64, a row per tensor, ``triton_ops._Plan.ptrs``): the
 # addresses of p, g, v, scales, codes and of the unquantised first moment m (fp32); a tensor the call
@@ -467,12 +468,14 @@ def _factor_stats_kernel(item_tab, ptr_tab, part_ptr, G_DT: tl.constexpr, S: tl.
 
 @triton.jit
 def _factor_finalize_kernel(fin_tab, numel_tab, w_tab, part_ptr, seed_tab, beta2, omb2, S: tl.constexpr,
-                            IB: tl.constexpr, FW: tl.constexpr, W16: tl.constexpr = False):
+                            IB: tl.constexpr, FW: tl.constexpr, W16: tl.constexpr = False,
+                            SEED_AT: tl.constexpr = False):
     """w <- beta2*w + (1 - beta2) * colsum / rows at offsets c*FW .. c*FW + FW - 1 of tensor t
     (program (t, c)), keeping an offset's old w where the new one is not finite
     (``reference.factor_update``). colsum: the tensor's ``count`` scratch rows from ``first``
     (``fin_tab``: (first, count) a tensor) added IB at a time in a fixed order. W16: w is bf16,
-    updated in fp32 and stored rounded stochastically with tensor t's seed (``seed_tab``) and
+    updated in fp32 and stored rounded stochastically with tensor t's seed (``seed_tab``; SEED_AT:
+    the address of an int64 seed on the device, which ``_gefen_hyper_kernel`` writes each step) and
     the words of its offsets (``reference.factor_update``); without it ``seed_tab`` is unused."""
     t = tl.program_id(0)
     first = tl.load(fin_tab + 2 * t)
@@ -491,7 +494,11 @@ def _factor_finalize_kernel(fin_tab, numel_tab, w_tab, part_ptr, seed_tab, beta2
     new = beta2 * w + omb2 * mean
     new = tl.where(tl.abs(new) < float("inf"), new, w)
     if W16:
-        new = round_stochastic(new, tl.load(seed_tab + t), j, tl.bfloat16)
+        if SEED_AT:
+            seed = tl.load(tl.load(seed_tab + t).to(tl.pointer_type(tl.int64)))
+        else:
+            seed = tl.load(seed_tab + t)
+        new = round_stochastic(new, seed, j, tl.bfloat16)
     tl.store(w_ptr + j, new, mask=jmask)
 
 
@@ -518,17 +525,28 @@ def _powers(b1, b2, t, BLOCK: tl.constexpr):
     return r1, r2
 
 
+@triton.jit
+def _tile_seed(c, t, k):
+    """``optim._rounding.step_seed(seed, 0, t)`` from its constant ``c = hash32(hash32(seed))`` (uint32),
+    then ``step_seed(that, k, 0)`` where tile index k >= 0 (uint32 results)."""
+    per = hash32(c + t.to(tl.uint32) * 0x9E3779B9)
+    tile = hash32(hash32(hash32(per) ^ k.to(tl.uint32)))
+    return tl.where(k >= 0, tile, per)
+
+
 @triton.jit(do_not_specialize=["n_rows", "lr_bits", "b1_bits", "b2_bits", "wd_bits"])
-def _gefen_hyper_kernel(row_tab, out_ptr, seed_out, lr_ptr, n_rows: tl.int32, lr_bits: tl.int64,
+def _gefen_hyper_kernel(row_tab, out_ptr, seed_out, factor_seed_out, lr_ptr, n_rows: tl.int32, lr_bits: tl.int64,
                         b1_bits: tl.int64, b2_bits: tl.int64, wd_bits: tl.int64, LR_ON_DEVICE: tl.constexpr,
-                        SR: tl.constexpr, BLOCK: tl.constexpr):
+                        SR: tl.constexpr, FACTOR_SR: tl.constexpr, BLOCK: tl.constexpr):
     """One program: advance the step counters of a group's tensors and write each tensor's row of
     step scalars, ``[1 - lr*wd, -lr / (1 - beta1**t), sqrt(1 - beta2**t), seed]`` (fp32, the seed's
     32 bits through ``seed_out``, the same buffer as int32), which the step kernels read with HYPER.
 
-    ``row_tab``: (n_rows, 4) int64 a row: address of its parameter's fp32 step counter, 1 where this
+    ``row_tab``: (n_rows, 5) int64 a row: address of its parameter's fp32 step counter, 1 where this
     row advances it (one row a counter: a parameter's tiles share it), the stochastic-rounding seed
-    constant ``hash32(hash32(seed))`` and the tile index (-1 for a whole tensor). t = counter + 1.
+    constant ``hash32(hash32(seed))``, the tile index (-1 for a whole tensor) and the bf16 factor's
+    seed constant (its stream's, ``plan.FACTOR_STREAM``), whose step seed FACTOR_SR writes to
+    ``factor_seed_out`` (int64 a row). t = counter + 1.
     The scalars are computed in float64 from the hyper-parameters' exact bits, as the host computes
     them, and rounded to fp32 once; lr is read from ``lr_ptr`` (LR_ON_DEVICE) or given. All rows
     read their counters before any is written (a barrier between the two loops: one program)."""
@@ -542,23 +560,24 @@ def _gefen_hyper_kernel(row_tab, out_ptr, seed_out, lr_ptr, n_rows: tl.int32, lr
     for start in range(0, n_rows, BLOCK):
         r = start + tl.arange(0, BLOCK)
         m = r < n_rows
-        addr = tl.load(row_tab + 4 * r, mask=m, other=0)
+        addr = tl.load(row_tab + ROW_TAB_COLUMNS * r, mask=m, other=0)
         step = tl.load(addr.to(tl.pointer_type(tl.float32)), mask=m, other=0.0) + 1.0
         t = step.to(tl.int32)
         p1, p2 = _powers(b1, b2, t, BLOCK)
         tl.store(out_ptr + 4 * r, tl.full([BLOCK], 0.0, tl.float32) + decay, mask=m)
         tl.store(out_ptr + 4 * r + 1, ((-lr) / (1.0 - p1)).to(tl.float32), mask=m)
         tl.store(out_ptr + 4 * r + 2, tl.sqrt(1.0 - p2).to(tl.float32), mask=m)
+        k = tl.load(row_tab + ROW_TAB_COLUMNS * r + 3, mask=m, other=-1)
         if SR:  # optim._rounding.step_seed(seed, 0, t), then step_seed(that, tile, 0) for a tile
-            c = tl.load(row_tab + 4 * r + 2, mask=m, other=0).to(tl.uint32)
-            k = tl.load(row_tab + 4 * r + 3, mask=m, other=-1)
-            per = hash32(c + t.to(tl.uint32) * 0x9E3779B9)
-            tile = hash32(hash32(hash32(per) ^ k.to(tl.uint32)))
-            tl.store(seed_out + 4 * r + 3, tl.where(k >= 0, tile, per).to(tl.int32, bitcast=True), mask=m)
+            c = tl.load(row_tab + ROW_TAB_COLUMNS * r + 2, mask=m, other=0).to(tl.uint32)
+            tl.store(seed_out + 4 * r + 3, _tile_seed(c, t, k).to(tl.int32, bitcast=True), mask=m)
+        if FACTOR_SR:  # the same on the factor's stream, as an int64 of 32 bits
+            c = tl.load(row_tab + ROW_TAB_COLUMNS * r + 4, mask=m, other=0).to(tl.uint32)
+            tl.store(factor_seed_out + r, _tile_seed(c, t, k).to(tl.int64), mask=m)
     tl.debug_barrier()
     for start in range(0, n_rows, BLOCK):
         r = start + tl.arange(0, BLOCK)
         m = r < n_rows
-        addr = tl.load(row_tab + 4 * r, mask=m, other=0).to(tl.pointer_type(tl.float32))
-        writes = tl.load(row_tab + 4 * r + 1, mask=m, other=0) != 0
+        addr = tl.load(row_tab + ROW_TAB_COLUMNS * r, mask=m, other=0).to(tl.pointer_type(tl.float32))
+        writes = tl.load(row_tab + ROW_TAB_COLUMNS * r + 1, mask=m, other=0) != 0
         tl.store(addr, tl.load(addr, mask=m & writes, other=0.0) + 1.0, mask=m & writes)

@@ -10,7 +10,7 @@ import torch
 
 from .._checks import check_flags, check_hyper, check_option
 from . import state as K
-from .state import FACTOR_DTYPES, factor_dtype, half_factor, holds_factor, state_dtype, whole_factor
+from .state import FACTOR_DTYPES, factor_dtype, holds_factor, state_dtype, whole_factor
 from .partition import factor_tiles, tile_elements
 from .reference import num_code_bytes, num_scales
 
@@ -105,11 +105,6 @@ def check_group(group, gi):
                      f"one of {tuple(FACTOR_DTYPES)} (a string)")
     except ValueError as exc:
         raise ValueError(f"{exc} (Gefen, group {gi})") from None
-    if group.get("capturable") is True and half_factor(group):
-        raise ValueError(f"Gefen does not implement factor_dtype='bfloat16' with capturable=True (group {gi}): "
-                         "its factors' seeds are passed from the host each step; set factor_dtype='float32' "
-                         "(the 8-bit compact layout's: layout=layout_of('compact').replace(factor_dtype='float32')) "
-                         "or capturable=False")
     if group.get("first_moment_rounding") == "stochastic" and not group["quantize_first_moment"]:
         raise ValueError(f"Gefen: group {gi} has first_moment_rounding='stochastic' and quantize_first_moment="
                          "False: only codes are rounded, an fp32 first moment is not; set "

@@ -81,10 +81,11 @@ class Call:
     length, and their tiles. ``scale``: that length where it is not the default of the block
     (``state.SCALE_BLOCK``: the torch step's ``scale``), else None. ``native`` is what the backend
     prepared for it once; ``rows`` each tile's row of step scalars on the device (capturable),
-    None where the host passes them."""
+    None where the host passes them, and ``factor_rows`` each tile's step seed of its bf16 factor
+    there (None without one)."""
 
     __slots__ = ("group", "path", "block", "scale", "params", "states", "tiles", "native", "held", "rows",
-                 "written")
+                 "factor_rows", "written")
 
     def __init__(self, group, path, block, params, states, tiles):
         self.group, self.path, self.block = group, path, block
@@ -92,7 +93,7 @@ class Call:
         self.params, self.states, self.tiles = params, states, tiles
         self.native = None
         self.held = [_held(st) for st in states]
-        self.rows = None
+        self.rows = self.factor_rows = None
         self.written = [t.p for t in tiles]  # what a compiled kernel writes through addresses (``written``)
 
     def current(self) -> bool:
@@ -246,10 +247,15 @@ def step_scalars(calls) -> list:
         tiles = [(call, t) for call in cs for t in call.tiles]
         sc = ops.StepScalars([call.states[t.owner][K.STEP] for call, t in tiles],
                              [call.states[t.owner][K.SEED] if call.sr else None for call, t in tiles],
-                             [t.tile for _, t in tiles], device)
+                             [t.tile for _, t in tiles], device,
+                             [hash32_int(call.states[t.owner][K.SEED] ^ FACTOR_STREAM) if call.factor_sr else None
+                              for call, t in tiles])
         start = 0
         for call in cs:
-            call.rows, start = sc.rows[start:start + len(call.tiles)], start + len(call.tiles)
+            end = start + len(call.tiles)
+            call.rows = sc.rows[start:end]
+            call.factor_rows = sc.factor_rows[start:end] if call.factor_sr else None
+            start = end
         out.append((group, sc))
     return out
 
@@ -292,6 +298,8 @@ def run_call(call: Call, step: int | None, codebook, *, bits: int) -> None:
             extra["factor_seeds"] = call.seeds(step, "factor")
     else:
         extra = dict(seeds=True if call.sr else None, rows=call.rows)
+        if call.factor_sr:
+            extra["factor_rows"] = call.factor_rows
     if call.scale is not None:  # row-group scales (``state.SCALE_BLOCK``)
         extra["scale"] = call.scale
     step_module(call.path).gefen_step_(call.tiles, call.gradients(grads), values, h, tables=tables,

@@ -56,7 +56,7 @@ from .._torch_private import version_counter
 from .._triton_common import KernelLaunch, axis_pairs, next_pow2, prev_pow2
 from ..backends import triton_interpreted
 from ._triton_kernels import (ELEMS_PER_THREAD, FACTOR_ITERS, FACTOR_ROWS, FACTOR_TILE, FACTOR_WIDTH,
-                              FINAL_TILE, FINAL_WIDTH, HYPER_BLOCK, MAX_TILE_WIDTH, PTR_CODES, PTR_COLUMNS, PTR_G,
+                              FINAL_TILE, FINAL_WIDTH, HYPER_BLOCK, MAX_TILE_WIDTH, ROW_TAB_COLUMNS, PTR_CODES, PTR_COLUMNS, PTR_G,
                               PTR_M, PTR_P, PTR_SCALES, PTR_V, TILE, TL_DTYPES, _factor_finalize_kernel,
                               _factor_stats_kernel, _gefen_hyper_kernel, _gefen_step4_kernel, _gefen_step_kernel)
 from .checks import check_factors, float64_state_refusal, stochastic_codes_refusal
@@ -237,12 +237,12 @@ def step_plan(*, block, bits, quant, p_dtype, g_dtype, align, exact, factor=Fals
     return StepPlan(_gefen_step4_kernel if four else _gefen_step_kernel, const, lanes)
 
 
-def factor_plan(*, block, g_dtype, w16=False) -> FactorPlan:
+def factor_plan(*, block, g_dtype, w16=False, seed_at=False) -> FactorPlan:
     """The constexprs and warps of the factor's two launches: the launcher's only choice for them.
     A statistics program sums R block rows x BW offsets an iteration (R*BW = ``FACTOR_TILE``;
     blocks longer than ``FACTOR_WIDTH`` in column chunks) and at least ``FACTOR_ROWS`` rows in
     all; a finalize program adds IB scratch rows x FW offsets an iteration (``w16``: into bf16
-    factors, rounded stochastically)."""
+    factors, rounded stochastically; ``seed_at``: with seeds read at the addresses its table holds)."""
     bw = min(next_pow2(block), FACTOR_WIDTH)
     rr = max(1, FACTOR_TILE // bw)
     fw = min(next_pow2(block), FINAL_WIDTH)
@@ -253,6 +253,8 @@ def factor_plan(*, block, g_dtype, w16=False) -> FactorPlan:
                  num_warps=max(1, min(8, ib * fw // (32 * ELEMS_PER_THREAD))))
     if w16:
         final["W16"] = True
+        if seed_at:
+            final["SEED_AT"] = True
     rows_per_item = rr * max(FACTOR_ITERS, -(-FACTOR_ROWS // rr))
     return FactorPlan(stats, final, rows_per_item, -(-block // bw), -(-block // fw))
 
@@ -321,12 +323,12 @@ def _step_launches(rows, *, block, bits, quant, tile, num_warps, factor, sr, hyp
     return launches
 
 
-def _factor_pass(rows, *, block, w16=False) -> FactorPass:
+def _factor_pass(rows, *, block, w16=False, seed_at=False) -> FactorPass:
     """The factor's launches over ``rows``: one statistics launch a gradient dtype (one for a model
     of one dtype), each tensor cut into programs of ``rows_per_item`` block rows, and one finalize
-    launch over every tensor."""
+    launch over every tensor (``seed_at``: it reads the bf16 factors' seeds at addresses)."""
     device = rows[0].p.device
-    first = factor_plan(block=block, g_dtype=rows[0].g.dtype, w16=w16)  # all but G_DT is the same for every dtype
+    first = factor_plan(block=block, g_dtype=rows[0].g.dtype, w16=w16, seed_at=seed_at)  # all but G_DT is the same for every dtype
     per = first.rows_per_item
     by_dtype: dict = {}
     fin, slot = [], 0
@@ -391,7 +393,8 @@ class _Plan:
     __slots__ = ("launches", "factor", "ptrs", "gcol", "numels", "wtab", "seed_tab", "factor_seed_tab", "hyper_tab",
                  "order", "aligned", "device", "gptrs", "gnumels", "gdtypes", "temporaries")
 
-    def __init__(self, rows, gs, ws, *, block, bits, quant, tile, num_warps, sr, scalar_rows=None, scale=None):
+    def __init__(self, rows, gs, ws, *, block, bits, quant, tile, num_warps, sr, scalar_rows=None, scale=None,
+                 factor_rows=None):
         device = rows[0].p.device
         for r in rows:
             for name, t in (("p", r.p),) + ((("w", ws[r.index]),) if ws is not None else ()):
@@ -403,11 +406,12 @@ class _Plan:
                 raise ValueError(f"rows[{r.index}] is on {scalar_rows[r.index].device}, p[{r.index}] on {device}")
         w16 = ws is not None and ws[0].dtype == torch.bfloat16
         if w16 and scalar_rows is not None:
-            raise ValueError("Gefen kernel: bf16 factors w (factor_dtype='bfloat16') have no capturable step")
+            check_factor_rows(factor_rows, len(gs), device)
         self.launches = _step_launches(rows, block=block, bits=bits, quant=quant, tile=tile, num_warps=num_warps,
                                        factor=ws is not None and block > 1, sr=sr, hyper=scalar_rows is not None,
                                        scale=scale, w16=w16)
-        self.factor = None if ws is None else _factor_pass(rows, block=block, w16=w16)
+        self.factor = None if ws is None else _factor_pass(rows, block=block, w16=w16,
+                                                           seed_at=w16 and scalar_rows is not None)
         self.ptrs = torch.tensor([r.pointers() for r in rows], dtype=torch.int64).to(device)
         self.gcol = self.ptrs[:, PTR_G.value]
         self.numels = torch.tensor([r.p.numel() for r in rows], dtype=torch.int64).to(device)
@@ -415,7 +419,10 @@ class _Plan:
             [ws[r.index].data_ptr() for r in rows], dtype=torch.int64).to(device)
         uses_seeds = scalar_rows is None and any(ln.constexprs["SR"] for ln in self.launches)
         self.seed_tab = torch.zeros(len(rows), dtype=torch.int64, device=device) if uses_seeds else None
-        self.factor_seed_tab = torch.zeros(len(rows), dtype=torch.int64, device=device) if w16 else None
+        # bf16 factors' seeds: uploaded each step, or (capturable) the addresses of the device's
+        self.factor_seed_tab = None if not w16 else (
+            torch.zeros(len(rows), dtype=torch.int64, device=device) if scalar_rows is None
+            else torch.tensor([factor_rows[r.index].data_ptr() for r in rows], dtype=torch.int64).to(device))
         self.hyper_tab = None if scalar_rows is None else torch.tensor(
             [scalar_rows[r.index].data_ptr() for r in rows], dtype=torch.int64).to(device)
         self.order = [r.index for r in rows]
@@ -507,7 +514,8 @@ def _validate(tiles, gs, *, block, bits, quant, scale=None):
     return rows, copies
 
 
-def _plan(tiles, gs, *, block, bits, quant, tile, num_warps, sr=False, scalar_rows=None, scale=None):
+def _plan(tiles, gs, *, block, bits, quant, tile, num_warps, sr=False, scalar_rows=None, scale=None,
+          factor_rows=None):
     """(cached or new ``_Plan``, contiguous copies of parameters to write back); (None, []) when
     every tensor is empty."""
     ps = [t.p for t in tiles]
@@ -519,7 +527,8 @@ def _plan(tiles, gs, *, block, bits, quant, tile, num_warps, sr=False, scalar_ro
            tuple(_state_key(t.first) for t in tiles),
            tuple(_state_key(t.scales) for t in tiles) if quant else None,
            tuple(map(_state_key, ws)) if ws is not None else None,
-           tuple(map(_state_key, scalar_rows)) if scalar_rows is not None else None)
+           tuple(map(_state_key, scalar_rows)) if scalar_rows is not None else None,
+           tuple(map(_state_key, factor_rows)) if factor_rows is not None else None)
     plan = _PLAN_CACHE.get(key)
     if plan is not None:
         gptrs = tuple(map(_DATA_PTR, gs))
@@ -534,7 +543,7 @@ def _plan(tiles, gs, *, block, bits, quant, tile, num_warps, sr=False, scalar_ro
     if not rows:
         return None, []
     plan = _Plan(rows, gs, ws, block=block, bits=bits, quant=quant, tile=tile, num_warps=num_warps, sr=sr,
-                 scalar_rows=scalar_rows, scale=scale)
+                 scalar_rows=scalar_rows, scale=scale, factor_rows=factor_rows)
     if not copies and all(map(_IS_CONTIGUOUS, gs)):  # a temporary contiguous copy has a new address each call
         _PLAN_CACHE.put(key, plan)
     return plan, copies
@@ -555,7 +564,7 @@ def _torch_step(tiles, gs, codebook, hyper, **options):
 
 
 def gefen_step_(tiles, gs, codebook, hyper, *, block, bits, tables=None, tile=TILE, num_warps=None, seeds=None,
-                rows=None, code_seeds=None, scale=None, factor_seeds=None):
+                rows=None, code_seeds=None, scale=None, factor_seeds=None, factor_rows=None):
     """One Gefen step in place: the rule and state layout of :func:`optim.gefen.reference.gefen_step`.
 
     ``tiles``: ``plan.Tile`` records (fields p, v, scales, first, w) of a group sharing ``block``,
@@ -579,7 +588,8 @@ def gefen_step_(tiles, gs, codebook, hyper, *, block, bits, tables=None, tile=TI
     is the torch step's (``_torch_step``). ``scale``: the length S of the first moment's scale
     blocks where it is not ``scale_block_length(block)`` (row-group scales, a multiple of
     ``block``; ``sub_blocks``). ``factor_seeds``: one 32-bit seed per tile for bf16 factors, stored
-    rounded stochastically (``reference.factor_update``; not under ``rows``). Returns None.
+    rounded stochastically (``reference.factor_update``); under ``rows``, ``factor_rows`` instead:
+    each tile's one-element int64 seed on the device (``StepScalars.factor_rows``). Returns None.
 
     Host cost: the first call with a set of tensors validates them and builds the plan (launch
     and pointer tables, the factor's scratch); later calls with the same p, v, scales, first and w
@@ -608,13 +618,13 @@ def gefen_step_(tiles, gs, codebook, hyper, *, block, bits, tables=None, tile=TI
     if quant and tables is None:
         tables = _table_of(codebook)
     plan, copies = _plan(tiles, gs, block=block, bits=bits, quant=quant, tile=tile, num_warps=num_warps,
-                         sr=seeds is not None, scalar_rows=rows, scale=scale)
+                         sr=seeds is not None, scalar_rows=rows, scale=scale, factor_rows=factor_rows)
     if plan is None:
         return
     device = plan.device
     if plan.seed_tab is not None:  # the seeds change every step
         plan.upload_seeds(seeds)
-    if plan.factor_seed_tab is not None:
+    if plan.factor_seed_tab is not None and rows is None:
         if factor_seeds is None:
             raise ValueError("Gefen kernel: bf16 factors w need factor_seeds, one 32-bit seed a tensor")
         plan.upload_seeds(factor_seeds, plan.factor_seed_tab)
@@ -639,6 +649,18 @@ def gefen_step_(tiles, gs, codebook, hyper, *, block, bits, tables=None, tile=TI
 
 
 # ------------------------------------------------------------------------------ step scalars
+def check_factor_rows(rows, n: int, device):
+    """Raise ``ValueError`` unless ``rows`` holds one one-element int64 tensor on ``device`` per tensor
+    (the bf16 factors' step seeds of a capturable step, ``StepScalars.factor_rows``)."""
+    if rows is None or len(rows) != n:
+        raise ValueError(f"Gefen kernel: bf16 factors w under step scalars on the device need factor_rows, one "
+                         f"int64 seed a tensor ({n}), got {None if rows is None else len(rows)}")
+    for i, r in enumerate(rows):
+        if r.dtype != torch.int64 or r.numel() != 1 or r.device != device:
+            raise ValueError(f"Gefen kernel: factor_rows[{i}] must be a one-element int64 tensor on {device}, got "
+                             f"{r.dtype} {tuple(r.shape)} on {r.device}")
+
+
 def check_rows(rows, n: int):
     """Raise ``ValueError`` unless ``rows`` holds one contiguous fp32 row of 4 step scalars per tensor."""
     if len(rows) != n:
@@ -656,30 +678,39 @@ class StepScalars:
 
     ``steps``: each tile's fp32 step counter (its parameter's one-element ``state["step"]``, shared
     by the tiles of a parameter); ``seeds``: each tile's stochastic-rounding seed (``state.SEED``)
-    or None; ``tiles``: each tile's index among its parameter's tiles, None for a whole tensor.
+    or None; ``tiles``: each tile's index among its parameter's tiles, None for a whole tensor;
+    ``factor_seeds``: where a tile's factor is bf16, the seed its rounding's step seeds derive from
+    as ``seeds``' do (the parameter's seed mixed with ``plan.FACTOR_STREAM``), else None (all None
+    when omitted).
     ``rows`` (one (4,) fp32 view a tile: ``1 - lr*wd``, ``-lr / (1 - beta1**t)``,
-    ``sqrt(1 - beta2**t)``, the seed's bits) go to :func:`gefen_step_` as ``rows``; built once.
+    ``sqrt(1 - beta2**t)``, the seed's bits) go to :func:`gefen_step_` as ``rows``, and
+    ``factor_rows`` (one (1,) int64 view a tile: the factor's step seed) as ``factor_rows``; built once.
     """
 
-    __slots__ = ("buf", "bits", "rows", "tab", "device", "sr")
+    __slots__ = ("buf", "bits", "rows", "tab", "device", "sr", "factor_buf", "factor_rows", "factor_sr")
 
-    def __init__(self, steps, seeds, tiles, device):
+    def __init__(self, steps, seeds, tiles, device, factor_seeds=None):
         device = torch.device(device)
+        factor_seeds = [None] * len(steps) if factor_seeds is None else factor_seeds
         first, table = set(), []
-        for i, (st, seed, k) in enumerate(zip(steps, seeds, tiles)):
+        for i, (st, seed, k, fseed) in enumerate(zip(steps, seeds, tiles, factor_seeds)):
             if st.dtype != torch.float32 or st.numel() != 1 or st.device != device:
                 raise ValueError(f"step[{i}] must be a one-element float32 tensor on {device}, got "
                                  f"{st.dtype} {tuple(st.shape)} on {st.device}")
             writes = st.data_ptr() not in first  # one row advances each counter
             first.add(st.data_ptr())
             c = 0 if seed is None else hash32_int(hash32_int(seed))  # step_seed(seed, 0, t)'s constant
-            table.append((st.data_ptr(), int(writes), c, -1 if k is None else k))
+            cf = 0 if fseed is None else hash32_int(hash32_int(fseed))
+            table.append((st.data_ptr(), int(writes), c, -1 if k is None else k, cf))
         self.buf = torch.zeros(len(table), 4, dtype=torch.float32, device=device)
         self.bits = self.buf.view(torch.int32)  # the seeds' words
         self.rows = list(self.buf.unbind(0))
-        self.tab = torch.tensor(table, dtype=torch.int64).reshape(-1, 4).to(device)
+        self.factor_buf = torch.zeros(len(table), dtype=torch.int64, device=device)
+        self.factor_rows = list(self.factor_buf.split(1))
+        self.tab = torch.tensor(table, dtype=torch.int64).reshape(-1, ROW_TAB_COLUMNS.value).to(device)
         self.device = device
         self.sr = any(seed is not None for seed in seeds)
+        self.factor_sr = any(fseed is not None for fseed in factor_seeds)
 
 
 def _bits(x) -> int:
@@ -693,9 +724,10 @@ def _hyper_args(sc: StepScalars, *, lr, beta1, beta2, weight_decay):
     on_device = torch.is_tensor(lr) and lr.device == sc.device
     if on_device and lr.numel() != 1:
         raise ValueError(f"a tensor lr must have one element, got shape {tuple(lr.shape)}")
-    args = (sc.tab, sc.buf, sc.bits, lr if on_device else sc.buf, len(sc.rows),
+    args = (sc.tab, sc.buf, sc.bits, sc.factor_buf, lr if on_device else sc.buf, len(sc.rows),
             0 if on_device else _bits(lr), _bits(beta1), _bits(beta2), _bits(weight_decay))
-    return args, dict(LR_ON_DEVICE=on_device, SR=sc.sr, BLOCK=HYPER_BLOCK, num_warps=4, enable_fp_fusion=False)
+    return args, dict(LR_ON_DEVICE=on_device, SR=sc.sr, FACTOR_SR=sc.factor_sr, BLOCK=HYPER_BLOCK, num_warps=4,
+                      enable_fp_fusion=False)
 
 
 def advance_(sc: StepScalars, *, lr, beta1, beta2, weight_decay):
@@ -724,7 +756,8 @@ _COMMON = dict(block=_BLOCKS, p_dtype=_DTYPES, g_dtype=_DTYPES, align=[True, Fal
                factor=[False, True], sr=[False, True], hyper=[False, True], w16=[False, True])
 # The factor's kernels (factor_plan): blocks as the step's, and beyond FACTOR_WIDTH (column chunks,
 # aligned or masked) up to the longest a 4-bit tile row holds. The step scalars' kernel (advance_): lr
-# a host float or a tensor on the device (fp32, or fp64), stochastic rounding's seeds or none.
+# a host float or a tensor on the device (fp32, or fp64), stochastic rounding's seeds or none, and the
+# bf16 factors' seeds or none (which the factor's finalize reads at addresses, ``seed_at``).
 # Row-group scales (``sub_blocks``): (P, S) as factored matrices of common widths take them (S the
 # longest multiple of P up to 2,048 elements dividing the matrix): next_pow2(P) from 4 and next_pow2(S / P)
 # from 2, each to 1024, P a power of two, even, odd; at 4 bits even P only (``_scale_refusal``), and the
@@ -739,8 +772,9 @@ PLAN_AXES = {
     "4bit_groups": dict(_NO_BLOCK, group=[g for g in _GROUPS if g[0] % 2 == 0] + _GROUPS_512, bits=[4],
                         quant=[True], table=_TABLES),
     "fp32_m": dict(_COMMON, bits=[8], quant=[False]),
-    "factor": dict(block=_BLOCKS + [2047, 2048, 3000, 2 * MAX_TILE_WIDTH], g_dtype=_DTYPES, w16=[False, True]),
-    "scalars": dict(lr=["float", torch.float32, torch.float64], sr=[False, True]),
+    "factor": dict(block=_BLOCKS + [2047, 2048, 3000, 2 * MAX_TILE_WIDTH], g_dtype=_DTYPES, w16=[False, True],
+                   seed_at=[False, True]),
+    "scalars": dict(lr=["float", torch.float32, torch.float64], sr=[False, True], factor_sr=[False, True]),
 }
 
 
@@ -797,7 +831,8 @@ def _scalars_launch_configs(configs, axes) -> list:
     """``KernelLaunch`` of ``_gefen_hyper_kernel`` at each configuration of ``configs``."""
     out = []
     for c in configs:
-        sc = StepScalars([torch.zeros(1, dtype=torch.float32)], [1 if c["sr"] else None], [None], "cpu")
+        sc = StepScalars([torch.zeros(1, dtype=torch.float32)], [1 if c["sr"] else None], [None], "cpu",
+                         [1 if c["factor_sr"] else None])
         lr = 1e-3 if c["lr"] == "float" else torch.zeros(1, dtype=c["lr"])
         args, const = _hyper_args(sc, lr=lr, beta1=0.9, beta2=0.999, weight_decay=0.0)
         name = ",".join(f"{k}={str(v).replace('torch.', '')}" for k, v in c.items() if len(axes[k]) > 1)
