@@ -44,7 +44,8 @@ KIND_WORDS = {"none": "Gefen as published", "all": "v per element on every tenso
 CHANGE_WORDS = {"fp32_m": "the first moment in fp32", "sr_m": "the first moment's codes rounded stochastically",
                 "vec_v": "the vectors' v shared", "rows_v": "v over whole rows where the rule finds no block",
                 "scale_rows": "one m scale per group of rows (≤ 2,048 elements)",
-                "whole_w": "one column factor a matrix", "layout": "the compact layout's four options",
+                "whole_w": "one column factor a matrix",
+                "layout": "the compact layout's four options as first measured (one fp32 column factor a matrix)",
                 "refresh": f"the codebook learned again every {REFRESH_EVERY} steps", "w16": "the column factors in bf16"}
 TARGET = {8: 1.003, 4: 1.006}  # the factored layout's loss targets by code width (the claims')
 BYTE_CAP = {8: 1.06, 4: 0.56}  # state B/param at Gefen-X's bytes (width >= 128), by code width
@@ -235,7 +236,8 @@ def body(rows, config):
             "`all`) keeps v per element on those tensors; a change replaces layout fields on every tensor: "
             + "; ".join(f"`{k}` {w}" for k, w in CHANGE_WORDS.items())
             + "; `scale_rowsN` / `layoutN` the same with row groups of at most N elements; `_no_X` the layout without "
-              "option X; `_tiles` a column factor per square tile; `_w16` in bf16.",
+              "option X; `_tiles` a column factor per square tile; `_w16` in bf16. `layout=\"compact\"` is "
+            + " and ".join(f"`{v}` at {bits} bits" for bits, v in COMPACT_VARIANT.items()) + ".",
             "Columns: *loss / AdamW* is the median over seeds of the final validation loss over AdamW's, as a "
             "percentage above it; *paired change* is the variant's ratio minus the reference's (`none` where the "
             "ablation ran it, else `factored`) per seed, mean ± standard error, in percentage points; *B/param* is "
