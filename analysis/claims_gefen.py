@@ -87,7 +87,8 @@ RESTS_ON = {
     "gefen_layout": [(a, None) for a in (
         "gefen_ablation_layout", "gefen_ablation_column", "gefen_ablation_vectors", "gefen_ablation_4bit",
         "gefen_ablation_refresh", "gefen_ablation_refresh_models", "gefen_ablation_factor16", "gefen_ablation_vectors4",
-        "gefen_ablation_scales4", "gefen_ablation_leave_out4", "gefen_ablation_leave_out", *COMPACT_RUNS)],
+        "gefen_ablation_scales4", "gefen_ablation_leave_out4", "gefen_ablation_leave_out", *COMPACT_RUNS,
+        "gefen_ablation_candidates_long")],
 }
 
 
@@ -609,9 +610,9 @@ def gefen_layout(R):
     lo, hi = (f(per["8bit"][k] for k in wide) for f in (min, max))
     return Row("The factored state at Gefen-X's bytes or fewer (compact layout, ours)", verdict,
                f"8-bit {lo:.3f}–{hi:.3f} B/param at width ≥ {WIDE}, ≤ gefen-x's on "
-               f"{sum(a <= x for a, x in zip(per['8bit'], gx))} of {len(gx)} models; loss {pct(compact.median)} "
-               f"(factored {pct(factored.median)}; encoder, {compact.steps:,} steps, {n} seeds), "
-               f"{pct_range([s.median for s in models])} on {len(models)} models", fig("gefen_ablation"),
+               f"{sum(a <= x for a, x in zip(per['8bit'], gx))} of {len(gx)} models; loss "
+               f"{pct_range([s.median for s in models])} on {len(models)} models (encoder {pct(compact.median)} at "
+               f"{n} seeds; factored {pct(factored.median)})", fig("gefen_ablation"),
                cmd(f"python experiments/gefen_ablation.py --ablation {e}"), detail)
 
 
