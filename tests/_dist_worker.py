@@ -57,7 +57,11 @@ def make_optimizer(name: str, params):
     if name == "gefenf":  # factored second moment
         return Gefen(params, lr=LR, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1,
                      layout="factored", backend="torch")
-    if name == "gefenc":  # factored at Gefen-X's bytes: row-group scales, one factor a matrix
+    if name == "gefenc":  # factored at Gefen-X's bytes: row-group scales, one fp32 factor a matrix
+        return Gefen(params, lr=LR, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1, backend="torch",
+                     layout=GefenLayout(factor_second_moment=True, share_vector_second_moment=True,
+                                        share_matrix_rows=True, row_group_scales=True, whole_matrix_factor=True))
+    if name == "gefenk":  # layout="compact": at 8 bits a bf16 column factor per square tile
         return Gefen(params, lr=LR, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1, layout="compact", backend="torch")
     if name == "gefenh":  # the compact 4-bit layout with a bf16 column factor per square tile
         return Gefen(params, lr=LR, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1, bits=4,

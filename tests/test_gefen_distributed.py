@@ -65,7 +65,7 @@ def runs(tmp_path_factory):
               "dcp_ddp:gefen", "dcp_flat:gefen", "dcp_fresh:gefen", "hsdp:gefen", "full_sd:gefen",
               "ddp_to_fsdp:gefen", "ref:gefenf@1", "ddp:gefenf", "dcp:gefenf", "dcp_aligned:gefenf", "dcp:gefenc",
               "dcp_aligned:gefenc", "ref:gefenr@1", "ddp:gefenr", "train:gefenr", "dcp:gefenr", "ref:gefenh@1",
-              "ddp:gefenh", "dcp:gefenh"]
+              "ddp:gefenh", "dcp:gefenh", "ref:gefenk@1", "ddp:gefenk", "dcp:gefenk"]
     # 2-rank checkpoints onto 1 rank; full Gefen only from the "aligned" one (blocks agree)
     specs += [f"reshard:{o}@1" for o in OPTS if o != "gefen"]
     specs += ["reshard_aligned:gefen@1", "reshard_mismatch:gefen@1", "reshard_aligned:gefenf@1",
@@ -79,7 +79,7 @@ def runs(tmp_path_factory):
 @pytest.fixture(scope="module")
 def references(runs):
     """Single process, same global batches, gradients accumulated over the 2 ranks' halves."""
-    return {o: result(runs, f"ref:{o}") for o in OPTS + ["gefenf", "gefenr", "gefenh"]}
+    return {o: result(runs, f"ref:{o}") for o in OPTS + ["gefenf", "gefenr", "gefenh", "gefenk"]}
 
 
 def _assert_params_close(actual: dict, expected: dict, **tol):
@@ -88,7 +88,7 @@ def _assert_params_close(actual: dict, expected: dict, **tol):
         assert_close(actual[k], expected[k], name=k, **tol)
 
 
-@pytest.mark.parametrize("opt", OPTS + ["gefenf", "gefenr", "gefenh"])
+@pytest.mark.parametrize("opt", OPTS + ["gefenf", "gefenr", "gefenh", "gefenk"])
 def test_ddp_equals_single_process(runs, references, opt):
     """DDP averages the two half-batch gradients exactly as the reference accumulates them, so
     every optimizer, full Gefen included (same blocks, same codebook; factored: same w; bf16
@@ -151,12 +151,14 @@ def test_histogram_summed_over_shards_counted_once_for_replicas(runs):
 
 
 @pytest.mark.parametrize("spec", [f"dcp:{o}" for o in OPTS] + ["dcp:gefen4", "dcp_ddp:gefen", "dcp:gefenf",
-                                                                 "dcp:gefenc", "dcp:gefenr", "dcp:gefenh"])
+                                                                 "dcp:gefenc", "dcp:gefenr", "dcp:gefenh",
+                                                                 "dcp:gefenk"])
 def test_dcp_round_trip_continues_identically(runs, spec):
     """Save, train on; a fresh model and optimizer load and train the same steps: bit for bit.
     FSDP2 (blocks chosen per rank, both ranks' shards differ), 4-bit codes, DDP, the factored
     second moment (w per local shard), and it at Gefen-X's bytes (row-group scales, one factor a
-    local shard, v shared on vectors), and the compact 4-bit layout with bf16 factors per tile."""
+    local shard, v shared on vectors), and the compact layouts with bf16 factors per tile (4-bit, and
+    ``layout="compact"`` at 8 bits)."""
     res = result(runs, spec)
     _assert_params_close(res["resumed"], res["uninterrupted"], atol=0.0)
     assert_close(res["resumed_losses"], res["uninterrupted_losses"], atol=0.0, name="losses")
