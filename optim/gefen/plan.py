@@ -149,11 +149,17 @@ class Call:
         weights, its first moment's "codes" or its "factor" w (the parameter's seed mixed with
         ``CODE_STREAM`` or ``FACTOR_STREAM`` first); None where the call does not round those
         stochastically."""
-        flag, mix = _STREAMS[stream]
-        if not getattr(self, flag):
+        if not getattr(self, _STREAMS[stream][0]):
             return None
-        per = [step_seed(hash32_int(st[K.SEED] ^ mix) if mix else st[K.SEED], 0, step) for st in self.states]
+        per = [step_seed(stream_seed(st[K.SEED], stream), 0, step) for st in self.states]
         return [per[t.owner] if t.tile is None else step_seed(per[t.owner], t.tile, 0) for t in self.tiles]
+
+
+def stream_seed(seed: int, stream: str) -> int:
+    """A parameter's seed for ``stream`` ("weights", "codes" or "factor"), the base its step seeds derive
+    from: the seed itself for the weights, mixed with the stream's constant otherwise."""
+    mix = _STREAMS[stream][1]
+    return hash32_int(seed ^ mix) if mix else seed
 
 
 def rounds_codes(group) -> bool:
@@ -248,7 +254,7 @@ def step_scalars(calls) -> list:
         sc = ops.StepScalars([call.states[t.owner][K.STEP] for call, t in tiles],
                              [call.states[t.owner][K.SEED] if call.sr else None for call, t in tiles],
                              [t.tile for _, t in tiles], device,
-                             [hash32_int(call.states[t.owner][K.SEED] ^ FACTOR_STREAM) if call.factor_sr else None
+                             [stream_seed(call.states[t.owner][K.SEED], "factor") if call.factor_sr else None
                               for call, t in tiles])
         start = 0
         for call in cs:
