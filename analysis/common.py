@@ -228,18 +228,39 @@ def duration(seconds) -> str:
     return f"{s:.0f} s" if s < 120 else (f"{s / 60:.1f} min" if s < 7200 else f"{s / 3600:.2f} h")
 
 
-# registry names that stand for another layout since a time (UTC, ISO, as config.json's "timestamp"): a
-# run before it measured what the note says under that name
-CHANGED_NAMES = {"Gefen-8bit-compact": ("2026-12-07T18:39:00+00:00", "the compact layout with one fp32 column "
-                                        "factor a matrix; today's holds a bf16 one per tile")}
+# registry names that stand for another layout since a time (UTC, ISO, as config.json's "timestamp"), each
+# change (since, what a run before it measured under the name) in time order
+_UNBOUNDED = "2026-12-07T22:40:00+00:00"  # the factored and compact layouts bound m^ by AdamW's bound since
+_UNCLIPPED = "without today's first-moment bound"
+CHANGED_NAMES = {
+    "Gefen-8bit-compact": (("2026-12-07T18:39:00+00:00", "the compact layout with one fp32 column factor a "
+                            "matrix, without today's first-moment bound"),
+                           (_UNBOUNDED, _UNCLIPPED)),
+    **{name: ((_UNBOUNDED, _UNCLIPPED),) for name in ("Gefen-4bit-compact", "Gefen-8bit-factored",
+                                                       "Gefen-4bit-factored")},
+}
 
 
 def measured_before(config: dict, rows, names=CHANGED_NAMES) -> list:
     """[(name, what it measured)] of the ``names`` among ``rows``' variants (alone or after a prefix's
-    "/") that the run of ``config`` (its timestamp, else the rows') measured before they changed."""
+    "/") that the run of ``config`` (its timestamp, else the rows') measured before they changed: the
+    earliest change after the run says what."""
     when = config.get("timestamp") or next((r.get("timestamp") for r in rows if r.get("timestamp")), "")
     have = {str(r.get("variant", "")).rpartition("/")[2] for r in rows}
-    return [(n, what) for n, (since, what) in names.items() if n in have and when and when < since]
+    out = []
+    for name, changes in names.items():
+        later = [what for since, what in changes if when and when < since]
+        if name in have and later:
+            out.append((name, later[0]))
+    return out
+
+
+def measured_before_grouped(config: dict, rows, names=CHANGED_NAMES) -> list:
+    """``measured_before``'s names that measured the same thing, joined: [("A, B", "are <what>")]."""
+    said = {}
+    for name, what in measured_before(config, rows, names):
+        said.setdefault(what, []).append(name)
+    return [(", ".join(ns), f"{'is' if len(ns) == 1 else 'are'} {what}") for what, ns in said.items()]
 
 
 def setup_line(config: dict, rows) -> str:
@@ -264,8 +285,8 @@ def setup_line(config: dict, rows) -> str:
         line += f" **Rows from other commits too:** {', '.join(others)}."
     if config.get("command"):
         line += f" Command: `{config['command']}`."
-    for name, what in measured_before(config, rows):
-        line += f" **{name} in this run is {what}** (rerun to measure today's)."
+    for names, what in measured_before_grouped(config, rows):
+        line += f" **{names} in this run {what}** (rerun to measure today's)."
     return line
 
 

@@ -46,7 +46,8 @@ CHANGE_WORDS = {"fp32_m": "the first moment in fp32", "sr_m": "the first moment'
                 "scale_rows": "one m scale per group of rows (≤ 2,048 elements)",
                 "whole_w": "one column factor a matrix",
                 "layout": "the compact layout's four options as first measured (one fp32 column factor a matrix)",
-                "refresh": f"the codebook learned again every {REFRESH_EVERY} steps", "w16": "the column factors in bf16"}
+                "refresh": f"the codebook learned again every {REFRESH_EVERY} steps", "w16": "the column factors in bf16",
+                "bound": "each element's m^ clipped to AdamW's bound on |m| / sqrt(v)"}
 TARGET = {8: 1.003, 4: 1.006}  # the factored layout's loss targets by code width (the claims')
 BYTE_CAP = {8: 1.06, 4: 0.56}  # state B/param at Gefen-X's bytes (width >= 128), by code width
 MARKERS = "osD^v<>Px*"  # one a model in the frontier
@@ -100,15 +101,16 @@ def paired(data: dict, variant: str, ref: str):
 
 
 def registry_name(variant: str, bits: int) -> str | None:
-    """The registry name of a variant that is a named layout on every tensor (or a peer), else None."""
+    """The registry name of a variant that is a named layout on every tensor (or a peer), else None;
+    with or without the first-moment bound (it holds no state: the named layout's bytes and colour)."""
     if variant in PEERS:
         return variant
     own = variant.removeprefix(f"{FACTORED}+")
     if own not in ("none", FACTORED) and own not in CHANGES:
         return None  # a kind of tensor with v per element: no named layout
-    layout = variant_layout(variant, bits)
+    layout = variant_layout(variant, bits).replace(bound_first_moment=False)
     for name, by_bits in LAYOUTS.items():
-        if name != "adamw" and by_bits[bits] == layout:
+        if name != "adamw" and by_bits[bits].replace(bound_first_moment=False) == layout:
             return f"Gefen-{bits}bit" + ("" if name == "published" else f"-{name}")
     return None
 
@@ -231,13 +233,16 @@ def body(rows, config):
             "The ablations (the commit each CSV was run at):",
             "\n".join(f"- `{n}`: {ABLATIONS[n].question} ({ABLATIONS[n].bits}-bit codes; commit "
                       f"`{ablation_rows(rows, config)[n][0]['git_commit']}`)." for n in shown),
-            "Variant names: `none` is Gefen as published, `factored` the factored layout, `factored+X` X on top of it; "
+            "Variant names: `none` is Gefen as published, `factored` the factored layout without the first-moment "
+            "bound (as every run before it measured it; `layout=\"factored\"` is `factored+bound`), `factored+X` X "
+            "on top of it; "
             "a kind of tensor (`embedding`, `lm_head`, `attn_qkv`, `attn_out`, `mlp_in`, `mlp_out`, `vectors`, "
             "`all`) keeps v per element on those tensors; a change replaces layout fields on every tensor: "
             + "; ".join(f"`{k}` {w}" for k, w in CHANGE_WORDS.items())
             + "; `scale_rowsN` / `layoutN` the same with row groups of at most N elements; `_no_X` the layout without "
-              "option X; `_tiles` a column factor per square tile; `_w16` in bf16. `layout=\"compact\"` is "
-            + " and ".join(f"`{v}` at {bits} bits" for bits, v in COMPACT_VARIANT.items()) + ".",
+              "option X; `_tiles` a column factor per square tile; `_w16` in bf16; `_bound` with the bound. "
+              "`layout=\"compact\"` is "
+            + " and ".join(f"`{v}_bound` at {bits} bits" for bits, v in COMPACT_VARIANT.items()) + ".",
             "Columns: *loss / AdamW* is the median over seeds of the final validation loss over AdamW's, as a "
             "percentage above it; *paired change* is the variant's ratio minus the reference's (`none` where the "
             "ablation ran it, else `factored`) per seed, mean ± standard error, in percentage points; *B/param* is "

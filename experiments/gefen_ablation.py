@@ -107,8 +107,12 @@ FINE_GROUP = 256  # elements: finer row-group scales than SHORT_GROUP, paid for 
 COMPACT = dict(share_vector_second_moment=True, share_matrix_rows=True, row_group_scales=True,
                whole_matrix_factor=True)
 COMPACT_4BIT = dict(COMPACT, row_group_scales=SHORT_GROUP)
-# by code width, the variant that is layout="compact" (a bf16 column factor per tile at 8 bits)
+# by code width, the variant that is layout="compact" but for the first-moment bound (a bf16 column factor
+# per tile at 8 bits): what the committed runs measured under that name
 COMPACT_VARIANT = {8: "factored+layout_w16", 4: f"factored+layout{SHORT_GROUP}"}
+# the factored layout as these ablations measured it, every variant's base: without the first-moment bound
+# that layout="factored" has since (the variant "bound" adds it)
+FACTORED_MEASURED = {bits: layout_of("factored", bits).replace(bound_first_moment=False) for bits in (8, 4)}
 # the compact layout's four options by short name
 LAYOUT_OPTIONS = {"vec_v": "share_vector_second_moment", "rows_v": "share_matrix_rows",
                   "scale_rows": "row_group_scales", "whole_w": "whole_matrix_factor"}
@@ -130,6 +134,10 @@ CHANGES = {
     f"layout{SHORT_GROUP}_tiles": dict(COMPACT_4BIT, whole_matrix_factor=False),  # a column factor per tile
     f"layout{SHORT_GROUP}_w16": dict(COMPACT_4BIT, whole_matrix_factor=False, factor_dtype="bfloat16"),
     "layout_w16": dict(COMPACT, whole_matrix_factor=False, factor_dtype="bfloat16"),  # a bf16 factor per tile
+    # m^ clipped to AdamW's bound on |m| / sqrt(v): alone, and on the compact layouts (layout="compact" today)
+    "bound": dict(bound_first_moment=True),
+    "layout_w16_bound": dict(COMPACT, whole_matrix_factor=False, factor_dtype="bfloat16", bound_first_moment=True),
+    f"layout{SHORT_GROUP}_bound": dict(COMPACT_4BIT, bound_first_moment=True),
     f"scale_rows{FINE_GROUP}": dict(row_group_scales=FINE_GROUP),
     f"layout{FINE_GROUP}": dict(COMPACT_4BIT, row_group_scales=FINE_GROUP),
     f"layout{FINE_GROUP}_w16": dict(COMPACT_4BIT, row_group_scales=FINE_GROUP, factor_dtype="bfloat16"),
@@ -235,6 +243,9 @@ ABLATIONS = {a.name: a for a in [
              "fewer), 15 seeds", ("encoder",), CANDIDATES, seeds=15),
     Ablation("gefen_ablation_candidates_models", "the same candidates on the other four models, 5 seeds",
              tuple(s for s in DROPIN_LR if s != "encoder"), CANDIDATES, seeds=5),
+    # m^ clipped to AdamW's bound (the factored and compact layouts since): what it does to the loss
+    Ablation("gefen_ablation_bound", "the first-moment bound on the factored and compact 8-bit layouts, five "
+             "models, 5 seeds", tuple(DROPIN_LR), on_factor("bound", "layout_w16", "layout_w16_bound"), seeds=5),
     Ablation("gefen_ablation_candidates_long", "the same candidates on the encoder at 3,000 steps, 5 seeds",
              variants=CANDIDATES, **LONG),
 ]}
@@ -244,7 +255,7 @@ def variant_layout(variant: str, bits: int = 8) -> GefenLayout:
     """The Gefen layout record of ``variant``: the published or factored layout at ``bits``, with a
     change's fields replaced (a kind of tensor keeps the layout; its tensors' v is a group's)."""
     own = variant.removeprefix(f"{FACTORED}+")
-    base = layout_of("factored" if variant.startswith(FACTORED) else "published", bits)
+    base = FACTORED_MEASURED[bits] if variant.startswith(FACTORED) else layout_of("published", bits)
     return base.replace(**CHANGES[own]) if own in CHANGES else base
 
 

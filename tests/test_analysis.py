@@ -508,10 +508,13 @@ def test_a_run_before_a_registry_name_changed_says_what_it_measured():
     """The setup line of a run whose rows hold a changed registry name (alone or after a model's prefix)
     and whose timestamp precedes the change says what the name stood for then; a later run, or one
     without the name, says nothing of it."""
-    names = {"Gefen-8bit-compact": ("2026-12-07T18:39:00+00:00", "the old record")}
+    names = {"Gefen-8bit-compact": (("2026-12-07T18:39:00+00:00", "the old record"),
+                                    ("2026-12-07T22:00:00+00:00", "the newer record"))}
     rows = [{"variant": "char-gpt-116k/Gefen-8bit-compact", "git_commit": "abc"}, {"variant": "AdamW", "git_commit": "abc"}]
-    before, after = ({"git_commit": "abc", "timestamp": t} for t in ("2026-12-06T10:00:00+00:00", "2026-12-07T20:00:00+00:00"))
+    before, after = ({"git_commit": "abc", "timestamp": t} for t in ("2026-12-06T10:00:00+00:00", "2026-12-07T23:00:00+00:00"))
     assert common.measured_before(before, rows, names) == [("Gefen-8bit-compact", "the old record")]
+    between = {"git_commit": "abc", "timestamp": "2026-12-07T19:00:00+00:00"}
+    assert common.measured_before(between, rows, names) == [("Gefen-8bit-compact", "the newer record")]
     assert common.measured_before(after, rows, names) == []
     assert common.measured_before(before, rows[1:], names) == []
     assert common.measured_before({}, [dict(r, timestamp="2026-12-01T00:00:00+00:00") for r in rows], names)

@@ -60,7 +60,7 @@ def _host_scalars(step, lr, beta1, beta2, wd):
     one = torch.ones(1, dtype=torch.int64)
     args, _ = triton_ops._kernel_args(one, one, one, None, one, step=step, lr=lr, beta1=beta1, beta2=beta2,
                                       eps=1e-8, weight_decay=wd)
-    return torch.tensor(args[-3:], dtype=torch.float32)  # decay, neg_step, sqrt_bc2, rounded as Triton does
+    return torch.tensor(args[-4:-1], dtype=torch.float32)  # decay, neg_step, sqrt_bc2, rounded as Triton does
 
 
 @pytest.mark.parametrize("lr, betas, wd", [(1e-3, (0.9, 0.999), 0.1), (3e-4, (0.95, 0.9999), 0.0),

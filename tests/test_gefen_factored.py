@@ -121,7 +121,8 @@ def _reference_run(starts, steps, blocks, codebook, bits):
             for t, gs in enumerate(steps, 1):
                 g = gs[k].reshape(-1)[r0 * row:r1 * row]
                 x, v, s, c, w = R.gefen_step(x, g, v, s, c, codebook, step=t, lr=LR, beta1=B1, beta2=B2,
-                                             eps=1e-8, weight_decay=WD, block=blocks[k], bits=bits, w=w)
+                                             eps=1e-8, weight_decay=WD, block=blocks[k], bits=bits, w=w,
+                                             bound=R.moment_bound(B1, B2))  # layout="factored" bounds m^
             parts.append((x, v, s, c, w))
         out.append(tuple(torch.cat(z) for z in zip(*parts)))
     return out
@@ -302,7 +303,9 @@ def test_a_vector_keeps_v_per_element(backend):
     a, b = [torch.nn.Parameter(vec.clone()) for _ in range(2)]
     ma, mb = [torch.nn.Parameter(mat.clone()) for _ in range(2)]
     opt_a = Gefen([a, ma], lr=LR, weight_decay=WD, layout="factored", backend=backend)
-    opt_b = Gefen([{"params": [b], "share_second_moment": False}, {"params": [mb], "factor_second_moment": True}],
+    bounded = dict(bound_first_moment=True)  # as layout="factored"
+    opt_b = Gefen([{"params": [b], "share_second_moment": False, **bounded},
+                   {"params": [mb], "factor_second_moment": True, **bounded}],
                   layout="published", lr=LR, weight_decay=WD, backend=backend)
     for t in range(5):
         gv, gm = torch.randn(256) * (runs if t == 0 else 1), row_scaled_grad((24, 48), scale_columns=True)

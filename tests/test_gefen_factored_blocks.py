@@ -59,14 +59,15 @@ def _square_tiles(shape, block):
     return [(r, min(r + h, shape[0])) for r in range(0, shape[0], h)]
 
 
-def _reference(start, steps, k, block, codebook, bits):
-    """The reference run of tensor ``k``: a vector unfactored (no w), a matrix factored tile by tile.
+def _reference(start, steps, k, block, codebook, bits, bound=None):
+    """The reference run of tensor ``k``: a vector unfactored (no w), a matrix factored tile by tile
+    (``bound``: the reference's clip of m^, for a layout that bounds it).
     Returns (p, v, scales, codes) and w (None for a vector), tiles' state concatenated."""
     if start.dim() < 2:
         x, v, s, c = start.reshape(-1).float(), *R.init_state(start.numel(), block=block, bits=bits)
         for t, gs in enumerate(steps, 1):
             x, v, s, c = R.gefen_step(x, gs[k], v, s, c, codebook, step=t, lr=LR, beta1=B1, beta2=B2,
-                                      eps=1e-8, weight_decay=WD, block=block, bits=bits)
+                                      eps=1e-8, weight_decay=WD, block=block, bits=bits, bound=bound)
         return (x, v, s, c), None
     row, parts = start.numel() // start.shape[0], []
     for r0, r1 in _square_tiles(tuple(start.shape), block):
@@ -76,7 +77,7 @@ def _reference(start, steps, k, block, codebook, bits):
         for t, gs in enumerate(steps, 1):
             g = gs[k].reshape(-1)[r0 * row:r1 * row]
             x, v, s, c, w = R.gefen_step(x, g, v, s, c, codebook, step=t, lr=LR, beta1=B1, beta2=B2,
-                                         eps=1e-8, weight_decay=WD, block=block, bits=bits, w=w)
+                                         eps=1e-8, weight_decay=WD, block=block, bits=bits, w=w, bound=bound)
         parts.append((x, v, s, c, w))
     cat = [torch.cat(z) for z in zip(*parts)]
     return tuple(cat[:4]), cat[4]
@@ -182,8 +183,9 @@ def test_the_default_is_unchanged(backend):
     params, twins = _params(), _params()
     starts = [p.detach().clone() for p in params]
     opt = Gefen(params, lr=LR, weight_decay=WD, layout="factored", backend=backend)
-    off = Gefen(twins, lr=LR, weight_decay=WD, layout=GefenLayout(factor_second_moment=True, **{SHARE: False}),
-                backend=backend)
+    off = Gefen(twins, lr=LR, weight_decay=WD, backend=backend,
+                layout=GefenLayout(factor_second_moment=True, bound_first_moment=True, **{SHARE: False}))
+    bound = R.moment_bound(B1, B2)  # the factored layout bounds m^
     assert opt.param_groups[0][SHARE] is False
     steps = _grads(6)
     step_side_by_side([(opt, params), (off, twins)], steps)
@@ -196,9 +198,9 @@ def test_the_default_is_unchanged(backend):
             w = torch.zeros(1)
             for t, gs in enumerate(steps, 1):
                 x, v, s, c, w = R.gefen_step(x, gs[k], v, s, c, opt.codebook, step=t, lr=LR, beta1=B1,
-                                             beta2=B2, eps=1e-8, weight_decay=WD, block=1, bits=8, w=w)
+                                             beta2=B2, eps=1e-8, weight_decay=WD, block=1, bits=8, w=w, bound=bound)
         else:
-            (x, v, s, c), w = _reference(starts[k], steps, k, st[K.BLOCK], opt.codebook, 8)
+            (x, v, s, c), w = _reference(starts[k], steps, k, st[K.BLOCK], opt.codebook, 8, bound)
         assert torch.equal(st[K.CODES], c), SHAPES[k]
         assert_close(st[K.V], v, rtol=1e-5, name="v")
         assert_close(st[K.W], w, rtol=1e-5, name="w")

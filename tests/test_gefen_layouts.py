@@ -41,9 +41,12 @@ SWITCHES = {  # (name, bits): the keywords that chose the layout before it was a
     ("adamw", 4): dict(share_second_moment=False, quantize_first_moment=False),
 }
 # (name, bits): the options each name stands for now, spelled out (the 8-bit compact layout's column
-# factor is a bf16 one per tile since the candidates ablation, no longer an fp32 one per matrix)
+# factor is a bf16 one per tile since the candidates ablation, no longer an fp32 one per matrix; the
+# factored and compact layouts bound the first moment since it was found unbounded)
 NOW = {**SWITCHES, ("compact", 8): dict(factor_second_moment=True, share_vector_second_moment=True,
                                         share_matrix_rows=True, row_group_scales=True, factor_dtype="bfloat16")}
+NOW = {key: dict(options, bound_first_moment=True) if key[0] in ("factored", "compact") else options
+       for key, options in NOW.items()}
 REGISTRY = {"Gefen-8bit": ("published", 8), "Gefen-4bit": ("published", 4), "Gefen-8bit-factored": ("factored", 8),
             "Gefen-4bit-factored": ("factored", 4), "Gefen-8bit-compact": ("compact", 8),
             "Gefen-4bit-compact": ("compact", 4)}

@@ -229,7 +229,7 @@ def test_restrided_factored_matrix_is_stepped_tile_by_tile_in_its_own_layout(bac
             r = slice(k * rows, (k + 1) * rows)
             flat, *state[:] = R.gefen_step(x[r].reshape(-1), g[r].reshape(-1), *state[:3], opt.codebook, step=t, lr=LR,
                                            beta1=BETAS[0], beta2=BETAS[1], eps=EPS, weight_decay=WD, block=block,
-                                           bits=8, w=state[3])
+                                           bits=8, w=state[3], bound=R.moment_bound(*BETAS))
             parts.append(flat)
         x = torch.cat(parts).reshape(shape)
     assert torch.equal(st[K.CODES], torch.cat([s[2] for s in tiles])), "codes differ from the reference"

@@ -117,7 +117,7 @@ def kernel(bits: int, per_element_v: bool, parallel: bool = True, factored: bool
     in place; scales, codes, codebook and tables are not read (``bits`` is ignored).
 
     ``kernel(...)(meta, jobs, ratio, cb, bounds, lut_code, lut_bound, lut_values, lut_scale, block,
-    S, w1, beta2, one_minus_beta2, decay, neg_step, bc2_sqrt, eps)``: ``meta`` int64 (tensors,
+    S, w1, beta2, one_minus_beta2, decay, neg_step, bc2_sqrt, eps, kb)``: ``meta`` int64 (tensors,
     ``ADDRESS_COLUMNS``): the address table (its named columns above); ``jobs`` int64 (jobs, 3) =
     tensor row, first scale block, end scale block; ``cb`` the codebook's distinct entries, ``bounds`` its fp32 decision boundaries
     (``CodeTable.boundaries``: levels - 1 and a trailing +inf), ``lut_code``/``lut_bound`` the
@@ -701,17 +701,29 @@ def _fold(acc):
 
 
 @njit(nogil=True, error_model="numpy", cache=True, inline="always")  # see _step_serial: no multiply-add choices
-def _v_update_per_element(p, value, amax, v, g, beta2, one_minus_beta2, decay, neg_step, bc2_sqrt, eps):
+def _v_update_per_element(p, value, amax, v, g, beta2, one_minus_beta2, decay, neg_step, bc2_sqrt, eps, kb):
     """v and p of block == 1; sqrt(v / bc2) as sqrt(v) * (1 / sqrt(bc2)): one division an element
-    (equal to fp32 rounding)."""
+    (equal to fp32 rounding). m^ is clipped to ``kb * sqrt(v / bc2)`` where ``kb`` is finite
+    (``reference.gefen_step``'s bound; inf: no clip)."""
     inv_bc2_sqrt = np.float32(1.0) / bc2_sqrt
+    clip = kb < np.float32(np.inf)
     for i in range(p.size):
         gi = g[i]
         vi = beta2 * v[i] + one_minus_beta2 * (gi * gi)
         v[i] = vi
         m_hat = value[i] * amax
-        denom = np.sqrt(vi) * inv_bc2_sqrt + eps
-        p[i] = p[i] * decay + (neg_step * m_hat) / denom
+        d = np.sqrt(vi) * inv_bc2_sqrt
+        if clip:
+            m_hat = _clip(m_hat, kb * d)
+        p[i] = p[i] * decay + (neg_step * m_hat) / (d + eps)
+
+
+@njit(nogil=True, error_model="numpy", cache=True, inline="always")
+def _clip(m, lim):
+    """``m`` clipped to ``[-lim, lim]`` (``reference.clip_moment``: NaN stays NaN; NaN lim clips nothing)."""
+    if abs(m) > lim:
+        return lim if m > np.float32(0.0) else -lim
+    return m
 
 
 @njit(nogil=True, error_model="numpy", cache=True, inline="always")
@@ -825,20 +837,28 @@ def _quantize4(m, n, amax, bounds, cb, codes):
 
 
 @njit(nogil=True, error_model="numpy", cache=True, inline="always")  # no contract: see _step_serial
-def _update_shared(p, value, amax, decay, step_over_denom):
+def _update_shared(p, value, amax, decay, step_over_denom, lim):
+    """One v for the block: m^ times ``neg_step / denom``, m^ clipped to ``lim`` (inf: none)."""
+    clip = lim < np.float32(np.inf)
     for i in range(p.size):
         m_hat = value[i] * amax
+        if clip:
+            m_hat = _clip(m_hat, lim)
         p[i] = p[i] * decay + m_hat * step_over_denom
 
 
 @njit(nogil=True, error_model="numpy", cache=True, inline="always")  # no contract: see _step_serial
-def _update_factored(p, value, amax, sv, sr, decay, neg_step, eps):
+def _update_factored(p, value, amax, sv, sr, decay, neg_step, eps, kb):
     """Block > 1, factored: denominator sqrt(v_b / bc2) * sqrt(r_j) + eps, with sqrt(r_j) from
     ``factor_kernel`` (one multiply a element where the reference takes a square root of v_b r_j:
-    equal to fp32 rounding)."""
+    equal to fp32 rounding); m^ clipped to ``kb`` times the denominator less eps (inf: none)."""
+    clip = kb < np.float32(np.inf)
     for i in range(p.size):
         m_hat = value[i] * amax
-        p[i] = p[i] * decay + (neg_step * m_hat) / (sv * sr[i] + eps)
+        d = sv * sr[i]
+        if clip:
+            m_hat = _clip(m_hat, kb * d)
+        p[i] = p[i] * decay + (neg_step * m_hat) / (d + eps)
 
 
 @njit(nogil=True, error_model="numpy", cache=True)
@@ -1023,7 +1043,7 @@ def _quantize_simd(bits4, codes, start, stop, amax, tabs, lut8, lut_scale, m, u,
 
 @njit(nogil=True, error_model="numpy", cache=True)
 def _blocks(bits4, per_element, factored, quant, p, g, g16, v, scales, codes, m_fp32, r, j0, j1, cb, lut, tabs,
-            lut8, lut_scale, block, S, w1, beta2, one_minus_beta2, decay, neg_step, bc2_sqrt, eps, m, u, value, c,
+            lut8, lut_scale, block, S, w1, beta2, one_minus_beta2, decay, neg_step, bc2_sqrt, eps, kb, m, u, value, c,
             wide):
     """Scale blocks j0..j1-1 of one tensor, pass by pass (see the module docstring). ``m_fp32``: the
     unquantised first moment (``quant`` False; codes and scales are then empty). The gradient is
@@ -1091,17 +1111,17 @@ def _blocks(bits4, per_element, factored, quant, p, g, g16, v, scales, codes, m_
                 mj = value[:L]
         if per_element:
             _v_update_per_element(p[start:stop], mj, amax, v[start:stop], gj, beta2, one_minus_beta2, decay,
-                                  neg_step, bc2_sqrt, eps)
+                                  neg_step, bc2_sqrt, eps, kb)
         elif S == block:  # one v per scale block, one division per block
             vb = beta2 * v[j] + one_minus_beta2 * ((_bits_f32(_vsum(0, _data(acc))) if summed else _sum_sq(gj, acc))
                                                    / np.float32(block))
             v[j] = vb
             if factored:
                 sv = np.float32(np.sqrt(vb) / bc2_sqrt)
-                _update_factored(p[start:stop], mj, amax, sv, r, decay, neg_step, eps)
+                _update_factored(p[start:stop], mj, amax, sv, r, decay, neg_step, eps, kb)
             else:
-                denom = np.float32(np.sqrt(vb) / bc2_sqrt) + eps
-                _update_shared(p[start:stop], mj, amax, decay, neg_step / denom)
+                d = np.float32(np.sqrt(vb) / bc2_sqrt)
+                _update_shared(p[start:stop], mj, amax, decay, neg_step / (d + eps), kb * d)
         else:  # S a multiple of the block (row-group scales): each block inside it has its own v
             per = S // block
             for q in range(L // block):
@@ -1111,15 +1131,16 @@ def _blocks(bits4, per_element, factored, quant, p, g, g16, v, scales, codes, m_
                 if factored:
                     sv = np.float32(np.sqrt(vb) / bc2_sqrt)
                     _update_factored(p[start + a:start + a + block], mj[a:a + block], amax, sv, r, decay, neg_step,
-                                     eps)
+                                     eps, kb)
                 else:
-                    denom = np.float32(np.sqrt(vb) / bc2_sqrt) + eps
-                    _update_shared(p[start + a:start + a + block], mj[a:a + block], amax, decay, neg_step / denom)
+                    d = np.float32(np.sqrt(vb) / bc2_sqrt)
+                    _update_shared(p[start + a:start + a + block], mj[a:a + block], amax, decay, neg_step / (d + eps),
+                                   kb * d)
 
 
 @njit(nogil=True, error_model="numpy", cache=True)
 def _job(bits4, per_element, factored, quant, meta, jobs, k, ratio, cb, lut, tabs, lut8, lut_scale, block, S,
-         w1, beta2, one_minus_beta2, decay, neg_step, bc2_sqrt, eps):
+         w1, beta2, one_minus_beta2, decay, neg_step, bc2_sqrt, eps, kb):
     t = jobs[k, 0]
     p = carray(_typed_ptr(np.float32, meta[t, P_ADDR]), (meta[t, NUMEL],))
     half = meta[t, G_BF16] != 0
@@ -1138,14 +1159,14 @@ def _job(bits4, per_element, factored, quant, meta, jobs, k, ratio, cb, lut, tab
         wide = carray(_alloca(np.float32, _BUF), (_BUF,))
         _blocks(bits4, per_element, factored, quant, p, g, g16, v, scales, codes, m_fp32, r, jobs[k, 1],
                 jobs[k, 2], cb, lut, tabs, lut8, lut_scale, block, S, w1, beta2, one_minus_beta2, decay, neg_step,
-                bc2_sqrt, eps, m, u, value, c, wide)
+                bc2_sqrt, eps, kb, m, u, value, c, wide)
     else:
         mh, uh = np.empty(S + _PAD, dtype=np.float32), np.empty(S + _PAD, dtype=np.uint16)
         vh, ch = np.empty(S + _PAD, dtype=np.float32), np.empty(S + _PAD, dtype=np.uint8)
         wh = np.empty(S + _PAD if half else 1, dtype=np.float32)
         _blocks(bits4, per_element, factored, quant, p, g, g16, v, scales, codes, m_fp32, r, jobs[k, 1],
                 jobs[k, 2], cb, lut, tabs, lut8, lut_scale, block, S, w1, beta2, one_minus_beta2, decay, neg_step,
-                bc2_sqrt, eps, mh, uh, vh, ch, wh)
+                bc2_sqrt, eps, kb, mh, uh, vh, ch, wh)
 
 
 @njit(nogil=True, error_model="numpy", cache=True)
@@ -1180,22 +1201,22 @@ def _tables(quant, cb, bounds, lut_code, lut_bound):
 
 @njit(nogil=True, error_model="numpy", parallel=True, cache=True)
 def _step_parallel(bits4, per_element, factored, quant, meta, jobs, ratio, cb, bounds, lut_code, lut_bound,
-                   lut_values, lut_scale, block, S, w1, beta2, one_minus_beta2, decay, neg_step, bc2_sqrt, eps):
+                   lut_values, lut_scale, block, S, w1, beta2, one_minus_beta2, decay, neg_step, bc2_sqrt, eps, kb):
     lut, tabs, lut8 = _tables(quant, cb, bounds, lut_code, lut_bound)
     for k in prange(jobs.shape[0]):
         _job(bits4, per_element, factored, quant, meta, jobs, k, ratio, cb, lut, tabs, lut8, lut_scale, block,
-             S, w1, beta2, one_minus_beta2, decay, neg_step, bc2_sqrt, eps)
+             S, w1, beta2, one_minus_beta2, decay, neg_step, bc2_sqrt, eps, kb)
 
 
 @njit(nogil=True, error_model="numpy", cache=True)
 def _step_serial(bits4, per_element, factored, quant, meta, jobs, ratio, cb, bounds, lut_code, lut_bound,
-                 lut_values, lut_scale, block, S, w1, beta2, one_minus_beta2, decay, neg_step, bc2_sqrt, eps):
+                 lut_values, lut_scale, block, S, w1, beta2, one_minus_beta2, decay, neg_step, bc2_sqrt, eps, kb):
     # the same passes compiled again: every pass is written so that its rounding cannot depend on
     # the copy (no multiply-add with two products to choose from, no reassoc)
     lut, tabs, lut8 = _tables(quant, cb, bounds, lut_code, lut_bound)
     for k in range(jobs.shape[0]):
         _job(bits4, per_element, factored, quant, meta, jobs, k, ratio, cb, lut, tabs, lut8, lut_scale, block,
-             S, w1, beta2, one_minus_beta2, decay, neg_step, bc2_sqrt, eps)
+             S, w1, beta2, one_minus_beta2, decay, neg_step, bc2_sqrt, eps, kb)
 
 
 # ------------------------------------------------------------------------- stochastic rounding

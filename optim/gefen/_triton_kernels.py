@@ -183,15 +183,18 @@ def _device_scalar(hyper_tab, t, k, value, HYPER: tl.constexpr):
 
 
 @triton.jit
-def _apply(p_ptr, offs, mask, m_hat, denom, decay, neg_step, seed_tab, hyper_tab, t, SR: tl.constexpr,
+def _apply(p_ptr, offs, mask, m_hat, d, eps, kb, decay, neg_step, seed_tab, hyper_tab, t, SR: tl.constexpr,
            HYPER: tl.constexpr):
-    """p <- p * (1 - lr*wd); p <- p + (-lr/bc1) * m^ / denom (reference order), stored in p's dtype:
-    rounded to nearest, or with SR (bf16, fp16 p) stochastically with tensor t's seed (``seed_tab``,
-    or with HYPER word 3 of its row of step scalars)."""
+    """p <- p * (1 - lr*wd); p <- p + (-lr/bc1) * m^ / (d + eps) (reference order), m^ clipped to
+    ``kb * d`` (``kb = bound * sqrt(bc2)``, negative: no clip; ``d = sqrt(v / bc2)``), stored in p's
+    dtype: rounded to nearest, or with SR (bf16, fp16 p) stochastically with tensor t's seed
+    (``seed_tab``, or with HYPER word 3 of its row of step scalars)."""
     decay = _device_scalar(hyper_tab, t, 0, decay, HYPER)
     neg_step = _device_scalar(hyper_tab, t, 1, neg_step, HYPER)
+    lim = tl.where(kb >= 0, kb * d, float("inf"))
+    m_hat = tl.where(tl.abs(m_hat) > lim, tl.where(m_hat > 0, lim, -lim), m_hat)
     p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32) * decay
-    p = p + tl.div_rn(neg_step * m_hat, denom)
+    p = p + tl.div_rn(neg_step * m_hat, d + eps)
     if SR:
         if HYPER:
             seed = tl.load((tl.load(hyper_tab + t) + 12).to(tl.pointer_type(tl.uint32)))
@@ -206,7 +209,7 @@ def _apply(p_ptr, offs, mask, m_hat, denom, decay, neg_step, seed_tab, hyper_tab
 @triton.jit
 def _gefen_step_kernel(
     tile_ptr, ptr_tab, numel_tab, cb_ptr, uniq_ptr, mid_ptr, lut_ptr, first_ptr, w_tab, seed_tab, hyper_tab,
-    w, beta2, omb2, eps, decay, neg_step, sqrt_bc2,
+    w, beta2, omb2, eps, decay, neg_step, sqrt_bc2, bound,
     P_DT: tl.constexpr, G_DT: tl.constexpr, C_DT: tl.constexpr,
     S: tl.constexpr, BLOCK_V: tl.constexpr, QUANT: tl.constexpr, R: tl.constexpr,
     WIDTH: tl.constexpr, NLUT: tl.constexpr, NCMP: tl.constexpr, HAS_DUP: tl.constexpr,
@@ -259,7 +262,8 @@ def _gefen_step_kernel(
         v = _sub_blocks(g * g, v_ptr, rows, n, beta2, omb2, S, SUB, WP, R, WIDTH)
         if FACTOR:
             v = v * _factor_ratio(w_tab, t, cols, live, S // SUB, WP, W16)
-    denom = tl.div_rn(tl.sqrt_rn(v), _device_scalar(hyper_tab, t, 2, sqrt_bc2, HYPER)) + eps
+    sqrt_bc2 = _device_scalar(hyper_tab, t, 2, sqrt_bc2, HYPER)
+    d = tl.div_rn(tl.sqrt_rn(v), sqrt_bc2)
 
     if QUANT:
         rmask = rows * S < n
@@ -276,7 +280,7 @@ def _gefen_step_kernel(
         m = tl.load(c_ptr + offs, mask=mask, other=0.0)
         m_hat = _lerp(m, g, w)
         tl.store(c_ptr + offs, m_hat, mask=mask)
-    _apply(p_ptr, offs, mask, m_hat, denom, decay, neg_step, seed_tab, hyper_tab, t, SR, HYPER)
+    _apply(p_ptr, offs, mask, m_hat, d, eps, bound * sqrt_bc2, decay, neg_step, seed_tab, hyper_tab, t, SR, HYPER)
 
 
 @triton.jit
@@ -323,7 +327,7 @@ def _half_rows(a0, a1, sub0, sub1, IS_MAX: tl.constexpr):
 @triton.jit
 def _gefen_step4_kernel(
     tile_ptr, ptr_tab, numel_tab, cb_ptr, uniq_ptr, mid_ptr, lut_ptr, first_ptr, w_tab, seed_tab, hyper_tab,
-    w, beta2, omb2, eps, decay, neg_step, sqrt_bc2,
+    w, beta2, omb2, eps, decay, neg_step, sqrt_bc2, bound,
     P_DT: tl.constexpr, G_DT: tl.constexpr, C_DT: tl.constexpr,
     S: tl.constexpr, BLOCK_V: tl.constexpr, GROUP: tl.constexpr, R: tl.constexpr,
     WIDTH: tl.constexpr, NLUT: tl.constexpr, NCMP: tl.constexpr, HAS_DUP: tl.constexpr,
@@ -404,8 +408,8 @@ def _gefen_step4_kernel(
             v0 = v0 * _factor_ratio(w_tab, t, 2 * k - S * sub0.to(tl.int32), k < H, S, 2 * WIDTH, W16)
             v1 = v1 * _factor_ratio(w_tab, t, 2 * k + 1 - S * sub1.to(tl.int32), k < H, S, 2 * WIDTH, W16)
     sqrt_bc2 = _device_scalar(hyper_tab, t, 2, sqrt_bc2, HYPER)
-    d0 = tl.div_rn(tl.sqrt_rn(v0), sqrt_bc2) + eps
-    d1 = tl.div_rn(tl.sqrt_rn(v1), sqrt_bc2) + eps
+    d0 = tl.div_rn(tl.sqrt_rn(v0), sqrt_bc2)
+    d1 = tl.div_rn(tl.sqrt_rn(v1), sqrt_bc2)
 
     packed = tl.load(c_ptr + byte, mask=m0, other=0).to(tl.int32)
     s0 = tl.load(s_ptr + blk0, mask=m0, other=0.0)
@@ -424,8 +428,8 @@ def _gefen_step4_kernel(
                         NLUT, NCMP, HAS_DUP)
     q1 = tl.where(m1, q1, 0)  # odd n: the last high nibble is padding 0
     tl.store(c_ptr + byte, (q0 | (q1 << 4)).to(tl.uint8), mask=m0)
-    _apply(p_ptr, fe, me, _unpairs(val0 * s0, val1 * s1, R, WIDTH), _unpairs(d0, d1, R, WIDTH),
-           decay, neg_step, seed_tab, hyper_tab, t, SR, HYPER)
+    _apply(p_ptr, fe, me, _unpairs(val0 * s0, val1 * s1, R, WIDTH), _unpairs(d0, d1, R, WIDTH), eps,
+           bound * sqrt_bc2, decay, neg_step, seed_tab, hyper_tab, t, SR, HYPER)
 
 
 @triton.jit

@@ -31,6 +31,7 @@ class GefenLayout:
     row_group_scales: bool | int = False  # under the factor: one m scale per group of rows (an int: its bound)
     whole_matrix_factor: bool = False  # under the factor: one w per matrix, not per square tile of rows
     factor_dtype: str = "float32"  # w's dtype: "float32" or "bfloat16"
+    bound_first_moment: bool = False  # clip each element's m^ to AdamW's bound on |m| / sqrt(v) for its step
     first_moment_rounding: str = "nearest"  # codes rounded to "nearest" or "stochastic"ally
     codebook_refresh_every: int = 0  # learn the codebook again every this many steps (0: once); optimizer-wide
     block_rule: str = "adjacent_log"  # partition.py's rule, or "variance_drop"; optimizer-wide
@@ -60,7 +61,7 @@ class GefenLayout:
 
 FIELDS = tuple(f.name for f in dataclasses.fields(GefenLayout))
 FLAGS = ("share_second_moment", "quantize_first_moment", "factor_second_moment", "share_vector_second_moment",
-         "share_matrix_rows", "whole_matrix_factor")
+         "share_matrix_rows", "whole_matrix_factor", "bound_first_moment")
 # the value of each option in a group saved (or pickled) before the option existed: the published rule,
 # minimizing, weights rounded to nearest
 SAVED_BEFORE = {**GefenLayout().fields(), "maximize": False, "stochastic_rounding": False}
@@ -68,10 +69,13 @@ SAVED_BEFORE = {**GefenLayout().fields(), "maximize": False, "stochastic_roundin
 # the factored layout at Gefen-X's bytes or fewer: the vectors' v shared, whole-row v where the rule finds
 # no block, one first-moment scale per group of rows
 _COMPACT = dict(factor_second_moment=True, share_vector_second_moment=True, share_matrix_rows=True,
-                row_group_scales=True)
+                row_group_scales=True, bound_first_moment=True)
 LAYOUTS = {
     "published": {8: GefenLayout(), 4: GefenLayout()},  # the article's Gefen
-    "factored": dict.fromkeys((8, 4), GefenLayout(factor_second_moment=True)),  # AdamW's loss on 4 of 5 models
+    # AdamW's loss on 4 of 5 models; every layout past the article's bounds m^ by AdamW's own bound: the
+    # codebook has no 0, so a zero or tiny m next to its scale block's largest is stored as the smallest
+    # entry, which a v near 0 turns into steps of thousands of lr (an embedding row no batch touches)
+    "factored": dict.fromkeys((8, 4), GefenLayout(factor_second_moment=True, bound_first_moment=True)),
     # at 8 bits a bf16 column factor per tile: less loss than one fp32 factor per matrix, in fewer bytes
     # (results/gefen_ablation_candidates.csv); 4-bit codes' 16 levels lose a row group's small m under one
     # scale of 2,048 elements: groups of at most 512 (results/gefen_ablation_4bit.csv), one fp32 factor

@@ -25,7 +25,7 @@ from .._threads import numba_threads
 from .checks import check_factors, check_launch, float64_state_refusal, stochastic_codes_refusal
 from .._rounding import STOCHASTIC_DTYPES, round_stochastic
 from .codebook import code_table
-from .reference import factor_ratio, scale_block_length
+from .reference import bound_scale, factor_ratio, scale_block_length
 from .tiling import contiguous, factor_update_, factors, piece_of, pieces, write_back
 
 _JOB_ELEMENTS = 1 << 15  # elements per parallel job (whole scale blocks)
@@ -218,10 +218,12 @@ _NO_SEEDS = np.zeros(0, dtype=np.int64)  # fp32 factors: no rounding
 
 def _scalars(h) -> tuple:
     """The kernel's scalars of ``plan.Hyper`` ``h`` (w1, beta2, 1 - beta2, decay, -lr / bc1,
-    sqrt(bc2), eps), computed in float64 and passed as float32."""
+    sqrt(bc2), eps, and the clip's ``bound * sqrt(bc2)`` in fp32, inf for none), computed in float64
+    and passed as float32."""
     f32 = np.float32
+    bc2_sqrt = f32((1 - h.beta2**h.step) ** 0.5)
     return (f32(1 - h.beta1), f32(h.beta2), f32(1 - h.beta2), f32(1 - h.lr * h.weight_decay),
-            f32(-h.lr / (1 - h.beta1**h.step)), f32((1 - h.beta2**h.step) ** 0.5), f32(h.eps))
+            f32(-h.lr / (1 - h.beta1**h.step)), bc2_sqrt, f32(h.eps), f32(bound_scale(h.bound, bc2_sqrt)))
 
 
 def _torch_step(tiles, gs, codebook, hyper, **options):

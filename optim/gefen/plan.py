@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import math
 from typing import NamedTuple
 
 import torch
@@ -34,6 +35,7 @@ from .._base import local_tensor
 from .._rounding import STOCHASTIC_DTYPES, hash32_int, step_seed
 from . import numba_ops, state as K
 from .partition import factor_tiles, tile_elements
+from .reference import moment_bound
 
 # Options that change which tensors a call holds or how they are stepped; lr, betas, eps and
 # weight_decay are read from the group at every step.
@@ -73,6 +75,7 @@ class Hyper(NamedTuple):
     beta2: float
     eps: float
     weight_decay: float
+    bound: float = math.inf  # clip of m^ to bound * sqrt(v) (reference.moment_bound); inf: none
 
 
 class Call:
@@ -113,7 +116,9 @@ class Call:
         a tensor lr stays a tensor (``float`` would wait for the device)."""
         g = self.group
         beta1, beta2 = g["betas"]
-        return Hyper(step, g["lr"] if step is None else float(g["lr"]), beta1, beta2, g["eps"], g["weight_decay"])
+        bound = moment_bound(beta1, beta2) if g["bound_first_moment"] else math.inf
+        return Hyper(step, g["lr"] if step is None else float(g["lr"]), beta1, beta2, g["eps"], g["weight_decay"],
+                     bound)
 
     @property
     def factored(self) -> bool:

@@ -54,6 +54,16 @@ The step (``step`` is t, counted from 1 for a tensor's first update)
     m^    <- C[code] * s_j                            # the stored, quantised first moment
     p     <- p - (lr / (1 - beta1**t)) * m^ / (sqrt(v_b) / sqrt(1 - beta2**t) + eps)
 
+With ``bound`` (the optimizer's ``bound_first_moment``; :func:`moment_bound`) the stored m^ of each
+element is clipped, for the last line only, to ``|m^| <= bound * sqrt(v_i)`` where ``v_i`` is the
+element's second moment (``v_b``, or ``v_b * r_j`` factored), computed as ``K * d`` with
+``d = sqrt(v_i) / sqrt(1 - beta2**t)`` (the denominator less eps) and ``K = bound * sqrt(1 - beta2**t)``
+in fp32. AdamW's own moments satisfy it (Cauchy-Schwarz over the two EMAs); codes do not: the
+codebook has no 0, so an element whose m is 0 or tiny next to its scale block's largest is stored
+as the smallest entry times that scale, which a per-element (or per-row) v near 0 turns into a step
+of thousands of lr. Clipped, an element whose v is 0 does not move (as in AdamW) and no element
+moves more than ``bound * sqrt(1 - beta2**t) / (1 - beta1**t)`` lr a step.
+
 ``nearest`` is the closest codebook entry, ties to the lower index (upstream's rule). With
 stochastic rounding of the codes (``seed`` given; the optimizer's ``first_moment_rounding``)
 ``stochastic_round`` takes its place: the lower or upper of the two entries around x = m~ / s,
@@ -90,6 +100,7 @@ q, k and v stacked in one weight do not share one column factor.
 
 import math
 
+import numpy as np
 import torch
 
 from .._rounding import random_bits, round_stochastic
@@ -184,6 +195,28 @@ def dequantize(scales, codes, codebook, *, numel: int, block: int, bits: int) ->
     return codebook[unpack_codes(codes, numel, bits)] * s
 
 
+def moment_bound(beta1: float, beta2: float) -> float:
+    """The largest ``|m_t| / sqrt(v_t)`` AdamW's moments reach at any step from zero state:
+    ``(1 - beta1) / sqrt((1 - beta2) * (1 - beta1**2 / beta2))`` (Cauchy-Schwarz on the two EMAs
+    of the same gradients; 7.27 at the default betas), or inf where ``beta1**2 >= beta2`` or
+    ``beta2 >= 1`` (no bound)."""
+    if beta2 >= 1 or beta1 * beta1 >= beta2:
+        return math.inf
+    return (1 - beta1) / math.sqrt((1 - beta2) * (1 - beta1 * beta1 / beta2))
+
+
+def bound_scale(bound: float, bc2_sqrt) -> float:
+    """``K = bound * sqrt(1 - beta2**t)`` in fp32, from the fp32 ``bound`` and ``sqrt(1 - beta2**t)``,
+    as every backend computes it: the clip of m^ is ``K * d`` (module doc)."""
+    return float(np.float32(bound) * np.float32(bc2_sqrt))
+
+
+def clip_moment(m_hat: torch.Tensor, lim: torch.Tensor) -> torch.Tensor:
+    """``m_hat`` with each element of magnitude above ``lim`` set to ``lim`` of its sign (NaN stays
+    NaN; a NaN or inf ``lim`` clips nothing)."""
+    return torch.where(m_hat.abs() > lim, lim.copysign(m_hat), m_hat)
+
+
 def factor_update(w, g, *, block, beta2, seed=None):
     """New per-offset factor ``w`` (P floats) from gradient ``g``: EMA of ``mean_b(g[b, j]**2)``.
 
@@ -215,7 +248,7 @@ def factor_ratio(w):
 
 
 def gefen_step(p, g, v, scales, codes, codebook, *, step, lr, beta1, beta2, eps, weight_decay,
-               block, bits, w=None, code_seed=None, scale=None, factor_seed=None):
+               block, bits, w=None, code_seed=None, scale=None, factor_seed=None, bound=None):
     """One Gefen step on one flat tensor (see the module docstring). Returns new (p, v, scales, codes),
     and the new ``w`` last when ``w`` is given.
 
@@ -224,7 +257,8 @@ def gefen_step(p, g, v, scales, codes, codebook, *, step, lr, beta1, beta2, eps,
     published, unfactored rule. ``code_seed``: the 32-bit seed of this step's stochastic rounding
     of the codes (``quantize``), or None for the nearest entry. ``scale``: the length S of the scale
     blocks where it is not ``scale_block_length(block)``, a multiple of ``block``. ``factor_seed``:
-    the 32-bit seed of a bf16 ``w``'s stochastic rounding (``factor_update``).
+    the 32-bit seed of a bf16 ``w``'s stochastic rounding (``factor_update``). ``bound``: clip m^ to
+    ``bound * sqrt(v)`` (module doc), None or inf for none.
     """
     s_len = scale or block  # what quantize and dequantize read their scale blocks from
     p = p.float().reshape(-1)
@@ -247,11 +281,13 @@ def gefen_step(p, g, v, scales, codes, codebook, *, step, lr, beta1, beta2, eps,
     bias_correction1 = 1 - beta1**step
     bias_correction2 = 1 - beta2**step
     if ratio is None:
-        denom = (v.sqrt() / math.sqrt(bias_correction2)).add(eps).repeat_interleave(block)
+        d = (v.sqrt() / math.sqrt(bias_correction2)).repeat_interleave(block)
     else:
         vr = (v.view(-1, 1) * ratio.view(1, -1)).reshape(-1)
-        denom = (vr.sqrt() / math.sqrt(bias_correction2)).add(eps)
-    p = p.addcdiv(m_hat, denom, value=-lr / bias_correction1)
+        d = vr.sqrt() / math.sqrt(bias_correction2)
+    if bound is not None and math.isfinite(bound):
+        m_hat = clip_moment(m_hat, d * bound_scale(bound, math.sqrt(bias_correction2)))
+    p = p.addcdiv(m_hat, d.add(eps), value=-lr / bias_correction1)
     return (p, v, scales, codes) if w is None else (p, v, scales, codes, w)
 
 

@@ -2,8 +2,8 @@
 
 ``gefen_step_`` steps the tiles of one call (``plan.Tile`` records: fields p, v, scales, first, w;
 ``tiling``'s module docstring) on their gradients with the hyper-parameters of a ``plan.Hyper``
-record (step, lr, beta1, beta2, eps, weight_decay): :func:`optim.gefen.reference.gefen_step`'s rule,
-for tensors that share ``block``, ``step`` and the hyper-parameters, in place. The tensors are laid
+record (step, lr, beta1, beta2, eps, weight_decay, bound): :func:`optim.gefen.reference.gefen_step`'s
+rule, for tensors that share ``block``, ``step`` and the hyper-parameters, in place. The tensors are laid
 side by side as rows of one scale block each (``S = block``, or ``S = 256`` for block 1 with each
 tensor zero-padded to a whole chunk), so every block reduction is one row reduction over the
 whole list. The math is the reference's, operation for operation, so scales agree with it exactly
@@ -15,11 +15,13 @@ The nearest entry is looked up in ``codebook.code_table``'s table (one gather an
 an element) instead of a binary search over the boundaries.
 """
 
+import math
+
 import torch
 
 from .._rounding import STOCHASTIC_DTYPES, random_bits, round_stochastic
 from .codebook import code_table, nearest_code, stochastic_code
-from .reference import factor_ratio, pack_codes, scale_block_length, unpack_codes
+from .reference import bound_scale, clip_moment, factor_ratio, pack_codes, scale_block_length, unpack_codes
 from .tiling import (as_rows, contiguous, element_size, factor_update_, factors, from_rows, pieces, piece_of,
                      write_back)
 
@@ -120,11 +122,13 @@ def _step_rows(tiles, gs, codebook, tables, ratios, seeds, code_seeds, hyper, *,
     bias_correction2 = 1 - beta2**step
     if ratios is not None:
         R_ = as_rows([r.repeat(n // block) for r, n in zip(ratios, numels)], block).to(wdt)
-        denom = ((V.unsqueeze(-1) * R_.view(R, W, block)).sqrt() / bias_correction2**0.5).add(eps)
+        d = (V.unsqueeze(-1) * R_.view(R, W, block)).sqrt() / bias_correction2**0.5
     else:
-        denom = (V.sqrt() / bias_correction2**0.5).add(eps).unsqueeze(-1)
-    X = X.view(R, W, block).addcdiv(m_hat.view(R, W, block), denom,
-                                    value=-lr / bias_correction1).view(R, S)
+        d = (V.sqrt() / bias_correction2**0.5).unsqueeze(-1)
+    m_hat = m_hat.view(R, W, block)
+    if math.isfinite(hyper.bound):
+        m_hat = clip_moment(m_hat, d * bound_scale(hyper.bound, bias_correction2**0.5))
+    X = X.view(R, W, block).addcdiv(m_hat, d.add(eps), value=-lr / bias_correction1).view(R, S)
     for i, (p, x) in enumerate(zip(ps, from_rows(X, numels, S))):
         if seeds is not None and p.dtype in STOCHASTIC_DTYPES:
             x = round_stochastic(x, p.dtype, *seeds[i])

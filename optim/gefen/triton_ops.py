@@ -347,13 +347,15 @@ def _factor_pass(rows, *, block, w16=False, seed_at=False) -> FactorPass:
 
 
 def _kernel_args(tiles, ptrs, numel_tab, tabs, w_tab, *, step, lr, beta1, beta2, eps, weight_decay,
-                 seed_tab=None, hyper_tab=None):
+                 seed_tab=None, hyper_tab=None, bound=math.inf):
     """(args, table constexprs) of one launch; ``tabs``: ``DeviceTables``, None unquantised;
     ``w_tab``: the factor pointer table (any int64 tensor when FACTOR is off: unused);
     ``seed_tab``: int64 stochastic-rounding seed of each tensor (unused, None, when SR is off);
     ``hyper_tab``: each tensor's row address of step scalars on the device (HYPER; None: the
     step-dependent scalars are computed here from ``step`` and ``lr``, in float64, and passed as
-    fp32 arguments, as ``_gefen_hyper_kernel`` computes them on the device)."""
+    fp32 arguments, as ``_gefen_hyper_kernel`` computes them on the device); ``bound``: the clip of
+    m^ (``plan.Hyper.bound``, inf for none: passed as -1), which the kernel multiplies by sqrt(bc2) in
+    fp32."""
     if tabs is None:
         tabs = DeviceTables(*[numel_tab] * 5, ncmp=0, has_dup=False, nlut=1)  # unused pointers
     if hyper_tab is None:
@@ -362,7 +364,7 @@ def _kernel_args(tiles, ptrs, numel_tab, tabs, w_tab, *, step, lr, beta1, beta2,
         scalars = 0.0, 0.0, 0.0  # read from the rows
     args = (tiles, ptrs, numel_tab, tabs.codebook, tabs.uniq, tabs.mid, tabs.lut, tabs.first, w_tab,
             numel_tab if seed_tab is None else seed_tab, numel_tab if hyper_tab is None else hyper_tab,
-            1 - beta1, beta2, 1 - beta2, eps, *scalars)
+            1 - beta1, beta2, 1 - beta2, eps, *scalars, float(bound) if math.isfinite(bound) else -1.0)
     return args, dict(NLUT=tabs.nlut, NCMP=tabs.ncmp, HAS_DUP=tabs.has_dup, enable_fp_fusion=False)
 
 
@@ -641,7 +643,7 @@ def gefen_step_(tiles, gs, codebook, hyper, *, block, bits, tables=None, tile=TI
         args, table_const = _kernel_args(ln.tiles, plan.ptrs, plan.numels, tabs, plan.wtab, step=hyper.step,
                                          lr=hyper.lr, beta1=hyper.beta1, beta2=hyper.beta2, eps=hyper.eps,
                                          weight_decay=hyper.weight_decay, seed_tab=plan.seed_tab,
-                                         hyper_tab=plan.hyper_tab)
+                                         hyper_tab=plan.hyper_tab, bound=hyper.bound)
         _launch(ln.kernel, ln.grid, args, dict(table_const, **ln.constexprs), device)
     for pi, pw in copies:
         pi.copy_(pw.view_as(pi))
