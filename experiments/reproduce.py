@@ -71,7 +71,8 @@ MORE_RUNS = {
         "gefen_ablation_vectors4", "gefen_ablation_scales4", "gefen_ablation_long_best",
         "gefen_ablation_refresh_models", "gefen_ablation_leave_out4", "gefen_ablation_seeds",
         "gefen_ablation_seeds_fp32m", "gefen_ablation_where", "gefen_ablation_leave_out",
-        "gefen_ablation_candidates", "gefen_ablation_candidates_models", "gefen_ablation_candidates_long")],
+        "gefen_ablation_candidates", "gefen_ablation_candidates_models", "gefen_ablation_bound",
+        "gefen_ablation_candidates_long")],
     # experiments/gefen_ablation.py's ABLATIONS after the first (named here: importing it imports torch)
 }
 # arguments of MORE_RUNS that set a full run's size: a quick run leaves them out and gets its quick size
