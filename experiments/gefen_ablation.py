@@ -107,6 +107,8 @@ FINE_GROUP = 256  # elements: finer row-group scales than SHORT_GROUP, paid for 
 COMPACT = dict(share_vector_second_moment=True, share_matrix_rows=True, row_group_scales=True,
                whole_matrix_factor=True)
 COMPACT_4BIT = dict(COMPACT, row_group_scales=SHORT_GROUP)
+COMPACT_W16 = dict(COMPACT, whole_matrix_factor=False, factor_dtype="bfloat16")  # a bf16 column factor per tile
+BOUND = dict(bound_first_moment=True)  # m^ clipped to AdamW's bound on |m| / sqrt(v)
 # by code width, the variant that is layout="compact" but for the first-moment bound (a bf16 column factor
 # per tile at 8 bits): what the committed runs measured under that name
 COMPACT_VARIANT = {8: "factored+layout_w16", 4: f"factored+layout{SHORT_GROUP}"}
@@ -133,11 +135,11 @@ CHANGES = {
     "w16": dict(factor_dtype="bfloat16"),  # the column factors in bf16, rounded stochastically
     f"layout{SHORT_GROUP}_tiles": dict(COMPACT_4BIT, whole_matrix_factor=False),  # a column factor per tile
     f"layout{SHORT_GROUP}_w16": dict(COMPACT_4BIT, whole_matrix_factor=False, factor_dtype="bfloat16"),
-    "layout_w16": dict(COMPACT, whole_matrix_factor=False, factor_dtype="bfloat16"),  # a bf16 factor per tile
-    # m^ clipped to AdamW's bound on |m| / sqrt(v): alone, and on the compact layouts (layout="compact" today)
-    "bound": dict(bound_first_moment=True),
-    "layout_w16_bound": dict(COMPACT, whole_matrix_factor=False, factor_dtype="bfloat16", bound_first_moment=True),
-    f"layout{SHORT_GROUP}_bound": dict(COMPACT_4BIT, bound_first_moment=True),
+    "layout_w16": COMPACT_W16,
+    # the bound alone, and on the compact layouts (layout="compact" today)
+    "bound": BOUND,
+    "layout_w16_bound": dict(COMPACT_W16, **BOUND),
+    f"layout{SHORT_GROUP}_bound": dict(COMPACT_4BIT, **BOUND),
     f"scale_rows{FINE_GROUP}": dict(row_group_scales=FINE_GROUP),
     f"layout{FINE_GROUP}": dict(COMPACT_4BIT, row_group_scales=FINE_GROUP),
     f"layout{FINE_GROUP}_w16": dict(COMPACT_4BIT, row_group_scales=FINE_GROUP, factor_dtype="bfloat16"),

@@ -72,9 +72,9 @@ _COMPACT = dict(factor_second_moment=True, share_vector_second_moment=True, shar
                 row_group_scales=True, bound_first_moment=True)
 LAYOUTS = {
     "published": {8: GefenLayout(), 4: GefenLayout()},  # the article's Gefen
-    # AdamW's loss on 4 of 5 models; every layout past the article's bounds m^ by AdamW's own bound: the
-    # codebook has no 0, so a zero or tiny m next to its scale block's largest is stored as the smallest
-    # entry, which a v near 0 turns into steps of thousands of lr (an embedding row no batch touches)
+    # AdamW's loss on 4 of 5 models; it and "compact" bound m^ by AdamW's own bound: the codebook has no
+    # 0, so a zero or tiny m next to its scale block's largest is stored as the smallest entry, which a v
+    # near 0 turns into steps of thousands of lr (an embedding row no batch touches)
     "factored": dict.fromkeys((8, 4), GefenLayout(factor_second_moment=True, bound_first_moment=True)),
     # at 8 bits a bf16 column factor per tile: less loss than one fp32 factor per matrix, in fewer bytes
     # (results/gefen_ablation_candidates.csv); 4-bit codes' 16 levels lose a row group's small m under one
