@@ -232,12 +232,14 @@ def duration(seconds) -> str:
 # change (since, what a run before it measured under the name) in time order
 _UNBOUNDED = "2026-12-07T22:16:00+00:00"  # the factored and compact layouts bound m^ by AdamW's bound since
 _UNCLIPPED = "without today's first-moment bound"
+# ... to the largest v the state allows an element since; before, to the rank-one estimate of its v
+_ESTIMATED = ("2026-12-08T00:30:00+00:00", "with the first-moment bound taken on the rank-one estimate of v")
 CHANGED_NAMES = {
     "Gefen-8bit-compact": (("2026-12-07T18:39:00+00:00", "the compact layout with one fp32 column factor a "
                             "matrix, without today's first-moment bound"),
-                           (_UNBOUNDED, _UNCLIPPED)),
-    **{name: ((_UNBOUNDED, _UNCLIPPED),) for name in ("Gefen-4bit-compact", "Gefen-8bit-factored",
-                                                       "Gefen-4bit-factored")},
+                           (_UNBOUNDED, _UNCLIPPED), _ESTIMATED),
+    **{name: ((_UNBOUNDED, _UNCLIPPED), _ESTIMATED) for name in ("Gefen-4bit-compact", "Gefen-8bit-factored",
+                                                                  "Gefen-4bit-factored")},
 }
 
 

@@ -111,7 +111,7 @@ def kernel(bits: int, per_element_v: bool, parallel: bool = True, factored: bool
     numba's OpenMP pool (at one thread its barrier would only add waiting).
 
     ``factored``: the second moment of element j of a block is ``v_b * r_j`` (block > 1), with
-    ``ratio[t, j] = sqrt(r_j)``.
+    ``ratio[t, j] = sqrt(r_j)`` and ``ratio[t, block] = sqrt(n_b mean(w))`` (the clip's column cap).
 
     ``quant=False``: the first moment is ``meta``'s ``M_ADDR`` (fp32, one float an element), updated
     in place; scales, codes, codebook and tables are not read (``bits`` is ignored).
@@ -122,8 +122,9 @@ def kernel(bits: int, per_element_v: bool, parallel: bool = True, factored: bool
     tensor row, first scale block, end scale block; ``cb`` the codebook's distinct entries, ``bounds`` its fp32 decision boundaries
     (``CodeTable.boundaries``: levels - 1 and a trailing +inf), ``lut_code``/``lut_bound`` the
     table's lower code and boundary a bin (``lut_values`` is not read: the entries come from
-    ``cb``); ``ratio`` fp32 (tensors, block), ``factor_kernel``'s output (read only when
-    ``factored``).
+    ``cb``); ``ratio`` fp32 (tensors, block + 1), ``factor_kernel``'s output (read only when
+    ``factored``). ``kb``: the clip's ``bound * sqrt(bc2)`` (inf: none), times the square root of the
+    element's cap ``reference.own_moment_cap`` over bc2.
     """
     return partial(_step_parallel if parallel else _step_serial, quant and bits == 4, per_element_v,
                    factored and not per_element_v, quant)
@@ -134,10 +135,10 @@ def factor_kernel(parallel: bool = True):
     one_minus_beta2, partial, ratio)`` updates each tensor's ``w`` (address ``wptrs[t]``, ``block``
     fp32 floats; with ``seeds``, one int64 a tensor, bf16 ones, updated in fp32 and stored rounded
     stochastically with ``round_bf16_stochastic``, offsets 0 .. block - 1) with the mean over its
-    blocks of g**2 per offset and writes ``ratio[t] = w / mean(w)`` of the stored w (ones where the
-    mean is 0). Column sums run per job into ``partial`` (jobs,
-    block) and are added per tensor in job order, so the result does not depend on the threads.
-    ``ratio`` holds sqrt(r), what the step multiplies by."""
+    blocks of g**2 per offset and writes ``ratio[t, :block] = sqrt(w / mean(w))`` of the stored w (ones
+    where the mean is 0; what the step multiplies by) and ``ratio[t, block] = sqrt(n_b mean(w))``, n_b
+    the tensor's blocks. Column sums run per job into ``partial`` (jobs, block) and are added per
+    tensor in job order, so the result does not depend on the threads."""
     return _factor_parallel if parallel else _factor_serial
 
 
@@ -838,7 +839,7 @@ def _quantize4(m, n, amax, bounds, cb, codes):
 
 @njit(nogil=True, error_model="numpy", cache=True, inline="always")  # no contract: see _step_serial
 def _update_shared(p, value, amax, decay, step_over_denom, lim):
-    """One v for the block: m^ times ``neg_step / denom``, m^ clipped to ``lim`` (inf: none)."""
+    """One v for the block: m^ times ``neg_step / denom``, m^ clipped to ``lim`` (inf or NaN: none)."""
     clip = lim < np.float32(np.inf)
     for i in range(p.size):
         m_hat = value[i] * amax
@@ -848,16 +849,18 @@ def _update_shared(p, value, amax, decay, step_over_denom, lim):
 
 
 @njit(nogil=True, error_model="numpy", cache=True, inline="always")  # no contract: see _step_serial
-def _update_factored(p, value, amax, sv, sr, decay, neg_step, eps, kb):
+def _update_factored(p, value, amax, sv, sr, decay, neg_step, eps, kb, ku, kc):
     """Block > 1, factored: denominator sqrt(v_b / bc2) * sqrt(r_j) + eps, with sqrt(r_j) from
     ``factor_kernel`` (one multiply a element where the reference takes a square root of v_b r_j:
-    equal to fp32 rounding); m^ clipped to ``kb`` times the denominator less eps (inf: none)."""
+    equal to fp32 rounding). Where ``kb`` is finite m^ is clipped to ``min(ku, kc * sqrt(r_j))``:
+    ``kb`` times sqrt(min(P v_b, n_b w_j) / bc2) (``reference.own_moment_cap``), with ``ku = kb
+    sqrt(P) sv`` and ``kc = kb sqrt(n_b mean(w) / bc2)``."""
     clip = kb < np.float32(np.inf)
     for i in range(p.size):
         m_hat = value[i] * amax
         d = sv * sr[i]
         if clip:
-            m_hat = _clip(m_hat, kb * d)
+            m_hat = _clip(m_hat, min(ku, kc * sr[i]))
         p[i] = p[i] * decay + (neg_step * m_hat) / (d + eps)
 
 
@@ -912,6 +915,7 @@ def _factor_reduce(meta, jobs, wptrs, seeds, block, beta2, one_minus_beta2, part
         mean = s / np.float32(block)
         for j in range(block):
             ratio[t, j] = np.sqrt(w[j] / mean) if mean > np.float32(0.0) else np.float32(1.0)
+        ratio[t, block] = np.sqrt(nb * mean)  # times sqrt(r_j): sqrt(n_b w_j), the clip's column cap
 
 
 @njit(nogil=True, error_model="numpy", cache=True, inline="always")
@@ -1067,6 +1071,10 @@ def _blocks(bits4, per_element, factored, quant, p, g, g16, v, scales, codes, m_
             tabs16[9], tabs16[10], tabs16[11], tabs16[12], tabs16[13], tabs16[14], tabs16[15])
     half = g16.size > 0
     g_ahead, g_shift = (_data(g16), 1) if half else (_data(g), 2)
+    # the clip's caps (reference.own_moment_cap): sqrt(P v_b) = sqrt(P) sqrt(v_b), and under the factor
+    # sqrt(n_b w_j) = sqrt(n_b mean(w)) sqrt(r_j), the first factor after the row of sqrt(r_j)
+    root_p = np.float32(np.sqrt(np.float32(block)))
+    kc = kb * (r[block] / bc2_sqrt) if factored else np.float32(0.0)
     for j in range(j0, j1):
         start = j * S
         stop = min(start + S, n)
@@ -1118,10 +1126,10 @@ def _blocks(bits4, per_element, factored, quant, p, g, g16, v, scales, codes, m_
             v[j] = vb
             if factored:
                 sv = np.float32(np.sqrt(vb) / bc2_sqrt)
-                _update_factored(p[start:stop], mj, amax, sv, r, decay, neg_step, eps, kb)
+                _update_factored(p[start:stop], mj, amax, sv, r, decay, neg_step, eps, kb, kb * root_p * sv, kc)
             else:
                 d = np.float32(np.sqrt(vb) / bc2_sqrt)
-                _update_shared(p[start:stop], mj, amax, decay, neg_step / (d + eps), kb * d)
+                _update_shared(p[start:stop], mj, amax, decay, neg_step / (d + eps), kb * root_p * d)
         else:  # S a multiple of the block (row-group scales): each block inside it has its own v
             per = S // block
             for q in range(L // block):
@@ -1131,11 +1139,11 @@ def _blocks(bits4, per_element, factored, quant, p, g, g16, v, scales, codes, m_
                 if factored:
                     sv = np.float32(np.sqrt(vb) / bc2_sqrt)
                     _update_factored(p[start + a:start + a + block], mj[a:a + block], amax, sv, r, decay, neg_step,
-                                     eps, kb)
+                                     eps, kb, kb * root_p * sv, kc)
                 else:
                     d = np.float32(np.sqrt(vb) / bc2_sqrt)
                     _update_shared(p[start + a:start + a + block], mj[a:a + block], amax, decay, neg_step / (d + eps),
-                                   kb * d)
+                                   kb * root_p * d)
 
 
 @njit(nogil=True, error_model="numpy", cache=True)

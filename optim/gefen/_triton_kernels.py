@@ -161,15 +161,17 @@ def _tensor_ptrs(ptr_tab, t, P_DT: tl.constexpr, G_DT: tl.constexpr, C_DT: tl.co
 
 
 @triton.jit
-def _factor_ratio(w_tab, t, offs, mask, S: tl.constexpr, WIDTH: tl.constexpr, W16: tl.constexpr):
-    """r_j = w_j / mean(w) at block offsets ``offs`` (1 where mean(w) == 0): the factored second
-    moment's per-offset scale of v (``reference.factor_ratio``; w is already updated this step;
-    W16: w is bf16, read as fp32)."""
+def _factored(v, w_tab, t, offs, mask, n, S: tl.constexpr, WIDTH: tl.constexpr, W16: tl.constexpr):
+    """(v r_j, u) for block v ``v`` at block offsets ``offs`` of tensor t (n elements, blocks of S):
+    r_j = w_j / mean(w) (1 where mean(w) == 0), the factored second moment's per-offset scale of v
+    (``reference.factor_ratio``; w is already updated this step; W16: w is bf16, read as fp32), and
+    the clip's cap ``min(S v, n_b w_j)`` (``reference.own_moment_cap``)."""
     w_ptr = tl.load(w_tab + t).to(tl.pointer_type(tl.bfloat16 if W16 else tl.float32))
     j = tl.arange(0, WIDTH)
     mean = tl.div_rn(tl.sum(tl.load(w_ptr + j, mask=j < S, other=0.0).to(tl.float32), axis=0), S * 1.0)
     wj = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    return tl.where(mean > 0, tl.div_rn(wj, tl.where(mean > 0, mean, 1.0)), 1.0)
+    r = tl.where(mean > 0, tl.div_rn(wj, tl.where(mean > 0, mean, 1.0)), 1.0)
+    return v * r, tl.minimum(v * S, wj * (n // S).to(tl.float32))
 
 
 @triton.jit
@@ -183,15 +185,16 @@ def _device_scalar(hyper_tab, t, k, value, HYPER: tl.constexpr):
 
 
 @triton.jit
-def _apply(p_ptr, offs, mask, m_hat, d, eps, kb, decay, neg_step, seed_tab, hyper_tab, t, SR: tl.constexpr,
-           HYPER: tl.constexpr):
+def _apply(p_ptr, offs, mask, m_hat, d, u, sqrt_bc2, eps, kb, decay, neg_step, seed_tab, hyper_tab, t,
+           SR: tl.constexpr, HYPER: tl.constexpr):
     """p <- p * (1 - lr*wd); p <- p + (-lr/bc1) * m^ / (d + eps) (reference order), m^ clipped to
-    ``kb * d`` (``kb = bound * sqrt(bc2)``, negative: no clip; ``d = sqrt(v / bc2)``), stored in p's
+    ``kb * sqrt(u / bc2)`` (``kb = bound * sqrt(bc2)``, negative: no clip; ``d = sqrt(v / bc2)``;
+    ``u`` the element's cap, ``reference.own_moment_cap``), stored in p's
     dtype: rounded to nearest, or with SR (bf16, fp16 p) stochastically with tensor t's seed
     (``seed_tab``, or with HYPER word 3 of its row of step scalars)."""
     decay = _device_scalar(hyper_tab, t, 0, decay, HYPER)
     neg_step = _device_scalar(hyper_tab, t, 1, neg_step, HYPER)
-    lim = tl.where(kb >= 0, kb * d, float("inf"))
+    lim = tl.where(kb >= 0, kb * tl.div_rn(tl.sqrt_rn(u), sqrt_bc2), float("inf"))
     m_hat = tl.where(tl.abs(m_hat) > lim, tl.where(m_hat > 0, lim, -lim), m_hat)
     p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32) * decay
     p = p + tl.div_rn(neg_step * m_hat, d + eps)
@@ -251,17 +254,22 @@ def _gefen_step_kernel(
         v = tl.load(v_ptr + offs, mask=mask, other=0.0)
         v = beta2 * v + omb2 * (g * g)
         tl.store(v_ptr + offs, v, mask=mask)
+        u = v
     elif SUB == 1:
         rmask = rows * S < n
         v = tl.load(v_ptr + rows, mask=rmask, other=0.0)
         v = beta2 * v + omb2 * tl.div_rn(tl.sum(g * g, axis=1)[:, None], S * 1.0)
         tl.store(v_ptr + rows, v, mask=rmask)
         if FACTOR:
-            v = v * _factor_ratio(w_tab, t, cols, live, S, WIDTH, W16)
+            v, u = _factored(v, w_tab, t, cols, live, n, S, WIDTH, W16)
+        else:
+            u = v * S
     else:
         v = _sub_blocks(g * g, v_ptr, rows, n, beta2, omb2, S, SUB, WP, R, WIDTH)
         if FACTOR:
-            v = v * _factor_ratio(w_tab, t, cols, live, S // SUB, WP, W16)
+            v, u = _factored(v, w_tab, t, cols, live, n, S // SUB, WP, W16)
+        else:
+            u = v * (S // SUB)
     sqrt_bc2 = _device_scalar(hyper_tab, t, 2, sqrt_bc2, HYPER)
     d = tl.div_rn(tl.sqrt_rn(v), sqrt_bc2)
 
@@ -280,7 +288,8 @@ def _gefen_step_kernel(
         m = tl.load(c_ptr + offs, mask=mask, other=0.0)
         m_hat = _lerp(m, g, w)
         tl.store(c_ptr + offs, m_hat, mask=mask)
-    _apply(p_ptr, offs, mask, m_hat, d, eps, bound * sqrt_bc2, decay, neg_step, seed_tab, hyper_tab, t, SR, HYPER)
+    _apply(p_ptr, offs, mask, m_hat, d, u, sqrt_bc2, eps, bound * sqrt_bc2, decay, neg_step, seed_tab, hyper_tab, t,
+           SR, HYPER)
 
 
 @triton.jit
@@ -386,13 +395,17 @@ def _gefen_step4_kernel(
     if SUB > 1:
         v = _sub_blocks(g * g, v_ptr, rows, n, beta2, omb2, S, SUB, WP, R, 2 * WIDTH)
         if FACTOR:
-            v = v * _factor_ratio(w_tab, t, e % WP, elive, S // SUB, WP, W16)
+            v, u = _factored(v, w_tab, t, e % WP, elive, n, S // SUB, WP, W16)
+        else:
+            u = v * (S // SUB)
         v0, v1 = _pairs(v, R, WIDTH)
+        u0, u1 = _pairs(u, R, WIDTH)
     elif BLOCK_V == 1:
         v0, v1 = _pairs(tl.load(v_ptr + fe, mask=me, other=0.0), R, WIDTH)
         v0 = beta2 * v0 + omb2 * (g0 * g0)
         v1 = beta2 * v1 + omb2 * (g1 * g1)
         tl.store(v_ptr + fe, _unpairs(v0, v1, R, WIDTH), mask=me)
+        u0, u1 = v0, v1
     else:
         va, vb = _half_rows(g0 * g0, g1 * g1, sub0, sub1, False)
         ba = rows * GROUP
@@ -405,8 +418,10 @@ def _gefen_step4_kernel(
         v0 = tl.where(sub0, vb, va)
         v1 = tl.where(sub1, vb, va)
         if FACTOR:  # offset of each element in its block: 2k (+1), less S in a row's second block
-            v0 = v0 * _factor_ratio(w_tab, t, 2 * k - S * sub0.to(tl.int32), k < H, S, 2 * WIDTH, W16)
-            v1 = v1 * _factor_ratio(w_tab, t, 2 * k + 1 - S * sub1.to(tl.int32), k < H, S, 2 * WIDTH, W16)
+            v0, u0 = _factored(v0, w_tab, t, 2 * k - S * sub0.to(tl.int32), k < H, n, S, 2 * WIDTH, W16)
+            v1, u1 = _factored(v1, w_tab, t, 2 * k + 1 - S * sub1.to(tl.int32), k < H, n, S, 2 * WIDTH, W16)
+        else:
+            u0, u1 = v0 * S, v1 * S
     sqrt_bc2 = _device_scalar(hyper_tab, t, 2, sqrt_bc2, HYPER)
     d0 = tl.div_rn(tl.sqrt_rn(v0), sqrt_bc2)
     d1 = tl.div_rn(tl.sqrt_rn(v1), sqrt_bc2)
@@ -428,8 +443,9 @@ def _gefen_step4_kernel(
                         NLUT, NCMP, HAS_DUP)
     q1 = tl.where(m1, q1, 0)  # odd n: the last high nibble is padding 0
     tl.store(c_ptr + byte, (q0 | (q1 << 4)).to(tl.uint8), mask=m0)
-    _apply(p_ptr, fe, me, _unpairs(val0 * s0, val1 * s1, R, WIDTH), _unpairs(d0, d1, R, WIDTH), eps,
-           bound * sqrt_bc2, decay, neg_step, seed_tab, hyper_tab, t, SR, HYPER)
+    _apply(p_ptr, fe, me, _unpairs(val0 * s0, val1 * s1, R, WIDTH), _unpairs(d0, d1, R, WIDTH),
+           _unpairs(u0, u1, R, WIDTH), sqrt_bc2, eps, bound * sqrt_bc2, decay, neg_step, seed_tab, hyper_tab, t,
+           SR, HYPER)
 
 
 @triton.jit

@@ -31,7 +31,7 @@ class GefenLayout:
     row_group_scales: bool | int = False  # under the factor: one m scale per group of rows (an int: its bound)
     whole_matrix_factor: bool = False  # under the factor: one w per matrix, not per square tile of rows
     factor_dtype: str = "float32"  # w's dtype: "float32" or "bfloat16"
-    bound_first_moment: bool = False  # clip each element's m^ to AdamW's bound on |m| / sqrt(v) for its step
+    bound_first_moment: bool = False  # clip m^ to AdamW's bound on |m| / sqrt(v), v at the most the state allows
     first_moment_rounding: str = "nearest"  # codes rounded to "nearest" or "stochastic"ally
     codebook_refresh_every: int = 0  # learn the codebook again every this many steps (0: once); optimizer-wide
     block_rule: str = "adjacent_log"  # partition.py's rule, or "variance_drop"; optimizer-wide

@@ -200,7 +200,7 @@ def run(prep: Prepared, gs, hyper, *, factor_seeds=None):
     factored = prep.wptrs is not None
     if factored:
         partial = np.empty((prep.jobs.shape[0], block), dtype=np.float32)
-        ratio = np.empty((len(meta), block), dtype=np.float32)
+        ratio = np.empty((len(meta), block + 1), dtype=np.float32)
         seeds = np.asarray(factor_seeds, dtype=np.int64) if prep.half else _NO_SEEDS
         if prep.half and seeds.shape != (len(meta),):
             raise ValueError(f"Gefen kernel: bf16 factors need one seed a tensor ({len(meta)}), got {seeds.shape}")
@@ -275,9 +275,10 @@ def _step_pieces(tiles, gs, tables, hyper, *, S, block, bits, quant, seeds, fact
     ws = factors(tiles)
     if ws is not None:
         factor_update_(ws, gs, block=block, beta2=hyper.beta2, seeds=factor_seeds)
-        if block > 1:
-            ratio = np.stack([factor_ratio(w).sqrt().cpu().numpy() for w in ws]).astype(np.float32)
     numels = [t.p.numel() for t in tiles]
+    if ws is not None and block > 1:  # sqrt(r_j), then sqrt(n_b mean(w)) (factor_kernel's row)
+        ratio = np.stack([torch.cat([factor_ratio(w).sqrt(), (w.float().mean() * (n // block)).sqrt().view(1)])
+                          .cpu().numpy() for w, n in zip(ws, numels)]).astype(np.float32)
     work = contiguous(tiles)  # pieces are views of flat tensors
     parallel = numba_threads() > 1
     step_fn = kernel(bits, block == 1, parallel=parallel, factored=ratio is not None, quant=quant)

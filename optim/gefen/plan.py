@@ -75,7 +75,7 @@ class Hyper(NamedTuple):
     beta2: float
     eps: float
     weight_decay: float
-    bound: float = math.inf  # clip of m^ to bound * sqrt(v) (reference.moment_bound); inf: none
+    bound: float = math.inf  # clip of m^ to bound * sqrt(u) (reference.moment_bound, own_moment_cap); inf: none
 
 
 class Call:

@@ -55,14 +55,19 @@ The step (``step`` is t, counted from 1 for a tensor's first update)
     p     <- p - (lr / (1 - beta1**t)) * m^ / (sqrt(v_b) / sqrt(1 - beta2**t) + eps)
 
 With ``bound`` (the optimizer's ``bound_first_moment``; :func:`moment_bound`) the stored m^ of each
-element is clipped, for the last line only, to ``|m^| <= bound * sqrt(v_i)`` where ``v_i`` is the
-element's second moment (``v_b``, or ``v_b * r_j`` factored), computed as ``K * d`` with
-``d = sqrt(v_i) / sqrt(1 - beta2**t)`` (the denominator less eps) and ``K = bound * sqrt(1 - beta2**t)``
-in fp32. AdamW's own moments satisfy it (Cauchy-Schwarz over the two EMAs); codes do not: the
-codebook has no 0, so an element whose m is 0 or tiny next to its scale block's largest is stored
-as the smallest entry times that scale, which a per-element (or per-row) v near 0 turns into a step
-of thousands of lr. Clipped, an element whose v is 0 does not move (as in AdamW) and no element
-moves more than ``bound * sqrt(1 - beta2**t) / (1 - beta1**t)`` lr a step.
+element is clipped, for the last line only, to ``|m^| <= bound * sqrt(u_i)``, where ``u_i`` is the
+least upper bound the state holds on the element's own second moment (:func:`own_moment_cap`): its v
+where v is per element; ``P v_b`` where P elements share v_b (v_b is their mean square); under the
+factor also ``n_b w_j`` (w_j is the mean over the n_b blocks of offset j), so ``min(P v_b, n_b w_j)``.
+It is computed as ``K * sqrt(u_i) / sqrt(1 - beta2**t)`` with ``K = bound * sqrt(1 - beta2**t)`` in
+fp32. AdamW's own moments satisfy it (Cauchy-Schwarz over the two EMAs), so the clip never acts on
+an m AdamW could have; codes do not: the codebook has no 0, so an element whose m is 0 or tiny next
+to its scale block's largest is stored as the smallest entry times that scale, which a v near 0 (a
+row or a column no gradient reached) turns into a step of thousands of lr. Clipped, an element whose
+row or column has no gradient does not move (as in AdamW), and no element moves more than
+``bound * sqrt(u_i / v_i) * sqrt(1 - beta2**t) / (1 - beta1**t)`` lr a step, ``v_i`` the estimate in
+its denominator (``u_i = v_i`` per element: AdamW's own bound). The estimate itself (``v_b r_j``) is
+not a bound: an element above its row-by-column estimate is one AdamW has too.
 
 ``nearest`` is the closest codebook entry, ties to the lower index (upstream's rule). With
 stochastic rounding of the codes (``seed`` given; the optimizer's ``first_moment_rounding``)
@@ -211,6 +216,20 @@ def bound_scale(bound: float, bc2_sqrt) -> float:
     return float(np.float32(bound) * np.float32(bc2_sqrt))
 
 
+def own_moment_cap(v, *, block, w=None):
+    """``u``: per element, an upper bound on AdamW's second moment of the element from the state
+    alone (fp32): ``v`` itself at block 1; ``P v_b`` for P elements sharing v_b (their mean square,
+    same beta2); with the factor ``w`` also ``n_b w_j`` (offset j's mean square over the n_b blocks):
+    the smaller. Every bound holds for each term of the EMAs, so for the EMAs."""
+    if block == 1:
+        return v.float()
+    u = (v.float() * block).repeat_interleave(block)
+    if w is None:
+        return u
+    cap = w.float() * (v.numel())
+    return torch.minimum(u.view(-1, block), cap.view(1, -1)).reshape(-1)
+
+
 def clip_moment(m_hat: torch.Tensor, lim: torch.Tensor) -> torch.Tensor:
     """``m_hat`` with each element of magnitude above ``lim`` set to ``lim`` of its sign (NaN stays
     NaN; a NaN or inf ``lim`` clips nothing)."""
@@ -258,7 +277,7 @@ def gefen_step(p, g, v, scales, codes, codebook, *, step, lr, beta1, beta2, eps,
     of the codes (``quantize``), or None for the nearest entry. ``scale``: the length S of the scale
     blocks where it is not ``scale_block_length(block)``, a multiple of ``block``. ``factor_seed``:
     the 32-bit seed of a bf16 ``w``'s stochastic rounding (``factor_update``). ``bound``: clip m^ to
-    ``bound * sqrt(v)`` (module doc), None or inf for none.
+    ``bound * sqrt(own_moment_cap)`` (module doc), None or inf for none.
     """
     s_len = scale or block  # what quantize and dequantize read their scale blocks from
     p = p.float().reshape(-1)
@@ -286,7 +305,8 @@ def gefen_step(p, g, v, scales, codes, codebook, *, step, lr, beta1, beta2, eps,
         vr = (v.view(-1, 1) * ratio.view(1, -1)).reshape(-1)
         d = vr.sqrt() / math.sqrt(bias_correction2)
     if bound is not None and math.isfinite(bound):
-        m_hat = clip_moment(m_hat, d * bound_scale(bound, math.sqrt(bias_correction2)))
+        du = own_moment_cap(v, block=block, w=w).sqrt() / math.sqrt(bias_correction2)
+        m_hat = clip_moment(m_hat, du * bound_scale(bound, math.sqrt(bias_correction2)))
     p = p.addcdiv(m_hat, d.add(eps), value=-lr / bias_correction1)
     return (p, v, scales, codes) if w is None else (p, v, scales, codes, w)
 

@@ -61,12 +61,13 @@ def gefen_step_(tiles, gs, codebook, hyper, *, block, bits, tables=None, seeds=N
     ws = factors(tiles)
     if ws is not None:
         factor_update_(ws, gs, block=block, beta2=hyper.beta2, seeds=factor_seeds)
-        if block > 1:  # r == 1 exactly at block 1: nothing to scale
-            ratios = [factor_ratio(w) for w in ws]
     S = scale or scale_block_length(block)
     W = S // block
     width = bits if codebook is not None else 8
     numels = [t.p.numel() for t in tiles]
+    if ws is not None and block > 1:  # r == 1 exactly at block 1: nothing to scale
+        # r_j, and the clip's cap n_b w_j (reference.own_moment_cap) of the whole tile
+        ratios = [(factor_ratio(w), w.float() * (n // block)) for w, n in zip(ws, numels)]
     work = contiguous(tiles)  # pieces are views of flat tensors
     for piece in pieces(numels, S, width, element_size([t.p for t in work])):
         part, part_g = piece_of(work, gs, piece, S=S, W=W, bits=width)
@@ -120,14 +121,19 @@ def _step_rows(tiles, gs, codebook, tables, ratios, seeds, code_seeds, hyper, *,
         m_hat = codebook[idx] * s_new
     bias_correction1 = 1 - beta1**step
     bias_correction2 = 1 - beta2**step
+    Vb = V.unsqueeze(-1)
     if ratios is not None:
-        R_ = as_rows([r.repeat(n // block) for r, n in zip(ratios, numels)], block).to(wdt)
-        d = (V.unsqueeze(-1) * R_.view(R, W, block)).sqrt() / bias_correction2**0.5
+        R_ = as_rows([r.repeat(n // block) for (r, _), n in zip(ratios, numels)], block).to(wdt).view(R, W, block)
+        d = (Vb * R_).sqrt() / bias_correction2**0.5
     else:
-        d = (V.sqrt() / bias_correction2**0.5).unsqueeze(-1)
+        d = Vb.sqrt() / bias_correction2**0.5
     m_hat = m_hat.view(R, W, block)
-    if math.isfinite(hyper.bound):
-        m_hat = clip_moment(m_hat, d * bound_scale(hyper.bound, bias_correction2**0.5))
+    if math.isfinite(hyper.bound):  # reference.own_moment_cap, row by row
+        u = Vb * block
+        if ratios is not None:
+            cap = as_rows([c.repeat(n // block) for (_, c), n in zip(ratios, numels)], block).to(wdt)
+            u = torch.minimum(u, cap.view(R, W, block))
+        m_hat = clip_moment(m_hat, u.sqrt() / bias_correction2**0.5 * bound_scale(hyper.bound, bias_correction2**0.5))
     X = X.view(R, W, block).addcdiv(m_hat, d.add(eps), value=-lr / bias_correction1).view(R, S)
     for i, (p, x) in enumerate(zip(ps, from_rows(X, numels, S))):
         if seeds is not None and p.dtype in STOCHASTIC_DTYPES:
