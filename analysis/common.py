@@ -233,7 +233,7 @@ def duration(seconds) -> str:
 _UNBOUNDED = "2026-12-07T22:16:00+00:00"  # the factored and compact layouts bound m^ by AdamW's bound since
 _UNCLIPPED = "without today's first-moment bound"
 # ... to the largest v the state allows an element since; before, to the rank-one estimate of its v
-_ESTIMATED = ("2026-12-08T00:30:00+00:00", "with the first-moment bound taken on the rank-one estimate of v")
+_ESTIMATED = ("2026-12-08T00:27:45+00:00", "with the first-moment bound taken on the rank-one estimate of v")
 CHANGED_NAMES = {
     "Gefen-8bit-compact": (("2026-12-07T18:39:00+00:00", "the compact layout with one fp32 column factor a "
                             "matrix, without today's first-moment bound"),
