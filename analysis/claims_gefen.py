@@ -76,6 +76,7 @@ def gefen_ablation(R):
 SEEDS_ABLATIONS = (convergence.SEEDS, f"{convergence.SEEDS}_fp32m")  # the drop-in protocol on many seeds
 # the compact layout of today against the factored one: the encoder on 15 seeds, then the other four models
 COMPACT_RUNS = ("gefen_ablation_candidates", "gefen_ablation_candidates_models")
+BOUND_RUN = "gefen_ablation_bound"  # the layouts with and without the first-moment bound, five models
 # the ablations (experiments/gefen_ablation.py's ABLATIONS) each row's detail quotes:
 # row -> [(ablation, the model label it quotes, or None: every model the ablation ran)]
 RESTS_ON = {
@@ -113,16 +114,6 @@ def ablation_row(R, name, variant, model=None):
         raise ResultsError(f"{R.dir / name}.csv: no {ablations.METRIC} of {variant}; "
                            f"rerun python experiments/gefen_ablation.py --ablation {name}")
     return row
-
-
-def seeds_worse(R, name, variant) -> tuple:
-    """(on how many seeds, of how many) ``variant`` of ablation ``name``'s first model has a larger loss
-    ratio than the ablation's reference, paired by seed."""
-    data = ablations.ratios(R.rows(name, ablations.METRIC), "")
-    diffs = ablations.paired_diffs(data, variant, ablations.reference(data)) if variant in data else []
-    if not diffs:
-        raise ResultsError(f"{R.dir / name}.csv: no seed-paired {ablations.METRIC} of {variant} and its reference")
-    return sum(d > 0 for d in diffs), len(diffs)
 
 
 def _seeds_count(R, model) -> int:
@@ -586,7 +577,7 @@ def _total_bytes(R, label, name):
 
 
 def gefen_layout(R):
-    e = COMPACT_RUNS[0]  # the compact layout beside the factored one on the most seeds
+    e = BOUND_RUN  # layout="compact" as it is, beside the same layout without the bound, five models
     labels = [v.removesuffix("/gefen-x") for v in R.variants("gefen_memory", "state_bytes_per_param_of_kind")
               if v.endswith("/gefen-x")]
     per = {b: [_total_bytes(R, m, f"Gefen-{b}-compact") for m in labels] for b in ("8bit", "4bit")}
@@ -595,26 +586,24 @@ def gefen_layout(R):
     fewer = all(a <= x for a, x in zip(per["8bit"], gx))
     under = all(per[b][k] <= COMPACT_TARGET[b] for b in per for k in wide)
     variant = ablations.COMPACT_VARIANT[8]
-    factored, compact = (ablation_row(R, e, v) for v in ("factored", variant))
-    worse, n = seeds_worse(R, e, compact.variant)
-    models = [s for name in COMPACT_RUNS for s in ablation_summary(R, name) if s.variant == variant]
+    models = [s for s in ablation_summary(R, e) if s.variant == f"{variant}_bound"]
     within = sum(s.median - 1 <= LOSS_TARGET['8bit'] for s in models)
+    ordered = sorted(models, key=lambda s: labels.index(s.model) if s.model in labels else len(labels))
     verdict = (f"{'bytes met' if fewer and under else 'bytes not met'}; loss within +{LOSS_TARGET['8bit']:.1%} of "
                f"AdamW's on {within} of {len(models)} models")
-    detail = (f"State bytes per parameter after one step ({', '.join(labels)}): compact 8-bit "
+    detail = (f"State B/param after one step ({', '.join(labels)}): compact 8-bit "
               f"{joined(per['8bit'], lambda x: f'{x:.3f}')}, 4-bit {joined(per['4bit'], lambda x: f'{x:.3f}')}; gefen-x "
               f"{joined(gx, lambda x: f'{x:.3f}')} (targets at width >= {WIDE}: {COMPACT_TARGET['8bit']} / "
-              f"{COMPACT_TARGET['4bit']}, and no more than gefen-x's). The 8-bit compact layout (`{variant}`, run "
-              f"without the first-moment bound that `layout=\"compact\"` holds since) over AdamW's loss, median over "
-              f"seeds, drop-in protocol: "
-              f"{', '.join(f'{pct(s.median)} ({s.model}, {s.seeds} seeds)' for s in models)}; against the factored "
-              f"layout it is worse on {worse} of {n} seeds of the first. {ablations_text(R, 'gefen_layout')}")
+              f"{COMPACT_TARGET['4bit']}). The 8-bit compact layout (`{variant}_bound`, "
+              f"`layout=\"compact\"`) over AdamW's loss (drop-in, medians): "
+              f"{' / '.join(pct(s.median) for s in ordered)} (the models above; "
+              f"{'/'.join(sorted({str(s.seeds) for s in models}))} seeds). "
+              f"{ablations_text(R, 'gefen_layout')}")
     lo, hi = (f(per["8bit"][k] for k in wide) for f in (min, max))
     return Row("The factored state at Gefen-X's bytes or fewer (compact layout, ours)", verdict,
                f"8-bit {lo:.3f}–{hi:.3f} B/param at width ≥ {WIDE}, ≤ gefen-x's on "
                f"{sum(a <= x for a, x in zip(per['8bit'], gx))} of {len(gx)} models; loss "
-               f"{pct_range([s.median for s in models])} on {len(models)} models (encoder {pct(compact.median)} at "
-               f"{n} seeds; factored {pct(factored.median)})", fig("gefen_ablation"),
+               f"{pct_range([s.median for s in models])} on {len(models)} models", fig("gefen_ablation"),
                cmd(f"python experiments/gefen_ablation.py --ablation {e}"), detail)
 
 
