@@ -511,7 +511,7 @@ def test_a_run_before_a_registry_name_changed_says_what_it_measured():
     names = {"Gefen-8bit-compact": (("2026-12-07T18:39:00+00:00", "the old record"),
                                     ("2026-12-07T22:00:00+00:00", "the newer record"))}
     rows = [{"variant": "char-gpt-116k/Gefen-8bit-compact", "git_commit": "abc"}, {"variant": "AdamW", "git_commit": "abc"}]
-    before, after = ({"git_commit": "abc", "timestamp": t} for t in ("2026-12-06T10:00:00+00:00", "2026-12-07T23:00:00+00:00"))
+    before, after = ({"git_commit": "abc", "timestamp": t} for t in ("2026-12-06T10:00:00+00:00", "2026-12-08T12:00:00+00:00"))
     assert common.measured_before(before, rows, names) == [("Gefen-8bit-compact", "the old record")]
     between = {"git_commit": "abc", "timestamp": "2026-12-07T19:00:00+00:00"}
     assert common.measured_before(between, rows, names) == [("Gefen-8bit-compact", "the newer record")]
