@@ -226,7 +226,7 @@ def own_moment_cap(v, *, block, w=None):
     u = (v.float() * block).repeat_interleave(block)
     if w is None:
         return u
-    cap = w.float() * (v.numel())
+    cap = w.float() * v.numel()
     return torch.minimum(u.view(-1, block), cap.view(1, -1)).reshape(-1)
 
 

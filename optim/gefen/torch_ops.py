@@ -66,8 +66,9 @@ def gefen_step_(tiles, gs, codebook, hyper, *, block, bits, tables=None, seeds=N
     width = bits if codebook is not None else 8
     numels = [t.p.numel() for t in tiles]
     if ws is not None and block > 1:  # r == 1 exactly at block 1: nothing to scale
-        # r_j, and the clip's cap n_b w_j (reference.own_moment_cap) of the whole tile
-        ratios = [(factor_ratio(w), w.float() * (n // block)) for w, n in zip(ws, numels)]
+        # r_j, and where m^ is clipped the cap n_b w_j (reference.own_moment_cap) of the whole tile
+        clipped = math.isfinite(hyper.bound)
+        ratios = [(factor_ratio(w), w.float() * (n // block) if clipped else None) for w, n in zip(ws, numels)]
     work = contiguous(tiles)  # pieces are views of flat tensors
     for piece in pieces(numels, S, width, element_size([t.p for t in work])):
         part, part_g = piece_of(work, gs, piece, S=S, W=W, bits=width)
